@@ -1,0 +1,32 @@
+# Two entry points, both doing all set-up on a fresh machine: `make demo` and `make test`.
+# The virtual environment gets torch's CPU build from this machine's disk (torch==2.13.0);
+# a bare `torch` from the registry would be a CUDA build of several GB.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ftstate-installed
+
+.PHONY: demo test lint setup clean docs
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0" -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/ftstate demo $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check ftstate tests benchmarks
+
+test: $(STAMP) lint
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q $(ARGS)
+
+docs: $(STAMP)
+	$(BIN)/python -m ftstate.docs
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,91 @@
+"""ftstate: fault-tolerant weight synchronisation for disaggregated RL post-training.
+
+The public API is re-exported here; everything else is an implementation module.
+Importing ``ftstate`` loads the pure core only (no Ray, no torch): the runtime and the
+transport are imported when first used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ftstate.audit import AuditTrail, read_trail
+from ftstate.budget import Budget
+from ftstate.config import FaultToleranceConfig, RuntimeConfig
+from ftstate.deadline import Deadline, LoopClock, ManualClock
+from ftstate.errors import (
+    AuditViolation,
+    BackendUnavailable,
+    ChecksumMismatch,
+    ConfigError,
+    DeadlineExceeded,
+    FailoverBudgetExhausted,
+    FailoverTimeout,
+    FTError,
+    HeartbeatTimeout,
+    InvalidTransition,
+    ManifestError,
+    MemberLost,
+    NoServingWorkers,
+    PeerLost,
+    RendezvousTimeout,
+    SpecError,
+    StaleGroupVersion,
+    SyncTimeout,
+    TransportError,
+)
+from ftstate.machine import StateMachine
+from ftstate.spec import MachineSpec, get_spec, load_machines, load_spec
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+__version__ = "0.1.0"
+
+# Names served lazily: they pull in Ray and torch, which the core must not import.
+_LAZY: dict[str, str] = {}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ftstate' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "AuditTrail",
+    "AuditViolation",
+    "BackendUnavailable",
+    "Budget",
+    "ChecksumMismatch",
+    "ConfigError",
+    "Deadline",
+    "DeadlineExceeded",
+    "FTError",
+    "FailoverBudgetExhausted",
+    "FailoverTimeout",
+    "FaultToleranceConfig",
+    "HeartbeatTimeout",
+    "InvalidTransition",
+    "LoopClock",
+    "MachineSpec",
+    "ManifestError",
+    "ManualClock",
+    "MemberLost",
+    "NoServingWorkers",
+    "PeerLost",
+    "RendezvousTimeout",
+    "RuntimeConfig",
+    "SpecError",
+    "StaleGroupVersion",
+    "StateMachine",
+    "SyncTimeout",
+    "TransportError",
+    "get_spec",
+    "load_machines",
+    "load_spec",
+    "read_trail",
+]

@@ -1,0 +1,335 @@
+"""The runtime's configuration: every knob, its default, its bounds and what it means.
+
+Each field is declared once, here, with its documentation and its constraints in the
+field's metadata; validation, ``ftstate config`` (the commented default) and
+docs/configuration.md are all generated from these declarations, so they cannot drift.
+
+``RuntimeConfig.from_dict`` / ``from_yaml`` reject unknown keys, wrong types, out-of-range
+values and impossible combinations with a :class:`~ftstate.errors.ConfigError` whose
+message starts with the field's dotted path, e.g.
+``fault_tolerance.max_failovers: must be >= 0, got -1``.
+
+The one environment override is ``FTSTATE_INIT_TIMEOUT_S`` for ``init_timeout_s`` (the
+value operators most often need to raise on a slow cluster without editing a file); it
+wins over the file, like torchft's ``TORCHFT_*`` overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from ftstate.errors import ConfigError
+
+
+def _field(default: Any, doc: str, **rules: Any) -> Any:
+    """A dataclass field carrying its documentation and validation rules.
+
+    rules: ``ge``/``gt`` numeric lower bounds, ``env`` an environment override.
+    """
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=default, metadata={"doc": doc, **rules})
+    return dataclasses.field(default=default, metadata={"doc": doc, **rules})
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultToleranceConfig:
+    """The ``fault_tolerance`` block; field names follow verl's so its users find them."""
+
+    enable: bool = _field(
+        False,
+        "Replace lost workers instead of failing the run. Off: the first loss fails fast "
+        "with a typed error naming the dead member.",
+    )
+    mode: Literal["standby", "cold"] = _field(
+        "standby",
+        "standby: keep prewarmed spare actors and promote one on a loss; cold: start a "
+        "fresh actor on demand (slower: the new process must import torch and build the model).",
+    )
+    standby_resource_pool: str = _field(
+        "standby", "Name of the Ray resource pool (placement group) the spare actors are placed in."
+    )
+    standby_workers: int = _field(1, "Prewarmed spares kept per role in standby mode.", ge=0)
+    detect_node_maintenance: bool = _field(
+        False, "Poll the cloud metadata service and drain workers on nodes scheduled for maintenance."
+    )
+    maintenance_check_interval: float = _field(
+        5.0, "Seconds between two polls of the maintenance notice.", gt=0
+    )
+    reverse_weight_sync: bool = _field(
+        False,
+        "Recover a lost trainer's weights from a rollout that holds the last committed "
+        "version (checksum-proven) instead of from a checkpoint directory.",
+    )
+    max_failovers: int = _field(
+        5,
+        "Failovers (entries into PROMOTING) the run may spend; the next loss after that "
+        "fails the run with FailoverBudgetExhausted.",
+        ge=0,
+    )
+    min_rollout_workers: int = _field(
+        1,
+        "With no replacement possible, the group carries on degraded while at least this "
+        "many rollouts serve; below it the run fails.",
+        ge=1,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything a :class:`~ftstate.Runtime` needs to start, sync and recover."""
+
+    trainer_workers: int = _field(1, "Trainer actors (rank 0 sends the weights).", ge=1)
+    rollout_workers: int = _field(2, "Rollout (inference) actors that receive the weights.", ge=1)
+    backend: Literal["gloo", "nccl"] = _field(
+        "gloo", "Collective backend: gloo (CPU, torch) or nccl (GPU, through cupy; extra ftstate[gpu])."
+    )
+    bucket_size_mb: float = _field(
+        256.0, "Size of one broadcast bucket in MiB; larger tensors are chunked across buckets.", gt=0
+    )
+    address: str | None = _field(
+        None, "Ray cluster address to join (e.g. 'auto' or 'ray://head:10001'); none starts a local cluster."
+    )
+    audit_log: str | None = _field(
+        None, "Path of the JSON-lines audit trail; none keeps it in memory only."
+    )
+    init_timeout_s: float = _field(
+        600.0,
+        "First rendezvous of a group version: every rank joined and the first barrier passed.",
+        gt=0,
+        env="FTSTATE_INIT_TIMEOUT_S",
+    )
+    sync_timeout_s: float = _field(600.0, "One weight sync, end to end.", gt=0)
+    failover_timeout_s: float = _field(
+        120.0, "From a loss being detected to its replacement serving the current weights.", gt=0
+    )
+    heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker.", gt=0)
+    heartbeat_timeout_s: float = _field(
+        10.0,
+        "A worker with no heartbeat showing progress for this long is declared lost "
+        "(it is suspect from the first missed interval).",
+        gt=0,
+    )
+    fault_tolerance: FaultToleranceConfig = _field(FaultToleranceConfig, "Failover settings.")  # noqa: RUF009
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+        """Build and validate a config from plain data; environment overrides apply on top.
+
+        ``environ`` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
+        """
+        cfg = _build(cls, {} if data is None else data, "")
+        env = os.environ if environ is None else environ
+        for path, f in _walk_fields(cls):
+            var = f.metadata.get("env")
+            if var and var in env:
+                value = _convert(f, _hint(cls, path), env[var], f"{path} (from env {var})", from_env=True)
+                cfg = cfg.replace(**{path: value})
+        cfg._check_combinations()
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+        """Load a YAML file; errors name the file and the field."""
+        import yaml
+
+        p = Path(path)
+        try:
+            data = yaml.safe_load(p.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError("", f"{p}: no such config file") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError("", f"{p}: not valid YAML: {exc}") from exc
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError("", f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data, environ=environ)
+        except ConfigError as exc:
+            raise ConfigError(exc.path, f"{exc.problem} (in {p})") from exc
+
+    def replace(self, **dotted: Any) -> RuntimeConfig:
+        """A copy with fields changed, by dotted path (``fault_tolerance.enable=True``)."""
+        nested: dict[str, dict[str, Any]] = {}
+        top: dict[str, Any] = {}
+        for key, value in dotted.items():
+            head, _, rest = key.partition(".")
+            if rest:
+                nested.setdefault(head, {})[rest] = value
+            else:
+                top[key] = value
+        for head, changes in nested.items():
+            top[head] = dataclasses.replace(getattr(self, head), **changes)
+        return dataclasses.replace(self, **top)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def get(self, dotted: str) -> Any:
+        """The value at a dotted path, e.g. ``cfg.get('fault_tolerance.max_failovers')``."""
+        value: Any = self
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        return value
+
+    def _check_combinations(self) -> None:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                "heartbeat_timeout_s",
+                f"must be greater than heartbeat_interval_s ({self.heartbeat_interval_s:g}), "
+                f"got {self.heartbeat_timeout_s:g}",
+            )
+        ft = self.fault_tolerance
+        if ft.min_rollout_workers > self.rollout_workers:
+            raise ConfigError(
+                "fault_tolerance.min_rollout_workers",
+                f"must be <= rollout_workers ({self.rollout_workers}), got {ft.min_rollout_workers}",
+            )
+        if ft.enable and ft.mode == "standby" and ft.standby_workers == 0:
+            raise ConfigError(
+                "fault_tolerance.standby_workers",
+                "must be >= 1 when fault_tolerance.mode is 'standby' and enable is true, got 0 "
+                "(use mode: cold to start replacements on demand)",
+            )
+
+
+# -- the generic part: one walker over the declarations --------------------------------
+
+
+def _hint(cls: type, dotted: str) -> Any:
+    owner: type = cls
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        owner = typing.get_type_hints(owner)[part]
+    return typing.get_type_hints(owner)[parts[-1]]
+
+
+def _walk_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any]]]:
+    """Every leaf field of a config dataclass with its dotted path."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _walk_fields(hints[f.name], f"{path}.")
+        else:
+            yield path, f
+
+
+def describe(cls: type = RuntimeConfig) -> list[dict[str, Any]]:
+    """Every leaf field as ``{path, type, default, doc, env}``: the source of the config reference."""
+    rows = []
+    defaults = cls()
+    for path, f in _walk_fields(cls):
+        value: Any = defaults
+        for part in path.split("."):
+            value = getattr(value, part)
+        rows.append(
+            {
+                "path": path,
+                "type": _type_name(_hint(cls, path)),
+                "default": value,
+                "doc": f.metadata.get("doc", ""),
+                "env": f.metadata.get("env"),
+                "bounds": _bounds_text(f),
+            }
+        )
+    return rows
+
+
+def sections(cls: type = RuntimeConfig) -> dict[str, str]:
+    """Docs of the nested blocks (``fault_tolerance`` …), for the generated reference."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def _bounds_text(f: dataclasses.Field[Any]) -> str:
+    if "ge" in f.metadata:
+        return f">= {f.metadata['ge']}"
+    if "gt" in f.metadata:
+        return f"> {f.metadata['gt']}"
+    return ""
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " | ".join(_type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix.rstrip("."), f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{prefix}{unknown[0]}",
+            f"unknown key; expected one of: {', '.join(sorted(fields))}",
+        )
+    values = {}
+    for name, value in data.items():
+        hint = hints[name]
+        path = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, {} if value is None else value, f"{path}.")
+        else:
+            values[name] = _convert(fields[name], hint, value, path)
+    return cls(**values)
+
+
+def _convert(f: dataclasses.Field[Any], hint: Any, value: Any, path: str, *, from_env: bool = False) -> Any:
+    """Check one leaf value against its declared type and bounds; strings from the
+    environment are parsed first."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(path, f"must not be null; expected {_type_name(hint)}")
+    if typing.get_origin(base) is Literal:
+        choices = typing.get_args(base)
+        if value not in choices:
+            raise ConfigError(path, f"must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+        return value
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, got {value!r}")
+        return value
+    if base in (int, float):
+        if from_env:
+            try:
+                value = base(value)
+            except ValueError as exc:
+                raise ConfigError(path, f"must be a number, got {value!r}") from exc
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"must be {'an integer' if base is int else 'a number'}, got {value!r}")
+        if base is int and not float(value).is_integer():
+            raise ConfigError(path, f"must be an integer, got {value!r}")
+        value = base(value)
+        if "ge" in f.metadata and value < f.metadata["ge"]:
+            raise ConfigError(path, f"must be >= {f.metadata['ge']}, got {value:g}")
+        if "gt" in f.metadata and value <= f.metadata["gt"]:
+            raise ConfigError(path, f"must be > {f.metadata['gt']}, got {value:g}")
+        return value
+    if base is str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(path, f"must be a non-empty string, got {value!r}")
+        return value
+    raise ConfigError(path, f"unsupported field type {hint!r}")  # pragma: no cover - declaration bug
+
+
+def leaf_paths() -> set[str]:
+    """Every dotted field path of :class:`RuntimeConfig` (specs name deadlines by these)."""
+    return {path for path, _ in _walk_fields(RuntimeConfig)}

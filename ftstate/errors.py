@@ -1,0 +1,225 @@
+"""Every error ftstate raises, in one tree.
+
+A caller that wants "anything ftstate could not do" catches :class:`FTError`; one
+that wants to react to a particular fault catches the most specific class. Lower
+layers (torch, Ray, ZMQ, YAML) are translated into these classes with
+``raise ... from exc`` so the original traceback stays attached.
+
+    FTError
+    ├── ConfigError              a config value is missing, unknown, mistyped or out of range
+    ├── SpecError                a machine spec in machines/ is malformed
+    ├── InvalidTransition        an event arrived that the machine's current state does not accept
+    ├── DeadlineExceeded         a state's deadline expired (what, after how long, version, missing)
+    │   ├── RendezvousTimeout    init_timeout_s: not every member joined / passed the first barrier
+    │   ├── SyncTimeout          sync_timeout_s: one weight sync did not finish
+    │   ├── FailoverTimeout      failover_timeout_s: a replacement did not serve current weights in time
+    │   └── HeartbeatTimeout     heartbeat_timeout_s: a worker stopped making progress
+    ├── FailoverBudgetExhausted  max_failovers spent; names the failures it was spent on
+    ├── MemberLost               a worker died or was declared lost and nothing replaced it
+    ├── NoServingWorkers         a call needs a serving worker with current weights and none is
+    ├── TransportError           moving weights failed
+    │   ├── BackendUnavailable   the chosen backend (e.g. nccl) cannot load here
+    │   ├── StaleGroupVersion    a message or collective from an older group version (fencing)
+    │   ├── ChecksumMismatch     a bucket's bytes do not hash to the manifest's checksum
+    │   ├── ManifestError        a manifest on the wire is malformed
+    │   └── PeerLost             a peer died or vanished mid-collective
+    └── AuditViolation           an audit trail breaks an invariant of the machines
+
+Every message names what, who, how long and which version where those apply;
+the same facts are kept as attributes so code need not parse messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class FTError(Exception):
+    """Base of every error ftstate raises."""
+
+
+class ConfigError(FTError, ValueError):
+    """Raised when a config value is missing, unknown, of the wrong type or out of range.
+
+    ``path`` is the dotted field path, e.g. ``fault_tolerance.max_failovers``.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: {problem}" if path else problem)
+
+
+class SpecError(FTError, ValueError):
+    """Raised when a machine spec is malformed; names the file and the state or transition."""
+
+    def __init__(self, source: str, where: str, problem: str) -> None:
+        self.source = source
+        self.where = where
+        self.problem = problem
+        super().__init__(f"{source}: {where}: {problem}" if where else f"{source}: {problem}")
+
+
+class InvalidTransition(FTError):
+    """Raised when a trigger is fired in a state that has no transition for it."""
+
+    def __init__(self, machine: str, member: str, state: str, trigger: str, allowed: Sequence[str]) -> None:
+        self.machine = machine
+        self.member = member
+        self.state = state
+        self.trigger = trigger
+        self.allowed = tuple(allowed)
+        super().__init__(
+            f"{machine} machine of {member}: no transition for trigger {trigger!r} from state "
+            f"{state}; allowed from {state}: {', '.join(self.allowed) or 'none'}"
+        )
+
+
+class DeadlineExceeded(FTError, TimeoutError):
+    """Raised (or recorded) when a state's deadline expires.
+
+    Attributes: ``what`` (the wait that timed out), ``key`` (the config key that set it),
+    ``seconds`` (how long it was), ``member`` (whose machine), ``group_version``,
+    ``missing`` (who did not arrive or answer) and ``arrived`` (who did).
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        key: str,
+        seconds: float,
+        member: str = "",
+        group_version: int | None = None,
+        missing: Iterable[str] = (),
+        arrived: Iterable[str] = (),
+    ) -> None:
+        self.what = what
+        self.key = key
+        self.seconds = seconds
+        self.member = member
+        self.group_version = group_version
+        self.missing = tuple(sorted(missing))
+        self.arrived = tuple(sorted(arrived))
+        parts = [f"{what} timed out after {seconds:g}s ({key})"]
+        if member:
+            parts.append(f"member {member}")
+        if group_version is not None:
+            parts.append(f"group version {group_version}")
+        if self.missing:
+            parts.append(f"missing: {', '.join(self.missing)}")
+        if self.arrived:
+            parts.append(f"arrived: {', '.join(self.arrived)}")
+        super().__init__("; ".join(parts))
+
+
+class RendezvousTimeout(DeadlineExceeded):
+    """``init_timeout_s`` passed before every member joined the group version."""
+
+
+class SyncTimeout(DeadlineExceeded):
+    """``sync_timeout_s`` passed before one weight sync completed."""
+
+
+class FailoverTimeout(DeadlineExceeded):
+    """``failover_timeout_s`` passed before a replacement served the current weights."""
+
+
+class HeartbeatTimeout(DeadlineExceeded):
+    """``heartbeat_timeout_s`` passed without a heartbeat showing progress."""
+
+
+class FailoverBudgetExhausted(FTError):
+    """Raised when a loss would need a failover but ``max_failovers`` are already spent."""
+
+    def __init__(self, *, limit: int, spent_on: Sequence[str], member: str = "") -> None:
+        self.limit = limit
+        self.spent_on = tuple(spent_on)
+        self.member = member
+        spent = "; ".join(self.spent_on) or "nothing"
+        who = f" by {member}" if member else ""
+        super().__init__(
+            f"failover budget exhausted{who}: max_failovers={limit} already spent on: {spent}"
+        )
+
+
+class MemberLost(FTError):
+    """Raised when a worker died or was declared lost and the run cannot replace it."""
+
+    def __init__(self, member: str, reason: str, *, group_version: int | None = None) -> None:
+        self.member = member
+        self.reason = reason
+        self.group_version = group_version
+        version = f" (group version {group_version})" if group_version is not None else ""
+        super().__init__(f"{member} lost{version}: {reason}")
+
+
+class NoServingWorkers(FTError):
+    """Raised when a call needs a worker that serves the current weights and none does."""
+
+
+class TransportError(FTError):
+    """Base of the errors raised while moving weights."""
+
+
+class BackendUnavailable(TransportError):
+    """Raised when the chosen transport backend cannot be loaded on this machine."""
+
+
+class StaleGroupVersion(TransportError):
+    """Raised when a message or collective belongs to an older group version than the current one."""
+
+    def __init__(self, group: str, got: int, current: int, peer: str = "") -> None:
+        self.group = group
+        self.got = got
+        self.current = current
+        self.peer = peer
+        src = f" from {peer}" if peer else ""
+        super().__init__(
+            f"group {group!r}: rejected message{src} for version {got}; current version is {current}"
+        )
+
+
+class ChecksumMismatch(TransportError):
+    """Raised when received bytes do not hash to the checksum the manifest promised."""
+
+
+class ManifestError(TransportError):
+    """Raised when a manifest received on the wire is malformed."""
+
+
+class PeerLost(TransportError):
+    """Raised when a peer dies or disappears during a rendezvous or collective."""
+
+
+class AuditViolation(FTError):
+    """Raised when an audit trail breaks an invariant of the machines."""
+
+    def __init__(self, source: str, line: int, problem: str) -> None:
+        self.source = source
+        self.line = line
+        self.problem = problem
+        super().__init__(f"{source}:{line}: {problem}")
+
+
+__all__ = [
+    "AuditViolation",
+    "BackendUnavailable",
+    "ChecksumMismatch",
+    "ConfigError",
+    "DeadlineExceeded",
+    "FTError",
+    "FailoverBudgetExhausted",
+    "FailoverTimeout",
+    "HeartbeatTimeout",
+    "InvalidTransition",
+    "ManifestError",
+    "MemberLost",
+    "NoServingWorkers",
+    "PeerLost",
+    "RendezvousTimeout",
+    "SpecError",
+    "StaleGroupVersion",
+    "SyncTimeout",
+    "TransportError",
+]

@@ -1,0 +1,409 @@
+"""State machines built from specs: one model per group or worker, events in, effects out.
+
+:class:`StateMachine` is the only place a group's or worker's state changes. It takes
+events (``await machine.fire("member_lost", reason=...)``), checks them against the spec,
+moves the model through a shared ``transitions`` ``AsyncMachine`` built once per spec,
+and then carries out the three effects every transition has:
+
+1. the deadline of the state left is disarmed and that of the state entered is armed
+   (:mod:`ftstate.deadline`); on expiry the spec's ``on_expiry`` trigger is fired and a
+   typed :class:`~ftstate.errors.DeadlineExceeded` recorded, naming what was waited for,
+   for how long, at which group version and who was missing;
+2. entering a state with a budget spends one unit (:mod:`ftstate.budget`); with nothing
+   left the ``on_exhausted`` trigger is taken instead and
+   :class:`~ftstate.errors.FailoverBudgetExhausted` recorded;
+3. one audit record is written (:mod:`ftstate.audit`).
+
+Events for one machine are serialised by an ``asyncio.Lock`` (FIFO): concurrent events are
+queued, never dropped, and never cancel each other (``transitions`` with ``queued=False``
+would cancel a model's in-flight callbacks on a new trigger; it never sees two at once here).
+A deadline expiry queued behind an event that has already left the state is discarded:
+leaving the state disarmed it.
+
+``transitions`` keeps its models in a list and ``add_model`` scans it, so adding n models
+costs O(n²); :class:`_SpecMachine` keeps an identity set beside the list so 10,000 worker
+machines cost linear time.
+
+This module imports neither Ray nor torch: the runtime drives it, tests drive it with a
+:class:`~ftstate.deadline.ManualClock` and no sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+from transitions.extensions.asyncio import AsyncMachine
+
+from ftstate import errors
+from ftstate.audit import BUDGET_EXHAUSTED, BUDGET_SPENT, DEADLINE_EXPIRED, ERROR, TRANSITION, AuditTrail
+from ftstate.budget import Budget
+from ftstate.config import RuntimeConfig
+from ftstate.deadline import Clock, Deadline, LoopClock
+from ftstate.errors import FTError, InvalidTransition
+from ftstate.spec import MachineSpec
+
+
+class _SpecMachine(AsyncMachine):
+    """An ``AsyncMachine`` whose ``add_model`` checks membership in O(1)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._model_ids: set[int] = set()
+        super().__init__(*args, **kwargs)
+
+    def add_model(self, model: Any, initial: Any = None) -> None:
+        models = model if isinstance(model, list) else [model]
+        for mod in models:
+            mod = self if mod is self.self_literal else mod
+            if id(mod) in self._model_ids:
+                continue
+            # transitions' own add_model, minus its O(n) `mod not in self.models` scan.
+            self._checked_assignment(mod, "trigger", _bound(self._get_trigger, mod))
+            self._checked_assignment(mod, "may_trigger", _bound(self._can_trigger, mod))
+            for trigger in self.events:
+                self._add_trigger_to_model(trigger, mod)
+            for state in self.states.values():
+                self._add_model_to_state(state, mod)
+            self.set_state(initial if initial is not None else self.initial, model=mod)
+            self.models.append(mod)
+            self._model_ids.add(id(mod))
+
+    def remove_model(self, model: Any) -> None:
+        for mod in model if isinstance(model, list) else [model]:
+            self._model_ids.discard(id(mod))
+        super().remove_model(model)
+
+
+def _bound(fn: Any, model: Any) -> Any:
+    from functools import partial
+
+    return partial(fn, model)
+
+
+_compiled: dict[int, tuple[MachineSpec, _SpecMachine]] = {}
+
+
+def compile_spec(spec: MachineSpec) -> _SpecMachine:
+    """The shared ``transitions`` machine of a spec (built once; models are added to it)."""
+    hit = _compiled.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    machine = _SpecMachine(
+        model=None,
+        states=list(spec.states),
+        transitions=[{"trigger": t.trigger, "source": t.source, "dest": t.dest} for t in spec.transitions],
+        initial=spec.initial,
+        auto_transitions=False,
+        queued=False,
+        send_event=False,
+    )
+    _compiled[id(spec)] = (spec, machine)
+    return machine
+
+
+class _Model:
+    """What ``transitions`` decorates with triggers; kept apart so trigger names
+    (``stop``, ``fail``…) never shadow :class:`StateMachine`'s own methods."""
+
+    __slots__ = ("__dict__", "state")
+
+
+class StateMachine:
+    """One group or worker, driven by events, with deadlines, budgets and an audit trail.
+
+    spec: the machine's spec. member: who this is (``group``, ``rollout-1``); role, rank:
+    for workers. config: gives each deadline's seconds and each budget's limit (the keys the
+    spec names). audit: where records go (an in-memory trail if omitted). clock: deadlines'
+    clock (the running loop's by default). budgets: shared budgets by config key, so several
+    machines can spend one run-wide budget; missing ones are created from the config.
+    """
+
+    def __init__(
+        self,
+        spec: MachineSpec,
+        *,
+        member: str,
+        config: RuntimeConfig,
+        audit: AuditTrail | None = None,
+        clock: Clock | None = None,
+        role: str | None = None,
+        rank: int | None = None,
+        budgets: dict[str, Budget] | None = None,
+        **identity: Any,
+    ) -> None:
+        self.spec = spec
+        self.config = config
+        self.audit = audit if audit is not None else AuditTrail()
+        self.clock = clock if clock is not None else LoopClock()
+        self.identity: dict[str, Any] = {"member": member, "role": role, "rank": rank, **identity}
+        self.budgets = budgets if budgets is not None else {}
+        #: The membership version the machine's records are stamped with (set by the runtime).
+        self.group_version = 0
+        #: The weights version this member holds (group: the current committed version).
+        self.weights_version = 0
+        #: The last error recorded (deadline expiry, exhausted budget, or one passed to fire()).
+        self.error: FTError | None = None
+        self.deadline: Deadline | None = None
+        self._wait: tuple[str, tuple[str, ...], tuple[str, ...]] | None = None
+        self._lock = asyncio.Lock()
+        self._entry = 0
+        self._entered_at = self.clock.now()
+        self._scopes: dict[asyncio.Task[Any], int] = {}
+        self._waiters: list[tuple[frozenset[str], asyncio.Future[str]]] = []
+        self._expiries: set[asyncio.Task[Any]] = set()
+        self._expired: dict[int, errors.DeadlineExceeded] = {}
+        self._model = _Model()
+        compile_spec(spec).add_model(self._model)
+        self._arm(spec.initial)
+
+    # -- reading -----------------------------------------------------------------------
+
+    @property
+    def member(self) -> str:
+        return self.identity["member"]
+
+    @property
+    def state(self) -> str:
+        return self._model.state
+
+    @property
+    def serving(self) -> bool:
+        return self.state in self.spec.serving_states
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in self.spec.terminal_states
+
+    def can(self, trigger: str) -> bool:
+        return self.spec.next_state(self.state, trigger) is not None
+
+    def seconds_in_state(self) -> float:
+        return self.clock.now() - self._entered_at
+
+    def bind(self, **identity: Any) -> None:
+        """Add identity fields to every later record (``pid``, ``node`` once known)."""
+        self.identity.update(identity)
+
+    def describe_wait(self, what: str, *, missing: Iterable[str] = (), arrived: Iterable[str] = ()) -> None:
+        """Say what the current state is waiting for, so an expiry can name it and who is missing.
+
+        Reset on every transition; call it again when the set of arrivals changes.
+        """
+        self._wait = (what, tuple(missing), tuple(arrived))
+
+    # -- events ------------------------------------------------------------------------
+
+    async def fire(self, trigger: str, *, reason: str = "", error: FTError | None = None, **fields: Any) -> str:
+        """Apply one event; returns the state entered.
+
+        Raises :class:`~ftstate.errors.InvalidTransition` when the current state does not accept
+        ``trigger``. ``error`` is recorded as the machine's error (a fault that caused it);
+        ``fields`` are added to the audit record.
+        """
+        async with self._lock:
+            return await self._fire(trigger, reason, error, fields)
+
+    async def _fire(self, trigger: str, reason: str, error: FTError | None, fields: Mapping[str, Any]) -> str:
+        src = self.state
+        dest = self.spec.next_state(src, trigger)
+        if dest is None:
+            raise InvalidTransition(self.spec.name, self.member, src, trigger, self.spec.triggers_from(src))
+        budget_spec = self.spec.states[dest].budget
+        if budget_spec is not None and dest != src:
+            budget = self._budget(budget_spec.key)
+            if budget.exhausted:
+                exc = getattr(errors, budget_spec.error)(limit=budget.limit, spent_on=budget.spent_on, member=self.member)
+                self.error = exc
+                self._record(
+                    BUDGET_EXHAUSTED,
+                    state=src,
+                    trigger=trigger,
+                    budget=budget.key,
+                    limit=budget.limit,
+                    spent_on=list(budget.spent_on),
+                    error=type(exc).__name__,
+                    message=str(exc),
+                )
+                return await self._fire(budget_spec.on_exhausted, str(exc), exc, {})
+        await self._model.trigger(trigger)  # transitions checks the edge and moves the model
+        self._transition(src, dest, trigger, reason, error, fields)
+        if budget_spec is not None and dest != src:
+            budget = self._budget(budget_spec.key)
+            remaining = budget.spend(reason or trigger)
+            self._record(
+                BUDGET_SPENT, state=dest, budget=budget.key, limit=budget.limit, spent=budget.spent,
+                remaining=remaining, reason=reason or trigger,
+            )
+        return dest
+
+    def _transition(
+        self, src: str, dest: str, trigger: str, reason: str, error: FTError | None, fields: Mapping[str, Any]
+    ) -> None:
+        """The effects of one state change; the only place they happen."""
+        now = self.clock.now()
+        seconds = now - self._entered_at
+        if self.deadline is not None:
+            self.deadline.disarm()
+            self.deadline = None
+        self._entry += 1
+        self._entered_at = now
+        self._wait = None
+        if error is not None:
+            self.error = error
+        extra: dict[str, Any] = dict(fields)
+        if reason:
+            extra["reason"] = reason
+        if error is not None:
+            extra["error"] = type(error).__name__
+            extra["message"] = str(error)
+        self._record(TRANSITION, **{"from": src, "to": dest}, trigger=trigger, seconds_in_state=round(seconds, 6), **extra)
+        self._arm(dest)
+        self._wake(dest)
+
+    def _arm(self, state: str) -> None:
+        d = self.spec.states[state].deadline
+        if d is None:
+            return
+        seconds = float(self.config.get(d.key))
+        self.deadline = Deadline.arm(
+            self.clock, state=state, key=d.key, seconds=seconds, entry=self._entry, on_expiry=self._on_expiry
+        )
+
+    def _on_expiry(self, entry: int) -> None:
+        if entry != self._entry:
+            return
+        task = asyncio.get_running_loop().create_task(self._expire(entry))
+        self._expiries.add(task)
+        task.add_done_callback(self._expiries.discard)
+
+    async def _expire(self, entry: int) -> None:
+        async with self._lock:
+            if entry != self._entry or self.deadline is None:
+                return  # the state was left while this expiry waited: it was disarmed
+            d = self.spec.states[self.state].deadline
+            assert d is not None
+            what, missing, arrived = self._wait or (f"{self.member} in {self.state}", (), ())
+            exc = getattr(errors, d.error)(
+                what,
+                key=d.key,
+                seconds=self.deadline.seconds,
+                member=self.member,
+                group_version=self.group_version,
+                missing=missing,
+                arrived=arrived,
+            )
+            self.error = exc
+            self._expired[entry] = exc
+            self._record(
+                DEADLINE_EXPIRED, state=self.state, key=d.key, seconds=self.deadline.seconds,
+                missing=list(exc.missing), arrived=list(exc.arrived), error=type(exc).__name__, message=str(exc),
+            )
+            for task, scope_entry in list(self._scopes.items()):
+                if scope_entry == entry:
+                    task.cancel(msg=f"deadline: {exc}")
+            await self._fire(d.on_expiry, str(exc), exc, {})
+
+    def record_error(self, exc: BaseException, **fields: Any) -> None:
+        """Write an error that did not (yet) change the state, e.g. a failed actor call."""
+        self._record(ERROR, state=self.state, error=type(exc).__name__, message=str(exc), **fields)
+
+    def _record(self, event: str, **fields: Any) -> None:
+        self.audit.record(
+            event,
+            machine=self.spec.name,
+            **{k: v for k, v in self.identity.items() if v is not None},
+            group_version=self.group_version,
+            weights_version=self.weights_version,
+            **fields,
+        )
+
+    def _budget(self, key: str) -> Budget:
+        if key not in self.budgets:
+            self.budgets[key] = Budget(key=key, limit=int(self.config.get(key)))
+        return self.budgets[key]
+
+    # -- waiting -----------------------------------------------------------------------
+
+    async def wait_for(self, *states: str) -> str:
+        """Wait until the machine is in one of ``states``; returns it.
+
+        Raises the machine's recorded error (or :class:`~ftstate.errors.FTError`) if it lands
+        in a terminal state that is not among ``states``.
+        """
+        unknown = [s for s in states if s not in self.spec.states]
+        if unknown:
+            raise ValueError(f"{self.spec.name} machine has no state {unknown[0]!r}")
+        wanted = frozenset(states)
+        if self.state in wanted:
+            return self.state
+        self._raise_if_terminal()
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiters.append((wanted, fut))
+        try:
+            return await fut
+        finally:
+            self._waiters = [(w, f) for (w, f) in self._waiters if f is not fut]
+
+    def _wake(self, state: str) -> None:
+        for wanted, fut in self._waiters:
+            if fut.done():
+                continue
+            if state in wanted:
+                fut.set_result(state)
+            elif state in self.spec.terminal_states:
+                fut.set_exception(self._terminal_error())
+
+    def _raise_if_terminal(self) -> None:
+        if self.terminal:
+            raise self._terminal_error()
+
+    def _terminal_error(self) -> FTError:
+        if self.error is not None:
+            return self.error
+        return FTError(f"{self.spec.name} machine of {self.member} is {self.state}")
+
+    @contextlib.asynccontextmanager
+    async def deadline_scope(self) -> AsyncIterator[Deadline | None]:
+        """Bound the enclosed work by the current state's deadline.
+
+        If the deadline expires while the work runs, the machine takes its expiry transition,
+        the work is cancelled (explicitly, by the machine) and this raises the recorded
+        :class:`~ftstate.errors.DeadlineExceeded`. Leaving the state ends the bound.
+        """
+        task = asyncio.current_task()
+        assert task is not None
+        entry = self._entry
+        self._scopes[task] = entry
+        try:
+            yield self.deadline
+        except asyncio.CancelledError:
+            if entry in self._expired and task.uncancel() == 0:
+                raise self._expired[entry] from None
+            raise
+        finally:
+            self._scopes.pop(task, None)
+        if entry in self._expired:
+            # The deadline expired as the work finished; its cancellation may still be pending.
+            while task.cancelling():
+                task.uncancel()
+            raise self._expired[entry]
+
+    async def settle(self) -> None:
+        """Wait for expiry handling already under way (tests call it after advancing a clock)."""
+        while self._expiries:
+            await asyncio.gather(*list(self._expiries), return_exceptions=True)
+
+    def close(self) -> None:
+        """Disarm the deadline and detach from the shared machine."""
+        if self.deadline is not None:
+            self.deadline.disarm()
+            self.deadline = None
+        for task in list(self._expiries):
+            task.cancel()
+        compile_spec(self.spec).remove_model(self._model)
+
+    def __repr__(self) -> str:
+        return f"<StateMachine {self.spec.name} {self.member} {self.state}>"
+

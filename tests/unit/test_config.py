@@ -1,0 +1,107 @@
+"""RuntimeConfig: defaults, YAML, the environment override, and an error naming the field's
+path for every kind of bad value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftstate.config import RuntimeConfig, describe
+from ftstate.errors import ConfigError
+
+
+def build(data=None, env=None) -> RuntimeConfig:
+    return RuntimeConfig.from_dict(data or {}, environ=env or {})
+
+
+class TestDefaults:
+    def test_the_design_cards_defaults(self):
+        cfg = build()
+        assert (cfg.trainer_workers, cfg.rollout_workers, cfg.backend) == (1, 2, "gloo")
+        assert (cfg.init_timeout_s, cfg.sync_timeout_s, cfg.failover_timeout_s) == (600, 600, 120)
+        assert (cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s) == (1, 10)
+        ft = cfg.fault_tolerance
+        assert (ft.enable, ft.mode, ft.max_failovers, ft.standby_workers, ft.min_rollout_workers) == (
+            False, "standby", 5, 1, 1)
+
+    def test_verls_field_names_are_in_the_fault_tolerance_block(self):
+        names = {row["path"] for row in describe()}
+        for name in ("enable", "mode", "standby_resource_pool", "detect_node_maintenance",
+                     "maintenance_check_interval", "reverse_weight_sync", "max_failovers"):
+            assert f"fault_tolerance.{name}" in names
+
+    def test_every_field_is_documented(self):
+        assert all(row["doc"] for row in describe())
+
+
+class TestSources:
+    def test_env_overrides_init_timeout(self):
+        assert build({"init_timeout_s": 30}, env={"FTSTATE_INIT_TIMEOUT_S": "7.5"}).init_timeout_s == 7.5
+
+    def test_a_bad_env_value_names_the_variable(self):
+        with pytest.raises(ConfigError, match=r"init_timeout_s \(from env FTSTATE_INIT_TIMEOUT_S\): must be a number"):
+            build(env={"FTSTATE_INIT_TIMEOUT_S": "soon"})
+
+    def test_a_non_positive_env_value_is_rejected(self):
+        with pytest.raises(ConfigError, match=r"must be > 0, got -1"):
+            build(env={"FTSTATE_INIT_TIMEOUT_S": "-1"})
+
+    def test_from_yaml(self, tmp_path: Path):
+        p = tmp_path / "ft.yaml"
+        p.write_text("rollout_workers: 4\nfault_tolerance:\n  enable: true\n  mode: cold\n")
+        cfg = RuntimeConfig.from_yaml(p, environ={})
+        assert cfg.rollout_workers == 4 and cfg.fault_tolerance.mode == "cold"
+
+    def test_yaml_errors_name_the_file_and_the_field(self, tmp_path: Path):
+        p = tmp_path / "ft.yaml"
+        p.write_text("fault_tolerance:\n  max_failovers: -1\n")
+        with pytest.raises(ConfigError, match=r"fault_tolerance\.max_failovers: must be >= 0, got -1 \(in .*ft\.yaml\)"):
+            RuntimeConfig.from_yaml(p, environ={})
+
+    def test_a_yaml_list_at_the_top_is_rejected(self, tmp_path: Path):
+        p = tmp_path / "ft.yaml"
+        p.write_text("- 1\n")
+        with pytest.raises(ConfigError, match=r"expected a mapping at the top level, got list"):
+            RuntimeConfig.from_yaml(p, environ={})
+
+    def test_replace_by_dotted_path(self):
+        cfg = build().replace(**{"fault_tolerance.enable": True, "sync_timeout_s": 5.0})
+        assert cfg.fault_tolerance.enable and cfg.sync_timeout_s == 5.0
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"fault_tolerance": {"max_failovers": -1}}, "fault_tolerance.max_failovers: must be >= 0, got -1"),
+        ({"rollout_workers": 0}, "rollout_workers: must be >= 1, got 0"),
+        ({"init_timeout_s": 0}, "init_timeout_s: must be > 0, got 0"),
+        ({"sync_timeout_s": -5}, "sync_timeout_s: must be > 0, got -5"),
+        ({"bucket_size_mb": 0}, "bucket_size_mb: must be > 0, got 0"),
+        ({"rollout_wrokers": 2}, "rollout_wrokers: unknown key; expected one of: "),
+        ({"fault_tolerance": {"enabled": True}}, "fault_tolerance.enabled: unknown key; expected one of: "),
+        ({"backend": "mpi"}, "backend: must be one of 'gloo', 'nccl', got 'mpi'"),
+        ({"fault_tolerance": {"mode": "hot"}}, "fault_tolerance.mode: must be one of 'standby', 'cold', got 'hot'"),
+        ({"rollout_workers": "2"}, "rollout_workers: must be an integer, got '2'"),
+        ({"rollout_workers": 2.5}, "rollout_workers: must be an integer, got 2.5"),
+        ({"trainer_workers": True}, "trainer_workers: must be an integer, got True"),
+        ({"fault_tolerance": {"enable": "yes"}}, "fault_tolerance.enable: must be true or false, got 'yes'"),
+        ({"fault_tolerance": 3}, "fault_tolerance: expected a mapping, got int"),
+        ({"audit_log": ""}, "audit_log: must be a non-empty string, got ''"),
+        ({"backend": None}, "backend: must not be null"),
+        ({"heartbeat_timeout_s": 1.0}, "heartbeat_timeout_s: must be greater than heartbeat_interval_s (1), got 1"),
+        ({"rollout_workers": 2, "fault_tolerance": {"min_rollout_workers": 3}},
+         "fault_tolerance.min_rollout_workers: must be <= rollout_workers (2), got 3"),
+        ({"fault_tolerance": {"enable": True, "standby_workers": 0}},
+         "fault_tolerance.standby_workers: must be >= 1 when fault_tolerance.mode is 'standby'"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_field(data, message):
+    with pytest.raises(ConfigError) as info:
+        build(data)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_numbers_are_coerced_to_the_declared_type():
+    cfg = build({"init_timeout_s": 5, "fault_tolerance": {"max_failovers": 2.0}})
+    assert isinstance(cfg.init_timeout_s, float) and cfg.fault_tolerance.max_failovers == 2
