@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from transitions.extensions.asyncio import AsyncMachine
@@ -154,6 +154,7 @@ class StateMachine:
         self._waiters: list[tuple[frozenset[str], asyncio.Future[str]]] = []
         self._expiries: set[asyncio.Task[Any]] = set()
         self._expired: dict[int, errors.DeadlineExceeded] = {}
+        self._listeners: list[Callable[[StateMachine, str, str, str], None]] = []
         self._model = _Model()
         compile_spec(spec).add_model(self._model)
         self._arm(spec.initial)
@@ -185,6 +186,11 @@ class StateMachine:
     def bind(self, **identity: Any) -> None:
         """Add identity fields to every later record (``pid``, ``node`` once known)."""
         self.identity.update(identity)
+
+    def listen(self, callback: Callable[[StateMachine, str, str, str], None]) -> None:
+        """Call ``callback(machine, src, dest, trigger)`` after every transition (the runtime
+        reacts to LOST or FAILED this way, whoever caused them). It must not block."""
+        self._listeners.append(callback)
 
     def describe_wait(self, what: str, *, missing: Iterable[str] = (), arrived: Iterable[str] = ()) -> None:
         """Say what the current state is waiting for, so an expiry can name it and who is missing.
@@ -261,6 +267,8 @@ class StateMachine:
         self._record(TRANSITION, **{"from": src, "to": dest}, trigger=trigger, seconds_in_state=round(seconds, 6), **extra)
         self._arm(dest)
         self._wake(dest)
+        for listener in self._listeners:
+            listener(self, src, dest, trigger)
 
     def _arm(self, state: str) -> None:
         d = self.spec.states[state].deadline

@@ -1,0 +1,363 @@
+"""Check an audit trail against the machines: did every member only ever do what its spec allows?
+
+The trail (:mod:`ftstate.audit`) is written at the one place each machine's state changes,
+so it can be replayed: this module walks it record by record, keeps each member's state
+(a member is a ``(machine, member)`` pair) and reports every record that breaks one of
+these invariants, naming its line:
+
+- **well-formed**: each line is a JSON object with an ``event``; a record naming a
+  ``machine`` names one that has a spec;
+- **continuity**: only ``transition`` records change state, and each one leaves the state
+  the member's previous transition entered (the first leaves the spec's initial state);
+- **legality**: ``(from, trigger, to)`` is a transition of the spec
+  (``spec.next_state(from, trigger) == to``);
+- **terminal is final**: no record of a member after it entered a terminal state;
+- **the serving rule**: a serving state entered from a non-serving state must be entered
+  from ``RESYNCED``. The spec cannot contain such an edge (:mod:`ftstate.spec` refuses it);
+  this checks that the running system did not take one anyway, and says so in those words;
+- **no stale serving**: the group's current weights version is the latest
+  ``weights_version`` on the group's records (its ``sync_start`` carries the version being
+  pushed, its ``sync_done`` the one committed; a sync the group leaves any other way
+  committed nothing, so the version from before it is current again). A rollout entering a
+  serving state must hold that version (while the group syncs, the version before the sync
+  is also accepted: a rollout keeps serving it until it commits); and when the group commits
+  version v (``sync_done`` into READY), every rollout in a serving state must have last
+  reported v.
+
+Checking is streaming (:class:`TrailChecker` takes one record at a time) and never stops at
+the first problem: a malformed line is reported and skipped, a broken transition is reported
+and the member's state follows the record, so one fault yields one report, not a cascade.
+This module imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ftstate.audit import TRANSITION, AuditTrail
+from ftstate.errors import AuditViolation
+from ftstate.spec import RESYNCED, MachineSpec, load_machines
+
+#: The machine whose records carry the run's current weights version.
+GROUP_MACHINE = "group"
+#: The role whose serving states must hold the current weights version.
+ROLLOUT_ROLE = "rollout"
+#: The group's states and trigger the stale-serving rule follows (see machines/group.yaml).
+GROUP_SYNCING = "SYNCING"
+GROUP_READY = "READY"
+GROUP_COMMIT = "sync_done"
+
+Trail = (
+    str
+    | os.PathLike[str]
+    | AuditTrail
+    | Iterable[Mapping[str, Any]]
+    | Iterable[tuple[int, Mapping[str, Any]]]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """One broken invariant: the trail's line number (1-based), the member, what is wrong."""
+
+    line: int
+    member: str
+    problem: str
+
+    def __str__(self) -> str:
+        return (
+            f"line {self.line}: {self.member}: {self.problem}"
+            if self.member
+            else f"line {self.line}: {self.problem}"
+        )
+
+
+@dataclasses.dataclass
+class _Member:
+    machine: str
+    name: str
+    state: str | None = None
+    state_line: int = 0
+    terminal_line: int | None = None
+    role: str | None = None
+    weights_version: Any = None
+
+
+class TrailChecker:
+    """Replays records one at a time (:meth:`feed`) and collects :attr:`violations`.
+
+    specs: the machines by name (default: :func:`ftstate.spec.load_machines`).
+    """
+
+    def __init__(self, specs: Mapping[str, MachineSpec] | None = None) -> None:
+        self.specs: Mapping[str, MachineSpec] = specs if specs is not None else load_machines()
+        self.violations: list[Violation] = []
+        #: Records fed (well-formed ones).
+        self.records = 0
+        self.members: dict[tuple[str, str], _Member] = {}
+        self._unknown_machines: set[str] = set()
+        self._group_state: str | None = None
+        #: The group's current weights version (None until a group record carries one).
+        self._current: Any = None
+        #: The version committed before the sync in flight (None when the group is not syncing).
+        self._before_sync: Any = None
+
+    # -- input ---------------------------------------------------------------------------
+
+    def feed(self, line: int, record: Any) -> list[Violation]:
+        """Check one record; returns the violations it caused (also kept in :attr:`violations`)."""
+        start = len(self.violations)
+        if not isinstance(record, Mapping) or "event" not in record:
+            self._report(line, "", "not an audit record (no 'event' field)")
+            return self.violations[start:]
+        self.records += 1
+        self._check(line, record)
+        return self.violations[start:]
+
+    def malformed(self, line: int, problem: str) -> None:
+        """Report a line that could not be parsed at all."""
+        self._report(line, "", problem)
+
+    def _report(self, line: int, member: str, problem: str) -> None:
+        self.violations.append(Violation(line, member, problem))
+
+    # -- the invariants ------------------------------------------------------------------
+
+    def _check(self, line: int, rec: Mapping[str, Any]) -> None:
+        event = rec["event"]
+        machine = rec.get("machine")
+        name = str(rec.get("member") or "")
+        if machine is None:
+            if event == TRANSITION:
+                self._report(line, name, "transition record without a 'machine' field")
+            return  # a runtime event that belongs to no machine
+        spec = self.specs.get(machine)
+        if spec is None:
+            if machine not in self._unknown_machines:
+                self._unknown_machines.add(machine)
+                known = ", ".join(sorted(self.specs)) or "none"
+                self._report(line, name, f"unknown machine {machine!r} (known machines: {known})")
+            return
+        if not name:
+            self._report(line, "", f"{event} record of machine {machine!r} without a 'member' field")
+            return
+        m = self.members.get((machine, name))
+        if m is None:
+            m = self.members[(machine, name)] = _Member(machine, name)
+        if m.terminal_line is not None:
+            self._report(
+                line,
+                name,
+                f"{event} record after {name} entered terminal state {m.state} (line {m.terminal_line})",
+            )
+            return
+        if rec.get("role"):
+            m.role = rec["role"]
+        wv = rec.get("weights_version")
+        if event == TRANSITION:
+            self._transition(line, rec, spec, m, wv)
+        elif machine == GROUP_MACHINE and wv is not None:
+            self._current = wv
+        if wv is not None:
+            m.weights_version = wv
+
+    def _transition(self, line: int, rec: Mapping[str, Any], spec: MachineSpec, m: _Member, wv: Any) -> None:
+        missing = [k for k in ("from", "to", "trigger") if not rec.get(k)]
+        if missing:
+            self._report(line, m.name, f"transition record without {', '.join(repr(k) for k in missing)}")
+            return
+        src, dst, trigger = str(rec["from"]), str(rec["to"]), str(rec["trigger"])
+        prev = m.state if m.state is not None else spec.initial
+
+        # Continuity: a transition leaves the state the previous one entered.
+        if src != prev:
+            if m.state is None:
+                self._report(
+                    line,
+                    m.name,
+                    f"first transition leaves {src}, but a {spec.name} machine starts in {spec.initial}",
+                )
+            else:
+                self._report(
+                    line,
+                    m.name,
+                    f"continuity broken: leaves {src}, but its last transition (line {m.state_line}) entered {prev}",
+                )
+
+        # The serving rule, checked on both what the record claims and where the member really was.
+        offender = (
+            next((s for s in (src, prev) if s not in spec.serving_states and s != RESYNCED), None)
+            if dst in spec.serving_states
+            else None
+        )
+        if offender is not None:
+            self._report(
+                line, m.name, f"entered serving state {dst} from {offender} without passing {RESYNCED}"
+            )
+        else:
+            expected = spec.next_state(src, trigger)
+            if expected != dst:
+                self._report(line, m.name, _illegal(spec, src, trigger, dst, expected))
+
+        m.state, m.state_line = dst, line
+        if dst in spec.terminal_states:
+            m.terminal_line = line
+
+        if m.machine == GROUP_MACHINE:
+            self._group_transition(line, src, dst, trigger, wv)
+        elif m.role == ROLLOUT_ROLE and dst in spec.serving_states:
+            self._rollout_serving(line, m, dst, trigger, wv)
+
+    def _group_transition(self, line: int, src: str, dst: str, trigger: str, wv: Any) -> None:
+        self._group_state = dst
+        if dst == GROUP_SYNCING and src != GROUP_SYNCING:
+            self._before_sync = self._current
+        if (
+            src == GROUP_SYNCING
+            and dst != GROUP_SYNCING
+            and trigger != GROUP_COMMIT
+            and self._before_sync is not None
+        ):
+            # The sync was abandoned (failed, timed out, a member lost): nothing was committed,
+            # so the version before it is still current, whatever the record carries.
+            self._current = self._before_sync
+        elif wv is not None:
+            self._current = wv
+        if dst != GROUP_SYNCING:
+            self._before_sync = None
+        if trigger == GROUP_COMMIT and dst == GROUP_READY and self._current is not None:
+            for other in self.members.values():
+                if (
+                    other.role == ROLLOUT_ROLE
+                    and other.machine != GROUP_MACHINE
+                    and other.state in self.specs[other.machine].serving_states
+                    and other.weights_version != self._current
+                ):
+                    self._report(
+                        line,
+                        other.name,
+                        f"{other.name} serving weights version {other.weights_version} while current is "
+                        f"{self._current} (the group committed it by {GROUP_COMMIT})",
+                    )
+
+    def _rollout_serving(self, line: int, m: _Member, dst: str, trigger: str, wv: Any) -> None:
+        if self._current is None:
+            return
+        allowed = {self._current}
+        if self._group_state == GROUP_SYNCING and self._before_sync is not None:
+            allowed.add(self._before_sync)
+        if wv is None:
+            self._report(
+                line,
+                m.name,
+                f"{m.name} entered serving state {dst} by {trigger} without a weights_version "
+                f"while current is {self._current}",
+            )
+        elif wv not in allowed:
+            self._report(
+                line,
+                m.name,
+                f"{m.name} serving weights version {wv} while current is {self._current} "
+                f"(entered {dst} by {trigger})",
+            )
+
+
+def _illegal(spec: MachineSpec, src: str, trigger: str, dst: str, expected: str | None) -> str:
+    head = f"illegal transition {src} --{trigger}--> {dst}"
+    if src not in spec.states:
+        return f"{head}: the {spec.name} machine has no state {src}"
+    if dst not in spec.states:
+        return f"{head}: the {spec.name} machine has no state {dst}"
+    if expected is None:
+        allowed = ", ".join(spec.triggers_from(src)) or "none"
+        return f"{head}: {trigger!r} is not accepted in {src} (accepted there: {allowed})"
+    return f"{head}: {trigger!r} leads from {src} to {expected}, not {dst}"
+
+
+# -- reading and the entry points ------------------------------------------------------
+
+
+def load_records(path: str | os.PathLike[str]) -> tuple[list[tuple[int, dict[str, Any]]], list[Violation]]:
+    """Read a trail leniently: ``(line, record)`` for every good line, a violation for every bad one.
+
+    (:func:`ftstate.audit.read_trail` stops at the first malformed line; a checker and a
+    viewer want everything else too.) A missing file raises :class:`OSError`.
+    """
+    records: list[tuple[int, dict[str, Any]]] = []
+    bad: list[Violation] = []
+    with Path(path).open(encoding="utf-8") as f:
+        for lineno, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                rec = json.loads(text)
+            except json.JSONDecodeError as exc:
+                bad.append(Violation(lineno, "", f"not a JSON object: {exc.msg}"))
+                continue
+            if not isinstance(rec, dict) or "event" not in rec:
+                bad.append(Violation(lineno, "", "not an audit record (no 'event' field)"))
+                continue
+            records.append((lineno, rec))
+    return records, bad
+
+
+def numbered(trail: Trail) -> tuple[list[tuple[int, Any]], list[Violation]]:
+    """Any accepted form of a trail as ``(line, record)`` pairs, plus unreadable lines.
+
+    A path is read with :func:`load_records`; an :class:`~ftstate.audit.AuditTrail` or a list
+    of records is numbered from 1; ``(line, record)`` pairs (as from ``read_trail``) are kept.
+    """
+    if isinstance(trail, (str, os.PathLike)):
+        return load_records(trail)  # type: ignore[return-value]
+    items = trail.records if isinstance(trail, AuditTrail) else trail
+    out: list[tuple[int, Any]] = []
+    for i, item in enumerate(items, 1):
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int):
+            out.append(item)
+        else:
+            out.append((i, item))
+    return out, []
+
+
+def check_trail(trail: Trail, specs: Mapping[str, MachineSpec] | None = None) -> list[Violation]:
+    """Every violation in ``trail`` (a path, an ``AuditTrail``, records or ``(line, record)``
+    pairs), ordered by line; empty when the trail keeps every invariant."""
+    return check(trail, specs).violations
+
+
+def check(trail: Trail, specs: Mapping[str, MachineSpec] | None = None) -> TrailChecker:
+    """Replay ``trail`` and return the checker: its ``violations``, ``records`` and ``members``."""
+    checker = TrailChecker(specs)
+    items, bad = numbered(trail)
+    for v in bad:
+        checker.malformed(v.line, v.problem)
+    for line, rec in items:
+        checker.feed(line, rec)
+    checker.violations.sort(key=lambda v: v.line)
+    return checker
+
+
+def assert_trail_valid(trail: Trail, specs: Mapping[str, MachineSpec] | None = None) -> None:
+    """Raise :class:`~ftstate.errors.AuditViolation` for the first violation in ``trail``, if any."""
+    violations = check_trail(trail, specs)
+    if violations:
+        first = violations[0]
+        source = os.fspath(trail) if isinstance(trail, (str, os.PathLike)) else "<records>"
+        problem = f"{first.member}: {first.problem}" if first.member else first.problem
+        raise AuditViolation(source, first.line, problem)
+
+
+__all__ = [
+    "TrailChecker",
+    "Violation",
+    "assert_trail_valid",
+    "check",
+    "check_trail",
+    "load_records",
+    "numbered",
+]

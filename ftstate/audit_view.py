@@ -1,0 +1,184 @@
+"""Human views of an audit trail: a timeline of every record and a summary per member.
+
+Both take the records as :func:`ftstate.audit.read_trail` or
+:func:`ftstate.audit_check.load_records` give them (``(line, record)`` pairs) or as plain
+dicts (``AuditTrail.records``), and return a ``rich`` renderable; printing is the caller's
+business (``ftstate audit``). Deadline expiries, errors and budget events are highlighted,
+so the record that explains a failed run stands out among the transitions.
+
+This module imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from ftstate.audit import BUDGET_EXHAUSTED, BUDGET_SPENT, DEADLINE_EXPIRED, ERROR, TRANSITION
+
+#: Row style per event; transitions into a terminal failure are styled like errors.
+EVENT_STYLES = {
+    DEADLINE_EXPIRED: "bold red",
+    ERROR: "red",
+    BUDGET_EXHAUSTED: "bold red",
+    BUDGET_SPENT: "yellow",
+}
+_FAILED_STATES = {"FAILED", "LOST"}
+_ERROR_EVENTS = {DEADLINE_EXPIRED, ERROR, BUDGET_EXHAUSTED}
+
+
+def _records(records: Iterable[Any]) -> list[Mapping[str, Any]]:
+    out = []
+    for item in records:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int):
+            item = item[1]
+        if isinstance(item, Mapping):
+            out.append(item)
+    return out
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _versions(rec: Mapping[str, Any]) -> str:
+    g, w = rec.get("group_version"), rec.get("weights_version")
+    if g is None and w is None:
+        return ""
+    return f"{_num(g) or '-'}/{_num(w) or '-'}"
+
+
+def _detail(rec: Mapping[str, Any]) -> str:
+    event = rec.get("event")
+    parts = []
+    if event in (BUDGET_SPENT, BUDGET_EXHAUSTED) and rec.get("budget"):
+        spent = rec.get("spent")
+        limit = rec.get("limit")
+        parts.append(
+            f"{rec['budget']} {spent if spent is not None else ''}/{limit if limit is not None else ''}".strip()
+        )
+    if rec.get("message"):
+        parts.append(str(rec["message"]))
+    elif rec.get("error"):
+        parts.append(str(rec["error"]))
+    if rec.get("reason") and event == TRANSITION and not rec.get("message"):
+        parts.append(str(rec["reason"]))
+    return "; ".join(parts)
+
+
+def render_timeline(records: Iterable[Any], *, title: str | None = "audit timeline") -> Table:
+    """A table with one row per record: t, member, event, from → to, trigger, versions
+    (group/weights), seconds in the state left, and the detail (error message, budget)."""
+    table = Table(title=title, show_lines=False, header_style="bold", expand=False)
+    table.add_column("t (s)", justify="right", no_wrap=True)
+    table.add_column("member", no_wrap=True)
+    table.add_column("event", overflow="fold")
+    table.add_column("from → to", overflow="fold")
+    table.add_column("trigger", overflow="fold")
+    table.add_column("g/w ver", justify="right", no_wrap=True)
+    table.add_column("in state (s)", justify="right", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for rec in _records(records):
+        event = str(rec.get("event", ""))
+        style = EVENT_STYLES.get(event)
+        if event == TRANSITION:
+            move = f"{rec.get('from', '?')} → {rec.get('to', '?')}"
+            if rec.get("to") in _FAILED_STATES:
+                style = "red"
+        else:
+            move = str(rec.get("state", ""))
+        cells = (
+            _num(rec.get("t")),
+            str(rec.get("member", "")),
+            event,
+            move,
+            str(rec.get("trigger", "") or ""),
+            _versions(rec),
+            _num(rec.get("seconds_in_state")),
+            _detail(rec),
+        )
+        # Text, not str: a message with brackets must not be read as rich markup.
+        table.add_row(*(Text(c) for c in cells), style=style)
+    return table
+
+
+def summarize(records: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """Per member (in order of first appearance): machine, role, rank, pid, states visited,
+    seconds spent per state (from ``seconds_in_state`` of the records leaving it),
+    transition count, final state and errors (messages of expiries, errors and exhausted budgets)."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec in _records(records):
+        member = rec.get("member")
+        if not member:
+            continue
+        s = out.get(member)
+        if s is None:
+            s = out[member] = {
+                "machine": rec.get("machine", ""),
+                "role": None,
+                "rank": None,
+                "pid": None,
+                "states": [],
+                "seconds": {},
+                "transitions": 0,
+                "final": None,
+                "errors": [],
+            }
+        for key in ("role", "rank", "pid"):
+            if rec.get(key) is not None:
+                s[key] = rec[key]
+        event = rec.get("event")
+        if event == TRANSITION:
+            src, dst = rec.get("from"), rec.get("to")
+            for state in (src, dst):
+                if state and state not in s["states"]:
+                    s["states"].append(state)
+            if src and isinstance(rec.get("seconds_in_state"), (int, float)):
+                s["seconds"][src] = s["seconds"].get(src, 0.0) + float(rec["seconds_in_state"])
+            s["transitions"] += 1
+            s["final"] = dst
+        elif event in _ERROR_EVENTS:
+            s["errors"].append(str(rec.get("message") or rec.get("error") or event))
+    return out
+
+
+def render_summary(records: Iterable[Any], *, title: str | None = "per member") -> Table:
+    """A table with one row per member: role, rank, pid, states visited, time per state,
+    transitions, final state and errors."""
+    table = Table(title=title, header_style="bold", expand=False)
+    table.add_column("member", no_wrap=True)
+    table.add_column("role", no_wrap=True)
+    table.add_column("rank", justify="right")
+    table.add_column("pid", justify="right")
+    table.add_column("states visited")
+    table.add_column("time per state (s)")
+    table.add_column("transitions", justify="right")
+    table.add_column("final", no_wrap=True)
+    table.add_column("errors", overflow="fold")
+    for member, s in summarize(records).items():
+        final = s["final"] or ""
+        final_text = Text(final, style="red" if final in _FAILED_STATES else "green" if final else "")
+        errors = s["errors"]
+        error_text = Text("; ".join(errors), style="red") if errors else Text("")
+        table.add_row(
+            Text(member),
+            Text(str(s["role"] or s["machine"] or "")),
+            Text(_num(s["rank"])),
+            Text(_num(s["pid"])),
+            Text(" → ".join(s["states"])),
+            Text(", ".join(f"{state} {secs:.3f}" for state, secs in s["seconds"].items())),
+            Text(str(s["transitions"])),
+            final_text,
+            error_text,
+        )
+    return table
+
+
+__all__ = ["EVENT_STYLES", "render_summary", "render_timeline", "summarize"]

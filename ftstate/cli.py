@@ -1,0 +1,242 @@
+"""The ``ftstate`` command: diagrams, audit trails, configuration and the demo.
+
+    ftstate diagram [--machine NAME] [--format mermaid|dot]
+    ftstate audit FILE [--check] [--summary/--no-summary] [--timeline/--no-timeline]
+    ftstate config [FILE]
+    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults]
+
+Errors ftstate knows about (any :class:`~ftstate.errors.FTError`, a missing or unreadable
+file) end the command with one line ``error: ...`` on stderr and exit status 2; ``--debug``
+(before the command) shows the full traceback instead. ``audit --check`` exits 1 when the
+trail breaks an invariant. Heavy modules (the runtime, Ray) are imported only by the command
+that needs them, so ``ftstate --help`` stays fast. This is the one module that prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from ftstate.errors import FTError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Set by the global ``--debug`` option for the command being run.
+_DEBUG: contextvars.ContextVar[bool] = contextvars.ContextVar("ftstate_cli_debug", default=False)
+
+app = typer.Typer(
+    name="ftstate",
+    help="Fault-tolerant weight synchronisation for disaggregated RL post-training, "
+    "modelled as explicit state machines.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    rich_markup_mode="markdown",
+)
+
+
+class DiagramFormat(enum.StrEnum):
+    mermaid = "mermaid"
+    dot = "dot"
+
+
+@app.callback()
+def _root(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")
+    ] = False,
+) -> None:
+    """Fault-tolerant weight synchronisation for disaggregated RL post-training.
+
+    Every worker group and worker is an explicit state machine (see `ftstate diagram`);
+    every transition is one line of the audit trail (see `ftstate audit`).
+    """
+    _DEBUG.set(debug)
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
+@contextlib.contextmanager
+def _clean_errors() -> Iterator[None]:
+    try:
+        yield
+    except (FTError, OSError, UnicodeDecodeError) as exc:
+        if _DEBUG.get():
+            raise
+        typer.echo(f"error: {_message(exc)}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _handled(fn: F) -> F:
+    """Run a command with ftstate's one-line error reporting (see the module docstring)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _clean_errors():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+# -- diagram -----------------------------------------------------------------------------
+
+
+@app.command()
+@_handled
+def diagram(
+    machine: Annotated[
+        str | None,
+        typer.Option(
+            "--machine", "-m", help="The machine to draw (e.g. group, worker); all of them when omitted."
+        ),
+    ] = None,
+    fmt: Annotated[
+        DiagramFormat,
+        typer.Option("--format", "-f", case_sensitive=False, help="Mermaid stateDiagram-v2 or Graphviz DOT."),
+    ] = DiagramFormat.mermaid,
+) -> None:
+    """Print the state diagram of one machine, or of all of them, drawn from machines/*.yaml.
+
+    States carry their deadline (a config key) and budget; serving states are styled; the
+    fail/stop transitions that lead from every non-terminal state are collapsed into one note.
+    """
+    from ftstate.diagram import render
+    from ftstate.spec import get_spec, load_machines
+
+    specs = [get_spec(machine)] if machine else list(load_machines().values())
+    typer.echo("\n".join(render(spec, fmt.value) for spec in specs), nl=False)
+
+
+# -- audit -------------------------------------------------------------------------------
+
+
+@app.command()
+@_handled
+def audit(
+    file: Annotated[Path, typer.Argument(help="The JSON-lines audit trail of a run.", show_default=False)],
+    check: Annotated[
+        bool, typer.Option("--check", help="Check every invariant of the machines; exit 1 if one is broken.")
+    ] = False,
+    summary: Annotated[
+        bool, typer.Option("--summary/--no-summary", help="Print the per-member summary.")
+    ] = True,
+    timeline: Annotated[
+        bool, typer.Option("--timeline/--no-timeline", help="Print the record-by-record timeline.")
+    ] = True,
+) -> None:
+    """Show what happened in a run: a timeline of every record and a summary per member.
+
+    With --check, also replay the trail against the machines' specs: continuity of each
+    member's states, legal transitions only, nothing after a terminal state, serving states
+    entered only through RESYNCED, and no rollout serving a weights version other than the
+    group's current one. Each violation is printed with its line number.
+    """
+    from rich.console import Console
+
+    from ftstate.audit_check import check as run_check
+    from ftstate.audit_check import load_records
+    from ftstate.audit_view import render_summary, render_timeline
+
+    records, bad = load_records(file)
+    if not check:
+        for v in bad:
+            typer.echo(f"warning: {file}:{v} (skipped)", err=True)
+    # Piped into a file or a pager, a wide table reads better than one folded to 80 columns.
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    console = Console(highlight=False, width=160 if wide else None)
+    if timeline:
+        console.print(render_timeline(records, title=f"{file}"))
+    if summary:
+        console.print(render_summary(records))
+    if not check:
+        return
+    result = run_check(file)
+    members = len(result.members)
+    if result.violations:
+        for v in result.violations:
+            typer.echo(f"{file}:{v.line}: {v.member + ': ' if v.member else ''}{v.problem}")
+        n = len(result.violations)
+        typer.echo(
+            f"audit check failed: {n} violation{'s' if n != 1 else ''} in {result.records} records, {members} members"
+        )
+        raise typer.Exit(1)
+    typer.echo(f"audit check passed: {result.records} records, {members} members")
+
+
+# -- config ------------------------------------------------------------------------------
+
+
+@app.command()
+@_handled
+def config(
+    file: Annotated[
+        Path | None,
+        typer.Argument(
+            help="A YAML config file to validate; without it, print the defaults.", show_default=False
+        ),
+    ] = None,
+) -> None:
+    """Print the default configuration as commented YAML, or validate a config file.
+
+    Without FILE: every field at its default, each under a comment giving its meaning, type,
+    bounds and environment override (save it, edit it, pass it to the runtime). With FILE:
+    print "valid", or the first problem (naming the field) and exit 2. Environment overrides
+    (FTSTATE_INIT_TIMEOUT_S) apply, as they would at run time.
+    """
+    if file is None:
+        from ftstate.docs import render_default_config_yaml
+
+        typer.echo(render_default_config_yaml(), nl=False)
+        return
+    from ftstate.config import RuntimeConfig
+
+    RuntimeConfig.from_yaml(file)
+    typer.echo(f"{file}: valid")
+
+
+# -- demo --------------------------------------------------------------------------------
+
+
+@app.command()
+@_handled
+def demo(
+    out: Annotated[
+        str, typer.Option("--out", help="Folder for the demo's audit trail and report.")
+    ] = "ftstate-demo",
+    steps: Annotated[
+        int, typer.Option("--steps", min=0, help="Training steps to run; 0 takes the demo's default.")
+    ] = 0,
+    faults: Annotated[
+        bool,
+        typer.Option("--faults/--no-faults", help="Inject faults along the way (see the demo's report)."),
+    ] = True,
+) -> None:
+    """Run a small trainer + rollouts job on a local Ray cluster, faults injected.
+
+    Writes the run's audit trail and report under --out; inspect the trail afterwards with
+    `ftstate audit FILE --check`.
+    """
+    from ftstate.demo import run_demo  # lazy: Ray and torch load only here
+
+    raise typer.Exit(run_demo(out=out, steps=steps, faults=faults))
+
+
+def main() -> None:
+    """Entry point of the ``ftstate`` script."""
+    app(prog_name="ftstate")
+
+
+__all__ = ["app", "main"]

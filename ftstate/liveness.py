@@ -1,0 +1,85 @@
+"""Liveness: turning heartbeats (or their absence) into worker events.
+
+The runtime polls every worker every ``heartbeat_interval_s`` and hands each answer, or the
+fact that none came within the interval, to that worker's :class:`Liveness`. It answers
+with the trigger to fire on the worker's machine, if any:
+
+- no answer within the interval -> ``heartbeat_missed`` (the worker becomes SUSPECT);
+- an answer while busy in a transfer whose progress counter has not moved for an interval
+  -> ``heartbeat_missed`` too: a worker stuck in a collective answers pings but is hung;
+- an answer showing progress from a SUSPECT worker -> ``verified`` only if it reports the
+  current weights version with the current checksum, else ``alive_stale``. A worker that
+  merely answers proves nothing about its weights; it must show them.
+
+SUSPECT carries the ``heartbeat_timeout_s`` deadline in the worker spec, so a suspect that
+does not recover is declared LOST by the machine itself, not by this module. A process that
+died is reported by the failing call (``ActorDiedError``), not here.
+
+Pure: no clock of its own, no I/O. This module imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: States in which a worker is watched for missed heartbeats.
+WATCHED = frozenset({"STALE", "RESYNCING", "RESYNCED", "READY", "SYNCING"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """One worker's answer to a heartbeat poll.
+
+    progress: a counter the worker bumps whenever its own work moves (a bucket sent or
+    received, a call finished); busy: in a weights transfer right now; weights_version /
+    checksum: what it holds committed.
+    """
+
+    progress: int
+    busy: bool
+    weights_version: int
+    checksum: str | None
+    pid: int = 0
+
+
+class Liveness:
+    """Per-worker heartbeat bookkeeping. interval_s: the polling interval (a stall longer
+    than this while busy counts as a missed heartbeat)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last: Heartbeat | None = None
+        self.last_progress_at: float | None = None
+        self.missed = 0
+
+    def observe(
+        self,
+        now: float,
+        heartbeat: Heartbeat | None,
+        *,
+        state: str,
+        current_version: int,
+        current_checksum: str | None,
+    ) -> str | None:
+        """Record one poll's outcome; returns the trigger to fire on the worker, or None."""
+        if heartbeat is None:
+            self.missed += 1
+            return "heartbeat_missed" if state in WATCHED else None
+        self.missed = 0
+        previous = self.last
+        self.last = heartbeat
+        if previous is None or heartbeat.progress != previous.progress or not heartbeat.busy:
+            self.last_progress_at = now
+        stalled = (
+            heartbeat.busy
+            and self.last_progress_at is not None
+            and now - self.last_progress_at >= self.interval_s
+        )
+        if stalled:
+            return "heartbeat_missed" if state in WATCHED else None
+        if state == "SUSPECT":
+            proven = heartbeat.weights_version == current_version and (
+                current_checksum is None or heartbeat.checksum == current_checksum
+            )
+            return "verified" if proven else "alive_stale"
+        return None

@@ -1,0 +1,208 @@
+"""The ftstate command: help everywhere, diagrams, config, audit exit codes, demo wiring."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ftstate.audit import AuditTrail
+from ftstate.cli import app
+from ftstate.config import RuntimeConfig
+from ftstate.errors import ConfigError
+
+runner = CliRunner()
+COMMANDS = ["diagram", "audit", "config", "demo"]
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def write_trail(path: Path, *, plant_stale_admit: bool = False) -> Path:
+    """A short run written through the real AuditTrail: start, rollout-1 joins and resyncs."""
+
+    def tr(member: str, src: str, trigger: str, dst: str, wv: int = 0) -> dict[str, Any]:
+        ident = (
+            {"machine": "group"} if member == "group" else {"machine": "worker", "role": "rollout", "rank": 1}
+        )
+        return {
+            "member": member,
+            **ident,
+            "from": src,
+            "to": dst,
+            "trigger": trigger,
+            "group_version": 1,
+            "weights_version": wv,
+            "seconds_in_state": 0.5,
+        }
+
+    recs = [
+        tr("group", "INIT", "start", "RENDEZVOUS"),
+        tr("rollout-1", "INIT", "join", "RENDEZVOUS"),
+        tr("rollout-1", "RENDEZVOUS", "joined", "STALE"),
+        tr("group", "RENDEZVOUS", "rendezvous_done", "READY", wv=3),
+        tr("rollout-1", "STALE", "resync", "RESYNCING"),
+        tr("rollout-1", "RESYNCING", "verified", "RESYNCED", wv=3),
+        tr("rollout-1", "RESYNCED", "admit", "READY", wv=2 if plant_stale_admit else 3),
+    ]
+    with AuditTrail(path) as trail:
+        for rec in recs:
+            trail.record("transition", **rec)
+    return path
+
+
+class TestHelp:
+    def test_the_root_help_lists_every_command(self) -> None:
+        result = invoke("--help")
+        assert result.exit_code == 0, result.output
+        for cmd in COMMANDS:
+            assert cmd in result.output
+        assert "--debug" in result.output
+
+    @pytest.mark.parametrize("cmd", COMMANDS)
+    def test_every_command_has_help(self, cmd: str) -> None:
+        result = invoke(cmd, "--help")
+        assert result.exit_code == 0, result.output
+        assert "Usage" in result.output
+
+    def test_python_dash_m_ftstate_works_without_loading_ray_or_torch(self) -> None:
+        code = (
+            "import sys, runpy; sys.argv = ['ftstate', '--help']\n"
+            "try:\n    runpy.run_module('ftstate', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "heavy = [m for m in ('ray', 'torch') if m in sys.modules]\n"
+            "assert not heavy, heavy\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "Usage" in proc.stdout
+
+
+class TestDiagram:
+    def test_prints_every_machine_by_default(self) -> None:
+        result = invoke("diagram")
+        assert result.exit_code == 0, result.output
+        assert result.output.count("stateDiagram-v2") == 2
+
+    def test_prints_one_machine_as_dot(self) -> None:
+        result = invoke("diagram", "--machine", "worker", "--format", "dot")
+        assert result.exit_code == 0, result.output
+        assert 'digraph "worker"' in result.output
+        assert "group" not in result.output.split("\n", 1)[1]
+
+    def test_an_unknown_machine_is_one_clean_error_line(self) -> None:
+        result = invoke("diagram", "--machine", "nope")
+        assert result.exit_code == 2
+        assert result.stderr.startswith("error: ")
+        assert "no machine named 'nope'" in result.stderr
+        assert "Traceback" not in result.output
+
+
+class TestConfig:
+    def test_the_default_printout_is_a_valid_config_equal_to_the_defaults(self, tmp_path: Path) -> None:
+        result = invoke("config")
+        assert result.exit_code == 0, result.output
+        assert RuntimeConfig.from_dict(yaml.safe_load(result.stdout), environ={}) == RuntimeConfig()
+        path = tmp_path / "default.yaml"
+        path.write_text(result.stdout)
+        assert invoke("config", str(path)).exit_code == 0
+
+    def test_every_field_has_a_comment_above_it(self) -> None:
+        lines = invoke("config").stdout.splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() and not line.lstrip().startswith("#") and not line.rstrip().endswith(":"):
+                assert lines[i - 1].lstrip().startswith("# ["), line
+        assert any("FTSTATE_INIT_TIMEOUT_S" in line for line in lines)
+
+    def test_a_valid_file_says_valid(self, tmp_path: Path) -> None:
+        path = tmp_path / "ok.yaml"
+        path.write_text("rollout_workers: 4\nfault_tolerance:\n  enable: true\n")
+        result = invoke("config", str(path))
+        assert result.exit_code == 0, result.output
+        assert "valid" in result.stdout
+
+    def test_a_bad_file_exits_2_naming_the_field(self, tmp_path: Path) -> None:
+        path = tmp_path / "bad.yaml"
+        path.write_text("fault_tolerance:\n  max_failovers: -1\n")
+        result = invoke("config", str(path))
+        assert result.exit_code == 2
+        assert "error: fault_tolerance.max_failovers: must be >= 0, got -1" in result.stderr
+        assert "Traceback" not in result.output
+
+    def test_a_missing_file_exits_2(self, tmp_path: Path) -> None:
+        result = invoke("config", str(tmp_path / "absent.yaml"))
+        assert result.exit_code == 2
+        assert "no such config file" in result.stderr
+
+    def test_debug_lets_the_exception_through(self, tmp_path: Path) -> None:
+        path = tmp_path / "bad.yaml"
+        path.write_text("backend: mpi\n")
+        result = invoke("--debug", "config", str(path))
+        assert result.exit_code != 0
+        assert isinstance(result.exception, ConfigError)
+
+
+class TestAudit:
+    def test_check_passes_on_a_good_trail(self, tmp_path: Path) -> None:
+        path = write_trail(tmp_path / "audit.jsonl")
+        result = invoke("audit", str(path), "--check")
+        assert result.exit_code == 0, result.output
+        assert "audit check passed: 7 records, 2 members" in result.stdout
+        assert "rollout-1" in result.stdout  # the timeline and the summary were printed
+
+    def test_check_fails_with_exit_1_and_the_line_number(self, tmp_path: Path) -> None:
+        path = write_trail(tmp_path / "audit.jsonl", plant_stale_admit=True)
+        result = invoke("audit", str(path), "--check", "--no-timeline", "--no-summary")
+        assert result.exit_code == 1, result.output
+        assert f"{path}:7: rollout-1: rollout-1 serving weights version 2 while current is 3" in result.stdout
+        assert "audit check failed: 1 violation" in result.stdout
+
+    def test_without_check_a_bad_trail_is_only_shown(self, tmp_path: Path) -> None:
+        path = write_trail(tmp_path / "audit.jsonl", plant_stale_admit=True)
+        result = invoke("audit", str(path), "--no-summary")
+        assert result.exit_code == 0, result.output
+        assert "RESYNCED → READY" in result.stdout
+
+    def test_a_malformed_line_fails_the_check_with_its_number(self, tmp_path: Path) -> None:
+        path = write_trail(tmp_path / "audit.jsonl")
+        path.write_text(path.read_text() + "{oops\n")
+        result = invoke("audit", str(path), "--check", "--no-timeline", "--no-summary")
+        assert result.exit_code == 1
+        assert f"{path}:8: not a JSON object" in result.stdout
+
+    def test_a_missing_file_is_one_clean_error_line(self, tmp_path: Path) -> None:
+        result = invoke("audit", str(tmp_path / "absent.jsonl"), "--check")
+        assert result.exit_code == 2
+        assert result.stderr.startswith("error: ")
+        assert "absent.jsonl" in result.stderr
+
+
+class TestDemo:
+    def test_passes_its_options_to_run_demo_and_exits_with_its_code(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        calls: list[dict[str, Any]] = []
+
+        def run_demo(**kwargs: Any) -> int:
+            calls.append(kwargs)
+            return 3
+
+        monkeypatch.setitem(sys.modules, "ftstate.demo", types.SimpleNamespace(run_demo=run_demo))
+        result = invoke("demo", "--out", "somewhere", "--steps", "4", "--no-faults")
+        assert result.exit_code == 3, result.output
+        assert calls == [{"out": "somewhere", "steps": 4, "faults": False}]
+
+    def test_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        calls: list[dict[str, Any]] = []
+        monkeypatch.setitem(
+            sys.modules, "ftstate.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 0)
+        )
+        assert invoke("demo").exit_code == 0
+        assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": True}]
