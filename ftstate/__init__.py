@@ -7,7 +7,7 @@ transport are imported when first used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ftstate.audit import AuditTrail, read_trail
 from ftstate.budget import Budget
@@ -35,10 +35,9 @@ from ftstate.errors import (
     TransportError,
 )
 from ftstate.machine import StateMachine
+from ftstate.runtime import MemberInfo, Runtime, SyncReport
 from ftstate.spec import MachineSpec, get_spec, load_machines, load_spec
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
+from ftstate.worker import RolloutWorker, TrainerWorker
 
 __version__ = "0.1.0"
 
@@ -74,15 +73,20 @@ __all__ = [
     "MachineSpec",
     "ManifestError",
     "ManualClock",
+    "MemberInfo",
     "MemberLost",
     "NoServingWorkers",
     "PeerLost",
     "RendezvousTimeout",
+    "RolloutWorker",
+    "Runtime",
     "RuntimeConfig",
     "SpecError",
     "StaleGroupVersion",
     "StateMachine",
+    "SyncReport",
     "SyncTimeout",
+    "TrainerWorker",
     "TransportError",
     "get_spec",
     "load_machines",

@@ -71,6 +71,22 @@ class FaultToleranceConfig:
         "fails the run with FailoverBudgetExhausted.",
         ge=0,
     )
+    optimizer_state: Literal["reset", "checkpoint"] = _field(
+        "reset",
+        "What a replaced trainer does about optimizer state, which no rollout holds: reset it "
+        "(reset_optimizer()) or load it with the weights from checkpoint_dir (load_checkpoint()).",
+    )
+    checkpoint_dir: str | None = _field(
+        None,
+        "Checkpoint folder a replaced trainer loads from (load_checkpoint(path)) when "
+        "reverse_weight_sync is false or optimizer_state is 'checkpoint'.",
+    )
+    allow_lossy_recovery: bool = _field(
+        False,
+        "Let reverse_weight_sync rebuild a trainer whose state_dict() is a lossy view of its master "
+        "weights (TrainerWorker.lossy_state_dict, e.g. bf16 copies of fp32 masters). Off: refused "
+        "with LossyRecoveryRefused.",
+    )
     min_rollout_workers: int = _field(
         1,
         "With no replacement possible, the group carries on degraded while at least this "
@@ -91,6 +107,13 @@ class RuntimeConfig:
     bucket_size_mb: float = _field(
         256.0, "Size of one broadcast bucket in MiB; larger tensors are chunked across buckets.", gt=0
     )
+    worker_cpus: float = _field(
+        0.01,
+        "CPUs each worker reserves in its resource pool (Ray's logical CPUs; the default is a "
+        "token share so a laptop runs everything; reserve real cores on a cluster).",
+        gt=0,
+    )
+    worker_gpus: float = _field(0.0, "GPUs each worker reserves (1 for nccl on a GPU cluster).", ge=0)
     address: str | None = _field(
         None, "Ray cluster address to join (e.g. 'auto' or 'ray://head:10001'); none starts a local cluster."
     )
@@ -190,6 +213,13 @@ class RuntimeConfig:
                 "fault_tolerance.min_rollout_workers",
                 f"must be <= rollout_workers ({self.rollout_workers}), got {ft.min_rollout_workers}",
             )
+        if ft.standby_resource_pool in ("trainer", "rollout"):
+            raise ConfigError(
+                "fault_tolerance.standby_resource_pool",
+                f"must differ from the role pools 'trainer' and 'rollout', got {ft.standby_resource_pool!r}",
+            )
+        if ft.optimizer_state == "checkpoint" and ft.checkpoint_dir is None:
+            raise ConfigError("fault_tolerance.checkpoint_dir", "required when optimizer_state is 'checkpoint'")
         if ft.enable and ft.mode == "standby" and ft.standby_workers == 0:
             raise ConfigError(
                 "fault_tolerance.standby_workers",

@@ -16,6 +16,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     │   └── HeartbeatTimeout     heartbeat_timeout_s: a worker stopped making progress
     ├── FailoverBudgetExhausted  max_failovers spent; names the failures it was spent on
     ├── MemberLost               a worker died or was declared lost and nothing replaced it
+    ├── LossyRecoveryRefused     reverse recovery would rebuild a trainer from lossy weights
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
     ├── TransportError           moving weights failed
     │   ├── BackendUnavailable   the chosen backend (e.g. nccl) cannot load here
@@ -154,6 +155,11 @@ class MemberLost(FTError):
         super().__init__(f"{member} lost{version}: {reason}")
 
 
+class LossyRecoveryRefused(FTError):
+    """Raised when a trainer would be rebuilt from rollout weights that are a lossy copy of its
+    master weights and ``fault_tolerance.allow_lossy_recovery`` is off."""
+
+
 class NoServingWorkers(FTError):
     """Raised when a call needs a worker that serves the current weights and none does."""
 
@@ -213,6 +219,7 @@ __all__ = [
     "FailoverTimeout",
     "HeartbeatTimeout",
     "InvalidTransition",
+    "LossyRecoveryRefused",
     "ManifestError",
     "MemberLost",
     "NoServingWorkers",

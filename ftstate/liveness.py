@@ -5,8 +5,13 @@ fact that none came within the interval, to that worker's :class:`Liveness`. It 
 with the trigger to fire on the worker's machine, if any:
 
 - no answer within the interval -> ``heartbeat_missed`` (the worker becomes SUSPECT);
-- an answer while busy in a transfer whose progress counter has not moved for an interval
-  -> ``heartbeat_missed`` too: a worker stuck in a collective answers pings but is hung;
+- an answer while busy in a transfer whose progress counter has not moved for ``stall_s``
+  (half of ``heartbeat_timeout_s``, at least one interval) -> ``heartbeat_missed`` too: a
+  worker stuck in a collective answers pings but is hung. Half the timeout, not one
+  interval: a receiver legitimately waits while the sender packs a bucket or serves
+  another receiver, and a CPU-starved machine stretches that wait;
+- a spare (STANDBY) silent for ``heartbeat_timeout_s`` -> ``unresponsive`` (straight to LOST:
+  a hung spare promoted later would only burn the failover deadline);
 - an answer showing progress from a SUSPECT worker -> ``verified`` only if it reports the
   current weights version with the current checksum, else ``alive_stale``. A worker that
   merely answers proves nothing about its weights; it must show them.
@@ -43,13 +48,16 @@ class Heartbeat:
 
 
 class Liveness:
-    """Per-worker heartbeat bookkeeping. interval_s: the polling interval (a stall longer
-    than this while busy counts as a missed heartbeat)."""
+    """Per-worker heartbeat bookkeeping. stall_s: how long a busy worker may make no progress
+    before that counts as a missed heartbeat. timeout_s: how long a spare may stay silent
+    before it is ``unresponsive`` (a spare has no SUSPECT state: it serves nothing)."""
 
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
+    def __init__(self, stall_s: float, timeout_s: float) -> None:
+        self.stall_s = stall_s
+        self.timeout_s = timeout_s
         self.last: Heartbeat | None = None
         self.last_progress_at: float | None = None
+        self.last_answer_at: float | None = None
         self.missed = 0
 
     def observe(
@@ -64,8 +72,13 @@ class Liveness:
         """Record one poll's outcome; returns the trigger to fire on the worker, or None."""
         if heartbeat is None:
             self.missed += 1
+            if self.last_answer_at is None:
+                self.last_answer_at = now
+            if state == "STANDBY" and now - self.last_answer_at >= self.timeout_s:
+                return "unresponsive"
             return "heartbeat_missed" if state in WATCHED else None
         self.missed = 0
+        self.last_answer_at = now
         previous = self.last
         self.last = heartbeat
         if previous is None or heartbeat.progress != previous.progress or not heartbeat.busy:
@@ -73,7 +86,7 @@ class Liveness:
         stalled = (
             heartbeat.busy
             and self.last_progress_at is not None
-            and now - self.last_progress_at >= self.interval_s
+            and now - self.last_progress_at >= self.stall_s
         )
         if stalled:
             return "heartbeat_missed" if state in WATCHED else None

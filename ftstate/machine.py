@@ -146,7 +146,7 @@ class StateMachine:
         #: The last error recorded (deadline expiry, exhausted budget, or one passed to fire()).
         self.error: FTError | None = None
         self.deadline: Deadline | None = None
-        self._wait: tuple[str, tuple[str, ...], tuple[str, ...]] | None = None
+        self._wait: tuple[str, Any, Any] | None = None
         self._lock = asyncio.Lock()
         self._entry = 0
         self._entered_at = self.clock.now()
@@ -192,12 +192,19 @@ class StateMachine:
         reacts to LOST or FAILED this way, whoever caused them). It must not block."""
         self._listeners.append(callback)
 
-    def describe_wait(self, what: str, *, missing: Iterable[str] = (), arrived: Iterable[str] = ()) -> None:
+    def describe_wait(
+        self,
+        what: str,
+        *,
+        missing: Iterable[str] | Callable[[], Iterable[str]] = (),
+        arrived: Iterable[str] | Callable[[], Iterable[str]] = (),
+    ) -> None:
         """Say what the current state is waiting for, so an expiry can name it and who is missing.
 
-        Reset on every transition; call it again when the set of arrivals changes.
+        ``missing``/``arrived`` may be callables, asked at expiry (e.g. who registered in the
+        rendezvous store by then). Reset on every transition.
         """
-        self._wait = (what, tuple(missing), tuple(arrived))
+        self._wait = (what, missing, arrived)
 
     # -- events ------------------------------------------------------------------------
 
@@ -293,6 +300,8 @@ class StateMachine:
             d = self.spec.states[self.state].deadline
             assert d is not None
             what, missing, arrived = self._wait or (f"{self.member} in {self.state}", (), ())
+            missing = missing() if callable(missing) else missing
+            arrived = arrived() if callable(arrived) else arrived
             exc = getattr(errors, d.error)(
                 what,
                 key=d.key,

@@ -28,9 +28,19 @@ class Worker:
 
 
 class TrainerWorker(Worker):
-    """The trainer: the source of the weights."""
+    """The trainer: the source of the weights.
+
+    A replaced trainer gets back the last committed weights version from a rollout
+    (``reverse_weight_sync``) or from ``checkpoint_dir``; what no rollout holds is the
+    optimizer state, so ftstate then calls :meth:`reset_optimizer` or :meth:`load_checkpoint`
+    as ``fault_tolerance.optimizer_state`` says.
+    """
 
     role: ClassVar[str] = "trainer"
+    #: True when ``state_dict()`` is a lossy view of the master weights (e.g. bf16 copies of
+    #: fp32 masters): rebuilding the trainer from a rollout then loses precision, and ftstate
+    #: refuses unless ``fault_tolerance.allow_lossy_recovery`` is on.
+    lossy_state_dict: ClassVar[bool] = False
 
     def state_dict(self) -> Mapping[str, Any]:
         """The named tensors to push to the rollouts (CPU tensors for gloo, CUDA for nccl)."""
@@ -39,6 +49,20 @@ class TrainerWorker(Worker):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take weights back (recovery of a replaced trainer from a rollout or a checkpoint)."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_state_dict()")
+
+    def reset_optimizer(self) -> None:
+        """Start the optimizer afresh after recovery from a rollout. The default does nothing,
+        right for optimizers without state (plain SGD); override it otherwise."""
+
+    def load_optimizer_checkpoint(self, path: str) -> None:
+        """Load only the optimizer state from ``path`` (weights came back from a rollout)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement load_optimizer_checkpoint() for optimizer_state: checkpoint"
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load weights and optimizer state from the checkpoint folder ``path``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement load_checkpoint() to recover from {path}")
 
 
 class RolloutWorker(Worker):

@@ -177,6 +177,12 @@ class TestAudit:
         assert result.exit_code == 1
         assert f"{path}:8: not a JSON object" in result.stdout
 
+    def test_plot_draws_the_timeline_picture(self, tmp_path: Path) -> None:
+        path = write_trail(tmp_path / "audit.jsonl")
+        result = invoke("audit", str(path), "--no-timeline", "--no-summary", "--plot", str(tmp_path / "t.png"))
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
     def test_a_missing_file_is_one_clean_error_line(self, tmp_path: Path) -> None:
         result = invoke("audit", str(tmp_path / "absent.jsonl"), "--check")
         assert result.exit_code == 2
@@ -197,7 +203,8 @@ class TestDemo:
         monkeypatch.setitem(sys.modules, "ftstate.demo", types.SimpleNamespace(run_demo=run_demo))
         result = invoke("demo", "--out", "somewhere", "--steps", "4", "--no-faults")
         assert result.exit_code == 3, result.output
-        assert calls == [{"out": "somewhere", "steps": 4, "faults": False}]
+        assert calls == [{"out": "somewhere", "steps": 4, "faults": False, "seed": 1, "batch_size": 64,
+                          "pad_mb": 16.0, "rollouts": 2, "max_failovers": 5, "live": True}]
 
     def test_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -205,4 +212,13 @@ class TestDemo:
             sys.modules, "ftstate.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 0)
         )
         assert invoke("demo").exit_code == 0
-        assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": True}]
+        assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": True, "seed": 1, "batch_size": 64,
+                          "pad_mb": 16.0, "rollouts": 2, "max_failovers": 5, "live": True}]
+
+    def test_max_failovers_zero_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        calls: list[dict[str, Any]] = []
+        monkeypatch.setitem(
+            sys.modules, "ftstate.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 2)
+        )
+        assert invoke("demo", "--max-failovers", "0").exit_code == 2
+        assert calls[0]["max_failovers"] == 0

@@ -15,37 +15,52 @@ def observe(lv, now, beat, state="READY", version=3, checksum="abc"):
 
 class TestBecomingSuspect:
     def test_a_missed_heartbeat_makes_a_serving_worker_suspect(self):
-        assert observe(Liveness(1.0), 1.0, None) == "heartbeat_missed"
+        assert observe(Liveness(1.0, 5.0), 1.0, None) == "heartbeat_missed"
 
     def test_a_missed_heartbeat_of_a_standby_is_not_a_suspicion(self):
-        assert observe(Liveness(1.0), 1.0, None, state="STANDBY") is None
+        assert observe(Liveness(1.0, 5.0), 1.0, None, state="STANDBY") is None
 
     def test_an_idle_worker_that_answers_is_fine(self):
-        lv = Liveness(1.0)
+        lv = Liveness(1.0, 5.0)
         assert [observe(lv, t, hb(progress=5)) for t in (1, 2, 3)] == [None, None, None]
 
     def test_a_busy_worker_whose_progress_stalls_for_an_interval_is_suspect(self):
-        lv = Liveness(1.0)
+        lv = Liveness(1.0, 5.0)
         assert observe(lv, 0.0, hb(progress=7, busy=True), state="SYNCING") is None
         assert observe(lv, 0.5, hb(progress=7, busy=True), state="SYNCING") is None
         assert observe(lv, 1.0, hb(progress=7, busy=True), state="SYNCING") == "heartbeat_missed"
 
     def test_a_busy_worker_making_progress_is_fine(self):
-        lv = Liveness(1.0)
+        lv = Liveness(1.0, 5.0)
         assert [observe(lv, t, hb(progress=t, busy=True), state="SYNCING") for t in range(5)] == [None] * 5
 
 
 class TestComingBack:
     def test_a_suspect_showing_the_current_weights_is_verified(self):
-        assert observe(Liveness(1.0), 1, hb(version=3, checksum="abc"), state="SUSPECT") == "verified"
+        assert observe(Liveness(1.0, 5.0), 1, hb(version=3, checksum="abc"), state="SUSPECT") == "verified"
 
     def test_a_suspect_with_an_old_version_is_stale(self):
-        assert observe(Liveness(1.0), 1, hb(version=2, checksum="old"), state="SUSPECT") == "alive_stale"
+        assert observe(Liveness(1.0, 5.0), 1, hb(version=2, checksum="old"), state="SUSPECT") == "alive_stale"
 
     def test_a_suspect_with_the_right_version_but_wrong_bytes_is_stale(self):
-        assert observe(Liveness(1.0), 1, hb(version=3, checksum="torn"), state="SUSPECT") == "alive_stale"
+        assert observe(Liveness(1.0, 5.0), 1, hb(version=3, checksum="torn"), state="SUSPECT") == "alive_stale"
 
     def test_a_suspect_still_stalled_stays_suspect(self):
-        lv = Liveness(1.0)
+        lv = Liveness(1.0, 5.0)
         observe(lv, 0, hb(progress=1, busy=True), state="SYNCING")
         assert observe(lv, 2, hb(progress=1, busy=True), state="SUSPECT") is None
+
+
+class TestSpares:
+    def test_a_spare_silent_for_the_timeout_is_unresponsive(self):
+        lv = Liveness(1.0, 5.0)
+        assert observe(lv, 0.0, hb(), state="STANDBY") is None
+        assert observe(lv, 1.0, None, state="STANDBY") is None
+        assert observe(lv, 4.9, None, state="STANDBY") is None
+        assert observe(lv, 5.0, None, state="STANDBY") == "unresponsive"
+
+    def test_a_spare_that_answers_again_is_fine(self):
+        lv = Liveness(1.0, 5.0)
+        observe(lv, 0.0, None, state="STANDBY")
+        assert observe(lv, 4.0, hb(), state="STANDBY") is None
+        assert observe(lv, 8.0, None, state="STANDBY") is None

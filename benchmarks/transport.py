@@ -1,0 +1,218 @@
+"""Weight-sync throughput: ftstate's bucketed, checksummed, atomically committed broadcast
+against a raw ``ProcessGroupGloo.broadcast`` of the same bytes between the same processes.
+
+    python benchmarks/transport.py [--sizes 64,256,1024] [--receivers 1,2] [--bucket-mb 256] [--reps 3]
+
+One run spawns 1 + max(receivers) processes once (a trainer and its rollouts), forms one
+gloo group version per receiver count and, for each size, alternates raw and ftstate
+rounds. Each round is timed on the sender from a barrier before to a barrier after, so
+both include delivery to every receiver; ftstate's time includes the manifest, packing,
+hashing on both sides, the seal, the commit vote and the commit. Two warm-up rounds
+(ftstate alternates two staging buffers) are not counted; the table shows the median of
+the measured rounds, and the ratio is the median of the per-round ratios (each raw round
+runs right before its ftstate round, so drift of a shared machine largely cancels). The weights are float32 tensors shaped like transformer layers
+(two 2048-wide matrices and two norms per layer) filling the requested size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+MiB = 1024 * 1024
+
+
+def make_weights(size_mb: int) -> dict[str, Any]:
+    """float32 tensors totalling ``size_mb`` MiB, shaped like transformer layers."""
+    import torch
+
+    gen = torch.Generator().manual_seed(size_mb)
+    target = size_mb * MiB // 4  # elements
+    shapes = [(2048, 2048), (5632, 2048), (2048,), (2048,)]
+    out: dict[str, torch.Tensor] = {}
+    used = 0
+    layer = 0
+    while used < target:
+        for j, shape in enumerate(shapes):
+            n = 1
+            for d in shape:
+                n *= d
+            if used + n > target:
+                shape, n = (target - used,), target - used
+            if n == 0:
+                break
+            out[f"layers.{layer}.w{j}"] = torch.randn(shape, generator=gen)
+            used += n
+        layer += 1
+    return out
+
+
+def _cpu_seconds() -> float:
+    """CPU time (user + system) this process used so far, all threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> None:
+    import torch
+
+    from ftstate.transport import Receiver, Sender, create_communicator
+    from ftstate.transport.checksum import tensor_checksum
+
+    torch.set_num_threads(1)
+    sender = Sender(bucket_size=int(args["bucket_mb"] * MiB))
+    receiver = Receiver()
+    for version, receivers in enumerate(args["receivers"], start=1):
+        world = receivers + 1
+        if idx >= world:
+            continue
+        comm = create_communicator(
+            "gloo", store_addr=store_addr, group=f"bench{receivers}", version=version, rank=idx, world_size=world,
+            timeout_s=60,
+        )
+        pg = comm._pg  # the raw baseline runs on the very same process group
+        for size in args["sizes"]:
+            weights = make_weights(size) if idx == 0 else None
+            nbytes = size * MiB
+            raw = torch.zeros(nbytes, dtype=torch.uint8)
+            if idx == 0:
+                raw.fill_(1)
+            times: dict[str, list[float]] = {"raw": [], "ftstate": []}
+            cpu: dict[str, list[float]] = {"raw": [], "ftstate": []}
+            checks = []
+            for rnd in range(args["warmup"] + args["reps"]):
+                for kind in ("raw", "ftstate"):
+                    comm.barrier(timeout_s=60)
+                    c0 = _cpu_seconds()
+                    t0 = time.perf_counter()
+                    if kind == "raw":
+                        pg.broadcast(raw, 0).wait()
+                    elif idx == 0:
+                        report = sender.broadcast(comm, weights, weights_version=rnd, timeout_s=120)
+                        assert report.ok, report
+                        checks.append(report.state_checksum)
+                    else:
+                        got = receiver.receive_broadcast(comm, timeout_s=120)
+                        checks.append(got.state_checksum)
+                    comm.barrier(timeout_s=60)
+                    if rnd >= args["warmup"]:
+                        times[kind].append(time.perf_counter() - t0)
+                        cpu[kind].append(_cpu_seconds() - c0)
+            hashing = []
+            if idx == 0:  # what the checksum alone costs: one xxh3 pass over the same bytes, one core
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for t in weights.values():
+                        tensor_checksum(t)
+                    hashing.append(time.perf_counter() - t0)
+            results.put((idx, receivers, size, {"times": times, "cpu": cpu, "hash": hashing}, checks))
+            del weights, raw
+        comm.close()
+    results.put((idx, None, None, None, None))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="64,256,1024", help="weights sizes in MiB, comma separated")
+    parser.add_argument("--receivers", default="1,2", help="receiver counts, comma separated")
+    parser.add_argument("--bucket-mb", type=float, default=256.0, help="bucket size in MiB (config bucket_size_mb)")
+    parser.add_argument("--reps", type=int, default=3, help="measured rounds per cell")
+    parser.add_argument("--warmup", type=int, default=2, help="uncounted rounds per cell")
+    ns = parser.parse_args(argv)
+    args = {
+        "sizes": [int(s) for s in ns.sizes.split(",") if s],
+        "receivers": [int(r) for r in ns.receivers.split(",") if r],
+        "bucket_mb": ns.bucket_mb,
+        "reps": ns.reps,
+        "warmup": ns.warmup,
+    }
+    from ftstate.transport import StoreServer
+
+    server = StoreServer("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    nproc = 1 + max(args["receivers"])
+    procs = [ctx.Process(target=_worker, args=(i, str(server.address), args, results), daemon=True) for i in range(nproc)]
+    for p in procs:
+        p.start()
+    cells: dict[tuple[int, int], dict[int, Any]] = {}
+    done = 0
+    try:
+        while done < nproc:
+            try:
+                idx, receivers, size, times, checks = results.get(timeout=1)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    print(f"benchmark failed: process(es) {dead} exited with an error", file=sys.stderr)
+                    return 1
+                continue
+            if receivers is None:
+                done += 1
+                continue
+            cells.setdefault((receivers, size), {})[idx] = (times, checks)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        server.close()
+
+    cores = os.cpu_count() or 1
+    print(
+        f"bucket size {ns.bucket_mb:g} MiB, {ns.reps} measured rounds, {ns.warmup} warm-up, {cores} cores; "
+        "seconds are medians; ratio = median over rounds of raw time / ftstate time "
+        "(ftstate throughput / raw throughput)"
+    )
+    header = (
+        f"{'size':>8} {'recv':>4} | {'raw s':>7} {'raw GB/s':>8} {'raw cpu':>7} | {'ftstate s':>9} {'ft GB/s':>7} "
+        f"{'ft cpu':>6} | {'ratio':>5} | {'xxh3 s':>6} | checksums"
+    )
+    print(header)
+    print("-" * len(header))
+    worst = None
+    for (receivers, size), per_rank in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        data, sender_checks = per_rank[0]
+        times = data["times"]
+        agree = all(per_rank[r][1] == sender_checks for r in per_rank)
+        raw = statistics.median(times["raw"])
+        ft = statistics.median(times["ftstate"])
+        # CPU busy across all processes of the round, as a share of the machine's cores
+        load = {
+            kind: statistics.median(
+                sum(per_rank[r][0]["cpu"][kind][i] for r in per_rank) / (times[kind][i] * cores)
+                for i in range(len(times[kind]))
+            )
+            for kind in ("raw", "ftstate")
+        }
+        gb = size * MiB / 1e9
+        # ftstate throughput / raw throughput, paired round by round (a raw round and an
+        # ftstate round run back to back) so that the machine's drift cancels out
+        ratio = statistics.median(r / f for r, f in zip(times["raw"], times["ftstate"], strict=True))
+        if size >= 256:
+            worst = ratio if worst is None else min(worst, ratio)
+        print(
+            f"{size:>5} MiB {receivers:>4} | {raw:>7.3f} {gb / raw:>8.2f} {load['raw']:>7.0%} | {ft:>9.3f} "
+            f"{gb / ft:>7.2f} {load['ftstate']:>6.0%} | {ratio:>5.2f} | {statistics.median(data['hash']):>6.3f} | "
+            f"{'match' if agree else 'MISMATCH'}"
+        )
+    if worst is not None:
+        print(f"worst ratio at >= 256 MiB: {worst:.2f} (goal >= 0.85)")
+    print(
+        "raw cpu / ft cpu: CPU time of all processes over the round's wall time and all cores; xxh3 s: one "
+        "pass of the checksum over the same bytes on one core (each side does one pass per sync)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Actor calls: the one place every call from the controller to a worker goes through.
+
+Ray reports a worker's failure as an exception on whatever call was pending when it
+happened. Letting each call site catch its own subset would lose some of them, so every
+call goes through :meth:`ActorCalls.call`, which turns
+
+- ``ActorDiedError`` (the process is gone: SIGKILL, OOM, node lost) into a ``died`` event on
+  the worker's machine and a :class:`~ftstate.errors.MemberLost` for the caller;
+- ``ActorUnavailableError`` (unreachable for now) and an expired ``timeout`` into
+  :class:`~ftstate.errors.MemberLost` without a state change: the heartbeat watchdog decides
+  whether an unreachable worker is suspect or lost, from repeated evidence;
+- an ftstate error raised inside the worker (``PeerLost``, ``ChecksumMismatch``…) back into
+  that error, so callers catch ftstate's classes, never Ray's wrappers.
+
+Detection latency for a SIGKILLed worker with a call pending is Ray's (~10-20 ms here);
+an idle one is found by the next heartbeat poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from ftstate.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
+
+
+class ActorCalls:
+    """Routes calls to worker actors and reports deaths.
+
+    on_died: called once per member with (member, reason) when Ray says its process is gone;
+    the runtime fires the worker's ``died`` event from it.
+    """
+
+    def __init__(self, on_died: Callable[[str, str], Any]) -> None:
+        self._on_died = on_died
+        self._reported: set[str] = set()
+
+    async def call(self, member: str, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call ``method`` on the actor; ``timeout`` (seconds) bounds only this call (heartbeat
+        polls use it; everything else is bounded by its state's deadline)."""
+        import ray.exceptions as rex
+
+        ref = getattr(handle, method).remote(*args)
+        try:
+            if timeout is None:
+                return await ref
+            return await asyncio.wait_for(_as_future(ref), timeout)
+        except rex.ActorDiedError as exc:
+            reason = f"process died during {method}(): {_first_line(exc)}"
+            await self._report(member, reason)
+            raise MemberLost(member, reason) from exc
+        except rex.ActorUnavailableError as exc:
+            raise MemberLost(member, f"unreachable during {method}(): {_first_line(exc)}") from exc
+        except TimeoutError as exc:
+            ray_cancel(ref)
+            raise MemberLost(member, f"no answer to {method}() within {timeout:g}s") from exc
+        except rex.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, FTError):
+                raise _naming(member, cause) from exc
+            raise
+
+    async def _report(self, member: str, reason: str) -> None:
+        if member in self._reported:
+            return
+        self._reported.add(member)
+        result = self._on_died(member, reason)
+        if asyncio.iscoroutine(result):
+            await result
+
+    def forget(self, member: str) -> None:
+        """A new actor now carries this member name: report its death again."""
+        self._reported.discard(member)
+
+
+def _naming(member: str, exc: FTError) -> FTError:
+    """The worker's error with the member's name in front (transport errors inside a worker
+    only know their rank), for the classes whose only argument is the message."""
+    if type(exc) in (TransportError, PeerLost, ChecksumMismatch, ManifestError, FTError) and member not in str(exc):
+        return type(exc)(f"{member}: {exc}")
+    return exc
+
+
+def _as_future(ref: Any) -> asyncio.Future[Any]:
+    return asyncio.wrap_future(ref.future())
+
+
+def ray_cancel(ref: Any) -> None:
+    import ray
+
+    with contextlib.suppress(Exception):  # best effort: the actor may already be gone
+        ray.cancel(ref)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

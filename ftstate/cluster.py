@@ -1,0 +1,67 @@
+"""The Ray cluster a runtime runs on: join the one the config names, reuse the one this
+process already started, or start a local one (the embedded default).
+
+A local cluster binds loopback only: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` must be in the
+environment before Ray is imported (Ray reads it at import), otherwise Ray binds the
+machine's network address even when told 127.0.0.1 (DESIGN.md, measured). This module sets
+it before it imports Ray; on a real cluster (``address`` given) it changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from ftstate.errors import ConfigError, FTError
+
+_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _import_ray(local: bool) -> Any:
+    if local and "ray" not in sys.modules:
+        os.environ.setdefault(_LOOPBACK_ENV, "0")
+    import ray
+
+    return ray
+
+
+def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
+    """Make sure this process is connected to a Ray cluster. Returns True when this call
+    started a local cluster (its owner shuts it down), False when it joined or reused one.
+    log_to_driver: forward the workers' output here (the demo turns it off: the raylet's
+    notice for every worker it sees killed would bury the live view)."""
+    ray = _import_ray(local=address is None)
+    if ray.is_initialized():
+        return False
+    if address is None:
+        if os.environ.get(_LOOPBACK_ENV) != "0":
+            raise FTError(
+                f"a local Ray cluster must bind loopback: set {_LOOPBACK_ENV}=0 before Ray is imported "
+                "(import ftstate.cluster first, or set it in the environment)"
+            )
+        ray.init(
+            num_cpus=num_cpus if num_cpus is not None else max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            logging_level="ERROR",
+            configure_logging=True,
+            log_to_driver=log_to_driver,
+        )
+        return True
+    try:
+        ray.init(address=address, logging_level="ERROR")
+    except ConnectionError as exc:
+        raise ConfigError("address", f"cannot connect to the Ray cluster at {address!r}: {exc}") from exc
+    return False
+
+
+def node_address() -> str:
+    """The address Ray reports for this node (127.0.0.1 on the embedded default)."""
+    ray = _import_ray(local=False)
+    return ray.util.get_node_ip_address()
+
+
+def shutdown() -> None:
+    ray = _import_ray(local=False)
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,83 @@
+"""The demo's toy task: sort a few digits, with a reward anyone can check by hand.
+
+A prompt is ``BOS d1 d2 d3 SEP``: three digits drawn uniformly from 0-9. The policy answers
+with three tokens; the reward is the fraction of positions that hold the prompt's digits in
+ascending order (``BOS 7 2 5 SEP`` → ``2 5 7``): 1/3 per correct position, so a policy
+that gets the first digit right earns 0.33 and a perfect one 1.0.
+
+Prompts are a pure function of ``(seed, step, index)`` (:func:`make_prompts`), and each
+carries an id unique within the run (``step * batch_size + index``), so a prompt's
+samples can be seeded from its id whichever rollout serves it.
+
+What a policy learns first, and why the curve rises fast: a random one emits any of the
+:data:`VOCAB_SIZE` tokens (reward ≈ 0.07). It then learns which tokens belong where — a
+digit, small ones first, large ones last (≈ 0.2); then to copy the prompt's small digit
+first and its large one last, which is where the reward climbs past 0.4.
+
+This module imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+
+#: Tokens 0-9 are the digits themselves.
+DIGITS = tuple(range(10))
+BOS = 10
+SEP = 11
+EOS = 12
+PAD = 13
+#: The policy's vocabulary: the ten digits and the special tokens above.
+VOCAB_SIZE = 14
+#: Digits in a prompt, and tokens in an answer.
+N_DIGITS = 3
+#: ``BOS`` + digits + ``SEP``.
+PROMPT_LEN = N_DIGITS + 2
+
+TOKEN_NAMES = {BOS: "<s>", SEP: "|", EOS: "</s>", PAD: "_"}
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from ``parts``, the same in every process (blake2b, not ``hash()``,
+    which Python randomises per process for strings)."""
+    digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def make_prompts(step: int, batch_size: int, seed: int) -> list[tuple[int, list[int]]]:
+    """The prompts of one step: ``batch_size`` pairs ``(prompt_id, tokens)``.
+
+    Deterministic in ``(step, batch_size, seed)``; prompt ids are ``step * batch_size + i``,
+    unique across the run's steps for a fixed batch size.
+    """
+    out = []
+    for i in range(batch_size):
+        rng = random.Random(derive_seed("prompt", seed, step, i))
+        digits = [rng.choice(DIGITS) for _ in range(N_DIGITS)]
+        out.append((step * batch_size + i, [BOS, *digits, SEP]))
+    return out
+
+
+def target(prompt_tokens: Sequence[int]) -> list[int]:
+    """The right answer: the prompt's digits in ascending order."""
+    return sorted(t for t in prompt_tokens if t in DIGITS)
+
+
+def reward(prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -> float:
+    """Fraction of the answer's positions that hold the sorted digits (0.0 to 1.0).
+
+    Position ``i`` of the completion is compared with position ``i`` of :func:`target`;
+    missing positions (a short completion) score nothing, and so does anything after them.
+    """
+    want = target(prompt_tokens)
+    if not want:
+        raise ValueError(f"prompt {list(prompt_tokens)} holds no digits")
+    hits = sum(1 for i, tok in enumerate(completion_tokens[: len(want)]) if tok == want[i])
+    return hits / len(want)
+
+
+def render(tokens: Sequence[int]) -> str:
+    """Tokens as text, e.g. ``<s> 7 2 5 | 2 5 7``."""
+    return " ".join(TOKEN_NAMES.get(t, str(t)) for t in tokens)

@@ -1,0 +1,325 @@
+"""Failover: replacing a lost worker within ``failover_timeout_s``, losing no weights.
+
+With ``fault_tolerance.enable: true`` a worker that reaches LOST (its process died, or it
+hung past ``heartbeat_timeout_s``) is replaced instead of failing the run. The group goes
+READY -> DEGRADED -> PROMOTING -> RESYNCED -> READY:
+
+1. **DEGRADED**: the loss is recorded; surviving rollouts keep serving the version they
+   hold, which is still the current one.
+2. **PROMOTING** (spends one of ``max_failovers``; carries ``failover_timeout_s``): a
+   replacement takes the lost member's rank: a prewarmed spare from the standby pool
+   (``mode: standby``; its process, user class and transport are already loaded) or a fresh
+   actor (``mode: cold``). Every live member then forms group version N+1 (the store is
+   fenced, so anything still addressed to version N is rejected).
+3. **RESYNCED**: the newcomer alone receives the current weights, point to point from a
+   surviving rollout that holds them (checksum-proven); a new trainer gets them the same
+   way in reverse (``reverse_weight_sync``) or loads ``checkpoint_dir``. Before any sync, or
+   when no survivor holds the current version, it stays STALE and the next sync brings it
+   up to date: it is never admitted without them.
+4. **READY**: the newcomer is admitted; a new spare is started in the background so the
+   next failure is covered too.
+
+In standby mode a spare still warming up is waited for, and with none at all a fresh actor
+is started (as in cold mode). With no replacement possible (the fresh actor cannot start)
+the group shrinks (rollouts only) while at least ``min_rollout_workers`` serve, and
+otherwise fails with a clear error. Each failover is
+recorded (who, by whom, how long each phase took) for the sync report and the demo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from ftstate.errors import FTError, LossyRecoveryRefused, MemberLost
+
+if TYPE_CHECKING:
+    from ftstate.runtime import Runtime, _Member
+
+
+@dataclasses.dataclass(frozen=True)
+class FailoverRecord:
+    """One failover. lost / replacement: member names; reason: why it was lost;
+    detected_at: loop time it was declared LOST; rerendezvous_s / transfer_s / total_s: time
+    to form the next group version, to move the weights to the newcomer, and from LOST to
+    serving; group_version: the version formed."""
+
+    lost: str
+    role: str
+    replacement: str | None
+    reason: str
+    detected_at: float
+    rerendezvous_s: float
+    transfer_s: float
+    total_s: float
+    group_version: int
+    resynced: bool
+
+
+class Failover:
+    """The failover procedure of one runtime (it owns the spares)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.records: list[FailoverRecord] = []
+        self._pending: list[tuple[_Member, float]] = []
+        self._spare_seq = 0
+        self._warming: set[asyncio.Task[Any]] = set()
+
+    @property
+    def ft(self) -> Any:
+        return self.rt.config.fault_tolerance
+
+    # -- spares --------------------------------------------------------------------------
+
+    def start_spares(self) -> None:
+        """Start ``standby_workers`` prewarmed spares per role (standby mode only)."""
+        if not (self.ft.enable and self.ft.mode == "standby"):
+            return
+        for role in ("trainer", "rollout"):
+            for _ in range(self.ft.standby_workers):
+                self.start_spare(role)
+
+    def start_spare(self, role: str) -> None:
+        name = f"spare-{role}-{self._spare_seq}"
+        self._spare_seq += 1
+        pool = self.ft.standby_resource_pool
+        if not self.rt._pools[pool].has_free_slot():
+            pool = role
+        m = self.rt._add_member(role, -1, name, pool=pool)
+        task = asyncio.get_running_loop().create_task(self._warm(m))
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, m: _Member) -> None:
+        try:
+            info = await self.rt._calls.call(m.name, m.handle, "prewarm")
+        except FTError:
+            return  # died while warming: its machine is LOST already
+        m.pid, m.node = info["pid"], info["node"]
+        m.machine.bind(pid=m.pid, node=m.node)
+        if m.machine.can("warm"):
+            await m.machine.fire("warm")
+
+    def spare_for(self, role: str) -> _Member | None:
+        spares = [m for m in self.rt._members.values() if m.role == role and m.machine.state == "STANDBY"]
+        return sorted(spares, key=lambda m: m.name)[0] if spares else None
+
+    async def close(self) -> None:
+        for task in list(self._warming):
+            task.cancel()
+        await asyncio.gather(*self._warming, return_exceptions=True)
+
+    # -- losses ----------------------------------------------------------------------------
+
+    def note_loss(self, m: _Member, detected_at: float) -> None:
+        if m.rank >= 0 and all(p is not m for p, _ in self._pending):  # a spare's loss needs no failover
+            self._pending.append((m, detected_at))
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    async def recover(self) -> int:
+        """Replace every pending loss; the caller holds the runtime's membership lock.
+        Returns how many failovers ran. Raises the group's error if the run cannot go on."""
+        done = 0
+        while self._pending:
+            m, detected_at = self._pending.pop(0)
+            await self._replace(m, detected_at)
+            done += 1
+        return done
+
+    async def _replace(self, lost: _Member, detected_at: float) -> None:
+        rt = self.rt
+        group = rt._require_group()
+        reason = str(lost.machine.error) if lost.machine.error else f"{lost.name} lost"
+        if group.can("member_lost"):
+            await group.fire("member_lost", reason=reason, member_lost=lost.name)
+        await group.fire("promote", reason=f"{lost.name}: {reason}")  # spends the budget, or FAILED
+        if group.terminal:
+            raise group.error or FTError(f"failover of {lost.name} failed")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        async with group.deadline_scope():
+            await self._retire(lost)
+            while True:  # until a replacement serves; bounded by this state's deadline
+                try:
+                    replacement = await self._replacement(lost)
+                except FTError as exc:
+                    if lost.role != "rollout":
+                        raise
+                    await group.fire("promotion_failed", reason=f"no replacement for {lost.name}: {exc}")
+                    await self._shrink(lost, reason)
+                    return
+                replacement.rank = lost.rank
+                replacement.machine.bind(rank=lost.rank)
+                group.describe_wait(f"failover of {lost.name} to {replacement.name}", missing=[replacement.name])
+                try:
+                    await rt._reform()
+                    t_reformed = loop.time()
+                    resynced = await self._resync(replacement)
+                except MemberLost:
+                    if replacement.machine.state not in ("LOST", "RETIRED"):
+                        raise
+                    # The replacement itself died (e.g. a spare killed before anyone noticed):
+                    # it is retired and the next candidate is tried.
+                    self._pending = [(p, t) for p, t in self._pending if p is not replacement]
+                    await self._retire(replacement)
+                    continue
+                t_done = loop.time()
+                break
+        await group.fire("promoted", replacement=replacement.name, lost=lost.name)
+        await group.fire("resume")
+        self.records.append(FailoverRecord(
+            lost=lost.name, role=lost.role, replacement=replacement.name, reason=reason, detected_at=detected_at,
+            rerendezvous_s=t_reformed - t0, transfer_s=t_done - t_reformed, total_s=t_done - detected_at,
+            group_version=group.group_version, resynced=resynced,
+        ))
+        rt.audit.record("failover", lost=lost.name, replacement=replacement.name, role=lost.role,
+                        rerendezvous_s=round(t_reformed - t0, 6), transfer_s=round(t_done - t_reformed, 6),
+                        total_s=round(t_done - detected_at, 6), group_version=group.group_version,
+                        weights_version=group.weights_version, resynced=resynced)
+        if self.ft.mode == "standby":
+            self.start_spare(lost.role)
+
+    async def _replacement(self, lost: _Member) -> _Member:
+        """A warm spare of the lost member's role (standby mode; one still warming is waited
+        for), else a fresh actor started now in the lost member's slot (cold mode, or no spare
+        left). Raises FTError when none can be had."""
+        rt = self.rt
+        if self.ft.mode == "standby":
+            spare = self.spare_for(lost.role)
+            if spare is None:
+                warming = [m for m in rt._members.values()
+                           if m.role == lost.role and m.rank < 0 and m.machine.state == "INIT"]
+                if warming:
+                    await warming[0].machine.wait_for("STANDBY")
+                    spare = warming[0]
+            if spare is not None:
+                await spare.machine.fire("promote", reason=f"replaces {lost.name}")
+                await spare.machine.fire("join", reason=f"takes rank {lost.rank} of {lost.name}")
+                return spare
+        fresh = rt._add_member(lost.role, lost.rank, f"{lost.role}-{lost.rank}-r{self._spare_seq}", pool=lost.pool)
+        self._spare_seq += 1
+        info = await rt._calls.call(fresh.name, fresh.handle, "prewarm")
+        fresh.pid, fresh.node = info["pid"], info["node"]
+        fresh.machine.bind(pid=fresh.pid, node=fresh.node)
+        await fresh.machine.fire("join", reason=f"fresh replacement of {lost.name}")
+        return fresh
+
+    async def _retire(self, lost: _Member) -> None:
+        if lost.machine.can("retire"):
+            await lost.machine.fire("retire", reason="replaced")
+        self.rt._pools[lost.pool].give_back(lost.slot)
+
+    async def _shrink(self, lost: _Member, reason: str) -> None:
+        rt = self.rt
+        group = rt._require_group()
+        serving = [m for m in rt._role("rollout") if m is not lost and m.machine.state not in ("LOST", "RETIRED")]
+        if len(serving) < self.ft.min_rollout_workers:
+            err = MemberLost(lost.name, f"{reason}; no spare to replace it and only {len(serving)} rollouts "
+                                        f"left, fewer than min_rollout_workers={self.ft.min_rollout_workers}",
+                             group_version=group.group_version)
+            await group.fire("fail", reason=str(err), error=err)
+            raise err
+        for rank, m in enumerate(sorted(serving, key=lambda m: m.rank), start=1):
+            m.rank = rank
+            m.machine.bind(rank=rank)
+        await rt._reform()
+        await group.fire("shrink", reason=f"{lost.name} lost with no spare; {len(serving)} rollouts serve")
+
+    async def _resync(self, newcomer: _Member) -> bool:
+        """Move the current version to the newcomer only; False when it must wait for the next sync."""
+        rt = self.rt
+        group = rt._require_group()
+        await newcomer.machine.fire("joined")
+        version, checksum = group.weights_version, rt.checksum
+        if version == 0 or checksum is None:
+            if newcomer.role == "trainer":
+                await self._trainer_without_weights(newcomer)
+            return False
+        def holders() -> list[_Member]:
+            return [m for m in rt._role("rollout") if m is not newcomer and m.machine.serving
+                    and m.machine.weights_version == version]
+
+        sources = holders()
+        if not sources and newcomer.role == "trainer":
+            # Rollouts blocked behind the hung trainer were suspected too; let them prove
+            # their weights before concluding that nobody holds them.
+            await rt._settle_suspects(done=lambda: bool(holders()))
+            sources = holders()
+        if newcomer.role == "trainer":
+            if not self.ft.reverse_weight_sync:
+                await self._trainer_from_checkpoint(newcomer)
+                return True
+            if rt._classes["trainer"].lossy_state_dict and not self.ft.allow_lossy_recovery:
+                err = LossyRecoveryRefused(
+                    f"{newcomer.name}: refusing to rebuild the trainer from rollout weights: "
+                    f"{rt._classes['trainer'].__name__}.lossy_state_dict is true (rollouts hold a lossy copy "
+                    "of the master weights); set fault_tolerance.allow_lossy_recovery or use checkpoint_dir"
+                )
+                await group.fire("fail", reason=str(err), error=err)
+                raise err
+            if not sources:
+                err = MemberLost(newcomer.name, "no rollout holds the current weights version to rebuild the trainer")
+                await group.fire("fail", reason=str(err), error=err)
+                raise err
+        elif not sources:
+            return False  # no survivor holds it: the next sync resyncs the newcomer
+        src = sources[0]
+        await newcomer.machine.fire("resync", source=src.name)
+        timeout = rt.config.sync_timeout_s
+        await asyncio.gather(
+            rt._calls.call(src.name, src.handle, "send_weights_to", newcomer.rank, timeout),
+            rt._calls.call(newcomer.name, newcomer.handle, "receive_weights_from", src.rank, version, checksum, timeout),
+        )
+        newcomer.machine.weights_version = version
+        await newcomer.machine.fire("verified", checksum=checksum, source=src.name)
+        if newcomer.role == "trainer":
+            await self._optimizer_policy(newcomer)
+            await self._replay(newcomer)
+        await newcomer.machine.fire("admit")
+        return True
+
+    async def _replay(self, trainer: _Member) -> None:
+        """Re-run, on the new trainer, the calls made since the last committed sync."""
+        rt = self.rt
+        for method, args, kwargs in rt._trainer_calls:
+            await rt._calls.call(trainer.name, trainer.handle, "call", method, args, kwargs)
+        if rt._trainer_calls:
+            rt.audit.record("trainer_replay", member=trainer.name, calls=[c[0] for c in rt._trainer_calls])
+
+    async def _trainer_without_weights(self, newcomer: _Member) -> None:
+        # No version was ever committed: the new trainer starts from its own construction,
+        # like the first one did, unless a checkpoint is named.
+        if self.ft.checkpoint_dir is not None:
+            await self._trainer_from_checkpoint(newcomer)
+            return
+        await newcomer.machine.fire("resync")
+        await newcomer.machine.fire("verified", reason="no committed version yet: constructed weights")
+        await newcomer.machine.fire("admit")
+
+    async def _trainer_from_checkpoint(self, newcomer: _Member) -> None:
+        rt = self.rt
+        path = self.ft.checkpoint_dir
+        if path is None:
+            err = MemberLost(newcomer.name, "trainer lost with reverse_weight_sync off and no checkpoint_dir to "
+                                            "recover from")
+            await rt._require_group().fire("fail", reason=str(err), error=err)
+            raise err
+        await newcomer.machine.fire("resync", source=path)
+        await rt._calls.call(newcomer.name, newcomer.handle, "call", "load_checkpoint", (path,), {})
+        await newcomer.machine.fire("verified", source=path)
+        await newcomer.machine.fire("admit")
+
+    async def _optimizer_policy(self, newcomer: _Member) -> None:
+        rt = self.rt
+        if self.ft.optimizer_state == "checkpoint":
+            await rt._calls.call(
+                newcomer.name, newcomer.handle, "call", "load_optimizer_checkpoint", (self.ft.checkpoint_dir,), {}
+            )
+        else:
+            await rt._calls.call(newcomer.name, newcomer.handle, "call", "reset_optimizer", (), {})
+

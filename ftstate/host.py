@@ -1,0 +1,339 @@
+"""WorkerHost: the Ray actor that hosts one user worker and its end of the weight transport.
+
+The controller (:class:`ftstate.runtime.Runtime`) never talks to user code directly; it
+calls a host, which
+
+- constructs the user's :class:`~ftstate.worker.TrainerWorker` / ``RolloutWorker``;
+- joins weight-sync group versions and sends, stages, commits or discards weights;
+- runs user methods one at a time, plain ones in a thread so the actor's event loop keeps
+  answering heartbeats (a blocking call in an async actor would freeze it, DESIGN.md);
+- answers heartbeats with a progress counter, whether it is busy in a transfer, and the
+  weights version and checksum it holds committed.
+
+Weights are committed in two phases so no rollout ever holds a torn or a lone version:
+``receive_weights`` stages and verifies every bucket (the previous version stays in place);
+``commit_weights`` hands the staged state to ``load_weights`` only after the controller saw
+every rollout stage the same version; ``discard_weights`` drops it otherwise. The user lock
+is held during the commit, so no generation call runs against half-loaded weights.
+
+This is the shell: it imports torch (through the transport) and runs inside Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import signal
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from ftstate.errors import FTError
+
+
+class WorkerHost:
+    """One worker process.
+
+    member: its name (``rollout-1``); role: ``trainer`` or ``rollout``; user_cls, args,
+    kwargs: the user's class and constructor arguments; backend: ``gloo`` or ``nccl``;
+    bucket_bytes: broadcast bucket size.
+    """
+
+    def __init__(
+        self,
+        member: str,
+        role: str,
+        user_cls: type,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        backend: str,
+        bucket_bytes: int,
+    ) -> None:
+        self.member = member
+        self.role = role
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.user = user_cls(*args, **dict(kwargs))
+        self.progress = 0
+        self.busy = False
+        self.weights_version = 0
+        self.checksum: str | None = None
+        self.group_version = 0
+        self._comm: Any = None
+        self._sender: Any = None
+        self._receiver: Any = None
+        self._staged: Any = None
+        self._loaded: Any = None
+        self._corrupt_next = False
+        self._signal_at_progress: tuple[int, int] | None = None
+        self._user_lock: asyncio.Lock | None = None
+
+    # -- identity and liveness ----------------------------------------------------------
+
+    async def info(self) -> dict[str, Any]:
+        try:
+            import ray
+
+            node = ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001 - outside Ray (unit use): the host name will do
+            node = socket.gethostname()
+        return {"pid": os.getpid(), "node": node, "member": self.member, "role": self.role}
+
+    async def heartbeat(self) -> dict[str, Any]:
+        return {
+            "progress": self.progress,
+            "busy": self.busy,
+            "weights_version": self.weights_version,
+            "checksum": self.checksum,
+            "pid": os.getpid(),
+        }
+
+    def _lock(self) -> asyncio.Lock:
+        if self._user_lock is None:
+            self._user_lock = asyncio.Lock()
+        return self._user_lock
+
+    def _tick(self) -> None:
+        # Called from the event loop and from transfer threads (per bucket).
+        self.progress += 1
+        if self._signal_at_progress is not None and self.progress >= self._signal_at_progress[0]:
+            sig = self._signal_at_progress[1]
+            self._signal_at_progress = None
+            os.kill(os.getpid(), sig)
+
+    # -- the group --------------------------------------------------------------------
+
+    async def join(
+        self, store_host: str, store_port: int, group: str, version: int, rank: int, world_size: int, timeout_s: float
+    ) -> dict[str, Any]:
+        """Form group version ``version`` as ``rank`` of ``world_size``. ``timeout_s`` bounds the
+        transport's own wait (the controller's state deadline bounds the whole rendezvous)."""
+        from ftstate.transport import create_communicator
+
+        self.leave()
+        self._comm = await asyncio.to_thread(
+            create_communicator,
+            self.backend,
+            store_addr=(store_host, store_port),
+            group=group,
+            version=version,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            device_host=store_host,
+        )
+        self.group_version = version
+        self._tick()
+        return {"group_version": version, "rank": rank}
+
+    def leave(self) -> None:
+        if self._comm is not None:
+            try:
+                self._comm.abort("left the group version")
+            finally:
+                self._comm = None
+
+    # -- weights ------------------------------------------------------------------------
+
+    async def send_weights(self, weights_version: int, timeout_s: float) -> dict[str, Any]:
+        """Trainer: broadcast the user's ``state_dict()`` to the group as ``weights_version``.
+        ``timeout_s`` bounds the transfer (the controller passes what is left of sync_timeout_s)."""
+        from ftstate.transport import Sender
+
+        comm = self._require_comm()
+        if self._sender is None:
+            self._sender = Sender(bucket_size=self.bucket_bytes)
+        async with self._lock():
+            state = await self._run(self.user.state_dict)
+            self.busy = True
+            try:
+                report = await asyncio.to_thread(
+                    self._sender.broadcast, comm, state, weights_version=weights_version,
+                    timeout_s=timeout_s, progress=self._on_bucket,
+                )
+            finally:
+                self.busy = False
+        if report.ok:
+            self.weights_version = weights_version
+            self.checksum = report.state_checksum
+        self._tick()
+        return {"checksum": report.state_checksum, "nbytes": report.nbytes,
+                "rejected": {int(k): v for k, v in report.rejected.items()}}
+
+    async def receive_weights(self, weights_version: int, src: int, timeout_s: float) -> dict[str, Any]:
+        """Rollout: receive and verify the broadcast of ``weights_version`` from rank ``src``.
+        It is staged: the user's ``load_weights`` is not called until :meth:`commit_weights`."""
+        from ftstate.errors import ManifestError
+        from ftstate.transport import Receiver
+
+        comm = self._require_comm()
+        if self._receiver is None:
+            self._receiver = Receiver()
+        self._staged = None
+        if self._corrupt_next:
+            self._corrupt_next = False
+            self._receiver.corrupt_next_bucket()
+        self.busy = True
+        try:
+            staged = await asyncio.to_thread(
+                self._receiver.receive_broadcast, comm, root=src, timeout_s=timeout_s, progress=self._on_bucket
+            )
+        finally:
+            self.busy = False
+        if staged.weights_version != weights_version:
+            raise ManifestError(
+                f"{self.member}: expected weights version {weights_version}, the sender sent {staged.weights_version}"
+            )
+        self._staged = staged
+        self._tick()
+        return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": staged.weights_version}
+
+    async def commit_weights(self, weights_version: int) -> dict[str, Any]:
+        """Rollout: hand the staged version to ``load_weights``; the user lock pauses calls meanwhile."""
+        staged = self._staged
+        if staged is None or staged.weights_version != weights_version:
+            have = "nothing" if staged is None else f"version {staged.weights_version}"
+            raise FTError(f"{self.member}: asked to commit weights version {weights_version} but staged {have}")
+        async with self._lock():
+            await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+            self.weights_version = weights_version
+            self.checksum = staged.state_checksum
+            self._loaded = staged
+            self._staged = None
+        self._tick()
+        return {"checksum": self.checksum, "weights_version": self.weights_version}
+
+    async def discard_weights(self) -> None:
+        """Drop a staged version; what the user holds (the previous version) stays current."""
+        self._staged = None
+
+    async def prewarm(self) -> dict[str, Any]:
+        """A spare's warm-up: import the transport (torch, the backend) now, not on promotion."""
+        import ftstate.transport.sync  # noqa: F401 - the import is the warm-up
+
+        return await self.info()
+
+    async def send_weights_to(self, peer: int, timeout_s: float) -> dict[str, Any]:
+        """Point to point: send the committed version this rollout holds to ``peer`` only
+        (recovery of a newcomer, or reverse recovery of a new trainer)."""
+        from ftstate.transport import Sender
+
+        comm = self._require_comm()
+        if self._loaded is None:
+            raise FTError(f"{self.member}: holds no committed weights to send")
+        if self._sender is None:
+            self._sender = Sender(bucket_size=self.bucket_bytes)
+        self.busy = True
+        try:
+            report = await asyncio.to_thread(
+                self._sender.send_to, comm, peer, self._loaded, timeout_s=timeout_s, progress=self._on_bucket
+            )
+        finally:
+            self.busy = False
+        if not report.ok:
+            from ftstate.errors import ChecksumMismatch
+
+            raise ChecksumMismatch(f"{self.member}: rank {peer} rejected weights version "
+                                   f"{self._loaded.weights_version}: {dict(report.rejected)}")
+        return {"checksum": report.state_checksum, "nbytes": report.nbytes,
+                "weights_version": self._loaded.weights_version}
+
+    async def receive_weights_from(
+        self, src: int, weights_version: int, checksum: str, timeout_s: float
+    ) -> dict[str, Any]:
+        """Point to point: receive the current version from ``src``, prove it is that version
+        (``checksum``), and adopt it: a rollout through ``load_weights``, a trainer through
+        ``load_state_dict``."""
+        from ftstate.errors import ChecksumMismatch
+        from ftstate.transport import Receiver
+
+        comm = self._require_comm()
+        if self._receiver is None:
+            self._receiver = Receiver()
+        self.busy = True
+        try:
+            staged = await asyncio.to_thread(
+                self._receiver.receive_from, comm, src, timeout_s=timeout_s, progress=self._on_bucket
+            )
+        finally:
+            self.busy = False
+        if staged.weights_version != weights_version or staged.state_checksum != checksum:
+            raise ChecksumMismatch(
+                f"{self.member}: received weights version {staged.weights_version} ({staged.state_checksum}) "
+                f"from rank {src}, expected version {weights_version} ({checksum})"
+            )
+        async with self._lock():
+            if self.role == "trainer":
+                await self._run(self.user.load_state_dict, {k: v.clone() for k, v in staged.tensors.items()})
+            else:
+                await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+            self.weights_version = weights_version
+            self.checksum = staged.state_checksum
+            self._loaded = staged
+        self._tick()
+        return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": weights_version}
+
+    async def bench_raw_broadcast(self, nbytes: int, root: int, timeout_s: float) -> float:
+        """Benchmarks only: a bare broadcast of ``nbytes`` on the current group version (every
+        member must call it), the baseline ftstate's transfers are compared with. Seconds."""
+        import time
+
+        import torch
+
+        comm = self._require_comm()
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if comm.rank == root:
+            buf.fill_(7)
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            comm.broadcast(buf, root, timeout_s=timeout_s).wait()
+            return time.perf_counter() - t0
+
+        return await asyncio.to_thread(run)
+
+    async def chaos_hang(self) -> None:
+        """Stop this process (SIGSTOP): alive, holding its sockets, making no progress."""
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _on_bucket(self, done: int, total: int) -> None:
+        self._tick()
+
+    def _require_comm(self) -> Any:
+        if self._comm is None:
+            raise FTError(f"{self.member}: not a member of any group version (join first)")
+        return self._comm
+
+    # -- user calls ---------------------------------------------------------------------
+
+    async def call(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        fn = getattr(self.user, method, None)
+        if fn is None or method.startswith("_") or not callable(fn):
+            raise FTError(f"{self.member}: {type(self.user).__name__} has no public method {method!r}")
+        async with self._lock():
+            result = await self._run(fn, *args, **dict(kwargs))
+        self._tick()
+        return result
+
+    async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args, **kwargs)
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    # -- chaos (tests, benchmarks, demo) ---------------------------------------------------
+
+    async def chaos_corrupt_next_bucket(self) -> None:
+        self._corrupt_next = True
+
+    async def chaos_kill(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    async def chaos_kill_after_progress(self, steps: int) -> None:
+        """SIGKILL this process once ``steps`` more units of progress (buckets, calls) are made:
+        a deterministic death in the middle of a transfer."""
+        self._signal_at_progress = (self.progress + steps, signal.SIGKILL)
+
+    async def chaos_hang_after_progress(self, steps: int) -> None:
+        """SIGSTOP this process after ``steps`` more units of progress: hung mid-transfer."""
+        self._signal_at_progress = (self.progress + steps, signal.SIGSTOP)

@@ -1,0 +1,426 @@
+"""The timeline picture of an audit trail: who was in which state when, and what it cost.
+
+:func:`plot_timeline` draws, from the records of :mod:`ftstate.audit`, one horizontal lane
+per worker (``machine == "worker"``), coloured by state over time, with the group's own
+state as a thin lane on top. Every failover (the group entering ``PROMOTING`` until it is
+``READY`` again) is a shaded band across all lanes, labelled with its number, its reason and
+how long it took; every deadline expiry is a red cross on its member's lane (a dashed red
+line for the group's). When the trail holds ``reward`` records (``step``, ``reward``, ``t``:
+the demo writes one per training step), the mean reward is plotted beneath on the same time
+axis, so a failover lines up with what training did meanwhile.
+
+Colours are fixed per state, so two pictures read the same way: serving states green,
+the way back into serving (``RESYNCING``, ``RESYNCED``) teal, ``STALE``/``SUSPECT``/
+``DEGRADED`` amber, ``LOST``/``FAILED`` red, ``STANDBY`` and ``RETIRED`` grey. A state no
+spec knew when this was written gets a colour from its spec's serving flag.
+
+A state shorter than 0.2 % of the time axis is drawn that wide, so that a 5 ms ``LOST``
+in a minute-long run is still visible; its real length is in the trail.
+
+matplotlib is imported inside :func:`plot_timeline` (and drawn on an Agg canvas, without
+pyplot or a global backend switch), so ``import ftstate`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ftstate.audit import DEADLINE_EXPIRED, TRANSITION, AuditTrail, read_trail
+
+#: The event name of the demo's per-step reward records.
+REWARD = "reward"
+
+#: A fixed colour per state (worker and group machines).
+STATE_COLORS: dict[str, str] = {
+    "INIT": "#c9d3e0",
+    "RENDEZVOUS": "#6f9fd8",
+    "STANDBY": "#9e9e9e",
+    "PROMOTING": "#9c6ade",
+    "STALE": "#f2b134",
+    "SUSPECT": "#e8891c",
+    "RESYNCING": "#5cc1c9",
+    "RESYNCED": "#1f8f99",
+    "READY": "#3aa655",
+    "SYNCING": "#9bd88a",
+    "DEGRADED": "#f7d27a",
+    "LOST": "#d62728",
+    "FAILED": "#8b0000",
+    "RETIRED": "#dcdcdc",
+    "STOPPED": "#5f5f5f",
+}
+_SERVING_FALLBACK = "#7cc47f"
+_OTHER_FALLBACK = "#b39ddb"
+_FAILOVER_BAND = "#9c6ade"
+_DEADLINE = "#c00000"
+_LABEL_BOX = {"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85}
+
+#: Picture geometry: a fixed width; the height grows with the lanes (and the reward panel).
+WIDTH_IN = 12.0
+DPI = 100
+_LANE_IN = 0.42
+_BASE_IN = 1.6
+_REWARD_IN = 2.2
+_MIN_WIDTH_FRACTION = 0.002
+
+
+@dataclasses.dataclass
+class _Lane:
+    member: str
+    label: str
+    rank: float
+    first_t: float
+    segments: list[tuple[float, float, str]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Failover:
+    number: int
+    start: float
+    end: float
+    reason: str
+    finished: bool
+
+
+def figure_size(lanes: int, reward: bool) -> tuple[int, int]:
+    """The picture's size in pixels for ``lanes`` worker lanes, with or without the reward panel."""
+    height = _BASE_IN + _LANE_IN * (lanes + 1) + (_REWARD_IN if reward else 0.0)
+    return round(WIDTH_IN * DPI), round(height * DPI)
+
+
+def _as_records(records: Any) -> list[Mapping[str, Any]]:
+    if isinstance(records, (str, os.PathLike)):
+        return [rec for _, rec in read_trail(records)]
+    if isinstance(records, AuditTrail):
+        records = records.records
+    out = []
+    for item in records:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int):
+            item = item[1]
+        if isinstance(item, Mapping):
+            out.append(item)
+    return out
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _spec_flags() -> tuple[set[str], list[str]]:
+    """(serving states, every state in spec order) over the loaded machines; empty if the
+    specs cannot be loaded (the picture then uses the fixed colours only)."""
+    from ftstate.errors import SpecError
+    from ftstate.spec import load_machines
+
+    try:
+        specs = load_machines()
+    except SpecError:
+        return set(), []
+    serving: set[str] = set()
+    order: list[str] = []
+    for name in ("worker", "group", *sorted(specs)):
+        spec = specs.get(name)
+        if spec is None:
+            continue
+        serving |= set(spec.serving_states)
+        order += [s for s in spec.states if s not in order]
+    return serving, order
+
+
+def _color(state: str, serving: set[str]) -> str:
+    if state in STATE_COLORS:
+        return STATE_COLORS[state]
+    return _SERVING_FALLBACK if state in serving else _OTHER_FALLBACK
+
+
+def _lanes(records: list[Mapping[str, Any]], machine: str, end: float) -> list[_Lane]:
+    lanes: dict[str, _Lane] = {}
+    for rec in records:
+        if rec.get("event") != TRANSITION or rec.get("machine") != machine or not rec.get("member"):
+            continue
+        t = _num(rec.get("t"))
+        if t is None:
+            continue
+        member = str(rec["member"])
+        lane = lanes.get(member)
+        if lane is None:
+            rank = _num(rec.get("rank"))
+            role = rec.get("role")
+            label = member if not role or str(role) in member else f"{member} ({role})"
+            lane = lanes[member] = _Lane(member, label, rank if rank is not None else float("inf"), t)
+        if lane.segments:
+            start, _, state = lane.segments[-1]
+            lane.segments[-1] = (start, t, state)
+        lane.segments.append((t, end, str(rec.get("to", "?"))))
+    # Trainer first, then by rank, then by first appearance.
+    return sorted(lanes.values(), key=lambda ln: (ln.rank, ln.first_t))
+
+
+def _failovers(records: list[Mapping[str, Any]], end: float) -> list[_Failover]:
+    out: list[_Failover] = []
+    current: _Failover | None = None
+    for rec in records:
+        if rec.get("event") != TRANSITION or rec.get("machine") != "group":
+            continue
+        t = _num(rec.get("t"))
+        if t is None:
+            continue
+        to = rec.get("to")
+        if current is None and to == "PROMOTING":
+            current = _Failover(
+                len(out) + 1, t, end, str(rec.get("reason") or rec.get("trigger") or ""), False
+            )
+        elif current is not None and to in ("READY", "FAILED", "STOPPED"):
+            current.end, current.finished = t, to == "READY"
+            out.append(current)
+            current = None
+    if current is not None:
+        out.append(current)
+    # The runtime's `failover` records name who was replaced by whom: a shorter label.
+    swaps = [f"{r.get('lost')} -> {r.get('replacement')}" for r in records
+             if r.get("event") == "failover" and r.get("lost")]
+    for fo, swap in zip(out, swaps, strict=False):
+        fo.reason = swap
+    for fo in out:
+        if len(fo.reason) > 48:
+            fo.reason = fo.reason[:45] + "..."
+    return out
+
+
+def _seconds(x: float) -> str:
+    if x >= 10:
+        return f"{x:.0f} s"
+    if x >= 1:
+        return f"{x:.2f} s"
+    return f"{x * 1000:.3g} ms"
+
+
+def _plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def _rewards(records: list[Mapping[str, Any]]) -> list[tuple[float, float, Any]]:
+    """``(t, reward, step)`` of every reward record, in time order."""
+    out = []
+    for rec in records:
+        if rec.get("event") != REWARD:
+            continue
+        t, r = _num(rec.get("t")), _num(rec.get("reward"))
+        if t is not None and r is not None:
+            out.append((t, r, rec.get("step")))
+    return sorted(out, key=lambda x: x[0])
+
+
+def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | None = None) -> Path:
+    """Draw the timeline of ``records`` to the PNG ``out_path`` and return its path.
+
+    records: the trail as a path to a JSON-lines file, an :class:`~ftstate.audit.AuditTrail`,
+    or its records (dicts, or ``(line, record)`` pairs as :func:`~ftstate.audit.read_trail`
+    yields them). title: the picture's title (default: the file's name and the time span).
+    The picture is :data:`WIDTH_IN` × :data:`DPI` pixels wide; :func:`figure_size` gives its
+    height. Raises ValueError when the trail has no worker transitions to draw.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    recs = _as_records(records)
+    times = [t for t in (_num(r.get("t")) for r in recs) if t is not None]
+    if not times:
+        raise ValueError(f"audit trail has no timed records (got {len(recs)} records): nothing to draw")
+    t0, last = min(times), max(times)
+    span = max(last - t0, 1e-6)
+    end = last + span * 0.01
+    workers = _lanes(recs, "worker", end)
+    if not workers:
+        raise ValueError(
+            f"audit trail has no worker lanes: none of its {len(recs)} records is a transition "
+            "with machine='worker', so there is nothing to draw"
+        )
+    group = _lanes(recs, "group", end)
+    failovers = _failovers(recs, end)
+    rewards = _rewards(recs)
+    serving, order = _spec_flags()
+
+    width_px, height_px = figure_size(len(workers), bool(rewards))
+    fig = Figure(figsize=(width_px / DPI, height_px / DPI), dpi=DPI)
+    FigureCanvasAgg(fig)
+    heights = [_LANE_IN * (len(workers) + 1)] + ([_REWARD_IN - 0.5] if rewards else [])
+    grid = fig.add_gridspec(len(heights), 1, height_ratios=heights, hspace=0.18)
+    top = 1 - 0.55 / (height_px / DPI)
+    bottom = 0.5 / (height_px / DPI)
+    fig.subplots_adjust(left=0.14, right=0.83, top=top, bottom=bottom)
+    ax = fig.add_subplot(grid[0])
+
+    min_width = span * _MIN_WIDTH_FRACTION
+    lanes = [*group, *workers]
+    seen_states: set[str] = set()
+    ylabels = []
+    for i, lane in enumerate(lanes):
+        y = len(lanes) - 1 - i
+        is_group = lane in group
+        height = 0.4 if is_group else 0.7
+        bars = [(start, max(stop - start, min_width)) for start, stop, _ in lane.segments]
+        colors = [_color(state, serving) for _, _, state in lane.segments]
+        ax.broken_barh(bars, (y - height / 2, height), facecolors=colors, edgecolor="white", linewidth=0.4)
+        seen_states.update(state for _, _, state in lane.segments)
+        ylabels.append((y, "group" if is_group else lane.label))
+    ax.set_yticks([y for y, _ in ylabels], [label for _, label in ylabels])
+    if group:
+        ax.axhline(len(workers) - 0.5, color="#888888", linewidth=0.6)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    ax.set_xlim(t0 - span * 0.01, end)
+    ax.grid(axis="x", color="#e5e5e5", linewidth=0.6)
+    ax.set_axisbelow(True)
+
+    reward_ax = None
+    if rewards:
+        reward_ax = fig.add_subplot(grid[1], sharex=ax)
+        reward_ax.plot(
+            [t for t, _, _ in rewards], [r for _, r, _ in rewards], "-o", color="#1f4e99", markersize=3
+        )
+        reward_ax.set_ylabel("mean reward")
+        reward_ax.set_xlabel("time (s since the trail opened)")
+        reward_ax.grid(color="#e5e5e5", linewidth=0.6)
+        lo, hi = min(r for _, r, _ in rewards), max(r for _, r, _ in rewards)
+        pad = max((hi - lo) * 0.15, 0.02)
+        reward_ax.set_ylim(min(0.0, lo - pad), hi + pad)
+        last_t, last_r, last_step = rewards[-1]
+        if last_step is not None:
+            reward_ax.annotate(
+                f"step {last_step}: {last_r:.2f}",
+                (last_t, last_r),
+                textcoords="offset points",
+                xytext=(-4, 6),
+                ha="right",
+                fontsize=8,
+                color="#1f4e99",
+            )
+        ax.tick_params(labelbottom=False)
+    else:
+        ax.set_xlabel("time (s since the trail opened)")
+
+    def place(t: float, gap: float) -> tuple[float, str]:
+        """A label's x offset and alignment: to the right of ``t``, or to its left near the
+        right edge, so that it never runs into the legend."""
+        return (gap, "left") if t < t0 + span * 0.75 else (-gap, "right")
+
+    for fo in failovers:
+        for a in (ax, reward_ax):
+            if a is not None:
+                a.axvspan(fo.start, fo.end, color=_FAILOVER_BAND, alpha=0.15, linewidth=0)
+        took = _seconds(fo.end - fo.start) if fo.finished else "unfinished"
+        label = (
+            f"failover {fo.number}: {fo.reason} ({took})" if fo.reason else f"failover {fo.number} ({took})"
+        )
+        dx, ha = place(fo.start, 2)
+        ax.annotate(
+            label,
+            (fo.start, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(dx, 3 + 10 * ((fo.number - 1) % 3)),  # rows in turn: neighbours never overlap
+            textcoords="offset points",
+            fontsize=8,
+            color="#5b2a9e",
+            va="bottom",
+            ha=ha,
+        )
+
+    lane_y = {lane.member: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
+    expiries = group_expiries = 0
+    for rec in recs:
+        if rec.get("event") != DEADLINE_EXPIRED:
+            continue
+        t = _num(rec.get("t"))
+        if t is None:
+            continue
+        expiries += 1
+        what = str(rec.get("key") or rec.get("error") or "deadline")
+        member = rec.get("member")
+        if rec.get("machine") == "worker" and member in lane_y:
+            ax.plot(
+                [t],
+                [lane_y[member]],
+                marker="X",
+                color=_DEADLINE,
+                markersize=9,
+                markeredgecolor="white",
+                zorder=5,
+            )
+            dx, ha = place(t, 7)
+            ax.annotate(
+                what,
+                (t, lane_y[member]),
+                xytext=(dx, 4),
+                textcoords="offset points",
+                ha=ha,
+                fontsize=7,
+                color=_DEADLINE,
+                bbox=_LABEL_BOX,
+                zorder=6,
+            )
+        else:
+            for a in (ax, reward_ax):
+                if a is not None:
+                    a.axvline(t, color=_DEADLINE, linestyle="--", linewidth=1)
+            group_expiries += 1
+            y = lane_y.get(str(member), len(lanes) - 1)
+            dx, ha = place(t, 4)
+            ax.annotate(
+                f"{member or 'group'}: {what}",
+                (t, y),
+                xytext=(dx, 4),
+                textcoords="offset points",
+                ha=ha,
+                fontsize=7,
+                color=_DEADLINE,
+                bbox=_LABEL_BOX,
+                zorder=6,
+            )
+
+    # Legend in the fixed colour order (the way a worker lives), then states only a spec knows.
+    known = [s for s in STATE_COLORS if s in seen_states]
+    ordered = known + [s for s in order if s in seen_states and s not in known]
+    ordered += sorted(s for s in seen_states if s not in ordered)
+    handles: list[Any] = [
+        Patch(facecolor=_color(s, serving), edgecolor="#777777", linewidth=0.4, label=s) for s in ordered
+    ]
+    if failovers:
+        handles.append(Patch(facecolor=_FAILOVER_BAND, alpha=0.25, label="failover"))
+    if expiries > group_expiries:
+        handles.append(
+            Line2D([], [], marker="X", color=_DEADLINE, linestyle="none", label="deadline expired")
+        )
+    if group_expiries:
+        handles.append(Line2D([], [], color=_DEADLINE, linestyle="--", label="group deadline expired"))
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+        frameon=False,
+        title="state",
+        title_fontsize=8,
+        borderaxespad=0.0,
+    )
+
+    if title is None:
+        name = Path(records).name if isinstance(records, (str, os.PathLike)) else "audit trail"
+        title = ", ".join(
+            [f"{name}: {_plural(len(workers), 'worker')}", _plural(len(failovers), "failover")]
+            + ([_plural(expiries, "deadline expiry", "deadline expiries")] if expiries else [])
+            + [_seconds(last - t0)]
+        )
+    fig.suptitle(title, fontsize=11, y=1 - 0.12 / (height_px / DPI), va="top")
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=DPI)
+    return out
+
+
+__all__ = ["DPI", "REWARD", "STATE_COLORS", "WIDTH_IN", "figure_size", "plot_timeline"]

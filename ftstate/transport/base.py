@@ -1,0 +1,267 @@
+"""The communicator interface: one group version, its members, and the byte-moving primitives.
+
+A :class:`Communicator` is one *version* of one named group: ``world_size`` members that
+rendezvoused through the controller's store under ``PrefixStore(f"{group}/v{version}")``.
+It is never repaired: when a member dies or the membership changes, the runtime abandons
+version N (:meth:`Communicator.abort`) and every member of the new membership forms
+version N+1 with :func:`create_communicator` (a replacement is simply a new process
+taking the dead member's rank). Fencing makes the abandoned version harmless: forming
+N+1 publishes N+1 as the group's current version in the store, and a member that still
+holds version N gets :class:`~ftstate.errors.StaleGroupVersion` on its next transfer
+instead of talking to anyone.
+
+Two backends implement the interface: ``gloo`` (:mod:`ftstate.transport.gloo`, CPU,
+torch) and ``nccl`` (:mod:`ftstate.transport.nccl`, GPU, cupy; the optional extra
+``ftstate[gpu]``). The primitives are asynchronous where the backend is: they return a
+:class:`Pending` whose :meth:`Pending.wait` raises the translated ftstate error. Any
+failed primitive leaves the communicator aborted, because a collective stream that
+failed half-way cannot be trusted to be aligned any more; its peers then fail at once
+instead of waiting for their timeouts.
+
+Errors: a peer that died → :class:`~ftstate.errors.PeerLost`; an operation that did not
+complete within its timeout → :class:`~ftstate.errors.SyncTimeout`; a member that never
+joined → :class:`~ftstate.errors.RendezvousTimeout`; a version the group has moved past
+→ :class:`~ftstate.errors.StaleGroupVersion`; a backend that cannot load →
+:class:`~ftstate.errors.BackendUnavailable`. Lower-layer exceptions stay attached as
+``__cause__``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import TYPE_CHECKING, Literal
+
+from ftstate.errors import BackendUnavailable, PeerLost, SyncTimeout, TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ftstate.transport.store import StoreAddress
+
+log = logging.getLogger("ftstate.transport")
+
+Backend = Literal["gloo", "nccl"]
+
+# Substrings of gloo/NCCL messages that mean "the other side went away".
+_PEER_GONE = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "read error",
+    "write error",
+    "connection refused",
+    "remote process exited",
+    "aborted",
+    "ncclremoteerror",
+    "ncclsystemerror",
+)
+_TIMED_OUT = ("timed out", "timeout")
+
+
+class Pending(abc.ABC):
+    """A primitive in flight. :meth:`wait` returns when it completed or raises the ftstate error."""
+
+    @abc.abstractmethod
+    def wait(self) -> None: ...
+
+
+class Communicator(abc.ABC):
+    """One version of a named group; see the module docstring.
+
+    Attributes: ``backend``, ``group``, ``version``, ``rank``, ``world_size``,
+    ``device`` (where transfer buffers must live: cpu for gloo, the GPU for nccl) and
+    ``timeout_s`` (the default bound of every primitive called without one).
+    """
+
+    backend: Backend
+    group: str
+    version: int
+    rank: int
+    world_size: int
+    timeout_s: float
+
+    def __init__(self) -> None:
+        self._abort_reason: str | None = None
+
+    # -- identity ---------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device("cpu")
+
+    @property
+    def member(self) -> str:
+        return f"rank {self.rank} of group {self.group!r} v{self.version}"
+
+    @property
+    def aborted(self) -> bool:
+        return self._abort_reason is not None
+
+    def __repr__(self) -> str:
+        state = f", aborted: {self._abort_reason}" if self._abort_reason else ""
+        return (
+            f"<{type(self).__name__} group={self.group!r} version={self.version} "
+            f"rank={self.rank}/{self.world_size}{state}>"
+        )
+
+    # -- primitives (timeouts in seconds; each bounds that one operation) -------------------
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int, *, timeout_s: float | None = None) -> Pending:
+        """Broadcast ``tensor`` (contiguous, on :attr:`device`) from ``root`` to every member.
+
+        ``timeout_s``: bound on this one broadcast; default :attr:`timeout_s`.
+        """
+
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
+        """Send ``tensor`` to ``peer`` only. ``timeout_s``: bound on this send; default :attr:`timeout_s`."""
+
+    @abc.abstractmethod
+    def recv(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
+        """Receive into ``tensor`` from ``peer``. ``timeout_s``: bound on this receive; default :attr:`timeout_s`."""
+
+    @abc.abstractmethod
+    def allgather(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> list[torch.Tensor]:
+        """Every member's copy of a small ``tensor``, by rank (blocking).
+
+        ``timeout_s``: bound on the whole exchange; default :attr:`timeout_s`.
+        """
+
+    @abc.abstractmethod
+    def barrier(self, *, timeout_s: float | None = None) -> None:
+        """Return once every member reached the barrier. ``timeout_s``: default :attr:`timeout_s`."""
+
+    @abc.abstractmethod
+    def current_version(self) -> int:
+        """The group's current version as published in the store (>= :attr:`version`)."""
+
+    @abc.abstractmethod
+    def _abort_backend(self) -> None:
+        """Tear the backend down so that peers blocked on this member fail now."""
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        """Raise unless this communicator can start a transfer: not aborted and not fenced.
+
+        Raises :class:`StaleGroupVersion` when the group has moved to a newer version (the
+        caller must form that version), :class:`TransportError` when it was aborted.
+        """
+        from ftstate.errors import StaleGroupVersion
+
+        if self._abort_reason is not None:
+            raise TransportError(
+                f"{self.member}: communicator was aborted ({self._abort_reason}); form a new group version"
+            )
+        current = self.current_version()
+        if current > self.version:
+            raise StaleGroupVersion(self.group, got=self.version, current=current, peer=f"rank {self.rank}")
+
+    def abort(self, reason: str = "abandoned") -> None:
+        """Abandon this version: tear down the backend (idempotent). Peers blocked on this
+        member fail at once rather than at their timeouts."""
+        if self._abort_reason is not None:
+            return
+        self._abort_reason = reason
+        log.info(
+            "communicator aborted",
+            extra={"group": self.group, "group_version": self.version, "rank": self.rank, "reason": reason},
+        )
+        try:
+            self._abort_backend()
+        except Exception:  # teardown of a broken backend must not mask the error being handled
+            log.debug("backend teardown failed", exc_info=True)
+
+    def close(self) -> None:
+        """Release the communicator after normal use (same teardown as :meth:`abort`)."""
+        self.abort("closed")
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- error translation (used by the backends) --------------------------------------
+
+    def _translate(self, exc: BaseException, op: str, timeout_s: float) -> Exception:
+        """The ftstate error for a backend exception raised by ``op``; aborts the communicator."""
+        text = str(exc)
+        low = text.lower()
+        first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        if any(s in low for s in _TIMED_OUT):
+            err: Exception = SyncTimeout(
+                f"{op} on group {self.group!r}",
+                key="sync_timeout_s",
+                seconds=timeout_s,
+                member=f"rank {self.rank}",
+                group_version=self.version,
+            )
+            self.abort(f"{op} timed out after {timeout_s:g}s")
+        elif any(s in low for s in _PEER_GONE):
+            err = PeerLost(
+                f"{self.member}: a peer was lost during {op}: {first_line}"
+            )
+            self.abort(f"peer lost during {op}")
+        else:
+            err = TransportError(f"{self.member}: {op} failed: {first_line}")
+            self.abort(f"{op} failed")
+        return err
+
+
+def create_communicator(
+    backend: Backend,
+    *,
+    store_addr: StoreAddress | str | tuple[str, int],
+    group: str,
+    version: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    device_host: str = "127.0.0.1",
+) -> Communicator:
+    """Join version ``version`` of group ``group`` as ``rank`` of ``world_size`` and return its communicator.
+
+    ``store_addr``: the controller's :class:`~ftstate.transport.store.StoreServer`
+    (``StoreAddress``, ``"host:port"`` or ``(host, port)``).
+    ``timeout_s``: the group's ``init_timeout_s``: bounds the whole rendezvous (every
+    rank registered, the backend connected, the first barrier passed) and is the default
+    bound of each later primitive. A rank that does not arrive in time makes every
+    member that did raise :class:`~ftstate.errors.RendezvousTimeout` naming it.
+    ``device_host``: the address this member's gloo device binds and announces
+    (loopback here; the node's address on a real cluster). Unused by nccl.
+
+    Raises :class:`~ftstate.errors.BackendUnavailable` for an unknown backend or one that
+    cannot load here (nccl without cupy or without a GPU), never silently falling back.
+    """
+    if backend == "gloo":
+        from ftstate.transport.gloo import GlooCommunicator
+
+        return GlooCommunicator.join(
+            store_addr=store_addr,
+            group=group,
+            version=version,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            device_host=device_host,
+        )
+    if backend == "nccl":
+        from ftstate.transport.nccl import NcclCommunicator
+
+        return NcclCommunicator.join(
+            store_addr=store_addr,
+            group=group,
+            version=version,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+        )
+    raise BackendUnavailable(f"unknown transport backend {backend!r}; expected 'gloo' or 'nccl'")
+
+
+__all__ = ["Backend", "Communicator", "Pending", "create_communicator"]

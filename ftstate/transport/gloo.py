@@ -1,0 +1,245 @@
+"""The gloo backend: a torch ``ProcessGroupGloo`` per group version, with no default process group.
+
+``ProcessGroupGloo(PrefixStore(f"{group}/v{version}/gloo", store), rank, world, opts)``
+with ``opts._timeout`` (bounds the backend's own rendezvous) and ``opts._devices`` bound
+to one address (127.0.0.1 here). No ``init_process_group``: the process-wide default
+group is what makes ``ray.util.collective`` unfit for re-rendezvous (DESIGN.md), and
+without it any number of versions can be formed and abandoned in one process.
+
+Each primitive passes its own timeout to gloo, so a peer that stops progressing is
+bounded per operation; a peer that dies raises at once (gloo sees the socket close).
+Abort tears the process group down — ``abort()`` and dropping the last reference,
+which closes its sockets — so members blocked on this one fail immediately.
+Broadcasts and point-to-point transfers are asynchronous gloo works executed by gloo's
+own threads, which do not hold the GIL: the caller packs or hashes the next bucket while
+one is on the wire.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, BarrierOptions
+
+from ftstate.errors import PeerLost, RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.transport.base import Communicator, Pending
+from ftstate.transport.store import (
+    StoreAddress,
+    connect_store,
+    join_version,
+    read_current_version,
+    version_prefix,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+log = logging.getLogger("ftstate.transport")
+
+
+def _delta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+class _GlooPending(Pending):
+    __slots__ = ("_comm", "_op", "_timeout_s", "_wait_timeout", "_work")
+
+    def __init__(
+        self, comm: GlooCommunicator, work: object, op: str, timeout_s: float, wait_timeout: bool
+    ) -> None:
+        self._comm = comm
+        self._work = work
+        self._op = op
+        self._timeout_s = timeout_s
+        self._wait_timeout = wait_timeout
+
+    def wait(self) -> None:
+        work, self._work = self._work, None
+        if work is None:
+            return
+        try:
+            if self._wait_timeout:
+                work.wait(_delta(self._timeout_s))  # type: ignore[attr-defined]
+            else:
+                work.wait()  # type: ignore[attr-defined]
+        except RuntimeError as exc:  # DistError and gloo's errors are RuntimeErrors
+            del work
+            raise self._comm._translate(exc, self._op, self._timeout_s) from exc
+
+
+class GlooCommunicator(Communicator):
+    """A formed gloo group version. Build with :meth:`join` (or ``create_communicator("gloo", ...)``)."""
+
+    backend = "gloo"
+
+    def __init__(
+        self,
+        *,
+        pg: dist.ProcessGroupGloo,
+        store: Store,
+        group: str,
+        version: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+    ) -> None:
+        super().__init__()
+        self._pg: dist.ProcessGroupGloo | None = pg
+        self._store = store
+        self.group = group
+        self.version = version
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def join(
+        cls,
+        *,
+        store_addr: StoreAddress | str | tuple[str, int],
+        group: str,
+        version: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        device_host: str = "127.0.0.1",
+    ) -> GlooCommunicator:
+        """Rendezvous and connect; see :func:`ftstate.transport.create_communicator`.
+
+        ``timeout_s`` (``init_timeout_s``) bounds everything up to and including the
+        first barrier, and is the default bound of later primitives.
+        """
+        deadline = time.monotonic() + timeout_s
+        store = connect_store(store_addr, timeout_s)
+        join_version(store, group, version, rank, world_size, timeout_s)
+        remaining = max(deadline - time.monotonic(), 0.001)
+        prefix = version_prefix(group, version)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _delta(remaining)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
+        try:
+            pg = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"{prefix}/gloo", store), rank, world_size, opts
+            )
+        except RuntimeError as exc:
+            raise RendezvousTimeout(
+                f"connecting the gloo mesh of group {group!r} version {version} "
+                f"(a member left after registering: {str(exc).strip().splitlines()[0]})",
+                key="init_timeout_s",
+                seconds=timeout_s,
+                member=f"rank {rank}",
+                group_version=version,
+            ) from exc
+        # From here on the group's default bound is the full timeout, not what was left of it.
+        pg._set_default_timeout(_delta(timeout_s))
+        comm = cls(
+            pg=pg, store=store, group=group, version=version, rank=rank, world_size=world_size, timeout_s=timeout_s
+        )
+        remaining = deadline - time.monotonic()
+        try:
+            comm.barrier(timeout_s=max(remaining, 0.001))
+        except (PeerLost, TransportError, TimeoutError) as exc:
+            raise RendezvousTimeout(
+                f"first barrier of group {group!r} version {version} ({exc})",
+                key="init_timeout_s",
+                seconds=timeout_s,
+                member=f"rank {rank}",
+                group_version=version,
+            ) from exc
+        log.info(
+            "group version formed",
+            extra={"group": group, "group_version": version, "rank": rank, "world_size": world_size,
+                   "backend": "gloo", "seconds": round(timeout_s - remaining, 4)},
+        )
+        return comm
+
+    # -- primitives -------------------------------------------------------------------
+
+    def _live_pg(self, op: str) -> dist.ProcessGroupGloo:
+        if self._pg is None or self._abort_reason is not None:
+            raise TransportError(
+                f"{self.member}: cannot {op}: communicator was aborted ({self._abort_reason}); "
+                "form a new group version"
+            )
+        return self._pg
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    def broadcast(self, tensor: torch.Tensor, root: int, *, timeout_s: float | None = None) -> Pending:
+        t = self._timeout(timeout_s)
+        op = f"broadcast from rank {root}"
+        pg = self._live_pg(op)
+        try:
+            work = pg.broadcast(tensor, root, _delta(t))
+        except RuntimeError as exc:
+            raise self._translate(exc, op, t) from exc
+        return _GlooPending(self, work, op, t, wait_timeout=False)
+
+    def send(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
+        t = self._timeout(timeout_s)
+        op = f"send to rank {peer}"
+        pg = self._live_pg(op)
+        try:
+            work = pg.send([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise self._translate(exc, op, t) from exc
+        return _GlooPending(self, work, op, t, wait_timeout=True)
+
+    def recv(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
+        t = self._timeout(timeout_s)
+        op = f"receive from rank {peer}"
+        pg = self._live_pg(op)
+        try:
+            work = pg.recv([tensor], peer, tag)
+        except RuntimeError as exc:
+            raise self._translate(exc, op, t) from exc
+        return _GlooPending(self, work, op, t, wait_timeout=True)
+
+    def allgather(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> list[torch.Tensor]:
+        t = self._timeout(timeout_s)
+        op = "allgather"
+        pg = self._live_pg(op)
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        opts = AllgatherOptions()
+        opts.timeout = _delta(t)
+        try:
+            work = pg.allgather([out], [tensor], opts)
+        except RuntimeError as exc:
+            raise self._translate(exc, op, t) from exc
+        _GlooPending(self, work, op, t, wait_timeout=False).wait()
+        return out
+
+    def barrier(self, *, timeout_s: float | None = None) -> None:
+        t = self._timeout(timeout_s)
+        op = "barrier"
+        pg = self._live_pg(op)
+        opts = BarrierOptions()
+        opts.timeout = _delta(t)
+        try:
+            work = pg.barrier(opts)
+        except RuntimeError as exc:
+            raise self._translate(exc, op, t) from exc
+        _GlooPending(self, work, op, t, wait_timeout=False).wait()
+
+    def current_version(self) -> int:
+        try:
+            current = read_current_version(self._store, self.group)
+        except RuntimeError as exc:
+            raise PeerLost(f"{self.member}: the controller's store is unreachable: {exc}") from exc
+        return self.version if current is None else current
+
+    def _abort_backend(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            pg.abort()
+            del pg  # the last reference: destroying the group closes its sockets
+
+
+# Re-exported for callers that catch the fencing error next to the backend.
+__all__ = ["GlooCommunicator", "StaleGroupVersion"]

@@ -1,0 +1,269 @@
+"""The controller's key-value store and the versioned rendezvous built on it.
+
+The controller process hosts one :class:`StoreServer` (a ``torch.distributed.TCPStore``)
+for the whole run, so the store outlives the death of any member. It listens only on
+the address it is given (127.0.0.1 by default): TCPStore itself would listen on every
+interface whatever its ``host`` says, so the listening socket is created here and
+handed over with ``master_listen_fd`` (``use_libuv=True``).
+
+Keys (every group's keys under its own prefix, every version under its own sub-prefix,
+``PrefixStore(f"{group}/v{version}", store)``)::
+
+    {group}/current_version              highest version formed or fenced; older ones are stale
+    {group}/v{N}/joined/{rank}           set by each member when it arrives (msgpack: pid, host)
+    {group}/v{N}/roster                  appended "rank," by each arrival, for the controller
+    {group}/v{N}/gloo/...                the gloo backend's own rendezvous
+    {group}/v{N}/nccl/unique_id          the NCCL unique id published by rank 0
+
+Rendezvous of version N (:func:`join_version`): raise ``current_version`` to N (or fail
+with :class:`~ftstate.errors.StaleGroupVersion` if the group already moved past N),
+register, then wait for every rank's ``joined`` key. When the wait times out the error,
+a :class:`~ftstate.errors.RendezvousTimeout` (``init_timeout_s``), names the group, the
+version, the timeout, and reads from the store which ranks arrived and which did not.
+Because every version has its own prefix, a failed version leaves nothing behind that
+could disturb version N+1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from ftstate.errors import RendezvousTimeout, StaleGroupVersion, TransportError
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where members reach the controller's store."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, value: StoreAddress | str | tuple[str, int]) -> StoreAddress:
+        if isinstance(value, StoreAddress):
+            return value
+        if isinstance(value, tuple):
+            return cls(str(value[0]), int(value[1]))
+        host, sep, port = str(value).rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"store address must be 'host:port', got {value!r}")
+        return cls(host, int(port))
+
+
+def _delta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+def check_group_name(group: str) -> None:
+    if not isinstance(group, str) or not group or "/" in group:
+        raise ValueError(f"group name must be a non-empty string without '/', got {group!r}")
+
+
+def version_prefix(group: str, version: int) -> str:
+    return f"{group}/v{version}"
+
+
+def _current_key(group: str) -> str:
+    return f"{group}/current_version"
+
+
+class StoreServer:
+    """The run's TCPStore, hosted by the controller; members connect as clients.
+
+    ``host``/``port``: the address to listen on (``port=0`` picks a free port; read
+    :attr:`address`). ``timeout_s``: bound on the controller's own store operations.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 30.0) -> None:
+        from torch.distributed import TCPStore
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+            bound_port = sock.getsockname()[1]
+        except BaseException:
+            sock.close()
+            raise
+        self.address = StoreAddress(host, bound_port)
+        # TCPStore takes ownership of the descriptor (it closes it when destroyed).
+        fd = sock.detach()
+        try:
+            self._store: Store | None = TCPStore(
+                host,
+                bound_port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_delta(timeout_s),
+                master_listen_fd=fd,
+                use_libuv=True,
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise TransportError(f"store server {self.address} is closed")
+        return self._store
+
+    def fence(self, group: str, version: int) -> int:
+        """Publish ``version`` as the group's current one, so that every older version is
+        stale (its members get :class:`StaleGroupVersion`). Never lowers it; returns the
+        current version afterwards."""
+        return raise_current_version(self.store, group, version)
+
+    def current_version(self, group: str) -> int | None:
+        """The group's current version, or ``None`` if no version was formed yet."""
+        return read_current_version(self.store, group)
+
+    def arrived(self, group: str, version: int) -> list[int]:
+        """Ranks that registered for version ``version`` of ``group`` so far."""
+        return roster(self.store, group, version)
+
+    def wait_joined(self, group: str, version: int, world_size: int, timeout_s: float) -> None:
+        """Controller-side bound on a rendezvous: return when all ``world_size`` ranks
+        registered, or raise :class:`RendezvousTimeout` naming the missing ranks after
+        ``timeout_s`` (the group's ``init_timeout_s``)."""
+        wait_for_ranks(self.store, group, version, world_size, timeout_s, member="controller")
+
+    def close(self) -> None:
+        self._store = None
+
+    def __enter__(self) -> StoreServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect_store(address: StoreAddress | str | tuple[str, int], timeout_s: float) -> Store:
+    """A client of the controller's store. ``timeout_s`` bounds the connection and is the
+    default bound of the client's later operations."""
+    from torch.distributed import DistError, TCPStore
+
+    addr = StoreAddress.parse(address)
+    try:
+        # A plain connect first: a store that is gone fails here at once, instead of after
+        # TCPStore's retries with backoff (several times ``timeout_s``).
+        socket.create_connection((addr.host, addr.port), timeout=max(timeout_s, 0.001)).close()
+        return TCPStore(addr.host, addr.port, is_master=False, timeout=_delta(timeout_s), use_libuv=True)
+    except (DistError, RuntimeError, OSError) as exc:
+        raise RendezvousTimeout(
+            f"connecting to the controller's store at {addr}",
+            key="init_timeout_s",
+            seconds=timeout_s,
+            missing=[f"store {addr}"],
+        ) from exc
+
+
+def read_current_version(store: Store, group: str) -> int | None:
+    key = _current_key(group)
+    if not store.check([key]):
+        return None
+    return int(store.get(key))
+
+
+def raise_current_version(store: Store, group: str, version: int) -> int:
+    """Atomically raise the group's current version to ``version``; returns the result
+    (greater than ``version`` when the group already moved on)."""
+    check_group_name(group)
+    key = _current_key(group)
+    want = str(version).encode()
+    current = store.compare_set(key, "", want)
+    while int(current) < version:
+        current = store.compare_set(key, current, want)
+    return int(current)
+
+
+def roster(store: Store, group: str, version: int) -> list[int]:
+    key = f"{version_prefix(group, version)}/roster"
+    if not store.check([key]):
+        return []
+    return sorted({int(r) for r in store.get(key).decode().split(",") if r})
+
+
+def wait_for_ranks(
+    store: Store, group: str, version: int, world_size: int, timeout_s: float, *, member: str
+) -> None:
+    """Wait until every rank of ``world_size`` registered for the version, else raise
+    :class:`RendezvousTimeout` listing who arrived and who did not."""
+    from torch.distributed import DistError
+
+    prefix = version_prefix(group, version)
+    keys = [f"{prefix}/joined/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, _delta(timeout_s))
+    except (DistError, RuntimeError) as exc:
+        arrived = [r for r, k in enumerate(keys) if store.check([k])]
+        missing = [r for r in range(world_size) if r not in arrived]
+        if not missing:  # everyone arrived just as the wait gave up
+            return
+        raise RendezvousTimeout(
+            f"rendezvous of group {group!r} version {version}",
+            key="init_timeout_s",
+            seconds=timeout_s,
+            member=member,
+            group_version=version,
+            missing=[f"rank {r}" for r in missing],
+            arrived=[f"rank {r}" for r in arrived],
+        ) from exc
+
+
+def join_version(
+    store: Store, group: str, version: int, rank: int, world_size: int, timeout_s: float
+) -> None:
+    """Register ``rank`` for version ``version`` and wait for the other ranks.
+
+    ``timeout_s`` bounds the wait for the others (``init_timeout_s``). Raises
+    :class:`StaleGroupVersion` if the group already moved past ``version``,
+    :class:`TransportError` if another process already holds ``rank`` in this version,
+    :class:`RendezvousTimeout` if some rank did not arrive in time.
+    """
+    check_group_name(group)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    current = raise_current_version(store, group, version)
+    if current > version:
+        raise StaleGroupVersion(group, got=version, current=current, peer=f"rank {rank}")
+    prefix = version_prefix(group, version)
+    me = msgpack.packb({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
+    held = store.compare_set(f"{prefix}/joined/{rank}", "", me)
+    if held != me:
+        other = msgpack.unpackb(held) if held else {}
+        raise TransportError(
+            f"rank {rank} of group {group!r} version {version} is already held by pid "
+            f"{other.get('pid', '?')} on {other.get('host', '?')}"
+        )
+    store.append(f"{prefix}/roster", f"{rank},")
+    wait_for_ranks(store, group, version, world_size, timeout_s, member=f"rank {rank}")
+
+
+__all__ = [
+    "StoreAddress",
+    "StoreServer",
+    "check_group_name",
+    "connect_store",
+    "join_version",
+    "raise_current_version",
+    "read_current_version",
+    "roster",
+    "version_prefix",
+    "wait_for_ranks",
+]

@@ -1,0 +1,699 @@
+"""Moving a whole state of weights over a communicator: bucketed, pipelined, checksummed, atomic.
+
+One transfer, from the sending member to every other member (:meth:`Sender.broadcast`,
+:meth:`Receiver.receive_broadcast`) or to one peer only (:meth:`Sender.send_to`,
+:meth:`Receiver.receive_from`; recovery of a newcomer from the trainer or from a rollout
+holding the current version, and the reverse sync to a new trainer)::
+
+    sender                                   receiver(s)
+    ------                                   -----------
+    header + manifest (msgpack)  ─────────▶  fence on the group version, validate, pick staging
+    bucket 0 … bucket n-1        ─────────▶  received straight into the staging buffer
+      (hashes bucket k while it is on the      (hashes bucket k while k+1 is on the wire)
+       wire, packs k+1 meanwhile)
+    header + seal (checksums)    ─────────▶  compare every bucket, every tensor, the state
+    vote (allgather / one status)◀────────▶  the commit point: 0 = verified, 1 = checksum mismatch
+                                             commit = swap one reference; else keep the old version
+
+**Channel.** The manifest and the seal travel on the collective itself (an int64 header
+``[magic, wire format, group version, length]`` then the msgpack bytes as a uint8
+tensor), not on a side channel such as ZMQ ROUTER/DEALER: they are then ordered with the
+buckets by construction, belong to exactly the members of the group version (a second
+channel would need its own membership, fencing and failure detection, and could
+disagree with the collective about who is alive), and are bounded by the same per-operation
+timeouts. Every header carries the group version and a receiver rejects an older one
+with :class:`~ftstate.errors.StaleGroupVersion` before reading anything else.
+
+**Pipelining.** Buckets are gloo (or NCCL) asynchronous operations executed by the
+backend's own threads, which do not hold the GIL, with up to two on the wire at once.
+The sender hashes bucket k while bucket k is itself on the wire (its bytes do not change
+and its checksum is only needed in the seal) and packs bucket k+1 into the other of two
+packing buffers (double buffering); the receiver hashes bucket k while the next buckets
+arrive. A bucket that is
+exactly one tensor or one chunk of a large tensor is sent from the tensor's own memory,
+without packing. Each byte is hashed once on each side (see
+:mod:`ftstate.transport.checksum`).
+
+**Atomic commit.** The receiver stages the whole state in a buffer that is never the
+one holding its committed weights, and replaces its :class:`CommittedWeights` (one
+reference assignment) only after every bucket, every tensor and the whole-state checksum
+matched and the vote completed. Any failure — peer died, deadline, checksum mismatch,
+stale or malformed manifest — raises a typed error and leaves :attr:`Receiver.committed`
+exactly as it was. Staging buffers are recycled between syncs only when nothing outside
+the receiver still references them (so the weights of version N stay valid for as long as
+the caller holds them).
+
+**Failure.** A transfer that fails in the middle aborts the communicator (its stream can
+no longer be trusted to be aligned), which also makes the other members fail at once
+instead of at their timeouts: the runtime forms the next group version. A checksum
+mismatch does not abort: the stream stayed aligned, the sender learns from the vote which
+ranks rejected the update (:attr:`SyncReport.rejected`), and the group stays usable. The
+vote is the commit point: when it completes, every member that voted 0 commits (a local
+reference swap that cannot fail); in the narrow window where a member dies during the vote
+itself, some members may have committed and others not, and the runtime reconciles by
+comparing committed checksums.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ftstate.errors import (
+    ChecksumMismatch,
+    DeadlineExceeded,
+    ManifestError,
+    StaleGroupVersion,
+    SyncTimeout,
+    TransportError,
+)
+from ftstate.transport.base import Communicator, Pending
+from ftstate.transport.buckets import Bucket, TensorEntry, bucket_segments, plan_layout
+from ftstate.transport.checksum import (
+    StreamHasher,
+    byte_view,
+    combine,
+    dtype_name,
+    format_checksum,
+    host_bytes,
+    state_checksum,
+    torch_dtype,
+)
+from ftstate.transport.manifest import (
+    MAX_MESSAGE_BYTES,
+    WIRE_FORMAT,
+    Manifest,
+    Seal,
+    decode_manifest,
+    decode_seal,
+    encode_manifest,
+    encode_seal,
+)
+
+log = logging.getLogger("ftstate.transport")
+
+#: Default bucket size (the config's ``bucket_size_mb`` default, 256 MiB), in bytes.
+DEFAULT_BUCKET_SIZE = 256 * 1024 * 1024
+
+#: Buckets on the wire at once, so that the next operation is queued before the current
+#: one drains (a gap between two gloo operations costs throughput). Independent of the
+#: sender's two packing buffers, which are reused only once their last send completed.
+WINDOW = 3
+
+#: First word of every message header ("ftst").
+MAGIC = 0x66747374
+
+#: Vote values.
+VOTE_COMMIT = 0
+VOTE_CHECKSUM_MISMATCH = 1
+_VOTE_NAMES = {VOTE_COMMIT: "committed", VOTE_CHECKSUM_MISMATCH: "ChecksumMismatch"}
+
+Progress = Callable[[int, int], None]
+"""Called after each bucket with ``(buckets done, buckets in total)``; may be used to
+show progress in heartbeats. An exception raised by it aborts the transfer."""
+
+
+@dataclass(frozen=True)
+class CommittedWeights:
+    """A complete, verified state held by a :class:`Receiver` (or given to it initially).
+
+    ``tensors`` is read-only as a mapping; the tensors are views into one staging buffer.
+    ``state_checksum`` is :func:`~ftstate.transport.checksum.state_checksum` of
+    ``tensors``, computed from the bytes this member holds, not copied from the sender.
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    weights_version: int
+    state_checksum: str
+    group: str | None = None
+    group_version: int | None = None
+    nbytes: int = 0
+    _flat: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _entries: tuple[TensorEntry, ...] | None = field(default=None, repr=False, compare=False)
+    _baseline: int = field(default=0, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What the sender knows after a transfer.
+
+    ``committed``: ranks that verified and committed the new weights; ``rejected``: rank →
+    reason (``"ChecksumMismatch"``) for those that kept their previous version.
+    """
+
+    group: str
+    group_version: int
+    weights_version: int
+    state_checksum: str
+    nbytes: int
+    num_buckets: int
+    seconds: float
+    committed: tuple[int, ...]
+    rejected: Mapping[int, str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejected
+
+
+# -- routes: how the messages of one transfer travel --------------------------------------
+
+
+class _Route:
+    """The ordered message stream of one transfer, on one communicator, under one deadline."""
+
+    def __init__(self, comm: Communicator, deadline: float, timeout_s: float) -> None:
+        self.comm = comm
+        self.deadline = deadline
+        self.timeout_s = timeout_s
+
+    def remaining(self, stage: str) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.comm.abort(f"sync deadline passed during {stage}")
+            raise SyncTimeout(
+                f"weight transfer on group {self.comm.group!r} ({stage})",
+                key="sync_timeout_s",
+                seconds=self.timeout_s,
+                member=f"rank {self.comm.rank}",
+                group_version=self.comm.version,
+            )
+        return left
+
+    def post(self, tensor: torch.Tensor, stage: str) -> Pending:
+        raise NotImplementedError
+
+    def send_message(self, payload: bytes, stage: str, *, group_version: int | None = None) -> None:
+        """Header then payload. ``group_version`` overrides the stamp (tests of fencing only)."""
+        dev = self.comm.device
+        stamp = self.comm.version if group_version is None else group_version
+        header = torch.tensor([MAGIC, WIRE_FORMAT, stamp, len(payload)], dtype=torch.int64).to(dev)
+        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+        first = self.post(header, stage)
+        second = self.post(body, stage)
+        first.wait()
+        second.wait()
+
+    def recv_message(self, stage: str) -> bytes:
+        comm = self.comm
+        header = torch.zeros(4, dtype=torch.int64, device=comm.device)
+        self.post(header, stage).wait()
+        magic, fmt, stamp, length = (int(v) for v in header.cpu().tolist())
+        if magic != MAGIC:
+            raise ManifestError(f"malformed message header during {stage}: bad magic {magic:#x}")
+        if fmt != WIRE_FORMAT:
+            raise ManifestError(f"malformed message header during {stage}: wire format {fmt}, expected {WIRE_FORMAT}")
+        if stamp < comm.version:
+            raise StaleGroupVersion(comm.group, got=stamp, current=comm.version)
+        if stamp > comm.version:
+            raise ManifestError(
+                f"malformed message header during {stage}: field 'group_version': {stamp} is newer than "
+                f"this member's version {comm.version} of group {comm.group!r}"
+            )
+        if not 0 < length <= MAX_MESSAGE_BYTES:
+            raise ManifestError(f"malformed message header during {stage}: field 'length': {length}")
+        body = torch.empty(length, dtype=torch.uint8, device=comm.device)
+        self.post(body, stage).wait()
+        return bytes(host_bytes(body))
+
+    def vote(self, value: int, stage: str) -> dict[int, int]:
+        raise NotImplementedError
+
+
+class _BroadcastRoute(_Route):
+    def __init__(self, comm: Communicator, deadline: float, timeout_s: float, root: int) -> None:
+        super().__init__(comm, deadline, timeout_s)
+        self.root = root
+
+    def post(self, tensor: torch.Tensor, stage: str) -> Pending:
+        return self.comm.broadcast(tensor, self.root, timeout_s=self.remaining(stage))
+
+    def vote(self, value: int, stage: str) -> dict[int, int]:
+        mine = torch.tensor([value], dtype=torch.int64)
+        votes = self.comm.allgather(mine, timeout_s=self.remaining(stage))
+        return {r: int(v.item()) for r, v in enumerate(votes) if r != self.root}
+
+
+class _PeerRoute(_Route):
+    def __init__(self, comm: Communicator, deadline: float, timeout_s: float, peer: int, sending: bool) -> None:
+        super().__init__(comm, deadline, timeout_s)
+        if peer == comm.rank or not 0 <= peer < comm.world_size:
+            raise ValueError(f"peer must be another rank in [0, {comm.world_size}), got {peer} (this is rank {comm.rank})")
+        self.peer = peer
+        self.sending = sending
+        self.seq = 0
+
+    def post(self, tensor: torch.Tensor, stage: str) -> Pending:
+        tag, self.seq = self.seq, self.seq + 1
+        t = self.remaining(stage)
+        if self.sending:
+            return self.comm.send(tensor, self.peer, tag=tag, timeout_s=t)
+        return self.comm.recv(tensor, self.peer, tag=tag, timeout_s=t)
+
+    def vote(self, value: int, stage: str) -> dict[int, int]:
+        box = torch.tensor([value], dtype=torch.int64).to(self.comm.device)
+        tag, self.seq = self.seq, self.seq + 1
+        t = self.remaining(stage)
+        if self.sending:  # the sender collects the receiver's vote
+            self.comm.recv(box, self.peer, tag=tag, timeout_s=t).wait()
+            return {self.peer: int(box.cpu().item())}
+        self.comm.send(box, self.peer, tag=tag, timeout_s=t).wait()
+        return {}
+
+
+def _with_stage(exc: Exception, stage: str, weights_version: int | None, route: _Route) -> Exception:
+    """The communicator's error again, saying what the transfer was doing."""
+    comm = route.comm
+    wv = f" of weights version {weights_version}" if weights_version is not None else ""
+    if isinstance(exc, DeadlineExceeded):
+        return type(exc)(
+            f"weight transfer{wv} on group {comm.group!r} ({stage})",
+            key="sync_timeout_s",
+            seconds=route.timeout_s,
+            member=exc.member or f"rank {comm.rank}",
+            group_version=comm.version,
+            missing=exc.missing,
+            arrived=exc.arrived,
+        )
+    if isinstance(exc, StaleGroupVersion):
+        return exc
+    return type(exc)(f"{exc} (weight transfer{wv}, {stage})")
+
+
+# -- sender --------------------------------------------------------------------------------
+
+
+class Sender:
+    """Sends whole states; keeps its two packing buffers between transfers.
+
+    ``bucket_size``: bytes per bucket (``bucket_bytes(cfg.bucket_size_mb)``); tensors larger
+    than a bucket are chunked across buckets. Not thread-safe: one transfer at a time.
+    """
+
+    def __init__(self, *, bucket_size: int = DEFAULT_BUCKET_SIZE) -> None:
+        plan_layout([], bucket_size)  # validates the size
+        self.bucket_size = bucket_size
+        self._pack: list[torch.Tensor | None] = [None, None]
+
+    def broadcast(
+        self,
+        comm: Communicator,
+        weights: Mapping[str, torch.Tensor] | CommittedWeights,
+        *,
+        weights_version: int | None = None,
+        timeout_s: float,
+        progress: Progress | None = None,
+    ) -> SyncReport:
+        """Send ``weights`` from this member to every other member of ``comm``.
+
+        ``weights_version``: the version stamped on the transfer (defaults to the
+        version of a :class:`CommittedWeights`). ``timeout_s``: ``sync_timeout_s``, the
+        bound on the whole transfer, manifest to vote. Raises :class:`PeerLost`,
+        :class:`SyncTimeout`, :class:`StaleGroupVersion` (this communicator was fenced);
+        receivers that rejected the data are listed in the report, not raised.
+        """
+        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank)
+        return self._send(route, weights, weights_version, progress)
+
+    def send_to(
+        self,
+        comm: Communicator,
+        peer: int,
+        weights: Mapping[str, torch.Tensor] | CommittedWeights,
+        *,
+        weights_version: int | None = None,
+        timeout_s: float,
+        progress: Progress | None = None,
+    ) -> SyncReport:
+        """Send ``weights`` to ``peer`` only (same manifest, checksums and atomic commit).
+
+        For recovery: the trainer or a rollout holding the current version sends it to a
+        newcomer, or a rollout sends it to a new trainer. Other members are not involved.
+        ``timeout_s``: bound on the whole transfer (``sync_timeout_s`` or
+        ``failover_timeout_s``, whichever the caller is spending).
+        """
+        route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
+        return self._send(route, weights, weights_version, progress)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._pack[slot]
+        if buf is None or buf.device != device or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, self.bucket_size), dtype=torch.uint8, device=device)
+            self._pack[slot] = buf
+        return buf[:nbytes]
+
+    def _send(
+        self,
+        route: _Route,
+        weights: Mapping[str, torch.Tensor] | CommittedWeights,
+        weights_version: int | None,
+        progress: Progress | None,
+    ) -> SyncReport:
+        comm = route.comm
+        started = time.monotonic()
+        committed = weights if isinstance(weights, CommittedWeights) else None
+        tensors = committed.tensors if committed is not None else weights
+        if weights_version is None:
+            if committed is None:
+                raise ValueError("weights_version is required when sending a plain mapping of tensors")
+            weights_version = committed.weights_version
+        comm.check_usable()
+
+        names = list(tensors)
+        sources = [byte_view(tensors[n]) for n in names]
+        entries, windows, total = plan_layout(
+            ((n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names), self.bucket_size
+        )
+        flat = None
+        if committed is not None and committed._flat is not None and committed._entries == entries:
+            flat = committed._flat  # the receiver's staging layout is the stream: send slices of it
+        buckets = bucket_segments(entries, windows)
+        manifest = Manifest(comm.group, comm.version, weights_version, self.bucket_size, total, entries, windows)
+        hasher = StreamHasher(len(entries))
+        device = comm.device
+        stage = "manifest"
+
+        slots: list[Pending | None] = [None, None]  # the operation last sent from each packing buffer
+        packed = 0
+
+        def pack(b: Bucket) -> tuple[torch.Tensor, int | None]:
+            """The bucket's bytes on the communicator's device, and the packing slot used:
+            a slice of the tensor (or of a committed staging buffer) when it is one, else
+            the small tensors copied into the packing buffer whose last send completed."""
+            nonlocal packed
+            one = b.single
+            if flat is not None and flat.device == device:
+                return flat[b.start : b.stop], None
+            if one is not None and sources[one.tensor].device == device:
+                return sources[one.tensor][one.start : one.start + one.length], None
+            slot, packed = packed % 2, packed + 1
+            previous, slots[slot] = slots[slot], None
+            if previous is not None:
+                previous.wait()  # double buffering: never overwrite bytes still on the wire
+            data = self._buffer(slot, b.nbytes, device)
+            cursor = 0
+            for s in b.segments:
+                if s.bucket_offset > cursor:
+                    data[cursor : s.bucket_offset].zero_()
+                data[s.bucket_offset : s.bucket_offset + s.length].copy_(
+                    sources[s.tensor][s.start : s.start + s.length]
+                )
+                cursor = s.bucket_offset + s.length
+            return data, slot
+
+        def digest(b: Bucket, data: torch.Tensor) -> int:
+            hb = host_bytes(data)
+            for s in b.segments:
+                hasher.feed(s.tensor, hb[s.bucket_offset : s.bucket_offset + s.length])
+            return hasher.bucket_digest(b)
+
+        try:
+            route.send_message(encode_manifest(manifest), stage)
+            digests: list[int] = []
+            n = len(buckets)
+            inflight: deque[Pending] = deque()  # at most WINDOW buckets on the wire
+            done = 0
+            for b in buckets:
+                stage = f"bucket {b.index + 1}/{n}"
+                data, slot = pack(b)  # the buckets already on the wire overlap this packing
+                import os as _os
+                if _os.environ.get("HB"):
+                    digests.append(digest(b, data))
+                pending = route.post(data, stage)
+                inflight.append(pending)
+                if slot is not None:
+                    slots[slot] = pending
+                # hashing reads the bytes while they are on the wire: the checksums go in the seal
+                if not _os.environ.get("HB"):
+                    digests.append(digest(b, data))
+                while len(inflight) >= WINDOW:
+                    inflight.popleft().wait()
+                    done += 1
+                    if progress is not None:
+                        progress(done, n)
+            while inflight:
+                stage = f"bucket {done + 1}/{n}"
+                inflight.popleft().wait()
+                done += 1
+                if progress is not None:
+                    progress(done, n)
+            tensor_sums = hasher.tensor_digests()
+            state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(entries, tensor_sums, strict=True))
+            seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state)
+            stage = "seal"
+            route.send_message(encode_seal(seal), stage)
+            stage = "commit vote"
+            votes = route.vote(VOTE_COMMIT, stage)
+        except (TransportError, DeadlineExceeded) as exc:
+            self._pack = [None, None]
+            comm.abort(f"weight transfer failed during {stage}")
+            raise _with_stage(exc, stage, weights_version, route) from exc
+        except BaseException:
+            self._pack = [None, None]
+            comm.abort(f"weight transfer interrupted during {stage}")
+            raise
+
+        report = SyncReport(
+            group=comm.group,
+            group_version=comm.version,
+            weights_version=weights_version,
+            state_checksum=format_checksum(state),
+            nbytes=manifest.payload_bytes,
+            num_buckets=len(buckets),
+            seconds=time.monotonic() - started,
+            committed=tuple(sorted(r for r, v in votes.items() if v == VOTE_COMMIT)),
+            rejected={r: _VOTE_NAMES.get(v, f"vote {v}") for r, v in sorted(votes.items()) if v != VOTE_COMMIT},
+        )
+        log.info(
+            "weights sent",
+            extra={
+                "group": comm.group, "group_version": comm.version, "rank": comm.rank,
+                "weights_version": weights_version, "state_checksum": report.state_checksum,
+                "bytes": report.nbytes, "buckets": report.num_buckets, "seconds": round(report.seconds, 4),
+                "committed": list(report.committed), "rejected": dict(report.rejected),
+            },
+        )
+        return report
+
+
+# -- receiver ------------------------------------------------------------------------------
+
+
+def _use_count(t: torch.Tensor) -> int | None:
+    """How many references hold ``t``'s storage (None when torch does not tell)."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    if counter is None:
+        return None
+    try:
+        return int(counter(t.untyped_storage()._cdata))
+    except Exception:  # noqa: BLE001 - a private torch API: without it buffers are simply not recycled
+        return None
+
+
+class Receiver:
+    """Owns one member's committed weights and replaces them only with a complete, verified state.
+
+    ``initial``/``weights_version``: weights this member already holds (e.g. loaded from a
+    checkpoint), committed as they are; without them :attr:`committed` starts as ``None``.
+    The receiver outlives communicators: pass the current group version's one to each call.
+    Not thread-safe: one transfer at a time (:meth:`corrupt_next_bucket` may be called
+    from any thread).
+    """
+
+    def __init__(
+        self, initial: Mapping[str, torch.Tensor] | None = None, *, weights_version: int | None = None
+    ) -> None:
+        self._committed: CommittedWeights | None = None
+        self._spare: tuple[torch.Tensor, int] | None = None
+        self._corrupt_next = False
+        if initial is not None:
+            if weights_version is None:
+                raise ValueError("weights_version is required with initial weights")
+            tensors = dict(initial)
+            self._committed = CommittedWeights(
+                tensors=types.MappingProxyType(tensors),
+                weights_version=weights_version,
+                state_checksum=state_checksum(tensors),
+                nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+            )
+
+    @property
+    def committed(self) -> CommittedWeights | None:
+        """The last complete, verified weights (unchanged by any failed transfer)."""
+        return self._committed
+
+    def corrupt_next_bucket(self) -> None:
+        """Chaos/test hook: flip one byte of the next bucket this receiver gets, after it
+        arrived and before it is checked (so the transfer ends in ChecksumMismatch)."""
+        self._corrupt_next = True
+
+    def receive_broadcast(
+        self, comm: Communicator, *, root: int = 0, timeout_s: float, progress: Progress | None = None
+    ) -> CommittedWeights:
+        """Receive the state ``root`` broadcasts and commit it; returns the new :attr:`committed`.
+
+        ``timeout_s``: ``sync_timeout_s``, bound on the whole transfer. Raises
+        :class:`ChecksumMismatch`, :class:`PeerLost`, :class:`SyncTimeout`,
+        :class:`StaleGroupVersion` or :class:`ManifestError`; on any of them
+        :attr:`committed` is exactly what it was before the call.
+        """
+        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=root)
+        return self._receive(route, progress)
+
+    def receive_from(
+        self, comm: Communicator, peer: int, *, timeout_s: float, progress: Progress | None = None
+    ) -> CommittedWeights:
+        """Receive a state sent to this member only by ``peer`` (:meth:`Sender.send_to`).
+
+        ``timeout_s``: bound on the whole transfer. Same errors and guarantee as
+        :meth:`receive_broadcast`.
+        """
+        route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=False)
+        return self._receive(route, progress)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _staging(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            buf, baseline = spare
+            count = _use_count(buf)
+            if buf.device == device and buf.numel() >= nbytes and count is not None and count <= baseline:
+                return buf, baseline
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        return buf, _use_count(buf) or 0
+
+    def _receive(self, route: _Route, progress: Progress | None) -> CommittedWeights:
+        comm = route.comm
+        kept = self._committed
+        kept_version = kept.weights_version if kept is not None else None
+        stage = "manifest"
+        manifest: Manifest | None = None
+        staging: tuple[torch.Tensor, int] | None = None
+        comm.check_usable()
+        try:
+            manifest = decode_manifest(route.recv_message(stage), group=comm.group, group_version=comm.version)
+            staging = self._staging(manifest.total_bytes, comm.device)
+            flat = staging[0]
+            _zero_padding(flat, manifest)
+            buckets = bucket_segments(manifest.tensors, manifest.buckets)
+            hasher = StreamHasher(len(manifest.tensors))
+            digests: list[int] = []
+            n = len(buckets)
+            posted: deque[Pending] = deque()
+            for b in buckets[:WINDOW]:
+                posted.append(route.post(flat[b.start : b.stop], f"bucket {b.index + 1}/{n}"))
+            for b in buckets:
+                stage = f"bucket {b.index + 1}/{n}"
+                posted.popleft().wait()
+                if b.index + WINDOW < n:
+                    following = buckets[b.index + WINDOW]
+                    posted.append(route.post(flat[following.start : following.stop], stage))
+                data = flat[b.start : b.stop]
+                if self._corrupt_next and b.segments:
+                    self._corrupt_next = False
+                    at = b.segments[0].bucket_offset
+                    data[at : at + 1].bitwise_xor_(0xFF)
+                hb = host_bytes(data)  # hashing overlaps the next bucket on the wire
+                for s in b.segments:
+                    hasher.feed(s.tensor, hb[s.bucket_offset : s.bucket_offset + s.length])
+                digests.append(hasher.bucket_digest(b))
+                if progress is not None:
+                    progress(b.index + 1, n)
+            stage = "seal"
+            seal = decode_seal(route.recv_message(stage), manifest)
+            problem = _verify(manifest, seal, digests, hasher.tensor_digests())
+            stage = "commit vote"
+            route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, stage)
+        except (TransportError, DeadlineExceeded) as exc:
+            comm.abort(f"weight transfer failed during {stage}")
+            wv = manifest.weights_version if manifest is not None else None
+            raise _with_stage(exc, stage, wv, route) from exc
+        except BaseException:
+            comm.abort(f"weight transfer interrupted during {stage}")
+            raise
+
+        if problem is not None:
+            self._spare = staging  # verified as garbage, but the buffer is ours to reuse
+            kept_text = f"kept weights version {kept_version}" if kept is not None else "kept no weights"
+            log.warning(
+                "weights rejected",
+                extra={"group": comm.group, "group_version": comm.version, "rank": comm.rank,
+                       "weights_version": manifest.weights_version, "problem": problem},
+            )
+            raise ChecksumMismatch(
+                f"rank {comm.rank} of group {comm.group!r} v{comm.version}: weights version "
+                f"{manifest.weights_version}: {problem}; {kept_text}"
+            )
+
+        flat, baseline = staging
+        tensors = {
+            e.name: flat[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
+            for e in manifest.tensors
+        }
+        new = CommittedWeights(
+            tensors=types.MappingProxyType(tensors),
+            weights_version=manifest.weights_version,
+            state_checksum=format_checksum(seal.state_checksum),
+            group=comm.group,
+            group_version=comm.version,
+            nbytes=manifest.payload_bytes,
+            _flat=flat,
+            _entries=manifest.tensors,
+            _baseline=baseline,
+        )
+        self._committed = new  # the commit: one reference assignment
+        if kept is not None and kept._flat is not None:
+            self._spare = (kept._flat, kept._baseline)
+        log.info(
+            "weights committed",
+            extra={"group": comm.group, "group_version": comm.version, "rank": comm.rank,
+                   "weights_version": new.weights_version, "state_checksum": new.state_checksum,
+                   "bytes": new.nbytes, "previous_weights_version": kept_version},
+        )
+        return new
+
+
+def _zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
+    """Zero the alignment gaps between tensors (never sent), so a resend from this buffer
+    leaks no stale memory."""
+    cursor = 0
+    for e in sorted(manifest.tensors, key=lambda e: e.offset):
+        if e.offset > cursor:
+            flat[cursor : e.offset].zero_()
+        cursor = max(cursor, e.end)
+
+
+def _verify(manifest: Manifest, seal: Seal, digests: list[int], tensor_sums: list[int]) -> str | None:
+    """None when everything matches, else what did not (first failing bucket first)."""
+    n = manifest.num_buckets
+    for k, (got, want) in enumerate(zip(digests, seal.bucket_checksums, strict=True)):
+        if got != want:
+            return f"bucket {k + 1}/{n} does not match its checksum (expected {want:016x}, got {got:016x})"
+    for e, got, want in zip(manifest.tensors, tensor_sums, seal.tensor_checksums, strict=True):
+        if got != want:
+            return f"tensor {e.name!r} does not match its checksum (expected {want:016x}, got {got:016x})"
+    state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(manifest.tensors, tensor_sums, strict=True))
+    if state != seal.state_checksum:
+        return (
+            f"whole-state checksum does not match (expected {seal.state_checksum:016x}, got {state:016x})"
+        )
+    return None
+
+
+__all__ = [
+    "DEFAULT_BUCKET_SIZE",
+    "CommittedWeights",
+    "Progress",
+    "Receiver",
+    "Sender",
+    "SyncReport",
+]

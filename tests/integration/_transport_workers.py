@@ -1,0 +1,334 @@
+"""Real member processes for the transport tests: a worker per rank, driven over a pipe.
+
+Each worker is a 'spawn' process that imports torch once (~2.5 s here) and then executes
+commands (form a group version, broadcast, receive, send to a peer, …) until it is told
+to stop or killed, so one set of processes serves many scenarios. :class:`Pool` keeps a
+prewarmed spare so that "a fresh process takes the dead member's rank" costs no import
+time inside a test, and kills every process it started when the module's tests end,
+whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+GROUP = "weights"
+BUCKET = 64 * 1024  # small buckets: the test states span a dozen of them
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    """A deterministic state of mixed dtypes: float32, bfloat16, int64, bool, a 0-dim and an
+    empty tensor, and two tensors larger than a 64 KiB bucket (chunked)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(300, 128, generator=g),  # 150 KiB float32: 3 chunks
+        "layers.0.attn.bf16": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "layers.0.bias": torch.randn(64, generator=g),
+        "layers.1.big.bf16": torch.randn(100_000, generator=g).to(torch.bfloat16),  # 195 KiB: 4 chunks
+        "token_ids": torch.randint(-(2**40), 2**40, (1000,), generator=g, dtype=torch.int64),
+        "mask": torch.rand(333, generator=g) > 0.5,
+        "step": torch.tensor(seed, dtype=torch.int64),
+        "empty": torch.empty(0, 3),
+    }
+
+
+def describe_error(exc: BaseException) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "type": type(exc).__name__,
+        "mro": [c.__name__ for c in type(exc).__mro__],
+        "message": str(exc),
+        "cause": type(exc.__cause__).__name__ if exc.__cause__ is not None else None,
+    }
+    for attr in ("missing", "arrived", "group_version", "seconds", "key", "got", "current", "what"):
+        if hasattr(exc, attr):
+            value = getattr(exc, attr)
+            info[attr] = list(value) if isinstance(value, tuple) else value
+    return info
+
+
+class _Member:
+    """What runs inside a worker process; each public method is a command."""
+
+    def __init__(self, store_addr: str) -> None:
+        from ftstate.transport import Receiver, Sender
+
+        self.store_addr = store_addr
+        self.comms: dict[int, Any] = {}
+        self.version: int | None = None
+        self.sender = Sender(bucket_size=BUCKET)
+        self.receiver = Receiver()
+        self.weights: dict[str, Any] | None = None
+        self.weights_version: int | None = None
+
+    @property
+    def comm(self) -> Any:
+        assert self.version is not None, "no group version formed yet"
+        return self.comms[self.version]
+
+    def _progress(self, kill_at: int | None) -> Callable[[int, int], None] | None:
+        if kill_at is None:
+            return None
+
+        def progress(done: int, total: int) -> None:
+            if done == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return progress
+
+    # -- commands ---------------------------------------------------------------------
+
+    def form(self, version: int, rank: int, world_size: int, timeout_s: float, group: str = GROUP) -> float:
+        from ftstate.transport import create_communicator
+
+        t0 = time.monotonic()
+        self.comms[version] = create_communicator(
+            "gloo", store_addr=self.store_addr, group=group, version=version, rank=rank,
+            world_size=world_size, timeout_s=timeout_s,
+        )
+        self.version = version
+        return time.monotonic() - t0
+
+    def use(self, version: int) -> None:
+        self.version = version
+
+    def load(self, seed: int, weights_version: int) -> str:
+        from ftstate.transport import state_checksum
+
+        self.weights = make_state(seed)
+        self.weights_version = weights_version
+        return state_checksum(self.weights)
+
+    def broadcast(self, timeout_s: float, kill_at: int | None = None, version: int | None = None) -> dict[str, Any]:
+        comm = self.comms[version] if version is not None else self.comm
+        report = self.sender.broadcast(
+            comm, self.weights, weights_version=self.weights_version, timeout_s=timeout_s,
+            progress=self._progress(kill_at),
+        )
+        return {"committed": list(report.committed), "rejected": dict(report.rejected),
+                "checksum": report.state_checksum, "buckets": report.num_buckets, "group_version": report.group_version}
+
+    def receive(self, timeout_s: float, root: int = 0, kill_at: int | None = None, version: int | None = None) -> dict[str, Any]:
+        comm = self.comms[version] if version is not None else self.comm
+        got = self.receiver.receive_broadcast(comm, root=root, timeout_s=timeout_s, progress=self._progress(kill_at))
+        return {"weights_version": got.weights_version, "checksum": got.state_checksum, "group_version": got.group_version}
+
+    def send_to(self, peer: int, timeout_s: float, source: str = "weights") -> dict[str, Any]:
+        if source == "weights":
+            report = self.sender.send_to(
+                self.comm, peer, self.weights, weights_version=self.weights_version, timeout_s=timeout_s
+            )
+        else:  # the committed weights this member received
+            report = self.sender.send_to(self.comm, peer, self.receiver.committed, timeout_s=timeout_s)
+        return {"committed": list(report.committed), "rejected": dict(report.rejected), "checksum": report.state_checksum}
+
+    def receive_from(self, peer: int, timeout_s: float) -> dict[str, Any]:
+        got = self.receiver.receive_from(self.comm, peer, timeout_s=timeout_s)
+        return {"weights_version": got.weights_version, "checksum": got.state_checksum}
+
+    def corrupt_next_bucket(self) -> None:
+        self.receiver.corrupt_next_bucket()
+
+    def reset_receiver(self) -> None:
+        """Forget the committed weights, as a newcomer holds none."""
+        from ftstate.transport import Receiver
+
+        self.receiver = Receiver()
+
+    def committed(self) -> dict[str, Any] | None:
+        """The committed weights: version, the checksum recorded at commit and one
+        recomputed now from the bytes held."""
+        from ftstate.transport import state_checksum
+
+        c = self.receiver.committed
+        if c is None:
+            return None
+        return {"weights_version": c.weights_version, "checksum": c.state_checksum,
+                "recomputed": state_checksum(c.tensors)}
+
+    def committed_bytes(self) -> dict[str, tuple[str, list[int], bytes]]:
+        """Every committed tensor as (dtype, shape, raw bytes), for bit-exact comparison."""
+        from ftstate.transport.checksum import byte_view, dtype_name
+
+        c = self.receiver.committed
+        assert c is not None
+        return {n: (dtype_name(t.dtype), list(t.shape), bytes(byte_view(t).numpy())) for n, t in c.tensors.items()}
+
+    def send_stale_manifest(self, stamped_version: int, timeout_s: float) -> None:
+        """Broadcast a manifest stamped with an older group version on the current one."""
+        from ftstate.transport.buckets import plan_layout
+        from ftstate.transport.checksum import dtype_name
+        from ftstate.transport.manifest import Manifest, encode_manifest
+        from ftstate.transport.sync import _BroadcastRoute
+
+        comm = self.comm
+        entries, windows, total = plan_layout(
+            ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self.weights.items()), BUCKET
+        )
+        manifest = Manifest(comm.group, stamped_version, self.weights_version, BUCKET, total, entries, windows)
+        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank)
+        route.send_message(encode_manifest(manifest), "stale manifest", group_version=stamped_version)
+
+    def abandon(self, version: int) -> None:
+        comm = self.comms.pop(version, None)
+        if comm is not None:
+            comm.abort("abandoned by the test")
+
+
+def serve(conn: Any, store_addr: str) -> None:
+    """Entry point of a worker process."""
+    member = _Member(store_addr)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        cmd, kwargs = msg
+        try:
+            result = getattr(member, cmd)(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - every failure is the command's answer
+            conn.send(("err", describe_error(exc)))
+        else:
+            conn.send(("ok", result))
+
+
+class RemoteError(Exception):
+    """An exception raised by a command inside a worker; ``info`` describes it."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
+        super().__init__(f"{info['type']}: {info['message']}")
+
+    def isinstance(self, name: str) -> bool:
+        return name in self.info["mro"]
+
+
+class Worker:
+    """Parent-side handle of one worker process."""
+
+    def __init__(self, ctx: Any, store_addr: str, name: str) -> None:
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, store_addr), name=name, daemon=True)
+        self.proc.start()
+        child.close()
+        self._ready = False
+        self.pid: int | None = None
+        self._busy = False
+
+    def wait_ready(self, timeout: float = 60) -> Worker:
+        if not self._ready:
+            if not self.conn.poll(timeout):
+                raise TimeoutError(f"{self.name} did not start within {timeout}s")
+            tag, self.pid = self.conn.recv()
+            assert tag == "ready"
+            self._ready = True
+        return self
+
+    def start(self, cmd: str, **kwargs: Any) -> None:
+        """Send a command without waiting for its result (collect it with :meth:`result`)."""
+        self.wait_ready()
+        assert not self._busy, f"{self.name} is still running a command"
+        self.conn.send((cmd, kwargs))
+        self._busy = True
+
+    def result(self, timeout: float = 30) -> Any:
+        """The result of the command started last; raises RemoteError for its exception,
+        EOFError if the process died."""
+        assert self._busy
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"{self.name}: no answer within {timeout}s")
+        self._busy = False
+        tag, value = self.conn.recv()
+        if tag == "err":
+            raise RemoteError(value)
+        return value
+
+    def outcome(self, timeout: float = 30) -> tuple[str, Any]:
+        """``("ok", result)``, ``("err", RemoteError)`` or ``("died", exitcode)``."""
+        try:
+            return "ok", self.result(timeout)
+        except RemoteError as exc:
+            return "err", exc
+        except (EOFError, ConnectionResetError):
+            self._busy = False
+            self.proc.join(5)
+            return "died", self.proc.exitcode
+
+    def call(self, cmd: str, timeout: float = 30, **kwargs: Any) -> Any:
+        self.start(cmd, **kwargs)
+        return self.result(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+        self.conn.close()
+
+
+class Pool:
+    """The controller's side: the store, the live members by rank and a prewarmed spare."""
+
+    def __init__(self, size: int) -> None:
+        from ftstate.transport import StoreServer
+
+        self.server = StoreServer("127.0.0.1")
+        self.ctx = mp.get_context("spawn")
+        self.started: list[Worker] = []
+        self.members: list[Worker] = [self._spawn() for _ in range(size)]
+        self.spare: Worker = self._spawn()
+        self.version = 0
+        for w in self.members:
+            w.wait_ready()
+
+    def _spawn(self) -> Worker:
+        w = Worker(self.ctx, str(self.server.address), f"worker-{len(self.started)}")
+        self.started.append(w)
+        return w
+
+    def next_version(self) -> int:
+        self.version += 1
+        return self.version
+
+    def replace(self, rank: int) -> Worker:
+        """A fresh process (the prewarmed spare) takes ``rank``; the old one is killed if alive."""
+        old = self.members[rank]
+        old.kill()
+        new, self.spare = self.spare.wait_ready(), self._spawn()
+        self.members[rank] = new
+        return new
+
+    def heal(self) -> None:
+        for rank, w in enumerate(self.members):
+            if not w.alive:
+                self.replace(rank)
+
+    def form(self, members: list[Worker] | None = None, timeout_s: float = 10.0) -> int:
+        """Form the next version with ``members`` (default all) as ranks 0..n-1."""
+        members = self.members if members is None else members
+        version = self.next_version()
+        for rank, w in enumerate(members):
+            w.start("form", version=version, rank=rank, world_size=len(members), timeout_s=timeout_s)
+        for w in members:
+            w.result(timeout_s + 10)
+        return version
+
+    def close(self) -> None:
+        for w in self.started:
+            w.kill()
+        self.server.close()

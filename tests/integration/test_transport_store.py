@@ -1,0 +1,122 @@
+"""The controller's store and the versioned rendezvous, in one process (no spawned members)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ftstate.errors import RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.transport import StoreAddress, StoreServer
+from ftstate.transport.store import connect_store, join_version
+
+
+@pytest.fixture
+def server():
+    s = StoreServer("127.0.0.1")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses with a socket listening on ``port`` (from /proc/net/tcp{,6})."""
+    found = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, _, state = line.split()[1:4]
+            addr, hexport = local.split(":")
+            if int(hexport, 16) == port and state == "0A":  # LISTEN
+                found.add(addr)
+    return found
+
+
+def test_the_store_listens_on_loopback_only(server):
+    assert server.address.host == "127.0.0.1"
+    assert listening_addresses(server.address.port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0
+
+
+def test_store_address_parses_its_forms():
+    assert StoreAddress.parse("127.0.0.1:29500") == StoreAddress("127.0.0.1", 29500)
+    assert StoreAddress.parse(("10.0.0.1", 1)) == StoreAddress("10.0.0.1", 1)
+    with pytest.raises(ValueError, match="host:port"):
+        StoreAddress.parse("nohost")
+
+
+def test_fencing_only_ever_raises_the_current_version(server):
+    assert server.current_version("g") is None
+    assert server.fence("g", 3) == 3
+    assert server.fence("g", 2) == 3
+    assert server.current_version("g") == 3
+    store = connect_store(server.address, 2.0)
+    with pytest.raises(StaleGroupVersion, match="version 2; current version is 3"):
+        join_version(store, "g", 2, 0, 1, 1.0)
+
+
+def test_a_lone_member_of_a_version_of_one_forms_at_once(server):
+    store = connect_store(server.address, 2.0)
+    t0 = time.monotonic()
+    join_version(store, "solo", 1, 0, 1, 2.0)
+    assert time.monotonic() - t0 < 0.5
+    assert server.arrived("solo", 1) == [0]
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, list[BaseException | None]]:
+    """Run ``fn(*args)`` in a thread; the list gets what it raised (None if nothing)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test to assert on
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, outcome
+
+
+def test_a_rank_cannot_be_held_twice_in_one_version(server):
+    a, b = connect_store(server.address, 2.0), connect_store(server.address, 2.0)
+    t, outcome = in_thread(join_version, a, "g", 1, 0, 2, 1.0)
+    time.sleep(0.2)
+    with pytest.raises(TransportError, match="rank 0 of group 'g' version 1 is already held by pid"):
+        join_version(b, "g", 1, 0, 2, 1.0)
+    t.join()
+    assert isinstance(outcome[0], RendezvousTimeout), outcome
+
+
+def test_the_controller_bounds_a_rendezvous_and_names_who_is_missing(server):
+    store = connect_store(server.address, 2.0)
+    t, outcome = in_thread(join_version, store, "g", 7, 1, 3, 1.5)
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousTimeout) as info:
+        server.wait_joined("g", 7, 3, timeout_s=1.0)
+    assert 1.0 <= time.monotonic() - t0 < 2.0
+    assert info.value.missing == ("rank 0", "rank 2") and info.value.arrived == ("rank 1",)
+    assert info.value.key == "init_timeout_s" and info.value.group_version == 7
+    assert "group 'g' version 7" in str(info.value) and "member controller" in str(info.value)
+    t.join()
+    assert isinstance(outcome[0], RendezvousTimeout), outcome
+
+
+def test_group_names_with_a_slash_are_refused(server):
+    with pytest.raises(ValueError, match="without '/'"):
+        server.fence("a/b", 1)
+
+
+def test_an_unreachable_store_is_a_rendezvous_timeout():
+    closed = StoreServer("127.0.0.1")
+    addr = closed.address
+    closed.close()
+    with pytest.raises(RendezvousTimeout, match=f"store at {addr}"):
+        connect_store(addr, 0.5)

@@ -1,0 +1,97 @@
+"""Tiny torch workers for the integration tests (imported by the Ray worker processes)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from ftstate import RolloutWorker, TrainerWorker
+from ftstate.transport import state_checksum
+
+
+def tiny_state(seed: int, big_floats: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "layer.weight": torch.randn(32, 16, generator=g),
+        "layer.bias": torch.randn(32, generator=g),
+        "head.weight": torch.randn(8, 32, generator=g).to(torch.bfloat16),
+        "step": torch.tensor([seed], dtype=torch.int64),
+    }
+    if big_floats:
+        state["big"] = torch.randn(big_floats, generator=g)
+    return state
+
+
+class TinyTrainer(TrainerWorker):
+    """Holds a few mixed-dtype tensors; ``train_step`` changes every one of them."""
+
+    def __init__(self, seed: int = 0, big_floats: int = 0) -> None:
+        self.state = tiny_state(seed, big_floats)
+        self.steps = 0
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state) -> None:
+        self.state = {k: v.clone() for k, v in state.items()}
+
+    def train_step(self, lr: float = 0.1, seconds: float = 0.0) -> float:
+        if seconds:
+            time.sleep(seconds)  # a long step, so a fault can land in the middle of it
+        self.steps += 1
+        g = torch.Generator().manual_seed(1000 + self.steps)
+        with torch.no_grad():
+            for _name, t in self.state.items():
+                if t.is_floating_point():
+                    t.add_((torch.randn(t.shape, generator=g) * lr).to(t.dtype))
+                else:
+                    t.add_(1)
+        return float(self.state["layer.weight"].abs().mean())
+
+    def checksum(self) -> str:
+        return state_checksum(self.state)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class TinyRollout(RolloutWorker):
+    """Keeps the weights it was given; ``generate`` answers with the version it serves.
+
+    hang_marker: the first rollout constructed in this run creates that file and then hangs
+    in its constructor forever (a group-init that never returns).
+    """
+
+    def __init__(self, hang_marker: str | None = None) -> None:
+        if hang_marker is not None:
+            try:
+                fd = os.open(hang_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pass
+            else:
+                os.close(fd)
+                while True:
+                    time.sleep(3600)
+        self.state: dict[str, torch.Tensor] = {}
+        self.version = 0
+
+    def load_weights(self, state, version: int) -> None:
+        self.state = {k: v.clone() for k, v in state.items()}
+        self.version = version
+
+    def generate(self, prompt: str) -> tuple[str, int]:
+        return (prompt, self.version)
+
+    def checksum(self) -> str | None:
+        return state_checksum(self.state) if self.state else None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class LossyTrainer(TinyTrainer):
+    """Sends bf16 copies of fp32 master weights: a rollout cannot give the masters back."""
+
+    lossy_state_dict = True
