@@ -134,6 +134,15 @@ class Runtime:
                 "trainer_workers",
                 f"this release drives exactly one trainer in the weight-sync group, got {config.trainer_workers}",
             )
+        if config.fault_tolerance.detect_node_maintenance:
+            from ftstate.errors import ConfigError
+
+            # Refused rather than ignored: a run configured to drain nodes before maintenance
+            # must not silently run without it.
+            raise ConfigError(
+                "fault_tolerance.detect_node_maintenance",
+                "the maintenance watcher is not part of this release; set it to false",
+            )
         self.config = config
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.audit = audit if audit is not None else AuditTrail(config.audit_log)

@@ -1,7 +1,8 @@
 """``ftstate demo``: the main job on the embedded default (see :mod:`ftstate.demo.run`).
 
-``run`` drives real RL on a local Ray cluster with injected faults; ``scripted`` drives
-the machines alone through a scripted run (no Ray, no torch), for a first look.
+``task`` (the toy task and its reward), ``policy`` (a tiny transformer and seeded
+sampling), ``reinforce`` (the policy-gradient step), ``workers`` (the trainer and rollout
+classes), ``live`` (the terminal view) and ``run`` (the job, its faults and its proof).
 """
 
 from __future__ import annotations

@@ -231,6 +231,11 @@ class TestBadInput:
         with pytest.raises(ConfigError, match="trainer_workers: this release drives exactly one trainer"):
             runtime(config(tmp_path, trainer_workers=2))
 
+    def test_node_maintenance_detection_is_refused_not_ignored(self, tmp_path):
+        cfg = config(tmp_path, fault_tolerance={"detect_node_maintenance": True})
+        with pytest.raises(ConfigError, match=r"fault_tolerance\.detect_node_maintenance: the maintenance watcher"):
+            runtime(cfg)
+
     async def test_calling_before_start_says_so(self, tmp_path):
         rt = runtime(config(tmp_path))
         with pytest.raises(ftstate.FTError, match="the runtime is not started"):
