@@ -32,7 +32,7 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ftstate.errors import FTError, LossyRecoveryRefused, MemberLost
+from ftstate.errors import FTError, LossyRecoveryRefused, MemberLost, TransportError
 
 if TYPE_CHECKING:
     from ftstate.runtime import Runtime, _Member
@@ -144,29 +144,44 @@ class Failover:
         t0 = loop.time()
         async with group.deadline_scope():
             await self._retire(lost)
+            replacement: _Member | None = None
+            transfer_tries = 0
             while True:  # until a replacement serves; bounded by this state's deadline
-                try:
-                    replacement = await self._replacement(lost)
-                except FTError as exc:
-                    if lost.role != "rollout":
-                        raise
-                    await group.fire("promotion_failed", reason=f"no replacement for {lost.name}: {exc}")
-                    await self._shrink(lost, reason)
-                    return
-                replacement.rank = lost.rank
-                replacement.machine.bind(rank=lost.rank)
+                if replacement is None:
+                    try:
+                        replacement = await self._replacement(lost)
+                    except FTError as exc:
+                        if lost.role != "rollout":
+                            raise
+                        await group.fire("promotion_failed", reason=f"no replacement for {lost.name}: {exc}")
+                        await self._shrink(lost, reason)
+                        return
+                    replacement.rank = lost.rank
+                    replacement.machine.bind(rank=lost.rank)
                 group.describe_wait(f"failover of {lost.name} to {replacement.name}", missing=[replacement.name])
                 try:
                     await rt._reform()
                     t_reformed = loop.time()
                     resynced = await self._resync(replacement)
                 except MemberLost:
-                    if replacement.machine.state not in ("LOST", "RETIRED"):
+                    if replacement.machine.state in ("LOST", "RETIRED"):
+                        # The replacement itself died (a spare killed before anyone noticed, or
+                        # during the re-rendezvous): retire it and try the next candidate.
+                        self._pending = [(p, t) for p, t in self._pending if p is not replacement]
+                        await self._retire(replacement)
+                        replacement = None
+                        continue
+                    if self._pending:
+                        # Another member died during the re-rendezvous or the transfer: form
+                        # the group again without it (its own failover comes next).
+                        continue
+                    raise
+                except TransportError:
+                    # The newcomer's transfer failed without a death (a corrupted bucket):
+                    # the stream stayed sound, so the transfer is simply made again.
+                    transfer_tries += 1
+                    if transfer_tries > 3:
                         raise
-                    # The replacement itself died (e.g. a spare killed before anyone noticed):
-                    # it is retired and the next candidate is tried.
-                    self._pending = [(p, t) for p, t in self._pending if p is not replacement]
-                    await self._retire(replacement)
                     continue
                 t_done = loop.time()
                 break
@@ -234,7 +249,11 @@ class Failover:
         """Move the current version to the newcomer only; False when it must wait for the next sync."""
         rt = self.rt
         group = rt._require_group()
-        await newcomer.machine.fire("joined")
+        # Idempotent on a retry: the newcomer may be anywhere between RENDEZVOUS and STALE.
+        if newcomer.machine.state == "RENDEZVOUS":
+            await newcomer.machine.fire("joined")
+        elif newcomer.machine.state == "RESYNCING":
+            await newcomer.machine.fire("resync_failed", reason="transfer to be made again")
         version, checksum = group.weights_version, rt.checksum
         if version == 0 or checksum is None:
             if newcomer.role == "trainer":

@@ -251,6 +251,9 @@ class WorkerHost:
         comm = self._require_comm()
         if self._receiver is None:
             self._receiver = Receiver()
+        if self._corrupt_next:
+            self._corrupt_next = False
+            self._receiver.corrupt_next_bucket()
         self.busy = True
         try:
             staged = await asyncio.to_thread(

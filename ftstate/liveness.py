@@ -10,8 +10,9 @@ with the trigger to fire on the worker's machine, if any:
   worker stuck in a collective answers pings but is hung. Half the timeout, not one
   interval: a receiver legitimately waits while the sender packs a bucket or serves
   another receiver, and a CPU-starved machine stretches that wait;
-- a spare (STANDBY) silent for ``heartbeat_timeout_s`` -> ``unresponsive`` (straight to LOST:
-  a hung spare promoted later would only burn the failover deadline);
+- a spare (STANDBY), or a worker being promoted or joining a group version, silent for
+  ``heartbeat_timeout_s`` -> ``unresponsive`` (straight to LOST: a hung spare promoted later,
+  or a newcomer hung in the re-rendezvous, would only burn the failover deadline);
 - an answer showing progress from a SUSPECT worker -> ``verified`` only if it reports the
   current weights version with the current checksum, else ``alive_stale``. A worker that
   merely answers proves nothing about its weights; it must show them.
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 
-#: States in which a worker is watched for missed heartbeats.
+#: States in which a missed heartbeat makes a worker SUSPECT.
 WATCHED = frozenset({"STALE", "RESYNCING", "RESYNCED", "READY", "SYNCING"})
+#: States with nothing to prove (no weights held): silence past the timeout is ``unresponsive``.
+QUIET = frozenset({"STANDBY", "PROMOTING", "RENDEZVOUS"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,7 @@ class Liveness:
             self.missed += 1
             if self.last_answer_at is None:
                 self.last_answer_at = now
-            if state == "STANDBY" and now - self.last_answer_at >= self.timeout_s:
+            if state in QUIET and now - self.last_answer_at >= self.timeout_s:
                 return "unresponsive"
             return "heartbeat_missed" if state in WATCHED else None
         self.missed = 0

@@ -3,7 +3,9 @@
 fault:  kill (SIGKILL), hang (SIGSTOP: alive, no progress), corrupt (a flipped byte in the
         next bucket the target receives)
 target: a rollout, the trainer, a standby, two rollouts at once
-phase:  idle (between syncs), mid-sync (inside a broadcast), during a train step
+phase:  idle (between syncs), mid-sync (inside a broadcast), during a train step, during
+        a re-rendezvous (the target is armed to fail on its next unit of progress, which is
+        joining the next group version, and a bystander rollout is killed to start a failover)
 
 To fit CI on 2 cores, one runtime per (phase, fault) absorbs the four targets in turn
 (a long-running job meeting one failure after another, which is also what production
@@ -50,13 +52,26 @@ def config(tmp_path) -> ftstate.RuntimeConfig:
     )
 
 
-async def inject(rt, fault: str, target: str, *, after_progress: int | None = None) -> list[str]:
+async def hit(rt, fault: str, name: str, *, after_progress: int | None = None) -> None:
+    """One fault on one member (corrupt always hits the next bucket it receives)."""
+    if fault == "kill":
+        await rt.chaos.kill(name, after_progress=after_progress)
+    elif fault == "hang":
+        await rt.chaos.hang(name, after_progress=after_progress)
+    else:
+        await rt.chaos.corrupt(name)
+
+
+async def inject(rt, fault: str, target: str, *, after_progress: int | None = None,
+                 spare_role: str | None = None) -> list[str]:
     """Inject ``fault`` at ``target``; returns the members hit."""
     if target == "standby":
-        spare = next((m.member for m in rt.members() if m.state == "STANDBY"), None)
+        spare = next((m.member for m in rt.members() if m.state == "STANDBY"
+                      and (spare_role is None or m.role == spare_role)), None)
         assert spare is not None, rt.members()
         names = [spare]
-        after_progress = None  # a spare makes no progress: hit it now
+        if spare_role is None:
+            after_progress = None  # an idle spare makes no progress: hit it now
     elif target == "two rollouts":
         names = rt.serving_rollouts()[:2]
     elif target == "trainer":
@@ -64,12 +79,7 @@ async def inject(rt, fault: str, target: str, *, after_progress: int | None = No
     else:
         names = rt.serving_rollouts()[-1:]
     for name in names:
-        if fault == "kill":
-            await rt.chaos.kill(name, after_progress=after_progress)
-        elif fault == "hang":
-            await rt.chaos.hang(name, after_progress=after_progress)
-        else:
-            await rt.chaos.corrupt(name)
+        await hit(rt, fault, name, after_progress=after_progress)
     return names
 
 
@@ -93,7 +103,7 @@ def budget_ok(rt) -> None:
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang", "corrupt"])
-@pytest.mark.parametrize("phase", ["idle", "mid-sync", "train-step"])
+@pytest.mark.parametrize("phase", ["idle", "mid-sync", "train-step", "rendezvous"])
 async def test_fault_matrix(ray_cluster, tmp_path, phase, fault):
     rt = ftstate.Runtime(config(tmp_path), trainer=TinyTrainer, rollout=TinyRollout,
                          trainer_kwargs={"big_floats": 200_000})
@@ -112,6 +122,20 @@ async def test_fault_matrix(ray_cluster, tmp_path, phase, fault):
             elif phase == "mid-sync":
                 await rt.trainer("train_step")
                 await inject(rt, fault, target, after_progress=3)
+                report = await rt.sync()
+            elif phase == "rendezvous":
+                await rt.trainer("train_step")
+                serving = rt.serving_rollouts()
+                if target == "two rollouts":
+                    # One is killed outright, the other fails while the group re-forms.
+                    await rt.chaos.kill(serving[0])
+                    await hit(rt, fault, serving[1], after_progress=1)
+                else:
+                    await wait_until(lambda: any(m.state == "STANDBY" and m.role == "rollout"
+                                                 for m in rt.members()), 60, "a warm rollout spare")
+                    armed = await inject(rt, fault, target, after_progress=1, spare_role="rollout")
+                    bystander = next(n for n in serving if n not in armed)
+                    await rt.chaos.kill(bystander)
                 report = await rt.sync()
             else:  # a fault while the trainer is inside a (long) train step
                 call = asyncio.ensure_future(rt.trainer("train_step", 0.1, 0.6))
