@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     from ftstate.transport import StoreServer
 
+    load_before = os.getloadavg()[0]
     server = StoreServer("127.0.0.1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -168,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
 
     cores = os.cpu_count() or 1
+    print(
+        f"load average (1 min) before {load_before:.2f}, after {os.getloadavg()[0]:.2f}: anything else running "
+        "on the machine shows up as noise in both columns"
+    )
     print(
         f"bucket size {ns.bucket_mb:g} MiB, {ns.reps} measured rounds, {ns.warmup} warm-up, {cores} cores; "
         "seconds are medians; ratio = median over rounds of raw time / ftstate time "

@@ -203,7 +203,11 @@ def wait_for_ranks(
     store: Store, group: str, version: int, world_size: int, timeout_s: float, *, member: str
 ) -> None:
     """Wait until every rank of ``world_size`` registered for the version, else raise
-    :class:`RendezvousTimeout` listing who arrived and who did not."""
+    :class:`RendezvousTimeout` listing who arrived and who did not.
+
+    ``timeout_s``: how long to wait for the last rank (``init_timeout_s``); ``member``:
+    who is waiting, named in the error.
+    """
     from torch.distributed import DistError
 
     prefix = version_prefix(group, version)

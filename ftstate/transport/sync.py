@@ -25,14 +25,22 @@ timeouts. Every header carries the group version and a receiver rejects an older
 with :class:`~ftstate.errors.StaleGroupVersion` before reading anything else.
 
 **Pipelining.** Buckets are gloo (or NCCL) asynchronous operations executed by the
-backend's own threads, which do not hold the GIL, with up to two on the wire at once.
-The sender hashes bucket k while bucket k is itself on the wire (its bytes do not change
-and its checksum is only needed in the seal) and packs bucket k+1 into the other of two
-packing buffers (double buffering); the receiver hashes bucket k while the next buckets
-arrive. A bucket that is
-exactly one tensor or one chunk of a large tensor is sent from the tensor's own memory,
-without packing. Each byte is hashed once on each side (see
-:mod:`ftstate.transport.checksum`).
+backend's own threads, which do not hold the GIL, with up to :data:`WINDOW` on the wire
+at once. A helper thread hashes each bucket while the driving thread keeps the wire
+busy: the sender's bucket k is hashed while it is itself on the wire (its bytes do not
+change and its checksum is only needed in the seal) and while the next bucket of small
+tensors is packed into the other of two packing buffers (double buffering: a buffer is
+refilled only once its last send completed and it was hashed); the receiver's bucket k
+is hashed while the next buckets arrive. A bucket that is exactly one tensor or one chunk of a large tensor
+is sent from the tensor's own memory, without packing (see
+:mod:`ftstate.transport.buckets`). Each byte is hashed once on each side (see
+:mod:`ftstate.transport.checksum`); resending a committed state with the same buckets
+reuses the checksums it was verified against instead of hashing again.
+
+**Cost.** On the 2-core development machine a raw gloo broadcast is bound by CPU and
+memory bandwidth (the kernel copies every byte twice on loopback), so the one extra
+read of every byte per side that the checksums need is not free: see
+``benchmarks/transport.py`` for the measured ratio against a raw broadcast.
 
 **Atomic commit.** The receiver stages the whole state in a buffer that is never the
 one holding its committed weights, and replaces its :class:`CommittedWeights` (one
@@ -57,6 +65,8 @@ comparing committed checksums.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 import types
 from collections import deque
@@ -137,6 +147,9 @@ class CommittedWeights:
     _flat: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _entries: tuple[TensorEntry, ...] | None = field(default=None, repr=False, compare=False)
     _baseline: int = field(default=0, repr=False, compare=False)
+    # the verified seal and the windows it covers, so a resend with the same plan need not re-hash
+    _windows: tuple[tuple[int, int], ...] | None = field(default=None, repr=False, compare=False)
+    _seal: Seal | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -166,7 +179,12 @@ class SyncReport:
 
 
 class _Route:
-    """The ordered message stream of one transfer, on one communicator, under one deadline."""
+    """The ordered message stream of one transfer, on one communicator, under one deadline.
+
+    ``deadline``: ``time.monotonic()`` value by which the whole transfer must be done;
+    every operation is posted with what is left of it. ``timeout_s``: the budget the
+    deadline was made from, named in :class:`SyncTimeout`.
+    """
 
     def __init__(self, comm: Communicator, deadline: float, timeout_s: float) -> None:
         self.comm = comm
@@ -227,8 +245,13 @@ class _Route:
 
 
 class _BroadcastRoute(_Route):
-    def __init__(self, comm: Communicator, deadline: float, timeout_s: float, root: int) -> None:
+    def __init__(self, comm: Communicator, deadline: float, timeout_s: float, root: int, sending: bool) -> None:
         super().__init__(comm, deadline, timeout_s)
+        if not 0 <= root < comm.world_size or (root == comm.rank) != sending:
+            role = "the sender" if sending else "a receiver"
+            raise ValueError(
+                f"root must be the sending rank in [0, {comm.world_size}); rank {comm.rank} is {role}, got root {root}"
+            )
         self.root = root
 
     def post(self, tensor: torch.Tensor, stage: str) -> Pending:
@@ -286,6 +309,73 @@ def _with_stage(exc: Exception, stage: str, weights_version: int | None, route: 
     return type(exc)(f"{exc} (weight transfer{wv}, {stage})")
 
 
+# -- hashing off the critical path ---------------------------------------------------------
+
+
+class _Hashing:
+    """Hashes the buckets of one transfer in a helper thread, in bucket order.
+
+    The thread that drives the transfer then only packs, posts and waits, so posting the
+    next bucket never waits for a hash, and on the sender packing (torch copies release
+    the GIL) and hashing run on different cores. xxhash holds the GIL while it hashes, so
+    the driving thread may wait a few milliseconds for it between two posts; the window
+    of buckets on the wire covers that. On the 2-core development machine hashing here or
+    inline measured alike within noise; on larger machines the overlap is real.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.hasher = StreamHasher(count)
+        self.digests: list[int] = []
+        self._queue: queue.SimpleQueue[tuple[Bucket, torch.Tensor] | None] = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="ftstate-hash", daemon=True)
+        self._thread.start()
+
+    def submit(self, bucket: Bucket, data: torch.Tensor) -> None:
+        self._queue.put((bucket, data))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            bucket, data = item
+            try:
+                if not self._stopped:
+                    hb = host_bytes(data)
+                    for s in bucket.segments:
+                        self.hasher.feed(s.tensor, hb[s.bucket_offset : s.bucket_offset + s.length])
+                    digest = self.hasher.bucket_digest(bucket)
+            except BaseException as exc:  # noqa: BLE001 - handed to the transfer thread by wait_for/finish
+                self._error = exc
+                self._stopped = True
+            with self._done:
+                if not self._stopped:
+                    self.digests.append(digest)
+                self._done.notify_all()
+
+    def wait_for(self, index: int) -> None:
+        """Block until bucket ``index`` has been hashed (its buffer may then be reused)."""
+        with self._done:
+            self._done.wait_for(lambda: len(self.digests) > index or self._stopped)
+        self._raise()
+
+    def finish(self) -> list[int]:
+        """Every bucket's checksum, once all submitted buckets are hashed."""
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+        return self.digests
+
+    def cancel(self) -> None:
+        """Stop hashing (the transfer failed); the thread exits after its current bucket."""
+        self._stopped = True
+        self._queue.put(None)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise TransportError(f"hashing a bucket failed: {self._error}") from self._error
+
+
 # -- sender --------------------------------------------------------------------------------
 
 
@@ -318,7 +408,7 @@ class Sender:
         :class:`SyncTimeout`, :class:`StaleGroupVersion` (this communicator was fenced);
         receivers that rejected the data are listed in the report, not raised.
         """
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank)
+        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
         return self._send(route, weights, weights_version, progress)
 
     def send_to(
@@ -344,9 +434,11 @@ class Sender:
     # -- internals ----------------------------------------------------------------------
 
     def _buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Packing buffer ``slot``, at least ``nbytes`` long (grown on demand, kept between
+        transfers: only buckets of small tensors are packed, so they stay small in practice)."""
         buf = self._pack[slot]
         if buf is None or buf.device != device or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, self.bucket_size), dtype=torch.uint8, device=device)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self._pack[slot] = buf
         return buf[:nbytes]
 
@@ -373,15 +465,22 @@ class Sender:
             ((n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names), self.bucket_size
         )
         flat = None
+        known: Seal | None = None
         if committed is not None and committed._flat is not None and committed._entries == entries:
             flat = committed._flat  # the receiver's staging layout is the stream: send slices of it
+            if committed._windows == windows and committed._seal is not None:
+                # Same buckets as the transfer that brought these weights: resend its verified
+                # checksums instead of hashing again. A byte that changed here since then is
+                # caught by the receiver, which hashes what arrives.
+                known = committed._seal
         buckets = bucket_segments(entries, windows)
         manifest = Manifest(comm.group, comm.version, weights_version, self.bucket_size, total, entries, windows)
-        hasher = StreamHasher(len(entries))
+        hashing = _Hashing(len(entries)) if known is None else None
         device = comm.device
         stage = "manifest"
 
-        slots: list[Pending | None] = [None, None]  # the operation last sent from each packing buffer
+        # the bucket last packed into each packing buffer, and its operation
+        slots: list[tuple[int, Pending] | None] = [None, None]
         packed = 0
 
         def pack(b: Bucket) -> tuple[torch.Tensor, int | None]:
@@ -396,8 +495,11 @@ class Sender:
                 return sources[one.tensor][one.start : one.start + one.length], None
             slot, packed = packed % 2, packed + 1
             previous, slots[slot] = slots[slot], None
-            if previous is not None:
-                previous.wait()  # double buffering: never overwrite bytes still on the wire
+            if previous is not None:  # double buffering: never overwrite bytes still on the wire
+                index, pending = previous  # or not yet hashed
+                pending.wait()
+                if hashing is not None:
+                    hashing.wait_for(index)
             data = self._buffer(slot, b.nbytes, device)
             cursor = 0
             for s in b.segments:
@@ -409,31 +511,21 @@ class Sender:
                 cursor = s.bucket_offset + s.length
             return data, slot
 
-        def digest(b: Bucket, data: torch.Tensor) -> int:
-            hb = host_bytes(data)
-            for s in b.segments:
-                hasher.feed(s.tensor, hb[s.bucket_offset : s.bucket_offset + s.length])
-            return hasher.bucket_digest(b)
-
         try:
             route.send_message(encode_manifest(manifest), stage)
-            digests: list[int] = []
             n = len(buckets)
             inflight: deque[Pending] = deque()  # at most WINDOW buckets on the wire
             done = 0
             for b in buckets:
                 stage = f"bucket {b.index + 1}/{n}"
                 data, slot = pack(b)  # the buckets already on the wire overlap this packing
-                import os as _os
-                if _os.environ.get("HB"):
-                    digests.append(digest(b, data))
                 pending = route.post(data, stage)
                 inflight.append(pending)
                 if slot is not None:
-                    slots[slot] = pending
-                # hashing reads the bytes while they are on the wire: the checksums go in the seal
-                if not _os.environ.get("HB"):
-                    digests.append(digest(b, data))
+                    slots[slot] = (b.index, pending)
+                if hashing is not None:
+                    # hashed while on the wire: the checksums only go out in the seal
+                    hashing.submit(b, data)
                 while len(inflight) >= WINDOW:
                     inflight.popleft().wait()
                     done += 1
@@ -445,7 +537,13 @@ class Sender:
                 done += 1
                 if progress is not None:
                     progress(done, n)
-            tensor_sums = hasher.tensor_digests()
+            if hashing is not None:
+                stage = "checksums"
+                digests = hashing.finish()
+                tensor_sums = hashing.hasher.tensor_digests()
+            else:
+                assert known is not None
+                digests, tensor_sums = list(known.bucket_checksums), list(known.tensor_checksums)
             state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(entries, tensor_sums, strict=True))
             seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state)
             stage = "seal"
@@ -454,10 +552,14 @@ class Sender:
             votes = route.vote(VOTE_COMMIT, stage)
         except (TransportError, DeadlineExceeded) as exc:
             self._pack = [None, None]
+            if hashing is not None:
+                hashing.cancel()
             comm.abort(f"weight transfer failed during {stage}")
             raise _with_stage(exc, stage, weights_version, route) from exc
         except BaseException:
             self._pack = [None, None]
+            if hashing is not None:
+                hashing.cancel()
             comm.abort(f"weight transfer interrupted during {stage}")
             raise
 
@@ -545,7 +647,7 @@ class Receiver:
         :class:`StaleGroupVersion` or :class:`ManifestError`; on any of them
         :attr:`committed` is exactly what it was before the call.
         """
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=root)
+        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=root, sending=False)
         return self._receive(route, progress)
 
     def receive_from(
@@ -578,6 +680,7 @@ class Receiver:
         stage = "manifest"
         manifest: Manifest | None = None
         staging: tuple[torch.Tensor, int] | None = None
+        hashing: _Hashing | None = None
         comm.check_usable()
         try:
             manifest = decode_manifest(route.recv_message(stage), group=comm.group, group_version=comm.version)
@@ -585,8 +688,7 @@ class Receiver:
             flat = staging[0]
             _zero_padding(flat, manifest)
             buckets = bucket_segments(manifest.tensors, manifest.buckets)
-            hasher = StreamHasher(len(manifest.tensors))
-            digests: list[int] = []
+            hashing = _Hashing(len(manifest.tensors))
             n = len(buckets)
             posted: deque[Pending] = deque()
             for b in buckets[:WINDOW]:
@@ -602,22 +704,25 @@ class Receiver:
                     self._corrupt_next = False
                     at = b.segments[0].bucket_offset
                     data[at : at + 1].bitwise_xor_(0xFF)
-                hb = host_bytes(data)  # hashing overlaps the next bucket on the wire
-                for s in b.segments:
-                    hasher.feed(s.tensor, hb[s.bucket_offset : s.bucket_offset + s.length])
-                digests.append(hasher.bucket_digest(b))
+                hashing.submit(b, data)  # hashed while the next buckets are on the wire
                 if progress is not None:
                     progress(b.index + 1, n)
             stage = "seal"
             seal = decode_seal(route.recv_message(stage), manifest)
-            problem = _verify(manifest, seal, digests, hasher.tensor_digests())
+            stage = "checksums"
+            digests = hashing.finish()
+            problem = _verify(manifest, seal, digests, hashing.hasher.tensor_digests())
             stage = "commit vote"
             route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, stage)
         except (TransportError, DeadlineExceeded) as exc:
+            if hashing is not None:
+                hashing.cancel()
             comm.abort(f"weight transfer failed during {stage}")
             wv = manifest.weights_version if manifest is not None else None
             raise _with_stage(exc, stage, wv, route) from exc
         except BaseException:
+            if hashing is not None:
+                hashing.cancel()
             comm.abort(f"weight transfer interrupted during {stage}")
             raise
 
@@ -648,6 +753,8 @@ class Receiver:
             nbytes=manifest.payload_bytes,
             _flat=flat,
             _entries=manifest.tensors,
+            _windows=manifest.buckets,
+            _seal=seal,
             _baseline=baseline,
         )
         self._committed = new  # the commit: one reference assignment

@@ -173,7 +173,7 @@ class _Member:
             ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self.weights.items()), BUCKET
         )
         manifest = Manifest(comm.group, stamped_version, self.weights_version, BUCKET, total, entries, windows)
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank)
+        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
         route.send_message(encode_manifest(manifest), "stale manifest", group_version=stamped_version)
 
     def abandon(self, version: int) -> None:

@@ -64,3 +64,14 @@ class TestSpares:
         observe(lv, 0.0, None, state="STANDBY")
         assert observe(lv, 4.0, hb(), state="STANDBY") is None
         assert observe(lv, 8.0, None, state="STANDBY") is None
+
+    def test_a_worker_silent_while_joining_a_group_version_is_unresponsive(self):
+        lv = Liveness(1.0, 5.0)
+        assert observe(lv, 0.0, hb(), state="STANDBY") is None
+        assert observe(lv, 3.0, None, state="RENDEZVOUS") is None
+        assert observe(lv, 5.0, None, state="RENDEZVOUS") == "unresponsive"
+
+    def test_a_silent_serving_worker_is_suspect_not_unresponsive(self):
+        lv = Liveness(1.0, 5.0)
+        observe(lv, 0.0, hb())
+        assert observe(lv, 9.0, None, state="READY") == "heartbeat_missed"

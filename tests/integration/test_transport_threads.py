@@ -1,0 +1,176 @@
+"""Receiver and sender semantics on real gloo groups whose members are threads of this process.
+
+gloo needs no separate processes (its work runs in its own threads, outside the GIL), so
+the properties that do not involve a process dying are checked here, fast: buffer
+recycling never touches weights the caller still holds, initial weights, odd tensors
+(non-contiguous, empty state), resending a committed state, and argument checks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ftstate.errors import ChecksumMismatch, TransportError
+from ftstate.transport import Receiver, Sender, StoreServer, create_communicator, state_checksum
+
+BUCKET = 64 * 1024
+_versions = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = StoreServer("127.0.0.1")
+    yield s
+    s.close()
+
+
+def run(*jobs: Callable[[], Any], timeout: float = 30) -> list[Any]:
+    """Run the jobs in threads; their results in order, or the first exception raised."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException | None] = [None] * len(jobs)
+
+    def call(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test below
+            errors[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a member hung"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def form(server: StoreServer, world: int) -> list[Any]:
+    version = next(_versions)
+    return run(
+        *[
+            (lambda r=r: create_communicator(
+                "gloo", store_addr=server.address, group="threads", version=version, rank=r,
+                world_size=world, timeout_s=10,
+            ))
+            for r in range(world)
+        ]
+    )
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(200, 100, generator=g),  # 80 KB: chunked
+        "b": torch.randn(10, generator=g).to(torch.bfloat16),
+        "i": torch.arange(seed, seed + 5),
+    }
+
+
+def sync(comms, sender: Sender, receiver: Receiver, weights, version: int):
+    report, got = run(
+        lambda: sender.broadcast(comms[0], weights, weights_version=version, timeout_s=10),
+        lambda: receiver.receive_broadcast(comms[1], timeout_s=10),
+    )
+    return report, got
+
+
+def test_weights_the_caller_still_holds_are_never_overwritten_by_later_syncs(server):
+    comms = form(server, 2)
+    sender, receiver = Sender(bucket_size=BUCKET), Receiver()
+    _, held = sync(comms, sender, receiver, state(1), 1)
+    snapshot = {k: v.clone() for k, v in held.tensors.items()}
+    for v in range(2, 6):  # enough syncs for any recycling to come round to the held buffer
+        _, latest = sync(comms, sender, receiver, state(v), v)
+        assert state_checksum(latest.tensors) == state_checksum(state(v))
+    assert all(torch.equal(held.tensors[k], snapshot[k]) for k in snapshot)
+    assert state_checksum(held.tensors) == held.state_checksum == state_checksum(state(1))
+
+
+def test_staging_buffers_are_recycled_once_released(server):
+    comms = form(server, 2)
+    sender, receiver = Sender(bucket_size=BUCKET), Receiver()
+    storages = set()
+    for v in range(1, 6):
+        _, got = sync(comms, sender, receiver, state(v), v)
+        storages.add(got._flat.untyped_storage().data_ptr())
+        del got
+    assert len(storages) <= 2  # the committed buffer and one spare, alternating
+
+
+def test_initial_weights_are_committed_and_kept_on_a_rejected_update(server):
+    comms = form(server, 2)
+    receiver = Receiver(state(7), weights_version=7)
+    assert receiver.committed.state_checksum == state_checksum(state(7))
+    before = receiver.committed
+    receiver.corrupt_next_bucket()
+    with pytest.raises(ChecksumMismatch, match="kept weights version 7"):
+        sync(comms, Sender(bucket_size=BUCKET), receiver, state(8), 8)
+    assert receiver.committed is before
+    with pytest.raises(ValueError, match="weights_version is required"):
+        Receiver(state(1))
+
+
+def test_non_contiguous_tensors_and_an_empty_state_travel(server):
+    comms = form(server, 2)
+    sender, receiver = Sender(bucket_size=BUCKET), Receiver()
+    odd = {"t": torch.randn(300, 70).t(), "s": torch.randn(40)[::3]}
+    report, got = sync(comms, sender, receiver, odd, 1)
+    assert all(torch.equal(got.tensors[k], odd[k]) for k in odd)
+    assert got.state_checksum == state_checksum(odd) == report.state_checksum
+    report, got = sync(comms, sender, receiver, {}, 2)
+    assert dict(got.tensors) == {} and report.num_buckets == 0 and report.committed == (1,)
+
+
+def test_a_committed_state_is_resent_from_its_own_buffer_with_its_checksums(server):
+    comms = form(server, 3)
+    trainer, relay, newcomer = Sender(bucket_size=BUCKET), Receiver(), Receiver()
+    _, got = run(
+        lambda: trainer.broadcast(comms[0], state(3), weights_version=3, timeout_s=10),
+        lambda: relay.receive_broadcast(comms[1], timeout_s=10),
+        lambda: newcomer.receive_broadcast(comms[2], timeout_s=10),
+    )[:2]
+    fresh = Receiver()
+    report, again = run(
+        lambda: Sender(bucket_size=BUCKET).send_to(comms[1], 2, relay.committed, timeout_s=10),
+        lambda: fresh.receive_from(comms[2], 1, timeout_s=10),
+    )
+    assert report.committed == (2,) and again.weights_version == 3
+    assert again.state_checksum == got.state_checksum == state_checksum(state(3))
+    # a byte that changed in the relay's memory since it was verified is caught downstream
+    relay.committed._flat[relay.committed._entries[0].offset].bitwise_xor_(1)
+
+    def receive_rotten() -> None:
+        with pytest.raises(ChecksumMismatch, match="does not match its checksum"):
+            fresh.receive_from(comms[2], 1, timeout_s=10)
+
+    report, _ = run(
+        lambda: Sender(bucket_size=BUCKET).send_to(comms[1], 2, relay.committed, timeout_s=10),
+        receive_rotten,
+    )
+    assert report.rejected == {2: "ChecksumMismatch"}
+    assert fresh.committed is again
+
+
+def test_arguments_are_checked_before_anything_moves(server):
+    comms = form(server, 2)
+    with pytest.raises(ValueError, match="weights_version is required"):
+        Sender(bucket_size=BUCKET).broadcast(comms[0], state(1), timeout_s=1)
+    with pytest.raises(ValueError, match="peer must be another rank"):
+        Sender(bucket_size=BUCKET).send_to(comms[0], 0, state(1), weights_version=1, timeout_s=1)
+    with pytest.raises(ValueError, match="rank 1 is a receiver, got root 1"):
+        Receiver().receive_broadcast(comms[1], root=1, timeout_s=1)
+    with pytest.raises(ValueError, match="bucket_size must be"):
+        Sender(bucket_size=10)
+    for c in comms:
+        c.close()
+    with pytest.raises(TransportError, match="aborted"):
+        Sender(bucket_size=BUCKET).broadcast(comms[0], state(1), weights_version=1, timeout_s=1)
