@@ -218,7 +218,16 @@ class Failover:
                 return spare
         fresh = rt._add_member(lost.role, lost.rank, f"{lost.role}-{lost.rank}-r{self._spare_seq}", pool=lost.pool)
         self._spare_seq += 1
-        info = await rt._calls.call(fresh.name, fresh.handle, "prewarm")
+        try:
+            info = await rt._calls.call(fresh.name, fresh.handle, "prewarm")
+        except FTError:
+            # It could not even start (its constructor failed, no resources): not a member to
+            # fail over, just no replacement.
+            self._pending = [(p, t) for p, t in self._pending if p is not fresh]
+            if fresh.machine.can("retire"):
+                await fresh.machine.fire("retire", reason="replacement could not start")
+            rt._pools[fresh.pool].give_back(fresh.slot)
+            raise
         fresh.pid, fresh.node = info["pid"], info["node"]
         fresh.machine.bind(pid=fresh.pid, node=fresh.node)
         await fresh.machine.fire("join", reason=f"fresh replacement of {lost.name}")

@@ -17,7 +17,7 @@ import pytest
 
 import ftstate
 from ftstate.audit_check import check_trail
-from ftstate.errors import FailoverBudgetExhausted, LossyRecoveryRefused
+from ftstate.errors import FailoverBudgetExhausted, LossyRecoveryRefused, MemberLost
 from tests.integration.test_runtime import assert_gone, wait_until
 from tests.integration.workers import LossyTrainer, TinyRollout, TinyTrainer
 
@@ -69,7 +69,8 @@ def promotions(rt) -> int:
 
 
 async def finish(rt, tmp_path) -> None:
-    assert budget_spends(rt) == promotions(rt) == len(rt.failovers)
+    shrinks = sum(1 for r in rt.audit.records if r.get("trigger") == "shrink")
+    assert budget_spends(rt) == promotions(rt) == len(rt.failovers) + shrinks
     pids = [m.pid for m in rt.members()]
     run_id = rt.run_id
     await rt.close()
@@ -177,6 +178,39 @@ class TestRolloutFailover:
             await finish(rt, tmp_path)
 
 
+class TestShrinking:
+    async def test_with_no_replacement_possible_the_group_carries_on_degraded(self, ray_cluster, tmp_path):
+        marker = tmp_path / "no-more-rollouts"
+        rt = runtime(config(tmp_path, mode="cold", rollout_workers=3), rollout_kwargs={"fail_marker": str(marker)})
+        await rt.start()
+        try:
+            await rt.sync()
+            marker.write_text("")  # from now on no rollout can start
+            await rt.chaos.kill("rollout", 2)
+            await wait_until(lambda: rt.state == "READY" and len(rt.serving_rollouts()) == 2, 60, "the shrink")
+            assert any(r.get("trigger") == "shrink" for r in rt.audit.records)
+            await rt.trainer("train_step")
+            report = await rt.sync()
+            assert report.rollouts == ("rollout-0", "rollout-1")
+            await assert_consistent(rt)
+        finally:
+            await finish(rt, tmp_path)
+
+    async def test_below_min_rollout_workers_the_run_fails_naming_why(self, ray_cluster, tmp_path):
+        marker = tmp_path / "no-more-rollouts"
+        rt = runtime(config(tmp_path, mode="cold", min_rollout_workers=2), rollout_kwargs={"fail_marker": str(marker)})
+        await rt.start()
+        try:
+            await rt.sync()
+            marker.write_text("")
+            await rt.chaos.kill("rollout", 1)
+            await wait_until(lambda: rt.state == "FAILED", 60, "the run to fail")
+            with pytest.raises(MemberLost, match="fewer than min_rollout_workers=2"):
+                await rt.sync()
+        finally:
+            await rt.close()
+
+
 class TestBudgets:
     async def test_the_next_loss_after_the_budget_is_spent_fails_the_run_naming_the_spent_failures(
         self, ray_cluster, tmp_path
@@ -215,6 +249,24 @@ class TestTrainerFailover:
             report2 = await rt.sync()
             assert report2.weights_version == 2
             await assert_consistent(rt)
+        finally:
+            await finish(rt, tmp_path)
+
+    async def test_without_reverse_sync_a_new_trainer_loads_the_checkpoint(self, ray_cluster, tmp_path):
+        ckpt = tmp_path / "ckpt"
+        rt = runtime(config(tmp_path, reverse_weight_sync=False, checkpoint_dir=str(ckpt)))
+        await rt.start()
+        try:
+            await spares_warm(rt, 2)
+            await rt.trainer("train_step")
+            saved = await rt.trainer("save_checkpoint", str(ckpt))
+            await rt.sync()
+            await rt.chaos.kill("trainer", 0)
+            await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the trainer failover")
+            assert await rt.trainer("checksum") == saved
+            report = await rt.sync()
+            await assert_consistent(rt)
+            assert report.checksum == saved
         finally:
             await finish(rt, tmp_path)
 

@@ -56,15 +56,26 @@ class TinyTrainer(TrainerWorker):
     def pid(self) -> int:
         return os.getpid()
 
+    def save_checkpoint(self, path: str) -> str:
+        os.makedirs(path, exist_ok=True)
+        torch.save({k: v.clone() for k, v in self.state.items()}, os.path.join(path, "state.pt"))
+        return self.checksum()
+
+    def load_checkpoint(self, path: str) -> None:
+        self.state = torch.load(os.path.join(path, "state.pt"))
+
 
 class TinyRollout(RolloutWorker):
     """Keeps the weights it was given; ``generate`` answers with the version it serves.
 
     hang_marker: the first rollout constructed in this run creates that file and then hangs
-    in its constructor forever (a group-init that never returns).
+    in its constructor forever (a group-init that never returns). fail_marker: while that
+    file exists, constructing a rollout fails (a replacement that cannot start).
     """
 
-    def __init__(self, hang_marker: str | None = None) -> None:
+    def __init__(self, hang_marker: str | None = None, fail_marker: str | None = None) -> None:
+        if fail_marker is not None and os.path.exists(fail_marker):
+            raise RuntimeError(f"cannot start: {fail_marker} exists")
         if hang_marker is not None:
             try:
                 fd = os.open(hang_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
