@@ -114,6 +114,22 @@ def _drop(_logger: Any, _name: str, _event_dict: dict[str, Any]) -> str:
     return ""
 
 
+def as_records(trail: Any) -> list[dict[str, Any]]:
+    """Records from whatever a caller holds: a trail file's path, an :class:`AuditTrail`, or an
+    iterable of records or of ``(line, record)`` pairs (what :func:`read_trail` yields)."""
+    if isinstance(trail, (str, os.PathLike)):
+        return [rec for _, rec in read_trail(trail)]
+    if isinstance(trail, AuditTrail):
+        trail = trail.records
+    out = []
+    for item in trail:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int):
+            item = item[1]
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
 def read_trail(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, record)`` for each line of a trail; a malformed line raises
     :class:`~ftstate.errors.AuditViolation` naming it."""

@@ -17,7 +17,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from ftstate.audit import BUDGET_EXHAUSTED, BUDGET_SPENT, DEADLINE_EXPIRED, ERROR, TRANSITION
+from ftstate.audit import BUDGET_EXHAUSTED, BUDGET_SPENT, DEADLINE_EXPIRED, ERROR, TRANSITION, as_records
 
 #: Row style per event; transitions into a terminal failure are styled like errors.
 EVENT_STYLES = {
@@ -30,14 +30,6 @@ _FAILED_STATES = {"FAILED", "LOST"}
 _ERROR_EVENTS = {DEADLINE_EXPIRED, ERROR, BUDGET_EXHAUSTED}
 
 
-def _records(records: Iterable[Any]) -> list[Mapping[str, Any]]:
-    out = []
-    for item in records:
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int):
-            item = item[1]
-        if isinstance(item, Mapping):
-            out.append(item)
-    return out
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -85,7 +77,7 @@ def render_timeline(records: Iterable[Any], *, title: str | None = "audit timeli
     table.add_column("g/w ver", justify="right", no_wrap=True)
     table.add_column("in state (s)", justify="right", no_wrap=True)
     table.add_column("detail", overflow="fold")
-    for rec in _records(records):
+    for rec in as_records(records):
         event = str(rec.get("event", ""))
         style = EVENT_STYLES.get(event)
         if event == TRANSITION:
@@ -114,7 +106,7 @@ def summarize(records: Iterable[Any]) -> dict[str, dict[str, Any]]:
     seconds spent per state (from ``seconds_in_state`` of the records leaving it),
     transition count, final state and errors (messages of expiries, errors and exhausted budgets)."""
     out: dict[str, dict[str, Any]] = {}
-    for rec in _records(records):
+    for rec in as_records(records):
         member = rec.get("member")
         if not member:
             continue

@@ -241,7 +241,7 @@ def demo(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Prompts per RL step.")] = 64,
     pad_mb: Annotated[
         float, typer.Option("--pad-mb", min=0.0, help="Extra megabytes in the synced weights (a ballast tensor).")
-    ] = 16.0,
+    ] = 32.0,
     rollouts: Annotated[int, typer.Option("--rollouts", min=1, help="Rollout workers.")] = 2,
     max_failovers: Annotated[
         int, typer.Option("--max-failovers", min=0, help="Failover budget; 0 makes the first fault fatal.")

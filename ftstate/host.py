@@ -165,22 +165,9 @@ class WorkerHost:
         """Rollout: receive and verify the broadcast of ``weights_version`` from rank ``src``.
         It is staged: the user's ``load_weights`` is not called until :meth:`commit_weights`."""
         from ftstate.errors import ManifestError
-        from ftstate.transport import Receiver
 
-        comm = self._require_comm()
-        if self._receiver is None:
-            self._receiver = Receiver()
         self._staged = None
-        if self._corrupt_next:
-            self._corrupt_next = False
-            self._receiver.corrupt_next_bucket()
-        self.busy = True
-        try:
-            staged = await asyncio.to_thread(
-                self._receiver.receive_broadcast, comm, root=src, timeout_s=timeout_s, progress=self._on_bucket
-            )
-        finally:
-            self.busy = False
+        staged = await self._receive("receive_broadcast", root=src, timeout_s=timeout_s)
         if staged.weights_version != weights_version:
             raise ManifestError(
                 f"{self.member}: expected weights version {weights_version}, the sender sent {staged.weights_version}"
@@ -246,21 +233,8 @@ class WorkerHost:
         (``checksum``), and adopt it: a rollout through ``load_weights``, a trainer through
         ``load_state_dict``."""
         from ftstate.errors import ChecksumMismatch
-        from ftstate.transport import Receiver
 
-        comm = self._require_comm()
-        if self._receiver is None:
-            self._receiver = Receiver()
-        if self._corrupt_next:
-            self._corrupt_next = False
-            self._receiver.corrupt_next_bucket()
-        self.busy = True
-        try:
-            staged = await asyncio.to_thread(
-                self._receiver.receive_from, comm, src, timeout_s=timeout_s, progress=self._on_bucket
-            )
-        finally:
-            self.busy = False
+        staged = await self._receive("receive_from", src, timeout_s=timeout_s)
         if staged.weights_version != weights_version or staged.state_checksum != checksum:
             raise ChecksumMismatch(
                 f"{self.member}: received weights version {staged.weights_version} ({staged.state_checksum}) "
@@ -299,6 +273,25 @@ class WorkerHost:
     async def chaos_hang(self) -> None:
         """Stop this process (SIGSTOP): alive, holding its sockets, making no progress."""
         os.kill(os.getpid(), signal.SIGSTOP)
+
+    async def _receive(self, how: str, *args: Any, timeout_s: float, **kwargs: Any) -> Any:
+        """One transfer into this worker's Receiver (``receive_broadcast`` or ``receive_from``),
+        in a thread, marked busy for the watchdog, with a pending chaos corruption applied."""
+        from ftstate.transport import Receiver
+
+        comm = self._require_comm()
+        if self._receiver is None:
+            self._receiver = Receiver()
+        if self._corrupt_next:
+            self._corrupt_next = False
+            self._receiver.corrupt_next_bucket()
+        self.busy = True
+        try:
+            return await asyncio.to_thread(
+                getattr(self._receiver, how), comm, *args, timeout_s=timeout_s, progress=self._on_bucket, **kwargs
+            )
+        finally:
+            self.busy = False
 
     def _on_bucket(self, done: int, total: int) -> None:
         self._tick()

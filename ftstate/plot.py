@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ftstate.audit import DEADLINE_EXPIRED, TRANSITION, AuditTrail, read_trail
+from ftstate.audit import DEADLINE_EXPIRED, TRANSITION, as_records
 
 #: The event name of the demo's per-step reward records.
 REWARD = "reward"
@@ -91,18 +91,6 @@ def figure_size(lanes: int, reward: bool) -> tuple[int, int]:
     return round(WIDTH_IN * DPI), round(height * DPI)
 
 
-def _as_records(records: Any) -> list[Mapping[str, Any]]:
-    if isinstance(records, (str, os.PathLike)):
-        return [rec for _, rec in read_trail(records)]
-    if isinstance(records, AuditTrail):
-        records = records.records
-    out = []
-    for item in records:
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int):
-            item = item[1]
-        if isinstance(item, Mapping):
-            out.append(item)
-    return out
 
 
 def _num(value: Any) -> float | None:
@@ -228,7 +216,7 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    recs = _as_records(records)
+    recs = as_records(records)
     times = [t for t in (_num(r.get("t")) for r in recs) if t is not None]
     if not times:
         raise ValueError(f"audit trail has no timed records (got {len(recs)} records): nothing to draw")

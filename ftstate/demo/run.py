@@ -43,7 +43,7 @@ class DemoOptions:
     faults: bool = True
     seed: int = 1
     batch_size: int = 64
-    pad_mb: float = 16.0
+    pad_mb: float = 32.0
     rollouts: int = 2
     max_failovers: int = 5
     live: bool = True

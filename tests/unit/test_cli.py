@@ -204,7 +204,7 @@ class TestDemo:
         result = invoke("demo", "--out", "somewhere", "--steps", "4", "--no-faults")
         assert result.exit_code == 3, result.output
         assert calls == [{"out": "somewhere", "steps": 4, "faults": False, "seed": 1, "batch_size": 64,
-                          "pad_mb": 16.0, "rollouts": 2, "max_failovers": 5, "live": True}]
+                          "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True}]
 
     def test_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -213,7 +213,7 @@ class TestDemo:
         )
         assert invoke("demo").exit_code == 0
         assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": True, "seed": 1, "batch_size": 64,
-                          "pad_mb": 16.0, "rollouts": 2, "max_failovers": 5, "live": True}]
+                          "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True}]
 
     def test_max_failovers_zero_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
