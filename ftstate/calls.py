@@ -70,10 +70,6 @@ class ActorCalls:
         if asyncio.iscoroutine(result):
             await result
 
-    def forget(self, member: str) -> None:
-        """A new actor now carries this member name: report its death again."""
-        self._reported.discard(member)
-
 
 def _naming(member: str, exc: FTError) -> FTError:
     """The worker's error with the member's name in front (transport errors inside a worker

@@ -718,9 +718,8 @@ class Runtime:
     async def _on_died(self, member: str, reason: str) -> None:
         m = self._members.get(member)
         if m is not None and m.machine.can("died"):
-            from ftstate.errors import MemberLost as _Lost
-
-            await m.machine.fire("died", reason=reason, error=_Lost(member, reason, group_version=m.machine.group_version))
+            lost = MemberLost(member, reason, group_version=m.machine.group_version)
+            await m.machine.fire("died", reason=reason, error=lost)
 
     def _on_worker_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:
         if dest == "LOST":
