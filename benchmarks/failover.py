@@ -32,6 +32,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
+def _check(rt: ftstate.Runtime) -> None:
+    """Stop the benchmark with the run's error instead of waiting forever for a READY that
+    a failed group never reaches."""
+    if rt.state == "FAILED":
+        raise SystemExit(f"the run failed: {rt.group.error if rt.group else 'unknown error'}")
+
+
 async def run(size_mb: int, role: str, kills: int) -> dict[str, list[float]]:
     cfg = ftstate.RuntimeConfig.from_dict({
         "rollout_workers": 2, "init_timeout_s": 300, "sync_timeout_s": 300, "failover_timeout_s": 300,
@@ -45,11 +52,13 @@ async def run(size_mb: int, role: str, kills: int) -> dict[str, list[float]]:
         report = await rt.sync()
         for _ in range(kills):
             while not any(m.state == "STANDBY" and m.role == role for m in rt.members()):
+                _check(rt)
                 await asyncio.sleep(0.05)
             before = len(rt.failovers)
             victim = await rt.chaos.kill(role, 0 if role == "trainer" else 1)
             t_kill = rt.chaos.injected[-1][0]
             while len(rt.failovers) == before or rt.state != "READY":
+                _check(rt)
                 await asyncio.sleep(0.005)
             f = rt.failovers[-1]
             assert f.lost == victim and f.resynced, f
@@ -63,6 +72,8 @@ async def run(size_mb: int, role: str, kills: int) -> dict[str, list[float]]:
             secs = await asyncio.gather(*(rt.handle(m.member).bench_raw_broadcast.remote(report.nbytes, 1, 300.0)
                                           for m in members))
             out["raw"].append(max(secs))
+            print(f"  {role} {size_mb} MB kill {len(out['total'])}/{kills}: total {out['total'][-1] * 1e3:.0f} ms",
+                  file=sys.stderr, flush=True)
     return out
 
 

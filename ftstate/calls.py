@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -53,14 +54,16 @@ class ActorCalls:
             raise MemberLost(member, reason) from exc
         except rex.ActorUnavailableError as exc:
             raise MemberLost(member, f"unreachable during {method}(): {_first_line(exc)}") from exc
-        except TimeoutError as exc:
-            ray_cancel(ref)
-            raise MemberLost(member, f"no answer to {method}() within {timeout:g}s") from exc
         except rex.RayTaskError as exc:
+            # Before TimeoutError: Ray's wrapper also derives from the cause's class, and a
+            # worker's SyncTimeout is a TimeoutError that is not this call's own timeout.
             cause = getattr(exc, "cause", None)
             if isinstance(cause, FTError):
                 raise _naming(member, cause) from exc
             raise
+        except TimeoutError as exc:
+            ray_cancel(ref)
+            raise MemberLost(member, f"no answer to {method}() within {timeout:g}s") from exc
 
     async def _report(self, member: str, reason: str) -> None:
         if member in self._reported:
@@ -75,7 +78,9 @@ def _naming(member: str, exc: FTError) -> FTError:
     """The worker's error with the member's name in front (transport errors inside a worker
     only know their rank), for the classes whose only argument is the message."""
     if type(exc) in (TransportError, PeerLost, ChecksumMismatch, ManifestError, FTError) and member not in str(exc):
-        return type(exc)(f"{member}: {exc}")
+        named = copy.copy(exc)  # keeps the structured fields (PeerLost.peer, ManifestError.field…)
+        named.args = (f"{member}: {exc}",)
+        return named
     return exc
 
 

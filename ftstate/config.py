@@ -73,13 +73,15 @@ class FaultToleranceConfig:
     )
     optimizer_state: Literal["reset", "checkpoint"] = _field(
         "reset",
-        "What a replaced trainer does about optimizer state, which no rollout holds: reset it "
-        "(reset_optimizer()) or load it with the weights from checkpoint_dir (load_checkpoint()).",
+        "What a trainer rebuilt from a rollout does about optimizer state, which no rollout holds: "
+        "reset it (reset_optimizer()) or load it from checkpoint_dir (load_optimizer_checkpoint(path)); "
+        "the weights still come from the rollout.",
     )
     checkpoint_dir: str | None = _field(
         None,
-        "Checkpoint folder a replaced trainer loads from (load_checkpoint(path)) when "
-        "reverse_weight_sync is false or optimizer_state is 'checkpoint'.",
+        "Checkpoint folder a replaced trainer loads from: weights and optimizer "
+        "(load_checkpoint(path)) when reverse_weight_sync is false, the optimizer only "
+        "(load_optimizer_checkpoint(path)) when optimizer_state is 'checkpoint'.",
     )
     allow_lossy_recovery: bool = _field(
         False,

@@ -22,8 +22,9 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     │   ├── BackendUnavailable   the chosen backend (e.g. nccl) cannot load here
     │   ├── StaleGroupVersion    a message or collective from an older group version (fencing)
     │   ├── ChecksumMismatch     a bucket's bytes do not hash to the manifest's checksum
-    │   ├── ManifestError        a manifest on the wire is malformed
-    │   └── PeerLost             a peer died or vanished mid-collective
+    │   ├── ManifestError        a manifest on the wire is malformed (.field names the field)
+    │   ├── PeerLost             a peer died or vanished mid-collective (.group, .rank, .op, .peer)
+    │   └── CommunicatorAborted  a transfer on a communicator that was aborted: form a new version
     └── AuditViolation           an audit trail breaks an invariant of the machines
 
 Every message names what, who, how long and which version where those apply;
@@ -36,7 +37,23 @@ from collections.abc import Iterable, Sequence
 
 
 class FTError(Exception):
-    """Base of every error ftstate raises."""
+    """Base of every error ftstate raises.
+
+    Errors cross process boundaries (raised in a worker actor, re-raised by the
+    controller), so each one pickles as its class, its message and its attributes, without
+    calling ``__init__`` again: the subclasses' constructors take the facts, not the
+    message, and the default exception pickling would call them with the message alone.
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[FTError], args: tuple[object, ...], state: dict[str, object]) -> FTError:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class ConfigError(FTError, ValueError):
@@ -191,11 +208,59 @@ class ChecksumMismatch(TransportError):
 
 
 class ManifestError(TransportError):
-    """Raised when a manifest received on the wire is malformed."""
+    """Raised when a manifest, seal or message header received on the wire is malformed.
+
+    field: the offending field (``"group_version"``, ``"tensors[3].shape"``…) when one
+    field is at fault, else None (e.g. the bytes are not msgpack at all).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)
 
 
 class PeerLost(TransportError):
-    """Raised when a peer dies or disappears during a rendezvous or collective."""
+    """Raised when a peer dies or disappears during a rendezvous or collective.
+
+    group / group_version / rank: the communicator it happened on and this member's rank;
+    op: what the transfer was doing (``"bucket 3/8"``, ``"barrier"``…); peer: the rank of the
+    peer that went away when it is known (the sender of a broadcast, the other end of a
+    point-to-point transfer), else None: gloo names a socket address, not a rank, and which
+    member died is the controller's to establish (the runtime's liveness, not the transport).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        group: str | None = None,
+        group_version: int | None = None,
+        rank: int | None = None,
+        op: str | None = None,
+        peer: int | None = None,
+    ) -> None:
+        self.group = group
+        self.group_version = group_version
+        self.rank = rank
+        self.op = op
+        self.peer = peer
+        super().__init__(message)
+
+
+class CommunicatorAborted(TransportError):
+    """Raised when a transfer is started on a communicator that was aborted (a failed
+    transfer, a deadline, an explicit abandon). Its stream can no longer be trusted to be
+    aligned: form the next group version. reason: why it was aborted."""
+
+    def __init__(self, group: str, group_version: int, rank: int, reason: str) -> None:
+        self.group = group
+        self.group_version = group_version
+        self.rank = rank
+        self.reason = reason
+        super().__init__(
+            f"rank {rank} of group {group!r} v{group_version}: communicator was aborted ({reason}); "
+            "form a new group version"
+        )
 
 
 class AuditViolation(FTError):
@@ -212,6 +277,7 @@ __all__ = [
     "AuditViolation",
     "BackendUnavailable",
     "ChecksumMismatch",
+    "CommunicatorAborted",
     "ConfigError",
     "DeadlineExceeded",
     "FTError",

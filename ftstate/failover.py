@@ -29,13 +29,41 @@ recorded (who, by whom, how long each phase took) for the sync report and the de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ftstate.errors import FTError, LossyRecoveryRefused, MemberLost, TransportError
+from ftstate.errors import FTError, InvalidTransition, LossyRecoveryRefused, MemberLost, TransportError
 
 if TYPE_CHECKING:
+    from ftstate.machine import StateMachine
     from ftstate.runtime import Runtime, _Member
+
+async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None:
+    """Take a newcomer whose load of the current version was proven (checksums matched)
+    to ``target`` (RESYNCED or READY) by the worker machine's own edges, from wherever it is.
+
+    The watchdog keeps watching a newcomer while it loads: on a starved machine a missed
+    heartbeat makes it SUSPECT, and an answer given before its version was recorded makes
+    it STALE. The load is proven all the same, so the failover goes the legal way round
+    (STALE -> RESYNCING -> RESYNCED) instead of firing an edge that no longer exists and
+    leaving the group in PROMOTING until its deadline. ``fields`` go on the audit record of
+    the edge into RESYNCED. Raises MemberLost when the newcomer was lost (or stopped)
+    meanwhile; the failover then tries the next replacement.
+    """
+    order = ("RESYNCED", "READY")
+    step = {"STALE": "resync", "RESYNCING": "verified", "SUSPECT": "verified", "RESYNCED": "admit"}
+    for _ in range(8):  # each pass moves one edge forward unless the watchdog moved it too
+        state = machine.state
+        if state in order and order.index(state) >= order.index(target):
+            return
+        trigger = step.get(state)
+        if trigger is None:
+            raise MemberLost(machine.member, f"{state} while being resynced", group_version=machine.group_version)
+        extra = fields if trigger == "verified" else {}
+        with contextlib.suppress(InvalidTransition):  # moved between the look and the fire: look again
+            await machine.fire(trigger, reason="current version loaded and verified", **extra)
+    raise MemberLost(machine.member, f"could not be admitted: still {machine.state}", group_version=machine.group_version)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,11 +332,11 @@ class Failover:
             rt._calls.call(newcomer.name, newcomer.handle, "receive_weights_from", src.rank, version, checksum, timeout),
         )
         newcomer.machine.weights_version = version
-        await newcomer.machine.fire("verified", checksum=checksum, source=src.name)
+        await walk_proven(newcomer.machine, "RESYNCED", checksum=checksum, source=src.name)
         if newcomer.role == "trainer":
             await self._optimizer_policy(newcomer)
             await self._replay(newcomer)
-        await newcomer.machine.fire("admit")
+        await walk_proven(newcomer.machine, "READY")
         return True
 
     async def _replay(self, trainer: _Member) -> None:

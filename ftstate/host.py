@@ -170,7 +170,9 @@ class WorkerHost:
         staged = await self._receive("receive_broadcast", root=src, timeout_s=timeout_s)
         if staged.weights_version != weights_version:
             raise ManifestError(
-                f"{self.member}: expected weights version {weights_version}, the sender sent {staged.weights_version}"
+                f"{self.member}: field 'weights_version': expected {weights_version}, the sender sent "
+                f"{staged.weights_version}",
+                field="weights_version",
             )
         self._staged = staged
         self._tick()

@@ -403,6 +403,11 @@ class Runtime:
                 await self._failover.recover()
             except FTError as exc:
                 self._failure = self._failure or exc
+                # Fail the group now, with the error that ended the failover: waiting for
+                # PROMOTING's deadline would only hide the cause behind a FailoverTimeout.
+                group = self._require_group()
+                if not group.terminal:
+                    await group.fire("fail", reason=f"failover failed: {exc}", error=exc)
                 raise
         self._raise_if_failed()
 

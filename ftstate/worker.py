@@ -32,8 +32,8 @@ class TrainerWorker(Worker):
 
     A replaced trainer gets back the last committed weights version from a rollout
     (``reverse_weight_sync``) or from ``checkpoint_dir``; what no rollout holds is the
-    optimizer state, so ftstate then calls :meth:`reset_optimizer` or :meth:`load_checkpoint`
-    as ``fault_tolerance.optimizer_state`` says.
+    optimizer state, so ftstate then calls :meth:`reset_optimizer` or
+    :meth:`load_optimizer_checkpoint` as ``fault_tolerance.optimizer_state`` says.
     """
 
     role: ClassVar[str] = "trainer"

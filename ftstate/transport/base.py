@@ -149,14 +149,12 @@ class Communicator(abc.ABC):
         """Raise unless this communicator can start a transfer: not aborted and not fenced.
 
         Raises :class:`StaleGroupVersion` when the group has moved to a newer version (the
-        caller must form that version), :class:`TransportError` when it was aborted.
+        caller must form that version), :class:`CommunicatorAborted` when it was aborted.
         """
-        from ftstate.errors import StaleGroupVersion
+        from ftstate.errors import CommunicatorAborted, StaleGroupVersion
 
         if self._abort_reason is not None:
-            raise TransportError(
-                f"{self.member}: communicator was aborted ({self._abort_reason}); form a new group version"
-            )
+            raise CommunicatorAborted(self.group, self.version, self.rank, self._abort_reason)
         current = self.current_version()
         if current > self.version:
             raise StaleGroupVersion(self.group, got=self.version, current=current, peer=f"rank {self.rank}")
@@ -204,7 +202,8 @@ class Communicator(abc.ABC):
             self.abort(f"{op} timed out after {timeout_s:g}s")
         elif any(s in low for s in _PEER_GONE):
             err = PeerLost(
-                f"{self.member}: a peer was lost during {op}: {first_line}"
+                f"{self.member}: a peer was lost during {op}: {first_line}",
+                group=self.group, group_version=self.version, rank=self.rank, op=op,
             )
             self.abort(f"peer lost during {op}")
         else:

@@ -231,7 +231,10 @@ class GlooCommunicator(Communicator):
         try:
             current = read_current_version(self._store, self.group)
         except RuntimeError as exc:
-            raise PeerLost(f"{self.member}: the controller's store is unreachable: {exc}") from exc
+            raise PeerLost(
+                f"{self.member}: the controller's store is unreachable: {exc}",
+                group=self.group, group_version=self.version, rank=self.rank, op="read the current version",
+            ) from exc
         return self.version if current is None else current
 
     def _abort_backend(self) -> None:

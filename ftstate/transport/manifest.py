@@ -117,7 +117,7 @@ def encode_seal(s: Seal) -> bytes:
 
 
 def _fail(field: str, problem: str) -> ManifestError:
-    return ManifestError(f"malformed manifest: field {field!r}: {problem}")
+    return ManifestError(f"malformed manifest: field {field!r}: {problem}", field=field)
 
 
 def _load(data: bytes | bytearray | memoryview, kind: str) -> Mapping[str, Any]:

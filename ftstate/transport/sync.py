@@ -77,8 +77,10 @@ import torch
 
 from ftstate.errors import (
     ChecksumMismatch,
+    CommunicatorAborted,
     DeadlineExceeded,
     ManifestError,
+    PeerLost,
     StaleGroupVersion,
     SyncTimeout,
     TransportError,
@@ -224,18 +226,26 @@ class _Route:
         self.post(header, stage).wait()
         magic, fmt, stamp, length = (int(v) for v in header.cpu().tolist())
         if magic != MAGIC:
-            raise ManifestError(f"malformed message header during {stage}: bad magic {magic:#x}")
+            raise ManifestError(f"malformed message header during {stage}: field 'magic': {magic:#x}, expected {MAGIC:#x}",
+                                field="magic")
         if fmt != WIRE_FORMAT:
-            raise ManifestError(f"malformed message header during {stage}: wire format {fmt}, expected {WIRE_FORMAT}")
+            raise ManifestError(
+                f"malformed message header during {stage}: field 'wire_format': {fmt}, expected {WIRE_FORMAT}",
+                field="wire_format",
+            )
         if stamp < comm.version:
             raise StaleGroupVersion(comm.group, got=stamp, current=comm.version)
         if stamp > comm.version:
             raise ManifestError(
                 f"malformed message header during {stage}: field 'group_version': {stamp} is newer than "
-                f"this member's version {comm.version} of group {comm.group!r}"
+                f"this member's version {comm.version} of group {comm.group!r}",
+                field="group_version",
             )
         if not 0 < length <= MAX_MESSAGE_BYTES:
-            raise ManifestError(f"malformed message header during {stage}: field 'length': {length}")
+            raise ManifestError(
+                f"malformed message header during {stage}: field 'length': {length}, expected 1..{MAX_MESSAGE_BYTES}",
+                field="length",
+            )
         body = torch.empty(length, dtype=torch.uint8, device=comm.device)
         self.post(body, stage).wait()
         return bytes(host_bytes(body))
@@ -304,8 +314,22 @@ def _with_stage(exc: Exception, stage: str, weights_version: int | None, route: 
             missing=exc.missing,
             arrived=exc.arrived,
         )
-    if isinstance(exc, StaleGroupVersion):
+    if isinstance(exc, (StaleGroupVersion, CommunicatorAborted)):
         return exc
+    if isinstance(exc, PeerLost):
+        # the route knows who the other end was: the sender of a broadcast, or the peer
+        peer = exc.peer
+        if peer is None:
+            if isinstance(route, _PeerRoute):
+                peer = route.peer
+            elif isinstance(route, _BroadcastRoute) and route.root != comm.rank:
+                peer = route.root
+        return PeerLost(
+            f"{exc} (weight transfer{wv}, {stage})",
+            group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=peer,
+        )
+    if isinstance(exc, ManifestError):
+        return ManifestError(f"{exc} (weight transfer{wv}, {stage})", field=exc.field)
     return type(exc)(f"{exc} (weight transfer{wv}, {stage})")
 
 

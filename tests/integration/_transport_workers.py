@@ -47,7 +47,8 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         "message": str(exc),
         "cause": type(exc.__cause__).__name__ if exc.__cause__ is not None else None,
     }
-    for attr in ("missing", "arrived", "group_version", "seconds", "key", "got", "current", "what"):
+    for attr in ("missing", "arrived", "group_version", "seconds", "key", "got", "current", "what",
+                 "group", "rank", "op", "peer", "field", "reason"):
         if hasattr(exc, attr):
             value = getattr(exc, attr)
             info[attr] = list(value) if isinstance(value, tuple) else value

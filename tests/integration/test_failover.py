@@ -270,6 +270,33 @@ class TestTrainerFailover:
         finally:
             await finish(rt, tmp_path)
 
+    async def test_optimizer_state_comes_from_the_checkpoint_and_weights_from_a_rollout(self, ray_cluster, tmp_path):
+        ckpt = tmp_path / "ckpt"
+        rt = runtime(config(tmp_path, optimizer_state="checkpoint", checkpoint_dir=str(ckpt)))
+        await rt.start()
+        try:
+            await spares_warm(rt, 2)
+            await rt.trainer("train_step")
+            await rt.trainer("save_checkpoint", str(ckpt))
+            saved_optimizer = await rt.trainer("optimizer_checksum")
+            await rt.trainer("train_step")  # weights move on past the checkpoint
+            report = await rt.sync()
+            fresh_optimizer = await rt.handle(
+                next(m.member for m in rt.members() if m.state == "STANDBY" and m.role == "trainer")
+            ).call.remote("optimizer_checksum", (), {})
+            assert fresh_optimizer != saved_optimizer  # so the check below can fail
+            await rt.chaos.kill("trainer", 0)
+            await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the trainer failover")
+            # weights: the last committed version, from a rollout (not the older checkpoint)
+            assert await rt.trainer("checksum") == report.checksum
+            # optimizer: what the checkpoint holds (no rollout has it)
+            assert await rt.trainer("optimizer_checksum") == saved_optimizer
+            await rt.trainer("train_step")
+            await rt.sync()
+            await assert_consistent(rt)
+        finally:
+            await finish(rt, tmp_path)
+
     async def test_lossy_weights_are_not_turned_back_into_a_trainer(self, ray_cluster, tmp_path):
         rt = runtime(config(tmp_path), trainer=LossyTrainer)
         await rt.start()

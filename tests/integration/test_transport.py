@@ -150,6 +150,9 @@ class TestMemberDeath:
             trainer.call("broadcast", timeout_s=SYNC_S)
         assert time.monotonic() - t0 < FAST_S
         assert info.value.isinstance("PeerLost"), info.value.info
+        lost = info.value.info  # structured: which communicator, which rank, doing what
+        assert (lost["group"], lost["group_version"], lost["rank"]) == (GROUP, group.version, 0), lost
+        assert lost["op"].startswith(("bucket", "seal", "commit vote")), lost
         assert doomed.outcome()[0] == "died"
         # the other receiver is released at once too, with its previous version intact
         kind, err = survivor.outcome(FAST_S)
@@ -181,6 +184,8 @@ class TestMemberDeath:
             with pytest.raises(RemoteError) as info:
                 r.result(FAST_S)
             assert info.value.isinstance("PeerLost"), info.value.info
+            # a receiver knows who it lost: the broadcast's sender
+            assert info.value.info["peer"] == 0 and info.value.info["group"] == GROUP, info.value.info
         assert time.monotonic() - t0 < FAST_S
         for r in rollouts:
             assert committed_checksum(r) == expected_checksum(1)

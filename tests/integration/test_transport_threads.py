@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from ftstate.errors import ChecksumMismatch, TransportError
+from ftstate.errors import ChecksumMismatch, CommunicatorAborted, TransportError
 from ftstate.transport import Receiver, Sender, StoreServer, create_communicator, state_checksum
 
 BUCKET = 64 * 1024
@@ -172,5 +172,7 @@ def test_arguments_are_checked_before_anything_moves(server):
         Sender(bucket_size=10)
     for c in comms:
         c.close()
-    with pytest.raises(TransportError, match="aborted"):
+    with pytest.raises(CommunicatorAborted, match="aborted") as info:
         Sender(bucket_size=BUCKET).broadcast(comms[0], state(1), weights_version=1, timeout_s=1)
+    assert isinstance(info.value, TransportError)
+    assert (info.value.rank, info.value.reason) == (0, "closed")

@@ -30,6 +30,8 @@ class TinyTrainer(TrainerWorker):
     def __init__(self, seed: int = 0, big_floats: int = 0) -> None:
         self.state = tiny_state(seed, big_floats)
         self.steps = 0
+        # optimizer state no rollout holds: a momentum buffer that every step changes
+        self.momentum = torch.zeros(32, 16)
 
     def state_dict(self):
         return self.state
@@ -42,6 +44,7 @@ class TinyTrainer(TrainerWorker):
             time.sleep(seconds)  # a long step, so a fault can land in the middle of it
         self.steps += 1
         g = torch.Generator().manual_seed(1000 + self.steps)
+        self.momentum.mul_(0.9).add_(torch.randn(self.momentum.shape, generator=g))
         with torch.no_grad():
             for _name, t in self.state.items():
                 if t.is_floating_point():
@@ -56,13 +59,24 @@ class TinyTrainer(TrainerWorker):
     def pid(self) -> int:
         return os.getpid()
 
+    def optimizer_checksum(self) -> str:
+        return state_checksum({"momentum": self.momentum})
+
     def save_checkpoint(self, path: str) -> str:
         os.makedirs(path, exist_ok=True)
         torch.save({k: v.clone() for k, v in self.state.items()}, os.path.join(path, "state.pt"))
+        torch.save({"momentum": self.momentum.clone()}, os.path.join(path, "optimizer.pt"))
         return self.checksum()
 
     def load_checkpoint(self, path: str) -> None:
         self.state = torch.load(os.path.join(path, "state.pt"))
+        self.load_optimizer_checkpoint(path)
+
+    def load_optimizer_checkpoint(self, path: str) -> None:
+        self.momentum = torch.load(os.path.join(path, "optimizer.pt"))["momentum"]
+
+    def reset_optimizer(self) -> None:
+        self.momentum = torch.zeros(32, 16)
 
 
 class TinyRollout(RolloutWorker):

@@ -27,3 +27,29 @@ def test_importing_the_core_loads_neither_ray_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_error_crosses_a_process_boundary_with_its_fields():
+    """Workers raise these inside Ray actors; the controller must get the same class, message
+    and attributes back (default exception pickling would call __init__ with the message only)."""
+    import pickle
+
+    from ftstate import errors
+
+    samples = [
+        errors.StaleGroupVersion("weights", got=3, current=4, peer="rank 1"),
+        errors.CommunicatorAborted("weights", 4, 2, "peer lost during bucket 3/8"),
+        errors.PeerLost("rank 2: a peer was lost", group="weights", group_version=4, rank=2, op="seal", peer=0),
+        errors.ManifestError("malformed manifest: field 'tensors[0].shape'", field="tensors[0].shape"),
+        errors.MemberLost("rollout-1", "process died", group_version=2),
+        errors.SyncTimeout("weight sync", key="sync_timeout_s", seconds=5.0, member="rank 1", group_version=2,
+                           missing=["rank 2"], arrived=["rank 0"]),
+        errors.ConfigError("fault_tolerance.max_failovers", "must be >= 0"),
+        errors.ChecksumMismatch("bucket 1/2 does not match"),
+    ]
+    assert {type(e).__name__ for e in samples} >= {"StaleGroupVersion", "CommunicatorAborted", "PeerLost"}
+    for exc in samples:
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc)
+        assert str(back) == str(exc)
+        assert vars(back) == vars(exc), type(exc).__name__

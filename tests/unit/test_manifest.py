@@ -108,6 +108,7 @@ class TestValidationNamesTheField:
             decode_manifest(data, group="weights", group_version=3)
         if field is not None:
             assert f"field {field!r}" in str(info.value)
+        assert info.value.field == field
         assert isinstance(info.value, TransportError)
 
     def test_seal_with_the_wrong_number_of_checksums(self):

@@ -1,0 +1,59 @@
+"""ActorCalls on a real Ray actor: an ftstate error raised inside a worker reaches the
+controller as the same class with its fields (not as Ray's wrapper), named after the worker;
+a SIGKILLed worker becomes MemberLost and one `died` report."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from ftstate.calls import ActorCalls
+from ftstate.errors import CommunicatorAborted, MemberLost, PeerLost, StaleGroupVersion, SyncTimeout
+
+pytestmark = pytest.mark.ray
+
+
+class Raiser:
+    def pid(self) -> int:
+        return os.getpid()
+
+    def fail(self, kind: str) -> None:
+        if kind == "stale":
+            raise StaleGroupVersion("weights", got=3, current=4, peer="rank 1")
+        if kind == "aborted":
+            raise CommunicatorAborted("weights", 4, 1, "peer lost during bucket 2/5")
+        if kind == "peer":
+            raise PeerLost("rank 1: a peer was lost", group="weights", group_version=4, rank=1, op="seal", peer=0)
+        raise SyncTimeout("weight transfer", key="sync_timeout_s", seconds=2.0, member="rank 1", group_version=4)
+
+
+async def test_worker_errors_come_back_typed_with_their_fields(ray_cluster):
+    ray = ray_cluster
+    died: list[tuple[str, str]] = []
+    calls = ActorCalls(lambda member, reason: died.append((member, reason)))
+    handle = ray.remote(Raiser).options(num_cpus=0).remote()
+    try:
+        with pytest.raises(StaleGroupVersion) as stale:
+            await calls.call("rollout-1", handle, "fail", "stale")
+        assert (stale.value.got, stale.value.current) == (3, 4)
+        with pytest.raises(CommunicatorAborted) as aborted:
+            await calls.call("rollout-1", handle, "fail", "aborted")
+        assert aborted.value.reason == "peer lost during bucket 2/5"
+        with pytest.raises(PeerLost) as lost:
+            await calls.call("rollout-1", handle, "fail", "peer")
+        assert str(lost.value).startswith("rollout-1: ")  # named after the worker
+        assert (lost.value.peer, lost.value.op, lost.value.group_version) == (0, "seal", 4)
+        with pytest.raises(SyncTimeout) as timeout:
+            await calls.call("rollout-1", handle, "fail", "timeout")
+        assert (timeout.value.key, timeout.value.seconds) == ("sync_timeout_s", 2.0)
+        assert died == []
+
+        pid = await calls.call("rollout-1", handle, "pid")
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(MemberLost, match="rollout-1"):
+            await calls.call("rollout-1", handle, "pid")
+        assert [m for m, _ in died] == ["rollout-1"]
+    finally:
+        ray.kill(handle)
