@@ -2,7 +2,9 @@
 
 With ``fault_tolerance.enable: true`` a worker that reaches LOST (its process died, or it
 hung past ``heartbeat_timeout_s``) is replaced instead of failing the run. The group goes
-READY -> DEGRADED -> PROMOTING -> RESYNCED -> READY:
+READY -> DEGRADED -> PROMOTING -> RESYNCED -> READY (or RENDEZVOUS -> DEGRADED -> … when a
+member dies before the first group version formed: the same procedure, with nothing to
+resync yet; a member that merely hangs there still fails the start at ``init_timeout_s``):
 
 1. **DEGRADED**: the loss is recorded; surviving rollouts keep serving the version they
    hold, which is still the current one.

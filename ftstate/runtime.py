@@ -330,9 +330,30 @@ class Runtime:
         group.describe_wait(f"rendezvous of group {GROUP!r}", missing=missing, arrived=arrived)
         async with group.deadline_scope():
             await asyncio.gather(*(pool.ready() for pool in self._pools.values()))
-            await asyncio.gather(*(join(m) for m in members))
-        await group.fire("rendezvous_done")
+            joins = [asyncio.ensure_future(join(m)) for m in members]
+            try:
+                await asyncio.gather(*joins)
+                lost_before_forming = False
+            except MemberLost:
+                # Replaced only if it really died (LOST, and perhaps already being replaced by
+                # the failover its death started), not if it merely failed to answer.
+                died = any(m.machine.state in ("LOST", "RETIRED") for m in members)
+                if not (self.config.fault_tolerance.enable and died):
+                    raise
+                lost_before_forming = True
+        if lost_before_forming:
+            # Fault tolerance on and a member died before version 1 formed: the failover
+            # replaces it and forms the next version with everyone (its fence releases the
+            # survivors still waiting in this one), spending one of max_failovers.
+            async with self._sync_lock:
+                await self._recover_locked()
+        else:
+            await group.fire("rendezvous_done")
+        # What the survivors' abandoned joins of this version said no longer matters.
+        await asyncio.gather(*joins, return_exceptions=True)
         for m in members:
+            if m.machine.state != "RENDEZVOUS":
+                continue  # lost and replaced (its replacement was taken through the failover)
             if m.role == "trainer":
                 await m.machine.fire("joined_as_source")
                 await m.machine.fire("admit")

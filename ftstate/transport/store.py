@@ -63,6 +63,11 @@ class StoreAddress:
         return cls(host, int(port))
 
 
+#: Slice of a rendezvous wait between two checks of whether the controller fenced the
+#: version: how long a member may stay blocked in a version that will never complete.
+FENCE_POLL_S = 0.1
+
+
 def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
@@ -206,28 +211,42 @@ def wait_for_ranks(
     :class:`RendezvousTimeout` listing who arrived and who did not.
 
     ``timeout_s``: how long to wait for the last rank (``init_timeout_s``); ``member``:
-    who is waiting, named in the error.
+    who is waiting, named in the error. Raises :class:`StaleGroupVersion` within
+    :data:`FENCE_POLL_S` when the controller fences the version meanwhile.
     """
     from torch.distributed import DistError
 
     prefix = version_prefix(group, version)
     keys = [f"{prefix}/joined/{r}" for r in range(world_size)]
-    try:
-        store.wait(keys, _delta(timeout_s))
-    except (DistError, RuntimeError) as exc:
-        arrived = [r for r, k in enumerate(keys) if store.check([k])]
-        missing = [r for r in range(world_size) if r not in arrived]
-        if not missing:  # everyone arrived just as the wait gave up
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # Waited in slices: between two, a version the controller fenced (abandoned for a
+        # newer one, e.g. because a member died before arriving) releases its waiters at once
+        # instead of holding them until init_timeout_s.
+        left = deadline - time.monotonic()
+        try:
+            store.wait(keys, _delta(max(min(FENCE_POLL_S, left), 0.001)))
             return
-        raise RendezvousTimeout(
-            f"rendezvous of group {group!r} version {version}",
-            key="init_timeout_s",
-            seconds=timeout_s,
-            member=member,
-            group_version=version,
-            missing=[f"rank {r}" for r in missing],
-            arrived=[f"rank {r}" for r in arrived],
-        ) from exc
+        except (DistError, RuntimeError) as exc:
+            last: Exception = exc
+        current = read_current_version(store, group)
+        if current is not None and current > version:
+            raise StaleGroupVersion(group, got=version, current=current, peer=member)
+        if time.monotonic() >= deadline:
+            break
+    arrived = [r for r, k in enumerate(keys) if store.check([k])]
+    missing = [r for r in range(world_size) if r not in arrived]
+    if not missing:  # everyone arrived just as the wait gave up
+        return
+    raise RendezvousTimeout(
+        f"rendezvous of group {group!r} version {version}",
+        key="init_timeout_s",
+        seconds=timeout_s,
+        member=member,
+        group_version=version,
+        missing=[f"rank {r}" for r in missing],
+        arrived=[f"rank {r}" for r in arrived],
+    ) from last
 
 
 def join_version(

@@ -270,6 +270,35 @@ class TestTrainerFailover:
         finally:
             await finish(rt, tmp_path)
 
+    async def test_a_member_killed_before_the_first_group_forms_is_replaced(self, ray_cluster, tmp_path):
+        """Fault tolerance on: a rollout SIGKILLed while the initial rendezvous waits for it is
+        replaced (cold mode: a fresh actor) and group version 2 forms with everyone; the
+        survivors waiting in version 1 are released by the fence, not by init_timeout_s."""
+        marker = tmp_path / "hang-once"
+        rt = runtime(config(tmp_path, mode="cold", max_failovers=1),
+                     rollout_kwargs={"hang_marker": str(marker)})
+        starting = asyncio.ensure_future(rt.start())
+        try:
+            await wait_until(lambda: marker.exists() and marker.read_text().strip(), 60, "a rollout to hang in init")
+            t_kill = time.monotonic()
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+            await asyncio.wait_for(starting, 30)
+            assert time.monotonic() - t_kill < 20  # well inside init_timeout_s
+            assert rt.state == "READY" and rt.group_version == 2
+            [f] = rt.failovers
+            assert f.role == "rollout" and f.replacement and f.group_version == 2
+            assert not f.resynced  # nothing to resync before the first sync
+            lost = next(r for r in rt.audit.records if r.get("member") == f.lost and r.get("to") == "LOST")
+            assert lost["from"] == "RENDEZVOUS" and lost["trigger"] == "died"
+            await rt.trainer("train_step")
+            report = await rt.sync()
+            assert set(report.rollouts) == {"rollout-0", "rollout-1"} - {f.lost} | {f.replacement}
+            await assert_consistent(rt)
+        finally:
+            if not starting.done():
+                starting.cancel()
+            await finish(rt, tmp_path)
+
     async def test_optimizer_state_comes_from_the_checkpoint_and_weights_from_a_rollout(self, ray_cluster, tmp_path):
         ckpt = tmp_path / "ckpt"
         rt = runtime(config(tmp_path, optimizer_state="checkpoint", checkpoint_dir=str(ckpt)))

@@ -134,6 +134,22 @@ class TestFailFastRendezvous:
         assert rt.state == "FAILED"
         assert_gone(ray_cluster, rt.run_id, [m.pid for m in rt.members()])
 
+    async def test_a_rollout_killed_during_init_fails_start_at_once_naming_it(self, ray_cluster, tmp_path):
+        """Fault tolerance off: a death before the first group forms is MemberLost at once,
+        not a wait for init_timeout_s; nothing of the run is left."""
+        marker = tmp_path / "hang-once"
+        rt = runtime(config(tmp_path, init_timeout_s=60), rollout_kwargs={"hang_marker": str(marker)})
+        starting = asyncio.ensure_future(rt.start())
+        await wait_until(lambda: marker.exists() and marker.read_text().strip(), 60, "a rollout to hang in init")
+        t_kill = time.monotonic()
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        with pytest.raises(MemberLost, match=r"rollout-\d lost") as info:
+            await asyncio.wait_for(starting, 30)
+        assert time.monotonic() - t_kill < 10
+        assert "process died" in str(info.value)
+        assert rt.state == "FAILED" and not rt.failovers
+        assert_gone(ray_cluster, rt.run_id, [m.pid for m in rt.members()])
+
     def test_init_timeout_comes_from_the_environment(self):
         cfg = ftstate.RuntimeConfig.from_dict({}, environ={"FTSTATE_INIT_TIMEOUT_S": "42"})
         assert cfg.init_timeout_s == 42

@@ -120,3 +120,18 @@ def test_an_unreachable_store_is_a_rendezvous_timeout():
     closed.close()
     with pytest.raises(RendezvousTimeout, match=f"store at {addr}"):
         connect_store(addr, 0.5)
+
+
+def test_fencing_a_version_releases_the_members_waiting_in_it(server):
+    """A member died before arriving: the controller abandons the version, and the members
+    already waiting in it are released at once, not at init_timeout_s."""
+    waiting = [in_thread(join_version, connect_store(server.address, 2.0), "g", 3, rank, 3, 30.0) for rank in (0, 1)]
+    time.sleep(0.3)  # both are now blocked waiting for rank 2, which never comes
+    t0 = time.monotonic()
+    server.fence("g", 4)
+    for t, outcome in waiting:
+        t.join(timeout=5.0)
+        assert not t.is_alive()
+        assert isinstance(outcome[0], StaleGroupVersion), outcome
+        assert (outcome[0].got, outcome[0].current) == (3, 4)
+    assert time.monotonic() - t0 < 1.0

@@ -82,8 +82,8 @@ class TinyTrainer(TrainerWorker):
 class TinyRollout(RolloutWorker):
     """Keeps the weights it was given; ``generate`` answers with the version it serves.
 
-    hang_marker: the first rollout constructed in this run creates that file and then hangs
-    in its constructor forever (a group-init that never returns). fail_marker: while that
+    hang_marker: the first rollout constructed in this run creates that file, writes its pid
+    into it and then hangs in its constructor forever (a group-init that never returns). fail_marker: while that
     file exists, constructing a rollout fails (a replacement that cannot start).
     """
 
@@ -96,6 +96,7 @@ class TinyRollout(RolloutWorker):
             except FileExistsError:
                 pass
             else:
+                os.write(fd, str(os.getpid()).encode())  # so a test can SIGKILL the hung one
                 os.close(fd)
                 while True:
                     time.sleep(3600)
