@@ -369,6 +369,10 @@ class Runtime:
         :class:`~ftstate.errors.MemberLost` if a member died (fault tolerance off), a
         :class:`~ftstate.errors.TransportError` if the transfer failed, or
         :class:`~ftstate.errors.SyncTimeout`. On failure every rollout keeps the version it had.
+        Once every rollout staged and verified the new version it is committed: a rollout
+        whose own ``load_weights`` then raises is left STALE (serving nothing until a later
+        sync brings it up to date), the others serve the new version, and its exception is
+        raised to the caller.
         """
         self._raise_if_failed()
         async with self._sync_lock:
@@ -512,13 +516,19 @@ class Runtime:
                     await self._abort_sync(trainer, rollouts, previous, failures)
                     raise next(iter(failures.values()))
                 group.weights_version = target
-                await self._commit(trainer, rollouts, target, sent["checksum"])
+                not_loaded = await self._commit(trainer, rollouts, target, sent["checksum"])
+                self._raise_if_failed()  # a death during the commit with fault tolerance off
         except SyncTimeout:
             group.weights_version = previous
             raise
         self._checksum = sent["checksum"]
         self._trainer_calls.clear()  # the trainer's work up to here is committed in the weights
         await group.fire("sync_done", checksum=self._checksum, nbytes=sent["nbytes"])
+        user_errors = [e for e in not_loaded.values() if not isinstance(e, MemberLost)]
+        if user_errors:
+            # The version is committed on the others and the group is consistent; the caller
+            # still hears of the rollout whose own load_weights raised (its bug, not a fault).
+            raise user_errors[0]
         return SyncReport(
             weights_version=target,
             checksum=self._checksum,
@@ -526,7 +536,7 @@ class Runtime:
             seconds=time.perf_counter() - t0,
             failovers=0,
             group_version=group.group_version,
-            rollouts=tuple(m.name for m in rollouts),
+            rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
         )
 
     def _failures(self, members: Sequence[_Member], results: Sequence[Any]) -> dict[str, BaseException]:
@@ -559,14 +569,40 @@ class Runtime:
         first = next(iter(failures.items()))
         if group.state == "SYNCING":
             await group.fire("sync_failed", reason=f"{first[0]}: {first[1]}")
+        from ftstate.errors import ChecksumMismatch
 
-    async def _commit(self, trainer: _Member, rollouts: Sequence[_Member], version: int, checksum: str) -> None:
+        alive = all(m.machine.state not in _GONE for m in [trainer, *rollouts])
+        if alive and not group.terminal and any(not isinstance(e, ChecksumMismatch) for e in failures.values()):
+            # The transfer was abandoned mid-stream (a member's communicator was aborted, e.g.
+            # the trainer's state_dict() raised): nobody died, so no failover will form the
+            # next group version; form it here so the next sync finds a sound group. (A
+            # checksum mismatch leaves the stream aligned and the group usable.)
+            with contextlib.suppress(MemberLost):  # a death meanwhile is the failover's to handle
+                await self._reform()
+
+    async def _commit(
+        self, trainer: _Member, rollouts: Sequence[_Member], version: int, checksum: str
+    ) -> dict[str, BaseException]:
+        """Hand the staged version to every rollout's ``load_weights``; returns the rollouts
+        whose commit failed. The vote already made ``version`` current: one that failed here
+        (its ``load_weights`` raised, or it died) is taken out of serving, STALE until a later
+        sync resyncs it (or LOST), while the others serve ``version``."""
         self._routing_open.clear()
         try:
-            await asyncio.gather(*(self._calls.call(m.name, m.handle, "commit_weights", version) for m in rollouts))
+            results = await asyncio.gather(
+                *(self._calls.call(m.name, m.handle, "commit_weights", version) for m in rollouts),
+                return_exceptions=True,
+            )
         finally:
             self._routing_open.set()
+        failed = self._failures(rollouts, results)
         for m in rollouts:
+            if m.name in failed:
+                if m.machine.state in _GONE:
+                    continue
+                trigger = "sync_failed" if m.machine.state == "SYNCING" else "resync_failed"
+                await m.machine.fire(trigger, reason=f"commit of weights version {version} failed: {failed[m.name]}")
+                continue
             m.machine.weights_version = version
             if m.machine.state == "SYNCING":
                 await m.machine.fire("committed", checksum=checksum)
@@ -575,6 +611,7 @@ class Runtime:
                 await m.machine.fire("admit")
         trainer.machine.weights_version = version
         await trainer.machine.fire("committed", checksum=checksum)
+        return failed
 
     # -- calls -------------------------------------------------------------------------------
 

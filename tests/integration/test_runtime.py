@@ -238,6 +238,49 @@ class TestAtomicSync:
         assert check_trail(tmp_path / "audit.jsonl") == []
 
 
+    async def test_a_trainer_whose_state_dict_fails_fails_the_sync_fast_and_the_next_one_works(
+        self, ray_cluster, tmp_path
+    ):
+        """A participant that fails without dying, before sending anything: the rollouts
+        waiting for its manifest are released at once (not at sync_timeout_s), keep their
+        version, and the group is formed again for the next sync."""
+        async with runtime(config(tmp_path, sync_timeout_s=60)) as rt:
+            await rt.sync()
+            v1 = await rt.trainer("checksum")
+            await rt.trainer("train_step")
+            await rt.trainer("fail_next_state_dict")
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="simulated user error"):
+                await rt.sync()
+            assert time.monotonic() - t0 < 10
+            assert rt.weights_version == 1 and rt.state == "READY"
+            assert await rt.rollout("checksum") == [v1, v1]
+            report = await rt.sync()
+            assert report.weights_version == 2
+            assert await rt.rollout("checksum") == [report.checksum] * 2
+        assert check_trail(tmp_path / "audit.jsonl") == []
+
+
+    async def test_a_rollout_whose_load_weights_raises_stops_serving_and_the_others_commit(
+        self, ray_cluster, tmp_path
+    ):
+        async with runtime(config(tmp_path)) as rt:
+            await rt.sync()
+            await rt.trainer("train_step")
+            await rt._calls.call("rollout-1", rt.handle("rollout-1"), "call", "fail_next_load", (), {})
+            with pytest.raises(RuntimeError, match="simulated user error"):
+                await rt.sync()
+            # version 2 is committed: rollout-0 serves it, rollout-1 (torn by its own code) serves nothing
+            assert rt.weights_version == 2 and rt.state == "READY"
+            assert rt.serving_rollouts() == ["rollout-0"]
+            assert await rt.rollout("checksum") == [await rt.trainer("checksum")]
+            assert {m.member: m.state for m in rt.members()}["rollout-1"] == "STALE"
+            report = await rt.sync()  # the next sync brings it back
+            assert set(report.rollouts) == {"rollout-0", "rollout-1"}
+            assert await rt.rollout("checksum") == [report.checksum] * 2
+        assert check_trail(tmp_path / "audit.jsonl") == []
+
+
 class TestBadInput:
     def test_a_trainer_that_is_not_a_trainer_worker_is_rejected(self, tmp_path):
         with pytest.raises(TypeError, match="trainer must be a TrainerWorker subclass"):

@@ -34,7 +34,13 @@ class TinyTrainer(TrainerWorker):
         self.momentum = torch.zeros(32, 16)
 
     def state_dict(self):
+        if getattr(self, "_fail_state_dict", False):
+            self._fail_state_dict = False
+            raise RuntimeError("state_dict() failed: simulated user error")
         return self.state
+
+    def fail_next_state_dict(self) -> None:
+        self._fail_state_dict = True
 
     def load_state_dict(self, state) -> None:
         self.state = {k: v.clone() for k, v in state.items()}
@@ -104,8 +110,15 @@ class TinyRollout(RolloutWorker):
         self.version = 0
 
     def load_weights(self, state, version: int) -> None:
+        if getattr(self, "_fail_load", False):
+            self._fail_load = False
+            self.state = {}  # half-loaded: the model is unusable until the next full load
+            raise RuntimeError("load_weights() failed: simulated user error")
         self.state = {k: v.clone() for k, v in state.items()}
         self.version = version
+
+    def fail_next_load(self) -> None:
+        self._fail_load = True
 
     def generate(self, prompt: str) -> tuple[str, int]:
         return (prompt, self.version)
