@@ -43,7 +43,14 @@ from ftstate import cluster
 from ftstate.audit import AuditTrail
 from ftstate.calls import ActorCalls
 from ftstate.config import RuntimeConfig
-from ftstate.errors import FTError, MemberLost, NoServingWorkers, SyncTimeout, TransportError
+from ftstate.errors import (
+    ChecksumMismatch,
+    FTError,
+    MemberLost,
+    NoServingWorkers,
+    SyncTimeout,
+    TransportError,
+)
 from ftstate.failover import Failover
 from ftstate.liveness import Heartbeat, Liveness
 from ftstate.machine import StateMachine
@@ -507,8 +514,6 @@ class Runtime:
                     staged = {m.name: r for m, r in zip(rollouts, results[1:], strict=True)}
                     torn = [n for n, r in staged.items() if r["checksum"] != sent["checksum"]]
                     if torn:
-                        from ftstate.errors import ChecksumMismatch
-
                         failures = {n: ChecksumMismatch(
                             f"{n} staged weights version {target} with checksum {staged[n]['checksum']}, "
                             f"the trainer sent {sent['checksum']}") for n in torn}
@@ -569,8 +574,6 @@ class Runtime:
         first = next(iter(failures.items()))
         if group.state == "SYNCING":
             await group.fire("sync_failed", reason=f"{first[0]}: {first[1]}")
-        from ftstate.errors import ChecksumMismatch
-
         alive = all(m.machine.state not in _GONE for m in [trainer, *rollouts])
         if alive and not group.terminal and any(not isinstance(e, ChecksumMismatch) for e in failures.values()):
             # The transfer was abandoned mid-stream (a member's communicator was aborted, e.g.

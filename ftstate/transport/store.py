@@ -10,7 +10,9 @@ Keys (every group's keys under its own prefix, every version under its own sub-p
 ``PrefixStore(f"{group}/v{version}", store)``)::
 
     {group}/current_version              highest version formed or fenced; older ones are stale
-    {group}/v{N}/joined/{rank}           set by each member when it arrives (msgpack: pid, host)
+    {group}/v{N}/world_size              the version's size, set by its first member (the others must agree)
+    {group}/v{N}/joined/{rank}           set by each member when it arrives (msgpack: pid, host),
+                                         or FENCED once the version is superseded without it
     {group}/v{N}/roster                  appended "rank," by each arrival, for the controller
     {group}/v{N}/gloo/...                the gloo backend's own rendezvous
     {group}/v{N}/nccl/unique_id          the NCCL unique id published by rank 0
@@ -20,7 +22,10 @@ with :class:`~ftstate.errors.StaleGroupVersion` if the group already moved past 
 register, then wait for every rank's ``joined`` key. When the wait times out the error,
 a :class:`~ftstate.errors.RendezvousTimeout` (``init_timeout_s``), names the group, the
 version, the timeout, and reads from the store which ranks arrived and which did not.
-Because every version has its own prefix, a failed version leaves nothing behind that
+Raising ``current_version`` past N (the controller abandoning N because a member died
+before arriving) marks N's missing ranks FENCED, which ends its members' waits at once
+with StaleGroupVersion: no polling, and no one waiting out ``init_timeout_s`` in a version
+that cannot complete. Because every version has its own prefix, a failed version leaves nothing behind that
 could disturb version N+1.
 """
 
@@ -63,9 +68,9 @@ class StoreAddress:
         return cls(host, int(port))
 
 
-#: Slice of a rendezvous wait between two checks of whether the controller fenced the
-#: version: how long a member may stay blocked in a version that will never complete.
-FENCE_POLL_S = 0.1
+#: Value written into the ``joined`` keys of ranks that never arrived in a superseded
+#: version, which wakes the members waiting there (see :func:`raise_current_version`).
+FENCED = b"fenced"
 
 
 def _delta(seconds: float) -> datetime.timedelta:
@@ -192,9 +197,27 @@ def raise_current_version(store: Store, group: str, version: int) -> int:
     key = _current_key(group)
     want = str(version).encode()
     current = store.compare_set(key, "", want)
+    before = None if current == want else int(current)
     while int(current) < version:
+        before = int(current)
         current = store.compare_set(key, current, want)
+    if int(current) == version and before is not None and before < version:
+        for superseded in range(before, version):
+            _release_waiters(store, group, superseded)
     return int(current)
+
+
+def _release_waiters(store: Store, group: str, version: int) -> None:
+    """Wake the members waiting in a superseded version for ranks that will never come (a
+    member died before arriving): mark every rank that did not arrive as FENCED, so their
+    wait returns now and they find the version stale, instead of waiting out init_timeout_s.
+    Ranks that arrived keep their registration (compare-and-set only fills missing keys)."""
+    prefix = version_prefix(group, version)
+    size_key = f"{prefix}/world_size"
+    if not store.check([size_key]):
+        return  # nobody registered in that version: nobody waits
+    for rank in range(int(store.get(size_key))):
+        store.compare_set(f"{prefix}/joined/{rank}", "", FENCED)
 
 
 def roster(store: Store, group: str, version: int) -> list[int]:
@@ -211,29 +234,26 @@ def wait_for_ranks(
     :class:`RendezvousTimeout` listing who arrived and who did not.
 
     ``timeout_s``: how long to wait for the last rank (``init_timeout_s``); ``member``:
-    who is waiting, named in the error. Raises :class:`StaleGroupVersion` within
-    :data:`FENCE_POLL_S` when the controller fences the version meanwhile.
+    who is waiting, named in the error. Raises :class:`StaleGroupVersion` at once when the
+    version is superseded meanwhile (:func:`raise_current_version` wakes its waiters).
     """
     from torch.distributed import DistError
 
     prefix = version_prefix(group, version)
     keys = [f"{prefix}/joined/{r}" for r in range(world_size)]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        # Waited in slices: between two, a version the controller fenced (abandoned for a
-        # newer one, e.g. because a member died before arriving) releases its waiters at once
-        # instead of holding them until init_timeout_s.
-        left = deadline - time.monotonic()
-        try:
-            store.wait(keys, _delta(max(min(FENCE_POLL_S, left), 0.001)))
-            return
-        except (DistError, RuntimeError) as exc:
-            last: Exception = exc
-        current = read_current_version(store, group)
-        if current is not None and current > version:
-            raise StaleGroupVersion(group, got=version, current=current, peer=member)
-        if time.monotonic() >= deadline:
-            break
+    try:
+        store.wait(keys, _delta(timeout_s))
+    except (DistError, RuntimeError) as exc:
+        last: Exception | None = exc
+    else:
+        last = None
+    # Woken because every rank arrived, or because the version was superseded and its
+    # missing ranks were marked FENCED: only the current version may go on.
+    current = read_current_version(store, group)
+    if current is not None and current > version:
+        raise StaleGroupVersion(group, got=version, current=current, peer=member)
+    if last is None:
+        return
     arrived = [r for r, k in enumerate(keys) if store.check([k])]
     missing = [r for r in range(world_size) if r not in arrived]
     if not missing:  # everyone arrived just as the wait gave up
@@ -266,8 +286,18 @@ def join_version(
     if current > version:
         raise StaleGroupVersion(group, got=version, current=current, peer=f"rank {rank}")
     prefix = version_prefix(group, version)
+    size = str(world_size).encode()
+    agreed = store.compare_set(f"{prefix}/world_size", "", size)
+    if agreed != size:
+        raise TransportError(
+            f"rank {rank} of group {group!r} version {version}: field 'world_size': {world_size}, but the "
+            f"members already registered agreed on {agreed.decode(errors='replace')}"
+        )
     me = msgpack.packb({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
     held = store.compare_set(f"{prefix}/joined/{rank}", "", me)
+    if held == FENCED:
+        raise StaleGroupVersion(group, got=version, current=read_current_version(store, group) or version,
+                                peer=f"rank {rank}")
     if held != me:
         other = msgpack.unpackb(held) if held else {}
         raise TransportError(
@@ -275,6 +305,11 @@ def join_version(
             f"{other.get('pid', '?')} on {other.get('host', '?')}"
         )
     store.append(f"{prefix}/roster", f"{rank},")
+    # Superseded between the first check and the world size being published? Then nobody
+    # will mark this version's missing ranks: stop here instead of waiting them out.
+    current = read_current_version(store, group)
+    if current is not None and current > version:
+        raise StaleGroupVersion(group, got=version, current=current, peer=f"rank {rank}")
     wait_for_ranks(store, group, version, world_size, timeout_s, member=f"rank {rank}")
 
 

@@ -135,3 +135,13 @@ def test_fencing_a_version_releases_the_members_waiting_in_it(server):
         assert isinstance(outcome[0], StaleGroupVersion), outcome
         assert (outcome[0].got, outcome[0].current) == (3, 4)
     assert time.monotonic() - t0 < 1.0
+
+
+def test_members_that_disagree_on_the_world_size_are_refused_naming_it(server):
+    first = in_thread(join_version, connect_store(server.address, 2.0), "g", 5, 0, 3, 30.0)
+    time.sleep(0.2)
+    with pytest.raises(TransportError, match="field 'world_size': 2, but the members already registered agreed on 3"):
+        join_version(connect_store(server.address, 2.0), "g", 5, 1, 2, 1.0)
+    server.fence("g", 6)  # release the first
+    first[0].join(timeout=5.0)
+    assert isinstance(first[1][0], StaleGroupVersion)
