@@ -55,6 +55,19 @@ def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: 
     return False
 
 
+def mute_worker_death_notices() -> None:
+    """Stop this driver printing Ray's "(raylet) A worker died or was killed…" notice, which
+    comes through the raylet's error channel even with ``log_to_driver`` off, one per dead
+    worker. For the demo, which kills workers on purpose and records every death (pid, node,
+    trigger) in its audit trail: the notices would only bury its live view. It flips the
+    switch Ray's own debugger uses for the same purpose (``ray.util.rpdb``); on a Ray
+    without it the notices simply keep printing."""
+    ray = _import_ray(local=False)
+    worker_module = ray._private.worker
+    if hasattr(worker_module, "_worker_logs_enabled"):
+        worker_module._worker_logs_enabled = False
+
+
 def node_address() -> str:
     """The address Ray reports for this node (127.0.0.1 on the embedded default)."""
     ray = _import_ray(local=False)

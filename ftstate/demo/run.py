@@ -111,6 +111,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
     plan = fault_plan(opts.steps) if opts.faults else {}
     t_start = time.monotonic()
     started_ray = cluster.connect(None, log_to_driver=False)
+    cluster.mute_worker_death_notices()  # every death is in the audit trail and the view
     rt = Runtime(cfg, trainer=PolicyTrainer, rollout=PolicyRollout,
                  trainer_kwargs={"seed": opts.seed, "size": size, "lr": lr},
                  rollout_kwargs={"seed": opts.seed, "size": size})
