@@ -40,7 +40,7 @@ reuses the checksums it was verified against instead of hashing again.
 **Cost.** On the 2-core development machine a raw gloo broadcast is bound by CPU and
 memory bandwidth (the kernel copies every byte twice on loopback), so the one extra
 read of every byte per side that the checksums need is not free: see
-``benchmarks/transport.py`` for the measured ratio against a raw broadcast.
+``benchmarks/transfer.py`` for the measured ratio against a raw broadcast.
 
 **Atomic commit.** The receiver stages the whole state in a buffer that is never the
 one holding its committed weights, and replaces its :class:`CommittedWeights` (one

@@ -1,7 +1,7 @@
 """Weight-sync throughput: ftstate's bucketed, checksummed, atomically committed broadcast
 against a raw ``ProcessGroupGloo.broadcast`` of the same bytes between the same processes.
 
-    python benchmarks/transport.py [--sizes 64,256,1024] [--receivers 1,2] [--bucket-mb 256] [--reps 3]
+    python benchmarks/transfer.py [--sizes 64,256,1024] [--receivers 1,2] [--bucket-mb 256] [--reps 3]
 
 One run spawns 1 + max(receivers) processes once (a trainer and its rollouts), forms one
 gloo group version per receiver count and, for each size, alternates raw and ftstate
