@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ftstate.machine import StateMachine
     from ftstate.runtime import Runtime, _Member
 
+
 async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None:
     """Take a newcomer whose load of the current version was proven (checksums matched)
     to ``target`` (RESYNCED or READY) by the worker machine's own edges, from wherever it is.

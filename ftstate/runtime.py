@@ -699,9 +699,7 @@ class Runtime:
         if not targets:
             version = self._require_group().weights_version
             raise NoServingWorkers(f"no rollout serves the current weights version {version}: {self._states_text()}")
-        return list(await asyncio.gather(
-            *(self._calls.call(m, self._members[m].handle, "call", method, args, kwargs) for m in targets)
-        ))
+        return list(await asyncio.gather(*(self._user_call(self._members[m], method, args, kwargs) for m in targets)))
 
     async def _trainer_once(self, method: str, args: Any, kwargs: Any) -> Any:
         self._raise_if_failed()
@@ -709,9 +707,22 @@ class Runtime:
         if not m.machine.serving:
             # A replacement mid-failover has not got the weights yet: wait for the failover.
             raise MemberLost(m.name, f"not serving yet ({m.machine.state})", group_version=self.group_version)
-        result = await self._calls.call(m.name, m.handle, "call", method, args, kwargs)
+        result = await self._user_call(m, method, args, kwargs)
         self._trainer_calls.append((method, args, kwargs))
         return result
+
+    async def _user_call(self, m: _Member, method: str, args: Any, kwargs: Any) -> Any:
+        """One call of the user's code on a worker. A call that raises changes no state, but
+        the trail still says so (an ``error`` record on the worker's machine): a run that
+        ends on a user error is then explained by its trail alone. A death is the machine's
+        own transition (``died``), not recorded twice."""
+        try:
+            return await self._calls.call(m.name, m.handle, "call", method, args, kwargs)
+        except MemberLost:
+            raise
+        except Exception as exc:
+            m.machine.record_error(exc, call=method)
+            raise
 
     def serving_rollouts(self) -> list[str]:
         """Rollouts in a serving state holding the current weights version, in rank order."""

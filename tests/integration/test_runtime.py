@@ -304,3 +304,5 @@ class TestBadInput:
         async with runtime(config(tmp_path, rollout_workers=1)) as rt:
             with pytest.raises(ftstate.FTError, match="trainer-0: TinyTrainer has no public method 'fly'"):
                 await rt.trainer("fly")
+            [err] = [r for r in rt.audit.records if r["event"] == "error"]
+            assert (err["member"], err["call"], err["error"], err["state"]) == ("trainer-0", "fly", "FTError", "READY")
