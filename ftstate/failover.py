@@ -69,6 +69,11 @@ async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None
     raise MemberLost(machine.member, f"could not be admitted: still {machine.state}", group_version=machine.group_version)
 
 
+#: Spares of one role that may die in a row before ever getting warm, before the runtime
+#: stops starting new ones (a constructor that always fails must not churn actors forever).
+SPARE_START_ATTEMPTS = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class FailoverRecord:
     """One failover. lost / replacement: member names; reason: why it was lost;
@@ -97,6 +102,9 @@ class Failover:
         self._pending: list[tuple[_Member, float]] = []
         self._spare_seq = 0
         self._warming: set[asyncio.Task[Any]] = set()
+        # spares of each role that died before ever getting warm, in a row; and who got warm
+        self._cold_starts: dict[str, int] = {"trainer": 0, "rollout": 0}
+        self._warmed: set[str] = set()
 
     @property
     def ft(self) -> Any:
@@ -111,6 +119,21 @@ class Failover:
         for role in ("trainer", "rollout"):
             for _ in range(self.ft.standby_workers):
                 self.start_spare(role)
+
+    def spare_lost(self, m: _Member) -> None:
+        """A spare died: start another, unless the last :data:`SPARE_START_ATTEMPTS` spares
+        of its role all died before getting warm. Then its constructor (or its node) is
+        failing, and starting more would only churn actors forever: the role goes without
+        a spare (``spare_unavailable`` in the trail) and a later failover starts a fresh
+        actor, or shrinks the group, as with none left."""
+        role = m.role
+        if m.name not in self._warmed:
+            self._cold_starts[role] += 1
+            if self._cold_starts[role] >= SPARE_START_ATTEMPTS:
+                self.rt.audit.record("spare_unavailable", role=role, attempts=self._cold_starts[role],
+                                     reason=str(m.machine.error) if m.machine.error else "died while warming")
+                return
+        self.start_spare(role)
 
     def start_spare(self, role: str) -> None:
         name = f"spare-{role}-{self._spare_seq}"
@@ -132,6 +155,8 @@ class Failover:
         m.machine.bind(pid=m.pid, node=m.node)
         if m.machine.can("warm"):
             await m.machine.fire("warm")
+            self._warmed.add(m.name)
+            self._cold_starts[m.role] = 0
 
     def spare_for(self, role: str) -> _Member | None:
         spares = [m for m in self.rt._members.values() if m.role == role and m.machine.state == "STANDBY"]
@@ -241,8 +266,11 @@ class Failover:
                 warming = [m for m in rt._members.values()
                            if m.role == lost.role and m.rank < 0 and m.machine.state == "INIT"]
                 if warming:
-                    await warming[0].machine.wait_for("STANDBY")
-                    spare = warming[0]
+                    try:
+                        await warming[0].machine.wait_for("STANDBY")
+                        spare = warming[0]
+                    except FTError:
+                        pass  # it died warming up: start a fresh actor instead
             if spare is not None:
                 await spare.machine.fire("promote", reason=f"replaces {lost.name}")
                 await spare.machine.fire("join", reason=f"takes rank {lost.rank} of {lost.name}")

@@ -826,7 +826,7 @@ class Runtime:
                 await m.machine.fire("retire", reason="spare lost")
             self._pools[m.pool].give_back(m.slot)
             if not self._closed:
-                self._failover.start_spare(m.role)
+                self._failover.spare_lost(m)
             return
         await self._recover_in_background()
 

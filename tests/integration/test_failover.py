@@ -18,6 +18,7 @@ import pytest
 import ftstate
 from ftstate.audit_check import check_trail
 from ftstate.errors import FailoverBudgetExhausted, LossyRecoveryRefused, MemberLost
+from ftstate.failover import SPARE_START_ATTEMPTS
 from tests.integration.test_runtime import assert_gone, wait_until
 from tests.integration.workers import LossyTrainer, TinyRollout, TinyTrainer
 
@@ -209,6 +210,42 @@ class TestShrinking:
                 await rt.sync()
         finally:
             await rt.close()
+
+
+    async def test_spares_that_cannot_start_are_not_restarted_forever(self, ray_cluster, tmp_path):
+        """A spare's constructor that keeps failing (a bad node, a bug) must not churn actors
+        forever: after SPARE_START_ATTEMPTS spares died warming, the role goes without one
+        (recorded), and a later loss is handled as with no spare: here, by shrinking."""
+        marker = tmp_path / "no-more-rollouts"
+        rt = runtime(config(tmp_path, min_rollout_workers=1), rollout_kwargs={"fail_marker": str(marker)})
+        await rt.start()
+        try:
+            await spares_warm(rt, 2)
+            await rt.sync()
+            marker.touch()  # from now on a rollout's constructor raises
+
+            def rollout_spares() -> int:
+                return sum(1 for m in rt.members() if m.role == "rollout" and m.rank < 0)
+
+            spare = next(m.member for m in rt.members() if m.state == "STANDBY" and m.role == "rollout")
+            await rt.chaos.kill(spare)
+            await wait_until(lambda: any(r["event"] == "spare_unavailable" for r in rt.audit.records), 60,
+                             "the runtime to give up on rollout spares")
+            [gave_up] = [r for r in rt.audit.records if r["event"] == "spare_unavailable"]
+            assert (gave_up["role"], gave_up["attempts"]) == ("rollout", SPARE_START_ATTEMPTS)
+            started = rollout_spares()
+            assert started == 1 + SPARE_START_ATTEMPTS
+            await asyncio.sleep(2)
+            assert rollout_spares() == started, "no more spares after giving up"
+            # the run goes on: a rollout lost now has neither spare nor startable actor
+            await rt.chaos.kill("rollout", 1)
+            await wait_until(lambda: rt.state == "READY" and len(rt.serving_rollouts()) == 1, 30, "the group to shrink")
+            await rt.trainer("train_step")
+            await rt.sync()
+            await assert_consistent(rt)
+        finally:
+            marker.unlink(missing_ok=True)
+            await finish(rt, tmp_path)
 
 
 class TestBudgets:
