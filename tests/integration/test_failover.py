@@ -307,13 +307,13 @@ class TestTrainerFailover:
         finally:
             await finish(rt, tmp_path)
 
-    async def test_a_member_killed_before_the_first_group_forms_is_replaced(self, ray_cluster, tmp_path):
-        """Fault tolerance on: a rollout SIGKILLed while the initial rendezvous waits for it is
+    @pytest.mark.parametrize("role", ["rollout", "trainer"])
+    async def test_a_member_killed_before_the_first_group_forms_is_replaced(self, ray_cluster, tmp_path, role):
+        """Fault tolerance on: a member SIGKILLed while the initial rendezvous waits for it is
         replaced (cold mode: a fresh actor) and group version 2 forms with everyone; the
         survivors waiting in version 1 are released by the fence, not by init_timeout_s."""
         marker = tmp_path / "hang-once"
-        rt = runtime(config(tmp_path, mode="cold", max_failovers=1),
-                     rollout_kwargs={"hang_marker": str(marker)})
+        rt = runtime(config(tmp_path, mode="cold", max_failovers=1), **{f"{role}_kwargs": {"hang_marker": str(marker)}})
         starting = asyncio.ensure_future(rt.start())
         try:
             await wait_until(lambda: marker.exists() and marker.read_text().strip(), 60, "a rollout to hang in init")
@@ -323,13 +323,16 @@ class TestTrainerFailover:
             assert time.monotonic() - t_kill < 20  # well inside init_timeout_s
             assert rt.state == "READY" and rt.group_version == 2
             [f] = rt.failovers
-            assert f.role == "rollout" and f.replacement and f.group_version == 2
-            assert not f.resynced  # nothing to resync before the first sync
+            assert f.role == role and f.replacement and f.group_version == 2
             lost = next(r for r in rt.audit.records if r.get("member") == f.lost and r.get("to") == "LOST")
             assert lost["from"] == "RENDEZVOUS" and lost["trigger"] == "died"
             await rt.trainer("train_step")
             report = await rt.sync()
-            assert set(report.rollouts) == {"rollout-0", "rollout-1"} - {f.lost} | {f.replacement}
+            if role == "rollout":
+                assert not f.resynced  # nothing to resync before the first sync
+                assert set(report.rollouts) == {"rollout-0", "rollout-1"} - {f.lost} | {f.replacement}
+            else:  # a new trainer starts from its own construction, as the first one would have
+                assert f.lost == "trainer-0" and await rt.trainer("pid") != int(marker.read_text())
             await assert_consistent(rt)
         finally:
             if not starting.done():

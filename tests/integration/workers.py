@@ -24,10 +24,26 @@ def tiny_state(seed: int, big_floats: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-class TinyTrainer(TrainerWorker):
-    """Holds a few mixed-dtype tensors; ``train_step`` changes every one of them."""
+def hang_once(marker: str) -> None:
+    """The first process of the run to get here creates ``marker``, writes its pid into it
+    (so a test can SIGKILL it) and hangs forever; every later one goes on."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    while True:
+        time.sleep(3600)
 
-    def __init__(self, seed: int = 0, big_floats: int = 0) -> None:
+
+class TinyTrainer(TrainerWorker):
+    """Holds a few mixed-dtype tensors; ``train_step`` changes every one of them.
+    hang_marker: as for :class:`TinyRollout` (the first trainer constructed hangs)."""
+
+    def __init__(self, seed: int = 0, big_floats: int = 0, hang_marker: str | None = None) -> None:
+        if hang_marker is not None:
+            hang_once(hang_marker)
         self.state = tiny_state(seed, big_floats)
         self.steps = 0
         # optimizer state no rollout holds: a momentum buffer that every step changes
@@ -97,15 +113,7 @@ class TinyRollout(RolloutWorker):
         if fail_marker is not None and os.path.exists(fail_marker):
             raise RuntimeError(f"cannot start: {fail_marker} exists")
         if hang_marker is not None:
-            try:
-                fd = os.open(hang_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                pass
-            else:
-                os.write(fd, str(os.getpid()).encode())  # so a test can SIGKILL the hung one
-                os.close(fd)
-                while True:
-                    time.sleep(3600)
+            hang_once(hang_marker)
         self.state: dict[str, torch.Tensor] = {}
         self.version = 0
 
