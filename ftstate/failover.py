@@ -105,6 +105,9 @@ class Failover:
         # spares of each role that died before ever getting warm, in a row; and who got warm
         self._cold_starts: dict[str, int] = {"trainer": 0, "rollout": 0}
         self._warmed: set[str] = set()
+        # when each spare was started, and how long the ones that got warm took
+        self._started_at: dict[str, float] = {}
+        self._warm_seconds: list[float] = []
 
     @property
     def ft(self) -> Any:
@@ -117,8 +120,15 @@ class Failover:
         if not (self.ft.enable and self.ft.mode == "standby"):
             return
         for role in ("trainer", "rollout"):
-            for _ in range(self.ft.standby_workers):
-                self.start_spare(role)
+            self.replenish(role)
+
+    def replenish(self, role: str) -> None:
+        """Start spares of ``role`` until ``standby_workers`` are warm or warming (after one
+        was used or lost; never more, so the standby pool's slots suffice)."""
+        have = sum(1 for m in self.rt._members.values()
+                   if m.role == role and m.rank < 0 and m.machine.state in ("INIT", "STANDBY"))
+        for _ in range(self.ft.standby_workers - have):
+            self.start_spare(role)
 
     def spare_lost(self, m: _Member) -> None:
         """A spare died: start another, unless the last :data:`SPARE_START_ATTEMPTS` spares
@@ -133,7 +143,7 @@ class Failover:
                 self.rt.audit.record("spare_unavailable", role=role, attempts=self._cold_starts[role],
                                      reason=str(m.machine.error) if m.machine.error else "died while warming")
                 return
-        self.start_spare(role)
+        self.replenish(role)
 
     def start_spare(self, role: str) -> None:
         name = f"spare-{role}-{self._spare_seq}"
@@ -142,6 +152,7 @@ class Failover:
         if not self.rt._pools[pool].has_free_slot():
             pool = role
         m = self.rt._add_member(role, -1, name, pool=pool)
+        self._started_at[name] = asyncio.get_running_loop().time()
         task = asyncio.get_running_loop().create_task(self._warm(m))
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
@@ -157,6 +168,7 @@ class Failover:
             await m.machine.fire("warm")
             self._warmed.add(m.name)
             self._cold_starts[m.role] = 0
+            self._warm_seconds.append(asyncio.get_running_loop().time() - self._started_at[m.name])
 
     def spare_for(self, role: str) -> _Member | None:
         spares = [m for m in self.rt._members.values() if m.role == role and m.machine.state == "STANDBY"]
@@ -253,7 +265,7 @@ class Failover:
                         total_s=round(t_done - detected_at, 6), group_version=group.group_version,
                         weights_version=group.weights_version, resynced=resynced)
         if self.ft.mode == "standby":
-            self.start_spare(lost.role)
+            self.replenish(lost.role)
 
     async def _replacement(self, lost: _Member) -> _Member:
         """A warm spare of the lost member's role (standby mode; one still warming is waited
@@ -266,11 +278,7 @@ class Failover:
                 warming = [m for m in rt._members.values()
                            if m.role == lost.role and m.rank < 0 and m.machine.state == "INIT"]
                 if warming:
-                    try:
-                        await warming[0].machine.wait_for("STANDBY")
-                        spare = warming[0]
-                    except FTError:
-                        pass  # it died warming up: start a fresh actor instead
+                    spare = await self._await_warming(warming[0])
             if spare is not None:
                 await spare.machine.fire("promote", reason=f"replaces {lost.name}")
                 await spare.machine.fire("join", reason=f"takes rank {lost.rank} of {lost.name}")
@@ -291,6 +299,32 @@ class Failover:
         fresh.machine.bind(pid=fresh.pid, node=fresh.node)
         await fresh.machine.fire("join", reason=f"fresh replacement of {lost.name}")
         return fresh
+
+    async def _await_warming(self, spare: _Member) -> _Member | None:
+        """Wait for a spare still warming up; None when it will not do (then a fresh actor is
+        started). It died: None. It takes more than twice as long as the slowest spare that
+        got warm so far (at least ``heartbeat_timeout_s``): presumed hung in its constructor
+        (a bad node), killed and recorded (``spare_abandoned``), None; without that, a hung
+        spare would burn the whole ``failover_timeout_s`` and fail the run. With no spare
+        warm yet there is no measure of "too long": the failover's deadline bounds the wait."""
+        loop = asyncio.get_running_loop()
+        waited = spare.machine.wait_for("STANDBY")
+        try:
+            if not self._warm_seconds:
+                await waited
+                return spare
+            bound = max(self.rt.config.heartbeat_timeout_s, 2 * max(self._warm_seconds))
+            left = self._started_at.get(spare.name, loop.time()) + bound - loop.time()
+            await asyncio.wait_for(waited, max(left, 0.0))
+            return spare
+        except TimeoutError:
+            self.rt.audit.record("spare_abandoned", member=spare.name, role=spare.role, pid=spare.pid,
+                                 warming_s=round(loop.time() - self._started_at.get(spare.name, loop.time()), 3),
+                                 bound_s=round(bound, 3))
+            self.rt._kill(spare)  # its pending prewarm call then reports the death (LOST, retired)
+            return None
+        except FTError:
+            return None  # it died warming up
 
     async def _retire(self, lost: _Member) -> None:
         if lost.machine.can("retire"):

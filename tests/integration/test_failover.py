@@ -248,6 +248,40 @@ class TestShrinking:
             await finish(rt, tmp_path)
 
 
+    async def test_a_spare_hung_while_warming_is_abandoned_for_a_fresh_actor(self, ray_cluster, tmp_path):
+        """A spare that hangs in its constructor (a bad node) would make the next failover
+        wait out failover_timeout_s and fail the run. It is abandoned once it takes more than
+        twice as long as any spare that got warm, killed, and a fresh actor replaces the loss."""
+        hang = tmp_path / "hang-while"
+        rt = runtime(config(tmp_path), rollout_kwargs={"hang_while": str(hang)})
+        await rt.start()
+        try:
+            await spares_warm(rt, 2)
+            await rt.sync()
+            hang.touch()
+            spare = next(m.member for m in rt.members() if m.state == "STANDBY" and m.role == "rollout")
+            await rt.chaos.kill(spare)  # its successor starts, and hangs in its constructor
+            await wait_until(lambda: list(tmp_path.glob("hang-while.*.pid")), 60, "the next spare to hang")
+            [pidfile] = tmp_path.glob("hang-while.*.pid")
+            hung_pid = int(pidfile.read_text())
+            hang.unlink()  # a fresh actor started from now on constructs normally
+            t0 = time.monotonic()
+            await rt.chaos.kill("rollout", 1)
+            await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 60, "the failover")
+            assert time.monotonic() - t0 < 30  # the test config's failover_timeout_s
+            [f] = rt.failovers
+            assert not f.replacement.startswith("spare-"), f  # a fresh actor
+            [abandoned] = [r for r in rt.audit.records if r["event"] == "spare_abandoned"]
+            assert abandoned["warming_s"] >= abandoned["bound_s"] > 0
+            await wait_until(lambda: not os.path.exists(f"/proc/{hung_pid}"), 10, "the hung spare to be killed")
+            await rt.trainer("train_step")
+            await rt.sync()
+            await assert_consistent(rt)
+        finally:
+            hang.unlink(missing_ok=True)
+            await finish(rt, tmp_path)
+
+
 class TestBudgets:
     async def test_the_next_loss_after_the_budget_is_spent_fails_the_run_naming_the_spent_failures(
         self, ray_cluster, tmp_path

@@ -105,13 +105,22 @@ class TinyRollout(RolloutWorker):
     """Keeps the weights it was given; ``generate`` answers with the version it serves.
 
     hang_marker: the first rollout constructed in this run creates that file, writes its pid
-    into it and then hangs in its constructor forever (a group-init that never returns). fail_marker: while that
+    into it and then hangs in its constructor forever (a group-init that never returns).
+    hang_while: a rollout constructed while that file exists hangs in its constructor forever
+    (a spare on a bad node), leaving ``{hang_while}.{pid}.pid`` behind. fail_marker: while that
     file exists, constructing a rollout fails (a replacement that cannot start).
     """
 
-    def __init__(self, hang_marker: str | None = None, fail_marker: str | None = None) -> None:
+    def __init__(
+        self, hang_marker: str | None = None, fail_marker: str | None = None, hang_while: str | None = None
+    ) -> None:
         if fail_marker is not None and os.path.exists(fail_marker):
             raise RuntimeError(f"cannot start: {fail_marker} exists")
+        if hang_while is not None and os.path.exists(hang_while):
+            with open(f"{hang_while}.{os.getpid()}.pid", "w") as f:  # "I am hanging", for the test
+                f.write(str(os.getpid()))
+            while True:
+                time.sleep(3600)
         if hang_marker is not None:
             hang_once(hang_marker)
         self.state: dict[str, torch.Tensor] = {}
