@@ -127,6 +127,14 @@ class WorkerHost:
         self._tick()
         return {"group_version": version, "rank": rank}
 
+    async def abandon_transfer(self, reason: str) -> None:
+        """Give up the transfer in flight on this group version (the controller learned that
+        another participant failed): its waits end within ABANDON_POLL_S with
+        CommunicatorAborted, and the version is not used again (the controller forms the
+        next). Runs beside the transfer: the actor serves calls concurrently."""
+        if self._comm is not None:
+            self._comm.abandon(reason)
+
     def leave(self) -> None:
         if self._comm is not None:
             try:

@@ -46,6 +46,7 @@ from ftstate.config import RuntimeConfig
 from ftstate.errors import (
     ChecksumMismatch,
     FTError,
+    InvalidTransition,
     MemberLost,
     NoServingWorkers,
     SyncTimeout,
@@ -438,7 +439,7 @@ class Runtime:
                 # Fail the group now, with the error that ended the failover: waiting for
                 # PROMOTING's deadline would only hide the cause behind a FailoverTimeout.
                 group = self._require_group()
-                if not group.terminal:
+                with contextlib.suppress(InvalidTransition):  # failed meanwhile by its own path
                     await group.fire("fail", reason=f"failover failed: {exc}", error=exc)
                 raise
         self._raise_if_failed()
@@ -503,11 +504,11 @@ class Runtime:
         timeout = self.config.sync_timeout_s
         try:
             async with group.deadline_scope():
-                results = await asyncio.gather(
-                    self._calls.call(trainer.name, trainer.handle, "send_weights", target, timeout),
-                    *(self._calls.call(m.name, m.handle, "receive_weights", target, 0, timeout) for m in rollouts),
-                    return_exceptions=True,
-                )
+                results = await self._transfer([
+                    (trainer, self._calls.call(trainer.name, trainer.handle, "send_weights", target, timeout)),
+                    *((m, self._calls.call(m.name, m.handle, "receive_weights", target, 0, timeout))
+                      for m in rollouts),
+                ])
                 failures = self._failures([trainer, *rollouts], results)
                 if not failures:
                     sent = results[0]
@@ -543,6 +544,38 @@ class Runtime:
             group_version=group.group_version,
             rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
         )
+
+    async def _transfer(self, calls: Sequence[tuple[_Member, Any]]) -> list[Any]:
+        """Run the participants' calls of one transfer; results (or exceptions) in order.
+
+        As soon as one fails (other than by a checksum mismatch, which the protocol itself
+        reports after the vote), the others are told to abandon the transfer: a collective
+        whose member died or left does not reliably fail on the others, and each would
+        otherwise wait, busy and making no progress, until the watchdog took it for hung
+        and had it killed. The abandoned group version is replaced by the caller (failover
+        or :meth:`_abort_sync`)."""
+        tasks = [asyncio.ensure_future(call) for _, call in calls]
+        members = [m for m, _ in calls]
+        waiting = set(tasks)
+        abandoned = False
+        try:
+            while waiting:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                failed = [t for t in done if t.exception() is not None
+                          and not isinstance(t.exception(), ChecksumMismatch)]
+                if failed and waiting and not abandoned:
+                    abandoned = True
+                    culprit = members[tasks.index(failed[0])].name
+                    reason = f"{culprit} failed: {type(failed[0].exception()).__name__}"
+                    others = [m for m, t in zip(members, tasks, strict=True) if t in waiting]
+                    self.audit.record("transfer_abandoned", reason=reason, members=[m.name for m in others])
+                    await asyncio.gather(*(self._calls.call(m.name, m.handle, "abandon_transfer", reason)
+                                           for m in others), return_exceptions=True)
+        except asyncio.CancelledError:  # the state's deadline: the calls go with it
+            for t in tasks:
+                t.cancel()
+            raise
+        return [t.exception() or t.result() for t in tasks]
 
     def _failures(self, members: Sequence[_Member], results: Sequence[Any]) -> dict[str, BaseException]:
         out: dict[str, BaseException] = {}

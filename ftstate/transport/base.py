@@ -174,6 +174,21 @@ class Communicator(abc.ABC):
         except Exception:  # teardown of a broken backend must not mask the error being handled
             log.debug("backend teardown failed", exc_info=True)
 
+    def abandon(self, reason: str) -> None:
+        """Give up this version from another thread while a transfer may be blocked in it:
+        waits on collectives end within the backend's poll slice with CommunicatorAborted,
+        and nothing touches the backend. Unlike :meth:`abort`, no teardown: tearing a gloo
+        group down under an operation that will never complete blocks the caller (measured:
+        the actor's event loop stopped answering heartbeats). The operations left behind end
+        at their own timeouts; the version is never used again."""
+        if self._abort_reason is not None:
+            return
+        self._abort_reason = reason
+        log.info(
+            "communicator abandoned",
+            extra={"group": self.group, "group_version": self.version, "rank": self.rank, "reason": reason},
+        )
+
     def close(self) -> None:
         """Release the communicator after normal use (same teardown as :meth:`abort`)."""
         self.abort("closed")

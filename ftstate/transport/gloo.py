@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, BarrierOptions
 
-from ftstate.errors import PeerLost, RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.errors import CommunicatorAborted, PeerLost, RendezvousTimeout, StaleGroupVersion, TransportError
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.store import (
     StoreAddress,
@@ -44,6 +44,19 @@ log = logging.getLogger("ftstate.transport")
 
 def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+#: A thread waiting on a collective looks this often at whether the communicator was
+#: abandoned from another thread (:meth:`Communicator.abort`, e.g. the controller saying
+#: a peer died). A pending gloo operation cannot be cancelled, and a peer's death does not
+#: always reach it (measured: a broadcast root and a receiver left blocked after a third
+#: member was SIGKILLed); the thread waiting on it can stop waiting, and the abandoned
+#: version is never used again. Collectives only: a timed-out wait on a point-to-point
+#: operation makes gloo close the pair, so those keep one wait bounded by their deadline.
+ABANDON_POLL_S = 0.05
+
+#: What c10d says when a wait's own timeout (not the operation's) expires.
+_WAIT_EXPIRED = "Operation timed out!"
 
 
 class _GlooPending(Pending):
@@ -65,8 +78,17 @@ class _GlooPending(Pending):
         try:
             if self._wait_timeout:
                 work.wait(_delta(self._timeout_s))  # type: ignore[attr-defined]
-            else:
-                work.wait()  # type: ignore[attr-defined]
+                return
+            while True:  # the operation's own timeout bounds this loop
+                try:
+                    work.wait(_delta(ABANDON_POLL_S))  # type: ignore[attr-defined]
+                    return
+                except RuntimeError as exc:
+                    if _WAIT_EXPIRED not in str(exc):
+                        raise
+                comm = self._comm
+                if comm._abort_reason is not None:
+                    raise CommunicatorAborted(comm.group, comm.version, comm.rank, comm._abort_reason)
         except RuntimeError as exc:  # DistError and gloo's errors are RuntimeErrors
             del work
             raise self._comm._translate(exc, self._op, self._timeout_s) from exc

@@ -176,3 +176,23 @@ def test_arguments_are_checked_before_anything_moves(server):
         Sender(bucket_size=BUCKET).broadcast(comms[0], state(1), weights_version=1, timeout_s=1)
     assert isinstance(info.value, TransportError)
     assert (info.value.rank, info.value.reason) == (0, "closed")
+
+
+def test_abandoning_a_version_releases_a_member_blocked_in_it(server):
+    """The controller learned a participant failed, but the collective does not fail on the
+    others (a peer's death does not always reach a pending gloo operation): abandoning the
+    version from another thread ends the wait at once, without touching the backend."""
+    import time
+
+    comms = form(server, 2)
+    receiver = Receiver()
+    threading.Timer(0.3, comms[1].abandon, args=("rollout-0 failed: MemberLost",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(CommunicatorAborted) as info:
+        receiver.receive_broadcast(comms[1], timeout_s=20)  # rank 0 never sends
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert info.value.reason == "rollout-0 failed: MemberLost" and info.value.rank == 1
+    assert receiver.committed is None
+    with pytest.raises(CommunicatorAborted):  # the version is never used again
+        receiver.receive_broadcast(comms[1], timeout_s=1)
+    comms[0].close()
