@@ -58,6 +58,9 @@ ABANDON_POLL_S = 0.05
 #: What c10d says when a wait's own timeout (not the operation's) expires.
 _WAIT_EXPIRED = "Operation timed out!"
 
+#: Process groups of abandoned versions, kept from destruction (see GlooCommunicator.abandon).
+_ABANDONED_GROUPS: list[object] = []
+
 
 class _GlooPending(Pending):
     __slots__ = ("_comm", "_op", "_timeout_s", "_wait_timeout", "_work")
@@ -258,6 +261,15 @@ class GlooCommunicator(Communicator):
                 group=self.group, group_version=self.version, rank=self.rank, op="read the current version",
             ) from exc
         return self.version if current is None else current
+
+    def abandon(self, reason: str) -> None:
+        super().abandon(reason)
+        if self._pg is not None:
+            # Never let this group be destroyed: its destructor joins worker threads that
+            # sit in the stuck operation until its timeout (sync_timeout_s), and it would run
+            # in whatever thread drops the last reference (measured: a user call stalled
+            # 120 s). One small object per abandoned version, for the life of the process.
+            _ABANDONED_GROUPS.append(self._pg)
 
     def _abort_backend(self) -> None:
         pg, self._pg = self._pg, None
