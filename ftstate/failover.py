@@ -102,12 +102,11 @@ class Failover:
         self._pending: list[tuple[_Member, float]] = []
         self._spare_seq = 0
         self._warming: set[asyncio.Task[Any]] = set()
-        # spares of each role that died before ever getting warm, in a row; and who got warm
+        # spares of each role that died before ever getting warm, in a row
         self._cold_starts: dict[str, int] = {"trainer": 0, "rollout": 0}
-        self._warmed: set[str] = set()
-        # when each spare was started, and how long the ones that got warm took
+        # when each spare was started; how long each one that got warm took, by name
         self._started_at: dict[str, float] = {}
-        self._warm_seconds: list[float] = []
+        self._warm_seconds: dict[str, float] = {}
 
     @property
     def ft(self) -> Any:
@@ -137,7 +136,7 @@ class Failover:
         a spare (``spare_unavailable`` in the trail) and a later failover starts a fresh
         actor, or shrinks the group, as with none left."""
         role = m.role
-        if m.name not in self._warmed:
+        if m.name not in self._warm_seconds:
             self._cold_starts[role] += 1
             if self._cold_starts[role] >= SPARE_START_ATTEMPTS:
                 self.rt.audit.record("spare_unavailable", role=role, attempts=self._cold_starts[role],
@@ -166,9 +165,8 @@ class Failover:
         m.machine.bind(pid=m.pid, node=m.node)
         if m.machine.can("warm"):
             await m.machine.fire("warm")
-            self._warmed.add(m.name)
             self._cold_starts[m.role] = 0
-            self._warm_seconds.append(asyncio.get_running_loop().time() - self._started_at[m.name])
+            self._warm_seconds[m.name] = asyncio.get_running_loop().time() - self._started_at[m.name]
 
     def spare_for(self, role: str) -> _Member | None:
         spares = [m for m in self.rt._members.values() if m.role == role and m.machine.state == "STANDBY"]
@@ -313,7 +311,7 @@ class Failover:
             if not self._warm_seconds:
                 await waited
                 return spare
-            bound = max(self.rt.config.heartbeat_timeout_s, 2 * max(self._warm_seconds))
+            bound = max(self.rt.config.heartbeat_timeout_s, 2 * max(self._warm_seconds.values()))
             left = self._started_at.get(spare.name, loop.time()) + bound - loop.time()
             await asyncio.wait_for(waited, max(left, 0.0))
             return spare

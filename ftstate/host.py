@@ -153,14 +153,8 @@ class WorkerHost:
         if self._sender is None:
             self._sender = Sender(bucket_size=self.bucket_bytes)
         async with self._lock():
-            try:
-                state = await self._run(self.user.state_dict)
-            except BaseException:
-                # The rollouts already wait for this sync's manifest: abandon the group version
-                # so they are released now (PeerLost), not at sync_timeout_s, and not taken for
-                # stalled and declared lost by the watchdog meanwhile.
-                comm.abort("state_dict() failed")
-                raise
+            # If this raises, the controller has the waiting rollouts abandon the transfer.
+            state = await self._run(self.user.state_dict)
             self.busy = True
             try:
                 report = await asyncio.to_thread(

@@ -47,7 +47,7 @@ def _delta(seconds: float) -> datetime.timedelta:
 
 
 #: A thread waiting on a collective looks this often at whether the communicator was
-#: abandoned from another thread (:meth:`Communicator.abort`, e.g. the controller saying
+#: abandoned from another thread (:meth:`Communicator.abandon`, e.g. the controller saying
 #: a peer died). A pending gloo operation cannot be cancelled, and a peer's death does not
 #: always reach it (measured: a broadcast root and a receiver left blocked after a third
 #: member was SIGKILLed); the thread waiting on it can stop waiting, and the abandoned

@@ -25,8 +25,8 @@ version, the timeout, and reads from the store which ranks arrived and which did
 Raising ``current_version`` past N (the controller abandoning N because a member died
 before arriving) marks N's missing ranks FENCED, which ends its members' waits at once
 with StaleGroupVersion: no polling, and no one waiting out ``init_timeout_s`` in a version
-that cannot complete. Because every version has its own prefix, a failed version leaves nothing behind that
-could disturb version N+1.
+that cannot complete. Because every version has its own prefix, a failed version leaves
+nothing behind that could disturb version N+1.
 """
 
 from __future__ import annotations
