@@ -26,7 +26,7 @@ test: $(STAMP) lint
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q $(ARGS)
 
 docs: $(STAMP)
-	$(BIN)/python -m ftstate.docs
+	$(BIN)/python -m ftstate.cli.docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -22,11 +22,11 @@ import tracemalloc
 
 from transitions.extensions.asyncio import AsyncMachine
 
-from ftstate.audit import AuditTrail
-from ftstate.config import RuntimeConfig
-from ftstate.deadline import ManualClock
-from ftstate.machine import StateMachine
-from ftstate.spec import get_spec
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.deadline import ManualClock
+from ftstate.core.machine import StateMachine
+from ftstate.core.spec import get_spec
 
 TO_READY = ("join", "joined", "resync", "verified", "admit")
 

@@ -25,7 +25,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ftstate
-from ftstate import cluster
+from ftstate.controller import cluster
 from tests.integration.workers import TinyRollout, TinyTrainer
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftstate.audit import AuditTrail, read_trail
-from ftstate.budget import Budget
-from ftstate.config import FaultToleranceConfig, RuntimeConfig
-from ftstate.deadline import Deadline, LoopClock, ManualClock
-from ftstate.errors import (
+from ftstate.controller.runtime import MemberInfo, Runtime, SyncReport
+from ftstate.core.audit import AuditTrail, read_trail
+from ftstate.core.budget import Budget
+from ftstate.core.config import FaultToleranceConfig, RuntimeConfig
+from ftstate.core.deadline import Deadline, LoopClock, ManualClock
+from ftstate.core.errors import (
     AuditViolation,
     BackendUnavailable,
     ChecksumMismatch,
@@ -35,10 +36,9 @@ from ftstate.errors import (
     SyncTimeout,
     TransportError,
 )
-from ftstate.machine import StateMachine
-from ftstate.runtime import MemberInfo, Runtime, SyncReport
-from ftstate.spec import MachineSpec, get_spec, load_machines, load_spec
-from ftstate.worker import RolloutWorker, TrainerWorker
+from ftstate.core.machine import StateMachine
+from ftstate.core.spec import MachineSpec, get_spec, load_machines, load_spec
+from ftstate.core.worker import RolloutWorker, TrainerWorker
 
 __version__ = "0.1.0"
 

@@ -15,8 +15,8 @@ neither torch nor any backend; the first use of a name below does):
 * :func:`state_checksum` — the whole-state checksum (names, dtypes, shapes, bytes).
 * :func:`bucket_bytes` — the config's ``bucket_size_mb`` in bytes.
 
-Modules: ``store`` (store, versioned rendezvous, fencing), ``base`` (communicator
-interface and factory), ``gloo`` and ``nccl`` (backends), ``buckets`` (layout and bucket
+Modules: ``store`` (store, versioned rendezvous, fencing), ``base`` (the communicator
+interface), ``factory`` (a backend by name), ``gloo`` and ``nccl`` (backends), ``buckets`` (layout and bucket
 planning), ``manifest`` (wire messages), ``checksum`` (hashing), ``sync`` (the transfer
 protocol, broadcast and point-to-point). Nothing here imports Ray.
 """
@@ -30,7 +30,7 @@ _EXPORTS = {
     "StoreAddress": "ftstate.transport.store",
     "StoreServer": "ftstate.transport.store",
     "Communicator": "ftstate.transport.base",
-    "create_communicator": "ftstate.transport.base",
+    "create_communicator": "ftstate.transport.factory",
     "Sender": "ftstate.transport.sync",
     "Receiver": "ftstate.transport.sync",
     "CommittedWeights": "ftstate.transport.sync",
@@ -55,9 +55,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ftstate.transport.base import Communicator, create_communicator
+    from ftstate.transport.base import Communicator
     from ftstate.transport.buckets import bucket_bytes
     from ftstate.transport.checksum import state_checksum
+    from ftstate.transport.factory import create_communicator
     from ftstate.transport.store import StoreAddress, StoreServer
     from ftstate.transport.sync import DEFAULT_BUCKET_SIZE, CommittedWeights, Receiver, Sender, SyncReport
 

@@ -4,10 +4,10 @@ A :class:`Communicator` is one *version* of one named group: ``world_size`` memb
 rendezvoused through the controller's store under ``PrefixStore(f"{group}/v{version}")``.
 It is never repaired: when a member dies or the membership changes, the runtime abandons
 version N (:meth:`Communicator.abort`) and every member of the new membership forms
-version N+1 with :func:`create_communicator` (a replacement is simply a new process
+version N+1 with :func:`~ftstate.transport.factory.create_communicator` (a replacement is simply a new process
 taking the dead member's rank). Fencing makes the abandoned version harmless: forming
 N+1 publishes N+1 as the group's current version in the store, and a member that still
-holds version N gets :class:`~ftstate.errors.StaleGroupVersion` on its next transfer
+holds version N gets :class:`~ftstate.core.errors.StaleGroupVersion` on its next transfer
 instead of talking to anyone.
 
 Two backends implement the interface: ``gloo`` (:mod:`ftstate.transport.gloo`, CPU,
@@ -18,11 +18,11 @@ failed primitive leaves the communicator aborted, because a collective stream th
 failed half-way cannot be trusted to be aligned any more; its peers then fail at once
 instead of waiting for their timeouts.
 
-Errors: a peer that died → :class:`~ftstate.errors.PeerLost`; an operation that did not
-complete within its timeout → :class:`~ftstate.errors.SyncTimeout`; a member that never
-joined → :class:`~ftstate.errors.RendezvousTimeout`; a version the group has moved past
-→ :class:`~ftstate.errors.StaleGroupVersion`; a backend that cannot load →
-:class:`~ftstate.errors.BackendUnavailable`. Lower-layer exceptions stay attached as
+Errors: a peer that died → :class:`~ftstate.core.errors.PeerLost`; an operation that did not
+complete within its timeout → :class:`~ftstate.core.errors.SyncTimeout`; a member that never
+joined → :class:`~ftstate.core.errors.RendezvousTimeout`; a version the group has moved past
+→ :class:`~ftstate.core.errors.StaleGroupVersion`; a backend that cannot load →
+:class:`~ftstate.core.errors.BackendUnavailable`. Lower-layer exceptions stay attached as
 ``__cause__``.
 """
 
@@ -32,12 +32,11 @@ import abc
 import logging
 from typing import TYPE_CHECKING, Literal
 
-from ftstate.errors import BackendUnavailable, PeerLost, SyncTimeout, TransportError
+from ftstate.core.errors import PeerLost, SyncTimeout, TransportError
 
 if TYPE_CHECKING:
     import torch
 
-    from ftstate.transport.store import StoreAddress
 
 log = logging.getLogger("ftstate.transport")
 
@@ -151,7 +150,7 @@ class Communicator(abc.ABC):
         Raises :class:`StaleGroupVersion` when the group has moved to a newer version (the
         caller must form that version), :class:`CommunicatorAborted` when it was aborted.
         """
-        from ftstate.errors import CommunicatorAborted, StaleGroupVersion
+        from ftstate.core.errors import CommunicatorAborted, StaleGroupVersion
 
         if self._abort_reason is not None:
             raise CommunicatorAborted(self.group, self.version, self.rank, self._abort_reason)
@@ -227,55 +226,4 @@ class Communicator(abc.ABC):
         return err
 
 
-def create_communicator(
-    backend: Backend,
-    *,
-    store_addr: StoreAddress | str | tuple[str, int],
-    group: str,
-    version: int,
-    rank: int,
-    world_size: int,
-    timeout_s: float,
-    device_host: str = "127.0.0.1",
-) -> Communicator:
-    """Join version ``version`` of group ``group`` as ``rank`` of ``world_size`` and return its communicator.
-
-    ``store_addr``: the controller's :class:`~ftstate.transport.store.StoreServer`
-    (``StoreAddress``, ``"host:port"`` or ``(host, port)``).
-    ``timeout_s``: the group's ``init_timeout_s``: bounds the whole rendezvous (every
-    rank registered, the backend connected, the first barrier passed) and is the default
-    bound of each later primitive. A rank that does not arrive in time makes every
-    member that did raise :class:`~ftstate.errors.RendezvousTimeout` naming it.
-    ``device_host``: the address this member's gloo device binds and announces
-    (loopback here; the node's address on a real cluster). Unused by nccl.
-
-    Raises :class:`~ftstate.errors.BackendUnavailable` for an unknown backend or one that
-    cannot load here (nccl without cupy or without a GPU), never silently falling back.
-    """
-    if backend == "gloo":
-        from ftstate.transport.gloo import GlooCommunicator
-
-        return GlooCommunicator.join(
-            store_addr=store_addr,
-            group=group,
-            version=version,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=timeout_s,
-            device_host=device_host,
-        )
-    if backend == "nccl":
-        from ftstate.transport.nccl import NcclCommunicator
-
-        return NcclCommunicator.join(
-            store_addr=store_addr,
-            group=group,
-            version=version,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=timeout_s,
-        )
-    raise BackendUnavailable(f"unknown transport backend {backend!r}; expected 'gloo' or 'nccl'")
-
-
-__all__ = ["Backend", "Communicator", "Pending", "create_communicator"]
+__all__ = ["Backend", "Communicator", "Pending"]

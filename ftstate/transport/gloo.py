@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, BarrierOptions
 
-from ftstate.errors import CommunicatorAborted, PeerLost, RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.core.errors import (
+    CommunicatorAborted,
+    PeerLost,
+    RendezvousTimeout,
+    StaleGroupVersion,
+    TransportError,
+)
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.store import (
     StoreAddress,

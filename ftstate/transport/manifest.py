@@ -17,8 +17,8 @@ checked, so the receiver loses nothing by learning the checksums last.
 
 :func:`decode_manifest` and :func:`decode_seal` validate everything a receiver will
 rely on (types, ranges, overlaps, alignment, sizes) and raise
-:class:`~ftstate.errors.ManifestError` naming the offending field, or
-:class:`~ftstate.errors.StaleGroupVersion` for a message from an older group version.
+:class:`~ftstate.core.errors.ManifestError` naming the offending field, or
+:class:`~ftstate.core.errors.StaleGroupVersion` for a message from an older group version.
 This module is pure (msgpack only) and is unit-tested without processes.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import msgpack
 
-from ftstate.errors import ManifestError, StaleGroupVersion
+from ftstate.core.errors import ManifestError, StaleGroupVersion
 from ftstate.transport.buckets import DTYPE_ITEMSIZE, MIN_BUCKET_SIZE, TensorEntry, nbytes_of
 
 #: Version of the wire format; bumped on any incompatible change of either message.

@@ -3,12 +3,12 @@
 Optional: needs the ``ftstate[gpu]`` extra (``pip install 'ftstate[gpu]'``, which names
 ``cupy-cuda12x``; any CUDA build of cupy serves, because it is imported lazily as plain
 ``cupy``) and a visible GPU. Choosing ``nccl`` where either is missing raises
-:class:`~ftstate.errors.BackendUnavailable` saying what to install, with the import or
+:class:`~ftstate.core.errors.BackendUnavailable` saying what to install, with the import or
 CUDA error attached as ``__cause__``; there is no silent fallback to gloo.
 
 Rendezvous follows the gloo backend: members register under the version's prefix in the
 controller's store (so a rank that never arrives is named in the
-:class:`~ftstate.errors.RendezvousTimeout`), then rank 0 publishes an NCCL unique id at
+:class:`~ftstate.core.errors.RendezvousTimeout`), then rank 0 publishes an NCCL unique id at
 ``{group}/v{version}/nccl/unique_id`` and every member initialises its communicator
 with it. ``ncclCommInitRank`` blocks until every rank called it; it runs in a helper
 thread so that the caller is still bounded by ``timeout_s`` (a rank that registered and
@@ -16,7 +16,7 @@ then died leaves that thread behind until the process exits).
 
 Operations are enqueued on a dedicated CUDA stream and awaited by polling a CUDA event,
 ``check_async_error()`` and the deadline, so a dead peer or a hang surfaces as
-:class:`~ftstate.errors.PeerLost` / :class:`~ftstate.errors.SyncTimeout` instead of a
+:class:`~ftstate.core.errors.PeerLost` / :class:`~ftstate.core.errors.SyncTimeout` instead of a
 hang. When that happens the communicator is *aborted* (``ncclCommAbort``), never
 destroyed: destroying waits for outstanding work, which with a dead peer never ends.
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import torch
 
-from ftstate.errors import BackendUnavailable, RendezvousTimeout, TransportError
+from ftstate.core.errors import BackendUnavailable, RendezvousTimeout, TransportError
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.store import (
     StoreAddress,

@@ -18,9 +18,9 @@ Keys (every group's keys under its own prefix, every version under its own sub-p
     {group}/v{N}/nccl/unique_id          the NCCL unique id published by rank 0
 
 Rendezvous of version N (:func:`join_version`): raise ``current_version`` to N (or fail
-with :class:`~ftstate.errors.StaleGroupVersion` if the group already moved past N),
+with :class:`~ftstate.core.errors.StaleGroupVersion` if the group already moved past N),
 register, then wait for every rank's ``joined`` key. When the wait times out the error,
-a :class:`~ftstate.errors.RendezvousTimeout` (``init_timeout_s``), names the group, the
+a :class:`~ftstate.core.errors.RendezvousTimeout` (``init_timeout_s``), names the group, the
 version, the timeout, and reads from the store which ranks arrived and which did not.
 Raising ``current_version`` past N (the controller abandoning N because a member died
 before arriving) marks N's missing ranks FENCED, which ends its members' waits at once
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from ftstate.errors import RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.core.errors import RendezvousTimeout, StaleGroupVersion, TransportError
 
 if TYPE_CHECKING:
     from torch.distributed import Store

@@ -22,7 +22,7 @@ buckets by construction, belong to exactly the members of the group version (a s
 channel would need its own membership, fencing and failure detection, and could
 disagree with the collective about who is alive), and are bounded by the same per-operation
 timeouts. Every header carries the group version and a receiver rejects an older one
-with :class:`~ftstate.errors.StaleGroupVersion` before reading anything else.
+with :class:`~ftstate.core.errors.StaleGroupVersion` before reading anything else.
 
 **Pipelining.** Buckets are gloo (or NCCL) asynchronous operations executed by the
 backend's own threads, which do not hold the GIL, with up to :data:`WINDOW` on the wire
@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ftstate.errors import (
+from ftstate.core.errors import (
     ChecksumMismatch,
     CommunicatorAborted,
     DeadlineExceeded,

@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from ftstate.calls import ActorCalls
-from ftstate.errors import CommunicatorAborted, MemberLost, PeerLost, StaleGroupVersion, SyncTimeout
+from ftstate.controller.calls import ActorCalls
+from ftstate.core.errors import CommunicatorAborted, MemberLost, PeerLost, StaleGroupVersion, SyncTimeout
 
 pytestmark = pytest.mark.ray
 

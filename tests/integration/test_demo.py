@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from ftstate.audit_check import check_trail
-from ftstate.demo import run_demo
+from ftstate.cli.demo import run_demo
+from ftstate.core.audit_check import check_trail
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -16,9 +16,9 @@ import time
 import pytest
 
 import ftstate
-from ftstate.audit_check import check_trail
-from ftstate.errors import FailoverBudgetExhausted, LossyRecoveryRefused, MemberLost
-from ftstate.failover import SPARE_START_ATTEMPTS
+from ftstate.controller.failover import SPARE_START_ATTEMPTS
+from ftstate.core.audit_check import check_trail
+from ftstate.core.errors import FailoverBudgetExhausted, LossyRecoveryRefused, MemberLost
 from tests.integration.test_runtime import assert_gone, wait_until
 from tests.integration.workers import LossyTrainer, TinyRollout, TinyTrainer
 

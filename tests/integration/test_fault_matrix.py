@@ -25,7 +25,7 @@ import asyncio
 import pytest
 
 import ftstate
-from ftstate.audit_check import check_trail
+from ftstate.core.audit_check import check_trail
 from tests.integration.test_runtime import assert_gone, wait_until
 from tests.integration.workers import TinyRollout, TinyTrainer
 

@@ -16,8 +16,8 @@ import time
 import pytest
 
 import ftstate
-from ftstate.audit_check import check_trail
-from ftstate.errors import ChecksumMismatch, ConfigError, MemberLost, NoServingWorkers, RendezvousTimeout
+from ftstate.core.audit_check import check_trail
+from ftstate.core.errors import ChecksumMismatch, ConfigError, MemberLost, NoServingWorkers, RendezvousTimeout
 from tests.integration.workers import TinyRollout, TinyTrainer
 
 pytestmark = pytest.mark.ray

@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from ftstate.errors import BackendUnavailable, TransportError
+from ftstate.core.errors import BackendUnavailable, TransportError
 from ftstate.transport import create_communicator
 
 ARGS = {"store_addr": "127.0.0.1:1", "group": "weights", "version": 1, "rank": 0, "world_size": 2, "timeout_s": 1.0}

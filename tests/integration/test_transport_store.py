@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ftstate.errors import RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.core.errors import RendezvousTimeout, StaleGroupVersion, TransportError
 from ftstate.transport import StoreAddress, StoreServer
 from ftstate.transport.store import connect_store, join_version
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from ftstate.errors import ChecksumMismatch, CommunicatorAborted, TransportError
+from ftstate.core.errors import ChecksumMismatch, CommunicatorAborted, TransportError
 from ftstate.transport import Receiver, Sender, StoreServer, create_communicator, state_checksum
 
 BUCKET = 64 * 1024

@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from ftstate.audit import AuditTrail
-from ftstate.audit_check import Violation, assert_trail_valid, check, check_trail
-from ftstate.errors import AuditViolation
+from ftstate.core.audit import AuditTrail
+from ftstate.core.audit_check import Violation, assert_trail_valid, check, check_trail
+from ftstate.core.errors import AuditViolation
 
 Record = dict[str, Any]
 
 
 def tr(member: str, src: str, trigger: str, dst: str, *, wv: int = 0, gv: int = 1, **extra: Any) -> Record:
-    """One transition record laid out as ftstate.machine writes it."""
+    """One transition record laid out as ftstate.core.machine writes it."""
     machine = "group" if member == "group" else "worker"
     rec: Record = {"event": "transition", "machine": machine, "member": member}
     if member != "group":
@@ -296,7 +296,7 @@ class TestViews:
     """The timeline and the summary the `ftstate audit` command prints."""
 
     def test_the_summary_adds_up_each_members_story(self) -> None:
-        from ftstate.audit_view import summarize
+        from ftstate.cli.audit_view import summarize
 
         s = summarize(good_run())
         assert list(s) == ["group", "trainer-0", "rollout-1", "rollout-2", "spare-3"]
@@ -310,7 +310,7 @@ class TestViews:
     def test_the_timeline_has_a_row_per_record_and_highlights_faults(self) -> None:
         from rich.console import Console
 
-        from ftstate.audit_view import render_summary, render_timeline
+        from ftstate.cli.audit_view import render_summary, render_timeline
 
         recs = good_run()
         recs.insert(

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ftstate.audit import AuditTrail
-from ftstate.cli import app
-from ftstate.config import RuntimeConfig
-from ftstate.errors import ConfigError
+from ftstate.cli.main import app
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.errors import ConfigError
 
 runner = CliRunner()
 COMMANDS = ["diagram", "audit", "config", "demo"]
@@ -200,7 +200,7 @@ class TestDemo:
             calls.append(kwargs)
             return 3
 
-        monkeypatch.setitem(sys.modules, "ftstate.demo", types.SimpleNamespace(run_demo=run_demo))
+        monkeypatch.setitem(sys.modules, "ftstate.cli.demo", types.SimpleNamespace(run_demo=run_demo))
         result = invoke("demo", "--out", "somewhere", "--steps", "4", "--no-faults")
         assert result.exit_code == 3, result.output
         assert calls == [{"out": "somewhere", "steps": 4, "faults": False, "seed": 1, "batch_size": 64,
@@ -209,7 +209,7 @@ class TestDemo:
     def test_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
         monkeypatch.setitem(
-            sys.modules, "ftstate.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 0)
+            sys.modules, "ftstate.cli.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 0)
         )
         assert invoke("demo").exit_code == 0
         assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": True, "seed": 1, "batch_size": 64,
@@ -218,7 +218,7 @@ class TestDemo:
     def test_max_failovers_zero_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
         monkeypatch.setitem(
-            sys.modules, "ftstate.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 2)
+            sys.modules, "ftstate.cli.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 2)
         )
         assert invoke("demo", "--max-failovers", "0").exit_code == 2
         assert calls[0]["max_failovers"] == 0

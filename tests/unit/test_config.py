@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ftstate.config import RuntimeConfig, describe
-from ftstate.errors import ConfigError
+from ftstate.core.config import RuntimeConfig, describe
+from ftstate.core.errors import ConfigError
 
 
 def build(data=None, env=None) -> RuntimeConfig:

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from ftstate.demo import task
-from ftstate.demo.policy import build_policy, logprobs, sample
-from ftstate.demo.reinforce import reinforce_step, train_local
+from ftstate.cli.demo import task
+from ftstate.cli.demo.policy import build_policy, logprobs, sample
+from ftstate.cli.demo.reinforce import reinforce_step, train_local
 
 SEED = 7
 
@@ -178,8 +178,8 @@ class TestSamplingIsSeededPerStepAndPrompt:
         code = (
             "import json, sys, torch\n"
             "torch.manual_seed(12345)\n"
-            "from ftstate.demo import task\n"
-            "from ftstate.demo.policy import build_policy, sample\n"
+            "from ftstate.cli.demo import task\n"
+            "from ftstate.cli.demo.policy import build_policy, sample\n"
             f"batch = task.make_prompts(3, 16, {SEED})[1::2]\n"
             f"m = build_policy({SEED})\n"
             f"c = sample(m, [t for _, t in batch], 3, [p for p, _ in batch], task.N_DIGITS, 1.0, seed={SEED})\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftstate.diagram import FORMATS, edges, render, wildcards
-from ftstate.spec import MachineSpec, load_machines
+from ftstate.core.diagram import FORMATS, edges, render, wildcards
+from ftstate.core.spec import MachineSpec, load_machines
 
 SPECS = load_machines()
 CASES = [(name, fmt) for name in SPECS for fmt in FORMATS]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from ftstate.config import RuntimeConfig, describe
-from ftstate.docs import (
+from ftstate.cli.docs import (
     CONFIGURATION_MD,
     STATE_MACHINES_MD,
     docs_dir,
@@ -14,7 +13,8 @@ from ftstate.docs import (
     render_default_config_yaml,
     render_state_machines_md,
 )
-from ftstate.spec import load_machines
+from ftstate.core.config import RuntimeConfig, describe
+from ftstate.core.spec import load_machines
 
 
 @pytest.mark.parametrize(

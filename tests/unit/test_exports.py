@@ -14,7 +14,7 @@ def test_all_names_resolve():
 
 
 def test_every_error_derives_from_fterror():
-    from ftstate import errors
+    from ftstate.core import errors
 
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), ftstate.FTError), name
@@ -22,7 +22,7 @@ def test_every_error_derives_from_fterror():
 
 def test_importing_the_core_loads_neither_ray_nor_torch():
     code = (
-        "import sys, ftstate, ftstate.spec, ftstate.machine, ftstate.audit, ftstate.config, ftstate.deadline;"
+        "import sys, ftstate, ftstate.core.spec, ftstate.core.machine, ftstate.core.audit, ftstate.core.config, ftstate.core.deadline;"
         "bad = [m for m in ('ray', 'torch') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -34,7 +34,7 @@ def test_every_error_crosses_a_process_boundary_with_its_fields():
     and attributes back (default exception pickling would call __init__ with the message only)."""
     import pickle
 
-    from ftstate import errors
+    from ftstate.core import errors
 
     samples = [
         errors.StaleGroupVersion("weights", got=3, current=4, peer="rank 1"),

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from ftstate.audit import AuditTrail
-from ftstate.config import RuntimeConfig
-from ftstate.deadline import ManualClock
-from ftstate.errors import MemberLost
-from ftstate.failover import walk_proven
-from ftstate.machine import StateMachine
-from ftstate.spec import get_spec
+from ftstate.controller.failover import walk_proven
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.deadline import ManualClock
+from ftstate.core.errors import MemberLost
+from ftstate.core.machine import StateMachine
+from ftstate.core.spec import get_spec
 
 
 async def newcomer(*triggers: str) -> tuple[StateMachine, AuditTrail]:

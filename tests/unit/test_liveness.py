@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftstate.liveness import Heartbeat, Liveness
+from ftstate.core.liveness import Heartbeat, Liveness
 
 
 def hb(progress=0, busy=False, version=3, checksum="abc") -> Heartbeat:

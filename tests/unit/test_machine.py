@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from ftstate.audit import AuditTrail
-from ftstate.budget import Budget
-from ftstate.config import RuntimeConfig
-from ftstate.deadline import ManualClock
-from ftstate.errors import (
+from ftstate.core.audit import AuditTrail
+from ftstate.core.budget import Budget
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.deadline import ManualClock
+from ftstate.core.errors import (
     FailoverBudgetExhausted,
     FailoverTimeout,
     HeartbeatTimeout,
@@ -20,8 +20,8 @@ from ftstate.errors import (
     RendezvousTimeout,
     SyncTimeout,
 )
-from ftstate.machine import StateMachine, compile_spec
-from ftstate.spec import get_spec
+from ftstate.core.machine import StateMachine, compile_spec
+from ftstate.core.spec import get_spec
 
 
 @pytest.fixture
@@ -305,7 +305,7 @@ class TestAudit:
         assert rec["seconds_in_state"] == pytest.approx(1.5)
 
     async def test_records_reach_the_file_as_json_lines(self, clock, tmp_path):
-        from ftstate.audit import read_trail
+        from ftstate.core.audit import read_trail
 
         path = tmp_path / "trail.jsonl"
         with AuditTrail(path) as trail:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from ftstate.errors import ManifestError, StaleGroupVersion, TransportError
+from ftstate.core.errors import ManifestError, StaleGroupVersion, TransportError
 from ftstate.transport.buckets import plan_layout
 from ftstate.transport.manifest import (
     WIRE_FORMAT,

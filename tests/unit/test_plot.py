@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from ftstate.audit import AuditTrail, read_trail
-from ftstate.plot import _failovers, _lanes, figure_size, plot_timeline
+from ftstate.cli.plot import _failovers, _lanes, figure_size, plot_timeline
+from ftstate.core.audit import AuditTrail, read_trail
 
 ROLES = {
     "trainer-0": ("trainer", 0),
@@ -174,7 +174,7 @@ class TestPicture:
         assert as_pairs.read_bytes() == as_dicts.read_bytes()
 
     def test_importing_the_module_does_not_import_matplotlib(self):
-        code = "import sys, ftstate.plot; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
+        code = "import sys, ftstate.cli.plot; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -222,7 +222,7 @@ class TestNothingToDraw:
             plot_timeline([], tmp_path / "t.png")
 
     def test_a_trail_line_that_is_not_json_is_reported_with_its_line(self, trail_file: Path, tmp_path: Path):
-        from ftstate.errors import AuditViolation
+        from ftstate.core.errors import AuditViolation
 
         bad = tmp_path / "bad.jsonl"
         bad.write_text(trail_file.read_text() + "{not json\n")

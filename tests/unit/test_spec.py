@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ftstate.errors import SpecError
-from ftstate.spec import RESYNCED, MachineSpec, load_machines, load_spec, machines_dir
+from ftstate.core.errors import SpecError
+from ftstate.core.spec import RESYNCED, MachineSpec, load_machines, load_spec, machines_dir
 
 CARD_STATES = {"INIT", "RENDEZVOUS", "READY", "DEGRADED", "PROMOTING", "RESYNCED", "FAILED", "STOPPED"}
 

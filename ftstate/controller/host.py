@@ -1,9 +1,9 @@
 """WorkerHost: the Ray actor that hosts one user worker and its end of the weight transport.
 
-The controller (:class:`ftstate.runtime.Runtime`) never talks to user code directly; it
+The controller (:class:`ftstate.controller.runtime.Runtime`) never talks to user code directly; it
 calls a host, which
 
-- constructs the user's :class:`~ftstate.worker.TrainerWorker` / ``RolloutWorker``;
+- constructs the user's :class:`~ftstate.core.worker.TrainerWorker` / ``RolloutWorker``;
 - joins weight-sync group versions and sends, stages, commits or discards weights;
 - runs user methods one at a time, plain ones in a thread so the actor's event loop keeps
   answering heartbeats (a blocking call in an async actor would freeze it, DESIGN.md);
@@ -29,7 +29,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from ftstate.errors import FTError
+from ftstate.core.errors import FTError
 
 
 class WorkerHost:
@@ -173,7 +173,7 @@ class WorkerHost:
     async def receive_weights(self, weights_version: int, src: int, timeout_s: float) -> dict[str, Any]:
         """Rollout: receive and verify the broadcast of ``weights_version`` from rank ``src``.
         It is staged: the user's ``load_weights`` is not called until :meth:`commit_weights`."""
-        from ftstate.errors import ManifestError
+        from ftstate.core.errors import ManifestError
 
         self._staged = None
         staged = await self._receive("receive_broadcast", root=src, timeout_s=timeout_s)
@@ -230,7 +230,7 @@ class WorkerHost:
         finally:
             self.busy = False
         if not report.ok:
-            from ftstate.errors import ChecksumMismatch
+            from ftstate.core.errors import ChecksumMismatch
 
             raise ChecksumMismatch(f"{self.member}: rank {peer} rejected weights version "
                                    f"{self._loaded.weights_version}: {dict(report.rejected)}")
@@ -243,7 +243,7 @@ class WorkerHost:
         """Point to point: receive the current version from ``src``, prove it is that version
         (``checksum``), and adopt it: a rollout through ``load_weights``, a trainer through
         ``load_state_dict``."""
-        from ftstate.errors import ChecksumMismatch
+        from ftstate.core.errors import ChecksumMismatch
 
         staged = await self._receive("receive_from", src, timeout_s=timeout_s)
         if staged.weights_version != weights_version or staged.state_checksum != checksum:

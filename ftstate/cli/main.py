@@ -5,7 +5,7 @@
     ftstate config [FILE]
     ftstate demo [--out PATH] [--steps N] [--faults/--no-faults]
 
-Errors ftstate knows about (any :class:`~ftstate.errors.FTError`, a missing or unreadable
+Errors ftstate knows about (any :class:`~ftstate.core.errors.FTError`, a missing or unreadable
 file) end the command with one line ``error: ...`` on stderr and exit status 2; ``--debug``
 (before the command) shows the full traceback instead. ``audit --check`` exits 1 when the
 trail breaks an invariant. Heavy modules (the runtime, Ray) are imported only by the command
@@ -26,7 +26,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from ftstate.errors import FTError
+from ftstate.core.errors import FTError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -113,8 +113,8 @@ def diagram(
     States carry their deadline (a config key) and budget; serving states are styled; the
     fail/stop transitions that lead from every non-terminal state are collapsed into one note.
     """
-    from ftstate.diagram import render
-    from ftstate.spec import get_spec, load_machines
+    from ftstate.core.diagram import render
+    from ftstate.core.spec import get_spec, load_machines
 
     specs = [get_spec(machine)] if machine else list(load_machines().values())
     typer.echo("\n".join(render(spec, fmt.value) for spec in specs), nl=False)
@@ -151,9 +151,9 @@ def audit(
     """
     from rich.console import Console
 
-    from ftstate.audit_check import check as run_check
-    from ftstate.audit_check import load_records
-    from ftstate.audit_view import render_summary, render_timeline
+    from ftstate.cli.audit_view import render_summary, render_timeline
+    from ftstate.core.audit_check import check as run_check
+    from ftstate.core.audit_check import load_records
 
     records, bad = load_records(file)
     if not check:
@@ -167,7 +167,7 @@ def audit(
     if summary:
         console.print(render_summary(records))
     if plot is not None:
-        from ftstate.plot import plot_timeline
+        from ftstate.cli.plot import plot_timeline
 
         try:
             written = plot_timeline(records, plot, title=str(file))
@@ -210,11 +210,11 @@ def config(
     (FTSTATE_INIT_TIMEOUT_S) apply, as they would at run time.
     """
     if file is None:
-        from ftstate.docs import render_default_config_yaml
+        from ftstate.cli.docs import render_default_config_yaml
 
         typer.echo(render_default_config_yaml(), nl=False)
         return
-    from ftstate.config import RuntimeConfig
+    from ftstate.core.config import RuntimeConfig
 
     RuntimeConfig.from_yaml(file)
     typer.echo(f"{file}: valid")
@@ -255,7 +255,7 @@ def demo(
     the same seeds run without faults; exits 1 if they differ, 2 if the run failed. Writes the
     audit trail, the state diagrams, a timeline picture and report.json under --out.
     """
-    from ftstate.demo import run_demo  # lazy: Ray and torch load only here
+    from ftstate.cli.demo import run_demo  # lazy: Ray and torch load only here
 
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
                               pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live))

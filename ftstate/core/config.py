@@ -5,7 +5,7 @@ field's metadata; validation, ``ftstate config`` (the commented default) and
 docs/configuration.md are all generated from these declarations, so they cannot drift.
 
 ``RuntimeConfig.from_dict`` / ``from_yaml`` reject unknown keys, wrong types, out-of-range
-values and impossible combinations with a :class:`~ftstate.errors.ConfigError` whose
+values and impossible combinations with a :class:`~ftstate.core.errors.ConfigError` whose
 message starts with the field's dotted path, e.g.
 ``fault_tolerance.max_failovers: must be >= 0, got -1``.
 
@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from ftstate.errors import ConfigError
+from ftstate.core.errors import ConfigError
 
 
 def _field(default: Any, doc: str, **rules: Any) -> Any:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ftstate.demo.task import VOCAB_SIZE, derive_seed
+from ftstate.cli.demo.task import VOCAB_SIZE, derive_seed
 
 
 class Block(nn.Module):

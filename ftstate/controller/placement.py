@@ -39,7 +39,7 @@ class ResourcePool:
     def take(self) -> int:
         """Reserve a free slot; returns its bundle index."""
         if not self._free:
-            from ftstate.errors import FTError
+            from ftstate.core.errors import FTError
 
             raise FTError(f"resource pool {self.name!r} has no free slot (all {self.slots} in use)")
         return self._free.pop(0)

@@ -2,14 +2,14 @@
 
 One trainer, two rollouts and one prewarmed spare per role, on the embedded default (a
 local Ray cluster on the CPU). Each step the rollouts sample completions of the toy task
-(:mod:`ftstate.demo.task`: sort three digits) for a batch of prompts, seeded per
+(:mod:`ftstate.cli.demo.task`: sort three digits) for a batch of prompts, seeded per
 (seed, step, prompt) and never per worker; the trainer takes a REINFORCE step; ``rt.sync()``
 pushes the weights. With faults on, the demo SIGKILLs a rollout while it generates, a
 rollout in the middle of a sync, and the trainer in the middle of a train step, and ftstate
 recovers from each.
 
 **Proof that nothing was lost.** The same seeds are also run without faults and without
-Ray (:func:`~ftstate.demo.reinforce.train_local`, the same sampling and step code). A
+Ray (:func:`~ftstate.cli.demo.reinforce.train_local`, the same sampling and step code). A
 failover that lost or repeated a step, or served stale weights, would change the samples
 and so the weights: the demo compares the final weights' checksum and the reward curve of
 both runs and exits non-zero if they differ.
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftstate.config import RuntimeConfig
-from ftstate.errors import FTError
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.errors import FTError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +96,11 @@ def demo_config(opts: DemoOptions, folder: Path) -> RuntimeConfig:
 
 
 async def _main(opts: DemoOptions, console: Any) -> int:
-    from ftstate import cluster
-    from ftstate.demo import task
-    from ftstate.demo.live import LiveView
-    from ftstate.demo.workers import PolicyRollout, PolicyTrainer
-    from ftstate.runtime import Runtime
+    from ftstate.cli.demo import task
+    from ftstate.cli.demo.live import LiveView
+    from ftstate.cli.demo.workers import PolicyRollout, PolicyTrainer
+    from ftstate.controller import cluster
+    from ftstate.controller.runtime import Runtime
 
     folder = Path(opts.out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -160,7 +160,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
 
     reference = None
     if error is None:
-        from ftstate.demo.reinforce import train_local
+        from ftstate.cli.demo.reinforce import train_local
         from ftstate.transport import state_checksum
 
         ref = train_local(opts.seed, opts.steps, batch_size=opts.batch_size, lr=lr, shards=opts.rollouts, **size)
@@ -178,10 +178,10 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
             error: FTError | None, seconds: float, cfg: RuntimeConfig) -> int:
     from rich.table import Table
 
-    from ftstate.audit_check import check_trail
-    from ftstate.diagram import render
-    from ftstate.plot import plot_timeline
-    from ftstate.spec import load_machines
+    from ftstate.cli.plot import plot_timeline
+    from ftstate.core.audit_check import check_trail
+    from ftstate.core.diagram import render
+    from ftstate.core.spec import load_machines
 
     for name, spec in load_machines().items():
         (folder / f"{name}.mmd").write_text(render(spec, "mermaid"))

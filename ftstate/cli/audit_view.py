@@ -1,7 +1,7 @@
 """Human views of an audit trail: a timeline of every record and a summary per member.
 
-Both take the records as :func:`ftstate.audit.read_trail` or
-:func:`ftstate.audit_check.load_records` give them (``(line, record)`` pairs) or as plain
+Both take the records as :func:`ftstate.core.audit.read_trail` or
+:func:`ftstate.core.audit_check.load_records` give them (``(line, record)`` pairs) or as plain
 dicts (``AuditTrail.records``), and return a ``rich`` renderable; printing is the caller's
 business (``ftstate audit``). Deadline expiries, errors and budget events are highlighted,
 so the record that explains a failed run stands out among the transitions.
@@ -17,7 +17,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from ftstate.audit import BUDGET_EXHAUSTED, BUDGET_SPENT, DEADLINE_EXPIRED, ERROR, TRANSITION, as_records
+from ftstate.core.audit import BUDGET_EXHAUSTED, BUDGET_SPENT, DEADLINE_EXPIRED, ERROR, TRANSITION, as_records
 
 #: Row style per event; transitions into a terminal failure are styled like errors.
 EVENT_STYLES = {

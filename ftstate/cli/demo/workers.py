@@ -1,6 +1,6 @@
 """The demo's workers: a REINFORCE trainer and rollouts that sample the toy task.
 
-Both hold the same :class:`~ftstate.demo.policy.Policy`; the trainer's ``state_dict`` is
+Both hold the same :class:`~ftstate.cli.demo.policy.Policy`; the trainer's ``state_dict`` is
 what every sync moves. ``generate`` samples one shard of a step's prompts, seeded per
 (run seed, step, prompt id) and scored by the task; ``train`` takes the whole step's batch
 (in prompt-id order, whatever order the shards came back in). Both are deterministic given
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from ftstate.demo import task
-from ftstate.demo.policy import build_policy, sample
-from ftstate.demo.reinforce import reinforce_step
+from ftstate.cli.demo import task
+from ftstate.cli.demo.policy import build_policy, sample
+from ftstate.cli.demo.reinforce import reinforce_step
+from ftstate.core.worker import RolloutWorker, TrainerWorker
 from ftstate.transport import state_checksum
-from ftstate.worker import RolloutWorker, TrainerWorker
 
 
 class PolicyTrainer(TrainerWorker):

@@ -17,7 +17,7 @@ Two rules, both stateless:
   the head. Measured over seeds 0-3, batch 128: lr 0.5 → 0.22 at step 30, lr 2 → 0.22,
   lr 4 diverges; signSGD at 0.005 → 0.33-0.51.
 
-The step is deterministic: it runs on one thread (see :mod:`ftstate.demo.policy`) and
+The step is deterministic: it runs on one thread (see :mod:`ftstate.cli.demo.policy`) and
 processes the batch in prompt-id order whatever order it arrived in, so the rollouts may
 return their shards in any order.
 
@@ -34,8 +34,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ftstate.demo import task
-from ftstate.demo.policy import build_policy, logprobs, sample, single_thread
+from ftstate.cli.demo import task
+from ftstate.cli.demo.policy import build_policy, logprobs, sample, single_thread
 
 _UPDATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sign": torch.sign,
@@ -145,7 +145,7 @@ def train_local(
     ``shards`` shards (prompt ``i`` to shard ``i % shards``, as ``shards`` rollouts would
     get them), sample the shards in ``shard_order`` (default 0, 1, ...), score, and take a
     :func:`reinforce_step`.
-    ``size`` goes to :func:`~ftstate.demo.policy.build_policy`.
+    ``size`` goes to :func:`~ftstate.cli.demo.policy.build_policy`.
 
     The result does not depend on ``shards`` or ``shard_order``: that is the property the
     tests pin.

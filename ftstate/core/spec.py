@@ -3,11 +3,11 @@
 A spec is the single source of truth for a machine: its states, its transitions
 (trigger, source, dest), which states carry a deadline (a config key, the trigger that
 fires when it expires, the error it records), which carry a budget, which are terminal
-and which may serve traffic. :mod:`ftstate.machine` builds ``transitions`` machines from
-it and :mod:`ftstate.diagram` draws it; nothing else describes the machines.
+and which may serve traffic. :mod:`ftstate.core.machine` builds ``transitions`` machines from
+it and :mod:`ftstate.core.diagram` draws it; nothing else describes the machines.
 
 Validation happens once, at load, and a malformed spec fails with a
-:class:`~ftstate.errors.SpecError` naming the file, the state or transition, and what is
+:class:`~ftstate.core.errors.SpecError` naming the file, the state or transition, and what is
 wrong. The checks:
 
 - unknown keys, unknown states in a transition, an unknown initial state;
@@ -35,9 +35,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ftstate import errors
-from ftstate.config import leaf_paths
-from ftstate.errors import SpecError
+from ftstate.core import errors
+from ftstate.core.config import leaf_paths
+from ftstate.core.errors import SpecError
 
 #: The one state through which every way into serving must pass.
 RESYNCED = "RESYNCED"
@@ -56,7 +56,7 @@ class DeadlineSpec:
     """A state's deadline: armed on entry, disarmed on exit.
 
     key: the config field (dotted path) giving the seconds; on_expiry: the trigger fired
-    when it expires; error: the :class:`~ftstate.errors.DeadlineExceeded` subclass recorded.
+    when it expires; error: the :class:`~ftstate.core.errors.DeadlineExceeded` subclass recorded.
     """
 
     key: str
@@ -142,11 +142,11 @@ class MachineSpec:
 
 def machines_dir() -> Path:
     """Where the specs live: ``ftstate/machines`` in an installed wheel, else the repo's ``machines/``."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "machines", here.parent / "machines"):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "machines", package.parent / "machines"):
         if candidate.is_dir():
             return candidate
-    raise SpecError(str(here.parent / "machines"), "", "machines directory not found")
+    raise SpecError(str(package.parent / "machines"), "", "machines directory not found")
 
 
 def load_spec(path: str | Path) -> MachineSpec:
@@ -353,7 +353,7 @@ class _Parser:
             raise self.fail(where, f"on_expiry trigger {d.on_expiry!r} has no transition from {st.name}")
         cls = getattr(errors, d.error, None)
         if not (isinstance(cls, type) and issubclass(cls, errors.DeadlineExceeded)):
-            raise self.fail(where, f"error {d.error!r} is not a DeadlineExceeded class in ftstate.errors")
+            raise self.fail(where, f"error {d.error!r} is not a DeadlineExceeded class in ftstate.core.errors")
 
     def _check_budget(self, spec: MachineSpec, st: StateSpec, b: BudgetSpec, config_keys: set[str]) -> None:
         where = f"state {st.name}: budget"
@@ -361,7 +361,7 @@ class _Parser:
             raise self.fail(where, f"key {b.key!r} is not a field of the config")
         cls = getattr(errors, b.error, None)
         if not (isinstance(cls, type) and issubclass(cls, errors.FailoverBudgetExhausted)):
-            raise self.fail(where, f"error {b.error!r} is not a FailoverBudgetExhausted class in ftstate.errors")
+            raise self.fail(where, f"error {b.error!r} is not a FailoverBudgetExhausted class in ftstate.core.errors")
         for t in spec.transitions:
             if t.dest == st.name and spec.next_state(t.source, b.on_exhausted) is None:
                 raise self.fail(

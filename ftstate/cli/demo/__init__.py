@@ -1,4 +1,4 @@
-"""``ftstate demo``: the main job on the embedded default (see :mod:`ftstate.demo.run`).
+"""``ftstate demo``: the main job on the embedded default (see :mod:`ftstate.cli.demo.run`).
 
 ``task`` (the toy task and its reward), ``policy`` (a tiny transformer and seeded
 sampling), ``reinforce`` (the policy-gradient step), ``workers`` (the trainer and rollout
@@ -7,6 +7,6 @@ classes), ``live`` (the terminal view) and ``run`` (the job, its faults and its 
 
 from __future__ import annotations
 
-from ftstate.demo.run import DemoOptions, run_demo
+from ftstate.cli.demo.run import DemoOptions, run_demo
 
 __all__ = ["DemoOptions", "run_demo"]

@@ -5,9 +5,9 @@ happened. Letting each call site catch its own subset would lose some of them, s
 call goes through :meth:`ActorCalls.call`, which turns
 
 - ``ActorDiedError`` (the process is gone: SIGKILL, OOM, node lost) into a ``died`` event on
-  the worker's machine and a :class:`~ftstate.errors.MemberLost` for the caller;
+  the worker's machine and a :class:`~ftstate.core.errors.MemberLost` for the caller;
 - ``ActorUnavailableError`` (unreachable for now) and an expired ``timeout`` into
-  :class:`~ftstate.errors.MemberLost` without a state change: the heartbeat watchdog decides
+  :class:`~ftstate.core.errors.MemberLost` without a state change: the heartbeat watchdog decides
   whether an unreachable worker is suspect or lost, from repeated evidence;
 - an ftstate error raised inside the worker (``PeerLost``, ``ChecksumMismatch``…) back into
   that error, so callers catch ftstate's classes, never Ray's wrappers.
@@ -24,7 +24,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from ftstate.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
+from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
 
 
 class ActorCalls:

@@ -6,13 +6,13 @@ moves the model through a shared ``transitions`` ``AsyncMachine`` built once per
 and then carries out the three effects every transition has:
 
 1. the deadline of the state left is disarmed and that of the state entered is armed
-   (:mod:`ftstate.deadline`); on expiry the spec's ``on_expiry`` trigger is fired and a
-   typed :class:`~ftstate.errors.DeadlineExceeded` recorded, naming what was waited for,
+   (:mod:`ftstate.core.deadline`); on expiry the spec's ``on_expiry`` trigger is fired and a
+   typed :class:`~ftstate.core.errors.DeadlineExceeded` recorded, naming what was waited for,
    for how long, at which group version and who was missing;
-2. entering a state with a budget spends one unit (:mod:`ftstate.budget`); with nothing
+2. entering a state with a budget spends one unit (:mod:`ftstate.core.budget`); with nothing
    left the ``on_exhausted`` trigger is taken instead and
-   :class:`~ftstate.errors.FailoverBudgetExhausted` recorded;
-3. one audit record is written (:mod:`ftstate.audit`).
+   :class:`~ftstate.core.errors.FailoverBudgetExhausted` recorded;
+3. one audit record is written (:mod:`ftstate.core.audit`).
 
 Events for one machine are serialised by an ``asyncio.Lock`` (FIFO): concurrent events are
 queued, never dropped, and never cancel each other (``transitions`` with ``queued=False``
@@ -25,7 +25,7 @@ costs O(n²); :class:`_SpecMachine` keeps an identity set beside the list so 10,
 machines cost linear time.
 
 This module imports neither Ray nor torch: the runtime drives it, tests drive it with a
-:class:`~ftstate.deadline.ManualClock` and no sleeps.
+:class:`~ftstate.core.deadline.ManualClock` and no sleeps.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ from typing import Any
 
 from transitions.extensions.asyncio import AsyncMachine
 
-from ftstate import errors
-from ftstate.audit import BUDGET_EXHAUSTED, BUDGET_SPENT, DEADLINE_EXPIRED, ERROR, TRANSITION, AuditTrail
-from ftstate.budget import Budget
-from ftstate.config import RuntimeConfig
-from ftstate.deadline import Clock, Deadline, LoopClock
-from ftstate.errors import FTError, InvalidTransition
-from ftstate.spec import MachineSpec
+from ftstate.core import errors
+from ftstate.core.audit import BUDGET_EXHAUSTED, BUDGET_SPENT, DEADLINE_EXPIRED, ERROR, TRANSITION, AuditTrail
+from ftstate.core.budget import Budget
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.deadline import Clock, Deadline, LoopClock
+from ftstate.core.errors import FTError, InvalidTransition
+from ftstate.core.spec import MachineSpec
 
 
 class _SpecMachine(AsyncMachine):
@@ -211,7 +211,7 @@ class StateMachine:
     async def fire(self, trigger: str, *, reason: str = "", error: FTError | None = None, **fields: Any) -> str:
         """Apply one event; returns the state entered.
 
-        Raises :class:`~ftstate.errors.InvalidTransition` when the current state does not accept
+        Raises :class:`~ftstate.core.errors.InvalidTransition` when the current state does not accept
         ``trigger``. ``error`` is recorded as the machine's error (a fault that caused it);
         ``fields`` are added to the audit record.
         """
@@ -346,7 +346,7 @@ class StateMachine:
     async def wait_for(self, *states: str) -> str:
         """Wait until the machine is in one of ``states``; returns it.
 
-        Raises the machine's recorded error (or :class:`~ftstate.errors.FTError`) if it lands
+        Raises the machine's recorded error (or :class:`~ftstate.core.errors.FTError`) if it lands
         in a terminal state that is not among ``states``.
         """
         unknown = [s for s in states if s not in self.spec.states]
@@ -387,7 +387,7 @@ class StateMachine:
 
         If the deadline expires while the work runs, the machine takes its expiry transition,
         the work is cancelled (explicitly, by the machine) and this raises the recorded
-        :class:`~ftstate.errors.DeadlineExceeded`. Leaving the state ends the bound.
+        :class:`~ftstate.core.errors.DeadlineExceeded`. Leaving the state ends the bound.
         """
         task = asyncio.current_task()
         assert task is not None

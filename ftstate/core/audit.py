@@ -1,7 +1,7 @@
 """The audit trail: one JSON line for everything that happened, written where it happened.
 
 Every transition, deadline expiry, budget spend and error of every machine is one record,
-written by :class:`ftstate.machine.StateMachine` at the one place its state changes (and by
+written by :class:`ftstate.core.machine.StateMachine` at the one place its state changes (and by
 the runtime for events that are not transitions). The trail is the evidence an operator
 reads at 3 a.m. and the input of ``ftstate audit --check``, so each line is flushed as it is
 written: a run that dies still leaves everything up to its last event.
@@ -132,8 +132,8 @@ def as_records(trail: Any) -> list[dict[str, Any]]:
 
 def read_trail(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, record)`` for each line of a trail; a malformed line raises
-    :class:`~ftstate.errors.AuditViolation` naming it."""
-    from ftstate.errors import AuditViolation
+    :class:`~ftstate.core.errors.AuditViolation` naming it."""
+    from ftstate.core.errors import AuditViolation
 
     p = Path(path)
     with p.open(encoding="utf-8") as f:

@@ -1,7 +1,7 @@
 """Diagrams of the machines, drawn from their specs: Mermaid ``stateDiagram-v2`` or Graphviz DOT.
 
 The specs in ``machines/`` are the single source of truth, so the diagrams are drawn from
-a :class:`~ftstate.spec.MachineSpec` alone, never from a live machine: the same spec gives
+a :class:`~ftstate.core.spec.MachineSpec` alone, never from a live machine: the same spec gives
 the same text, byte for byte (the generated docs and their freshness test rely on it).
 
 Why a hand-written renderer rather than ``transitions``' diagram extension: its DOT
@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterable
 from typing import Literal
 
-from ftstate.spec import MachineSpec, TransitionSpec
+from ftstate.core.spec import MachineSpec, TransitionSpec
 
 Format = Literal["mermaid", "dot"]
 FORMATS: tuple[str, ...] = ("mermaid", "dot")
@@ -134,7 +134,7 @@ def _mermaid(spec: MachineSpec) -> str:
     ids = _mermaid_ids(spec)
     lines = [
         "stateDiagram-v2",
-        f"    %% {spec.name} machine, generated from {_source_name(spec)} by ftstate.diagram",
+        f"    %% {spec.name} machine, generated from {_source_name(spec)} by ftstate.core.diagram",
     ]
     for cls, style in _MERMAID_CLASSES.items():
         lines.append(f"    classDef {cls} {style}")
@@ -172,7 +172,7 @@ def _dot_quote(text: str) -> str:
 def _dot(spec: MachineSpec) -> str:
     q = _dot_quote
     lines = [
-        f"// {spec.name} machine, generated from {_source_name(spec)} by ftstate.diagram",
+        f"// {spec.name} machine, generated from {_source_name(spec)} by ftstate.core.diagram",
         f"digraph {q(spec.name)} {{",
         "    rankdir=LR;",
         '    node [shape=box, style=rounded, fontname="Helvetica"];',

@@ -1,6 +1,6 @@
 """Check an audit trail against the machines: did every member only ever do what its spec allows?
 
-The trail (:mod:`ftstate.audit`) is written at the one place each machine's state changes,
+The trail (:mod:`ftstate.core.audit`) is written at the one place each machine's state changes,
 so it can be replayed: this module walks it record by record, keeps each member's state
 (a member is a ``(machine, member)`` pair) and reports every record that breaks one of
 these invariants, naming its line:
@@ -13,7 +13,7 @@ these invariants, naming its line:
   (``spec.next_state(from, trigger) == to``);
 - **terminal is final**: no record of a member after it entered a terminal state;
 - **the serving rule**: a serving state entered from a non-serving state must be entered
-  from ``RESYNCED``. The spec cannot contain such an edge (:mod:`ftstate.spec` refuses it);
+  from ``RESYNCED``. The spec cannot contain such an edge (:mod:`ftstate.core.spec` refuses it);
   this checks that the running system did not take one anyway, and says so in those words;
 - **no stale serving**: the group's current weights version is the latest
   ``weights_version`` on the group's records (its ``sync_start`` carries the version being
@@ -39,9 +39,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ftstate.audit import TRANSITION, AuditTrail
-from ftstate.errors import AuditViolation
-from ftstate.spec import RESYNCED, MachineSpec, load_machines
+from ftstate.core.audit import TRANSITION, AuditTrail
+from ftstate.core.errors import AuditViolation
+from ftstate.core.spec import RESYNCED, MachineSpec, load_machines
 
 #: The machine whose records carry the run's current weights version.
 GROUP_MACHINE = "group"
@@ -91,7 +91,7 @@ class _Member:
 class TrailChecker:
     """Replays records one at a time (:meth:`feed`) and collects :attr:`violations`.
 
-    specs: the machines by name (default: :func:`ftstate.spec.load_machines`).
+    specs: the machines by name (default: :func:`ftstate.core.spec.load_machines`).
     """
 
     def __init__(self, specs: Mapping[str, MachineSpec] | None = None) -> None:
@@ -285,7 +285,7 @@ def _illegal(spec: MachineSpec, src: str, trigger: str, dst: str, expected: str 
 def load_records(path: str | os.PathLike[str]) -> tuple[list[tuple[int, dict[str, Any]]], list[Violation]]:
     """Read a trail leniently: ``(line, record)`` for every good line, a violation for every bad one.
 
-    (:func:`ftstate.audit.read_trail` stops at the first malformed line; a checker and a
+    (:func:`ftstate.core.audit.read_trail` stops at the first malformed line; a checker and a
     viewer want everything else too.) A missing file raises :class:`OSError`.
     """
     records: list[tuple[int, dict[str, Any]]] = []
@@ -309,7 +309,7 @@ def load_records(path: str | os.PathLike[str]) -> tuple[list[tuple[int, dict[str
 def numbered(trail: Trail) -> tuple[list[tuple[int, Any]], list[Violation]]:
     """Any accepted form of a trail as ``(line, record)`` pairs, plus unreadable lines.
 
-    A path is read with :func:`load_records`; an :class:`~ftstate.audit.AuditTrail` or a list
+    A path is read with :func:`load_records`; an :class:`~ftstate.core.audit.AuditTrail` or a list
     of records is numbered from 1; ``(line, record)`` pairs (as from ``read_trail``) are kept.
     """
     if isinstance(trail, (str, os.PathLike)):
@@ -343,7 +343,7 @@ def check(trail: Trail, specs: Mapping[str, MachineSpec] | None = None) -> Trail
 
 
 def assert_trail_valid(trail: Trail, specs: Mapping[str, MachineSpec] | None = None) -> None:
-    """Raise :class:`~ftstate.errors.AuditViolation` for the first violation in ``trail``, if any."""
+    """Raise :class:`~ftstate.core.errors.AuditViolation` for the first violation in ``trail``, if any."""
     violations = check_trail(trail, specs)
     if violations:
         first = violations[0]

@@ -1,11 +1,11 @@
 """The runtime: what a trainer loop embeds as ``await rt.sync()``.
 
 :class:`Runtime` is the controller. It starts (or joins) a Ray cluster, hosts the rendezvous
-store, starts one :class:`~ftstate.host.WorkerHost` actor per trainer and rollout, forms the
-weight-sync group, and drives one :class:`~ftstate.machine.StateMachine` for the group and
+store, starts one :class:`~ftstate.controller.host.WorkerHost` actor per trainer and rollout, forms the
+weight-sync group, and drives one :class:`~ftstate.core.machine.StateMachine` for the group and
 one per worker. Everything that happens to a worker arrives as an event on its machine:
-results and failures of actor calls (:mod:`ftstate.calls`), heartbeats and their absence
-(:mod:`ftstate.liveness`), deadline expiries (the machines' own).
+results and failures of actor calls (:mod:`ftstate.controller.calls`), heartbeats and their absence
+(:mod:`ftstate.core.liveness`), deadline expiries (the machines' own).
 
 Bounds, all on the controller and all owned by a state's deadline:
 
@@ -13,7 +13,7 @@ Bounds, all on the controller and all owned by a state's deadline:
   member's group-init (the design verl's maintainers settled on for their issue 6967: a
   bounded wait on the init futures, no watchdog thread inside the workers); on expiry the
   group is FAILED, every actor of the run is killed, the store is closed and
-  :class:`~ftstate.errors.RendezvousTimeout` names who joined and who did not;
+  :class:`~ftstate.core.errors.RendezvousTimeout` names who joined and who did not;
 - one ``sync()`` takes at most ``sync_timeout_s``;
 - a worker whose heartbeats stop is SUSPECT after one ``heartbeat_interval_s`` (one whose
   transfer stops making progress, after half of ``heartbeat_timeout_s``) and LOST after
@@ -26,7 +26,7 @@ one; routing (``rt.rollout``) only reaches serving rollouts that hold the curren
 and is paused while rollouts commit.
 
 With ``fault_tolerance.enable: false`` a lost member fails the run at once with a
-:class:`~ftstate.errors.MemberLost` naming it; failover is the job of :mod:`ftstate.failover`.
+:class:`~ftstate.core.errors.MemberLost` naming it; failover is the job of :mod:`ftstate.controller.failover`.
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ftstate import cluster
-from ftstate.audit import AuditTrail
-from ftstate.calls import ActorCalls
-from ftstate.config import RuntimeConfig
-from ftstate.errors import (
+from ftstate.controller import cluster
+from ftstate.controller.calls import ActorCalls
+from ftstate.controller.failover import Failover
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.errors import (
     ChecksumMismatch,
     FTError,
     InvalidTransition,
@@ -52,11 +53,10 @@ from ftstate.errors import (
     SyncTimeout,
     TransportError,
 )
-from ftstate.failover import Failover
-from ftstate.liveness import Heartbeat, Liveness
-from ftstate.machine import StateMachine
-from ftstate.spec import get_spec
-from ftstate.worker import RolloutWorker, TrainerWorker
+from ftstate.core.liveness import Heartbeat, Liveness
+from ftstate.core.machine import StateMachine
+from ftstate.core.spec import get_spec
+from ftstate.core.worker import RolloutWorker, TrainerWorker
 
 #: The weight-sync group's name (its store keys live under ``weights/v{N}``).
 GROUP = "weights"
@@ -112,7 +112,7 @@ class _Member:
 class Runtime:
     """The controller of one run.
 
-    config: the run's :class:`~ftstate.config.RuntimeConfig`. trainer / rollout: the user's
+    config: the run's :class:`~ftstate.core.config.RuntimeConfig`. trainer / rollout: the user's
     worker classes; *_args / *_kwargs: their constructor arguments. run_id: names the
     run's actors (``ftstate-{run_id}-{member}``); a random one by default. audit: a trail to
     write to (default: one at ``config.audit_log``, or in memory).
@@ -136,14 +136,14 @@ class Runtime:
         if not (isinstance(rollout, type) and issubclass(rollout, RolloutWorker)):
             raise TypeError(f"rollout must be a RolloutWorker subclass, got {rollout!r}")
         if config.trainer_workers != 1:
-            from ftstate.errors import ConfigError
+            from ftstate.core.errors import ConfigError
 
             raise ConfigError(
                 "trainer_workers",
                 f"this release drives exactly one trainer in the weight-sync group, got {config.trainer_workers}",
             )
         if config.fault_tolerance.detect_node_maintenance:
-            from ftstate.errors import ConfigError
+            from ftstate.core.errors import ConfigError
 
             # Refused rather than ignored: a run configured to drain nodes before maintenance
             # must not silently run without it.
@@ -219,7 +219,7 @@ class Runtime:
         return Liveness(max(cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s / 2), cfg.heartbeat_timeout_s)
 
     def _make_pools(self) -> None:
-        from ftstate.placement import ResourcePool
+        from ftstate.controller.placement import ResourcePool
 
         cfg, ft = self.config, self.config.fault_tolerance
         sizes = {"trainer": cfg.trainer_workers, "rollout": cfg.rollout_workers}
@@ -231,7 +231,7 @@ class Runtime:
     def _add_member(self, role: str, rank: int, name: str, pool: str | None = None) -> _Member:
         import ray
 
-        from ftstate.host import WorkerHost
+        from ftstate.controller.host import WorkerHost
 
         machine = StateMachine(get_spec("worker"), member=name, role=role, rank=rank, config=self.config, audit=self.audit)
         machine.listen(self._on_worker_transition)
@@ -374,9 +374,9 @@ class Runtime:
         """Push the trainer's ``state_dict()`` to every rollout as the next weights version.
 
         Bounded by ``sync_timeout_s``. Returns a :class:`SyncReport`; raises
-        :class:`~ftstate.errors.MemberLost` if a member died (fault tolerance off), a
-        :class:`~ftstate.errors.TransportError` if the transfer failed, or
-        :class:`~ftstate.errors.SyncTimeout`. On failure every rollout keeps the version it had.
+        :class:`~ftstate.core.errors.MemberLost` if a member died (fault tolerance off), a
+        :class:`~ftstate.core.errors.TransportError` if the transfer failed, or
+        :class:`~ftstate.core.errors.SyncTimeout`. On failure every rollout keeps the version it had.
         Once every rollout staged and verified the new version it is committed: a rollout
         whose own ``load_weights`` then raises is left STALE (serving nothing until a later
         sync brings it up to date), the others serve the new version, and its exception is
@@ -653,7 +653,7 @@ class Runtime:
 
     async def rollout(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rollout that serves the current weights version; returns
-        their results in rank order. Raises :class:`~ftstate.errors.NoServingWorkers` when none does.
+        their results in rank order. Raises :class:`~ftstate.core.errors.NoServingWorkers` when none does.
         With fault tolerance on, a call cut short by a lost rollout is made again once the
         failover completed."""
         return await self._with_failover(self._rollout_once, method, args, kwargs)
@@ -805,7 +805,7 @@ class Runtime:
 
     @property
     def failovers(self) -> list[Any]:
-        """Every failover so far (:class:`~ftstate.failover.FailoverRecord`)."""
+        """Every failover so far (:class:`~ftstate.controller.failover.FailoverRecord`)."""
         return list(self._failover.records)
 
     def _require_group(self) -> StateMachine:

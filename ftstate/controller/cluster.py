@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from ftstate.errors import ConfigError, FTError
+from ftstate.core.errors import ConfigError, FTError
 
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -38,7 +38,7 @@ def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: 
         if os.environ.get(_LOOPBACK_ENV) != "0":
             raise FTError(
                 f"a local Ray cluster must bind loopback: set {_LOOPBACK_ENV}=0 before Ray is imported "
-                "(import ftstate.cluster first, or set it in the environment)"
+                "(import ftstate.controller.cluster first, or set it in the environment)"
             )
         ray.init(
             num_cpus=num_cpus if num_cpus is not None else max(2, os.cpu_count() or 2),

@@ -5,7 +5,7 @@ each call: entering a state that declares one arms it (``seconds`` from the conf
 spec names), leaving the state disarms it, and expiry makes the machine take the spec's
 named transition and record a typed error. Code that waits on something outside the
 process while the machine is in that state runs inside
-:meth:`ftstate.machine.StateMachine.deadline_scope`, which cancels it explicitly on expiry
+:meth:`ftstate.core.machine.StateMachine.deadline_scope`, which cancels it explicitly on expiry
 and raises the recorded error; nobody sprinkles ``asyncio.wait_for`` over calls.
 
 The clock is injected. :class:`LoopClock` uses the running asyncio loop; tests use

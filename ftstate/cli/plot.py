@@ -1,6 +1,6 @@
 """The timeline picture of an audit trail: who was in which state when, and what it cost.
 
-:func:`plot_timeline` draws, from the records of :mod:`ftstate.audit`, one horizontal lane
+:func:`plot_timeline` draws, from the records of :mod:`ftstate.core.audit`, one horizontal lane
 per worker (``machine == "worker"``), coloured by state over time, with the group's own
 state as a thin lane on top. Every failover (the group entering ``PROMOTING`` until it is
 ``READY`` again) is a shaded band across all lanes, labelled with its number, its reason and
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ftstate.audit import DEADLINE_EXPIRED, TRANSITION, as_records
+from ftstate.core.audit import DEADLINE_EXPIRED, TRANSITION, as_records
 
 #: The event name of the demo's per-step reward records.
 REWARD = "reward"
@@ -100,8 +100,8 @@ def _num(value: Any) -> float | None:
 def _spec_flags() -> tuple[set[str], list[str]]:
     """(serving states, every state in spec order) over the loaded machines; empty if the
     specs cannot be loaded (the picture then uses the fixed colours only)."""
-    from ftstate.errors import SpecError
-    from ftstate.spec import load_machines
+    from ftstate.core.errors import SpecError
+    from ftstate.core.spec import load_machines
 
     try:
         specs = load_machines()
@@ -205,8 +205,8 @@ def _rewards(records: list[Mapping[str, Any]]) -> list[tuple[float, float, Any]]
 def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | None = None) -> Path:
     """Draw the timeline of ``records`` to the PNG ``out_path`` and return its path.
 
-    records: the trail as a path to a JSON-lines file, an :class:`~ftstate.audit.AuditTrail`,
-    or its records (dicts, or ``(line, record)`` pairs as :func:`~ftstate.audit.read_trail`
+    records: the trail as a path to a JSON-lines file, an :class:`~ftstate.core.audit.AuditTrail`,
+    or its records (dicts, or ``(line, record)`` pairs as :func:`~ftstate.core.audit.read_trail`
     yields them). title: the picture's title (default: the file's name and the time span).
     The picture is :data:`WIDTH_IN` × :data:`DPI` pixels wide; :func:`figure_size` gives its
     height. Raises ValueError when the trail has no worker transitions to draw.

@@ -35,11 +35,11 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ftstate.errors import FTError, InvalidTransition, LossyRecoveryRefused, MemberLost, TransportError
+from ftstate.core.errors import FTError, InvalidTransition, LossyRecoveryRefused, MemberLost, TransportError
 
 if TYPE_CHECKING:
-    from ftstate.machine import StateMachine
-    from ftstate.runtime import Runtime, _Member
+    from ftstate.controller.runtime import Runtime, _Member
+    from ftstate.core.machine import StateMachine
 
 
 async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None:
