@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ftstate-installed
 
-.PHONY: demo test lint setup clean docs
+.PHONY: demo test lint install-check setup clean docs
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,7 +22,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check ftstate tests benchmarks
 
-test: $(STAMP) lint
+# What a user's `pip install torch==2.13.0 ftstate` gets: the wheel with only its declared
+# dependencies, in a fresh venv outside the checkout (names, a real sync, demo, CLI; ~2 min).
+install-check: $(STAMP)
+	PY=$(PY) PIP=$(abspath $(BIN))/pip bash tests/install/check_plain_install.sh
+
+test: $(STAMP) lint install-check
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q $(ARGS)
 
 docs: $(STAMP)

@@ -7,9 +7,8 @@ transport are imported when first used.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ftstate.controller.runtime import MemberInfo, Runtime, SyncReport
 from ftstate.core.audit import AuditTrail, read_trail
 from ftstate.core.budget import Budget
 from ftstate.core.config import FaultToleranceConfig, RuntimeConfig
@@ -26,6 +25,7 @@ from ftstate.core.errors import (
     FTError,
     HeartbeatTimeout,
     InvalidTransition,
+    LossyRecoveryRefused,
     ManifestError,
     MemberLost,
     NoServingWorkers,
@@ -33,6 +33,7 @@ from ftstate.core.errors import (
     RendezvousTimeout,
     SpecError,
     StaleGroupVersion,
+    StateDictError,
     SyncTimeout,
     TransportError,
 )
@@ -43,7 +44,15 @@ from ftstate.core.worker import RolloutWorker, TrainerWorker
 __version__ = "0.1.0"
 
 # Names served lazily: they pull in Ray and torch, which the core must not import.
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "MemberInfo": "ftstate.controller.runtime",
+    "Runtime": "ftstate.controller.runtime",
+    "SyncReport": "ftstate.controller.sync",
+}
+
+if TYPE_CHECKING:
+    from ftstate.controller.runtime import MemberInfo, Runtime
+    from ftstate.controller.sync import SyncReport
 
 
 def __getattr__(name: str) -> Any:
@@ -52,7 +61,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'ftstate' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 __all__ = [
@@ -72,6 +83,7 @@ __all__ = [
     "HeartbeatTimeout",
     "InvalidTransition",
     "LoopClock",
+    "LossyRecoveryRefused",
     "MachineSpec",
     "ManifestError",
     "ManualClock",
@@ -85,6 +97,7 @@ __all__ = [
     "RuntimeConfig",
     "SpecError",
     "StaleGroupVersion",
+    "StateDictError",
     "StateMachine",
     "SyncReport",
     "SyncTimeout",

@@ -259,7 +259,7 @@ def render_configuration_md() -> str:
     rows = describe()
     env_rows = [r for r in rows if r["env"]]
     out = [
-        _HEADER.format(source="ftstate/config.py"),
+        _HEADER.format(source="ftstate/core/config.py"),
         "# Configuration",
         "",
         "`ftstate.RuntimeConfig` holds every knob of a run. Build it with",

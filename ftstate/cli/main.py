@@ -139,7 +139,8 @@ def audit(
     plot: Annotated[
         Path | None,
         typer.Option("--plot", help="Also draw the timeline picture (PNG): states over time per worker, "
-                     "failovers, deadline expiries, the reward curve.", show_default=False),
+                     "failovers, deadline expiries, the reward curve. Needs matplotlib: "
+                     "pip install 'ftstate[plot]'.", show_default=False),
     ] = None,
 ) -> None:
     """Show what happened in a run: a timeline of every record and a summary per member.
@@ -152,6 +153,11 @@ def audit(
     from rich.console import Console
 
     from ftstate.cli.audit_view import render_summary, render_timeline
+
+    if plot is not None:  # before printing anything: a picture that cannot be drawn is the error
+        from ftstate.cli.plot import require_matplotlib
+
+        require_matplotlib()
     from ftstate.core.audit_check import check as run_check
     from ftstate.core.audit_check import load_records
 
@@ -253,7 +259,8 @@ def demo(
 
     Proves nothing was lost by comparing the final weights' checksum and the reward curve with
     the same seeds run without faults; exits 1 if they differ, 2 if the run failed. Writes the
-    audit trail, the state diagrams, a timeline picture and report.json under --out.
+    audit trail, the state diagrams, a timeline picture (with matplotlib, the plot extra:
+    pip install 'ftstate[plot]') and report.json under --out.
     """
     from ftstate.cli.demo import run_demo  # lazy: Ray and torch load only here
 

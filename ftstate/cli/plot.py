@@ -17,8 +17,9 @@ spec knew when this was written gets a colour from its spec's serving flag.
 A state shorter than 0.2 % of the time axis is drawn that wide, so that a 5 ms ``LOST``
 in a minute-long run is still visible; its real length is in the trail.
 
-matplotlib is imported inside :func:`plot_timeline` (and drawn on an Agg canvas, without
-pyplot or a global backend switch), so ``import ftstate`` stays light.
+matplotlib (the ``plot`` extra) is imported inside :func:`plot_timeline` (and drawn on an Agg
+canvas, without pyplot or a global backend switch), so ``import ftstate`` stays light and a
+plain install without it gets one line saying how to get the picture, not a traceback.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from ftstate.core.audit import DEADLINE_EXPIRED, TRANSITION, as_records
+from ftstate.core.errors import FTError
+
+#: How to get the picture on an install without matplotlib (the ``plot`` extra).
+INSTALL_HINT = "pip install 'ftstate[plot]'"
 
 #: The event name of the demo's per-step reward records.
 REWARD = "reward"
@@ -202,6 +207,19 @@ def _rewards(records: list[Mapping[str, Any]]) -> list[tuple[float, float, Any]]
     return sorted(out, key=lambda x: x[0])
 
 
+def _no_matplotlib(exc: ImportError) -> FTError:
+    return FTError(f"the timeline picture needs matplotlib ({exc}): {INSTALL_HINT}")
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`~ftstate.core.errors.FTError` (one line naming the ``plot`` extra) unless
+    matplotlib can be imported: a caller checks before it does work the picture depends on."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise _no_matplotlib(exc) from None
+
+
 def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | None = None) -> Path:
     """Draw the timeline of ``records`` to the PNG ``out_path`` and return its path.
 
@@ -209,12 +227,17 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
     or its records (dicts, or ``(line, record)`` pairs as :func:`~ftstate.core.audit.read_trail`
     yields them). title: the picture's title (default: the file's name and the time span).
     The picture is :data:`WIDTH_IN` × :data:`DPI` pixels wide; :func:`figure_size` gives its
-    height. Raises ValueError when the trail has no worker transitions to draw.
+    height. Raises ValueError when the trail has no worker transitions to draw, and
+    :class:`~ftstate.core.errors.FTError` (one line ending in :data:`INSTALL_HINT`) when
+    matplotlib, the ``plot`` extra, cannot be imported.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+    except ImportError as exc:
+        raise _no_matplotlib(exc) from None
 
     recs = as_records(records)
     times = [t for t in (_num(r.get("t")) for r in recs) if t is not None]

@@ -10,7 +10,11 @@ call goes through :meth:`ActorCalls.call`, which turns
   :class:`~ftstate.core.errors.MemberLost` without a state change: the heartbeat watchdog decides
   whether an unreachable worker is suspect or lost, from repeated evidence;
 - an ftstate error raised inside the worker (``PeerLost``, ``ChecksumMismatch``…) back into
-  that error, so callers catch ftstate's classes, never Ray's wrappers.
+  that error, so callers catch ftstate's classes, never Ray's wrappers;
+- any other exception raised inside the worker (the user's code, a library it needs) back
+  into itself: its own class and message, prefixed with the member's name, with a note
+  saying which call raised it and Ray's remote traceback chained as its ``__cause__``.
+  Never a bare ``RayTaskError``.
 
 Detection latency for a SIGKILLed worker with a call pending is Ray's (~10-20 ms here);
 an idle one is found by the next heartbeat poll.
@@ -60,6 +64,8 @@ class ActorCalls:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, FTError):
                 raise _naming(member, cause) from exc
+            if isinstance(cause, Exception):
+                raise _worker_exception(member, method, args, cause) from exc
             raise
         except TimeoutError as exc:
             ray_cancel(ref)
@@ -82,6 +88,21 @@ def _naming(member: str, exc: FTError) -> FTError:
         named.args = (f"{member}: {exc}",)
         return named
     return exc
+
+
+def _worker_exception(member: str, method: str, args: tuple[Any, ...], exc: Exception) -> Exception:
+    """The worker's own exception, named: same class, message prefixed with the member (when
+    the class keeps its message as its only argument, as nearly all do), and a note naming
+    the call (for ``call``, the user's method)."""
+    what = f"{args[0]}()" if method == "call" and args and isinstance(args[0], str) else f"{method}()"
+    named: Exception = exc
+    if len(exc.args) == 1 and isinstance(exc.args[0], str) and member not in exc.args[0]:
+        with contextlib.suppress(Exception):  # an exotic class that cannot be copied keeps its text
+            copied = copy.copy(exc)
+            copied.args = (f"{member}: {exc.args[0]}",)
+            named = copied
+    named.add_note(f"raised by {what} in ftstate worker {member}")
+    return named
 
 
 def _as_future(ref: Any) -> asyncio.Future[Any]:

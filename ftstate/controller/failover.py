@@ -33,13 +33,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ftstate.controller.calls import ActorCalls
+from ftstate.controller.formation import GroupFormation
+from ftstate.controller.launcher import ActorLauncher
+from ftstate.controller.membership import Member, Membership
+from ftstate.controller.watchdog import Watchdog
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import FTError, InvalidTransition, LossyRecoveryRefused, MemberLost, TransportError
-
-if TYPE_CHECKING:
-    from ftstate.controller.runtime import Runtime, _Member
-    from ftstate.core.machine import StateMachine
+from ftstate.core.machine import StateMachine
 
 
 async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None:
@@ -69,11 +73,6 @@ async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None
     raise MemberLost(machine.member, f"could not be admitted: still {machine.state}", group_version=machine.group_version)
 
 
-#: Spares of one role that may die in a row before ever getting warm, before the runtime
-#: stops starting new ones (a constructor that always fails must not churn actors forever).
-SPARE_START_ATTEMPTS = 3
-
-
 @dataclasses.dataclass(frozen=True)
 class FailoverRecord:
     """One failover. lost / replacement: member names; reason: why it was lost;
@@ -94,12 +93,38 @@ class FailoverRecord:
 
 
 class Failover:
-    """The failover procedure of one runtime (it owns the spares)."""
+    """The failover procedure of one runtime (it owns the spares).
 
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
+    It works on the shared membership; the launcher starts and kills actors, the formation
+    forms group versions, the watchdog settles suspects. trainer_lossy: the user trainer
+    class's ``lossy_state_dict`` (reverse recovery from a lossy copy is refused unless
+    ``allow_lossy_recovery``).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: RuntimeConfig,
+        audit: AuditTrail,
+        membership: Membership,
+        calls: ActorCalls,
+        launcher: ActorLauncher,
+        formation: GroupFormation,
+        watchdog: Watchdog,
+        trainer_lossy: bool,
+        trainer_class_name: str,
+    ) -> None:
+        self.config = config
+        self.audit = audit
+        self.membership = membership
+        self.calls = calls
+        self.launcher = launcher
+        self.formation = formation
+        self.watchdog = watchdog
+        self.trainer_lossy = trainer_lossy
+        self.trainer_class_name = trainer_class_name
         self.records: list[FailoverRecord] = []
-        self._pending: list[tuple[_Member, float]] = []
+        self._pending: list[tuple[Member, float]] = []
         self._spare_seq = 0
         self._warming: set[asyncio.Task[Any]] = set()
         # spares of each role that died before ever getting warm, in a row
@@ -110,7 +135,7 @@ class Failover:
 
     @property
     def ft(self) -> Any:
-        return self.rt.config.fault_tolerance
+        return self.config.fault_tolerance
 
     # -- spares --------------------------------------------------------------------------
 
@@ -124,13 +149,12 @@ class Failover:
     def replenish(self, role: str) -> None:
         """Start spares of ``role`` until ``standby_workers`` are warm or warming (after one
         was used or lost; never more, so the standby pool's slots suffice)."""
-        have = sum(1 for m in self.rt._members.values()
-                   if m.role == role and m.rank < 0 and m.machine.state in ("INIT", "STANDBY"))
+        have = len(self.membership.spares(role, "INIT", "STANDBY"))
         for _ in range(self.ft.standby_workers - have):
             self.start_spare(role)
 
-    def spare_lost(self, m: _Member) -> None:
-        """A spare died: start another, unless the last :data:`SPARE_START_ATTEMPTS` spares
+    def spare_lost(self, m: Member) -> None:
+        """A spare died: start another, unless the last ``spare_start_attempts`` spares
         of its role all died before getting warm. Then its constructor (or its node) is
         failing, and starting more would only churn actors forever: the role goes without
         a spare (``spare_unavailable`` in the trail) and a later failover starts a fresh
@@ -138,8 +162,8 @@ class Failover:
         role = m.role
         if m.name not in self._warm_seconds:
             self._cold_starts[role] += 1
-            if self._cold_starts[role] >= SPARE_START_ATTEMPTS:
-                self.rt.audit.record("spare_unavailable", role=role, attempts=self._cold_starts[role],
+            if self._cold_starts[role] >= self.ft.spare_start_attempts:
+                self.audit.record("spare_unavailable", role=role, attempts=self._cold_starts[role],
                                      reason=str(m.machine.error) if m.machine.error else "died while warming")
                 return
         self.replenish(role)
@@ -148,29 +172,28 @@ class Failover:
         name = f"spare-{role}-{self._spare_seq}"
         self._spare_seq += 1
         pool = self.ft.standby_resource_pool
-        if not self.rt._pools[pool].has_free_slot():
+        if not self.launcher.has_free_slot(pool):
             pool = role
-        m = self.rt._add_member(role, -1, name, pool=pool)
+        m = self.launcher.start(role, -1, name, pool=pool)
         self._started_at[name] = asyncio.get_running_loop().time()
         task = asyncio.get_running_loop().create_task(self._warm(m))
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
 
-    async def _warm(self, m: _Member) -> None:
+    async def _warm(self, m: Member) -> None:
         try:
-            info = await self.rt._calls.call(m.name, m.handle, "prewarm")
+            info = await self.calls.call(m.name, m.handle, "prewarm")
         except FTError:
             return  # died while warming: its machine is LOST already
-        m.pid, m.node = info["pid"], info["node"]
-        m.machine.bind(pid=m.pid, node=m.node)
+        m.located(info["pid"], info["node"])
         if m.machine.can("warm"):
             await m.machine.fire("warm")
             self._cold_starts[m.role] = 0
             self._warm_seconds[m.name] = asyncio.get_running_loop().time() - self._started_at[m.name]
 
-    def spare_for(self, role: str) -> _Member | None:
-        spares = [m for m in self.rt._members.values() if m.role == role and m.machine.state == "STANDBY"]
-        return sorted(spares, key=lambda m: m.name)[0] if spares else None
+    def spare_for(self, role: str) -> Member | None:
+        spares = self.membership.spares(role, "STANDBY")
+        return spares[0] if spares else None
 
     async def close(self) -> None:
         for task in list(self._warming):
@@ -179,7 +202,7 @@ class Failover:
 
     # -- losses ----------------------------------------------------------------------------
 
-    def note_loss(self, m: _Member, detected_at: float) -> None:
+    def note_loss(self, m: Member, detected_at: float) -> None:
         if m.rank >= 0 and all(p is not m for p, _ in self._pending):  # a spare's loss needs no failover
             self._pending.append((m, detected_at))
 
@@ -197,10 +220,16 @@ class Failover:
             done += 1
         return done
 
-    async def _replace(self, lost: _Member, detected_at: float) -> None:
-        rt = self.rt
-        group = rt._require_group()
-        reason = str(lost.machine.error) if lost.machine.error else f"{lost.name} lost"
+    async def _replace(self, lost: Member, detected_at: float) -> None:
+        group = self.membership.group
+        error = lost.machine.error
+        # The bare cause ("process died during info()"): MemberLost's own text names the
+        # member again, and the records and errors below name it already.
+        reason = error.reason if isinstance(error, MemberLost) else str(error) if error else f"{lost.name} lost"
+        if group.terminal:
+            # Another path failed the run first (a deadline, an earlier failover): its error
+            # is the cause; there is nothing left to promote into.
+            raise group.error or FTError(f"cannot replace {lost.name}: the group is {group.state}")
         if group.can("member_lost"):
             await group.fire("member_lost", reason=reason, member_lost=lost.name)
         await group.fire("promote", reason=f"{lost.name}: {reason}")  # spends the budget, or FAILED
@@ -210,7 +239,7 @@ class Failover:
         t0 = loop.time()
         async with group.deadline_scope():
             await self._retire(lost)
-            replacement: _Member | None = None
+            replacement: Member | None = None
             transfer_tries = 0
             while True:  # until a replacement serves; bounded by this state's deadline
                 if replacement is None:
@@ -220,13 +249,12 @@ class Failover:
                         if lost.role != "rollout":
                             raise
                         await group.fire("promotion_failed", reason=f"no replacement for {lost.name}: {exc}")
-                        await self._shrink(lost, reason)
+                        await self._shrink(lost, reason, no_replacement=str(exc))
                         return
-                    replacement.rank = lost.rank
-                    replacement.machine.bind(rank=lost.rank)
+                    replacement.set_rank(lost.rank)
                 group.describe_wait(f"failover of {lost.name} to {replacement.name}", missing=[replacement.name])
                 try:
-                    await rt._reform()
+                    await self.formation.reform()
                     t_reformed = loop.time()
                     resynced = await self._resync(replacement)
                 except MemberLost:
@@ -246,7 +274,7 @@ class Failover:
                     # The newcomer's transfer failed without a death (a corrupted bucket):
                     # the stream stayed sound, so the transfer is simply made again.
                     transfer_tries += 1
-                    if transfer_tries > 3:
+                    if transfer_tries > self.ft.resync_retries:
                         raise
                     continue
                 t_done = loop.time()
@@ -258,47 +286,45 @@ class Failover:
             rerendezvous_s=t_reformed - t0, transfer_s=t_done - t_reformed, total_s=t_done - detected_at,
             group_version=group.group_version, resynced=resynced,
         ))
-        rt.audit.record("failover", lost=lost.name, replacement=replacement.name, role=lost.role,
+        self.audit.record("failover", lost=lost.name, replacement=replacement.name, role=lost.role,
                         rerendezvous_s=round(t_reformed - t0, 6), transfer_s=round(t_done - t_reformed, 6),
                         total_s=round(t_done - detected_at, 6), group_version=group.group_version,
                         weights_version=group.weights_version, resynced=resynced)
         if self.ft.mode == "standby":
             self.replenish(lost.role)
 
-    async def _replacement(self, lost: _Member) -> _Member:
+    async def _replacement(self, lost: Member) -> Member:
         """A warm spare of the lost member's role (standby mode; one still warming is waited
         for), else a fresh actor started now in the lost member's slot (cold mode, or no spare
         left). Raises FTError when none can be had."""
-        rt = self.rt
         if self.ft.mode == "standby":
             spare = self.spare_for(lost.role)
             if spare is None:
-                warming = [m for m in rt._members.values()
-                           if m.role == lost.role and m.rank < 0 and m.machine.state == "INIT"]
+                warming = self.membership.spares(lost.role, "INIT")
                 if warming:
                     spare = await self._await_warming(warming[0])
             if spare is not None:
                 await spare.machine.fire("promote", reason=f"replaces {lost.name}")
                 await spare.machine.fire("join", reason=f"takes rank {lost.rank} of {lost.name}")
                 return spare
-        fresh = rt._add_member(lost.role, lost.rank, f"{lost.role}-{lost.rank}-r{self._spare_seq}", pool=lost.pool)
+        fresh = self.launcher.start(lost.role, lost.rank, f"{lost.role}-{lost.rank}-r{self._spare_seq}",
+                                    pool=lost.pool)
         self._spare_seq += 1
         try:
-            info = await rt._calls.call(fresh.name, fresh.handle, "prewarm")
+            info = await self.calls.call(fresh.name, fresh.handle, "prewarm")
         except FTError:
             # It could not even start (its constructor failed, no resources): not a member to
             # fail over, just no replacement.
             self._pending = [(p, t) for p, t in self._pending if p is not fresh]
             if fresh.machine.can("retire"):
                 await fresh.machine.fire("retire", reason="replacement could not start")
-            rt._pools[fresh.pool].give_back(fresh.slot)
+            self.launcher.give_back(fresh)
             raise
-        fresh.pid, fresh.node = info["pid"], info["node"]
-        fresh.machine.bind(pid=fresh.pid, node=fresh.node)
+        fresh.located(info["pid"], info["node"])
         await fresh.machine.fire("join", reason=f"fresh replacement of {lost.name}")
         return fresh
 
-    async def _await_warming(self, spare: _Member) -> _Member | None:
+    async def _await_warming(self, spare: Member) -> Member | None:
         """Wait for a spare still warming up; None when it will not do (then a fresh actor is
         started). It died: None. It takes more than twice as long as the slowest spare that
         got warm so far (at least ``heartbeat_timeout_s``): presumed hung in its constructor
@@ -311,72 +337,73 @@ class Failover:
             if not self._warm_seconds:
                 await waited
                 return spare
-            bound = max(self.rt.config.heartbeat_timeout_s, 2 * max(self._warm_seconds.values()))
+            bound = max(self.config.heartbeat_timeout_s, 2 * max(self._warm_seconds.values()))
             left = self._started_at.get(spare.name, loop.time()) + bound - loop.time()
             await asyncio.wait_for(waited, max(left, 0.0))
             return spare
         except TimeoutError:
-            self.rt.audit.record("spare_abandoned", member=spare.name, role=spare.role, pid=spare.pid,
+            self.audit.record("spare_abandoned", member=spare.name, role=spare.role, pid=spare.pid,
                                  warming_s=round(loop.time() - self._started_at.get(spare.name, loop.time()), 3),
                                  bound_s=round(bound, 3))
-            self.rt._kill(spare)  # its pending prewarm call then reports the death (LOST, retired)
+            self.launcher.kill(spare)  # its pending prewarm call then reports the death (LOST, retired)
             return None
         except FTError:
             return None  # it died warming up
 
-    async def _retire(self, lost: _Member) -> None:
+    async def _retire(self, lost: Member) -> None:
         if lost.machine.can("retire"):
             await lost.machine.fire("retire", reason="replaced")
-        self.rt._pools[lost.pool].give_back(lost.slot)
+        self.launcher.give_back(lost)
 
-    async def _shrink(self, lost: _Member, reason: str) -> None:
-        rt = self.rt
-        group = rt._require_group()
-        serving = [m for m in rt._role("rollout") if m is not lost and m.machine.state not in ("LOST", "RETIRED")]
+    async def _shrink(self, lost: Member, reason: str, *, no_replacement: str) -> None:
+        """Carry on without ``lost`` (a rollout): no replacement could be had (why:
+        ``no_replacement``). Fails the group when fewer than ``min_rollout_workers`` remain."""
+        group = self.membership.group
+        serving = [m for m in self.membership.role("rollout")
+                   if m is not lost and m.machine.state not in ("LOST", "RETIRED")]
         if len(serving) < self.ft.min_rollout_workers:
-            err = MemberLost(lost.name, f"{reason}; no spare to replace it and only {len(serving)} rollouts "
-                                        f"left, fewer than min_rollout_workers={self.ft.min_rollout_workers}",
+            err = MemberLost(lost.name, f"{reason}; no replacement could start ({no_replacement}) and only "
+                                        f"{len(serving)} rollouts left, fewer than "
+                                        f"min_rollout_workers={self.ft.min_rollout_workers}",
                              group_version=group.group_version)
             await group.fire("fail", reason=str(err), error=err)
             raise err
         for rank, m in enumerate(sorted(serving, key=lambda m: m.rank), start=1):
-            m.rank = rank
-            m.machine.bind(rank=rank)
-        await rt._reform()
+            m.set_rank(rank)
+        self.membership.changed()
+        await self.formation.reform()
         await group.fire("shrink", reason=f"{lost.name} lost with no spare; {len(serving)} rollouts serve")
 
-    async def _resync(self, newcomer: _Member) -> bool:
+    async def _resync(self, newcomer: Member) -> bool:
         """Move the current version to the newcomer only; False when it must wait for the next sync."""
-        rt = self.rt
-        group = rt._require_group()
+        group = self.membership.group
         # Idempotent on a retry: the newcomer may be anywhere between RENDEZVOUS and STALE.
         if newcomer.machine.state == "RENDEZVOUS":
             await newcomer.machine.fire("joined")
         elif newcomer.machine.state == "RESYNCING":
             await newcomer.machine.fire("resync_failed", reason="transfer to be made again")
-        version, checksum = group.weights_version, rt.checksum
+        version, checksum = group.weights_version, self.membership.checksum
         if version == 0 or checksum is None:
             if newcomer.role == "trainer":
                 await self._trainer_without_weights(newcomer)
             return False
-        def holders() -> list[_Member]:
-            return [m for m in rt._role("rollout") if m is not newcomer and m.machine.serving
-                    and m.machine.weights_version == version]
+        def holders() -> list[Member]:
+            return self.membership.holders(exclude=newcomer)
 
         sources = holders()
         if not sources and newcomer.role == "trainer":
             # Rollouts blocked behind the hung trainer were suspected too; let them prove
             # their weights before concluding that nobody holds them.
-            await rt._settle_suspects(done=lambda: bool(holders()))
+            await self.watchdog.settle_suspects(done=lambda: bool(holders()))
             sources = holders()
         if newcomer.role == "trainer":
             if not self.ft.reverse_weight_sync:
                 await self._trainer_from_checkpoint(newcomer)
                 return True
-            if rt._classes["trainer"].lossy_state_dict and not self.ft.allow_lossy_recovery:
+            if self.trainer_lossy and not self.ft.allow_lossy_recovery:
                 err = LossyRecoveryRefused(
                     f"{newcomer.name}: refusing to rebuild the trainer from rollout weights: "
-                    f"{rt._classes['trainer'].__name__}.lossy_state_dict is true (rollouts hold a lossy copy "
+                    f"{self.trainer_class_name}.lossy_state_dict is true (rollouts hold a lossy copy "
                     "of the master weights); set fault_tolerance.allow_lossy_recovery or use checkpoint_dir"
                 )
                 await group.fire("fail", reason=str(err), error=err)
@@ -389,10 +416,10 @@ class Failover:
             return False  # no survivor holds it: the next sync resyncs the newcomer
         src = sources[0]
         await newcomer.machine.fire("resync", source=src.name)
-        timeout = rt.config.sync_timeout_s
+        timeout = self.config.sync_timeout_s
         await asyncio.gather(
-            rt._calls.call(src.name, src.handle, "send_weights_to", newcomer.rank, timeout),
-            rt._calls.call(newcomer.name, newcomer.handle, "receive_weights_from", src.rank, version, checksum, timeout),
+            self.calls.call(src.name, src.handle, "send_weights_to", newcomer.rank, timeout),
+            self.calls.call(newcomer.name, newcomer.handle, "receive_weights_from", src.rank, version, checksum, timeout),
         )
         newcomer.machine.weights_version = version
         await walk_proven(newcomer.machine, "RESYNCED", checksum=checksum, source=src.name)
@@ -402,15 +429,15 @@ class Failover:
         await walk_proven(newcomer.machine, "READY")
         return True
 
-    async def _replay(self, trainer: _Member) -> None:
+    async def _replay(self, trainer: Member) -> None:
         """Re-run, on the new trainer, the calls made since the last committed sync."""
-        rt = self.rt
-        for method, args, kwargs in rt._trainer_calls:
-            await rt._calls.call(trainer.name, trainer.handle, "call", method, args, kwargs)
-        if rt._trainer_calls:
-            rt.audit.record("trainer_replay", member=trainer.name, calls=[c[0] for c in rt._trainer_calls])
+        calls = list(self.membership.trainer_calls)
+        for c in calls:
+            await self.calls.call(trainer.name, trainer.handle, "call", c.method, c.args, c.kwargs)
+        if calls:
+            self.audit.record("trainer_replay", member=trainer.name, calls=[c.method for c in calls])
 
-    async def _trainer_without_weights(self, newcomer: _Member) -> None:
+    async def _trainer_without_weights(self, newcomer: Member) -> None:
         # No version was ever committed: the new trainer starts from its own construction,
         # like the first one did, unless a checkpoint is named.
         if self.ft.checkpoint_dir is not None:
@@ -420,25 +447,23 @@ class Failover:
         await newcomer.machine.fire("verified", reason="no committed version yet: constructed weights")
         await newcomer.machine.fire("admit")
 
-    async def _trainer_from_checkpoint(self, newcomer: _Member) -> None:
-        rt = self.rt
+    async def _trainer_from_checkpoint(self, newcomer: Member) -> None:
         path = self.ft.checkpoint_dir
         if path is None:
             err = MemberLost(newcomer.name, "trainer lost with reverse_weight_sync off and no checkpoint_dir to "
                                             "recover from")
-            await rt._require_group().fire("fail", reason=str(err), error=err)
+            await self.membership.group.fire("fail", reason=str(err), error=err)
             raise err
         await newcomer.machine.fire("resync", source=path)
-        await rt._calls.call(newcomer.name, newcomer.handle, "call", "load_checkpoint", (path,), {})
+        await self.calls.call(newcomer.name, newcomer.handle, "call", "load_checkpoint", (path,), {})
         await newcomer.machine.fire("verified", source=path)
         await newcomer.machine.fire("admit")
 
-    async def _optimizer_policy(self, newcomer: _Member) -> None:
-        rt = self.rt
+    async def _optimizer_policy(self, newcomer: Member) -> None:
         if self.ft.optimizer_state == "checkpoint":
-            await rt._calls.call(
+            await self.calls.call(
                 newcomer.name, newcomer.handle, "call", "load_optimizer_checkpoint", (self.ft.checkpoint_dir,), {}
             )
         else:
-            await rt._calls.call(newcomer.name, newcomer.handle, "call", "reset_optimizer", (), {})
+            await self.calls.call(newcomer.name, newcomer.handle, "call", "reset_optimizer", (), {})
 

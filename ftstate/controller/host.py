@@ -146,15 +146,23 @@ class WorkerHost:
 
     async def send_weights(self, weights_version: int, timeout_s: float) -> dict[str, Any]:
         """Trainer: broadcast the user's ``state_dict()`` to the group as ``weights_version``.
-        ``timeout_s`` bounds the transfer (the controller passes what is left of sync_timeout_s)."""
+        ``timeout_s`` bounds the transfer (the controller passes what is left of sync_timeout_s).
+        A ``state_dict()`` the transport cannot send (not a mapping, empty, a value that is not
+        a dense tensor on the backend's device…) raises
+        :class:`~ftstate.core.errors.StateDictError` naming this member and the tensor, before
+        anything is sent."""
         from ftstate.transport import Sender
+        from ftstate.transport.validate import check_state_dict
 
         comm = self._require_comm()
         if self._sender is None:
             self._sender = Sender(bucket_size=self.bucket_bytes)
         async with self._lock():
             # If this raises, the controller has the waiting rollouts abandon the transfer.
-            state = await self._run(self.user.state_dict)
+            state = check_state_dict(
+                await self._run(self.user.state_dict),
+                device_type=comm.device.type, member=self.member, backend=self.backend,
+            )
             self.busy = True
             try:
                 report = await asyncio.to_thread(

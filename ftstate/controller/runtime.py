@@ -26,7 +26,15 @@ one; routing (``rt.rollout``) only reaches serving rollouts that hold the curren
 and is paused while rollouts commit.
 
 With ``fault_tolerance.enable: false`` a lost member fails the run at once with a
-:class:`~ftstate.core.errors.MemberLost` naming it; failover is the job of :mod:`ftstate.controller.failover`.
+:class:`~ftstate.core.errors.MemberLost` naming it; failover is the job of
+:mod:`ftstate.controller.failover`. With it on, a failed sync is tried again only when the
+membership changed meanwhile (a loss was replaced or shrunk away; each spends
+``max_failovers``) or, at most ``sync_retries`` times, after a transient failure with nobody
+lost; anything else (user code raising, bad input) is raised at once with its cause.
+
+The runtime composes the controller's parts around one shared
+:class:`~ftstate.controller.membership.Membership`; it owns the lifecycle, the first
+rendezvous, the retry policy and what happens when a member is lost.
 """
 
 from __future__ import annotations
@@ -34,51 +42,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ftstate.controller import cluster
 from ftstate.controller.calls import ActorCalls
+from ftstate.controller.chaos import Chaos
 from ftstate.controller.failover import Failover
+from ftstate.controller.formation import GroupFormation
+from ftstate.controller.launcher import ActorLauncher
+from ftstate.controller.membership import GROUP, Member, Membership
+from ftstate.controller.routing import Router
+from ftstate.controller.sync import SyncReport, WeightSync
+from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
-    ChecksumMismatch,
+    ConfigError,
     FTError,
     InvalidTransition,
     MemberLost,
-    NoServingWorkers,
     SyncTimeout,
     TransportError,
 )
-from ftstate.core.liveness import Heartbeat, Liveness
 from ftstate.core.machine import StateMachine
 from ftstate.core.spec import get_spec
 from ftstate.core.worker import RolloutWorker, TrainerWorker
 
-#: The weight-sync group's name (its store keys live under ``weights/v{N}``).
-GROUP = "weights"
-_GONE = frozenset({"LOST", "RETIRED", "FAILED", "STOPPED"})
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncReport:
-    """What one ``sync()`` did.
-
-    weights_version: the version every serving rollout now holds; checksum: its whole-state
-    checksum; nbytes: bytes sent per receiver; seconds: wall time; failovers: failovers this
-    sync needed; group_version: the membership version it ran under; rollouts: who got it.
-    """
-
-    weights_version: int
-    checksum: str
-    nbytes: int
-    seconds: float
-    failovers: int
-    group_version: int
-    rollouts: tuple[str, ...]
+__all__ = ["GROUP", "MemberInfo", "Runtime", "SyncReport"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +85,6 @@ class MemberInfo:
     group_version: int
     pid: int | None
     node: str | None
-
-
-@dataclasses.dataclass(eq=False)
-class _Member:
-    name: str
-    role: str
-    rank: int
-    machine: StateMachine
-    handle: Any
-    liveness: Liveness
-    pool: str = ""
-    slot: int = 0
-    pid: int | None = None
-    node: str | None = None
 
 
 class Runtime:
@@ -131,20 +109,29 @@ class Runtime:
         run_id: str | None = None,
         audit: AuditTrail | None = None,
     ) -> None:
+        if not isinstance(config, RuntimeConfig):
+            raise TypeError(f"config must be a ftstate.RuntimeConfig (RuntimeConfig.from_dict / from_yaml), "
+                            f"got {type(config).__name__}")
         if not (isinstance(trainer, type) and issubclass(trainer, TrainerWorker)):
             raise TypeError(f"trainer must be a TrainerWorker subclass, got {trainer!r}")
         if not (isinstance(rollout, type) and issubclass(rollout, RolloutWorker)):
             raise TypeError(f"rollout must be a RolloutWorker subclass, got {rollout!r}")
+        for name, value in (("trainer_args", trainer_args), ("rollout_args", rollout_args)):
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"{name} must be a sequence of constructor arguments, got {type(value).__name__}")
+        for name, value in (("trainer_kwargs", trainer_kwargs), ("rollout_kwargs", rollout_kwargs)):
+            if value is not None and not isinstance(value, Mapping):
+                raise TypeError(f"{name} must be a mapping of constructor keyword arguments, got {type(value).__name__}")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise TypeError(f"run_id must be a non-empty str, got {run_id!r}")
+        if audit is not None and not isinstance(audit, AuditTrail):
+            raise TypeError(f"audit must be a ftstate.AuditTrail, got {type(audit).__name__}")
         if config.trainer_workers != 1:
-            from ftstate.core.errors import ConfigError
-
             raise ConfigError(
                 "trainer_workers",
                 f"this release drives exactly one trainer in the weight-sync group, got {config.trainer_workers}",
             )
         if config.fault_tolerance.detect_node_maintenance:
-            from ftstate.core.errors import ConfigError
-
             # Refused rather than ignored: a run configured to drain nodes before maintenance
             # must not silently run without it.
             raise ConfigError(
@@ -154,31 +141,29 @@ class Runtime:
         self.config = config
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.audit = audit if audit is not None else AuditTrail(config.audit_log)
-        self._classes = {"trainer": trainer, "rollout": rollout}
+        self._classes: dict[str, type] = {"trainer": trainer, "rollout": rollout}
         self._args = {"trainer": (tuple(trainer_args), dict(trainer_kwargs or {})),
                       "rollout": (tuple(rollout_args), dict(rollout_kwargs or {}))}
-        self._members: dict[str, _Member] = {}
-        #: Trainer calls since the last committed sync: replayed on a replacement trainer that
-        #: recovered the last committed weights, so no step is lost (user methods must be
-        #: deterministic given their arguments for the replay to reproduce them).
-        self._trainer_calls: list[tuple[str, Any, Any]] = []
-        self._pools: dict[str, Any] = {}
         self._calls = ActorCalls(self._on_died)
-        self._store: Any = None
-        self._node: str | None = None
         self._started_ray = False
-        self._watchdog: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sync_lock = asyncio.Lock()
         self._routing_open = asyncio.Event()
         self._routing_open.set()
         self._failure: FTError | None = None
-        self._checksum: str | None = None
         self._closed = False
+        #: The group machine (None until started).
         self.group: StateMachine | None = None
-        self._failover = Failover(self)
-        #: Fault injection for tests, benchmarks and the demo (``rt.chaos.kill("rollout", 1)``).
-        self.chaos = Chaos(self)
+        # The parts, built at start around one membership (see the package docstring).
+        self._membership: Membership | None = None
+        self._launcher: ActorLauncher | None = None
+        self._formation: GroupFormation | None = None
+        self._watchdog: Watchdog | None = None
+        self._failover: Failover | None = None
+        self._sync: WeightSync | None = None
+        self._router: Router | None = None
+        self._chaos: Chaos | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -192,6 +177,8 @@ class Runtime:
     async def start(self) -> None:
         """Start the cluster (if needed), the store and every actor, and form group version 1.
         On any failure everything started is torn down before the error propagates."""
+        if self.group is not None:
+            raise FTError("the runtime is already started; a Runtime runs once (make a new one)")
         try:
             await self._start()
         except BaseException:
@@ -199,145 +186,95 @@ class Runtime:
             raise
 
     async def _start(self) -> None:
-        self._started_ray = cluster.connect(self.config.address)
-        from ftstate.transport import StoreServer
-
-        self._node = cluster.node_address()
-        self._store = StoreServer(host=self._node)
-        self.group = StateMachine(get_spec("group"), member="group", config=self.config, audit=self.audit)
+        cfg = self.config
+        self._started_ray = cluster.connect(cfg.address)
+        node = cluster.node_address()
+        self.group = StateMachine(get_spec("group"), member="group", config=cfg, audit=self.audit)
         self.group.listen(self._on_group_transition)
-        self._make_pools()
-        self._add_member("trainer", 0, "trainer-0")
-        for i in range(self.config.rollout_workers):
-            self._add_member("rollout", i + 1, f"rollout-{i}")
+        ms = self._membership = Membership(self.group)
+        self._launcher = ActorLauncher(run_id=self.run_id, config=cfg, audit=self.audit, membership=ms,
+                                       classes=self._classes, args=self._args,
+                                       on_transition=self._on_worker_transition, node=node)
+        self._formation = GroupFormation(config=cfg, audit=self.audit, membership=ms, calls=self._calls, host=node)
+        self._watchdog = Watchdog(config=cfg, membership=ms, calls=self._calls)
+        trainer_cls = self._classes["trainer"]
+        self._failover = Failover(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
+                                  launcher=self._launcher, formation=self._formation, watchdog=self._watchdog,
+                                  trainer_lossy=bool(getattr(trainer_cls, "lossy_state_dict", False)),
+                                  trainer_class_name=trainer_cls.__name__)
+        self._sync = WeightSync(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
+                                formation=self._formation, routing_open=self._routing_open,
+                                raise_if_failed=self._raise_if_failed)
+        self._router = Router(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
+                              routing_open=self._routing_open, recover=self._recover,
+                              failover_pending=lambda: self._failover is not None and self._failover.pending,
+                              raise_if_failed=self._raise_if_failed)
+        self._chaos = Chaos(ms, self.audit)
+        self._launcher.make_pools()
+        self._launcher.start("trainer", 0, "trainer-0")
+        for i in range(cfg.rollout_workers):
+            self._launcher.start("rollout", i + 1, f"rollout-{i}")
         self._failover.start_spares()  # they warm up while the group forms
         await self._rendezvous()
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
-
-    def _liveness(self) -> Liveness:
-        cfg = self.config
-        return Liveness(max(cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s / 2), cfg.heartbeat_timeout_s)
-
-    def _make_pools(self) -> None:
-        from ftstate.controller.placement import ResourcePool
-
-        cfg, ft = self.config, self.config.fault_tolerance
-        sizes = {"trainer": cfg.trainer_workers, "rollout": cfg.rollout_workers}
-        if ft.enable and ft.mode == "standby":
-            sizes[ft.standby_resource_pool] = 2 * ft.standby_workers
-        for name, slots in sizes.items():
-            self._pools[name] = ResourcePool(self.run_id, name, slots, cpus=cfg.worker_cpus, gpus=cfg.worker_gpus)
-
-    def _add_member(self, role: str, rank: int, name: str, pool: str | None = None) -> _Member:
-        import ray
-
-        from ftstate.controller.host import WorkerHost
-
-        machine = StateMachine(get_spec("worker"), member=name, role=role, rank=rank, config=self.config, audit=self.audit)
-        machine.listen(self._on_worker_transition)
-        args, kwargs = self._args[role]
-        resource_pool = self._pools[pool or role]
-        slot = resource_pool.take()
-        actor_cls = ray.remote(WorkerHost)
-        handle = actor_cls.options(
-            name=f"ftstate-{self.run_id}-{name}",
-            namespace="ftstate",
-            max_restarts=0,
-            max_concurrency=64,
-            **resource_pool.options(slot),
-        ).remote(name, role, self._classes[role], args, kwargs, self.config.backend,
-                 int(self.config.bucket_size_mb * 2**20))
-        member = _Member(name, role, rank, machine, handle, self._liveness(),
-                         pool=resource_pool.name, slot=slot)
-        self._members[name] = member
-        return member
+        self._watch_task = asyncio.get_running_loop().create_task(self._watchdog.run())
 
     async def close(self) -> None:
         """Stop the watchdog, kill every actor of the run, close the store; idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            await asyncio.gather(self._watchdog, return_exceptions=True)
-        await self._failover.close()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+        if self._failover is not None:
+            await self._failover.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        machines = [m.machine for m in self._members.values()] + ([self.group] if self.group else [])
+        members = list(self._membership) if self._membership is not None else []
+        machines = [m.machine for m in members] + ([self.group] if self.group else [])
         for machine in machines:
             if not machine.terminal and machine.can("stop"):
                 await machine.fire("stop", reason="runtime closed")
             machine.close()
-        self._kill_all()
-        self.chaos.release()
-        for pool in self._pools.values():
-            with contextlib.suppress(Exception):  # the cluster may be gone already
-                pool.remove()
-        self._pools.clear()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        if self._launcher is not None:
+            self._launcher.close()
+        if self._chaos is not None:
+            self._chaos.release()
+        if self._formation is not None:
+            self._formation.close()
         self.audit.close()
         if self._started_ray:
             cluster.shutdown()
 
-    def _kill_all(self) -> None:
-        for m in self._members.values():
-            self._kill(m)
-
-    def _kill(self, m: _Member) -> None:
-        """Kill a member's process. A hung one must not linger holding its group sockets (its
-        peers would block on it): on this node it gets SIGKILL at once, because ray.kill of a
-        stopped process waits for a graceful exit that never comes; elsewhere ray.kill."""
-        import os
-        import signal
-
-        import ray
-
-        if m.pid and m.node == self._node and m.pid != os.getpid():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(m.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(m.handle, no_restart=True)
-
-    # -- the group ---------------------------------------------------------------------
+    # -- the first group version ---------------------------------------------------------
 
     async def _rendezvous(self) -> None:
-        group = self._require_group()
+        ms, formation, launcher = self._parts()[:3]
+        group = ms.group
         group.group_version += 1
         version = group.group_version
-        members = self._group_members()
+        members = ms.group_members()
         await group.fire("start")
         for m in members:
             m.machine.group_version = version
             await m.machine.fire("join")
-        host, port = self._store.address.host, self._store.address.port
-        by_rank = {m.rank: m.name for m in members}
 
         def arrived() -> list[str]:
-            # Who registered in the store for this version: the transport's own record.
-            try:
-                ranks = self._store.arrived(GROUP, version)
-            except Exception:  # noqa: BLE001 - the store is the controller's; report what we can
-                ranks = []
-            return [by_rank[r] for r in ranks if r in by_rank]
+            return formation.arrived(version, members)
 
         def missing() -> list[str]:
             here = set(arrived())
             return [m.name for m in members if m.name not in here]
 
-        async def join(m: _Member) -> None:
+        async def join(m: Member) -> None:
             info = await self._calls.call(m.name, m.handle, "info")
-            m.pid, m.node = info["pid"], info["node"]
-            m.machine.bind(pid=m.pid, node=m.node)
-            await self._calls.call(
-                m.name, m.handle, "join", host, port, GROUP, version, m.rank, len(members), self.config.init_timeout_s
-            )
+            m.located(info["pid"], info["node"])
+            await formation.join(m, version, len(members))
 
         group.describe_wait(f"rendezvous of group {GROUP!r}", missing=missing, arrived=arrived)
         async with group.deadline_scope():
-            await asyncio.gather(*(pool.ready() for pool in self._pools.values()))
+            await launcher.pools_ready()
             joins = [asyncio.ensure_future(join(m)) for m in members]
             try:
                 await asyncio.gather(*joins)
@@ -353,8 +290,7 @@ class Runtime:
             # Fault tolerance on and a member died before version 1 formed: the failover
             # replaces it and forms the next version with everyone (its fence releases the
             # survivors still waiting in this one), spending one of max_failovers.
-            async with self._sync_lock:
-                await self._recover_locked()
+            await self._recover()
         else:
             await group.fire("rendezvous_done")
         # What the survivors' abandoned joins of this version said no longer matters.
@@ -381,273 +317,88 @@ class Runtime:
         whose own ``load_weights`` then raises is left STALE (serving nothing until a later
         sync brings it up to date), the others serve the new version, and its exception is
         raised to the caller.
+
+        With fault tolerance on, a failed attempt is made again after a loss that was
+        replaced (or shrunk away), and at most ``sync_retries`` times after a transient
+        failure with nobody lost; any other error is raised at once, from the member that
+        caused it (a receiver's own exception, not the sender's broken connection).
         """
         self._raise_if_failed()
+        ms, _, _, watchdog, failover, weight_sync = self._parts()
+        loop = asyncio.get_running_loop()
         async with self._sync_lock:
-            before = len(self._failover.records)
-            t0 = asyncio.get_running_loop().time()
+            before = len(failover.records)
+            t0 = loop.time()
+            transient = 0
+            def can_sync() -> bool:
+                # The trainer is not suspect and some rollout can receive: a sync called while
+                # every rollout is suspect (hung, or blocked behind a hung peer) waits for them
+                # to prove their weights or be declared LOST and replaced, instead of failing
+                # with NoServingWorkers a moment before the watchdog would have decided.
+                return (all(m.machine.state != "SUSPECT" for m in ms.role("trainer"))
+                        and any(m.machine.state in ("READY", "STALE") for m in ms.role("rollout")))
+
             while True:
-                await self._settle_suspects()
+                await watchdog.settle_suspects(done=can_sync)
                 await self._recover_locked()
-                await self._settle_suspects()
+                await watchdog.settle_suspects(done=can_sync)
+                epoch = ms.epoch
                 try:
-                    report = await self._sync()
+                    report = await weight_sync.attempt()
                 except (MemberLost, TransportError) as exc:
                     if not self.config.fault_tolerance.enable or self._failure is not None:
                         raise
                     self._raise_if_failed()
-                    spent = asyncio.get_running_loop().time() - t0
-                    if spent > self.config.sync_timeout_s:
+                    membership_changed = ms.epoch != epoch or failover.pending
+                    if not membership_changed:
+                        transient += 1
+                        if transient > self.config.sync_retries:
+                            self.audit.record("sync_gave_up", reason=f"{type(exc).__name__}: {exc}",
+                                              retries=self.config.sync_retries,
+                                              weights_version=ms.weights_version, group_version=ms.group_version)
+                            raise
+                    if loop.time() - t0 > self.config.sync_timeout_s:
                         raise SyncTimeout(
-                            f"weight sync to version {self.weights_version + 1} (with failovers)",
+                            f"weight sync to version {ms.weights_version + 1} (with failovers)",
                             key="sync_timeout_s", seconds=self.config.sync_timeout_s,
-                            group_version=self.group_version,
+                            group_version=ms.group_version,
                         ) from exc
                     self.audit.record("sync_retry", reason=f"{type(exc).__name__}: {exc}",
-                                      weights_version=self.weights_version, group_version=self.group_version)
+                                      membership_changed=bool(membership_changed), transient_retries=transient,
+                                      weights_version=ms.weights_version, group_version=ms.group_version)
                     continue
-                return dataclasses.replace(report, failovers=len(self._failover.records) - before)
+                return dataclasses.replace(report, failovers=len(failover.records) - before)
 
-    async def _settle_suspects(self, done: Any = None) -> None:
-        """Resolve suspects now rather than at the watchdog's pace: members that were only
-        blocked behind a hung peer answer again and prove their weights (verified), while a
-        hung one runs into its SUSPECT deadline (LOST, then a failover). Polls until no member
-        is suspect or ``done()`` holds (default: the trainer is not suspect; suspect rollouts
-        are simply left out of a sync), for at most ``heartbeat_timeout_s`` plus an interval."""
-        loop = asyncio.get_running_loop()
-        interval = self.config.heartbeat_interval_s
-        until = loop.time() + self.config.heartbeat_timeout_s + interval
-        if done is None:
-            def done() -> bool:
-                return all(m.machine.state != "SUSPECT" for m in self._role("trainer"))
-        while True:
-            suspects = [m for m in self._group_members() if m.machine.state == "SUSPECT"]
-            if not suspects:
-                return
-            await asyncio.gather(*(self._poll(m, loop.time()) for m in suspects), return_exceptions=True)
-            if done() or loop.time() > until:
-                return
-            await asyncio.sleep(interval)
+    # -- recovery ----------------------------------------------------------------------------
+
+    async def _recover(self) -> None:
+        async with self._sync_lock:
+            await self._recover_locked()
 
     async def _recover_locked(self) -> None:
         """Run pending failovers (the caller holds the membership lock)."""
-        if self._failover.pending:
+        self._raise_if_failed()  # a failed run has nothing left to recover into
+        failover = self._parts()[4]
+        if failover.pending:
             try:
-                await self._failover.recover()
+                await failover.recover()
             except FTError as exc:
-                self._failure = self._failure or exc
+                cause = self._failure or exc
+                self._failure = cause
                 # Fail the group now, with the error that ended the failover: waiting for
                 # PROMOTING's deadline would only hide the cause behind a FailoverTimeout.
                 group = self._require_group()
-                with contextlib.suppress(InvalidTransition):  # failed meanwhile by its own path
-                    await group.fire("fail", reason=f"failover failed: {exc}", error=exc)
+                if not group.terminal:
+                    with contextlib.suppress(InvalidTransition):  # failed meanwhile by its own path
+                        await group.fire("fail", reason=f"failover failed: {exc}", error=exc)
+                if isinstance(exc, InvalidTransition) and cause is not exc:
+                    raise cause from exc  # two paths raced to move one machine: the cause, not the race
                 raise
         self._raise_if_failed()
 
     async def _recover_in_background(self) -> None:
-        async with self._sync_lock:
-            with contextlib.suppress(FTError):  # recorded in self._failure; callers see it
-                await self._recover_locked()
-
-    def _group_members(self) -> list[_Member]:
-        """The members of the weight-sync group (not spares, not the lost), by rank."""
-        return sorted((m for m in self._members.values() if m.rank >= 0 and m.machine.state not in _GONE
-                       and m.machine.state != "STANDBY"), key=lambda m: m.rank)
-
-    async def _reform(self) -> None:
-        """Form the next group version with every live member (after a loss or a promotion);
-        survivors keep serving what they hold meanwhile."""
-        group = self._require_group()
-        group.group_version += 1
-        version = group.group_version
-        self._store.fence(GROUP, version)
-        members = self._group_members()
-        host, port = self._store.address.host, self._store.address.port
-        for rank, m in enumerate(members):
-            # Ranks are per group version and contiguous; the trainer (rank 0) stays first.
-            m.rank = rank
-            m.machine.bind(rank=rank)
-            m.machine.group_version = version
-        await asyncio.gather(*(
-            self._calls.call(m.name, m.handle, "join", host, port, GROUP, version, m.rank, len(members),
-                             self.config.init_timeout_s)
-            for m in members
-        ))
-        self.audit.record("group_formed", machine="group", member="group", group_version=version,
-                          weights_version=group.weights_version, members=[m.name for m in members])
-
-    async def _sync(self) -> SyncReport:
-        group = self._require_group()
-        t0 = time.perf_counter()
-        previous = group.weights_version
-        target = previous + 1
-        trainer = self._trainer()
-        if trainer.machine.state != "READY":
-            raise MemberLost(trainer.name, f"cannot send weights from state {trainer.machine.state}",
-                             group_version=group.group_version)
-        rollouts = [m for m in self._role("rollout") if m.machine.state in ("READY", "STALE")]
-        if not rollouts:
-            raise NoServingWorkers(f"no rollout can receive weights version {target}: {self._states_text()}")
-        # The sync_start record names the version being pushed; until it is committed the
-        # group's (and routing's) current version stays the previous one.
-        group.weights_version = target
-        await group.fire("sync_start", rollouts=[m.name for m in rollouts])
-        group.weights_version = previous
-        await trainer.machine.fire("sync")
-        for m in rollouts:
-            await m.machine.fire("sync" if m.machine.state == "READY" else "resync")
-        group.describe_wait(
-            f"weight sync to version {target}", missing=[m.name for m in [trainer, *rollouts]]
-        )
-        staged: dict[str, dict[str, Any]] = {}
-        sent: dict[str, Any] = {}
-        timeout = self.config.sync_timeout_s
-        try:
-            async with group.deadline_scope():
-                results = await self._transfer([
-                    (trainer, self._calls.call(trainer.name, trainer.handle, "send_weights", target, timeout)),
-                    *((m, self._calls.call(m.name, m.handle, "receive_weights", target, 0, timeout))
-                      for m in rollouts),
-                ])
-                failures = self._failures([trainer, *rollouts], results)
-                if not failures:
-                    sent = results[0]
-                    staged = {m.name: r for m, r in zip(rollouts, results[1:], strict=True)}
-                    torn = [n for n, r in staged.items() if r["checksum"] != sent["checksum"]]
-                    if torn:
-                        failures = {n: ChecksumMismatch(
-                            f"{n} staged weights version {target} with checksum {staged[n]['checksum']}, "
-                            f"the trainer sent {sent['checksum']}") for n in torn}
-                if failures:
-                    await self._abort_sync(trainer, rollouts, previous, failures)
-                    raise next(iter(failures.values()))
-                group.weights_version = target
-                not_loaded = await self._commit(trainer, rollouts, target, sent["checksum"])
-                self._raise_if_failed()  # a death during the commit with fault tolerance off
-        except SyncTimeout:
-            group.weights_version = previous
-            raise
-        self._checksum = sent["checksum"]
-        self._trainer_calls.clear()  # the trainer's work up to here is committed in the weights
-        await group.fire("sync_done", checksum=self._checksum, nbytes=sent["nbytes"])
-        user_errors = [e for e in not_loaded.values() if not isinstance(e, MemberLost)]
-        if user_errors:
-            # The version is committed on the others and the group is consistent; the caller
-            # still hears of the rollout whose own load_weights raised (its bug, not a fault).
-            raise user_errors[0]
-        return SyncReport(
-            weights_version=target,
-            checksum=self._checksum,
-            nbytes=sent["nbytes"],
-            seconds=time.perf_counter() - t0,
-            failovers=0,
-            group_version=group.group_version,
-            rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
-        )
-
-    async def _transfer(self, calls: Sequence[tuple[_Member, Any]]) -> list[Any]:
-        """Run the participants' calls of one transfer; results (or exceptions) in order.
-
-        As soon as one fails (other than by a checksum mismatch, which the protocol itself
-        reports after the vote), the others are told to abandon the transfer: a collective
-        whose member died or left does not reliably fail on the others, and each would
-        otherwise wait, busy and making no progress, until the watchdog took it for hung
-        and had it killed. The abandoned group version is replaced by the caller (failover
-        or :meth:`_abort_sync`)."""
-        tasks = [asyncio.ensure_future(call) for _, call in calls]
-        members = [m for m, _ in calls]
-        waiting = set(tasks)
-        abandoned = False
-        try:
-            while waiting:
-                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                failed = [t for t in done if t.exception() is not None
-                          and not isinstance(t.exception(), ChecksumMismatch)]
-                if failed and waiting and not abandoned:
-                    abandoned = True
-                    culprit = members[tasks.index(failed[0])].name
-                    reason = f"{culprit} failed: {type(failed[0].exception()).__name__}"
-                    others = [m for m, t in zip(members, tasks, strict=True) if t in waiting]
-                    self.audit.record("transfer_abandoned", reason=reason, members=[m.name for m in others])
-                    await asyncio.gather(*(self._calls.call(m.name, m.handle, "abandon_transfer", reason)
-                                           for m in others), return_exceptions=True)
-        except asyncio.CancelledError:  # the state's deadline: the calls go with it
-            for t in tasks:
-                t.cancel()
-            raise
-        return [t.exception() or t.result() for t in tasks]
-
-    def _failures(self, members: Sequence[_Member], results: Sequence[Any]) -> dict[str, BaseException]:
-        out: dict[str, BaseException] = {}
-        for m, r in zip(members, results, strict=True):
-            if isinstance(r, BaseException):
-                if isinstance(r, asyncio.CancelledError):
-                    raise r
-                out[m.name] = r
-        # A death explains its peers' transport errors: report the dead member first.
-        return dict(sorted(out.items(), key=lambda kv: not isinstance(kv[1], MemberLost)))
-
-    async def _abort_sync(
-        self, trainer: _Member, rollouts: Sequence[_Member], previous: int, failures: Mapping[str, BaseException]
-    ) -> None:
-        """Nobody committed: every survivor keeps ``previous``, which stays the current version."""
-        group = self._require_group()
-        for m in [trainer, *rollouts]:
-            if m.machine.state in _GONE:
-                continue
-            if m.role == "rollout":
-                with contextlib.suppress(MemberLost):  # died meanwhile: nothing to discard
-                    await self._calls.call(m.name, m.handle, "discard_weights")
-            err = failures.get(m.name)
-            if m.machine.state == "SYNCING":
-                await m.machine.fire("sync_aborted", reason=str(err) if err else "sync aborted")
-            elif m.machine.state == "RESYNCING":
-                await m.machine.fire("resync_failed", reason=str(err) if err else "sync aborted")
-        group.weights_version = previous
-        first = next(iter(failures.items()))
-        if group.state == "SYNCING":
-            await group.fire("sync_failed", reason=f"{first[0]}: {first[1]}")
-        alive = all(m.machine.state not in _GONE for m in [trainer, *rollouts])
-        if alive and not group.terminal and any(not isinstance(e, ChecksumMismatch) for e in failures.values()):
-            # The transfer was abandoned mid-stream (a member's communicator was aborted, e.g.
-            # the trainer's state_dict() raised): nobody died, so no failover will form the
-            # next group version; form it here so the next sync finds a sound group. (A
-            # checksum mismatch leaves the stream aligned and the group usable.)
-            with contextlib.suppress(MemberLost):  # a death meanwhile is the failover's to handle
-                await self._reform()
-
-    async def _commit(
-        self, trainer: _Member, rollouts: Sequence[_Member], version: int, checksum: str
-    ) -> dict[str, BaseException]:
-        """Hand the staged version to every rollout's ``load_weights``; returns the rollouts
-        whose commit failed. The vote already made ``version`` current: one that failed here
-        (its ``load_weights`` raised, or it died) is taken out of serving, STALE until a later
-        sync resyncs it (or LOST), while the others serve ``version``."""
-        self._routing_open.clear()
-        try:
-            results = await asyncio.gather(
-                *(self._calls.call(m.name, m.handle, "commit_weights", version) for m in rollouts),
-                return_exceptions=True,
-            )
-        finally:
-            self._routing_open.set()
-        failed = self._failures(rollouts, results)
-        for m in rollouts:
-            if m.name in failed:
-                if m.machine.state in _GONE:
-                    continue
-                trigger = "sync_failed" if m.machine.state == "SYNCING" else "resync_failed"
-                await m.machine.fire(trigger, reason=f"commit of weights version {version} failed: {failed[m.name]}")
-                continue
-            m.machine.weights_version = version
-            if m.machine.state == "SYNCING":
-                await m.machine.fire("committed", checksum=checksum)
-            else:
-                await m.machine.fire("verified", checksum=checksum)
-                await m.machine.fire("admit")
-        trainer.machine.weights_version = version
-        await trainer.machine.fire("committed", checksum=checksum)
-        return failed
+        with contextlib.suppress(FTError):  # recorded in self._failure; callers see it
+            await self._recover()
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -656,12 +407,12 @@ class Runtime:
         their results in rank order. Raises :class:`~ftstate.core.errors.NoServingWorkers` when none does.
         With fault tolerance on, a call cut short by a lost rollout is made again once the
         failover completed."""
-        return await self._with_failover(self._rollout_once, method, args, kwargs)
+        return await self._require_router().rollout(method, args, kwargs)
 
     async def trainer(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on the current trainer. With fault tolerance on, a call cut short by
         the trainer's loss is made again on its replacement (so the loop never sees it)."""
-        return await self._with_failover(self._trainer_once, method, args, kwargs)
+        return await self._require_router().trainer(method, args, kwargs)
 
     async def rollout_map(self, method: str, items: Sequence[Any], *args: Any) -> list[Any]:
         """Deal ``items`` over the rollouts serving the current weights (item ``i`` to the
@@ -669,98 +420,11 @@ class Runtime:
         in item order (``method`` must answer each shard with one result per item, in order).
         With fault tolerance on, the shard of a rollout lost mid-call is dealt again over the
         rollouts serving once the failover completed; with it off, the loss is raised."""
-        results: list[Any] = [None] * len(items)
-        todo = list(range(len(items)))
-        attempts = 0
-        while todo:
-            self._raise_if_failed()
-            await self._routing_open.wait()
-            targets = self.serving_rollouts()
-            if not targets:
-                if self.config.fault_tolerance.enable and self._failover.pending:
-                    async with self._sync_lock:
-                        await self._recover_locked()
-                    continue
-                raise NoServingWorkers(
-                    f"no rollout serves the current weights version {self.weights_version}: {self._states_text()}"
-                )
-            shards = {name: todo[i::len(targets)] for i, name in enumerate(targets)}
-            outs = await asyncio.gather(*(
-                self._calls.call(name, self._members[name].handle, "call", method,
-                                 (*args, [items[j] for j in idx]), {})
-                for name, idx in shards.items()
-            ), return_exceptions=True)
-            failed: list[int] = []
-            for (name, idx), out in zip(shards.items(), outs, strict=True):
-                if isinstance(out, MemberLost) and self.config.fault_tolerance.enable:
-                    failed += idx
-                    continue
-                if isinstance(out, BaseException):
-                    raise out
-                if len(out) != len(idx):
-                    raise FTError(f"{name}: {method}() answered {len(out)} results for a shard of {len(idx)}")
-                for j, r in zip(idx, out, strict=True):
-                    results[j] = r
-            if failed:
-                attempts += 1
-                if attempts > self.config.fault_tolerance.max_failovers + 1:
-                    raise MemberLost(", ".join(shards), f"{method}() kept losing rollouts ({attempts} tries)")
-                self.audit.record("call_retry", method=method, items=len(failed), attempt=attempts)
-                async with self._sync_lock:
-                    await self._recover_locked()
-            todo = sorted(failed)
-        return results
-
-    async def _with_failover(self, fn: Any, method: str, args: Any, kwargs: Any) -> Any:
-        attempts = 0
-        while True:
-            self._raise_if_failed()
-            try:
-                return await fn(method, args, kwargs)
-            except MemberLost:
-                attempts += 1
-                if not self.config.fault_tolerance.enable or attempts > self.config.fault_tolerance.max_failovers:
-                    raise
-                async with self._sync_lock:
-                    await self._recover_locked()
-                self.audit.record("call_retry", method=method, attempt=attempts)
-
-    async def _rollout_once(self, method: str, args: Any, kwargs: Any) -> list[Any]:
-        self._raise_if_failed()
-        await self._routing_open.wait()
-        targets = self.serving_rollouts()
-        if not targets:
-            version = self._require_group().weights_version
-            raise NoServingWorkers(f"no rollout serves the current weights version {version}: {self._states_text()}")
-        return list(await asyncio.gather(*(self._user_call(self._members[m], method, args, kwargs) for m in targets)))
-
-    async def _trainer_once(self, method: str, args: Any, kwargs: Any) -> Any:
-        self._raise_if_failed()
-        m = self._trainer()
-        if not m.machine.serving:
-            # A replacement mid-failover has not got the weights yet: wait for the failover.
-            raise MemberLost(m.name, f"not serving yet ({m.machine.state})", group_version=self.group_version)
-        result = await self._user_call(m, method, args, kwargs)
-        self._trainer_calls.append((method, args, kwargs))
-        return result
-
-    async def _user_call(self, m: _Member, method: str, args: Any, kwargs: Any) -> Any:
-        """One call of the user's code on a worker. A call that raises changes no state, but
-        the trail still says so (an ``error`` record on the worker's machine): a run that
-        ends on a user error is then explained by its trail alone. A death is the machine's
-        own transition (``died``), not recorded twice."""
-        try:
-            return await self._calls.call(m.name, m.handle, "call", method, args, kwargs)
-        except MemberLost:
-            raise
-        except Exception as exc:
-            m.machine.record_error(exc, call=method)
-            raise
+        return await self._require_router().rollout_map(method, items, args)
 
     def serving_rollouts(self) -> list[str]:
         """Rollouts in a serving state holding the current weights version, in rank order."""
-        version = self._require_group().weights_version
-        return [m.name for m in self._role("rollout") if m.machine.serving and m.machine.weights_version == version]
+        return self._require_membership().serving_rollouts()
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -779,42 +443,50 @@ class Runtime:
     @property
     def checksum(self) -> str | None:
         """Checksum of the current weights version (None before the first sync)."""
-        return self._checksum
+        return self._membership.checksum if self._membership is not None else None
+
+    @property
+    def chaos(self) -> Chaos:
+        """Fault injection for tests, benchmarks and the demo (``rt.chaos.kill("rollout", 1)``)."""
+        if self._chaos is None:
+            raise FTError("the runtime is not started: use `async with Runtime(...)` or `await rt.start()`")
+        return self._chaos
 
     def members(self) -> list[MemberInfo]:
         """Every worker the run started (spares have rank -1), group members first by rank."""
+        members = list(self._membership) if self._membership is not None else []
         return [
             MemberInfo(m.name, m.role, m.rank, m.machine.state, m.machine.weights_version,
                        m.machine.group_version, m.pid, m.node)
-            for m in sorted(self._members.values(), key=lambda m: (m.rank < 0, m.rank, m.name))
+            for m in sorted(members, key=lambda m: (m.rank < 0, m.rank, m.name))
         ]
 
     def handle(self, member: str) -> Any:
         """The Ray actor handle of a member (tests and chaos use it)."""
-        return self._members[member].handle
-
-    def _trainer(self) -> _Member:
-        live = [m for m in self._role("trainer") if m.machine.state not in _GONE]
-        if not live:
-            raise MemberLost("trainer-0", "no live trainer", group_version=self.group_version)
-        return live[0]
-
-    def _role(self, role: str) -> list[_Member]:
-        """Group members of a role (spares excluded), by rank."""
-        return sorted((m for m in self._members.values() if m.role == role and m.rank >= 0), key=lambda m: m.rank)
+        return self._require_membership().get(member).handle
 
     @property
     def failovers(self) -> list[Any]:
         """Every failover so far (:class:`~ftstate.controller.failover.FailoverRecord`)."""
-        return list(self._failover.records)
+        return list(self._failover.records) if self._failover is not None else []
+
+    def _parts(self) -> tuple[Membership, GroupFormation, ActorLauncher, Watchdog, Failover, WeightSync]:
+        ms = self._require_membership()
+        assert self._formation and self._launcher and self._watchdog and self._failover and self._sync
+        return ms, self._formation, self._launcher, self._watchdog, self._failover, self._sync
+
+    def _require_membership(self) -> Membership:
+        if self._membership is None:
+            raise FTError("the runtime is not started: use `async with Runtime(...)` or `await rt.start()`")
+        return self._membership
 
     def _require_group(self) -> StateMachine:
-        if self.group is None:
-            raise FTError("the runtime is not started: use `async with Runtime(...)` or `await rt.start()`")
-        return self.group
+        return self._require_membership().group
 
-    def _states_text(self) -> str:
-        return ", ".join(f"{m.name}={m.machine.state}@v{m.machine.weights_version}" for m in self._role("rollout"))
+    def _require_router(self) -> Router:
+        self._require_membership()
+        assert self._router is not None
+        return self._router
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
@@ -826,26 +498,28 @@ class Runtime:
     # -- failures ------------------------------------------------------------------------
 
     async def _on_died(self, member: str, reason: str) -> None:
-        m = self._members.get(member)
+        m = self._membership.find(member) if self._membership is not None else None
         if m is not None and m.machine.can("died"):
             lost = MemberLost(member, reason, group_version=m.machine.group_version)
             await m.machine.fire("died", reason=reason, error=lost)
 
     def _on_worker_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:
         if dest == "LOST":
-            m = self._members[machine.member]
+            ms, _, _, _, failover, _ = self._parts()
+            m = ms.get(machine.member)
+            ms.changed()
             if self.config.fault_tolerance.enable:
                 # Noted now, not in the task: a sync that fails because of this loss must find it.
-                self._failover.note_loss(m, asyncio.get_running_loop().time())
+                failover.note_loss(m, asyncio.get_running_loop().time())
             self._spawn(self._member_lost(m, machine.error))
 
     def _on_group_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:
         if dest == "FAILED" and self._failure is None and machine.error is not None:
             self._failure = machine.error
 
-    async def _member_lost(self, m: _Member, error: FTError | None) -> None:
-
-        self._kill(m)
+    async def _member_lost(self, m: Member, error: FTError | None) -> None:
+        _, _, launcher, _, failover, _ = self._parts()
+        launcher.kill(m)
         lost = error if isinstance(error, MemberLost) else MemberLost(
             m.name, str(error) if error else "declared lost", group_version=m.machine.group_version)
         if not self.config.fault_tolerance.enable:
@@ -857,9 +531,9 @@ class Runtime:
         if m.rank < 0:  # a spare died: retire it and start another
             if m.machine.can("retire"):
                 await m.machine.fire("retire", reason="spare lost")
-            self._pools[m.pool].give_back(m.slot)
+            launcher.give_back(m)
             if not self._closed:
-                self._failover.spare_lost(m)
+                failover.spare_lost(m)
             return
         await self._recover_in_background()
 
@@ -867,116 +541,3 @@ class Runtime:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    # -- heartbeats -----------------------------------------------------------------------
-
-    async def _watch(self) -> None:
-        interval = self.config.heartbeat_interval_s
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(interval)
-            members = [m for m in self._members.values() if m.machine.state not in _GONE and m.machine.state != "INIT"]
-            await asyncio.gather(*(self._poll(m, loop.time()) for m in members), return_exceptions=True)
-
-    async def _poll(self, m: _Member, now: float) -> None:
-        try:
-            raw = await self._calls.call(m.name, m.handle, "heartbeat", timeout=self.config.heartbeat_interval_s)
-            beat: Heartbeat | None = Heartbeat(**raw)
-        except MemberLost:
-            beat = None
-        if m.machine.state in _GONE:
-            return
-        group = self._require_group()
-        trigger = m.liveness.observe(
-            now, beat, state=m.machine.state, current_version=group.weights_version, current_checksum=self._checksum
-        )
-        if trigger is None or not m.machine.can(trigger):
-            return
-        reason = "no heartbeat within the interval" if beat is None else f"progress {beat.progress}, busy={beat.busy}"
-        await m.machine.fire(trigger, reason=reason)
-        if trigger == "verified":
-            await m.machine.fire("admit")
-
-
-class Chaos:
-    """Fault injection on a running runtime: real signals to real processes.
-
-    ``role``/``rank``: the worker by role and its index within the role (``("rollout", 1)`` is
-    ``rollout-1``; the trainer is ``("trainer", 0)``), or a member name. Each is usable before
-    or during a sync; ``after_progress`` delays a kill until the worker made that many more
-    units of progress (buckets, calls), which lands it in the middle of a transfer.
-    """
-
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
-        #: (loop time, member, fault) of every injected fault.
-        self.injected: list[tuple[float, str, str]] = []
-        #: pids stopped by :meth:`hang`, released by :meth:`release` (and at close).
-        self.hung: list[int | None] = []
-
-    def _member(self, role: str, rank: int | None) -> _Member:
-        rt = self.rt
-        if rank is None:
-            return rt._members[role]
-        if role == "trainer":
-            return rt._trainer()
-        live = [m for m in rt._role(role) if m.machine.state not in _GONE]
-        by_name = {m.name: m for m in live}
-        name = f"{role}-{rank}"
-        if name in by_name:
-            return by_name[name]
-        if rank < len(live):
-            return live[rank]
-        raise FTError(f"chaos: no live {role} with index {rank}; live: {', '.join(by_name) or 'none'}")
-
-    def _note(self, m: _Member, fault: str) -> None:
-        self.injected.append((asyncio.get_running_loop().time(), m.name, fault))
-        self.rt.audit.record("chaos", member=m.name, fault=fault, pid=m.pid)
-
-    async def kill(self, role: str, rank: int | None = None, *, after_progress: int | None = None) -> str:
-        """SIGKILL the worker's process (now, or after ``after_progress`` more units of progress)."""
-        import os
-        import signal
-
-        m = self._member(role, rank)
-        if after_progress is not None:
-            await m.handle.chaos_kill_after_progress.remote(after_progress)
-            self._note(m, f"kill after {after_progress} progress")
-        else:
-            self._note(m, "kill")
-            if m.pid and m.node in ("127.0.0.1", "localhost"):
-                os.kill(m.pid, signal.SIGKILL)
-            else:
-                m.handle.chaos_kill.remote()
-        return m.name
-
-    async def hang(self, role: str, rank: int | None = None, *, after_progress: int | None = None) -> str:
-        """Stop the worker's process (SIGSTOP): alive, no progress, no answers (now, or after
-        ``after_progress`` more units of progress)."""
-        m = self._member(role, rank)
-        if after_progress is not None:
-            await m.handle.chaos_hang_after_progress.remote(after_progress)
-            self._note(m, f"hang after {after_progress} progress")
-        else:
-            self._note(m, "hang")
-            m.handle.chaos_hang.remote()
-        self.hung.append(m.pid)
-        return m.name
-
-    def release(self) -> None:
-        """SIGKILL every process this chaos hung (their actors are dead to the run already)."""
-        import os
-        import signal
-
-        for pid in self.hung:
-            for sig in (signal.SIGKILL, signal.SIGCONT):
-                with contextlib.suppress(ProcessLookupError, TypeError):
-                    os.kill(pid, sig)
-        self.hung.clear()
-
-    async def corrupt(self, role: str, rank: int | None = None) -> str:
-        """Flip one byte of the next bucket the worker receives."""
-        m = self._member(role, rank)
-        self._note(m, "corrupt")
-        await m.handle.chaos_corrupt_next_bucket.remote()
-        return m.name

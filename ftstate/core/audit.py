@@ -20,6 +20,9 @@ Record fields (absent when they do not apply):
 ``weights_version``    the weights version the member holds (group: the current one)
 ``seconds_in_state``   time spent in the state that was left
 ``error``/``message``  the error class and its message, for expiries and errors
+``reason``             why, in one line
+``detail``             the rest of a multi-line ``reason`` or ``message`` (a remote
+                       traceback), kept apart so every other field stays one line
 =====================  ============================================================
 
 Writing goes through structlog (JSON renderer, ~20-30 µs a record); this module imports
@@ -43,6 +46,8 @@ DEADLINE_EXPIRED = "deadline_expired"
 BUDGET_SPENT = "budget_spent"
 BUDGET_EXHAUSTED = "budget_exhausted"
 ERROR = "error"
+#: Fields written as one line (their further lines go to ``detail``).
+ONE_LINE_FIELDS = ("reason", "message")
 
 
 class AuditTrail:
@@ -82,7 +87,14 @@ class AuditTrail:
         self._log = structlog.wrap_logger(logger, processors=processors, context_class=dict)
 
     def record(self, event: str, **fields: Any) -> None:
-        """Write one record. ``fields`` may use ``from``/``to`` via ``**{"from": ...}``."""
+        """Write one record. ``fields`` may use ``from``/``to`` via ``**{"from": ...}``.
+        A multi-line ``reason`` or ``message`` keeps its first line; the rest goes to ``detail``."""
+        for key in ONE_LINE_FIELDS:
+            value = fields.get(key)
+            if isinstance(value, str) and "\n" in value.strip():
+                first, _, rest = value.strip().partition("\n")
+                fields[key] = first.strip()
+                fields.setdefault("detail", rest.strip())
         self._log.msg(event=event, t=round(self._clock() - self._t0, 6), **fields)
 
     def _keep_record(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:

@@ -68,7 +68,8 @@ class FaultToleranceConfig:
     max_failovers: int = _field(
         5,
         "Failovers (entries into PROMOTING) the run may spend; the next loss after that "
-        "fails the run with FailoverBudgetExhausted.",
+        "fails the run with FailoverBudgetExhausted. It also bounds how often one user call cut "
+        "short by a loss is made again (rt.trainer / rt.rollout; a rollout_map shard once more).",
         ge=0,
     )
     optimizer_state: Literal["reset", "checkpoint"] = _field(
@@ -88,6 +89,20 @@ class FaultToleranceConfig:
         "Let reverse_weight_sync rebuild a trainer whose state_dict() is a lossy view of its master "
         "weights (TrainerWorker.lossy_state_dict, e.g. bf16 copies of fp32 masters). Off: refused "
         "with LossyRecoveryRefused.",
+    )
+    resync_retries: int = _field(
+        3,
+        "Times a failover makes the point-to-point transfer to a newcomer again after it failed "
+        "without a death (a corrupted bucket, a dropped connection); past that the failover fails "
+        "with the transfer's error.",
+        ge=0,
+    )
+    spare_start_attempts: int = _field(
+        3,
+        "Spares of one role that may die in a row before ever getting warm (a constructor or a "
+        "node that keeps failing) before no more are started for that role (spare_unavailable "
+        "in the trail); a later loss then starts a fresh actor or shrinks the group.",
+        ge=1,
     )
     min_rollout_workers: int = _field(
         1,
@@ -131,6 +146,15 @@ class RuntimeConfig:
     sync_timeout_s: float = _field(600.0, "One weight sync, end to end.", gt=0)
     failover_timeout_s: float = _field(
         120.0, "From a loss being detected to its replacement serving the current weights.", gt=0
+    )
+    sync_retries: int = _field(
+        2,
+        "With fault tolerance on, times one sync() is tried again after a transient failure "
+        "(a transport error or an unanswered call) with nobody lost. A retry after a loss that "
+        "was replaced or shrunk away is not counted here: each one spends max_failovers. Any "
+        "other error (user code raising, bad input) is raised at once, as is the transient "
+        "error past this bound.",
+        ge=0,
     )
     heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker.", gt=0)
     heartbeat_timeout_s: float = _field(

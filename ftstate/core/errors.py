@@ -18,6 +18,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── MemberLost               a worker died or was declared lost and nothing replaced it
     ├── LossyRecoveryRefused     reverse recovery would rebuild a trainer from lossy weights
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
+    ├── StateDictError           user code handed weights the transport cannot send (also a TypeError)
     ├── TransportError           moving weights failed
     │   ├── BackendUnavailable   the chosen backend (e.g. nccl) cannot load here
     │   ├── StaleGroupVersion    a message or collective from an older group version (fencing)
@@ -181,6 +182,34 @@ class NoServingWorkers(FTError):
     """Raised when a call needs a worker that serves the current weights and none does."""
 
 
+class StateDictError(FTError, TypeError):
+    """Raised where user code hands ftstate weights that cannot travel, before anything is sent.
+
+    A trainer's ``state_dict()`` (or any mapping given to the transport) must be a mapping of
+    non-empty ``str`` names to plain, dense (strided) ``torch.Tensor`` values with data, of a
+    dtype the manifest knows, on the device the backend sends from (gloo: cpu; nccl: cuda).
+
+    Attributes: ``member`` (who returned it; ``""`` where unknown), ``tensor`` (the name of
+    the offending tensor, or None when the whole state is at fault: not a mapping, empty, a
+    key that is not a str), ``got`` (what it is: type, layout, dtype or device), ``expected``
+    (what would have been accepted) and ``what`` (where the value came from,
+    ``"state_dict()"`` by default). It is not a :class:`TransportError`: nothing moved, and
+    sending the same state again cannot succeed, so the runtime does not retry it.
+    """
+
+    def __init__(
+        self, member: str, tensor: str | None, got: str, expected: str, *, what: str = "state_dict()"
+    ) -> None:
+        self.member = member
+        self.tensor = tensor
+        self.got = got
+        self.expected = expected
+        self.what = what
+        where = what if tensor is None else f"{what}[{tensor!r}]"
+        who = f"{member}: " if member else ""
+        super().__init__(f"{who}{where}: got {got}, expected {expected}")
+
+
 class TransportError(FTError):
     """Base of the errors raised while moving weights."""
 
@@ -293,6 +322,7 @@ __all__ = [
     "RendezvousTimeout",
     "SpecError",
     "StaleGroupVersion",
+    "StateDictError",
     "SyncTimeout",
     "TransportError",
 ]

@@ -14,11 +14,14 @@ neither torch nor any backend; the first use of a name below does):
   :class:`SyncReport` — what the sender learns.
 * :func:`state_checksum` — the whole-state checksum (names, dtypes, shapes, bytes).
 * :func:`bucket_bytes` — the config's ``bucket_size_mb`` in bytes.
+* :func:`check_state_dict` — the check of a user's state before it is sent: a typed
+  :class:`~ftstate.core.errors.StateDictError` naming the tensor for one that cannot travel.
 
 Modules: ``store`` (store, versioned rendezvous, fencing), ``base`` (the communicator
 interface), ``factory`` (a backend by name), ``gloo`` and ``nccl`` (backends), ``buckets`` (layout and bucket
-planning), ``manifest`` (wire messages), ``checksum`` (hashing), ``sync`` (the transfer
-protocol, broadcast and point-to-point). Nothing here imports Ray.
+planning), ``manifest`` (wire messages), ``checksum`` (hashing), ``validate`` (what a user's
+state must be to travel), ``sync`` (the transfer protocol, broadcast and point-to-point).
+Nothing here imports Ray.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ _EXPORTS = {
     "DEFAULT_BUCKET_SIZE": "ftstate.transport.sync",
     "state_checksum": "ftstate.transport.checksum",
     "bucket_bytes": "ftstate.transport.buckets",
+    "check_state_dict": "ftstate.transport.validate",
 }
 
 __all__ = [
@@ -50,6 +54,7 @@ __all__ = [
     "StoreServer",
     "SyncReport",
     "bucket_bytes",
+    "check_state_dict",
     "create_communicator",
     "state_checksum",
 ]
@@ -61,6 +66,7 @@ if TYPE_CHECKING:
     from ftstate.transport.factory import create_communicator
     from ftstate.transport.store import StoreAddress, StoreServer
     from ftstate.transport.sync import DEFAULT_BUCKET_SIZE, CommittedWeights, Receiver, Sender, SyncReport
+    from ftstate.transport.validate import check_state_dict
 
 
 def __getattr__(name: str) -> Any:

@@ -200,21 +200,22 @@ def decode_manifest(
             raise _fail(f"{where}.name", f"duplicate tensor name {name!r}")
         names.add(name)
         if dtype not in DTYPE_ITEMSIZE:
-            raise _fail(f"{where}.dtype", f"unknown dtype {dtype!r} for tensor {name!r}")
+            raise _fail(f"{where}.dtype", f"tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-            raise _fail(f"{where}.shape", f"expected a list of non-negative integers, got {shape!r}")
+            raise _fail(f"{where}.shape", f"tensor {name!r}: expected a list of non-negative integers, got {shape!r}")
         for f, v in (("offset", offset), ("nbytes", nbytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise _fail(f"{where}.{f}", f"expected a non-negative integer, got {v!r}")
+                raise _fail(f"{where}.{f}", f"tensor {name!r}: expected a non-negative integer, got {v!r}")
         if nbytes != nbytes_of(dtype, shape):
             raise _fail(
                 f"{where}.nbytes",
-                f"{nbytes} does not match dtype {dtype} and shape {shape} ({nbytes_of(dtype, shape)} bytes)",
+                f"tensor {name!r}: {nbytes} does not match dtype {dtype} and shape {shape} "
+                f"({nbytes_of(dtype, shape)} bytes)",
             )
         if offset % DTYPE_ITEMSIZE[dtype]:
-            raise _fail(f"{where}.offset", f"{offset} is not aligned to the {dtype} itemsize")
+            raise _fail(f"{where}.offset", f"tensor {name!r}: {offset} is not aligned to the {dtype} itemsize")
         if offset + nbytes > total:
-            raise _fail(f"{where}.offset", f"tensor {name!r} ends at {offset + nbytes}, past total_bytes {total}")
+            raise _fail(f"{where}.offset", f"tensor {name!r}: ends at {offset + nbytes}, past total_bytes {total}")
         entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
 
     spans = sorted((e.offset, e.end, e.name) for e in entries if e.nbytes)

@@ -107,6 +107,7 @@ from ftstate.transport.manifest import (
     encode_manifest,
     encode_seal,
 )
+from ftstate.transport.validate import check_state_dict
 
 log = logging.getLogger("ftstate.transport")
 
@@ -430,7 +431,10 @@ class Sender:
         version of a :class:`CommittedWeights`). ``timeout_s``: ``sync_timeout_s``, the
         bound on the whole transfer, manifest to vote. Raises :class:`PeerLost`,
         :class:`SyncTimeout`, :class:`StaleGroupVersion` (this communicator was fenced);
-        receivers that rejected the data are listed in the report, not raised.
+        receivers that rejected the data are listed in the report, not raised. A plain
+        mapping is checked first (:func:`~ftstate.transport.validate.check_state_dict`, on
+        this communicator's device type): one that cannot travel raises
+        :class:`~ftstate.core.errors.StateDictError` before anything is sent.
         """
         route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
         return self._send(route, weights, weights_version, progress)
@@ -450,7 +454,8 @@ class Sender:
         For recovery: the trainer or a rollout holding the current version sends it to a
         newcomer, or a rollout sends it to a new trainer. Other members are not involved.
         ``timeout_s``: bound on the whole transfer (``sync_timeout_s`` or
-        ``failover_timeout_s``, whichever the caller is spending).
+        ``failover_timeout_s``, whichever the caller is spending). A plain mapping is
+        checked as in :meth:`broadcast`.
         """
         route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
         return self._send(route, weights, weights_version, progress)
@@ -476,11 +481,16 @@ class Sender:
         comm = route.comm
         started = time.monotonic()
         committed = weights if isinstance(weights, CommittedWeights) else None
-        tensors = committed.tensors if committed is not None else weights
         if weights_version is None:
             if committed is None:
                 raise ValueError("weights_version is required when sending a plain mapping of tensors")
             weights_version = committed.weights_version
+        if committed is not None:
+            tensors = committed.tensors
+        else:  # the caller's own tensors: refused here, before anything moves, if they cannot travel
+            tensors = check_state_dict(
+                weights, device_type=comm.device.type, member=f"rank {comm.rank}", what="weights", allow_empty=True
+            )
         comm.check_usable()
 
         names = list(tensors)
@@ -628,7 +638,9 @@ class Receiver:
     """Owns one member's committed weights and replaces them only with a complete, verified state.
 
     ``initial``/``weights_version``: weights this member already holds (e.g. loaded from a
-    checkpoint), committed as they are; without them :attr:`committed` starts as ``None``.
+    checkpoint), committed as they are (checked like a sender's, on any device but ``meta``:
+    :class:`~ftstate.core.errors.StateDictError` otherwise); without them :attr:`committed`
+    starts as ``None``.
     The receiver outlives communicators: pass the current group version's one to each call.
     Not thread-safe: one transfer at a time (:meth:`corrupt_next_bucket` may be called
     from any thread).
@@ -643,7 +655,7 @@ class Receiver:
         if initial is not None:
             if weights_version is None:
                 raise ValueError("weights_version is required with initial weights")
-            tensors = dict(initial)
+            tensors = check_state_dict(initial, device_type=None, what="initial weights", allow_empty=True)
             self._committed = CommittedWeights(
                 tensors=types.MappingProxyType(tensors),
                 weights_version=weights_version,

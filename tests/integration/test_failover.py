@@ -16,7 +16,6 @@ import time
 import pytest
 
 import ftstate
-from ftstate.controller.failover import SPARE_START_ATTEMPTS
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import FailoverBudgetExhausted, LossyRecoveryRefused, MemberLost
 from tests.integration.test_runtime import assert_gone, wait_until
@@ -215,7 +214,7 @@ class TestShrinking:
 
     async def test_spares_that_cannot_start_are_not_restarted_forever(self, ray_cluster, tmp_path):
         """A spare's constructor that keeps failing (a bad node, a bug) must not churn actors
-        forever: after SPARE_START_ATTEMPTS spares died warming, the role goes without one
+        forever: after fault_tolerance.spare_start_attempts spares died warming, the role goes without one
         (recorded), and a later loss is handled as with no spare: here, by shrinking."""
         marker = tmp_path / "no-more-rollouts"
         rt = runtime(config(tmp_path, min_rollout_workers=1), rollout_kwargs={"fail_marker": str(marker)})
@@ -233,9 +232,10 @@ class TestShrinking:
             await wait_until(lambda: any(r["event"] == "spare_unavailable" for r in rt.audit.records), 60,
                              "the runtime to give up on rollout spares")
             [gave_up] = [r for r in rt.audit.records if r["event"] == "spare_unavailable"]
-            assert (gave_up["role"], gave_up["attempts"]) == ("rollout", SPARE_START_ATTEMPTS)
+            attempts = rt.config.fault_tolerance.spare_start_attempts
+            assert (gave_up["role"], gave_up["attempts"]) == ("rollout", attempts)
             started = rollout_spares()
-            assert started == 1 + SPARE_START_ATTEMPTS
+            assert started == 1 + attempts
             await asyncio.sleep(2)
             assert rollout_spares() == started, "no more spares after giving up"
             # the run goes on: a rollout lost now has neither spare nor startable actor

@@ -20,6 +20,14 @@ def test_every_error_derives_from_fterror():
         assert issubclass(getattr(errors, name), ftstate.FTError), name
 
 
+def test_every_error_is_exported_from_the_package():
+    from ftstate.core import errors
+
+    missing = [name for name in errors.__all__ if getattr(ftstate, name, None) is not getattr(errors, name)]
+    assert missing == [], missing
+    assert set(errors.__all__) <= set(ftstate.__all__)
+
+
 def test_importing_the_core_loads_neither_ray_nor_torch():
     code = (
         "import sys, ftstate, ftstate.core.spec, ftstate.core.machine, ftstate.core.audit, ftstate.core.config, ftstate.core.deadline;"
@@ -46,8 +54,11 @@ def test_every_error_crosses_a_process_boundary_with_its_fields():
                            missing=["rank 2"], arrived=["rank 0"]),
         errors.ConfigError("fault_tolerance.max_failovers", "must be >= 0"),
         errors.ChecksumMismatch("bucket 1/2 does not match"),
+        errors.StateDictError("trainer-0", "layer.w", "torch.sparse_coo tensor", "a dense (strided) tensor on cpu"),
+        errors.StateDictError("", None, "list", "a Mapping[str, torch.Tensor]", what="weights"),
     ]
-    assert {type(e).__name__ for e in samples} >= {"StaleGroupVersion", "CommunicatorAborted", "PeerLost"}
+    assert {type(e).__name__ for e in samples} >= {"StaleGroupVersion", "CommunicatorAborted", "PeerLost",
+                                                   "StateDictError"}
     for exc in samples:
         back = pickle.loads(pickle.dumps(exc))
         assert type(back) is type(exc)

@@ -15,7 +15,9 @@ and so the weights: the demo compares the final weights' checksum and the reward
 both runs and exits non-zero if they differ.
 
 Output folder: ``audit.jsonl`` (the trail), ``group.mmd``/``worker.mmd`` (the machines),
-``timeline.png`` (states over time, failovers, the reward curve) and ``report.json``.
+``timeline.png`` (states over time, failovers, the reward curve; needs matplotlib, the
+``plot`` extra: without it the picture is skipped with one line, and ``report.json`` says
+why under ``timeline_picture_skipped``) and ``report.json``.
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def run_demo(out: str = "ftstate-demo", steps: int = 0, faults: bool = True, **o
     try:
         return asyncio.run(_main(opts, console))
     except FTError as exc:
-        console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {exc}")
+        from rich.markup import escape
+
+        console.print(f"[bold red]demo failed:[/] {type(exc).__name__}: {escape(str(exc))}")
         return 2
 
 
@@ -176,6 +180,7 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
             failovers: list[Any], injected: list[tuple[float, str, str]], members: list[Any],
             final_checksum: str | None, serving: list[str], reference: dict[str, Any] | None,
             error: FTError | None, seconds: float, cfg: RuntimeConfig) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from ftstate.cli.plot import plot_timeline
@@ -187,11 +192,13 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         (folder / f"{name}.mmd").write_text(render(spec, "mermaid"))
     trail = folder / "audit.jsonl"
     violations = check_trail(trail)
-    picture = None
+    picture: Path | None = None
+    picture_skipped: str | None = None
     try:
         picture = plot_timeline(trail, folder / "timeline.png", title=f"ftstate demo: {opts.steps} steps")
-    except ValueError as exc:
-        console.print(f"[yellow]no timeline picture: {exc}[/]")
+    except (ValueError, FTError) as exc:  # FTError: no matplotlib (the plot extra), said in one line
+        picture_skipped = str(exc)
+        console.print(f"[yellow]skipped:[/] {escape(picture_skipped)}", highlight=False, soft_wrap=True)
 
     # Detection latency: a fault's injection to its member being declared LOST.
     kills = {member: t for t, member, fault in injected if fault.startswith("kill")}
@@ -222,6 +229,8 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         "audit_violations": [f"line {v.line}: {v.problem}" for v in violations],
         "error": f"{type(error).__name__}: {error}" if error else None,
         "seconds": seconds,
+        "timeline_picture": str(picture) if picture else None,
+        "timeline_picture_skipped": picture_skipped,
         "members": [dataclasses.asdict(m) for m in members],
     }
     (folder / "report.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -238,7 +247,7 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
     table.add_row("budget left", f"{summary['budget_left']} of {cfg.fault_tolerance.max_failovers}")
     table.add_row("audit --check", "passed" if not violations else f"{len(violations)} violations")
     if error is not None:
-        table.add_row("error", f"[red]{summary['error']}[/]")
+        table.add_row("error", f"[red]{escape(summary['error'])}[/]")
     else:
         verdict = "[green]identical[/]" if identical else "[red]DIFFERENT[/]"
         table.add_row("vs fault-free run", f"{verdict} (weights {final_checksum} vs {reference['checksum']}, "
@@ -248,10 +257,10 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
                   f"{'timeline.png, ' if picture else ''}report.json)")
     console.print(table)
     if error is not None:
-        console.print(f"[bold red]demo failed:[/] {summary['error']}")
+        console.print(f"[bold red]demo failed:[/] {escape(summary['error'])}")
         return 2
     if violations:
         for v in violations:
-            console.print(f"[red]audit violation[/] line {v.line}: {v.problem}")
+            console.print(f"[red]audit violation[/] line {v.line}: {escape(v.problem)}")
         return 1
     return 0 if identical else 1

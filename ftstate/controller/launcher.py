@@ -1,0 +1,135 @@
+"""The launcher: starting and killing the run's worker actors, in the run's resource pools.
+
+It owns the placement (one :class:`~ftstate.controller.placement.ResourcePool` per role plus
+the standby pool), the user's classes and constructor arguments, and the naming of actors
+(``ftstate-{run_id}-{member}`` in the ``ftstate`` namespace). Each actor it starts comes
+with its worker machine, added to the :class:`~ftstate.controller.membership.Membership`;
+the caller decides what to do with it (join a group, warm up as a spare).
+
+Killing is immediate on this node: a hung process must not linger holding its group
+sockets (its peers would block on it), and ``ray.kill`` of a stopped process waits for a
+graceful exit that never comes, so it gets SIGKILL; elsewhere ``ray.kill``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ftstate.controller.membership import Member, Membership
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.liveness import Liveness
+from ftstate.core.machine import StateMachine
+from ftstate.core.spec import get_spec
+
+
+class ActorLauncher:
+    """Starts worker actors for one run.
+
+    classes / args: the user's worker class and ``(args, kwargs)`` per role. on_transition:
+    listener attached to every worker machine. node: this controller's node address (a
+    member on it is killed with SIGKILL).
+    """
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        config: RuntimeConfig,
+        audit: AuditTrail,
+        membership: Membership,
+        classes: Mapping[str, type],
+        args: Mapping[str, tuple[Sequence[Any], Mapping[str, Any]]],
+        on_transition: Callable[[StateMachine, str, str, str], None],
+        node: str | None,
+    ) -> None:
+        self.run_id = run_id
+        self.config = config
+        self.audit = audit
+        self.membership = membership
+        self.classes = dict(classes)
+        self.args = dict(args)
+        self.node = node
+        self._on_transition = on_transition
+        self.pools: dict[str, Any] = {}
+
+    def make_pools(self) -> None:
+        """One placement group per role, plus the standby pool (standby mode): two spares'
+        worth of slots per ``standby_workers``, so a spare can be started while another is
+        being promoted out of its slot."""
+        from ftstate.controller.placement import ResourcePool
+
+        cfg, ft = self.config, self.config.fault_tolerance
+        sizes = {"trainer": cfg.trainer_workers, "rollout": cfg.rollout_workers}
+        if ft.enable and ft.mode == "standby":
+            sizes[ft.standby_resource_pool] = 2 * ft.standby_workers
+        for name, slots in sizes.items():
+            self.pools[name] = ResourcePool(self.run_id, name, slots, cpus=cfg.worker_cpus, gpus=cfg.worker_gpus)
+
+    async def pools_ready(self) -> None:
+        import asyncio
+
+        await asyncio.gather(*(pool.ready() for pool in self.pools.values()))
+
+    def liveness(self) -> Liveness:
+        cfg = self.config
+        return Liveness(max(cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s / 2), cfg.heartbeat_timeout_s)
+
+    def start(self, role: str, rank: int, name: str, pool: str | None = None) -> Member:
+        """Start an actor for ``role`` in a free slot of ``pool`` (default: the role's own);
+        its machine starts in INIT. The actor constructs the user's class in its process."""
+        import ray
+
+        from ftstate.controller.host import WorkerHost
+
+        machine = StateMachine(get_spec("worker"), member=name, role=role, rank=rank, config=self.config,
+                               audit=self.audit)
+        machine.listen(self._on_transition)
+        args, kwargs = self.args[role]
+        resource_pool = self.pools[pool or role]
+        slot = resource_pool.take()
+        actor_cls = ray.remote(WorkerHost)
+        handle = actor_cls.options(
+            name=f"ftstate-{self.run_id}-{name}",
+            namespace="ftstate",
+            max_restarts=0,
+            max_concurrency=64,
+            **resource_pool.options(slot),
+        ).remote(name, role, self.classes[role], tuple(args), dict(kwargs), self.config.backend,
+                 int(self.config.bucket_size_mb * 2**20))
+        member = Member(name, role, rank, machine, handle, self.liveness(), pool=resource_pool.name, slot=slot)
+        self.membership.add(member)
+        return member
+
+    def has_free_slot(self, pool: str) -> bool:
+        return self.pools[pool].has_free_slot()
+
+    def give_back(self, member: Member) -> None:
+        """Return a member's slot to its pool (it was retired or never started)."""
+        self.pools[member.pool].give_back(member.slot)
+
+    def kill(self, member: Member) -> None:
+        """Kill a member's process now (see the module docstring)."""
+        import ray
+
+        if member.pid and member.node == self.node and member.pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(member.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(member.handle, no_restart=True)
+
+    def kill_all(self) -> None:
+        for member in self.membership:
+            self.kill(member)
+
+    def close(self) -> None:
+        """Kill every actor and remove the placement groups."""
+        self.kill_all()
+        for pool in self.pools.values():
+            with contextlib.suppress(Exception):  # the cluster may be gone already
+                pool.remove()
+        self.pools.clear()

@@ -1,0 +1,165 @@
+"""The membership: who is in the run, at which rank, in which state, holding which versions.
+
+One :class:`Membership` per runtime, passed to every part that needs it (the sync, the
+failover, routing, the watchdog, chaos) so that none of them reaches into another's
+internals. It holds:
+
+- every :class:`Member` the run started (group members by rank, spares with rank -1, the
+  retired and lost kept for the record), each with its worker machine and actor handle;
+- the group machine, whose ``group_version`` is the membership version and whose
+  ``weights_version`` is the current (last committed) weights version;
+- the current version's checksum, and the trainer calls made since it was committed (the
+  replay log a replacement trainer catches up with);
+- an ``epoch``: bumped whenever a member is lost or the group changes shape, so "did the
+  membership change while I was trying" is one integer compare (the sync's retry policy
+  asks exactly that).
+
+It performs no I/O: starting and killing actors is :mod:`~ftstate.controller.launcher`'s,
+forming group versions :mod:`~ftstate.controller.formation`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from ftstate.core.errors import FTError, MemberLost
+from ftstate.core.liveness import Liveness
+from ftstate.core.machine import StateMachine
+
+#: The weight-sync group's name (its store keys live under ``weights/v{N}``).
+GROUP = "weights"
+#: Worker states that hold no place in the group: nothing is sent to them or asked of them.
+GONE = frozenset({"LOST", "RETIRED", "FAILED", "STOPPED"})
+
+
+@dataclasses.dataclass(eq=False)
+class Member:
+    """One worker actor. rank: its rank in the current group version (-1 for a spare);
+    pool / slot: where the launcher placed it; pid / node: known once it answered."""
+
+    name: str
+    role: str
+    rank: int
+    machine: StateMachine
+    handle: Any
+    liveness: Liveness
+    pool: str = ""
+    slot: int = 0
+    pid: int | None = None
+    node: str | None = None
+
+    @property
+    def gone(self) -> bool:
+        return self.machine.state in GONE
+
+    def set_rank(self, rank: int) -> None:
+        self.rank = rank
+        self.machine.bind(rank=rank)
+
+    def located(self, pid: int, node: str) -> None:
+        """Record where its process runs (from its ``info``/``prewarm`` answer)."""
+        self.pid, self.node = pid, node
+        self.machine.bind(pid=pid, node=node)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerCall:
+    """A user call on the trainer since the last committed sync (replayed on a replacement)."""
+
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class Membership:
+    """The run's members and versions. group: the group machine."""
+
+    def __init__(self, group: StateMachine) -> None:
+        self.group = group
+        self._members: dict[str, Member] = {}
+        #: Checksum of the current weights version (None before the first sync).
+        self.checksum: str | None = None
+        #: Trainer calls since the last committed sync, in order.
+        self.trainer_calls: list[TrainerCall] = []
+        #: Bumped on every loss and every change of the group's shape.
+        self.epoch = 0
+
+    # -- changing ----------------------------------------------------------------------
+
+    def add(self, member: Member) -> None:
+        self._members[member.name] = member
+
+    def changed(self) -> None:
+        self.epoch += 1
+
+    def committed(self, weights_version: int, checksum: str) -> None:
+        """A sync committed ``weights_version``: it is current, and the trainer's work up to
+        here is in it (nothing left to replay)."""
+        self.group.weights_version = weights_version
+        self.checksum = checksum
+        self.trainer_calls.clear()
+
+    # -- reading -----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Member]:
+        return iter(list(self._members.values()))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._members
+
+    def get(self, name: str) -> Member:
+        try:
+            return self._members[name]
+        except KeyError:
+            raise FTError(f"no member named {name!r}; members: {', '.join(self._members) or 'none'}") from None
+
+    def find(self, name: str) -> Member | None:
+        return self._members.get(name)
+
+    @property
+    def weights_version(self) -> int:
+        return self.group.weights_version
+
+    @property
+    def group_version(self) -> int:
+        return self.group.group_version
+
+    def role(self, role: str) -> list[Member]:
+        """Group members of a role (spares excluded, the gone included), by rank."""
+        return sorted((m for m in self._members.values() if m.role == role and m.rank >= 0), key=lambda m: m.rank)
+
+    def live(self, role: str) -> list[Member]:
+        return [m for m in self.role(role) if not m.gone]
+
+    def group_members(self) -> list[Member]:
+        """The members of the weight-sync group (not spares, not the gone), by rank."""
+        return sorted((m for m in self._members.values() if m.rank >= 0 and not m.gone
+                       and m.machine.state != "STANDBY"), key=lambda m: m.rank)
+
+    def spares(self, role: str, *states: str) -> list[Member]:
+        """Spares of ``role`` (rank -1) in any of ``states``, by name."""
+        return sorted((m for m in self._members.values()
+                       if m.role == role and m.rank < 0 and m.machine.state in states), key=lambda m: m.name)
+
+    def trainer(self) -> Member:
+        """The live trainer; MemberLost when there is none."""
+        live = self.live("trainer")
+        if not live:
+            raise MemberLost("trainer-0", "no live trainer", group_version=self.group_version)
+        return live[0]
+
+    def serving_rollouts(self) -> list[str]:
+        """Rollouts in a serving state holding the current weights version, in rank order."""
+        version = self.weights_version
+        return [m.name for m in self.role("rollout") if m.machine.serving and m.machine.weights_version == version]
+
+    def holders(self, exclude: Member | None = None) -> list[Member]:
+        """Serving rollouts that hold the current version (the sources of a resync)."""
+        version = self.weights_version
+        return [m for m in self.role("rollout") if m is not exclude and m.machine.serving
+                and m.machine.weights_version == version]
+
+    def states_text(self) -> str:
+        return ", ".join(f"{m.name}={m.machine.state}@v{m.machine.weights_version}" for m in self.role("rollout"))

@@ -1,0 +1,160 @@
+"""Routing: user calls reach only workers that serve the current weights.
+
+``rt.rollout(...)`` and ``rt.rollout_map(...)`` go to rollouts in a serving state holding the
+current weights version (never one that is stale, suspect, resyncing or mid-commit: the
+gate is shut while rollouts commit); ``rt.trainer(...)`` goes to the live trainer and is
+logged in the membership's replay log until the next committed sync.
+
+With fault tolerance on, a call cut short by a lost worker is made again once the failover
+completed: a call at most ``fault_tolerance.max_failovers`` times, a ``rollout_map`` shard
+at most once more than that (each retry follows a failover, and each failover spends one
+of that budget, so a larger bound could never be used); with it off, the loss is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from ftstate.controller.calls import ActorCalls
+from ftstate.controller.membership import Member, Membership, TrainerCall
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.errors import FTError, MemberLost, NoServingWorkers
+
+
+def check_method(method: object) -> str:
+    """A user method name as the public API takes it: a non-empty str not starting with ``_``."""
+    if not isinstance(method, str) or not method or method.startswith("_"):
+        raise TypeError(f"method must be the name of a public method of the worker (a str), got {method!r}")
+    return method
+
+
+class Router:
+    """User calls for one runtime. recover: runs pending failovers (taking the membership
+    lock); failover_pending: whether a loss awaits one; raise_if_failed: raises the run's
+    failure, if any."""
+
+    def __init__(
+        self,
+        *,
+        config: RuntimeConfig,
+        audit: AuditTrail,
+        membership: Membership,
+        calls: ActorCalls,
+        routing_open: asyncio.Event,
+        recover: Callable[[], Awaitable[None]],
+        failover_pending: Callable[[], bool],
+        raise_if_failed: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.audit = audit
+        self.membership = membership
+        self.calls = calls
+        self.routing_open = routing_open
+        self.recover = recover
+        self.failover_pending = failover_pending
+        self.raise_if_failed = raise_if_failed
+
+    async def rollout(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        return await self._with_failover(self._rollout_once, check_method(method), args, kwargs)
+
+    async def trainer(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return await self._with_failover(self._trainer_once, check_method(method), args, kwargs)
+
+    async def rollout_map(self, method: str, items: Sequence[Any], args: tuple[Any, ...]) -> list[Any]:
+        """See :meth:`ftstate.Runtime.rollout_map`."""
+        check_method(method)
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+            raise TypeError(f"items must be a sequence (a list or tuple of items to deal out), got {type(items).__name__}")
+        results: list[Any] = [None] * len(items)
+        todo = list(range(len(items)))
+        attempts = 0
+        ft = self.config.fault_tolerance
+        while todo:
+            self.raise_if_failed()
+            await self.routing_open.wait()
+            targets = self.membership.serving_rollouts()
+            if not targets:
+                if ft.enable and self.failover_pending():
+                    await self.recover()
+                    continue
+                raise NoServingWorkers(
+                    f"no rollout serves the current weights version {self.membership.weights_version}: "
+                    f"{self.membership.states_text()}"
+                )
+            shards = {name: todo[i::len(targets)] for i, name in enumerate(targets)}
+            outs = await asyncio.gather(*(
+                self._user_call(self.membership.get(name), method, (*args, [items[j] for j in idx]), {})
+                for name, idx in shards.items()
+            ), return_exceptions=True)
+            failed: list[int] = []
+            for (name, idx), out in zip(shards.items(), outs, strict=True):
+                if isinstance(out, MemberLost) and ft.enable:
+                    failed += idx
+                    continue
+                if isinstance(out, BaseException):
+                    raise out
+                if not isinstance(out, (list, tuple)) or len(out) != len(idx):
+                    got = f"{len(out)} results" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
+                    raise FTError(f"{name}: {method}() answered {got} for a shard of {len(idx)} items; "
+                                  "expected a list with one result per item, in order")
+                for j, r in zip(idx, out, strict=True):
+                    results[j] = r
+            if failed:
+                attempts += 1
+                if attempts > ft.max_failovers + 1:
+                    raise MemberLost(", ".join(shards), f"{method}() kept losing rollouts ({attempts} tries, "
+                                                        f"max_failovers={ft.max_failovers})")
+                self.audit.record("call_retry", method=method, items=len(failed), attempt=attempts)
+                await self.recover()
+            todo = sorted(failed)
+        return results
+
+    async def _with_failover(self, fn: Any, method: str, args: Any, kwargs: Any) -> Any:
+        attempts = 0
+        ft = self.config.fault_tolerance
+        while True:
+            self.raise_if_failed()
+            try:
+                return await fn(method, args, kwargs)
+            except MemberLost:
+                attempts += 1
+                if not ft.enable or attempts > ft.max_failovers:
+                    raise
+                await self.recover()
+                self.audit.record("call_retry", method=method, attempt=attempts)
+
+    async def _rollout_once(self, method: str, args: Any, kwargs: Any) -> list[Any]:
+        self.raise_if_failed()
+        await self.routing_open.wait()
+        targets = self.membership.serving_rollouts()
+        if not targets:
+            raise NoServingWorkers(f"no rollout serves the current weights version "
+                                   f"{self.membership.weights_version}: {self.membership.states_text()}")
+        return list(await asyncio.gather(*(self._user_call(self.membership.get(m), method, args, kwargs)
+                                           for m in targets)))
+
+    async def _trainer_once(self, method: str, args: Any, kwargs: Any) -> Any:
+        self.raise_if_failed()
+        m = self.membership.trainer()
+        if not m.machine.serving:
+            # A replacement mid-failover has not got the weights yet: wait for the failover.
+            raise MemberLost(m.name, f"not serving yet ({m.machine.state})", group_version=self.membership.group_version)
+        result = await self._user_call(m, method, args, kwargs)
+        self.membership.trainer_calls.append(TrainerCall(method, tuple(args), dict(kwargs)))
+        return result
+
+    async def _user_call(self, m: Member, method: str, args: Any, kwargs: Any) -> Any:
+        """One call of the user's code on a worker. A call that raises changes no state, but
+        the trail still says so (an ``error`` record on the worker's machine): a run that
+        ends on a user error is then explained by its trail alone. A death is the machine's
+        own transition (``died``), not recorded twice."""
+        try:
+            return await self.calls.call(m.name, m.handle, "call", method, args, kwargs)
+        except MemberLost:
+            raise
+        except Exception as exc:
+            m.machine.record_error(exc, call=method)
+            raise

@@ -1,0 +1,268 @@
+"""One weight sync: the trainer's ``state_dict()`` to every rollout, committed in two phases.
+
+:meth:`WeightSync.attempt` makes one try at weights version N+1 within ``sync_timeout_s``
+(the group's SYNCING deadline):
+
+1. **transfer**: the trainer broadcasts, every rollout stages and verifies every bucket (its
+   previous version stays in place). As soon as one participant fails, the others are told
+   to abandon the transfer: a collective whose member died or left does not reliably fail
+   on the others, and each would otherwise wait, busy and making no progress, until the
+   watchdog took it for hung;
+2. **vote**: every rollout staged the version with the checksum the trainer sent; any
+   failure before here leaves every rollout on the previous version, which stays current;
+3. **commit**: routing pauses, every rollout hands the staged version to ``load_weights``;
+   one whose ``load_weights`` raises (or that dies) is taken out of serving (STALE, or LOST)
+   while the others serve the new version.
+
+Whether a failed attempt is tried again is the runtime's policy, not this module's. What an
+attempt raises is the failure's *cause*: a member that died explains its peers' broken
+connections; a receiver's own error (a bug, a missing library) explains the sender's
+"connection reset"; so :func:`root_cause` orders them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ftstate.controller.calls import ActorCalls
+from ftstate.controller.formation import GroupFormation
+from ftstate.controller.membership import Member, Membership
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.errors import ChecksumMismatch, MemberLost, NoServingWorkers, SyncTimeout, TransportError
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncReport:
+    """What one ``sync()`` did.
+
+    weights_version: the version every serving rollout now holds; checksum: its whole-state
+    checksum; nbytes: bytes sent per receiver; seconds: wall time; failovers: failovers this
+    sync needed; group_version: the membership version it ran under; rollouts: who got it.
+    """
+
+    weights_version: int
+    checksum: str
+    nbytes: int
+    seconds: float
+    failovers: int
+    group_version: int
+    rollouts: tuple[str, ...]
+
+
+def _rank_of_cause(exc: BaseException) -> int:
+    if isinstance(exc, MemberLost):
+        return 0  # a death explains everything its peers saw
+    if not isinstance(exc, TransportError):
+        return 1  # a member's own error (user code, a missing library): the real cause
+    return 2  # a transport error: the first to fail is the cause, the rest its echoes
+
+
+def root_cause(failures: Mapping[str, BaseException], order: Sequence[str] = ()) -> dict[str, BaseException]:
+    """``failures`` ordered cause first (see the module docstring). ``order``: the members
+    in the order their failures arrived; among transport errors the first one is the cause
+    (the others were abandoned because of it, or saw its broken connection)."""
+    arrival = {name: i for i, name in enumerate(order)}
+    return dict(sorted(failures.items(),
+                       key=lambda kv: (_rank_of_cause(kv[1]), arrival.get(kv[0], len(arrival)))))
+
+
+class WeightSync:
+    """Runs sync attempts for one runtime. routing_open: cleared while rollouts commit (no
+    call reaches half-loaded weights). raise_if_failed: raises the run's failure, if any."""
+
+    def __init__(
+        self,
+        *,
+        config: RuntimeConfig,
+        audit: AuditTrail,
+        membership: Membership,
+        calls: ActorCalls,
+        formation: GroupFormation,
+        routing_open: asyncio.Event,
+        raise_if_failed: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.audit = audit
+        self.membership = membership
+        self.calls = calls
+        self.formation = formation
+        self.routing_open = routing_open
+        self.raise_if_failed = raise_if_failed
+        # Members whose calls of the current transfer failed, in the order they failed.
+        self._arrival: list[str] = []
+
+    async def attempt(self) -> SyncReport:
+        """One try at the next weights version; see the module docstring."""
+        ms = self.membership
+        group = ms.group
+        t0 = time.perf_counter()
+        previous = group.weights_version
+        target = previous + 1
+        trainer = ms.trainer()
+        if trainer.machine.state != "READY":
+            raise MemberLost(trainer.name, f"cannot send weights from state {trainer.machine.state}",
+                             group_version=group.group_version)
+        rollouts = [m for m in ms.role("rollout") if m.machine.state in ("READY", "STALE")]
+        if not rollouts:
+            raise NoServingWorkers(f"no rollout can receive weights version {target}: {ms.states_text()}")
+        # The sync_start record names the version being pushed; until it is committed the
+        # group's (and routing's) current version stays the previous one.
+        group.weights_version = target
+        await group.fire("sync_start", rollouts=[m.name for m in rollouts])
+        group.weights_version = previous
+        await trainer.machine.fire("sync")
+        for m in rollouts:
+            await m.machine.fire("sync" if m.machine.state == "READY" else "resync")
+        group.describe_wait(f"weight sync to version {target}", missing=[m.name for m in [trainer, *rollouts]])
+        timeout = self.config.sync_timeout_s
+        try:
+            async with group.deadline_scope():
+                results = await self._transfer([
+                    (trainer, self.calls.call(trainer.name, trainer.handle, "send_weights", target, timeout)),
+                    *((m, self.calls.call(m.name, m.handle, "receive_weights", target, 0, timeout))
+                      for m in rollouts),
+                ])
+                failures = self._failures([trainer, *rollouts], results)
+                sent: dict[str, Any] = {}
+                if not failures:
+                    sent = results[0]
+                    staged = {m.name: r for m, r in zip(rollouts, results[1:], strict=True)}
+                    torn = [n for n, r in staged.items() if r["checksum"] != sent["checksum"]]
+                    if torn:
+                        failures = {n: ChecksumMismatch(
+                            f"{n} staged weights version {target} with checksum {staged[n]['checksum']}, "
+                            f"the trainer sent {sent['checksum']}") for n in torn}
+                if failures:
+                    await self._abort(trainer, rollouts, previous, failures)
+                    raise next(iter(failures.values()))
+                group.weights_version = target
+                not_loaded = await self._commit(trainer, rollouts, target, sent["checksum"])
+                self.raise_if_failed()  # a death during the commit with fault tolerance off
+        except SyncTimeout:
+            group.weights_version = previous
+            raise
+        ms.committed(target, sent["checksum"])
+        await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"])
+        user_errors = [e for e in not_loaded.values() if not isinstance(e, MemberLost)]
+        if user_errors:
+            # The version is committed on the others and the group is consistent; the caller
+            # still hears of the rollout whose own load_weights raised (its bug, not a fault).
+            raise user_errors[0]
+        return SyncReport(
+            weights_version=target,
+            checksum=sent["checksum"],
+            nbytes=sent["nbytes"],
+            seconds=time.perf_counter() - t0,
+            failovers=0,
+            group_version=group.group_version,
+            rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
+        )
+
+    async def _transfer(self, calls: Sequence[tuple[Member, Any]]) -> list[Any]:
+        """Run the participants' calls of one transfer; results (or exceptions) in order.
+
+        As soon as one fails (other than by a checksum mismatch, which the protocol itself
+        reports after the vote), the others are told to abandon the transfer. The abandoned
+        group version is replaced by the caller (failover or :meth:`_abort`)."""
+        tasks = [asyncio.ensure_future(call) for _, call in calls]
+        members = [m for m, _ in calls]
+        waiting = set(tasks)
+        abandoned = False
+        self._arrival = []
+        try:
+            while waiting:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                self._arrival += [members[tasks.index(t)].name for t in done if t.exception() is not None]
+                failed = [t for t in done if t.exception() is not None
+                          and not isinstance(t.exception(), ChecksumMismatch)]
+                if failed and waiting and not abandoned:
+                    abandoned = True
+                    culprit = members[tasks.index(failed[0])].name
+                    reason = f"{culprit} failed: {type(failed[0].exception()).__name__}"
+                    others = [m for m, t in zip(members, tasks, strict=True) if t in waiting]
+                    self.audit.record("transfer_abandoned", reason=reason, members=[m.name for m in others])
+                    await asyncio.gather(*(self.calls.call(m.name, m.handle, "abandon_transfer", reason)
+                                           for m in others), return_exceptions=True)
+        except asyncio.CancelledError:  # the state's deadline: the calls go with it
+            for t in tasks:
+                t.cancel()
+            raise
+        return [t.exception() or t.result() for t in tasks]
+
+    def _failures(self, members: Sequence[Member], results: Sequence[Any]) -> dict[str, BaseException]:
+        out: dict[str, BaseException] = {}
+        for m, r in zip(members, results, strict=True):
+            if isinstance(r, BaseException):
+                if isinstance(r, asyncio.CancelledError):
+                    raise r
+                out[m.name] = r
+        return root_cause(out, self._arrival)
+
+    async def _abort(
+        self, trainer: Member, rollouts: Sequence[Member], previous: int, failures: Mapping[str, BaseException]
+    ) -> None:
+        """Nobody committed: every survivor keeps ``previous``, which stays the current version."""
+        group = self.membership.group
+        for m in [trainer, *rollouts]:
+            if m.gone:
+                continue
+            if m.role == "rollout":
+                with contextlib.suppress(MemberLost):  # died meanwhile: nothing to discard
+                    await self.calls.call(m.name, m.handle, "discard_weights")
+            err = failures.get(m.name)
+            if m.machine.state == "SYNCING":
+                await m.machine.fire("sync_aborted", reason=str(err) if err else "sync aborted")
+            elif m.machine.state == "RESYNCING":
+                await m.machine.fire("resync_failed", reason=str(err) if err else "sync aborted")
+        group.weights_version = previous
+        first = next(iter(failures.items()))
+        if group.state == "SYNCING":
+            await group.fire("sync_failed", reason=f"{first[0]}: {type(first[1]).__name__}: {first[1]}")
+        alive = all(not m.gone for m in [trainer, *rollouts])
+        if alive and not group.terminal and any(not isinstance(e, ChecksumMismatch) for e in failures.values()):
+            # The transfer was abandoned mid-stream (a member's communicator was aborted, e.g.
+            # the trainer's state_dict() raised): nobody died, so no failover will form the
+            # next group version; form it here so the next sync finds a sound group. (A
+            # checksum mismatch leaves the stream aligned and the group usable.)
+            with contextlib.suppress(MemberLost):  # a death meanwhile is the failover's to handle
+                await self.formation.reform()
+
+    async def _commit(
+        self, trainer: Member, rollouts: Sequence[Member], version: int, checksum: str
+    ) -> dict[str, BaseException]:
+        """Hand the staged version to every rollout's ``load_weights``; returns the rollouts
+        whose commit failed. The vote already made ``version`` current: one that failed here
+        (its ``load_weights`` raised, or it died) is taken out of serving, STALE until a later
+        sync resyncs it (or LOST), while the others serve ``version``."""
+        self.routing_open.clear()
+        self._arrival = []
+        try:
+            results = await asyncio.gather(
+                *(self.calls.call(m.name, m.handle, "commit_weights", version) for m in rollouts),
+                return_exceptions=True,
+            )
+        finally:
+            self.routing_open.set()
+        failed = self._failures(rollouts, results)
+        for m in rollouts:
+            if m.name in failed:
+                if m.gone:
+                    continue
+                trigger = "sync_failed" if m.machine.state == "SYNCING" else "resync_failed"
+                await m.machine.fire(trigger, reason=f"commit of weights version {version} failed: {failed[m.name]}")
+                continue
+            m.machine.weights_version = version
+            if m.machine.state == "SYNCING":
+                await m.machine.fire("committed", checksum=checksum)
+            else:
+                await m.machine.fire("verified", checksum=checksum)
+                await m.machine.fire("admit")
+        trainer.machine.weights_version = version
+        await trainer.machine.fire("committed", checksum=checksum)
+        return failed

@@ -1,0 +1,83 @@
+"""The watchdog: heartbeats into liveness events on the worker machines.
+
+Every ``heartbeat_interval_s`` each member that is not gone (and not still constructing) is
+polled with a ``heartbeat`` call bounded by one interval; the answer, or its absence, goes to
+the member's :class:`~ftstate.core.liveness.Liveness`, whose trigger (if any) is fired on
+its machine. The rules are the core's; this module only carries them out. A process that
+*died* is reported by the failing call (:mod:`~ftstate.controller.calls`), not here:
+heartbeats are for the hung.
+
+:meth:`Watchdog.settle_suspects` resolves SUSPECT members at once (a sync or a failover
+wants to know now, not at the watchdog's pace), bounded by ``heartbeat_timeout_s`` plus one
+interval: by then the SUSPECT state's own deadline has declared a silent one LOST.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from ftstate.controller.calls import ActorCalls
+from ftstate.controller.membership import Member, Membership
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.errors import MemberLost
+from ftstate.core.liveness import Heartbeat
+
+
+class Watchdog:
+    """Polls members' heartbeats for one runtime."""
+
+    def __init__(self, *, config: RuntimeConfig, membership: Membership, calls: ActorCalls) -> None:
+        self.config = config
+        self.membership = membership
+        self.calls = calls
+
+    async def run(self) -> None:
+        """Poll forever (the runtime cancels it at close)."""
+        interval = self.config.heartbeat_interval_s
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            members = [m for m in self.membership if not m.gone and m.machine.state != "INIT"]
+            await asyncio.gather(*(self.poll(m, loop.time()) for m in members), return_exceptions=True)
+
+    async def poll(self, m: Member, now: float) -> None:
+        """One heartbeat of ``m`` and the event it implies."""
+        try:
+            raw = await self.calls.call(m.name, m.handle, "heartbeat", timeout=self.config.heartbeat_interval_s)
+            beat: Heartbeat | None = Heartbeat(**raw)
+        except MemberLost:
+            beat = None
+        if m.gone:
+            return
+        trigger = m.liveness.observe(
+            now, beat, state=m.machine.state, current_version=self.membership.weights_version,
+            current_checksum=self.membership.checksum,
+        )
+        if trigger is None or not m.machine.can(trigger):
+            return
+        reason = "no heartbeat within the interval" if beat is None else f"progress {beat.progress}, busy={beat.busy}"
+        await m.machine.fire(trigger, reason=reason)
+        if trigger == "verified":
+            await m.machine.fire("admit")
+
+    async def settle_suspects(self, done: Callable[[], bool] | None = None) -> None:
+        """Resolve suspects now rather than at the watchdog's pace: members that were only
+        blocked behind a hung peer answer again and prove their weights (verified), while a
+        hung one runs into its SUSPECT deadline (LOST, then a failover). Polls until no member
+        is suspect or ``done()`` holds (default: the trainer is not suspect; suspect rollouts
+        are simply left out of a sync), for at most ``heartbeat_timeout_s`` plus an interval."""
+        loop = asyncio.get_running_loop()
+        interval = self.config.heartbeat_interval_s
+        until = loop.time() + self.config.heartbeat_timeout_s + interval
+        if done is None:
+            def done() -> bool:
+                return all(m.machine.state != "SUSPECT" for m in self.membership.role("trainer"))
+        while True:
+            suspects = [m for m in self.membership.group_members() if m.machine.state == "SUSPECT"]
+            if not suspects:
+                return
+            await asyncio.gather(*(self.poll(m, loop.time()) for m in suspects), return_exceptions=True)
+            if done() or loop.time() > until:
+                return
+            await asyncio.sleep(interval)

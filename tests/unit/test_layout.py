@@ -1,0 +1,148 @@
+"""The layout is the architecture: rooms that depend inward only, a core without Ray or
+torch, and no import circles.
+
+Rooms, innermost first: ``core`` (pure), ``transport`` (moves bytes; imports the core),
+``controller`` (drives machines from Ray events; imports core and transport),
+``integrations`` and ``cli`` (outermost). Every import counts, including those inside
+functions and under ``TYPE_CHECKING``: a lazy import is still a dependency, and a circle
+through one is still a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ftstate
+
+PACKAGE = Path(ftstate.__file__).resolve().parent
+ROOMS = ("core", "transport", "controller", "integrations", "cli")
+#: What each room may import from the package (itself included).
+ALLOWED = {
+    "core": {"core"},
+    "transport": {"core", "transport"},
+    "controller": {"core", "transport", "controller"},
+    "integrations": {"core", "transport", "controller", "integrations"},
+    "cli": {"core", "transport", "controller", "cli"},
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """Package modules ``path`` imports (``from ftstate.x import y`` counts ``ftstate.x.y`` when
+    that is a module, else ``ftstate.x``)."""
+    out: set[str] = set()
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        out.update(n for n in names if n == "ftstate" or n.startswith("ftstate."))
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    # The top-level package only re-exports; importing it is not a dependency on its contents.
+    return {name: {d for d in imports_of(path, known) if d != "ftstate" and d != name}
+            for name, path in mods.items()}
+
+
+def room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ROOMS else None
+
+
+def test_every_module_lives_in_a_room() -> None:
+    loose = [n for n in modules() if n not in ("ftstate", "ftstate.__main__") and room(n) is None]
+    assert not loose, f"modules outside core/transport/controller/integrations/cli: {loose}"
+
+
+def test_rooms_depend_inward_only() -> None:
+    wrong = []
+    for name, deps in graph().items():
+        r = room(name)
+        if r is None:
+            continue
+        for d in deps:
+            if room(d) not in ALLOWED[r]:
+                wrong.append(f"{name} imports {d}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
+
+
+def test_the_package_has_no_import_circle() -> None:
+    g = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(g.get(n, ())):
+            if state.get(d) == 1:
+                cycles.append([*stack[stack.index(d):], d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(g):
+        if n not in state:
+            visit(n)
+    assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_detector_sees_a_circle_and_a_wrong_way_import(tmp_path, monkeypatch) -> None:
+    """The two checks above would fail on a circle through a lazy import, and on the core
+    importing the controller (checked on a scratch package laid out like ftstate)."""
+    pkg = tmp_path / "ftstate"
+    for d in ("core", "controller"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("def f():\n    from ftstate.controller import b\n")
+    (pkg / "controller" / "b.py").write_text("from ftstate.core.a import f\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    with pytest.raises(AssertionError, match=r"ftstate\.controller\.b -> ftstate\.core\.a -> ftstate\.controller\.b"):
+        test_the_package_has_no_import_circle()
+    with pytest.raises(AssertionError, match=r"ftstate\.core\.a imports ftstate\.controller\.b"):
+        test_rooms_depend_inward_only()
+
+
+HEAVY = ("ray", "torch", "numpy", "zmq", "cupy", "ftstate.transport", "ftstate.controller", "ftstate.cli")
+
+
+def test_the_core_imports_neither_ray_nor_torch() -> None:
+    """In a fresh interpreter: the whole core, and ``import ftstate`` itself, load none of
+    the heavy libraries nor any outer room."""
+    core = sorted(n for n in modules() if room(n) == "core")
+    code = (
+        "import sys, importlib\n"
+        f"for m in {core!r}: importlib.import_module(m)\n"
+        "import ftstate\n"
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r}[4:]))\n"
+        "print('|'.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"importing the core loaded: {out}"
