@@ -27,8 +27,11 @@ lint: $(STAMP)
 install-check: $(STAMP)
 	PY=$(PY) PIP=$(abspath $(BIN))/pip bash tests/install/check_plain_install.sh
 
+# Two pytest sessions: a driver joins one Ray cluster only, and tests/multinode runs its own
+# (3 raylets on 127.0.0.1, ~10 s to start). ARGS goes to the first, MULTINODE_ARGS to the second.
 test: $(STAMP) lint install-check
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q $(ARGS)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --ignore=tests/multinode $(ARGS)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q tests/multinode $(MULTINODE_ARGS)
 
 docs: $(STAMP)
 	$(BIN)/python -m ftstate.cli.docs

@@ -3,7 +3,7 @@
     ftstate diagram [--machine NAME] [--format mermaid|dot]
     ftstate audit FILE [--check] [--summary/--no-summary] [--timeline/--no-timeline]
     ftstate config [FILE]
-    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults]
+    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--address auto|HOST:PORT]
 
 Errors ftstate knows about (any :class:`~ftstate.core.errors.FTError`, a missing or unreadable
 file) end the command with one line ``error: ...`` on stderr and exit status 2; ``--debug``
@@ -253,9 +253,15 @@ def demo(
         int, typer.Option("--max-failovers", min=0, help="Failover budget; 0 makes the first fault fatal.")
     ] = 5,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Draw the live view (on a terminal).")] = True,
+    address: Annotated[
+        str | None,
+        typer.Option("--address", help="Join a running Ray cluster: 'auto' (the one `ray start` made on this "
+                     "machine) or HOST:PORT of its head; default: start a local one."),
+    ] = None,
 ) -> None:
-    """Real RL (a tiny transformer learning to sort digits) on a local Ray cluster: one trainer,
-    rollouts and a prewarmed spare each, with faults injected and recovered from.
+    """Real RL (a tiny transformer learning to sort digits) on a local Ray cluster, or on a running
+    one with --address: one trainer, rollouts and a prewarmed spare each, with faults injected and
+    recovered from; the report says on how many nodes the workers ran.
 
     Proves nothing was lost by comparing the final weights' checksum and the reward curve with
     the same seeds run without faults; exits 1 if they differ, 2 if the run failed. Writes the
@@ -265,7 +271,8 @@ def demo(
     from ftstate.cli.demo import run_demo  # lazy: Ray and torch load only here
 
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
-                              pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live))
+                              pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live,
+                              address=address))
 
 
 def main() -> None:

@@ -41,6 +41,9 @@ def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: 
                 "(import ftstate.controller.cluster first, or set it in the environment)"
             )
         ray.init(
+            # "local": always a new cluster of its own. Without it Ray would join whatever
+            # cluster `ray start` left running on this machine; joining one is `address: auto`.
+            address="local",
             num_cpus=num_cpus if num_cpus is not None else max(2, os.cpu_count() or 2),
             include_dashboard=False,
             logging_level="ERROR",
@@ -49,10 +52,26 @@ def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: 
         )
         return True
     try:
-        ray.init(address=address, logging_level="ERROR")
+        ray.init(address=address, logging_level="ERROR", log_to_driver=log_to_driver)
     except ConnectionError as exc:
-        raise ConfigError("address", f"cannot connect to the Ray cluster at {address!r}: {exc}") from exc
+        raise ConfigError("address", f"cannot connect to the Ray cluster at {address!r}: {exc}"
+                          f"{_join_hint()}") from exc
     return False
+
+
+def _join_hint() -> str:
+    """What commonly keeps a driver out of a running cluster, where it applies (measured with
+    Ray 2.60): a head started while ``~/.ray/auth_token`` exists uses token authentication,
+    and a driver without ``RAY_AUTH_MODE=token`` is refused; a loopback head (started with
+    the loopback variable) is unreachable for a driver without it, which turns 127.0.0.1
+    into the machine's network address."""
+    hints = []
+    if os.environ.get("RAY_AUTH_MODE") is None and os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+        hints.append("if the cluster uses token authentication (Ray turns it on when ~/.ray/auth_token exists "
+                     "where the head started), set RAY_AUTH_MODE=token here")
+    if os.environ.get(_LOOPBACK_ENV) != "0":
+        hints.append(f"if the head runs on this machine's loopback, set {_LOOPBACK_ENV}=0 here too")
+    return "" if not hints else " (" + "; ".join(hints) + ")"
 
 
 def mute_worker_death_notices() -> None:
@@ -72,6 +91,12 @@ def node_address() -> str:
     """The address Ray reports for this node (127.0.0.1 on the embedded default)."""
     ray = _import_ray(local=False)
     return ray.util.get_node_ip_address()
+
+
+def node_id() -> str:
+    """Ray's id of this process's node (nodes may share an address; the id tells them apart)."""
+    ray = _import_ray(local=False)
+    return ray.get_runtime_context().get_node_id()
 
 
 def shutdown() -> None:

@@ -31,46 +31,17 @@ recorded (who, by whom, how long each phase took) for the sync report and the de
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
-from ftstate.controller.membership import Member, Membership
+from ftstate.controller.membership import Member, Membership, walk_proven
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
-from ftstate.core.errors import FTError, InvalidTransition, LossyRecoveryRefused, MemberLost, TransportError
-from ftstate.core.machine import StateMachine
-
-
-async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None:
-    """Take a newcomer whose load of the current version was proven (checksums matched)
-    to ``target`` (RESYNCED or READY) by the worker machine's own edges, from wherever it is.
-
-    The watchdog keeps watching a newcomer while it loads: on a starved machine a missed
-    heartbeat makes it SUSPECT, and an answer given before its version was recorded makes
-    it STALE. The load is proven all the same, so the failover goes the legal way round
-    (STALE -> RESYNCING -> RESYNCED) instead of firing an edge that no longer exists and
-    leaving the group in PROMOTING until its deadline. ``fields`` go on the audit record of
-    the edge into RESYNCED. Raises MemberLost when the newcomer was lost (or stopped)
-    meanwhile; the failover then tries the next replacement.
-    """
-    order = ("RESYNCED", "READY")
-    step = {"STALE": "resync", "RESYNCING": "verified", "SUSPECT": "verified", "RESYNCED": "admit"}
-    for _ in range(8):  # each pass moves one edge forward unless the watchdog moved it too
-        state = machine.state
-        if state in order and order.index(state) >= order.index(target):
-            return
-        trigger = step.get(state)
-        if trigger is None:
-            raise MemberLost(machine.member, f"{state} while being resynced", group_version=machine.group_version)
-        extra = fields if trigger == "verified" else {}
-        with contextlib.suppress(InvalidTransition):  # moved between the look and the fire: look again
-            await machine.fire(trigger, reason="current version loaded and verified", **extra)
-    raise MemberLost(machine.member, f"could not be admitted: still {machine.state}", group_version=machine.group_version)
+from ftstate.core.errors import FTError, LossyRecoveryRefused, MemberLost, TransportError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +103,10 @@ class Failover:
         # when each spare was started; how long each one that got warm took, by name
         self._started_at: dict[str, float] = {}
         self._warm_seconds: dict[str, float] = {}
+        #: Ray ids of nodes whose members were lost together (a node loss): no spare goes there.
+        self.lost_nodes: set[str | None] = set()
+        #: Ray ids of nodes where a member went silent (not reported dead): no replacement goes there.
+        self.unreachable_nodes: set[str] = set()
 
     @property
     def ft(self) -> Any:
@@ -174,7 +149,13 @@ class Failover:
         pool = self.ft.standby_resource_pool
         if not self.launcher.has_free_slot(pool):
             pool = role
-        m = self.launcher.start(role, -1, name, pool=pool)
+        # Off the nodes of the members it covers (and of nodes lost), where the pool has room.
+        covered = {self.launcher.node_of(m) for m in self.membership.live(role)} | self.lost_nodes
+        covered |= self.unreachable_nodes
+        m = self.launcher.start(role, -1, name, pool=pool, avoid_nodes=covered - {None})
+        if m.slot in getattr(self.launcher.pools[pool], "colocated", ()):
+            self.audit.record("spare_colocated", member=name, role=role,
+                              reason="no other node can hold it: it shares a node with the members it covers")
         self._started_at[name] = asyncio.get_running_loop().time()
         task = asyncio.get_running_loop().create_task(self._warm(m))
         self._warming.add(task)
@@ -185,7 +166,7 @@ class Failover:
             info = await self.calls.call(m.name, m.handle, "prewarm")
         except FTError:
             return  # died while warming: its machine is LOST already
-        m.located(info["pid"], info["node"])
+        m.located(info)
         if m.machine.can("warm"):
             await m.machine.fire("warm")
             self._cold_starts[m.role] = 0
@@ -202,7 +183,12 @@ class Failover:
 
     # -- losses ----------------------------------------------------------------------------
 
-    def note_loss(self, m: Member, detected_at: float) -> None:
+    def note_loss(self, m: Member, detected_at: float, trigger: str = "died") -> None:
+        """A member reached LOST (by ``trigger``). One that went silent rather than reported
+        dead (``heartbeat_timeout``, ``node_lost``, ``unresponsive``) may have lost its node:
+        replacements keep off that node until the run learns better."""
+        if trigger != "died" and m.node_id is not None:
+            self.unreachable_nodes.add(m.node_id)
         if m.rank >= 0 and all(p is not m for p, _ in self._pending):  # a spare's loss needs no failover
             self._pending.append((m, detected_at))
 
@@ -212,58 +198,142 @@ class Failover:
 
     async def recover(self) -> int:
         """Replace every pending loss; the caller holds the runtime's membership lock.
-        Returns how many failovers ran. Raises the group's error if the run cannot go on."""
+        Returns how many members were replaced or dropped. Raises the group's error if the
+        run cannot go on.
+
+        All losses pending at once are one reconciliation: the members they share a node with
+        are asked first (a node's processes die together, their deaths reach the controller a
+        few milliseconds apart, and an idle one only when something calls it), then every
+        lost member is replaced in one failover round under one new group version. The budget
+        is still spent once per replaced member."""
         done = 0
         while self._pending:
-            m, detected_at = self._pending.pop(0)
-            await self._replace(m, detected_at)
-            done += 1
+            await self._sweep_nodes()
+            batch, self._pending = self._pending, []
+            await self._replace(batch)
+            done += len(batch)
         return done
 
-    async def _replace(self, lost: Member, detected_at: float) -> None:
-        group = self.membership.group
-        error = lost.machine.error
+    async def _sweep_nodes(self) -> None:
+        """Ask every other member on the nodes of the pending losses for a heartbeat (bounded
+        by ``heartbeat_interval_s``). One whose process is gone is declared LOST by its failing
+        call; one that does not answer either is declared LOST with its node (``node_lost``):
+        a node whose raylet is gone leaves its actors unreachable, not reported dead, until
+        Ray's own node health check gives up on it, and that is not waited for. A member that
+        answers stays: a hung process is not a dead node."""
+        nodes: dict[str, str] = {}
+        for m, _ in self._pending:
+            if m.node_id is not None:
+                nodes.setdefault(m.node_id, m.name)
+        pending = {m.name for m, _ in self._pending}
+        peers = [m for node in nodes for m in self.membership.on_node(node) if m.name not in pending]
+        # Members of one node lost in the same breath (their heartbeat deadlines expired
+        # together) are a node loss too, whether or not anyone else was there to ask.
+        shared = {n for n in nodes if sum(1 for m, _ in self._pending if m.node_id == n) > 1}
+        if not peers:
+            if shared:
+                self.lost_nodes |= shared
+                self.audit.record("node_lost", nodes=sorted(shared),
+                                  members=sorted(m.name for m, _ in self._pending if m.node_id in shared))
+            return
+        answers = await asyncio.gather(*(self.calls.call(m.name, m.handle, "heartbeat",
+                                                         timeout=self.config.heartbeat_interval_s)
+                                         for m in peers), return_exceptions=True)
+        together = []
+        for m, answer in zip(peers, answers, strict=True):
+            if not isinstance(answer, BaseException):
+                continue
+            together.append(m.name)
+            if m.machine.can("node_lost"):
+                first = nodes[m.node_id or ""]
+                reason = (f"node {m.node_id[:12] if m.node_id else '?'} lost: {first} was lost and {m.name} did not "
+                          f"answer within heartbeat_interval_s ({type(answer).__name__})")
+                await m.machine.fire("node_lost", reason=reason,
+                                     error=MemberLost(m.name, reason, group_version=m.machine.group_version))
+        lost = {m.node_id for m in peers if m.name in together} | shared
+        if lost:
+            self.lost_nodes |= lost
+            self.audit.record("node_lost", nodes=sorted(n for n in lost if n),
+                              members=sorted({*(m.name for m, _ in self._pending if m.node_id in lost), *together}))
+
+    def _reason(self, lost: Member) -> str:
         # The bare cause ("process died during info()"): MemberLost's own text names the
-        # member again, and the records and errors below name it already.
-        reason = error.reason if isinstance(error, MemberLost) else str(error) if error else f"{lost.name} lost"
+        # member again, and the records and errors name it already.
+        error = lost.machine.error
+        return error.reason if isinstance(error, MemberLost) else str(error) if error else f"{lost.name} lost"
+
+    async def _replace(self, batch: list[tuple[Member, float]]) -> None:
+        """One failover round: retire every member of ``batch``, take a replacement for each
+        (a rollout with none is dropped while ``min_rollout_workers`` still serve), form one
+        new group version, and move the current weights to each newcomer: the trainer first
+        (it may be rebuilt from a surviving rollout), then the rollouts."""
+        group = self.membership.group
+        losts = sorted((m for m, _ in batch), key=lambda m: (m.role != "trainer", m.rank))
+        detected = {m.name: t for m, t in batch}
+        reasons = {m.name: self._reason(m) for m in losts}
+        names = ", ".join(m.name for m in losts)
         if group.terminal:
             # Another path failed the run first (a deadline, an earlier failover): its error
             # is the cause; there is nothing left to promote into.
-            raise group.error or FTError(f"cannot replace {lost.name}: the group is {group.state}")
+            raise group.error or FTError(f"cannot replace {names}: the group is {group.state}")
+        summary = "; ".join(f"{m.name}: {reasons[m.name]}" for m in losts)
         if group.can("member_lost"):
-            await group.fire("member_lost", reason=reason, member_lost=lost.name)
-        await group.fire("promote", reason=f"{lost.name}: {reason}")  # spends the budget, or FAILED
+            await group.fire("member_lost", reason=summary, member_lost=names)
+        # Spends one of max_failovers per member (or FAILED when not that many are left).
+        await group.fire("promote", reason=summary, spend_on=[f"{m.name}: {reasons[m.name]}" for m in losts])
         if group.terminal:
-            raise group.error or FTError(f"failover of {lost.name} failed")
+            raise group.error or FTError(f"failover of {names} failed")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        replacements: dict[str, Member] = {}
+        dropped: dict[str, str] = {}  # rollouts with no replacement, and why
+        resynced: dict[str, bool] = {}
         async with group.deadline_scope():
-            await self._retire(lost)
-            replacement: Member | None = None
+            for lost in losts:
+                await self._retire(lost)
             transfer_tries = 0
-            while True:  # until a replacement serves; bounded by this state's deadline
-                if replacement is None:
+            while True:  # until every replacement serves; bounded by this state's deadline
+                for lost in losts:
+                    if lost.name in replacements or lost.name in dropped:
+                        continue
                     try:
                         replacement = await self._replacement(lost)
                     except FTError as exc:
                         if lost.role != "rollout":
                             raise
-                        await group.fire("promotion_failed", reason=f"no replacement for {lost.name}: {exc}")
-                        await self._shrink(lost, reason, no_replacement=str(exc))
-                        return
+                        dropped[lost.name] = str(exc)
+                        continue
                     replacement.set_rank(lost.rank)
-                group.describe_wait(f"failover of {lost.name} to {replacement.name}", missing=[replacement.name])
+                    replacements[lost.name] = replacement
+                if dropped:
+                    await self._check_enough_rollouts(losts, replacements, dropped, reasons)
+                if not replacements:
+                    await group.fire("promotion_failed", reason=f"no replacement for {names}: "
+                                     + "; ".join(dropped.values()))
+                    self.membership.changed()
+                    await self.formation.reform()
+                    await group.fire("shrink", reason=f"{names} lost with no replacement; "
+                                     f"{len(self.membership.live('rollout'))} rollouts serve")
+                    return
+                waiting = [r.name for r in replacements.values()]
+                group.describe_wait(f"failover of {names} to {', '.join(waiting)}", missing=waiting)
                 try:
                     await self.formation.reform()
                     t_reformed = loop.time()
-                    resynced = await self._resync(replacement)
+                    for lost in losts:  # the trainer first: it sorts first
+                        replacement = replacements.get(lost.name)
+                        if replacement is not None and lost.name not in resynced:
+                            resynced[lost.name] = await self._resync(replacement)
                 except MemberLost:
-                    if replacement.machine.state in ("LOST", "RETIRED"):
-                        # The replacement itself died (a spare killed before anyone noticed, or
-                        # during the re-rendezvous): retire it and try the next candidate.
-                        self._pending = [(p, t) for p, t in self._pending if p is not replacement]
-                        await self._retire(replacement)
-                        replacement = None
+                    dead = [n for n, r in replacements.items() if r.machine.state in ("LOST", "RETIRED")]
+                    if dead:
+                        # A replacement itself died (a spare killed before anyone noticed, or
+                        # during the re-rendezvous): retire it and take the next candidate.
+                        for n in dead:
+                            r = replacements.pop(n)
+                            resynced.pop(n, None)
+                            self._pending = [(p, t) for p, t in self._pending if p is not r]
+                            await self._retire(r)
                         continue
                     if self._pending:
                         # Another member died during the re-rendezvous or the transfer: form
@@ -271,27 +341,54 @@ class Failover:
                         continue
                     raise
                 except TransportError:
-                    # The newcomer's transfer failed without a death (a corrupted bucket):
-                    # the stream stayed sound, so the transfer is simply made again.
+                    # A newcomer's transfer failed without a death (a corrupted bucket): the
+                    # stream stayed sound, so the transfer is simply made again.
                     transfer_tries += 1
                     if transfer_tries > self.ft.resync_retries:
                         raise
                     continue
                 t_done = loop.time()
                 break
-        await group.fire("promoted", replacement=replacement.name, lost=lost.name)
+        await group.fire("promoted", replacement=", ".join(r.name for r in replacements.values()), lost=names,
+                         dropped=sorted(dropped))
         await group.fire("resume")
-        self.records.append(FailoverRecord(
-            lost=lost.name, role=lost.role, replacement=replacement.name, reason=reason, detected_at=detected_at,
-            rerendezvous_s=t_reformed - t0, transfer_s=t_done - t_reformed, total_s=t_done - detected_at,
-            group_version=group.group_version, resynced=resynced,
-        ))
-        self.audit.record("failover", lost=lost.name, replacement=replacement.name, role=lost.role,
-                        rerendezvous_s=round(t_reformed - t0, 6), transfer_s=round(t_done - t_reformed, 6),
-                        total_s=round(t_done - detected_at, 6), group_version=group.group_version,
-                        weights_version=group.weights_version, resynced=resynced)
+        for lost in losts:
+            replacement = replacements.get(lost.name)
+            if replacement is None:
+                continue
+            detected_at = detected[lost.name]
+            self.records.append(FailoverRecord(
+                lost=lost.name, role=lost.role, replacement=replacement.name, reason=reasons[lost.name],
+                detected_at=detected_at, rerendezvous_s=t_reformed - t0, transfer_s=t_done - t_reformed,
+                total_s=t_done - detected_at, group_version=group.group_version, resynced=resynced[lost.name],
+            ))
+            self.audit.record("failover", lost=lost.name, replacement=replacement.name, role=lost.role,
+                              rerendezvous_s=round(t_reformed - t0, 6), transfer_s=round(t_done - t_reformed, 6),
+                              total_s=round(t_done - detected_at, 6), group_version=group.group_version,
+                              weights_version=group.weights_version, resynced=resynced[lost.name],
+                              batch=len(losts))
         if self.ft.mode == "standby":
-            self.replenish(lost.role)
+            for role in sorted({lost.role for lost in losts}):
+                self.replenish(role)
+
+    async def _check_enough_rollouts(
+        self, losts: list[Member], replacements: dict[str, Member], dropped: dict[str, str], reasons: dict[str, str]
+    ) -> None:
+        """Fail the group when the rollouts left (survivors and replacements) are fewer than
+        ``min_rollout_workers``."""
+        group = self.membership.group
+        lost_names = {m.name for m in losts}
+        serving = [m for m in self.membership.role("rollout")
+                   if m.name not in lost_names and m.machine.state not in ("LOST", "RETIRED")]
+        serving += [r for r in replacements.values() if r.role == "rollout" and r not in serving]
+        if len(serving) < self.ft.min_rollout_workers:
+            name = next(iter(dropped))
+            err = MemberLost(name, f"{reasons[name]}; no replacement could start ({dropped[name]}) and only "
+                                   f"{len(serving)} rollouts left, fewer than "
+                                   f"min_rollout_workers={self.ft.min_rollout_workers}",
+                             group_version=group.group_version)
+            await group.fire("fail", reason=str(err), error=err)
+            raise err
 
     async def _replacement(self, lost: Member) -> Member:
         """A warm spare of the lost member's role (standby mode; one still warming is waited
@@ -307,8 +404,15 @@ class Failover:
                 await spare.machine.fire("promote", reason=f"replaces {lost.name}")
                 await spare.machine.fire("join", reason=f"takes rank {lost.rank} of {lost.name}")
                 return spare
+        avoid = {n for n in self.lost_nodes | self.unreachable_nodes if n}
+        pool = lost.pool
+        if lost.node_id in avoid and self.launcher.has_free_slot(self.ft.standby_resource_pool):
+            # The lost member's own slot is a bundle on a node that may be gone: Ray moves that
+            # bundle only once its own health check gives up on the node. A placement group of
+            # its own, off the unreachable nodes, starts the replacement now.
+            pool = self.ft.standby_resource_pool
         fresh = self.launcher.start(lost.role, lost.rank, f"{lost.role}-{lost.rank}-r{self._spare_seq}",
-                                    pool=lost.pool)
+                                    pool=pool, avoid_nodes=avoid)
         self._spare_seq += 1
         try:
             info = await self.calls.call(fresh.name, fresh.handle, "prewarm")
@@ -320,7 +424,7 @@ class Failover:
                 await fresh.machine.fire("retire", reason="replacement could not start")
             self.launcher.give_back(fresh)
             raise
-        fresh.located(info["pid"], info["node"])
+        fresh.located(info)
         await fresh.machine.fire("join", reason=f"fresh replacement of {lost.name}")
         return fresh
 
@@ -354,25 +458,6 @@ class Failover:
         if lost.machine.can("retire"):
             await lost.machine.fire("retire", reason="replaced")
         self.launcher.give_back(lost)
-
-    async def _shrink(self, lost: Member, reason: str, *, no_replacement: str) -> None:
-        """Carry on without ``lost`` (a rollout): no replacement could be had (why:
-        ``no_replacement``). Fails the group when fewer than ``min_rollout_workers`` remain."""
-        group = self.membership.group
-        serving = [m for m in self.membership.role("rollout")
-                   if m is not lost and m.machine.state not in ("LOST", "RETIRED")]
-        if len(serving) < self.ft.min_rollout_workers:
-            err = MemberLost(lost.name, f"{reason}; no replacement could start ({no_replacement}) and only "
-                                        f"{len(serving)} rollouts left, fewer than "
-                                        f"min_rollout_workers={self.ft.min_rollout_workers}",
-                             group_version=group.group_version)
-            await group.fire("fail", reason=str(err), error=err)
-            raise err
-        for rank, m in enumerate(sorted(serving, key=lambda m: m.rank), start=1):
-            m.set_rank(rank)
-        self.membership.changed()
-        await self.formation.reform()
-        await group.fire("shrink", reason=f"{lost.name} lost with no spare; {len(serving)} rollouts serve")
 
     async def _resync(self, newcomer: Member) -> bool:
         """Move the current version to the newcomer only; False when it must wait for the next sync."""

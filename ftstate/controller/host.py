@@ -72,13 +72,10 @@ class WorkerHost:
     # -- identity and liveness ----------------------------------------------------------
 
     async def info(self) -> dict[str, Any]:
-        try:
-            import ray
-
-            node = ray.util.get_node_ip_address()
-        except Exception:  # noqa: BLE001 - outside Ray (unit use): the host name will do
-            node = socket.gethostname()
-        return {"pid": os.getpid(), "node": node, "member": self.member, "role": self.role}
+        """Who and where: pid, the node's address, and Ray's node id (several nodes may share
+        one address, e.g. a test cluster on one machine: only the id tells them apart)."""
+        node, node_id = _where()
+        return {"pid": os.getpid(), "node": node, "node_id": node_id, "member": self.member, "role": self.role}
 
     async def heartbeat(self) -> dict[str, Any]:
         return {
@@ -121,7 +118,9 @@ class WorkerHost:
             rank=rank,
             world_size=world_size,
             timeout_s=timeout_s,
-            device_host=store_host,
+            # This member's own node: its gloo device binds and announces the address Ray
+            # reports for the node it runs on (loopback on the embedded default), never 0.0.0.0.
+            device_host=_device_host(store_host),
         )
         self.group_version = version
         self._tick()
@@ -352,3 +351,18 @@ class WorkerHost:
     async def chaos_hang_after_progress(self, steps: int) -> None:
         """SIGSTOP this process after ``steps`` more units of progress: hung mid-transfer."""
         self._signal_at_progress = (self.progress + steps, signal.SIGSTOP)
+
+
+def _where() -> tuple[str, str | None]:
+    """This process's node address and Ray node id (outside Ray: the host name, no id)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray (unit use): the host name will do
+        return socket.gethostname(), None
+
+
+def _device_host(store_host: str) -> str:
+    node, node_id = _where()
+    return node if node_id is not None else store_host  # outside Ray: where the store is

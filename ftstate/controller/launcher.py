@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ftstate.controller.membership import Member, Membership
@@ -58,17 +58,43 @@ class ActorLauncher:
         self.pools: dict[str, Any] = {}
 
     def make_pools(self) -> None:
-        """One placement group per role, plus the standby pool (standby mode): two spares'
-        worth of slots per ``standby_workers``, so a spare can be started while another is
-        being promoted out of its slot."""
-        from ftstate.controller.placement import ResourcePool
+        """One placement group per role, plus the standby pool (fault tolerance on): two
+        spares' worth of slots per ``standby_workers`` (a spare can be started while another
+        is promoted out of its slot) and one per member (replacements kept off a lost node)."""
+        from ftstate.controller.placement import ResourcePool, SparePool
 
         cfg, ft = self.config, self.config.fault_tolerance
-        sizes = {"trainer": cfg.trainer_workers, "rollout": cfg.rollout_workers}
-        if ft.enable and ft.mode == "standby":
-            sizes[ft.standby_resource_pool] = 2 * ft.standby_workers
-        for name, slots in sizes.items():
-            self.pools[name] = ResourcePool(self.run_id, name, slots, cpus=cfg.worker_cpus, gpus=cfg.worker_gpus)
+        sizes = {"trainer": (cfg.trainer_workers, cfg.placement.trainer),
+                 "rollout": (cfg.rollout_workers, cfg.placement.rollout)}
+        if ft.enable:
+            # Spares (standby mode), and replacements that must keep off a lost node: each in a
+            # placement group of its own, made when needed (placement.SparePool).
+            spares = 2 * ft.standby_workers if ft.mode == "standby" else 0
+            sizes[ft.standby_resource_pool] = (spares + cfg.trainer_workers + cfg.rollout_workers,
+                                               cfg.placement.standby)
+        for name, (slots, placement) in sizes.items():
+            kind = SparePool if name == ft.standby_resource_pool else ResourcePool
+            self.pools[name] = kind(self.run_id, name, slots, cpus=cfg.worker_cpus, gpus=cfg.worker_gpus,
+                                    placement=placement)
+
+    def describe_pools(self) -> str:
+        """What the run asks of the cluster, and what it has (for a placement that never comes)."""
+        from ftstate.controller.placement import describe_cluster
+
+        asked = "; ".join(pool.describe() for pool in self.pools.values())
+        return f"placement of {asked}; the cluster has {describe_cluster()}"
+
+    def unplaced(self) -> list[str]:
+        """The pools Ray has not placed yet."""
+        out = []
+        for name, pool in self.pools.items():
+            try:
+                placed = pool.placed
+            except Exception:  # noqa: BLE001 - asked at a deadline's expiry: report what we can
+                placed = False
+            if not placed:
+                out.append(f"pool {name}")
+        return out
 
     async def pools_ready(self) -> None:
         import asyncio
@@ -79,9 +105,12 @@ class ActorLauncher:
         cfg = self.config
         return Liveness(max(cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s / 2), cfg.heartbeat_timeout_s)
 
-    def start(self, role: str, rank: int, name: str, pool: str | None = None) -> Member:
-        """Start an actor for ``role`` in a free slot of ``pool`` (default: the role's own);
-        its machine starts in INIT. The actor constructs the user's class in its process."""
+    def start(
+        self, role: str, rank: int, name: str, pool: str | None = None, avoid_nodes: Collection[str] = ()
+    ) -> Member:
+        """Start an actor for ``role`` in a free slot of ``pool`` (default: the role's own),
+        on a node outside ``avoid_nodes`` when the pool has a free slot there; its machine
+        starts in INIT. The actor constructs the user's class in its process."""
         import ray
 
         from ftstate.controller.host import WorkerHost
@@ -91,7 +120,7 @@ class ActorLauncher:
         machine.listen(self._on_transition)
         args, kwargs = self.args[role]
         resource_pool = self.pools[pool or role]
-        slot = resource_pool.take()
+        slot = resource_pool.take(avoid_nodes)
         actor_cls = ray.remote(WorkerHost)
         handle = actor_cls.options(
             name=f"ftstate-{self.run_id}-{name}",
@@ -104,6 +133,16 @@ class ActorLauncher:
         member = Member(name, role, rank, machine, handle, self.liveness(), pool=resource_pool.name, slot=slot)
         self.membership.add(member)
         return member
+
+    def node_of(self, member: Member) -> str | None:
+        """Ray's id of the node ``member`` runs on: what it said, else where its slot was placed."""
+        if member.node_id is not None:
+            return member.node_id
+        pool = self.pools.get(member.pool)
+        try:
+            return pool.slot_nodes().get(member.slot) if pool is not None else None
+        except Exception:  # noqa: BLE001 - the pool may be gone with the cluster
+            return None
 
     def has_free_slot(self, pool: str) -> bool:
         return self.pools[pool].has_free_slot()

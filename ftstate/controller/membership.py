@@ -20,11 +20,12 @@ forming group versions :mod:`~ftstate.controller.formation`'s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from ftstate.core.errors import FTError, MemberLost
+from ftstate.core.errors import FTError, InvalidTransition, MemberLost
 from ftstate.core.liveness import Liveness
 from ftstate.core.machine import StateMachine
 
@@ -34,10 +35,39 @@ GROUP = "weights"
 GONE = frozenset({"LOST", "RETIRED", "FAILED", "STOPPED"})
 
 
+async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None:
+    """Take a member whose load of the current version was proven (checksums matched: a
+    newcomer's point-to-point resync, a rollout's commit) to ``target`` (RESYNCED or READY)
+    by the worker machine's own edges, from wherever it is.
+
+    The watchdog keeps watching a member while it loads: on a starved machine a missed
+    heartbeat makes it SUSPECT, and an answer given before its version was recorded makes
+    it STALE. The load is proven all the same, so the failover goes the legal way round
+    (STALE -> RESYNCING -> RESYNCED) instead of firing an edge that no longer exists and
+    leaving the group in PROMOTING until its deadline. ``fields`` go on the audit record of
+    the edge into RESYNCED. Raises MemberLost when the newcomer was lost (or stopped)
+    meanwhile; the failover then tries the next replacement.
+    """
+    order = ("RESYNCED", "READY")
+    step = {"STALE": "resync", "RESYNCING": "verified", "SUSPECT": "verified", "RESYNCED": "admit"}
+    for _ in range(8):  # each pass moves one edge forward unless the watchdog moved it too
+        state = machine.state
+        if state in order and order.index(state) >= order.index(target):
+            return
+        trigger = step.get(state)
+        if trigger is None:
+            raise MemberLost(machine.member, f"{state} while being resynced", group_version=machine.group_version)
+        extra = fields if trigger == "verified" else {}
+        with contextlib.suppress(InvalidTransition):  # moved between the look and the fire: look again
+            await machine.fire(trigger, reason="current version loaded and verified", **extra)
+    raise MemberLost(machine.member, f"could not be admitted: still {machine.state}", group_version=machine.group_version)
+
+
 @dataclasses.dataclass(eq=False)
 class Member:
     """One worker actor. rank: its rank in the current group version (-1 for a spare);
-    pool / slot: where the launcher placed it; pid / node: known once it answered."""
+    pool / slot: where the launcher placed it; pid / node (address) / node_id (Ray's id of
+    its node: several nodes may share an address): known once it answered."""
 
     name: str
     role: str
@@ -49,6 +79,7 @@ class Member:
     slot: int = 0
     pid: int | None = None
     node: str | None = None
+    node_id: str | None = None
 
     @property
     def gone(self) -> bool:
@@ -58,10 +89,11 @@ class Member:
         self.rank = rank
         self.machine.bind(rank=rank)
 
-    def located(self, pid: int, node: str) -> None:
-        """Record where its process runs (from its ``info``/``prewarm`` answer)."""
-        self.pid, self.node = pid, node
-        self.machine.bind(pid=pid, node=node)
+    def located(self, info: dict[str, Any]) -> None:
+        """Record where its process runs (from its ``info``/``prewarm`` answer); every later
+        audit record of its machine carries them."""
+        self.pid, self.node, self.node_id = info["pid"], info["node"], info.get("node_id")
+        self.machine.bind(pid=self.pid, node=self.node, node_id=self.node_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +192,10 @@ class Membership:
         version = self.weights_version
         return [m for m in self.role("rollout") if m is not exclude and m.machine.serving
                 and m.machine.weights_version == version]
+
+    def on_node(self, node_id: str) -> list[Member]:
+        """Every member not gone whose process runs on node ``node_id`` (spares included)."""
+        return [m for m in self._members.values() if m.node_id == node_id and not m.gone]
 
     def states_text(self) -> str:
         return ", ".join(f"{m.name}={m.machine.state}@v{m.machine.weights_version}" for m in self.role("rollout"))

@@ -1,47 +1,91 @@
 """Placement: Ray placement groups as resource pools, one per role plus one for spares.
 
-Each pool is a placement group with one bundle per worker slot (``worker_cpus`` CPUs and
-``worker_gpus`` GPUs), so a run reserves its resources up front and a replacement lands in
-a slot that is known to exist. Spares live in their own pool, named by
-``fault_tolerance.standby_resource_pool`` as verl calls it, so operators can put them on
-other nodes than the serving workers (a spare on the node that just died is no spare).
+Each pool is a placement group with one bundle per worker slot (``worker_cpus`` CPUs,
+``worker_gpus`` GPUs and the role's ``placement.<role>.resources``, on nodes carrying its
+``placement.<role>.labels``), placed by Ray with the role's strategy: rollouts SPREAD over
+the nodes that have room by default, and on one node they simply pack. Spares live in their
+own pool, named by ``fault_tolerance.standby_resource_pool`` as verl calls it
+(:class:`SparePool`): each spare gets a one-bundle placement group of its own whose node
+label selector (Ray's ``ray.io/node-id`` label, ``in(...)``) keeps it off the nodes of the
+members it covers and off lost nodes (a spare on the node that just died is no spare). Ray
+places it; ftstate only names the nodes it may use, and when no other node can ever hold it
+(one node) it goes where it fits and the trail says so (``spare_colocated``).
 
-A pool that cannot be placed (the cluster lacks the resources) waits; the wait runs inside
-the rendezvous state, so ``init_timeout_s`` bounds it like everything else at start-up.
+Infeasible requests fail at once, naming what was asked and what the cluster has (a custom
+resource or a label no node has, more CPUs than the whole cluster, STRICT_SPREAD over more
+bundles than nodes). A feasible pool that cannot be placed yet (the room is taken) is waited
+for inside the rendezvous state, so ``init_timeout_s`` bounds it and its expiry names the
+pools still unplaced with the same description.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Collection, Mapping
 from typing import Any
+
+from ftstate.core.config import RolePlacement
+from ftstate.core.errors import PlacementUnsatisfiable
 
 
 class ResourcePool:
     """One placement group. name: the pool's name (``rollout``, ``standby``…); slots: bundles;
-    cpus / gpus: per bundle; strategy: Ray's (PACK keeps a group on few nodes, SPREAD spreads)."""
+    cpus / gpus: per bundle; placement: the role's strategy, custom resources and labels."""
 
-    def __init__(self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float, strategy: str = "PACK") -> None:
+    def __init__(
+        self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float, placement: RolePlacement
+    ) -> None:
         from ray.util.placement_group import placement_group
 
         self.name = name
         self.slots = slots
         self.cpus = cpus
         self.gpus = gpus
-        bundle: dict[str, float] = {"CPU": cpus}
+        self.placement = placement
+        self.bundle: dict[str, float] = {"CPU": cpus, **placement.resources}
         if gpus:
-            bundle["GPU"] = gpus
+            self.bundle["GPU"] = gpus
         self._free = list(range(slots))
-        self._pg = placement_group([dict(bundle) for _ in range(slots)], strategy=strategy,
-                                   name=f"ftstate-{run_id}-{name}")
+        check_feasible(self)
+        selector = [dict(placement.labels) for _ in range(slots)] if placement.labels else None
+        self._pg = placement_group([dict(self.bundle) for _ in range(slots)], strategy=placement.strategy,
+                                   name=f"ftstate-{run_id}-{name}", bundle_label_selector=selector)
+
+    def describe(self) -> str:
+        """What this pool asks of the cluster, in one line."""
+        bundle = ", ".join(f"{k}={v:g}" for k, v in self.bundle.items())
+        labels = f" on nodes labelled {dict(self.placement.labels)}" if self.placement.labels else ""
+        return f"pool {self.name!r}: {self.slots} x {{{bundle}}}{labels}, {self.placement.strategy}"
 
     async def ready(self) -> None:
         await self._pg.ready()
 
-    def take(self) -> int:
-        """Reserve a free slot; returns its bundle index."""
+    @property
+    def placed(self) -> bool:
+        import ray
+
+        return ray.util.placement_group_table(self._pg).get("state") == "CREATED"
+
+    def slot_nodes(self) -> dict[int, str]:
+        """Ray's node id of each placed bundle (empty before the pool is placed)."""
+        import ray
+
+        table = ray.util.placement_group_table(self._pg)
+        return {int(k): v for k, v in (table.get("bundles_to_node_id") or {}).items()}
+
+    def take(self, avoid_nodes: Collection[str] = ()) -> int:
+        """Reserve a free slot, one on a node outside ``avoid_nodes`` when there is one;
+        returns its bundle index."""
         if not self._free:
             from ftstate.core.errors import FTError
 
             raise FTError(f"resource pool {self.name!r} has no free slot (all {self.slots} in use)")
+        if avoid_nodes:
+            nodes = self.slot_nodes()
+            for slot in self._free:
+                if nodes.get(slot) not in avoid_nodes and slot in nodes:
+                    self._free.remove(slot)
+                    return slot
         return self._free.pop(0)
 
     def has_free_slot(self) -> bool:
@@ -61,9 +105,179 @@ class ResourcePool:
         }
         if self.gpus:
             opts["num_gpus"] = self.gpus
+        if self.placement.resources:
+            opts["resources"] = dict(self.placement.resources)
         return opts
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self._pg)
+
+
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+class SparePool:
+    """The standby pool: up to ``slots`` spares, each in a one-bundle placement group of its
+    own, placed away from given nodes (see the module docstring). Same interface as
+    :class:`ResourcePool`; a slot is a spare's own placement group."""
+
+    def __init__(
+        self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float, placement: RolePlacement
+    ) -> None:
+        self.run_id = run_id
+        self.name = name
+        self.slots = slots
+        self.cpus = cpus
+        self.gpus = gpus
+        self.placement = placement
+        self.bundle: dict[str, float] = {"CPU": cpus, **placement.resources}
+        if gpus:
+            self.bundle["GPU"] = gpus
+        check_feasible(self)
+        self._groups: dict[int, Any] = {}
+        self._next = 0
+        #: Spares placed on a node they were meant to avoid (no other node could hold them).
+        self.colocated: list[int] = []
+
+    def describe(self) -> str:
+        bundle = ", ".join(f"{k}={v:g}" for k, v in self.bundle.items())
+        labels = f" on nodes labelled {dict(self.placement.labels)}" if self.placement.labels else ""
+        return f"pool {self.name!r}: up to {self.slots} x {{{bundle}}}{labels}, one placement group each, " \
+               "off the nodes of the members they cover"
+
+    async def ready(self) -> None:
+        return None  # each spare's group is placed when its spare starts
+
+    @property
+    def placed(self) -> bool:
+        return True
+
+    def slot_nodes(self) -> dict[int, str]:
+        import ray
+
+        out = {}
+        for slot, pg in self._groups.items():
+            nodes = (ray.util.placement_group_table(pg).get("bundles_to_node_id") or {})
+            if nodes:
+                out[slot] = next(iter(nodes.values()))
+        return out
+
+    def has_free_slot(self) -> bool:
+        return len(self._groups) < self.slots
+
+    def take(self, avoid_nodes: Collection[str] = ()) -> int:
+        from ray.util.placement_group import placement_group
+
+        if not self.has_free_slot():
+            from ftstate.core.errors import FTError
+
+            raise FTError(f"resource pool {self.name!r} has no free slot (all {self.slots} in use)")
+        selector = dict(self.placement.labels)
+        avoid = set(avoid_nodes)
+        slot = self._next
+        self._next += 1
+        if avoid:
+            nodes = cluster_nodes()
+            allowed = [n["node_id"] for n in nodes
+                       if n["node_id"] not in avoid and _fits_one(n, self.bundle, self.placement.labels)]
+            if allowed:
+                selector[NODE_ID_LABEL] = f"in({','.join(sorted(allowed))})"
+            elif len(nodes) > 1:  # on one node there is nowhere else to be: nothing to report
+                self.colocated.append(slot)
+        self._groups[slot] = placement_group([dict(self.bundle)], strategy="PACK",
+                                             name=f"ftstate-{self.run_id}-{self.name}-{slot}",
+                                             bundle_label_selector=[selector] if selector else None)
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        pg = self._groups.pop(slot, None)
+        if pg is not None:
+            with contextlib.suppress(Exception):  # the cluster may be gone already
+                remove_placement_group(pg)
+
+    def options(self, slot: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts: dict[str, Any] = {
+            "num_cpus": self.cpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._groups[slot],
+                                                                    placement_group_bundle_index=0),
+        }
+        if self.gpus:
+            opts["num_gpus"] = self.gpus
+        if self.placement.resources:
+            opts["resources"] = dict(self.placement.resources)
+        return opts
+
+    def remove(self) -> None:
+        for slot in list(self._groups):
+            self.give_back(slot)
+
+
+def cluster_nodes() -> list[dict[str, Any]]:
+    """The alive nodes as ``{node_id, address, resources, labels}``."""
+    import ray
+
+    return [{"node_id": n["NodeID"], "address": n.get("NodeManagerAddress"), "resources": n.get("Resources", {}),
+             "labels": n.get("Labels", {}) or {}} for n in ray.nodes() if n.get("Alive")]
+
+
+def describe_cluster(nodes: list[dict[str, Any]] | None = None) -> str:
+    """What the cluster has, one clause per alive node."""
+    nodes = cluster_nodes() if nodes is None else nodes
+    parts = []
+    for n in nodes:
+        res = ", ".join(f"{k}={v:g}" for k, v in sorted(n["resources"].items())
+                        if not k.startswith(("node:", "memory", "object_store_memory", "accelerator_type")))
+        labels = {k: v for k, v in n["labels"].items() if not k.startswith("ray.io/")}
+        parts.append(f"node {n['node_id'][:8]} ({n['address']}): {{{res}}}" + (f" labels {labels}" if labels else ""))
+    return f"{len(nodes)} alive node(s): " + "; ".join(parts)
+
+
+def check_feasible(pool: ResourcePool, nodes: list[dict[str, Any]] | None = None) -> None:
+    """Raise :class:`PlacementUnsatisfiable` when no placement of ``pool`` can ever exist on
+    the cluster as it is (the room being taken for now is not this: that is waited for)."""
+    nodes = cluster_nodes() if nodes is None else nodes
+    fits = [n for n in nodes if _fits_one(n, pool.bundle, pool.placement.labels)]
+    problem = ""
+    if not fits:
+        problem = "no node can hold even one bundle"
+    elif pool.placement.strategy == "STRICT_SPREAD" and len(fits) < pool.slots:
+        problem = f"STRICT_SPREAD needs {pool.slots} distinct nodes, {len(fits)} can hold a bundle"
+    elif pool.placement.strategy == "STRICT_PACK" and not any(_fits_n(n, pool.bundle, pool.slots) for n in fits):
+        problem = f"STRICT_PACK needs one node for all {pool.slots} bundles, none has the room"
+    elif sum(_capacity(n, pool.bundle) for n in fits) < pool.slots:
+        problem = f"the nodes that fit hold {sum(_capacity(n, pool.bundle) for n in fits)} bundles in all"
+    if problem:
+        raise PlacementUnsatisfiable(pool=pool.name, asked=pool.describe(), cluster=describe_cluster(nodes),
+                                     problem=problem)
+
+
+def label_matches(node_labels: Mapping[str, str], key: str, expr: str) -> bool:
+    """Ray's label selector syntax: ``v``, ``!v``, ``in(a,b)``, ``!in(a,b)``."""
+    negate = expr.startswith("!")
+    body = expr[1:] if negate else expr
+    if body.startswith("in(") and body.endswith(")"):
+        allowed = {v.strip() for v in body[3:-1].split(",") if v.strip()}
+    else:
+        allowed = {body}
+    return (node_labels.get(key) in allowed) != negate
+
+
+def _fits_one(node: Mapping[str, Any], bundle: Mapping[str, float], labels: Mapping[str, str]) -> bool:
+    if not all(label_matches(node["labels"], k, v) for k, v in labels.items()):
+        return False
+    return _fits_n(node, bundle, 1)
+
+
+def _fits_n(node: Mapping[str, Any], bundle: Mapping[str, float], n: int) -> bool:
+    return all(node["resources"].get(k, 0.0) + 1e-9 >= v * n for k, v in bundle.items() if v > 0)
+
+
+def _capacity(node: Mapping[str, Any], bundle: Mapping[str, float]) -> int:
+    counts = [int((node["resources"].get(k, 0.0) + 1e-9) // v) for k, v in bundle.items() if v > 0]
+    return min(counts) if counts else 1 << 30

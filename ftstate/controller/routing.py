@@ -34,7 +34,8 @@ def check_method(method: object) -> str:
 class Router:
     """User calls for one runtime. recover: runs pending failovers (taking the membership
     lock); failover_pending: whether a loss awaits one; raise_if_failed: raises the run's
-    failure, if any."""
+    failure, if any; settle: waits (bounded) until suspects are cleared or declared lost.
+    """
 
     def __init__(
         self,
@@ -45,6 +46,7 @@ class Router:
         calls: ActorCalls,
         routing_open: asyncio.Event,
         recover: Callable[[], Awaitable[None]],
+        settle: Callable[[], Awaitable[None]],
         failover_pending: Callable[[], bool],
         raise_if_failed: Callable[[], None],
     ) -> None:
@@ -54,6 +56,7 @@ class Router:
         self.calls = calls
         self.routing_open = routing_open
         self.recover = recover
+        self.settle = settle
         self.failover_pending = failover_pending
         self.raise_if_failed = raise_if_failed
 
@@ -123,6 +126,9 @@ class Router:
                 attempts += 1
                 if not ft.enable or attempts > ft.max_failovers:
                     raise
+                # A suspect worker (its node may be gone) is either cleared or declared LOST
+                # within heartbeat_timeout_s; wait for that instead of asking it again at once.
+                await self.settle()
                 await self.recover()
                 self.audit.record("call_retry", method=method, attempt=attempts)
 

@@ -75,7 +75,8 @@ __all__ = ["GROUP", "MemberInfo", "Runtime", "SyncReport"]
 
 @dataclasses.dataclass(frozen=True)
 class MemberInfo:
-    """One worker as ``rt.members()`` reports it."""
+    """One worker as ``rt.members()`` reports it. node: its node's address; node_id: Ray's id
+    of the node (what tells nodes apart when they share an address)."""
 
     member: str
     role: str
@@ -85,6 +86,7 @@ class MemberInfo:
     group_version: int
     pid: int | None
     node: str | None
+    node_id: str | None = None
 
 
 class Runtime:
@@ -191,6 +193,7 @@ class Runtime:
         node = cluster.node_address()
         self.group = StateMachine(get_spec("group"), member="group", config=cfg, audit=self.audit)
         self.group.listen(self._on_group_transition)
+        self.group.bind(node=node, node_id=cluster.node_id())  # the group's records: the controller's node
         ms = self._membership = Membership(self.group)
         self._launcher = ActorLauncher(run_id=self.run_id, config=cfg, audit=self.audit, membership=ms,
                                        classes=self._classes, args=self._args,
@@ -206,7 +209,7 @@ class Runtime:
                                 formation=self._formation, routing_open=self._routing_open,
                                 raise_if_failed=self._raise_if_failed)
         self._router = Router(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
-                              routing_open=self._routing_open, recover=self._recover,
+                              routing_open=self._routing_open, recover=self._recover, settle=self._settle,
                               failover_pending=lambda: self._failover is not None and self._failover.pending,
                               raise_if_failed=self._raise_if_failed)
         self._chaos = Chaos(ms, self.audit)
@@ -214,7 +217,6 @@ class Runtime:
         self._launcher.start("trainer", 0, "trainer-0")
         for i in range(cfg.rollout_workers):
             self._launcher.start("rollout", i + 1, f"rollout-{i}")
-        self._failover.start_spares()  # they warm up while the group forms
         await self._rendezvous()
         self._watch_task = asyncio.get_running_loop().create_task(self._watchdog.run())
 
@@ -269,12 +271,16 @@ class Runtime:
 
         async def join(m: Member) -> None:
             info = await self._calls.call(m.name, m.handle, "info")
-            m.located(info["pid"], info["node"])
+            m.located(info)
             await formation.join(m, version, len(members))
 
-        group.describe_wait(f"rendezvous of group {GROUP!r}", missing=missing, arrived=arrived)
+        group.describe_wait(launcher.describe_pools(), missing=launcher.unplaced)
         async with group.deadline_scope():
             await launcher.pools_ready()
+            # Spares warm up while the group forms; started once the pools are placed, so each
+            # can take a slot away from the nodes of the members it covers.
+            self._parts()[4].start_spares()
+            group.describe_wait(f"rendezvous of group {GROUP!r}", missing=missing, arrived=arrived)
             joins = [asyncio.ensure_future(join(m)) for m in members]
             try:
                 await asyncio.gather(*joins)
@@ -396,6 +402,13 @@ class Runtime:
                 raise
         self._raise_if_failed()
 
+    async def _settle(self) -> None:
+        """Until the trainer is not suspect and some rollout serves, or suspects are declared
+        LOST (bounded by heartbeat_timeout_s plus an interval; see Watchdog.settle_suspects)."""
+        ms, _, _, watchdog, _, _ = self._parts()
+        await watchdog.settle_suspects(done=lambda: all(m.machine.state != "SUSPECT" for m in ms.role("trainer"))
+                                       and bool(ms.serving_rollouts()))
+
     async def _recover_in_background(self) -> None:
         with contextlib.suppress(FTError):  # recorded in self._failure; callers see it
             await self._recover()
@@ -457,7 +470,7 @@ class Runtime:
         members = list(self._membership) if self._membership is not None else []
         return [
             MemberInfo(m.name, m.role, m.rank, m.machine.state, m.machine.weights_version,
-                       m.machine.group_version, m.pid, m.node)
+                       m.machine.group_version, m.pid, m.node, m.node_id)
             for m in sorted(members, key=lambda m: (m.rank < 0, m.rank, m.name))
         ]
 
@@ -510,7 +523,7 @@ class Runtime:
             ms.changed()
             if self.config.fault_tolerance.enable:
                 # Noted now, not in the task: a sync that fails because of this loss must find it.
-                failover.note_loss(m, asyncio.get_running_loop().time())
+                failover.note_loss(m, asyncio.get_running_loop().time(), trigger)
             self._spawn(self._member_lost(m, machine.error))
 
     def _on_group_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.formation import GroupFormation
-from ftstate.controller.membership import Member, Membership
+from ftstate.controller.membership import Member, Membership, walk_proven
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import ChecksumMismatch, MemberLost, NoServingWorkers, SyncTimeout, TransportError
@@ -261,8 +261,10 @@ class WeightSync:
             if m.machine.state == "SYNCING":
                 await m.machine.fire("committed", checksum=checksum)
             else:
-                await m.machine.fire("verified", checksum=checksum)
-                await m.machine.fire("admit")
+                # A STALE rollout brought up to date (RESYNCING), or one the watchdog moved
+                # meanwhile (suspected while busy, then re-admitted on the version it held):
+                # its load is proven all the same, so it is walked to READY by legal edges.
+                await walk_proven(m.machine, "READY", checksum=checksum)
         trainer.machine.weights_version = version
         await trainer.machine.fire("committed", checksum=checksum)
         return failed

@@ -33,6 +33,8 @@ def _field(default: Any, doc: str, **rules: Any) -> Any:
     """
     if isinstance(default, type) and dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=default, metadata={"doc": doc, **rules})
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata={"doc": doc, **rules})
     return dataclasses.field(default=default, metadata={"doc": doc, **rules})
 
 
@@ -112,6 +114,43 @@ class FaultToleranceConfig:
     )
 
 
+Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolePlacement:
+    """Where one role's workers go: a Ray placement group per role (one bundle per worker)."""
+
+    strategy: Strategy = _field(  # noqa: RUF009
+        "SPREAD",
+        "Ray placement-group strategy for the role's bundles. SPREAD puts them on as many nodes as "
+        "have room (and packs them on one node when that is all there is); PACK keeps them together; "
+        "the STRICT_ forms fail the start (within init_timeout_s) rather than bend.",
+    )
+    resources: dict[str, float] = _field(  # noqa: RUF009
+        {},
+        "Custom Ray resources each worker of the role asks for besides worker_cpus/worker_gpus, "
+        "e.g. {rollout_node: 1} to keep rollouts on nodes started with that resource.",
+    )
+    labels: dict[str, str] = _field(  # noqa: RUF009
+        {},
+        "Ray node labels each worker's node must carry (a bundle label selector, Ray's syntax: "
+        "value, !value, in(a,b), !in(a,b)), e.g. {ftstate-pool: rollout}.",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+    """The ``placement`` block: per role, where its workers may run. Spares (standby) are also
+    kept off the nodes of the members they cover whenever the cluster allows."""
+
+    trainer: RolePlacement = _field(RolePlacement, "The trainer's placement.")  # noqa: RUF009
+    rollout: RolePlacement = _field(RolePlacement, "The rollouts' placement.")  # noqa: RUF009
+    standby: RolePlacement = _field(  # noqa: RUF009
+        RolePlacement, "The spares' placement (the standby resource pool, fault_tolerance.mode: standby)."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """Everything a :class:`~ftstate.Runtime` needs to start, sync and recover."""
@@ -164,6 +203,7 @@ class RuntimeConfig:
         gt=0,
     )
     fault_tolerance: FaultToleranceConfig = _field(FaultToleranceConfig, "Failover settings.")  # noqa: RUF009
+    placement: PlacementConfig = _field(PlacementConfig, "Where workers run on a multi-node cluster.")  # noqa: RUF009
 
     # -- construction -------------------------------------------------------------------
 
@@ -354,6 +394,8 @@ def _convert(f: dataclasses.Field[Any], hint: Any, value: Any, path: str, *, fro
         if optional:
             return None
         raise ConfigError(path, f"must not be null; expected {_type_name(hint)}")
+    if typing.get_origin(base) is dict:
+        return _convert_mapping(base, value, path)
     if typing.get_origin(base) is Literal:
         choices = typing.get_args(base)
         if value not in choices:
@@ -384,6 +426,26 @@ def _convert(f: dataclasses.Field[Any], hint: Any, value: Any, path: str, *, fro
             raise ConfigError(path, f"must be a non-empty string, got {value!r}")
         return value
     raise ConfigError(path, f"unsupported field type {hint!r}")  # pragma: no cover - declaration bug
+
+
+def _convert_mapping(hint: Any, value: Any, path: str) -> dict[str, Any]:
+    """A ``dict[str, float]`` (resources: numbers >= 0) or ``dict[str, str]`` (labels)."""
+    _, value_type = typing.get_args(hint)
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, f"must be a mapping of names to {value_type.__name__} values, got {value!r}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key:
+            raise ConfigError(path, f"keys must be non-empty strings, got {key!r}")
+        if value_type is float:
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or item < 0:
+                raise ConfigError(f"{path}.{key}", f"must be a number >= 0, got {item!r}")
+            out[key] = float(item)
+        elif not isinstance(item, str) or not item:
+            raise ConfigError(f"{path}.{key}", f"must be a non-empty string, got {item!r}")
+        else:
+            out[key] = item
+    return out
 
 
 def leaf_paths() -> set[str]:

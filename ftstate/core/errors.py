@@ -18,6 +18,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── MemberLost               a worker died or was declared lost and nothing replaced it
     ├── LossyRecoveryRefused     reverse recovery would rebuild a trainer from lossy weights
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
+    ├── PlacementUnsatisfiable   the cluster can never place a resource pool as configured
     ├── StateDictError           user code handed weights the transport cannot send (also a TypeError)
     ├── TransportError           moving weights failed
     │   ├── BackendUnavailable   the chosen backend (e.g. nccl) cannot load here
@@ -182,6 +183,19 @@ class NoServingWorkers(FTError):
     """Raised when a call needs a worker that serves the current weights and none does."""
 
 
+class PlacementUnsatisfiable(FTError):
+    """Raised by ``start()`` when no placement of a resource pool can exist on the cluster as
+    it is: ``asked`` (the pool's bundles, strategy and labels), ``cluster`` (what each alive
+    node has) and ``problem`` (why they cannot meet)."""
+
+    def __init__(self, *, pool: str, asked: str, cluster: str, problem: str) -> None:
+        self.pool = pool
+        self.asked = asked
+        self.cluster = cluster
+        self.problem = problem
+        super().__init__(f"cannot place resource pool {pool!r}: {problem}; asked {asked}; the cluster has {cluster}")
+
+
 class StateDictError(FTError, TypeError):
     """Raised where user code hands ftstate weights that cannot travel, before anything is sent.
 
@@ -319,6 +333,7 @@ __all__ = [
     "MemberLost",
     "NoServingWorkers",
     "PeerLost",
+    "PlacementUnsatisfiable",
     "RendezvousTimeout",
     "SpecError",
     "StaleGroupVersion",

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from transitions.extensions.asyncio import AsyncMachine
@@ -208,17 +208,30 @@ class StateMachine:
 
     # -- events ------------------------------------------------------------------------
 
-    async def fire(self, trigger: str, *, reason: str = "", error: FTError | None = None, **fields: Any) -> str:
+    async def fire(
+        self,
+        trigger: str,
+        *,
+        reason: str = "",
+        error: FTError | None = None,
+        spend_on: Sequence[str] = (),
+        **fields: Any,
+    ) -> str:
         """Apply one event; returns the state entered.
 
         Raises :class:`~ftstate.core.errors.InvalidTransition` when the current state does not accept
         ``trigger``. ``error`` is recorded as the machine's error (a fault that caused it);
-        ``fields`` are added to the audit record.
+        ``fields`` are added to the audit record. ``spend_on``: when the state entered has a
+        budget, what each unit it costs is spent on (one entry replacing a whole node's members
+        costs one unit per member); default one unit, spent on ``reason``. Entering is refused
+        (the budget's ``on_exhausted`` trigger instead) unless every unit is left.
         """
         async with self._lock:
-            return await self._fire(trigger, reason, error, fields)
+            return await self._fire(trigger, reason, error, fields, tuple(spend_on))
 
-    async def _fire(self, trigger: str, reason: str, error: FTError | None, fields: Mapping[str, Any]) -> str:
+    async def _fire(
+        self, trigger: str, reason: str, error: FTError | None, fields: Mapping[str, Any], spend_on: tuple[str, ...] = ()
+    ) -> str:
         src = self.state
         dest = self.spec.next_state(src, trigger)
         if dest is None:
@@ -226,7 +239,7 @@ class StateMachine:
         budget_spec = self.spec.states[dest].budget
         if budget_spec is not None and dest != src:
             budget = self._budget(budget_spec.key)
-            if budget.exhausted:
+            if budget.remaining < max(1, len(spend_on)):
                 exc = getattr(errors, budget_spec.error)(limit=budget.limit, spent_on=budget.spent_on, member=self.member)
                 self.error = exc
                 self._record(
@@ -244,11 +257,12 @@ class StateMachine:
         self._transition(src, dest, trigger, reason, error, fields)
         if budget_spec is not None and dest != src:
             budget = self._budget(budget_spec.key)
-            remaining = budget.spend(reason or trigger)
-            self._record(
-                BUDGET_SPENT, state=dest, budget=budget.key, limit=budget.limit, spent=budget.spent,
-                remaining=remaining, reason=reason or trigger,
-            )
+            for unit in spend_on or (reason or trigger,):
+                remaining = budget.spend(unit)
+                self._record(
+                    BUDGET_SPENT, state=dest, budget=budget.key, limit=budget.limit, spent=budget.spent,
+                    remaining=remaining, reason=unit,
+                )
         return dest
 
     def _transition(

@@ -204,7 +204,8 @@ class TestDemo:
         result = invoke("demo", "--out", "somewhere", "--steps", "4", "--no-faults")
         assert result.exit_code == 3, result.output
         assert calls == [{"out": "somewhere", "steps": 4, "faults": False, "seed": 1, "batch_size": 64,
-                          "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True}]
+                          "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
+                          "address": None}]
 
     def test_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -213,7 +214,8 @@ class TestDemo:
         )
         assert invoke("demo").exit_code == 0
         assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": True, "seed": 1, "batch_size": 64,
-                          "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True}]
+                          "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
+                          "address": None}]
 
     def test_max_failovers_zero_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -222,3 +224,18 @@ class TestDemo:
         )
         assert invoke("demo", "--max-failovers", "0").exit_code == 2
         assert calls[0]["max_failovers"] == 0
+
+    @pytest.mark.parametrize("address", ["auto", "10.0.0.1:6379"])
+    def test_address_joins_a_running_cluster(self, monkeypatch: pytest.MonkeyPatch, address: str) -> None:
+        calls: list[dict[str, Any]] = []
+        monkeypatch.setitem(
+            sys.modules, "ftstate.cli.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 0)
+        )
+        assert invoke("demo", "--address", address).exit_code == 0
+        assert calls[0]["address"] == address
+
+    def test_the_address_reaches_the_demos_runtime_config(self, tmp_path: Path) -> None:
+        from ftstate.cli.demo.run import DemoOptions, demo_config
+
+        assert demo_config(DemoOptions(address="auto"), tmp_path).address == "auto"
+        assert demo_config(DemoOptions(), tmp_path).address is None

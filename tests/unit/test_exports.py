@@ -56,6 +56,9 @@ def test_every_error_crosses_a_process_boundary_with_its_fields():
         errors.ChecksumMismatch("bucket 1/2 does not match"),
         errors.StateDictError("trainer-0", "layer.w", "torch.sparse_coo tensor", "a dense (strided) tensor on cpu"),
         errors.StateDictError("", None, "list", "a Mapping[str, torch.Tensor]", what="weights"),
+        errors.PlacementUnsatisfiable(pool="rollout", asked="pool 'rollout': 2 x {CPU=1, gpu_node=1}, SPREAD",
+                                      cluster="1 alive node(s): node 01234567 (127.0.0.1): {CPU=2}",
+                                      problem="no node can hold even one bundle"),
     ]
     assert {type(e).__name__ for e in samples} >= {"StaleGroupVersion", "CommunicatorAborted", "PeerLost",
                                                    "StateDictError"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftstate.controller.failover import walk_proven
+from ftstate.controller.membership import walk_proven
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.deadline import ManualClock

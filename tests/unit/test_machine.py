@@ -256,6 +256,18 @@ class TestBudgets:
         assert "max_failovers=2 already spent on: rollout-1 died; trainer-0 died" in str(g.error)
         assert [r["event"] for r in audit.records[-2:]] == ["budget_exhausted", "transition"]
 
+    async def test_one_entry_for_a_whole_node_spends_one_unit_per_member(self, clock, audit):
+        g = group(clock, audit, **{"fault_tolerance.max_failovers": 3})
+        await drive(g, "start", "rendezvous_done", "member_lost")
+        assert await g.fire("promote", spend_on=["rollout-0 died", "rollout-1 died"]) == "PROMOTING"
+        budget = g.budgets["fault_tolerance.max_failovers"]
+        assert budget.spent_on == ["rollout-0 died", "rollout-1 died"]
+        assert [r["remaining"] for r in audit.records if r["event"] == "budget_spent"] == [2, 1]
+        await drive(g, "promoted", "resume", "member_lost")
+        # Two more members at once but one unit left: refused whole, none spent.
+        assert await g.fire("promote", spend_on=["trainer-0 died", "rollout-2 died"]) == "FAILED"
+        assert isinstance(g.error, FailoverBudgetExhausted) and budget.spent == 2
+
     async def test_a_zero_budget_fails_on_the_first_loss(self, clock, audit):
         g = group(clock, audit, **{"fault_tolerance.max_failovers": 0})
         await drive(g, "start", "rendezvous_done", "member_lost")

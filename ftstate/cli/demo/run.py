@@ -1,7 +1,8 @@
 """``ftstate demo``: real RL on a local Ray cluster, surviving real SIGKILLs, with proof.
 
 One trainer, two rollouts and one prewarmed spare per role, on the embedded default (a
-local Ray cluster on the CPU). Each step the rollouts sample completions of the toy task
+local Ray cluster on the CPU) or on a running Ray cluster it joins (``address``: ``auto``
+or ``host:port``; the report says on how many nodes the workers ran). Each step the rollouts sample completions of the toy task
 (:mod:`ftstate.cli.demo.task`: sort three digits) for a batch of prompts, seeded per
 (seed, step, prompt) and never per worker; the trainer takes a REINFORCE step; ``rt.sync()``
 pushes the weights. With faults on, the demo SIGKILLs a rollout while it generates, a
@@ -38,7 +39,8 @@ class DemoOptions:
     """out: output folder; steps: RL steps; faults: inject the three kills; seed: the run's
     seed; batch_size: prompts per step; pad_mb: extra synced megabytes (a ballast tensor) to
     make syncs move more; rollouts: rollout workers; max_failovers: the failover budget
-    (0 makes the first fault fatal); live: draw the live view."""
+    (0 makes the first fault fatal); live: draw the live view; address: a running Ray
+    cluster to join (``auto``, ``host:port``), none starts a local one."""
 
     out: str = "ftstate-demo"
     steps: int = 24
@@ -49,6 +51,7 @@ class DemoOptions:
     rollouts: int = 2
     max_failovers: int = 5
     live: bool = True
+    address: str | None = None
 
 
 def fault_plan(steps: int) -> dict[int, str]:
@@ -81,6 +84,7 @@ def demo_config(opts: DemoOptions, folder: Path) -> RuntimeConfig:
     return RuntimeConfig.from_dict(
         {
             "rollout_workers": opts.rollouts,
+            "address": opts.address,
             "bucket_size_mb": 8,
             "init_timeout_s": 180,
             "sync_timeout_s": 120,
@@ -114,7 +118,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
     lr = 0.005
     plan = fault_plan(opts.steps) if opts.faults else {}
     t_start = time.monotonic()
-    started_ray = cluster.connect(None, log_to_driver=False)
+    started_ray = cluster.connect(opts.address, log_to_driver=False)
     cluster.mute_worker_death_notices()  # every death is in the audit trail and the view
     rt = Runtime(cfg, trainer=PolicyTrainer, rollout=PolicyRollout,
                  trainer_kwargs={"seed": opts.seed, "size": size, "lr": lr},
@@ -123,6 +127,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
     syncs: list[Any] = []
     error: FTError | None = None
     view = LiveView(rt, opts.steps, console, enabled=opts.live)
+    nodes: dict[str, Any] = {}
     try:
         with view:
             await rt.start()
@@ -155,6 +160,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
         final_checksum, serving = None, []
     finally:
         members = rt.members() if rt.group is not None else []
+        nodes = _nodes(rt, members)
         failovers = rt.failovers
         injected = list(rt.chaos.injected)
         await rt.close()
@@ -173,13 +179,38 @@ async def _main(opts: DemoOptions, console: Any) -> int:
             "rewards": ref.rewards,
         }
     return _report(opts, console, folder, rewards, syncs, failovers, injected, members, final_checksum, serving,
-                   reference, error, seconds, cfg)
+                   reference, error, seconds, cfg, nodes=nodes)
+
+
+def _nodes(rt: Any, members: list[Any]) -> dict[str, Any]:
+    """On how many nodes the run's workers ran: the distinct Ray node ids of every member it
+    started (spares and replaced members included), beside the nodes alive in the cluster.
+    A member's ``node_id`` where :class:`~ftstate.controller.runtime.MemberInfo` has one,
+    else the node the GCS placed its actor on."""
+    import ray
+
+    ids: dict[str, str] = {}
+    for m in members:
+        node_id = getattr(m, "node_id", None)
+        if node_id is None:
+            try:
+                actor_id = rt.handle(m.member)._actor_id.hex()
+                node_id = ray._private.state.actors(actor_id=actor_id)["Address"]["NodeID"] or None
+            except Exception:  # noqa: BLE001 - a count, best effort; an unknown node is left out
+                node_id = None
+        if node_id:
+            ids[m.member] = node_id
+    try:
+        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    except Exception:  # noqa: BLE001 - Ray already down
+        alive = None
+    return {"count": len(set(ids.values())), "cluster_nodes": alive, "by_member": ids}
 
 
 def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float], syncs: list[Any],
             failovers: list[Any], injected: list[tuple[float, str, str]], members: list[Any],
             final_checksum: str | None, serving: list[str], reference: dict[str, Any] | None,
-            error: FTError | None, seconds: float, cfg: RuntimeConfig) -> int:
+            error: FTError | None, seconds: float, cfg: RuntimeConfig, nodes: dict[str, Any] | None = None) -> int:
     from rich.markup import escape
     from rich.table import Table
 
@@ -208,6 +239,7 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         rows.append({"lost": f.lost, "replacement": f.replacement, "role": f.role,
                      "detection_s": detected, "rerendezvous_s": f.rerendezvous_s, "transfer_s": f.transfer_s,
                      "total_s": f.total_s, "group_version": f.group_version})
+    nodes = nodes or {"count": None, "cluster_nodes": None, "by_member": {}}
     identical = (reference is not None and final_checksum == reference["checksum"]
                  and rewards == reference["rewards"] and all(c == final_checksum for c in serving))
     summary = {
@@ -231,7 +263,10 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         "seconds": seconds,
         "timeline_picture": str(picture) if picture else None,
         "timeline_picture_skipped": picture_skipped,
-        "members": [dataclasses.asdict(m) for m in members],
+        "address": cfg.address,
+        "nodes": nodes["count"],
+        "cluster_nodes": nodes["cluster_nodes"],
+        "members": [{**dataclasses.asdict(m), "node_id": nodes["by_member"].get(m.member)} for m in members],
     }
     (folder / "report.json").write_text(json.dumps(summary, indent=2, default=str))
 
@@ -244,6 +279,9 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         det = f"{r['detection_s']:.3f}s" if r["detection_s"] is not None else "n/a"
         table.add_row(f"failover {i}", f"{r['lost']} -> {r['replacement']}: detection {det}, re-rendezvous "
                       f"{r['rerendezvous_s']:.3f}s, transfer {r['transfer_s']:.3f}s, total {r['total_s']:.3f}s")
+    if nodes["count"] is not None:
+        where = f" of {nodes['cluster_nodes']} in the cluster" if nodes["cluster_nodes"] else ""
+        table.add_row("nodes", f"{nodes['count']}{where} ({cfg.address or 'a local cluster'})")
     table.add_row("budget left", f"{summary['budget_left']} of {cfg.fault_tolerance.max_failovers}")
     table.add_row("audit --check", "passed" if not violations else f"{len(violations)} violations")
     if error is not None:
