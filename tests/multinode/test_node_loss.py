@@ -228,3 +228,36 @@ async def test_an_unsatisfiable_placement_fails_start_at_once_saying_what_and_wh
                  rollout_workers=3, init_timeout_s=20, fault_tolerance={"enable": False})
     with pytest.raises(PlacementUnsatisfiable, match="STRICT_PACK needs one node for all 3 bundles"):
         await ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout).start()
+
+
+async def test_a_node_with_the_trainer_and_a_rollout_is_one_round_trainer_first(restore_nodes, tmp_path) -> None:
+    """Trainer recovery (from the surviving rollout) and rollout recovery compose in one round."""
+    import ray
+
+    mn = restore_nodes
+    placement = {"placement": {"trainer": {"resources": {resource("c"): 1}},
+                               "rollout": {"strategy": "STRICT_SPREAD", "labels": {LABEL: "in(b,c)"}}}}
+    rt = ftstate.Runtime(config(tmp_path, **placement), trainer=TinyTrainer, rollout=TinyRollout)
+    async with rt:
+        await spares_warm(rt)
+        first = await rt.sync()
+        members = by_name(rt)
+        node_c = members["trainer-0"].node_id
+        on_c = sorted(n for n, m in members.items() if m.node_id == node_c and m.rank >= 0)
+        assert len(on_c) == 2 and "trainer-0" in on_c, members
+        v0, before = rt.group_version, spent(rt)
+        mn.kill("c")
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        assert report.weights_version == first.weights_version + 1
+        rounds = [r for r in rt.audit.records if r["event"] == "failover"]
+        assert sorted(r["lost"] for r in rounds) == on_c
+        assert {r["group_version"] for r in rounds} == {v0 + 1}
+        assert spent(rt) - before == 2
+        # The trainer was rebuilt first, from the rollout that survived on b.
+        order = [r["lost"] for r in rounds]
+        assert order[0] == "trainer-0"
+        await consistent(rt)
+        pids = [m.pid for m in rt.members()]
+        run_id = rt.run_id
+    assert_nothing_left(ray, run_id, pids)
