@@ -11,11 +11,15 @@ role) on ``b``/``c`` off the members they cover; 64 MB of float32 weights, heart
 2. node: lose the node holding the rollouts ``--losses`` times (``kill_node``: its raylet and
    every process it started SIGKILLed at once), then add it back (a fresh node id).
 
-Each loss is timed from the kill to: group READY, both rollouts serving the current weights
-version, none of them on the lost node (the figure), with the kill -> first LOST
-(detection) beside it; median / p95, and the node / process ratio. Each node loss says what
-it took down (rollouts, spares, trainer). Before each loss the run syncs (the current
-version is what the newcomers must reach) and waits for its spares to be warm.
+Each loss is timed from the kill to: the first member declared LOST (detection); every lost
+group member replaced, group READY again (replaced); and, through the next ``rt.sync()`` the
+trainer loop makes, both rollouts serving the current weights version, none on the lost node
+(serving: the figure). The next sync is part of it because a node that held every rollout
+leaves nobody to copy the current version from: its replacements are resynced by that sync
+(a lost process's replacement is copied from the surviving rollout before it). Median / p95,
+the node / process ratios, and a plain sync of the same bytes (no loss) as the baseline.
+Each node loss says what it took down (rollouts, spares, trainer). Before each loss the run
+trains a step, syncs and waits for a warm spare per role.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python benchmarks/node_loss.py [--losses 10] [--size-mb 64]
 """
@@ -109,44 +113,64 @@ def where(rt: ftstate.Runtime, mn: MultiNode) -> str:
     return f"group {rt.state} g{rt.group_version} w{rt.weights_version}; members: {members}; last events: {events}"
 
 
-async def prepare(rt: ftstate.Runtime) -> None:
-    """A sync (the current version moves on) and warm spares before each loss."""
+async def prepare(rt: ftstate.Runtime) -> float:
+    """Warm spares and a sync before each loss; returns the sync's seconds (the baseline)."""
     await wait_for(lambda: spares_warm(rt), SPARE_TIMEOUT_S, "a warm spare per role", rt)
     await rt.trainer("train_step")
+    return (await rt.sync()).seconds
+
+
+async def recover(rt: ftstate.Runtime, out: dict[str, list], *, t_kill: float, before: int, expected: int,
+                  lost_node: str | None, what: str) -> None:
+    """Time a loss: kill -> first LOST, -> every lost member replaced (group READY), -> the
+    next sync done with both rollouts serving, none on the lost node."""
+    t_replaced = await wait_for(lambda: len(rt.failovers) - before >= expected and rt.state == "READY",
+                                RECOVERY_TIMEOUT_S, f"{what} replaced", rt)
     await rt.sync()
+    t_serving = asyncio.get_running_loop().time()
+    if not serving_off(rt, lost_node, 2):
+        raise NotReady(f"after the next sync, not every rollout serves off the lost node ({what})")
+    out["detection"].append(min(f.detected_at for f in rt.failovers[before:]) - t_kill)
+    out["replaced"].append(t_replaced - t_kill)
+    out["serving"].append(t_serving - t_kill)
 
 
-async def process_phase(args: argparse.Namespace, cfg: ftstate.RuntimeConfig, floats: int) -> dict[str, list]:
-    out: dict[str, list] = {"detection": [], "total": []}
-    async with ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout,
-                               trainer_kwargs={"big_floats": floats}) as rt:
-        await rt.sync()
-        for i in range(args.losses):
-            await prepare(rt)
-            before = len(rt.failovers)
-            victim = await rt.chaos.kill("rollout", 1)
-            t_kill = rt.chaos.injected[-1][0]
-            t_done = await wait_for(lambda b=before: len(rt.failovers) > b and serving_off(rt, None, 2),
-                                    RECOVERY_TIMEOUT_S, f"{victim} replaced", rt)
-            f = rt.failovers[-1]
-            out["detection"].append(f.detected_at - t_kill)
-            out["total"].append(t_done - t_kill)
-            print(f"  process loss {i + 1}/{args.losses}: {victim}, total {out['total'][-1] * 1e3:.0f} ms",
-                  file=sys.stderr, flush=True)
-    return out
+def results_dict() -> dict[str, list]:
+    return {"detection": [], "replaced": [], "serving": [], "sync": [], "lost": [], "kill_s": [], "error": []}
 
 
-async def node_phase(args: argparse.Namespace, cfg: ftstate.RuntimeConfig, floats: int,
-                     mn: MultiNode) -> dict[str, list]:
-    out: dict[str, list] = {"detection": [], "total": [], "lost": [], "kill_s": [], "error": []}
+async def process_phase(args: argparse.Namespace, cfg: ftstate.RuntimeConfig, floats: int,
+                        mn: MultiNode) -> dict[str, list]:
+    out = results_dict()
     async with ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout,
                                trainer_kwargs={"big_floats": floats}) as rt:
         await rt.sync()
         for i in range(args.losses):
             try:
-                await prepare(rt)
+                out["sync"].append(await prepare(rt))
+                before = len(rt.failovers)
+                victim = await rt.chaos.kill("rollout", 1)
+                await recover(rt, out, t_kill=rt.chaos.injected[-1][0], before=before, expected=1,
+                              lost_node=None, what=victim)
             except NotReady as exc:
-                out["error"].append(f"before node loss {i + 1}: {exc}")
+                out["error"].append(f"process loss {i + 1}: {exc}; {where(rt, mn)}")
+                break
+            print(f"  process loss {i + 1}/{args.losses}: {victim}, replaced {out['replaced'][-1] * 1e3:.0f} ms, "
+                  f"serving {out['serving'][-1] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+    return out
+
+
+async def node_phase(args: argparse.Namespace, cfg: ftstate.RuntimeConfig, floats: int,
+                     mn: MultiNode) -> dict[str, list]:
+    out = results_dict()
+    async with ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout,
+                               trainer_kwargs={"big_floats": floats}) as rt:
+        await rt.sync()
+        for i in range(args.losses):
+            try:
+                out["sync"].append(await prepare(rt))
+            except NotReady as exc:
+                out["error"].append(f"before node loss {i + 1}: {exc}; {where(rt, mn)}")
                 break
             members = rt.members()
             node_ids = {m.member: getattr(m, "node_id", None) for m in members}
@@ -166,27 +190,22 @@ async def node_phase(args: argparse.Namespace, cfg: ftstate.RuntimeConfig, float
             name = mn.name_of(lost_node)
             on_node = [m for m in members if node_ids[m.member] == lost_node and m.state not in ("RETIRED", "LOST")]
             lost_roles = sorted(f"{'spare-' if m.rank < 0 else ''}{m.role}" for m in on_node)
-            lost_rollouts = sum(1 for m in on_node if m.role == "rollout" and m.rank >= 0)
-            trainer_lost = any(m.role == "trainer" and m.rank >= 0 for m in on_node)
+            expected = sum(1 for m in on_node if m.rank >= 0)  # group members; spares are dropped, not replaced
             before = len(rt.failovers)
             killed = mn.kill(name)
-            expected = lost_rollouts + trainer_lost
+            what = f"node {name} ({', '.join(lost_roles)})"
             try:
-                t_done = await wait_for(
-                    lambda b=before, e=expected, n=lost_node: len(rt.failovers) - b >= e and serving_off(rt, n, 2),
-                    RECOVERY_TIMEOUT_S, f"node {name} ({', '.join(lost_roles)}) replaced", rt)
+                await recover(rt, out, t_kill=killed.killed_at, before=before, expected=expected,
+                              lost_node=lost_node, what=what)
             except NotReady as exc:
                 out["error"].append(f"node loss {i + 1}: {exc}; {where(rt, mn)}")
                 break
-            rounds = rt.failovers[before:]
-            out["detection"].append(min(f.detected_at for f in rounds) - killed.killed_at)
-            out["total"].append(t_done - killed.killed_at)
             out["lost"].append(", ".join(lost_roles))
             out["kill_s"].append(killed.kill_s)
-            versions = sorted({f.group_version for f in rounds})
-            print(f"  node loss {i + 1}/{args.losses}: node {name} ({', '.join(lost_roles)}), "
-                  f"{len(killed.pids)} processes, total {out['total'][-1] * 1e3:.0f} ms, "
-                  f"group versions {versions}", file=sys.stderr, flush=True)
+            versions = sorted({f.group_version for f in rt.failovers[before:]})
+            print(f"  node loss {i + 1}/{args.losses}: {what}, {len(killed.pids)} processes, replaced "
+                  f"{out['replaced'][-1] * 1e3:.0f} ms, serving {out['serving'][-1] * 1e3:.0f} ms, "
+                  f"failovers under group version(s) {versions}", file=sys.stderr, flush=True)
             mn.add(name)  # the cluster gets its node back (a fresh node id) for the next loss
     return out
 
@@ -208,7 +227,7 @@ async def main() -> None:
     try:
         cfg = config(args, args.losses)
         if "process" in args.phases:
-            results["process"] = await process_phase(args, cfg, floats)
+            results["process"] = await process_phase(args, cfg, floats, mn)
         if "node" in args.phases:
             results["node"] = await node_phase(args, cfg, floats, mn)
     finally:
@@ -217,22 +236,28 @@ async def main() -> None:
     def cell(xs: list[float]) -> str:
         return f"{statistics.median(xs) * 1e3:7.0f}/{pct(xs, 0.95) * 1e3:<7.0f}" if xs else f"{'-':>15}"
 
-    print(f"{'loss':>8} {'n':>3} | {'detection':>15} {'to serving':>15}   (median / p95, ms)")
+    print(f"{'loss':>8} {'n':>3} | {'detection':>15} {'replaced':>15} {'serving':>15} | {'sync, no loss':>15}"
+          "   (median / p95, ms)")
     for phase, r in results.items():
-        print(f"{phase:>8} {len(r['total']):>3} | {cell(r['detection'])} {cell(r['total'])}")
+        print(f"{phase:>8} {len(r['serving']):>3} | {cell(r['detection'])} {cell(r['replaced'])} "
+              f"{cell(r['serving'])} | {cell(r['sync'])}")
     node, proc = results.get("node", {}), results.get("process", {})
-    if node.get("total") and proc.get("total"):
-        print(f"node / process (median to serving): "
-              f"{statistics.median(node['total']) / statistics.median(proc['total']):.2f}")
+    if node.get("serving") and proc.get("serving"):
+        med = statistics.median
+        print(f"node / process (medians): detection {med(node['detection']) / med(proc['detection']):.2f}, "
+              f"replaced {med(node['replaced']) / med(proc['replaced']):.2f}, "
+              f"serving {med(node['serving']) / med(proc['serving']):.2f}")
     if node.get("lost"):
-        kinds: dict[str, int] = {}
-        for lost in node["lost"]:
-            kinds[lost] = kinds.get(lost, 0) + 1
-        print("each node loss took down: " + "; ".join(f"{k} (x{v})" for k, v in kinds.items())
-              + f"; kill_node's kill loop {statistics.median(node['kill_s']) * 1e3:.1f} ms (median)")
-    for err in node.get("error", []):
+        kinds: dict[str, list[float]] = {}
+        for lost, serving in zip(node["lost"], node["serving"], strict=True):
+            kinds.setdefault(lost, []).append(serving)
+        print("what a node loss took down -> serving (median ms): " + "; ".join(
+            f"{k}: {statistics.median(v) * 1e3:.0f} (x{len(v)})" for k, v in kinds.items()))
+        print(f"kill_node's kill loop: {statistics.median(node['kill_s']) * 1e3:.1f} ms (median)")
+    errors = [e for r in results.values() for e in r["error"]]
+    for err in errors:
         print(f"stopped early: {err}")
-    if node.get("error"):
+    if errors:
         raise SystemExit(1)
 
 

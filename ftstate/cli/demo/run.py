@@ -162,7 +162,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
         members = rt.members() if rt.group is not None else []
         nodes = _nodes(rt, members)
         failovers = rt.failovers
-        injected = list(rt.chaos.injected)
+        injected = list(rt.chaos.injected) if rt.group is not None else []
         await rt.close()
         if started_ray:
             cluster.shutdown()
