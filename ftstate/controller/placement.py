@@ -28,15 +28,16 @@ from ftstate.core.config import RolePlacement
 from ftstate.core.errors import PlacementUnsatisfiable
 
 
-class ResourcePool:
-    """One placement group. name: the pool's name (``rollout``, ``standby``…); slots: bundles;
-    cpus / gpus: per bundle; placement: the role's strategy, custom resources and labels."""
+class _Pool:
+    """What both kinds of pool share: the bundle one worker needs, and the actor options that
+    put a worker into a bundle. name: the pool's name (``rollout``, ``standby``…); slots: how
+    many workers; cpus / gpus: per worker; placement: the role's strategy, custom resources
+    and labels. Refuses at once a pool no state of the cluster could place."""
 
     def __init__(
         self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float, placement: RolePlacement
     ) -> None:
-        from ray.util.placement_group import placement_group
-
+        self.run_id = run_id
         self.name = name
         self.slots = slots
         self.cpus = cpus
@@ -45,17 +46,44 @@ class ResourcePool:
         self.bundle: dict[str, float] = {"CPU": cpus, **placement.resources}
         if gpus:
             self.bundle["GPU"] = gpus
-        self._free = list(range(slots))
         check_feasible(self)
+
+    def _bundle_text(self) -> str:
+        bundle = ", ".join(f"{k}={v:g}" for k, v in self.bundle.items())
+        labels = f" on nodes labelled {dict(self.placement.labels)}" if self.placement.labels else ""
+        return f"{{{bundle}}}{labels}"
+
+    def _options(self, group: Any, index: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts: dict[str, Any] = {
+            "num_cpus": self.cpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+        }
+        if self.gpus:
+            opts["num_gpus"] = self.gpus
+        if self.placement.resources:
+            opts["resources"] = dict(self.placement.resources)
+        return opts
+
+
+class ResourcePool(_Pool):
+    """One placement group with one bundle per slot, placed by the role's strategy."""
+
+    def __init__(
+        self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float, placement: RolePlacement
+    ) -> None:
+        from ray.util.placement_group import placement_group
+
+        super().__init__(run_id, name, slots, cpus=cpus, gpus=gpus, placement=placement)
+        self._free = list(range(slots))
         selector = [dict(placement.labels) for _ in range(slots)] if placement.labels else None
         self._pg = placement_group([dict(self.bundle) for _ in range(slots)], strategy=placement.strategy,
                                    name=f"ftstate-{run_id}-{name}", bundle_label_selector=selector)
 
     def describe(self) -> str:
         """What this pool asks of the cluster, in one line."""
-        bundle = ", ".join(f"{k}={v:g}" for k, v in self.bundle.items())
-        labels = f" on nodes labelled {dict(self.placement.labels)}" if self.placement.labels else ""
-        return f"pool {self.name!r}: {self.slots} x {{{bundle}}}{labels}, {self.placement.strategy}"
+        return f"pool {self.name!r}: {self.slots} x {self._bundle_text()}, {self.placement.strategy}"
 
     async def ready(self) -> None:
         await self._pg.ready()
@@ -97,17 +125,7 @@ class ResourcePool:
 
     def options(self, slot: int) -> dict[str, Any]:
         """Actor options that place it in ``slot`` of this pool."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        opts: dict[str, Any] = {
-            "num_cpus": self.cpus,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=slot),
-        }
-        if self.gpus:
-            opts["num_gpus"] = self.gpus
-        if self.placement.resources:
-            opts["resources"] = dict(self.placement.resources)
-        return opts
+        return self._options(self._pg, slot)
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -118,7 +136,7 @@ class ResourcePool:
 NODE_ID_LABEL = "ray.io/node-id"
 
 
-class SparePool:
+class SparePool(_Pool):
     """The standby pool: up to ``slots`` spares, each in a one-bundle placement group of its
     own, placed away from given nodes (see the module docstring). Same interface as
     :class:`ResourcePool`; a slot is a spare's own placement group."""
@@ -126,26 +144,15 @@ class SparePool:
     def __init__(
         self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float, placement: RolePlacement
     ) -> None:
-        self.run_id = run_id
-        self.name = name
-        self.slots = slots
-        self.cpus = cpus
-        self.gpus = gpus
-        self.placement = placement
-        self.bundle: dict[str, float] = {"CPU": cpus, **placement.resources}
-        if gpus:
-            self.bundle["GPU"] = gpus
-        check_feasible(self)
+        super().__init__(run_id, name, slots, cpus=cpus, gpus=gpus, placement=placement)
         self._groups: dict[int, Any] = {}
         self._next = 0
         #: Spares placed on a node they were meant to avoid (no other node could hold them).
         self.colocated: list[int] = []
 
     def describe(self) -> str:
-        bundle = ", ".join(f"{k}={v:g}" for k, v in self.bundle.items())
-        labels = f" on nodes labelled {dict(self.placement.labels)}" if self.placement.labels else ""
-        return f"pool {self.name!r}: up to {self.slots} x {{{bundle}}}{labels}, one placement group each, " \
-               "off the nodes of the members they cover"
+        return (f"pool {self.name!r}: up to {self.slots} x {self._bundle_text()}, one placement group each, "
+                "off the nodes of the members they cover")
 
     async def ready(self) -> None:
         return None  # each spare's group is placed when its spare starts
@@ -200,18 +207,7 @@ class SparePool:
                 remove_placement_group(pg)
 
     def options(self, slot: int) -> dict[str, Any]:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        opts: dict[str, Any] = {
-            "num_cpus": self.cpus,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(self._groups[slot],
-                                                                    placement_group_bundle_index=0),
-        }
-        if self.gpus:
-            opts["num_gpus"] = self.gpus
-        if self.placement.resources:
-            opts["resources"] = dict(self.placement.resources)
-        return opts
+        return self._options(self._groups[slot], 0)
 
     def remove(self) -> None:
         for slot in list(self._groups):
@@ -238,7 +234,7 @@ def describe_cluster(nodes: list[dict[str, Any]] | None = None) -> str:
     return f"{len(nodes)} alive node(s): " + "; ".join(parts)
 
 
-def check_feasible(pool: ResourcePool, nodes: list[dict[str, Any]] | None = None) -> None:
+def check_feasible(pool: _Pool, nodes: list[dict[str, Any]] | None = None) -> None:
     """Raise :class:`PlacementUnsatisfiable` when no placement of ``pool`` can ever exist on
     the cluster as it is (the room being taken for now is not this: that is waited for)."""
     nodes = cluster_nodes() if nodes is None else nodes
