@@ -107,6 +107,8 @@ class Failover:
         self.lost_nodes: set[str | None] = set()
         #: Ray ids of nodes where a member went silent (not reported dead): no replacement goes there.
         self.unreachable_nodes: set[str] = set()
+        #: Ray ids of nodes being drained (a maintenance notice): nothing new goes there.
+        self.draining_nodes: set[str] = set()
 
     @property
     def ft(self) -> Any:
@@ -150,8 +152,7 @@ class Failover:
         if not self.launcher.has_free_slot(pool):
             pool = role
         # Off the nodes of the members it covers (and of nodes lost), where the pool has room.
-        covered = {self.launcher.node_of(m) for m in self.membership.live(role)} | self.lost_nodes
-        covered |= self.unreachable_nodes
+        covered = {self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()
         m = self.launcher.start(role, -1, name, pool=pool, avoid_nodes=covered - {None})
         if m.slot in getattr(self.launcher.pools[pool], "colocated", ()):
             self.audit.record("spare_colocated", member=name, role=role,
@@ -172,8 +173,8 @@ class Failover:
             self._cold_starts[m.role] = 0
             self._warm_seconds[m.name] = asyncio.get_running_loop().time() - self._started_at[m.name]
 
-    def spare_for(self, role: str) -> Member | None:
-        spares = self.membership.spares(role, "STANDBY")
+    def spare_for(self, role: str, avoid: set[str] | frozenset[str] = frozenset()) -> Member | None:
+        spares = [m for m in self.membership.spares(role, "STANDBY") if m.node_id not in avoid]
         return spares[0] if spares else None
 
     async def close(self) -> None:
@@ -297,7 +298,7 @@ class Failover:
                     if lost.name in replacements or lost.name in dropped:
                         continue
                     try:
-                        replacement = await self._replacement(lost)
+                        replacement = await self.replacement_for(lost)
                     except FTError as exc:
                         if lost.role != "rollout":
                             raise
@@ -323,7 +324,7 @@ class Failover:
                     for lost in losts:  # the trainer first: it sorts first
                         replacement = replacements.get(lost.name)
                         if replacement is not None and lost.name not in resynced:
-                            resynced[lost.name] = await self._resync(replacement)
+                            resynced[lost.name] = await self.resync(replacement)
                 except MemberLost:
                     dead = [n for n, r in replacements.items() if r.machine.state in ("LOST", "RETIRED")]
                     if dead:
@@ -390,29 +391,44 @@ class Failover:
             await group.fire("fail", reason=str(err), error=err)
             raise err
 
-    async def _replacement(self, lost: Member) -> Member:
-        """A warm spare of the lost member's role (standby mode; one still warming is waited
-        for), else a fresh actor started now in the lost member's slot (cold mode, or no spare
-        left). Raises FTError when none can be had."""
+    def avoided_nodes(self) -> set[str]:
+        """Nodes no replacement or spare goes to: lost, unreachable or being drained; but when
+        that leaves no node at all (one node, a hung process on it), only the lost ones."""
+        avoid = {n for n in self.lost_nodes | self.unreachable_nodes | self.draining_nodes if n}
+        if avoid and not self.launcher.alive_nodes() - avoid:
+            return {n for n in self.lost_nodes if n}
+        return avoid
+
+    async def replacement_for(self, lost: Member) -> Member:
+        """A warm spare of the member's role (standby mode; one still warming is waited for),
+        else a fresh actor started now (cold mode, or no spare left), never on an avoided node
+        (:meth:`avoided_nodes`). ``lost`` is the member replaced (lost, or being drained).
+        Raises FTError when none can be had."""
+        avoid = self.avoided_nodes()
+        draining = lost.node_id in self.draining_nodes
+        if draining:
+            avoid.add(lost.node_id)  # a drain's replacement goes elsewhere or nowhere
         if self.ft.mode == "standby":
-            spare = self.spare_for(lost.role)
+            spare = self.spare_for(lost.role, avoid)
             if spare is None:
-                warming = self.membership.spares(lost.role, "INIT")
+                warming = [m for m in self.membership.spares(lost.role, "INIT") if m.node_id not in avoid]
                 if warming:
                     spare = await self._await_warming(warming[0])
             if spare is not None:
                 await spare.machine.fire("promote", reason=f"replaces {lost.name}")
                 await spare.machine.fire("join", reason=f"takes rank {lost.rank} of {lost.name}")
                 return spare
-        avoid = {n for n in self.lost_nodes | self.unreachable_nodes if n}
         pool = lost.pool
-        if lost.node_id in avoid and self.launcher.has_free_slot(self.ft.standby_resource_pool):
-            # The lost member's own slot is a bundle on a node that may be gone: Ray moves that
-            # bundle only once its own health check gives up on the node. A placement group of
-            # its own, off the unreachable nodes, starts the replacement now.
+        if (lost.node_id in avoid or not self.launcher.has_free_slot(pool)) \
+                and self.launcher.has_free_slot(self.ft.standby_resource_pool):
+            # The member's own slot is a bundle on a node that may be gone (Ray moves that
+            # bundle only once its own health check gives up on the node) or is still held (a
+            # drain): a placement group of its own, off the avoided nodes, starts it now.
             pool = self.ft.standby_resource_pool
+        # A drain's replacement must be elsewhere or nowhere: on the node being drained it
+        # would only go down with it.
         fresh = self.launcher.start(lost.role, lost.rank, f"{lost.role}-{lost.rank}-r{self._spare_seq}",
-                                    pool=pool, avoid_nodes=avoid)
+                                    pool=pool, avoid_nodes=avoid, strict=draining)
         self._spare_seq += 1
         try:
             info = await self.calls.call(fresh.name, fresh.handle, "prewarm")
@@ -459,7 +475,7 @@ class Failover:
             await lost.machine.fire("retire", reason="replaced")
         self.launcher.give_back(lost)
 
-    async def _resync(self, newcomer: Member) -> bool:
+    async def resync(self, newcomer: Member) -> bool:
         """Move the current version to the newcomer only; False when it must wait for the next sync."""
         group = self.membership.group
         # Idempotent on a retry: the newcomer may be anywhere between RENDEZVOUS and STALE.

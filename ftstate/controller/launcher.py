@@ -66,9 +66,9 @@ class ActorLauncher:
         cfg, ft = self.config, self.config.fault_tolerance
         sizes = {"trainer": (cfg.trainer_workers, cfg.placement.trainer),
                  "rollout": (cfg.rollout_workers, cfg.placement.rollout)}
-        if ft.enable:
-            # Spares (standby mode), and replacements that must keep off a lost node: each in a
-            # placement group of its own, made when needed (placement.SparePool).
+        if ft.enable or ft.detect_node_maintenance:
+            # Spares (standby mode), and replacements that must keep off a lost or draining
+            # node: each in a placement group of its own, made when needed (placement.SparePool).
             spares = 2 * ft.standby_workers if ft.mode == "standby" else 0
             sizes[ft.standby_resource_pool] = (spares + cfg.trainer_workers + cfg.rollout_workers,
                                                cfg.placement.standby)
@@ -106,21 +106,22 @@ class ActorLauncher:
         return Liveness(max(cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s / 2), cfg.heartbeat_timeout_s)
 
     def start(
-        self, role: str, rank: int, name: str, pool: str | None = None, avoid_nodes: Collection[str] = ()
+        self, role: str, rank: int, name: str, pool: str | None = None, avoid_nodes: Collection[str] = (),
+        *, strict: bool = False,
     ) -> Member:
         """Start an actor for ``role`` in a free slot of ``pool`` (default: the role's own),
-        on a node outside ``avoid_nodes`` when the pool has a free slot there; its machine
-        starts in INIT. The actor constructs the user's class in its process."""
+        on a node outside ``avoid_nodes`` when the pool has a free slot there (``strict``: or
+        not at all, FTError); its machine starts in INIT. The actor constructs the user's class in its process."""
         import ray
 
         from ftstate.controller.host import WorkerHost
 
+        resource_pool = self.pools[pool or role]
+        slot = resource_pool.take(avoid_nodes, strict=strict)  # first: a refusal leaves nothing behind
         machine = StateMachine(get_spec("worker"), member=name, role=role, rank=rank, config=self.config,
                                audit=self.audit)
         machine.listen(self._on_transition)
         args, kwargs = self.args[role]
-        resource_pool = self.pools[pool or role]
-        slot = resource_pool.take(avoid_nodes)
         actor_cls = ray.remote(WorkerHost)
         handle = actor_cls.options(
             name=f"ftstate-{self.run_id}-{name}",
@@ -143,6 +144,12 @@ class ActorLauncher:
             return pool.slot_nodes().get(member.slot) if pool is not None else None
         except Exception:  # noqa: BLE001 - the pool may be gone with the cluster
             return None
+
+    def alive_nodes(self) -> set[str]:
+        """Ray ids of the nodes Ray counts alive."""
+        from ftstate.controller.placement import cluster_nodes
+
+        return {n["node_id"] for n in cluster_nodes()}
 
     def has_free_slot(self, pool: str) -> bool:
         return self.pools[pool].has_free_slot()

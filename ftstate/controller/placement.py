@@ -101,9 +101,9 @@ class ResourcePool(_Pool):
         table = ray.util.placement_group_table(self._pg)
         return {int(k): v for k, v in (table.get("bundles_to_node_id") or {}).items()}
 
-    def take(self, avoid_nodes: Collection[str] = ()) -> int:
-        """Reserve a free slot, one on a node outside ``avoid_nodes`` when there is one;
-        returns its bundle index."""
+    def take(self, avoid_nodes: Collection[str] = (), *, strict: bool = False) -> int:
+        """Reserve a free slot, one on a node outside ``avoid_nodes`` when there is one
+        (``strict``: only such a one); returns its bundle index."""
         if not self._free:
             from ftstate.core.errors import FTError
 
@@ -114,6 +114,10 @@ class ResourcePool(_Pool):
                 if nodes.get(slot) not in avoid_nodes and slot in nodes:
                     self._free.remove(slot)
                     return slot
+            if strict:
+                from ftstate.core.errors import FTError
+
+                raise FTError(f"resource pool {self.name!r} has no free slot off the nodes to avoid")
         return self._free.pop(0)
 
     def has_free_slot(self) -> bool:
@@ -174,7 +178,10 @@ class SparePool(_Pool):
     def has_free_slot(self) -> bool:
         return len(self._groups) < self.slots
 
-    def take(self, avoid_nodes: Collection[str] = ()) -> int:
+    def take(self, avoid_nodes: Collection[str] = (), *, strict: bool = False) -> int:
+        """A new slot off ``avoid_nodes``; where no other node can hold it, on them anyway
+        (recorded in :attr:`colocated`), or with ``strict`` (a drain: the node is going) a
+        :class:`PlacementUnsatisfiable`."""
         from ray.util.placement_group import placement_group
 
         if not self.has_free_slot():
@@ -191,6 +198,10 @@ class SparePool(_Pool):
                        if n["node_id"] not in avoid and _fits_one(n, self.bundle, self.placement.labels)]
             if allowed:
                 selector[NODE_ID_LABEL] = f"in({','.join(sorted(allowed))})"
+            elif strict:
+                raise PlacementUnsatisfiable(pool=self.name, asked=f"{self.describe()}, off nodes "
+                                             f"{', '.join(sorted(n[:8] for n in avoid))}",
+                                             cluster=describe_cluster(nodes), problem="no other node can hold it")
             elif len(nodes) > 1:  # on one node there is nowhere else to be: nothing to report
                 self.colocated.append(slot)
         self._groups[slot] = placement_group([dict(self.bundle)], strategy="PACK",

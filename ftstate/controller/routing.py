@@ -14,7 +14,8 @@ of that budget, so a larger bound could never be used); with it off, the loss is
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from ftstate.controller.calls import ActorCalls
@@ -59,6 +60,12 @@ class Router:
         self.settle = settle
         self.failover_pending = failover_pending
         self.raise_if_failed = raise_if_failed
+        # Trainer calls are held while a trainer is moved ahead of time (pause_trainer).
+        self._trainer_open = asyncio.Event()
+        self._trainer_open.set()
+        self._trainer_inflight = 0
+        self._trainer_idle = asyncio.Event()
+        self._trainer_idle.set()
 
     async def rollout(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         return await self._with_failover(self._rollout_once, check_method(method), args, kwargs)
@@ -144,13 +151,33 @@ class Router:
 
     async def _trainer_once(self, method: str, args: Any, kwargs: Any) -> Any:
         self.raise_if_failed()
+        await self._trainer_open.wait()
         m = self.membership.trainer()
         if not m.machine.serving:
             # A replacement mid-failover has not got the weights yet: wait for the failover.
             raise MemberLost(m.name, f"not serving yet ({m.machine.state})", group_version=self.membership.group_version)
-        result = await self._user_call(m, method, args, kwargs)
-        self.membership.trainer_calls.append(TrainerCall(method, tuple(args), dict(kwargs)))
+        self._trainer_inflight += 1
+        self._trainer_idle.clear()
+        try:
+            result = await self._user_call(m, method, args, kwargs)
+            self.membership.trainer_calls.append(TrainerCall(method, tuple(args), dict(kwargs)))
+        finally:
+            self._trainer_inflight -= 1
+            if self._trainer_inflight == 0:
+                self._trainer_idle.set()
         return result
+
+    @contextlib.asynccontextmanager
+    async def pause_trainer(self) -> AsyncIterator[None]:
+        """Hold new trainer calls and wait for those in flight, for the enclosed block (a
+        trainer moved ahead of time replays the calls since the last sync: none may slip
+        past it). The wait is bounded by the caller's deadline."""
+        self._trainer_open.clear()
+        try:
+            await self._trainer_idle.wait()
+            yield
+        finally:
+            self._trainer_open.set()
 
     async def _user_call(self, m: Member, method: str, args: Any, kwargs: Any) -> Any:
         """One call of the user's code on a worker. A call that raises changes no state, but

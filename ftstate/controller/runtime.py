@@ -49,10 +49,12 @@ from typing import Any
 from ftstate.controller import cluster
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.chaos import Chaos
+from ftstate.controller.drain import Drainer, DrainRecord
 from ftstate.controller.failover import Failover
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import GROUP, Member, Membership
+from ftstate.controller.notices import NoticeMonitor
 from ftstate.controller.routing import Router
 from ftstate.controller.sync import SyncReport, WeightSync
 from ftstate.controller.watchdog import Watchdog
@@ -133,13 +135,6 @@ class Runtime:
                 "trainer_workers",
                 f"this release drives exactly one trainer in the weight-sync group, got {config.trainer_workers}",
             )
-        if config.fault_tolerance.detect_node_maintenance:
-            # Refused rather than ignored: a run configured to drain nodes before maintenance
-            # must not silently run without it.
-            raise ConfigError(
-                "fault_tolerance.detect_node_maintenance",
-                "the maintenance watcher is not part of this release; set it to false",
-            )
         self.config = config
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.audit = audit if audit is not None else AuditTrail(config.audit_log)
@@ -166,6 +161,8 @@ class Runtime:
         self._sync: WeightSync | None = None
         self._router: Router | None = None
         self._chaos: Chaos | None = None
+        self._drainer: Drainer | None = None
+        self._notices: NoticeMonitor | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -213,12 +210,19 @@ class Runtime:
                               failover_pending=lambda: self._failover is not None and self._failover.pending,
                               raise_if_failed=self._raise_if_failed)
         self._chaos = Chaos(ms, self.audit)
+        self._drainer = Drainer(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
+                                launcher=self._launcher, formation=self._formation, failover=self._failover,
+                                pause_trainer=self._router.pause_trainer)
         self._launcher.make_pools()
         self._launcher.start("trainer", 0, "trainer-0")
         for i in range(cfg.rollout_workers):
             self._launcher.start("rollout", i + 1, f"rollout-{i}")
         await self._rendezvous()
         self._watch_task = asyncio.get_running_loop().create_task(self._watchdog.run())
+        if cfg.fault_tolerance.detect_node_maintenance:
+            self._notices = NoticeMonitor(config=cfg, audit=self.audit, membership=ms,
+                                          drain=self._drain_for_notice, withdraw=self._drainer.withdraw)
+            await self._notices.start()
 
     async def close(self) -> None:
         """Stop the watchdog, kill every actor of the run, close the store; idempotent."""
@@ -228,6 +232,8 @@ class Runtime:
         if self._watch_task is not None:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)
+        if self._notices is not None:
+            await self._notices.close()
         if self._failover is not None:
             await self._failover.close()
         for task in list(self._tasks):
@@ -400,6 +406,8 @@ class Runtime:
                 if isinstance(exc, InvalidTransition) and cause is not exc:
                     raise cause from exc  # two paths raced to move one machine: the cause, not the race
                 raise
+            if self._notices is not None:  # replacements may have landed on nodes not watched yet
+                self._spawn(self._notices.watch_nodes())
         self._raise_if_failed()
 
     async def _settle(self) -> None:
@@ -438,6 +446,40 @@ class Runtime:
     def serving_rollouts(self) -> list[str]:
         """Rollouts in a serving state holding the current weights version, in rank order."""
         return self._require_membership().serving_rollouts()
+
+    # -- maintenance ---------------------------------------------------------------------
+
+    async def drain(self, node_id: str, *, reason: str = "requested", deadline: float | None = None,
+                    source: str = "api", kind: str = "drain") -> DrainRecord:
+        """Move every member off node ``node_id`` (Ray's node id) before it goes: each keeps
+        serving (DRAINING) until a replacement on another node holds the current weights,
+        then it is retired. ``deadline``: wall-clock epoch seconds by which the node goes.
+        Not a failover: spends nothing of ``max_failovers``. What a maintenance notice does
+        (``detect_node_maintenance``); callable directly by an operator or a scheduler.
+        Returns the :class:`~ftstate.controller.drain.DrainRecord` (``outcome`` drained,
+        failed or cancelled); a drain that cannot finish is undone, never half done."""
+        if not isinstance(node_id, str) or not node_id:
+            raise TypeError(f"node_id must be a Ray node id (a non-empty str), got {node_id!r}")
+        self._raise_if_failed()
+        assert self._drainer is not None
+        async with self._sync_lock:
+            self._raise_if_failed()
+            record = await self._drainer.drain(node_id, source=source, kind=kind, reason=reason, deadline=deadline)
+        if self._notices is not None:
+            self._spawn(self._notices.watch_nodes())
+        return record
+
+    @property
+    def drains(self) -> list[DrainRecord]:
+        """Every drain so far (they are not failovers and spend no budget)."""
+        return list(self._drainer.records) if self._drainer is not None else []
+
+    async def _drain_for_notice(self, node_id: str, notice: Any) -> bool:
+        with contextlib.suppress(FTError):  # a failed run: recorded already; the notice changes nothing
+            record = await self.drain(node_id, reason=notice.raw or f"{notice.source} {notice.kind}",
+                                      deadline=notice.deadline, source=notice.source, kind=notice.kind)
+            return record.outcome == "drained"
+        return False
 
     # -- reading ---------------------------------------------------------------------------
 

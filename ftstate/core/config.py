@@ -25,16 +25,24 @@ from typing import Any, Literal
 
 from ftstate.core.errors import ConfigError
 
+#: The maintenance-notice sources ``fault_tolerance.maintenance_sources`` may name.
+MAINTENANCE_SOURCES = ("gce", "aws", "azure", "ray", "file")
+#: The sources that poll an HTTP metadata endpoint (``fault_tolerance.maintenance_endpoints``).
+METADATA_SOURCES = ("gce", "aws", "azure")
+
 
 def _field(default: Any, doc: str, **rules: Any) -> Any:
     """A dataclass field carrying its documentation and validation rules.
 
-    rules: ``ge``/``gt`` numeric lower bounds, ``env`` an environment override.
+    rules: ``ge``/``gt`` numeric lower bounds, ``env`` an environment override, ``choices``
+    the values each element of a ``list[str]`` may take, ``keys`` the keys a ``dict`` may have.
     """
     if isinstance(default, type) and dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=default, metadata={"doc": doc, **rules})
     if isinstance(default, dict):
         return dataclasses.field(default_factory=lambda: dict(default), metadata={"doc": doc, **rules})
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"doc": doc, **rules})
     return dataclasses.field(default=default, metadata={"doc": doc, **rules})
 
 
@@ -61,6 +69,36 @@ class FaultToleranceConfig:
     )
     maintenance_check_interval: float = _field(
         5.0, "Seconds between two polls of the maintenance notice.", gt=0
+    )
+    maintenance_sources: list[str] = _field(  # noqa: RUF009
+        ["auto"],
+        "Which maintenance watchers run: any of gce, aws, azure (the node's cloud metadata service), "
+        "ray (nodes Ray is draining: ray drain-node, the autoscaler, KubeRay on SIGTERM) and file "
+        "(maintenance_file), or [auto] (also written auto or []): ray, plus the cloud the node turns "
+        "out to be on (read from its DMI identity, without a network request), plus any source given "
+        "an endpoint in maintenance_endpoints or its provider's environment variable, plus file when "
+        "maintenance_file is set. Off any cloud, auto records that once and stays quiet.",
+        choices=(*MAINTENANCE_SOURCES, "auto"),
+    )
+    maintenance_endpoints: dict[str, str] = _field(  # noqa: RUF009
+        {},
+        "Metadata endpoint per cloud source (gce, aws, azure), e.g. {gce: 'http://10.0.0.2:8080'}. "
+        "Without one, a watcher takes the provider's environment variable on its node "
+        "(GCE_METADATA_HOST, AWS_EC2_METADATA_SERVICE_ENDPOINT), else the provider's address "
+        "(metadata.google.internal, 169.254.169.254).",
+        keys=METADATA_SOURCES,
+    )
+    maintenance_file: str | None = _field(
+        None,
+        "Path of a file an operator or a scheduler writes a notice to, as JSON: {kind, deadline "
+        "(epoch seconds or RFC 3339), node}; no file is no notice. Required by the file source.",
+    )
+    maintenance_request_timeout_s: float = _field(
+        2.0,
+        "Bound of every metadata request (connect, send, answer), end to end; a request past it is "
+        "a warning in the audit trail, never a notice. One poll makes at most a few requests and "
+        "stops at the first that finds the server unreachable or silent.",
+        gt=0,
     )
     reverse_weight_sync: bool = _field(
         False,
@@ -284,6 +322,13 @@ class RuntimeConfig:
                 "fault_tolerance.standby_resource_pool",
                 f"must differ from the role pools 'trainer' and 'rollout', got {ft.standby_resource_pool!r}",
             )
+        if "file" in ft.maintenance_sources and ft.maintenance_file is None:
+            raise ConfigError("fault_tolerance.maintenance_file", "required when maintenance_sources names 'file'")
+        for source, url in ft.maintenance_endpoints.items():
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"fault_tolerance.maintenance_endpoints.{source}", f"must be an http:// or https:// URL, got {url!r}"
+                )
         if ft.optimizer_state == "checkpoint" and ft.checkpoint_dir is None:
             raise ConfigError("fault_tolerance.checkpoint_dir", "required when optimizer_state is 'checkpoint'")
         if ft.enable and ft.mode == "standby" and ft.standby_workers == 0:
@@ -344,6 +389,10 @@ def sections(cls: type = RuntimeConfig) -> dict[str, str]:
 
 
 def _bounds_text(f: dataclasses.Field[Any]) -> str:
+    if "choices" in f.metadata:
+        return "each one of " + ", ".join(f.metadata["choices"])
+    if "keys" in f.metadata:
+        return "keys: " + ", ".join(f.metadata["keys"])
     if "ge" in f.metadata:
         return f">= {f.metadata['ge']}"
     if "gt" in f.metadata:
@@ -359,6 +408,8 @@ def _type_name(hint: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(hint))
     if hint is type(None):
         return "null"
+    if origin is list:
+        return str(hint)
     return getattr(hint, "__name__", str(hint))
 
 
@@ -395,7 +446,9 @@ def _convert(f: dataclasses.Field[Any], hint: Any, value: Any, path: str, *, fro
             return None
         raise ConfigError(path, f"must not be null; expected {_type_name(hint)}")
     if typing.get_origin(base) is dict:
-        return _convert_mapping(base, value, path)
+        return _convert_mapping(f, base, value, path)
+    if typing.get_origin(base) is list:
+        return _convert_list(f, value, path)
     if typing.get_origin(base) is Literal:
         choices = typing.get_args(base)
         if value not in choices:
@@ -428,15 +481,44 @@ def _convert(f: dataclasses.Field[Any], hint: Any, value: Any, path: str, *, fro
     raise ConfigError(path, f"unsupported field type {hint!r}")  # pragma: no cover - declaration bug
 
 
-def _convert_mapping(hint: Any, value: Any, path: str) -> dict[str, Any]:
-    """A ``dict[str, float]`` (resources: numbers >= 0) or ``dict[str, str]`` (labels)."""
+def _convert_list(f: dataclasses.Field[Any], value: Any, path: str) -> list[str]:
+    """A ``list[str]`` whose elements are among ``choices`` (the field's metadata), without
+    repeats. ``auto`` stands alone: the string ``auto``, ``[auto]`` and ``[]`` all mean it."""
+    choices: tuple[str, ...] = f.metadata.get("choices", ())
+    if value == "auto" and "auto" in choices:
+        return ["auto"]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(path, f"must be a list, got {value!r}")
+    out: list[str] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            raise ConfigError(f"{path}[{i}]", f"must be a non-empty string, got {item!r}")
+        if choices and item not in choices:
+            raise ConfigError(f"{path}[{i}]", f"must be one of {', '.join(repr(c) for c in choices)}, got {item!r}")
+        if item in out:
+            raise ConfigError(f"{path}[{i}]", f"{item!r} is named twice")
+        out.append(item)
+    if "auto" in choices:
+        if not out:
+            return ["auto"]
+        if "auto" in out and len(out) > 1:
+            raise ConfigError(path, f"'auto' cannot be combined with named sources, got {out!r}")
+    return out
+
+
+def _convert_mapping(f: dataclasses.Field[Any], hint: Any, value: Any, path: str) -> dict[str, Any]:
+    """A ``dict[str, float]`` (resources: numbers >= 0) or ``dict[str, str]`` (labels,
+    endpoints), with only the ``keys`` of the field's metadata when it names them."""
     _, value_type = typing.get_args(hint)
     if not isinstance(value, Mapping):
         raise ConfigError(path, f"must be a mapping of names to {value_type.__name__} values, got {value!r}")
+    allowed: tuple[str, ...] = f.metadata.get("keys", ())
     out: dict[str, Any] = {}
     for key, item in value.items():
         if not isinstance(key, str) or not key:
             raise ConfigError(path, f"keys must be non-empty strings, got {key!r}")
+        if allowed and key not in allowed:
+            raise ConfigError(f"{path}.{key}", f"unknown key; expected one of: {', '.join(allowed)}")
         if value_type is float:
             if isinstance(item, bool) or not isinstance(item, (int, float)) or item < 0:
                 raise ConfigError(f"{path}.{key}", f"must be a number >= 0, got {item!r}")

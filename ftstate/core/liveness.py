@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 #: States in which a missed heartbeat makes a worker SUSPECT.
-WATCHED = frozenset({"STALE", "RESYNCING", "RESYNCED", "READY", "SYNCING"})
+WATCHED = frozenset({"STALE", "RESYNCING", "RESYNCED", "READY", "SYNCING", "DRAINING"})
 #: States with nothing to prove (no weights held): silence past the timeout is ``unresponsive``.
 QUIET = frozenset({"STANDBY", "PROMOTING", "RENDEZVOUS"})
 

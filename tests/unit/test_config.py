@@ -105,3 +105,46 @@ def test_bad_values_are_rejected_naming_the_field(data, message):
 def test_numbers_are_coerced_to_the_declared_type():
     cfg = build({"init_timeout_s": 5, "fault_tolerance": {"max_failovers": 2.0}})
     assert isinstance(cfg.init_timeout_s, float) and cfg.fault_tolerance.max_failovers == 2
+
+
+class TestMaintenanceKeys:
+    def test_the_defaults_detect_the_sources_and_bound_every_request(self):
+        ft = build().fault_tolerance
+        assert ft.maintenance_sources == ["auto"] and ft.maintenance_endpoints == {}
+        assert ft.maintenance_file is None and ft.maintenance_request_timeout_s == 2.0
+
+    def test_auto_may_be_written_three_ways(self):
+        for value in ("auto", ["auto"], []):
+            assert build({"fault_tolerance": {"maintenance_sources": value}}).fault_tolerance.maintenance_sources == ["auto"]
+
+    def test_named_sources_endpoints_and_a_file(self):
+        ft = build({"fault_tolerance": {"maintenance_sources": ["gce", "ray", "file"],
+                                        "maintenance_file": "/run/ftstate/notice.json",
+                                        "maintenance_endpoints": {"gce": "http://127.0.0.1:8080"}}}).fault_tolerance
+        assert ft.maintenance_sources == ["gce", "ray", "file"]
+        assert ft.maintenance_endpoints == {"gce": "http://127.0.0.1:8080"}
+
+    @pytest.mark.parametrize(
+        ("data", "message"),
+        [
+            ({"maintenance_sources": ["gce", "gcp"]},
+             "fault_tolerance.maintenance_sources[1]: must be one of 'gce', 'aws', 'azure', 'ray', 'file', 'auto', got 'gcp'"),
+            ({"maintenance_sources": ["ray", 7]}, "fault_tolerance.maintenance_sources[1]: must be a non-empty string, got 7"),
+            ({"maintenance_sources": ["ray", "ray"]}, "fault_tolerance.maintenance_sources[1]: 'ray' is named twice"),
+            ({"maintenance_sources": ["auto", "aws"]},
+             "fault_tolerance.maintenance_sources: 'auto' cannot be combined with named sources"),
+            ({"maintenance_sources": "gce"}, "fault_tolerance.maintenance_sources: must be a list, got 'gce'"),
+            ({"maintenance_sources": ["file"]},
+             "fault_tolerance.maintenance_file: required when maintenance_sources names 'file'"),
+            ({"maintenance_endpoints": {"gcp": "http://127.0.0.1:1"}},
+             "fault_tolerance.maintenance_endpoints.gcp: unknown key; expected one of: gce, aws, azure"),
+            ({"maintenance_endpoints": {"aws": "169.254.169.254"}},
+             "fault_tolerance.maintenance_endpoints.aws: must be an http:// or https:// URL, got '169.254.169.254'"),
+            ({"maintenance_endpoints": {"aws": ""}}, "fault_tolerance.maintenance_endpoints.aws: must be a non-empty string"),
+            ({"maintenance_request_timeout_s": 0}, "fault_tolerance.maintenance_request_timeout_s: must be > 0, got 0"),
+        ],
+    )
+    def test_bad_values_name_the_field_and_the_element(self, data, message):
+        with pytest.raises(ConfigError) as info:
+            build({"fault_tolerance": data})
+        assert str(info.value).startswith(message), str(info.value)

@@ -71,7 +71,7 @@ class TestMermaid:
     def test_styles_the_serving_states(self) -> None:
         text = render(SPECS["worker"], "mermaid")
         assert "classDef serving" in text
-        assert "class READY,SYNCING serving" in text
+        assert "class READY,SYNCING,DRAINING serving" in text
 
     def test_says_where_fail_and_stop_come_from_in_one_note_each(self) -> None:
         text = render(SPECS["worker"], "mermaid")

@@ -65,8 +65,11 @@ class TestShippedSpecs:
         states = set(load_machines()["worker"].states)
         assert states >= {"STANDBY", "STALE", "LOST", "RETIRED", RESYNCED, "READY", "FAILED", "STOPPED"}
 
-    def test_the_worker_machine_serves_only_in_ready_and_syncing(self):
-        assert load_machines()["worker"].serving_states == {"READY", "SYNCING"}
+    def test_the_worker_machine_serves_only_in_ready_syncing_and_draining(self):
+        # DRAINING serves on (a drain is not a failure) and is entered only from READY.
+        worker = load_machines()["worker"]
+        assert worker.serving_states == {"READY", "SYNCING", "DRAINING"}
+        assert {t.source for t in worker.transitions if t.dest == "DRAINING"} == {"READY"}
 
     def test_every_way_into_serving_from_outside_passes_resynced(self):
         worker = load_machines()["worker"]

@@ -1,0 +1,198 @@
+"""The proactive drain: a node that announced maintenance or preemption is emptied before it goes.
+
+A notice (a cloud's maintenance event, a spot interruption, a Ray node drain, a file an
+operator wrote; see :mod:`ftstate.controller.maintenance`) names a node and, usually, a
+deadline. Every group member on that node goes READY -> DRAINING and keeps serving; for each
+one a replacement is taken (a warm spare, else a fresh actor) on another node, the group
+forms version N+1 with both, the newcomer gets the current weights point to point from a
+rollout that holds them (checksum-proven; a new trainer the same way in reverse, then the
+trainer calls since the last sync replayed), and only then is the draining member retired
+and the group formed again without it. Spares on the node are retired and started again
+elsewhere.
+
+A drain is not a failure: it spends nothing of ``max_failovers`` (drains are counted on
+their own, :attr:`Drainer.records`), no sync fails because of it (it runs under the
+membership lock, so a sync waits for it), and every call keeps being served (DRAINING is a
+serving state). It is bounded by the notice's deadline and by the DRAINING state's own
+(``failover_timeout_s``). A drain that cannot finish (no room elsewhere, too little time, a
+replacement that dies) is recorded (``drain_failed``) and undone: the members serve on where
+they are, and if the node then dies that is an ordinary failover. A notice withdrawn before
+the drain completed cancels it the same way (``drain_cancelled``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ftstate.controller.calls import ActorCalls
+from ftstate.controller.failover import Failover
+from ftstate.controller.formation import GroupFormation
+from ftstate.controller.launcher import ActorLauncher
+from ftstate.controller.membership import Member, Membership
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.errors import FTError
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainRecord:
+    """One drain. node: Ray's node id; source / kind / reason: the notice's; outcome:
+    ``drained``, ``failed`` or ``cancelled``; moved: {draining member: its replacement};
+    seconds: notice to the last draining member retired (or the drain undone)."""
+
+    node: str
+    source: str
+    kind: str
+    reason: str
+    outcome: str
+    moved: dict[str, str]
+    seconds: float
+    group_version: int
+
+
+class _Withdrawn(Exception):  # control flow inside this module, never raised out of it
+    """The notice was withdrawn while its drain ran."""
+
+
+class Drainer:
+    """Drains nodes for one runtime. pause_trainer: an async context manager factory that
+    holds new trainer calls and waits for those in flight (a trainer moved ahead of time
+    must replay every call the old one took)."""
+
+    def __init__(
+        self,
+        *,
+        config: RuntimeConfig,
+        audit: AuditTrail,
+        membership: Membership,
+        calls: ActorCalls,
+        launcher: ActorLauncher,
+        formation: GroupFormation,
+        failover: Failover,
+        pause_trainer: Callable[[], Any],
+    ) -> None:
+        self.config = config
+        self.audit = audit
+        self.membership = membership
+        self.calls = calls
+        self.launcher = launcher
+        self.formation = formation
+        self.failover = failover
+        self.pause_trainer = pause_trainer
+        self.records: list[DrainRecord] = []
+        #: Nodes whose notice was withdrawn while their drain ran.
+        self._withdrawn: set[str] = set()
+
+    def withdraw(self, node: str) -> None:
+        """The notice for ``node`` went away: a drain of it still running is undone."""
+        self._withdrawn.add(node)
+
+    async def drain(self, node: str, *, source: str, kind: str, reason: str,
+                    deadline: float | None = None) -> DrainRecord:
+        """Drain ``node`` (Ray's node id); the caller holds the membership lock. ``deadline``:
+        wall-clock epoch seconds by which the node goes (None: unknown; the DRAINING state's
+        own ``failover_timeout_s`` bounds it)."""
+        t0 = time.monotonic()
+        self._withdrawn.discard(node)
+        group = self.membership.group
+        members = [m for m in self.membership.group_members() if m.node_id == node and m.machine.state == "READY"]
+        spares = [m for m in self.membership.on_node(node) if m.rank < 0]
+        self.audit.record("drain_started", node=node, source=source, kind=kind, reason=reason, deadline=deadline,
+                          members=[m.name for m in members], spares=[m.name for m in spares],
+                          group_version=group.group_version, weights_version=group.weights_version)
+        self.failover.draining_nodes.add(node)
+        left = None if deadline is None else deadline - time.time()
+        if left is not None and left <= 0:
+            return self._done(node, source, kind, f"{reason}; deadline already passed", "failed", {}, t0)
+        for spare in spares:  # a spare on a node about to go is no spare: start it elsewhere
+            if spare.machine.can("retire"):
+                await spare.machine.fire("retire", reason=f"its node is being drained ({kind})")
+            self.launcher.kill(spare)
+            self.launcher.give_back(spare)
+        if spares and self.config.fault_tolerance.mode == "standby":
+            for role in sorted({s.role for s in spares}):
+                self.failover.replenish(role)
+        if not members:
+            return self._done(node, source, kind, reason, "drained", {}, t0)
+        for m in members:
+            await m.machine.fire("drain", reason=f"{source} {kind} notice: {reason}")
+        moved: dict[str, Member] = {}
+        try:
+            async with asyncio.timeout(left):
+                if any(m.role == "trainer" for m in members):
+                    async with self.pause_trainer():
+                        await self._move(members, moved, node)
+                else:
+                    await self._move(members, moved, node)
+        except (FTError, TimeoutError, _Withdrawn) as exc:
+            outcome = "cancelled" if isinstance(exc, _Withdrawn) else "failed"
+            why = "notice withdrawn" if outcome == "cancelled" else (
+                f"deadline {deadline} reached" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}")
+            await self._undo(members, moved, why)
+            return self._done(node, source, kind, f"{reason}; {why}", outcome, {}, t0)
+        return self._done(node, source, kind, reason, "drained", {m.name: r.name for m, r in
+                                                                   zip(members, moved.values(), strict=True)}, t0)
+
+    async def _move(self, members: Sequence[Member], moved: dict[str, Member], node: str) -> None:
+        """Bring up a replacement per draining member, resync it, admit it, retire the member."""
+        for m in members:
+            self._check(node)
+            replacement = await self.failover.replacement_for(m)
+            # A rank past every member's while both serve; it takes m's rank once m is retired.
+            replacement.set_rank(1 + max(x.rank for x in self.membership.group_members()))
+            moved[m.name] = replacement
+        await self.formation.reform()
+        for m in sorted(members, key=lambda m: m.role != "trainer"):  # the trainer first
+            self._check(node)
+            await self.failover.resync(moved[m.name])
+        self._check(node)
+        for m in members:
+            replacement = moved[m.name]
+            rank = m.rank
+            await m.machine.fire("retire", reason=f"drained: {replacement.name} serves in its place")
+            self.launcher.kill(m)
+            self.launcher.give_back(m)
+            replacement.set_rank(rank)
+        await self.formation.reform()
+        if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
+            for role in sorted({m.role for m in members}):
+                self.failover.replenish(role)
+
+    def _check(self, node: str) -> None:
+        if node in self._withdrawn:
+            raise _Withdrawn(f"the notice for node {node[:12]} was withdrawn")
+
+    async def _undo(self, members: Sequence[Member], moved: dict[str, Member], why: str) -> None:
+        """The drain did not finish: its newcomers go, the members serve on where they are."""
+        for replacement in moved.values():
+            if replacement.machine.can("retire"):
+                await replacement.machine.fire("retire", reason=f"drain undone: {why}")
+            self.launcher.kill(replacement)
+            self.launcher.give_back(replacement)
+        for m in members:
+            if m.machine.state == "DRAINING":
+                await m.machine.fire("drain_cancelled", reason=why)
+        if moved:
+            try:
+                await self.formation.reform()
+            except FTError as exc:  # a death meanwhile: the failover's to handle
+                self.audit.record("drain_reform_failed", reason=f"{type(exc).__name__}: {exc}")
+
+    def _done(self, node: str, source: str, kind: str, reason: str, outcome: str, moved: dict[str, str],
+              t0: float) -> DrainRecord:
+        self.failover.draining_nodes.discard(node)
+        if outcome == "drained":
+            # Nothing of the run is left there; keep replacements off it until it is gone.
+            self.failover.lost_nodes.add(node)
+        group = self.membership.group
+        record = DrainRecord(node=node, source=source, kind=kind, reason=reason, outcome=outcome, moved=moved,
+                             seconds=time.monotonic() - t0, group_version=group.group_version)
+        self.records.append(record)
+        self.audit.record(f"drain_{outcome}", node=node, source=source, kind=kind, reason=reason, moved=moved,
+                          seconds=round(record.seconds, 6), drains=len(self.records),
+                          group_version=group.group_version, weights_version=group.weights_version)
+        return record

@@ -1,0 +1,118 @@
+"""One bounded HTTP request to a metadata server, with the standard library only.
+
+``http.client``, not ``urllib.request``: urllib honours ``http_proxy`` from the environment,
+and a metadata request must never go through a proxy (the metadata server is link-local,
+reachable only from the VM itself). No new dependency is needed for a handful of GETs.
+
+Every request is bounded by ``timeout`` end to end: the socket's timeout bounds the connect
+and each read, and a timer shuts the socket down when ``timeout`` has passed since the
+request began, so a server that accepts and never answers, or drips its answer a byte at a
+time, costs at most ``timeout`` (plus the scheduling of one timer thread). The one wait the
+timer cannot cut short is a name lookup (``metadata.google.internal``): the runner's bound
+per poll covers it, and watchers only run where detection or the config points them.
+
+:func:`request` never raises for a bad server: it returns an :class:`Answer`, or a
+:class:`~ftstate.controller.maintenance.base.PollProblem` saying what went wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import http.client
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Mapping
+
+from ftstate.controller.maintenance.base import PollProblem
+
+#: The largest answer read from a metadata server; a longer one is a problem, not a notice.
+MAX_BODY = 256 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """A complete HTTP answer: status, headers (names lower-cased), body, seconds it took."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+    seconds: float
+
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+
+def join(base: str, path: str) -> str:
+    """``base`` (scheme and host, maybe a path prefix) with ``path`` appended."""
+    return base.rstrip("/") + "/" + path.lstrip("/")
+
+
+def request(
+    method: str,
+    url: str,
+    *,
+    source: str,
+    timeout: float,
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+    max_bytes: int = MAX_BODY,
+) -> Answer | PollProblem:
+    """Make one request; an :class:`Answer` whatever its status, or a problem (unreachable,
+    timeout, too large, not HTTP, a bad URL), within ``timeout`` seconds."""
+    t0 = time.monotonic()
+
+    def problem(kind: str, detail: str) -> PollProblem:
+        return PollProblem(source, url, kind, detail, round(time.monotonic() - t0, 3))  # type: ignore[arg-type]
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return problem("bad_url", "expected an http:// or https:// URL with a host")
+    try:
+        port = parts.port
+    except ValueError:
+        return problem("bad_url", "the port is not a number")
+    conn_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_class(parts.hostname, port, timeout=timeout)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    expired = threading.Event()
+
+    def cut() -> None:
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        conn.request(method, target, body=body, headers=dict(headers or {}))
+        resp = conn.getresponse()
+        data = resp.read(max_bytes + 1)
+        status = resp.status
+        got_headers = {k.lower(): v for k, v in resp.getheaders()}
+    except TimeoutError:
+        return problem("timeout", f"no complete answer within {timeout:g}s")
+    except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set():
+            return problem("timeout", f"no complete answer within {timeout:g}s")
+        if isinstance(exc, http.client.HTTPException):
+            return problem("malformed", f"not an HTTP answer: {type(exc).__name__}: {exc}")
+        return problem("unreachable", f"{type(exc).__name__}: {exc}")
+    except ValueError as exc:  # a header value http.client will not send (e.g. a token that is not ASCII)
+        return problem("error", f"{type(exc).__name__}: {exc}")
+    finally:
+        timer.cancel()
+        conn.close()
+    if expired.is_set():
+        return problem("timeout", f"no complete answer within {timeout:g}s")
+    if len(data) > max_bytes:
+        return problem("too_large", f"answer longer than {max_bytes} bytes")
+    return Answer(status, got_headers, data, round(time.monotonic() - t0, 3))

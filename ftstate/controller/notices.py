@@ -1,0 +1,147 @@
+"""From maintenance notices to drains: the runtime's side of :mod:`ftstate.controller.maintenance`.
+
+With ``fault_tolerance.detect_node_maintenance`` on, :class:`NoticeMonitor` runs the
+watchers: the driver's own (the nodes Ray is draining) and one light
+:class:`~ftstate.controller.maintenance.node_actor.NodeWatcherActor` on every node that hosts
+members (a metadata server answers only the VM it runs on; a node's own
+``GCE_METADATA_HOST``/``AWS_EC2_METADATA_SERVICE_ENDPOINT`` is honoured there), all polled
+every ``maintenance_check_interval`` by one
+:class:`~ftstate.controller.maintenance.runner.MaintenanceWatcher`. It records what it runs
+(one ``maintenance_sources`` record per place: "not on GCE, AWS or Azure" off-cloud, never a
+warning per interval), every notice (``maintenance_notice``: source, kind, deadline, node),
+every withdrawal and every source that could not be read (``maintenance_problem``, once per
+run of failures: a warning, never a notice and never a crash), and hands notices for a
+node hosting members to ``drain`` and withdrawals to ``withdraw``. An Azure event is
+acknowledged once its node is drained (it lets the event start early).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ftstate.controller.maintenance import MaintenanceWatcher, Notice, PollProblem, watchers_for
+from ftstate.controller.membership import Membership
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+
+
+class NoticeMonitor:
+    """Maintenance watching for one runtime. drain(node_id, notice): drains a node (returns
+    True when the node was drained); withdraw(node_id): undoes a drain still running."""
+
+    def __init__(
+        self,
+        *,
+        config: RuntimeConfig,
+        audit: AuditTrail,
+        membership: Membership,
+        drain: Callable[[str, Notice], Awaitable[bool]],
+        withdraw: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.audit = audit
+        self.membership = membership
+        self._drain = drain
+        self._withdraw = withdraw
+        self._runner: MaintenanceWatcher | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._actors: dict[str, Any] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._draining: set[str] = set()
+
+    async def start(self) -> None:
+        ft = self.config.fault_tolerance
+        detection, watchers = watchers_for(ft, include=("ray",))  # the rest run on each node
+        self.audit.record("maintenance_sources", place="controller", **detection.fields())
+        self._runner = MaintenanceWatcher(watchers, interval=ft.maintenance_check_interval,
+                                          on_notice=self._on_notice, on_withdrawn=self._on_withdrawn,
+                                          on_problem=self._on_problem, on_recovered=self._on_recovered)
+        await self.watch_nodes()
+        self._task = asyncio.get_running_loop().create_task(self._runner.run())
+
+    async def watch_nodes(self) -> None:
+        """Start a node watcher on every node that hosts members and has none yet."""
+        if self._runner is None:
+            return
+        from ftstate.controller.maintenance.node_actor import (
+            NodeWatcherActor,
+            actor_watchers,
+            start_node_watcher,
+        )
+
+        ft = self.config.fault_tolerance
+        nodes = {m.node_id for m in self.membership if not m.gone and m.node_id} - set(self._actors)
+        for node in sorted(nodes):
+            handle = start_node_watcher(node, **NodeWatcherActor.options_from(ft))
+            self._actors[node] = handle
+            try:
+                detection, watchers = await asyncio.wait_for(actor_watchers(handle), self.config.init_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a node watcher that cannot start is a warning, not a crash
+                self.audit.record("maintenance_problem", node=node, reason=f"node watcher did not start: "
+                                  f"{type(exc).__name__}: {exc}")
+                continue
+            self.audit.record("maintenance_sources", place="node", node=node, **detection.fields())
+            self._runner.add(watchers)
+
+    def _node_of(self, notice: Notice) -> str | None:
+        """The Ray node id a notice concerns, when a member runs there (by id, else address)."""
+        members = [m for m in self.membership if not m.gone and m.node_id]
+        for m in members:
+            if notice.node == m.node_id:
+                return m.node_id
+        by_address = {m.node for m in members if m.node}
+        if notice.node in by_address and len({m.node_id for m in members if m.node == notice.node}) == 1:
+            return next(m.node_id for m in members if m.node == notice.node)
+        return None
+
+    async def _on_notice(self, notice: Notice) -> None:
+        node = self._node_of(notice)
+        self.audit.record("maintenance_notice", **notice.fields(), node_id=node,
+                          action="drain" if node else "none: no member runs on that node")
+        if node is None or node in self._draining:
+            return
+        self._draining.add(node)
+        task = asyncio.get_running_loop().create_task(self._drain_then_ack(node, notice))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain_then_ack(self, node: str, notice: Notice) -> None:
+        try:
+            drained = await self._drain(node, notice)
+        finally:
+            self._draining.discard(node)
+        if drained and notice.source == "azure" and notice.event_id and node in self._actors:
+            problem = await self._actors[node].acknowledge.remote(notice.event_id)
+            self.audit.record("maintenance_acknowledged", node=node, event_id=notice.event_id,
+                              problem=problem.message if isinstance(problem, PollProblem) else None)
+
+    def _on_withdrawn(self, notice: Notice) -> None:
+        node = self._node_of(notice)
+        self.audit.record("maintenance_withdrawn", **notice.fields(), node_id=node)
+        if node is not None:
+            self._withdraw(node)
+
+    def _on_problem(self, problem: PollProblem) -> None:
+        self.audit.record("maintenance_problem", **problem.fields())
+
+    def _on_recovered(self, label: str, failed_polls: int) -> None:
+        self.audit.record("maintenance_recovered", source=label, failed_polls=failed_polls)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._runner is not None:
+            self._runner.close()
+        if self._actors:
+            import ray
+
+            for handle in self._actors.values():
+                with contextlib.suppress(Exception):  # already gone with its node
+                    ray.kill(handle)
