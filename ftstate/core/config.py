@@ -65,7 +65,11 @@ class FaultToleranceConfig:
     )
     standby_workers: int = _field(1, "Prewarmed spares kept per role in standby mode.", ge=0)
     detect_node_maintenance: bool = _field(
-        False, "Poll the cloud metadata service and drain workers on nodes scheduled for maintenance."
+        False,
+        "Watch for maintenance and preemption notices (maintenance_sources: the cloud's metadata "
+        "server on each node that hosts members, Ray's draining nodes, an operator's notice file) "
+        "and drain a node's members before it goes: replacements elsewhere get the current weights "
+        "first, then the members are retired. A drain spends nothing of max_failovers.",
     )
     maintenance_check_interval: float = _field(
         5.0, "Seconds between two polls of the maintenance notice.", gt=0

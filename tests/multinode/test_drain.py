@@ -185,3 +185,51 @@ async def test_a_withdrawn_notice_cancels_the_drain(restore_nodes, tmp_path) -> 
         report = await rt.sync()
         assert report.weights_version == first.weights_version + 1
         await consistent(rt)
+
+
+async def test_a_gce_maintenance_notice_on_one_node_drains_it(restore_nodes, tmp_path) -> None:
+    """A fourth node whose GCE metadata server (a loopback one, found through its own
+    GCE_METADATA_HOST, as Google's libraries do) announces TERMINATE_ON_HOST_MAINTENANCE: the
+    runtime's watcher on that node sees it and the node is drained; the other nodes, off any
+    cloud, watch nothing (the default detection) and nothing else moves. NONE again withdraws it."""
+    import os
+
+    from tests.integration.metadata_servers import GceServer
+
+    mn = restore_nodes
+    with GceServer() as gce:
+        os.environ["GCE_METADATA_HOST"] = gce.url.removeprefix("http://")
+        try:
+            mn.add("d")  # inherits the variable: its raylet and every worker it starts
+        finally:
+            del os.environ["GCE_METADATA_HOST"]
+        mn.cluster.wait_for_nodes()
+        try:
+            cfg = config(tmp_path, placement={"rollout": {"resources": {resource("d"): 1}}},
+                         fault_tolerance={"enable": True, "mode": "standby", "detect_node_maintenance": True,
+                                          "maintenance_check_interval": 0.2})
+            rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout)
+            async with rt:
+                await spares_warm(rt)
+                await rt.sync()
+                node_d = mn.node_id("d")
+                assert {by_name(rt)[n].node_id for n in rt.serving_rollouts()} == {node_d}
+                watching = {r.get("node"): r["sources"] for r in records(rt, "maintenance_sources")
+                            if r["place"] == "node"}
+                assert "gce" in watching[node_d] and all("gce" not in s for n, s in watching.items() if n != node_d)
+                gce.state["maintenance-event"] = "TERMINATE_ON_HOST_MAINTENANCE"
+                await wait_until(lambda: bool(records(rt, "drain_drained")), 60, "the drain")
+                notice = records(rt, "maintenance_notice")[0]
+                assert (notice["source"], notice["kind"], notice["node_id"]) == ("gce", "terminate", node_d)
+                assert all(by_name(rt)[n].node_id != node_d for n in rt.serving_rollouts())
+                gce.state["maintenance-event"] = "NONE"
+                await wait_until(lambda: bool(records(rt, "maintenance_withdrawn")), 30, "the withdrawal")
+                await rt.trainer("train_step")
+                await rt.sync()
+                await consistent(rt)
+                assert rt.failovers == [] and not records(rt, "budget_spent")
+                assert not records(rt, "maintenance_problem")
+        finally:
+            if "d" in mn.alive():
+                mn.kill("d")
+            mn.nodes.pop("d", None)
