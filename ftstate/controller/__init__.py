@@ -3,11 +3,23 @@
 :mod:`~ftstate.controller.runtime` is what a trainer loop embeds (``await rt.sync()``); it
 composes the parts below, which share one :class:`~ftstate.controller.membership.Membership`
 (who holds which rank, in which state, with which versions) instead of reaching into each
-other: :mod:`~ftstate.controller.sync` (one weight sync, two-phase commit),
-:mod:`~ftstate.controller.failover` (replacing a lost member), :mod:`~ftstate.controller.watchdog`
-(heartbeats into liveness events), :mod:`~ftstate.controller.chaos` (fault injection),
-:mod:`~ftstate.controller.calls` (every actor call, and deaths as events),
-:mod:`~ftstate.controller.host` (the actor that hosts a user worker),
-:mod:`~ftstate.controller.placement` and :mod:`~ftstate.controller.cluster` (where actors run).
+other:
+
+- :mod:`~ftstate.controller.launcher` starts and kills worker actors in the resource pools of
+  :mod:`~ftstate.controller.placement` (placement groups per role, spares off the nodes they
+  cover) on the cluster :mod:`~ftstate.controller.cluster` joins or starts;
+  :mod:`~ftstate.controller.host` is the actor around a user worker;
+- :mod:`~ftstate.controller.formation` forms numbered group versions on the rendezvous store;
+- :mod:`~ftstate.controller.sync` runs one weight sync (two-phase commit);
+- :mod:`~ftstate.controller.routing` sends user calls only to workers serving the current
+  weights;
+- :mod:`~ftstate.controller.calls` is every actor call (deaths become events);
+  :mod:`~ftstate.controller.watchdog` turns heartbeats into liveness events;
+- :mod:`~ftstate.controller.failover` replaces lost members (a lost node's in one round);
+- :mod:`~ftstate.controller.maintenance` watches for maintenance and preemption notices,
+  :mod:`~ftstate.controller.notices` turns them into drains, and
+  :mod:`~ftstate.controller.drain` moves a node's members off it before it goes;
+- :mod:`~ftstate.controller.chaos` injects real faults (tests, benchmarks, the demo).
+
 It imports the core and the transport; neither imports it.
 """

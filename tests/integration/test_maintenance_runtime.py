@@ -82,3 +82,27 @@ async def test_a_passed_deadline_is_recorded_not_attempted(ray_cluster, tmp_path
         with pytest.raises(TypeError, match="node_id must be a Ray node id"):
             await rt.drain("")
         assert all(m.state == "READY" for m in rt.members() if m.rank >= 0)
+
+
+@pytest.mark.parametrize("server", ["500", "garbage", "silent"])
+async def test_a_broken_metadata_server_is_a_warning_and_the_run_goes_on(ray_cluster, tmp_path, server) -> None:
+    from tests.integration.metadata_servers import FixedServer, SilentServer
+
+    make = {"500": lambda: FixedServer(500, b"Internal Server Error"),
+            "garbage": lambda: FixedServer(200, b"\x00\xff not a maintenance value", {"Metadata-Flavor": "Google"}),
+            "silent": SilentServer}[server]
+    with make() as bad:
+        cfg = config(tmp_path, detect_node_maintenance=True, maintenance_sources=["gce"],
+                     maintenance_endpoints={"gce": bad.url}, maintenance_request_timeout_s=0.5)
+        async with ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout) as rt:
+            problem = await wait_for(rt, "maintenance_problem")
+            assert problem["source"] == "gce"
+            await asyncio.sleep(1.0)
+            reported = len(events(rt, "maintenance_problem"))
+            assert 1 <= reported <= 3  # at most once per path read (maintenance-event, preempted, upcoming)
+            for _ in range(2):
+                report = await rt.sync()
+                assert await rt.rollout("checksum") == [report.checksum] * 2
+            await asyncio.sleep(1.0)  # several more intervals: reported once, not at every poll
+            assert len(events(rt, "maintenance_problem")) == reported
+            assert not events(rt, "maintenance_notice") and not events(rt, "drain_started")
