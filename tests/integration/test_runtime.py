@@ -290,10 +290,9 @@ class TestBadInput:
         with pytest.raises(ConfigError, match="trainer_workers: this release drives exactly one trainer"):
             runtime(config(tmp_path, trainer_workers=2))
 
-    def test_node_maintenance_detection_is_refused_not_ignored(self, tmp_path):
-        cfg = config(tmp_path, fault_tolerance={"detect_node_maintenance": True})
-        with pytest.raises(ConfigError, match=r"fault_tolerance\.detect_node_maintenance: the maintenance watcher"):
-            runtime(cfg)
+    def test_a_maintenance_source_that_does_not_exist_is_refused_naming_it(self, tmp_path):
+        with pytest.raises(ConfigError, match=r"fault_tolerance\.maintenance_sources\[1\]: must be one of"):
+            config(tmp_path, fault_tolerance={"detect_node_maintenance": True, "maintenance_sources": ["gce", "gcp"]})
 
     async def test_calling_before_start_says_so(self, tmp_path):
         rt = runtime(config(tmp_path))
