@@ -4,7 +4,10 @@ Both take the records as :func:`ftstate.core.audit.read_trail` or
 :func:`ftstate.core.audit_check.load_records` give them (``(line, record)`` pairs) or as plain
 dicts (``AuditTrail.records``), and return a ``rich`` renderable; printing is the caller's
 business (``ftstate audit``). Deadline expiries, errors and budget events are highlighted,
-so the record that explains a failed run stands out among the transitions.
+so the record that explains a failed run stands out among the transitions; so are maintenance
+notices and drains, which :func:`render_maintenance` also lists on their own (each notice with
+its source, kind, node and deadline, each drain with what moved where, how it ended and how
+long it took).
 
 This module imports neither Ray nor torch.
 """
@@ -25,7 +28,18 @@ EVENT_STYLES = {
     ERROR: "red",
     BUDGET_EXHAUSTED: "bold red",
     BUDGET_SPENT: "yellow",
+    "maintenance_announced": "dark_orange",
+    "maintenance_notice": "bold dark_orange",
+    "maintenance_withdrawn": "yellow",
+    "maintenance_problem": "yellow",
+    "drain_started": "dark_orange",
+    "drain_drained": "green",
+    "drain_failed": "red",
+    "drain_cancelled": "yellow",
 }
+#: The maintenance and drain events (:mod:`ftstate.controller.notices`, :mod:`ftstate.controller.drain`).
+NOTICE_EVENTS = ("maintenance_notice", "maintenance_withdrawn")
+DRAIN_ENDS = ("drain_drained", "drain_failed", "drain_cancelled")
 _FAILED_STATES = {"FAILED", "LOST"}
 _ERROR_EVENTS = {DEADLINE_EXPIRED, ERROR, BUDGET_EXHAUSTED}
 
@@ -47,8 +61,54 @@ def _versions(rec: Mapping[str, Any]) -> str:
     return f"{_num(g) or '-'}/{_num(w) or '-'}"
 
 
+def _node(value: Any) -> str:
+    return str(value)[:12] if value else "?"
+
+
+def _deadline(rec: Mapping[str, Any]) -> str:
+    """A notice's deadline as UTC time (and how far from the record it was), or 'none given'."""
+    deadline = rec.get("deadline")
+    if not isinstance(deadline, (int, float)):
+        return "no deadline given"
+    import datetime as dt
+
+    when = dt.datetime.fromtimestamp(deadline, dt.UTC)
+    stamp = rec.get("ts")
+    left = ""
+    if isinstance(stamp, str):
+        try:
+            left = f", {deadline - dt.datetime.fromisoformat(stamp.replace('Z', '+00:00')).timestamp():.0f}s ahead"
+        except ValueError:
+            left = ""
+    return f"deadline {when:%H:%M:%S} UTC{left}"
+
+
+def _maintenance_detail(rec: Mapping[str, Any]) -> str | None:
+    event = rec.get("event")
+    if event in NOTICE_EVENTS:
+        what = f"{rec.get('source')} {rec.get('kind')} on node {_node(rec.get('node_id') or rec.get('node'))}"
+        if event == "maintenance_withdrawn":
+            return f"{what} withdrawn"
+        return f"{what}, {_deadline(rec)}: {rec.get('action') or ''}".rstrip(": ")
+    if event == "maintenance_announced":  # the demo's own record: what its metadata server now says
+        return f"node {rec.get('name') or _node(rec.get('node_id'))}: {rec.get('reason') or ''}".rstrip(": ")
+    if event == "drain_started":
+        members = ", ".join(rec.get("members") or []) or "no members"
+        return f"node {_node(rec.get('node'))} ({rec.get('source')} {rec.get('kind')}): {members} DRAINING"
+    if event in DRAIN_ENDS:
+        moved = rec.get("moved") or {}
+        what = ", ".join(f"{a} -> {b}" for a, b in moved.items()) if moved else str(rec.get("reason") or "")
+        secs = rec.get("seconds")
+        took = f" in {secs:.3f}s" if isinstance(secs, (int, float)) else ""
+        return f"node {_node(rec.get('node'))}{took}: {what}"
+    return None
+
+
 def _detail(rec: Mapping[str, Any]) -> str:
     event = rec.get("event")
+    maintenance = _maintenance_detail(rec)
+    if maintenance is not None:
+        return maintenance
     parts = []
     if event in (BUDGET_SPENT, BUDGET_EXHAUSTED) and rec.get("budget"):
         spent = rec.get("spent")
@@ -173,4 +233,42 @@ def render_summary(records: Iterable[Any], *, title: str | None = "per member") 
     return table
 
 
-__all__ = ["EVENT_STYLES", "render_summary", "render_timeline", "summarize"]
+def maintenance_rows(records: Iterable[Any]) -> list[dict[str, Any]]:
+    """The trail's maintenance story in order: every notice, withdrawal, source problem and
+    drain outcome, as ``{t, what, node, detail, style}``."""
+    rows = []
+    for rec in as_records(records):
+        event = str(rec.get("event", ""))
+        if event not in (*NOTICE_EVENTS, "maintenance_problem", *DRAIN_ENDS):
+            continue
+        if event == "maintenance_problem":
+            detail = str(rec.get("message") or rec.get("reason") or "")
+            node = rec.get("node")
+        else:
+            detail = _maintenance_detail(rec) or ""
+            node = rec.get("node_id") or rec.get("node")
+        what = {"maintenance_notice": "notice", "maintenance_withdrawn": "withdrawn",
+                "maintenance_problem": "warning"}.get(event, event.replace("_", " "))
+        rows.append({"t": rec.get("t"), "what": what, "node": _node(node) if node else "",
+                     "detail": detail, "style": EVENT_STYLES.get(event, "")})
+    return rows
+
+
+def render_maintenance(records: Iterable[Any], *, title: str | None = "maintenance") -> Table | None:
+    """A table of the trail's maintenance notices, withdrawals, warnings and drains (see
+    :func:`maintenance_rows`); None when the trail has none."""
+    rows = maintenance_rows(records)
+    if not rows:
+        return None
+    table = Table(title=title, header_style="bold", expand=False)
+    table.add_column("t (s)", justify="right", no_wrap=True)
+    table.add_column("what", no_wrap=True)
+    table.add_column("node", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for r in rows:
+        table.add_row(Text(_num(r["t"])), Text(r["what"]), Text(r["node"]), Text(r["detail"]), style=r["style"])
+    return table
+
+
+__all__ = ["EVENT_STYLES", "maintenance_rows", "render_maintenance", "render_summary", "render_timeline",
+           "summarize"]

@@ -3,7 +3,7 @@
     ftstate diagram [--machine NAME] [--format mermaid|dot]
     ftstate audit FILE [--check] [--summary/--no-summary] [--timeline/--no-timeline]
     ftstate config [FILE]
-    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--address auto|HOST:PORT]
+    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--address auto|HOST:PORT] [--maintenance]
 
 Errors ftstate knows about (any :class:`~ftstate.core.errors.FTError`, a missing or unreadable
 file) end the command with one line ``error: ...`` on stderr and exit status 2; ``--debug``
@@ -143,7 +143,8 @@ def audit(
                      "pip install 'ftstate[plot]'.", show_default=False),
     ] = None,
 ) -> None:
-    """Show what happened in a run: a timeline of every record and a summary per member.
+    """Show what happened in a run: a timeline of every record and a summary per member (and,
+    when the run had maintenance notices, each notice and drain and how it ended).
 
     With --check, also replay the trail against the machines' specs: continuity of each
     member's states, legal transitions only, nothing after a terminal state, serving states
@@ -152,7 +153,7 @@ def audit(
     """
     from rich.console import Console
 
-    from ftstate.cli.audit_view import render_summary, render_timeline
+    from ftstate.cli.audit_view import render_maintenance, render_summary, render_timeline
 
     if plot is not None:  # before printing anything: a picture that cannot be drawn is the error
         from ftstate.cli.plot import require_matplotlib
@@ -172,6 +173,9 @@ def audit(
         console.print(render_timeline(records, title=f"{file}"))
     if summary:
         console.print(render_summary(records))
+        maintenance = render_maintenance(records)
+        if maintenance is not None:
+            console.print(maintenance)
     if plot is not None:
         from ftstate.cli.plot import plot_timeline
 
@@ -239,10 +243,11 @@ def demo(
         int, typer.Option("--steps", min=0, help="Training steps to run; 0 takes the demo's default.")
     ] = 0,
     faults: Annotated[
-        bool,
+        bool | None,
         typer.Option("--faults/--no-faults", help="SIGKILL a rollout while it generates, a rollout mid-sync "
-                     "and the trainer mid-step, and recover from each."),
-    ] = True,
+                     "and the trainer mid-step, and recover from each. Default: on, except with --maintenance.",
+                     show_default=False),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="The run's seed (weights, prompts, samples).")] = 1,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Prompts per RL step.")] = 64,
     pad_mb: Annotated[
@@ -258,10 +263,19 @@ def demo(
         typer.Option("--address", help="Join a running Ray cluster: 'auto' (the one `ray start` made on this "
                      "machine) or HOST:PORT of its head; default: start a local one."),
     ] = None,
+    maintenance: Annotated[
+        bool,
+        typer.Option("--maintenance", help="The maintenance scenario: a local 3-node cluster, each node with a "
+                     "loopback GCE metadata server; one announces host maintenance mid-run and ftstate drains "
+                     "that node while training goes on (no kills unless --faults)."),
+    ] = False,
 ) -> None:
     """Real RL (a tiny transformer learning to sort digits) on a local Ray cluster, or on a running
     one with --address: one trainer, rollouts and a prewarmed spare each, with faults injected and
     recovered from; the report says on how many nodes the workers ran.
+
+    With --maintenance, a cloud's maintenance notice instead of (or, with --faults, besides) the
+    kills: the node it names is drained, its members replaced on another node before they go.
 
     Proves nothing was lost by comparing the final weights' checksum and the reward curve with
     the same seeds run without faults; exits 1 if they differ, 2 if the run failed. Writes the
@@ -272,7 +286,7 @@ def demo(
 
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
                               pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live,
-                              address=address))
+                              address=address, maintenance=maintenance))
 
 
 def main() -> None:

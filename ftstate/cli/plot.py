@@ -9,7 +9,15 @@ line for the group's). When the trail holds ``reward`` records (``step``, ``rewa
 the demo writes one per training step), the mean reward is plotted beneath on the same time
 axis, so a failover lines up with what training did meanwhile.
 
-Colours are fixed per state, so two pictures read the same way: serving states green,
+Maintenance (:mod:`ftstate.controller.drain`): every notice (``maintenance_notice``: source,
+kind, node) is a dash-dotted orange line across the lanes with a triangle on top, and every
+drain (``drain_started`` until ``drain_drained``/``drain_failed``/``drain_cancelled``) an orange
+band labelled with what moved where and how long it took (a drain that did not finish says
+so). A member in ``DRAINING`` (serving while its replacement is made ready) has a colour of
+its own.
+
+Colours are fixed per state, so two pictures read the same way: serving states green
+(``DRAINING``, serving on a node that is going, olive),
 the way back into serving (``RESYNCING``, ``RESYNCED``) teal, ``STALE``/``SUSPECT``/
 ``DEGRADED`` amber, ``LOST``/``FAILED`` red, ``STANDBY`` and ``RETIRED`` grey. A state no
 spec knew when this was written gets a colour from its spec's serving flag.
@@ -51,6 +59,7 @@ STATE_COLORS: dict[str, str] = {
     "RESYNCED": "#1f8f99",
     "READY": "#3aa655",
     "SYNCING": "#9bd88a",
+    "DRAINING": "#8a9a1b",
     "DEGRADED": "#f7d27a",
     "LOST": "#d62728",
     "FAILED": "#8b0000",
@@ -60,6 +69,10 @@ STATE_COLORS: dict[str, str] = {
 _SERVING_FALLBACK = "#7cc47f"
 _OTHER_FALLBACK = "#b39ddb"
 _FAILOVER_BAND = "#9c6ade"
+_DRAIN = "#e8730c"
+#: The events that end a drain, and what each says about it.
+DRAIN_ENDS = {"drain_drained": "drained", "drain_failed": "failed", "drain_cancelled": "cancelled"}
+NOTICE = "maintenance_notice"
 _DEADLINE = "#c00000"
 _LABEL_BOX = {"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none", "alpha": 0.85}
 
@@ -88,6 +101,60 @@ class _Failover:
     end: float
     reason: str
     finished: bool
+
+
+@dataclasses.dataclass
+class _Drain:
+    number: int
+    start: float
+    end: float
+    node: str
+    outcome: str | None  # None: the trail ends before the drain did
+    moved: dict[str, str]
+    reason: str
+
+
+@dataclasses.dataclass
+class _Notice:
+    t: float
+    label: str
+    node: str
+
+
+def _drains(records: list[Mapping[str, Any]], end: float) -> list[_Drain]:
+    """Every drain, from its ``drain_started`` to the record that ended it (by node)."""
+    out: list[_Drain] = []
+    running: dict[str, _Drain] = {}
+    for rec in records:
+        event = rec.get("event")
+        t = _num(rec.get("t"))
+        if t is None:
+            continue
+        node = str(rec.get("node") or "?")
+        if event == "drain_started":
+            running[node] = _Drain(len(out) + 1, t, end, node, None, {}, str(rec.get("reason") or ""))
+            out.append(running[node])
+        elif event in DRAIN_ENDS:
+            drain = running.pop(node, None)
+            if drain is None:  # an end without a start (a trail cut at its head): a moment's band
+                drain = _Drain(len(out) + 1, t, t, node, None, {}, "")
+                out.append(drain)
+            drain.end, drain.outcome = t, DRAIN_ENDS[str(event)]
+            moved = rec.get("moved")
+            drain.moved = dict(moved) if isinstance(moved, Mapping) else {}
+            drain.reason = str(rec.get("reason") or drain.reason)
+    return out
+
+
+def _notices(records: list[Mapping[str, Any]]) -> list[_Notice]:
+    out = []
+    for rec in records:
+        t = _num(rec.get("t"))
+        if rec.get("event") != NOTICE or t is None:
+            continue
+        node = str(rec.get("node_id") or rec.get("node") or "?")
+        out.append(_Notice(t, f"{rec.get('source', '?')} {rec.get('kind', '?')}", node))
+    return out
 
 
 def figure_size(lanes: int, reward: bool) -> tuple[int, int]:
@@ -254,6 +321,8 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
         )
     group = _lanes(recs, "group", end)
     failovers = _failovers(recs, end)
+    drains = _drains(recs, end)
+    notices = _notices(recs)
     rewards = _rewards(recs)
     serving, order = _spec_flags()
 
@@ -320,6 +389,15 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
         right edge, so that it never runs into the legend."""
         return (gap, "left") if t < t0 + span * 0.75 else (-gap, "right")
 
+    axis_px = width_px * 0.69  # subplots_adjust(left=0.14, right=0.83)
+
+    def place_text(t: float, gap: float, text: str, fontsize: float = 8) -> tuple[float, str]:
+        """Like ``place``, from the label's own width: to the right of ``t`` when it fits
+        before the legend, else to its left."""
+        x_px = (t - (t0 - span * 0.01)) / (end - (t0 - span * 0.01)) * axis_px
+        fits = x_px + gap + len(text) * fontsize * DPI / 72 * 0.6 < axis_px
+        return (gap, "left") if fits else (-gap, "right")
+
     for fo in failovers:
         for a in (ax, reward_ax):
             if a is not None:
@@ -340,6 +418,41 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
             va="bottom",
             ha=ha,
         )
+
+    # Notices: one line each; the notices of one poll (same node, same instant) share a label.
+    labelled: dict[tuple[str, float], list[str]] = {}
+    for n in notices:
+        for a in (ax, reward_ax):
+            if a is not None:
+                a.axvline(n.t, color=_DRAIN, linestyle="-.", linewidth=1.1, zorder=4)
+        ax.plot([n.t], [1.0], marker="v", color=_DRAIN, markersize=8, transform=ax.get_xaxis_transform(),
+                clip_on=False, zorder=6)
+        key = next((k for k in labelled if k[0] == n.node and abs(k[1] - n.t) < span * 0.01), (n.node, n.t))
+        labelled.setdefault(key, []).append(n.label)
+    # The demo names its nodes (``maintenance_announced``: name, node_id); else an id's first characters.
+    node_names = {str(r["node_id"]): str(r["name"]) for r in recs
+                  if r.get("event") == "maintenance_announced" and r.get("node_id") and r.get("name")}
+    for i, ((node, t), kinds) in enumerate(labelled.items()):
+        text = f"notice: {' + '.join(kinds)}, node {node_names.get(node, node[:8])}"
+        dx, ha = place_text(t, 6, text)
+        ax.annotate(text, (t, 1.0), xycoords=("data", "axes fraction"), xytext=(dx, -12 - 10 * (i % 2)),
+                    textcoords="offset points", fontsize=8, color=_DRAIN, va="top", ha=ha, bbox=_LABEL_BOX,
+                    zorder=7)
+    for d in drains:
+        for a in (ax, reward_ax):
+            if a is not None:
+                a.axvspan(d.start, max(d.end, d.start + min_width), color=_DRAIN, alpha=0.14, linewidth=0,
+                          hatch=None if d.outcome == "drained" else "//")
+        took = _seconds(d.end - d.start) if d.outcome is not None else "unfinished"
+        what = ", ".join(f"{a} -> {b}" for a, b in d.moved.items())
+        if d.outcome != "drained":
+            what = d.reason if len(d.reason) <= 48 else d.reason[:45] + "..."
+        label = f"drain {d.number} {d.outcome or 'running'}: {what} ({took})" if what else (
+            f"drain {d.number} {d.outcome or 'running'} ({took})")
+        dx, ha = place_text(d.start, 2, label)
+        ax.annotate(label, (d.start, 0.0), xycoords=("data", "axes fraction"),
+                    xytext=(dx, -3 - 10 * ((d.number - 1) % 2)), textcoords="offset points", fontsize=8,
+                    color="#a04a00", va="top", ha=ha, bbox=_LABEL_BOX, zorder=7)
 
     lane_y = {lane.member: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
     expiries = group_expiries = 0
@@ -402,6 +515,10 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
     ]
     if failovers:
         handles.append(Patch(facecolor=_FAILOVER_BAND, alpha=0.25, label="failover"))
+    if notices:
+        handles.append(Line2D([], [], color=_DRAIN, linestyle="-.", marker="v", label="maintenance notice"))
+    if drains:
+        handles.append(Patch(facecolor=_DRAIN, alpha=0.3, label="drain"))
     if expiries > group_expiries:
         handles.append(
             Line2D([], [], marker="X", color=_DEADLINE, linestyle="none", label="deadline expired")
@@ -423,6 +540,7 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
         name = Path(records).name if isinstance(records, (str, os.PathLike)) else "audit trail"
         title = ", ".join(
             [f"{name}: {_plural(len(workers), 'worker')}", _plural(len(failovers), "failover")]
+            + ([_plural(len(drains), "drain")] if drains else [])
             + ([_plural(expiries, "deadline expiry", "deadline expiries")] if expiries else [])
             + [_seconds(last - t0)]
         )

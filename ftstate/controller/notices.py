@@ -99,9 +99,11 @@ class NoticeMonitor:
 
     async def _on_notice(self, notice: Notice) -> None:
         node = self._node_of(notice)
-        self.audit.record("maintenance_notice", **notice.fields(), node_id=node,
-                          action="drain" if node else "none: no member runs on that node")
-        if node is None or node in self._draining:
+        action = ("none: no member runs on that node" if node is None
+                  else "covered by the drain of that node already under way" if node in self._draining
+                  else "drain")
+        self.audit.record("maintenance_notice", **notice.fields(), node_id=node, action=action)
+        if action != "drain":
             return
         self._draining.add(node)
         task = asyncio.get_running_loop().create_task(self._drain_then_ack(node, notice))

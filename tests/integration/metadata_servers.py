@@ -4,9 +4,10 @@ Every server binds 127.0.0.1 on a free port and runs in a daemon thread; ``url``
 URL, ``requests`` what it received (method, path, headers, body), and its ``state`` what it
 announces, changed by the test while it runs. They check what the real servers check:
 
-- :class:`GceServer`: refuses (403) a request without ``Metadata-Flavor: Google`` and sends
-  that header back; ``maintenance-event``, ``preempted``, ``upcoming-maintenance`` (404 when
-  none).
+- :class:`GceServer` (with :class:`MetadataServer`, the base of them all, in the package:
+  ftstate/cli/demo/metadata_server.py, which the demo's maintenance scenario serves): refuses
+  (403) a request without ``Metadata-Flavor: Google`` and sends that header back;
+  ``maintenance-event``, ``preempted``, ``upcoming-maintenance`` (404 when none).
 - :class:`AwsServer`: IMDSv2: ``PUT /latest/api/token`` needs the TTL header (400 without);
   each GET needs a token it issued and has not revoked (401 without); spot instance-action
   and rebalance are 404 until set; scheduled events a JSON list.
@@ -27,89 +28,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-Reply = tuple[int, dict[str, str], bytes]
+# The base server and the GCE one live in the package: the demo's maintenance scenario serves them.
+from ftstate.cli.demo.metadata_server import GceServer, MetadataServer, Reply
 
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-
-    def _serve(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
-        owner = self.server.owner
-        owner.requests.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body))
-        status, headers, payload = owner.reply(self.command, self.path, self.headers, body)
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    do_GET = do_PUT = do_POST = _serve
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        pass
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    owner: MetadataServer
-
-
-class MetadataServer:
-    """A threaded HTTP server on 127.0.0.1:0 whose answers come from :meth:`reply`."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
-        self._httpd = _HTTPServer(("127.0.0.1", 0), _Handler)
-        self._httpd.owner = self
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def reply(self, method: str, path: str, headers: Any, body: bytes) -> Reply:  # pragma: no cover - overridden
-        return 404, {}, b""
-
-    def paths(self, method: str | None = None) -> list[str]:
-        return [p for m, p, _, _ in self.requests if method is None or m == method]
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-
-    def __enter__(self) -> MetadataServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class GceServer(MetadataServer):
-    PREFIX = "/computeMetadata/v1/instance/"
-
-    def __init__(self) -> None:
-        self.state: dict[str, Any] = {"maintenance-event": "NONE", "preempted": "FALSE", "upcoming-maintenance": None}
-        super().__init__()
-
-    def reply(self, method: str, path: str, headers: Any, body: bytes) -> Reply:
-        flavor = {"Metadata-Flavor": "Google", "Content-Type": "application/text"}
-        if headers.get("Metadata-Flavor") != "Google":
-            return 403, {"Content-Type": "text/html"}, b"Missing Metadata-Flavor:Google header."
-        key = path.split("?")[0].removeprefix(self.PREFIX)
-        if method != "GET" or not path.startswith(self.PREFIX) or key not in self.state:
-            return 404, flavor, b"Not Found"
-        value = self.state[key]
-        if value is None:
-            return 404, flavor, b"Not Found"
-        return 200, flavor, (json.dumps(value) if isinstance(value, dict) else str(value)).encode()
+__all__ = ["AwsServer", "AzureServer", "DripServer", "FixedServer", "GceServer", "MetadataServer", "Reply",
+           "SilentServer", "closed_port"]
 
 
 class AwsServer(MetadataServer):

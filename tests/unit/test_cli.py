@@ -183,6 +183,29 @@ class TestAudit:
         assert result.exit_code == 0, result.output
         assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    def test_notices_and_drains_get_a_table_of_their_own(self, tmp_path: Path) -> None:
+        from ftstate.cli.audit_view import maintenance_rows
+        from ftstate.core.audit import AuditTrail
+
+        path = write_trail(tmp_path / "audit.jsonl")
+        with AuditTrail(path) as trail:
+            trail.record("maintenance_notice", source="gce", kind="terminate", deadline=2e9, node="n0de1d",
+                         node_id="n0de1d", action="drain")
+            trail.record("maintenance_problem", source="gce", where="http://127.0.0.1:1", problem="unreachable",
+                         message="gce maintenance source http://127.0.0.1:1: unreachable")
+            trail.record("drain_started", node="n0de1d", source="gce", kind="terminate", members=["rollout-1"])
+            trail.record("drain_drained", node="n0de1d", source="gce", kind="terminate", reason="r",
+                         moved={"rollout-1": "rollout-2"}, seconds=0.5)
+        rows = maintenance_rows(trail.records)
+        assert [r["what"] for r in rows] == ["notice", "warning", "drain drained"]
+        assert "gce terminate on node n0de1d" in rows[0]["detail"] and "deadline" in rows[0]["detail"]
+        assert rows[2]["detail"] == "node n0de1d in 0.500s: rollout-1 -> rollout-2"
+        result = invoke("audit", str(path), "--no-timeline")
+        assert result.exit_code == 0, result.output
+        assert "maintenance" in result.output and "rollout-1 -> rollout-2" in result.output
+        plain = invoke("audit", str(write_trail(tmp_path / "plain.jsonl")), "--no-timeline")
+        assert "drain" not in plain.output
+
     def test_a_missing_file_is_one_clean_error_line(self, tmp_path: Path) -> None:
         result = invoke("audit", str(tmp_path / "absent.jsonl"), "--check")
         assert result.exit_code == 2
@@ -205,7 +228,7 @@ class TestDemo:
         assert result.exit_code == 3, result.output
         assert calls == [{"out": "somewhere", "steps": 4, "faults": False, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
-                          "address": None}]
+                          "address": None, "maintenance": False}]
 
     def test_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -213,9 +236,10 @@ class TestDemo:
             sys.modules, "ftstate.cli.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 0)
         )
         assert invoke("demo").exit_code == 0
-        assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": True, "seed": 1, "batch_size": 64,
+        # faults None: the demo decides (on, except in the maintenance scenario)
+        assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": None, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
-                          "address": None}]
+                          "address": None, "maintenance": False}]
 
     def test_max_failovers_zero_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -239,3 +263,47 @@ class TestDemo:
 
         assert demo_config(DemoOptions(address="auto"), tmp_path).address == "auto"
         assert demo_config(DemoOptions(), tmp_path).address is None
+
+    @pytest.mark.parametrize(("args", "faults"), [((), None), (("--faults",), True), (("--no-faults",), False)])
+    def test_maintenance_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...],
+                                          faults: bool | None) -> None:
+        calls: list[dict[str, Any]] = []
+        monkeypatch.setitem(
+            sys.modules, "ftstate.cli.demo", types.SimpleNamespace(run_demo=lambda **kw: calls.append(kw) or 0)
+        )
+        assert invoke("demo", "--maintenance", *args).exit_code == 0
+        assert calls[0]["maintenance"] is True and calls[0]["faults"] is faults
+
+    def test_the_maintenance_scenario_watches_each_nodes_own_gce_server(self, tmp_path: Path) -> None:
+        from ftstate.cli.demo.nodes import LABEL
+        from ftstate.cli.demo.run import NODES, DemoOptions, demo_config
+
+        cfg = demo_config(DemoOptions(maintenance=True), tmp_path)
+        ft = cfg.fault_tolerance
+        assert ft.detect_node_maintenance and list(ft.maintenance_sources) == ["gce"]
+        assert ft.maintenance_endpoints == {}  # each node's GCE_METADATA_HOST, not one endpoint for all
+        assert ft.maintenance_check_interval <= 0.5
+        assert cfg.placement.trainer.labels == {LABEL: NODES[0]}
+        assert cfg.placement.rollout.labels == {LABEL: "in(b,c)"}
+        plain = demo_config(DemoOptions(), tmp_path)
+        assert not plain.fault_tolerance.detect_node_maintenance and plain.placement.rollout.labels == {}
+
+    def test_the_maintenance_scenario_does_not_join_a_running_cluster(self, tmp_path: Path) -> None:
+        from ftstate.cli.demo.run import run_demo
+
+        assert run_demo(out=str(tmp_path / "demo"), maintenance=True, address="auto", live=False) == 2
+        assert not (tmp_path / "demo").exists()  # refused before anything started
+
+    def test_faults_default_to_on_except_in_the_maintenance_scenario(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import ftstate.cli.demo.run as run
+
+        seen: list[Any] = []
+
+        async def main(opts: Any, console: Any) -> int:
+            seen.append(opts)
+            return 0
+
+        monkeypatch.setattr(run, "_main", main)
+        assert run.run_demo(live=False) == 0 and run.run_demo(maintenance=True, live=False) == 0
+        assert run.run_demo(maintenance=True, faults=True, live=False) == 0
+        assert [(o.maintenance, o.faults) for o in seen] == [(False, True), (True, False), (True, True)]

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from ftstate.cli.plot import _failovers, _lanes, figure_size, plot_timeline
+from ftstate.cli.plot import STATE_COLORS, _drains, _failovers, _lanes, _notices, figure_size, plot_timeline
 from ftstate.core.audit import AuditTrail, read_trail
 
 ROLES = {
@@ -229,3 +229,67 @@ class TestNothingToDraw:
         with pytest.raises(AuditViolation, match="not a JSON object"):
             plot_timeline(bad, tmp_path / "t.png")
         assert json.loads(trail_file.read_text().splitlines()[0])["event"] == "transition"
+
+
+def write_drain_run(path: Path | None, *, outcome: str | None = "drained") -> AuditTrail:
+    """Two rollouts serving; a GCE notice for rollout-1's node at t=3 (two notices in one poll),
+    rollout-1 DRAINING while standby-0 is brought up, then retired (or the drain undone)."""
+    run = Run(path)
+    run.group("RENDEZVOUS", "start")
+    run.worker("standby-0", "STANDBY", "warm")
+    for m in ("trainer-0", "rollout-0", "rollout-1"):
+        run.worker(m, "RENDEZVOUS", "join")
+    run.at(1.0).group("READY", "rendezvous_done")
+    for m in ("trainer-0", "rollout-0", "rollout-1"):
+        run.worker(m, "RESYNCED", "verified")
+        run.worker(m, "READY", "admit")
+    node = "96b723fd9531ab"
+    run.at(2.9).trail.record("maintenance_announced", source="gce", kind="terminate", name="b", node_id=node, step=1)
+    for kind in ("terminate", "maintenance"):
+        run.at(3.0).trail.record("maintenance_notice", source="gce", kind=kind, deadline=1e9, node=node, node_id=node,
+                                 action="drain")
+    run.at(3.1).trail.record("drain_started", node=node, source="gce", kind="terminate", reason="r",
+                             members=["rollout-1"], spares=[])
+    run.worker("rollout-1", "DRAINING", "drain")
+    run.at(3.3).worker("standby-0", "PROMOTING", "promote")
+    run.worker("standby-0", "RENDEZVOUS", "join")
+    run.worker("standby-0", "STALE", "joined")
+    run.worker("standby-0", "RESYNCING", "resync")
+    run.worker("standby-0", "RESYNCED", "verified")
+    run.at(3.8).worker("standby-0", "READY", "admit")
+    if outcome == "drained":
+        run.worker("rollout-1", "RETIRED", "retire")
+        run.at(3.9).trail.record("drain_drained", node=node, source="gce", kind="terminate", reason="r",
+                                 moved={"rollout-1": "standby-0"}, seconds=0.8)
+    elif outcome is not None:
+        run.worker("rollout-1", "READY", "drain_cancelled")
+        run.at(3.9).trail.record(f"drain_{outcome}", node=node, source="gce", kind="terminate",
+                                 reason="no room elsewhere", moved={}, seconds=0.8)
+    run.at(6.0).trail.record("reward", step=1, reward=0.2)
+    run.trail.close()
+    return run.trail
+
+
+class TestMaintenance:
+    def test_notices_and_drains_are_found_where_the_trail_puts_them(self, tmp_path: Path):
+        trail = write_drain_run(None)
+        notices = _notices(trail.records)
+        assert [(n.t, n.label) for n in notices] == [(3.0, "gce terminate"), (3.0, "gce maintenance")]
+        [drain] = _drains(trail.records, 10.0)
+        assert (drain.start, drain.end, drain.outcome, drain.moved) == (3.1, 3.9, "drained", {"rollout-1": "standby-0"})
+
+    @pytest.mark.parametrize("outcome", ["failed", "cancelled", None])
+    def test_a_drain_that_did_not_finish_says_so(self, outcome: str | None):
+        [drain] = _drains(write_drain_run(None, outcome=outcome).records, 10.0)
+        assert drain.outcome == outcome and drain.moved == {}
+        assert drain.end == (10.0 if outcome is None else 3.9)
+
+    def test_draining_has_a_colour_of_its_own(self):
+        assert STATE_COLORS["DRAINING"] not in {c for s, c in STATE_COLORS.items() if s != "DRAINING"}
+
+    @pytest.mark.parametrize("outcome", ["drained", "failed", None])
+    def test_a_trail_with_a_drain_becomes_a_picture(self, tmp_path: Path, outcome: str | None):
+        path = tmp_path / "audit.jsonl"
+        write_drain_run(path, outcome=outcome)
+        out = plot_timeline(path, tmp_path / "t.png")
+        assert png_size(out) == figure_size(4, True)

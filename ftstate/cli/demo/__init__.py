@@ -2,7 +2,10 @@
 
 ``task`` (the toy task and its reward), ``policy`` (a tiny transformer and seeded
 sampling), ``reinforce`` (the policy-gradient step), ``workers`` (the trainer and rollout
-classes), ``live`` (the terminal view) and ``run`` (the job, its faults and its proof).
+classes), ``live`` (the terminal view) and ``run`` (the job, its faults and its proof);
+for the maintenance scenario (``ftstate demo --maintenance``), ``nodes`` (a local multi-node
+cluster, each node with environment variables of its own) and ``metadata_server`` (a loopback
+GCE metadata server that announces host maintenance).
 """
 
 from __future__ import annotations

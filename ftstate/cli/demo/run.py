@@ -15,6 +15,21 @@ failover that lost or repeated a step, or served stale weights, would change the
 and so the weights: the demo compares the final weights' checksum and the reward curve of
 both runs and exits non-zero if they differ.
 
+**The maintenance scenario** (``maintenance``, ``ftstate demo --maintenance``): a cloud
+announces host maintenance on one node mid-run and ftstate drains it while training goes on.
+A drain moves members to another node, so the scenario starts a local cluster of three
+nodes (``ray.cluster_utils.Cluster``, all on 127.0.0.1: :mod:`ftstate.cli.demo.nodes`): ``a``
+(the driver's; the trainer), ``b`` and ``c`` (the rollouts, spread), each with a loopback GCE
+metadata server of its own (:mod:`ftstate.cli.demo.metadata_server`, reached through the
+node's ``GCE_METADATA_HOST`` as on a real VM). The runtime watches them
+(``detect_node_maintenance``, ``maintenance_sources: [gce]``); at step ``steps // 3`` the
+server of a node holding a rollout answers ``TERMINATE_ON_HOST_MAINTENANCE`` with a window
+starting in :data:`NOTICE_DEADLINE_S`; the runtime drains the node (its rollout DRAINING and
+serving on while a replacement on another node gets the current weights, then retired) and the
+RL loop never stops. The report says the notices, the drains and their outcome, and the same
+proof holds: a drain changes nothing of the training. Without ``faults`` given, the scenario
+injects no kills (``--maintenance --faults`` does both).
+
 Output folder: ``audit.jsonl`` (the trail), ``group.mmd``/``worker.mmd`` (the machines),
 ``timeline.png`` (states over time, failovers, the reward curve; needs matplotlib, the
 ``plot`` extra: without it the picture is skipped with one line, and ``report.json`` says
@@ -31,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ftstate.core.config import RuntimeConfig
-from ftstate.core.errors import FTError
+from ftstate.core.errors import ConfigError, FTError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +55,8 @@ class DemoOptions:
     seed; batch_size: prompts per step; pad_mb: extra synced megabytes (a ballast tensor) to
     make syncs move more; rollouts: rollout workers; max_failovers: the failover budget
     (0 makes the first fault fatal); live: draw the live view; address: a running Ray
-    cluster to join (``auto``, ``host:port``), none starts a local one."""
+    cluster to join (``auto``, ``host:port``), none starts a local one; maintenance: the
+    maintenance scenario (a local 3-node cluster, a GCE notice, a drain)."""
 
     out: str = "ftstate-demo"
     steps: int = 24
@@ -52,6 +68,18 @@ class DemoOptions:
     max_failovers: int = 5
     live: bool = True
     address: str | None = None
+    maintenance: bool = False
+
+
+#: The maintenance scenario's nodes (the first is the head, the driver's).
+NODES = ("a", "b", "c")
+#: Seconds from the announcement to the start of the maintenance window (the notice's deadline).
+NOTICE_DEADLINE_S = 120.0
+
+
+def notice_step(steps: int) -> int:
+    """The step at whose start the maintenance scenario announces the maintenance."""
+    return max(0, steps // 3)
 
 
 def fault_plan(steps: int) -> dict[int, str]:
@@ -65,13 +93,20 @@ def fault_plan(steps: int) -> dict[int, str]:
     }
 
 
-def run_demo(out: str = "ftstate-demo", steps: int = 0, faults: bool = True, **options: Any) -> int:
-    """Run the demo; returns the exit code (0: it survived and matched the fault-free run)."""
+def run_demo(out: str = "ftstate-demo", steps: int = 0, faults: bool | None = None, **options: Any) -> int:
+    """Run the demo; returns the exit code (0: it survived and matched the fault-free run).
+    faults: None injects the kills except in the maintenance scenario."""
+    if faults is None:
+        faults = not options.get("maintenance", False)
     opts = DemoOptions(out=out, steps=steps or DemoOptions.steps, faults=faults, **options)
     from rich.console import Console
 
     console = Console()
     try:
+        if opts.maintenance and opts.address is not None:
+            raise ConfigError("address", "the maintenance scenario starts a local 3-node cluster of its own, each "
+                              "node with its own loopback metadata server; it cannot join a running cluster "
+                              "(drop --address)")
         return asyncio.run(_main(opts, console))
     except FTError as exc:
         from rich.markup import escape
@@ -81,6 +116,19 @@ def run_demo(out: str = "ftstate-demo", steps: int = 0, faults: bool = True, **o
 
 
 def demo_config(opts: DemoOptions, folder: Path) -> RuntimeConfig:
+    maintenance: dict[str, Any] = {}
+    placement: dict[str, Any] = {}
+    if opts.maintenance:
+        from ftstate.cli.demo.nodes import LABEL
+
+        # Each node's GCE watcher finds its own server through the node's GCE_METADATA_HOST;
+        # an endpoint here would point every node at one server.
+        maintenance = {"detect_node_maintenance": True, "maintenance_sources": ["gce"],
+                       "maintenance_check_interval": 0.25, "maintenance_request_timeout_s": 1.0}
+        # The trainer on the driver's node, the rollouts spread over the others: a notice for
+        # a rollout's node then has a node to move to (the spares keep off the nodes they cover).
+        placement = {"placement": {"trainer": {"labels": {LABEL: NODES[0]}},
+                                   "rollout": {"labels": {LABEL: f"in({','.join(NODES[1:])})"}}}}
     return RuntimeConfig.from_dict(
         {
             "rollout_workers": opts.rollouts,
@@ -98,9 +146,76 @@ def demo_config(opts: DemoOptions, folder: Path) -> RuntimeConfig:
                 "standby_workers": 1,
                 "reverse_weight_sync": True,
                 "max_failovers": opts.max_failovers,
+                **maintenance,
             },
+            **placement,
         }
     )
+
+
+class _MaintenanceScenario:
+    """The maintenance scenario's cluster and metadata servers, and the announcement.
+
+    One :class:`~ftstate.cli.demo.metadata_server.GceServer` per node, each given to its node
+    only (``GCE_METADATA_HOST`` in that node's environment), all answering ``NONE`` until
+    :meth:`announce` has one of them schedule maintenance."""
+
+    def __init__(self) -> None:
+        from ftstate.cli.demo.metadata_server import GceServer
+
+        self.servers = {name: GceServer(keep_requests=64) for name in NODES}
+        self.local: Any = None
+        self.announced: dict[str, Any] | None = None
+
+    def start_cluster(self) -> None:
+        from ftstate.cli.demo.nodes import start_local_cluster
+
+        self.local = start_local_cluster(NODES, env={n: {"GCE_METADATA_HOST": s.host} for n, s in self.servers.items()})
+
+    def names(self) -> dict[str, str]:
+        return self.local.names() if self.local is not None else {}
+
+    def announce(self, rt: Any, step: int) -> str | None:
+        """Have the metadata server of a node holding a rollout (not the trainer's) announce
+        TERMINATE_ON_HOST_MAINTENANCE; returns a note for the live view."""
+        members = [m for m in rt.members() if m.rank >= 0]
+        trainer_nodes = {m.node_id for m in members if m.role == "trainer"}
+        candidates = [m.node_id for m in members if m.role == "rollout" and m.node_id not in trainer_nodes]
+        candidates = candidates or [m.node_id for m in members if m.node_id]
+        name = next((self.local.name_of(n) for n in candidates if self.local.name_of(n)), None)
+        if name is None:
+            rt.audit.record("maintenance_announced", source="gce", kind="terminate", step=step,
+                            reason="no member runs on a node of the local cluster: nothing announced")
+            return None
+        node_id = self.local.node_id(name)
+        deadline = self.servers[name].announce("TERMINATE_ON_HOST_MAINTENANCE", seconds=NOTICE_DEADLINE_S)
+        self.announced = {"node": name, "node_id": node_id, "step": step, "deadline": deadline,
+                          "server": self.servers[name].url, "at": time.time()}
+        rt.audit.record("maintenance_announced", source="gce", kind="terminate", name=name, node_id=node_id,
+                        step=step, deadline=deadline, server=self.servers[name].url,
+                        reason=f"GCE metadata server of node {name}: maintenance-event "
+                               "TERMINATE_ON_HOST_MAINTENANCE")
+        return f"GCE announced maintenance on node {name}"
+
+    async def wait_for_drain(self, rt: Any, timeout: float) -> None:
+        """After the last step: wait (bounded) until the announced node's drain has ended, so
+        the report can say how it went."""
+        if self.announced is None:
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end and rt.state not in ("FAILED", "STOPPED"):
+            if any(d.node == self.announced["node_id"] for d in rt.drains):
+                return
+            await asyncio.sleep(0.05)
+
+    def close(self) -> None:
+        try:
+            if self.local is not None:
+                self.local.shutdown()
+        finally:
+            for server in self.servers.values():
+                server.close()
 
 
 async def _main(opts: DemoOptions, console: Any) -> int:
@@ -118,16 +233,28 @@ async def _main(opts: DemoOptions, console: Any) -> int:
     lr = 0.005
     plan = fault_plan(opts.steps) if opts.faults else {}
     t_start = time.monotonic()
-    started_ray = cluster.connect(opts.address, log_to_driver=False)
-    cluster.mute_worker_death_notices()  # every death is in the audit trail and the view
+    scenario = _MaintenanceScenario() if opts.maintenance else None
+    started_ray = False
+    try:
+        if scenario is not None:
+            scenario.start_cluster()
+        else:
+            started_ray = cluster.connect(opts.address, log_to_driver=False)
+        cluster.mute_worker_death_notices()  # every death is in the audit trail and the view
+    except BaseException:
+        if scenario is not None:
+            scenario.close()
+        raise
     rt = Runtime(cfg, trainer=PolicyTrainer, rollout=PolicyRollout,
                  trainer_kwargs={"seed": opts.seed, "size": size, "lr": lr},
                  rollout_kwargs={"seed": opts.seed, "size": size})
     rewards: list[float] = []
     syncs: list[Any] = []
     error: FTError | None = None
-    view = LiveView(rt, opts.steps, console, enabled=opts.live)
+    view = LiveView(rt, opts.steps, console, enabled=opts.live,
+                    node_names=scenario.names() if scenario is not None else None)
     nodes: dict[str, Any] = {}
+    announce_at = notice_step(opts.steps) if scenario is not None else None
     try:
         with view:
             await rt.start()
@@ -135,7 +262,10 @@ async def _main(opts: DemoOptions, console: Any) -> int:
             syncs.append(report)
             for step in range(opts.steps):
                 fault = plan.get(step)
-                view.update(step=step, note=fault or "")
+                note = fault or ""
+                if step == announce_at and scenario is not None:
+                    note = scenario.announce(rt, step) or note
+                view.update(step=step, note=note)
                 batch = task.make_prompts(step, opts.batch_size, opts.seed)
                 if fault == "kill rollout while generating":
                     await rt.chaos.kill("rollout", opts.rollouts - 1)
@@ -153,6 +283,9 @@ async def _main(opts: DemoOptions, console: Any) -> int:
                     await rt.chaos.kill("rollout", 0, after_progress=2)
                 syncs.append(await rt.sync())
                 view.update(step=step + 1, reward=stats["reward"])
+            if scenario is not None:
+                view.update(note="waiting for the drain to end" if not rt.drains else "")
+                await scenario.wait_for_drain(rt, cfg.failover_timeout_s + 30)
             final_checksum = await rt.trainer("checksum")
             serving = await rt.rollout("checksum")
     except FTError as exc:
@@ -162,10 +295,15 @@ async def _main(opts: DemoOptions, console: Any) -> int:
         members = rt.members() if rt.group is not None else []
         nodes = _nodes(rt, members)
         failovers = rt.failovers
+        drains = rt.drains
         injected = list(rt.chaos.injected) if rt.group is not None else []
-        await rt.close()
-        if started_ray:
-            cluster.shutdown()
+        try:
+            await rt.close()
+        finally:
+            if scenario is not None:
+                scenario.close()
+            elif started_ray:
+                cluster.shutdown()
     seconds = time.monotonic() - t_start
 
     reference = None
@@ -178,8 +316,11 @@ async def _main(opts: DemoOptions, console: Any) -> int:
             "checksum": state_checksum({k: v.detach() for k, v in ref.model.state_dict().items()}),
             "rewards": ref.rewards,
         }
+    maintenance = None
+    if scenario is not None:
+        maintenance = {"announced": scenario.announced, "drains": drains, "node_names": scenario.names()}
     return _report(opts, console, folder, rewards, syncs, failovers, injected, members, final_checksum, serving,
-                   reference, error, seconds, cfg, nodes=nodes)
+                   reference, error, seconds, cfg, nodes=nodes, maintenance=maintenance)
 
 
 def _nodes(rt: Any, members: list[Any]) -> dict[str, Any]:
@@ -207,14 +348,42 @@ def _nodes(rt: Any, members: list[Any]) -> dict[str, Any]:
     return {"count": len(set(ids.values())), "cluster_nodes": alive, "by_member": ids}
 
 
+def _notices(records: list[dict[str, Any]], names: dict[str, str]) -> list[dict[str, Any]]:
+    """Every maintenance notice of the trail, with what came of it: ``handled_by``, the
+    number of the notice whose drain of the same node was already under way when it came
+    (one poll can bring two notices for one node: GCE's maintenance-event and the
+    upcoming-maintenance window), None for a notice that started a drain of its own."""
+    from ftstate.cli.demo.live import short_node
+
+    out: list[dict[str, Any]] = []
+    under_way: dict[str, int] = {}  # node id -> the notice whose drain runs
+    for r in records:
+        event = r.get("event")
+        if event in ("drain_drained", "drain_failed", "drain_cancelled"):
+            under_way.pop(str(r.get("node")), None)
+        if event != "maintenance_notice":
+            continue
+        node = r.get("node_id")
+        n = {k: r.get(k) for k in ("t", "source", "kind", "deadline", "node_id", "raw", "action")}
+        n["node"] = short_node(node or r.get("node"), names)
+        n["handled_by"] = under_way.get(str(node)) if node else None
+        out.append(n)
+        if node and n["handled_by"] is None:
+            under_way[str(node)] = len(out)
+    return out
+
+
 def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float], syncs: list[Any],
             failovers: list[Any], injected: list[tuple[float, str, str]], members: list[Any],
             final_checksum: str | None, serving: list[str], reference: dict[str, Any] | None,
-            error: FTError | None, seconds: float, cfg: RuntimeConfig, nodes: dict[str, Any] | None = None) -> int:
+            error: FTError | None, seconds: float, cfg: RuntimeConfig, nodes: dict[str, Any] | None = None,
+            maintenance: dict[str, Any] | None = None) -> int:
     from rich.markup import escape
     from rich.table import Table
 
+    from ftstate.cli.demo.live import short_node
     from ftstate.cli.plot import plot_timeline
+    from ftstate.core.audit import as_records
     from ftstate.core.audit_check import check_trail
     from ftstate.core.diagram import render
     from ftstate.core.spec import load_machines
@@ -225,8 +394,13 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
     violations = check_trail(trail)
     picture: Path | None = None
     picture_skipped: str | None = None
+    records = as_records(trail) if trail.exists() else []
+    announced = (maintenance or {}).get("announced")
+    title = f"ftstate demo: {opts.steps} steps"
+    if announced:
+        title += f", GCE maintenance announced on node {announced['node']} at step {announced['step']}"
     try:
-        picture = plot_timeline(trail, folder / "timeline.png", title=f"ftstate demo: {opts.steps} steps")
+        picture = plot_timeline(trail, folder / "timeline.png", title=title)
     except (ValueError, FTError) as exc:  # FTError: no matplotlib (the plot extra), said in one line
         picture_skipped = str(exc)
         console.print(f"[yellow]skipped:[/] {escape(picture_skipped)}", highlight=False, soft_wrap=True)
@@ -240,6 +414,25 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
                      "detection_s": detected, "rerendezvous_s": f.rerendezvous_s, "transfer_s": f.transfer_s,
                      "total_s": f.total_s, "group_version": f.group_version})
     nodes = nodes or {"count": None, "cluster_nodes": None, "by_member": {}}
+    # A sync that failed: the group left SYNCING by a failure (a sync retried after one
+    # counts here too, though rt.sync() itself returned).
+    syncs_failed = sum(1 for r in records if r.get("event") == "transition" and r.get("machine") == "group"
+                       and r.get("from") == "SYNCING" and r.get("trigger") in ("sync_failed", "sync_timeout"))
+    names = (maintenance or {}).get("node_names") or {}
+    notices = _notices(records, names)
+    drains = [{**dataclasses.asdict(d), "node_name": short_node(d.node, names)}
+              for d in (maintenance or {}).get("drains", [])]
+    maintenance_summary = None
+    if maintenance is not None:
+        maintenance_summary = {
+            "announced": announced,
+            "notices": notices,
+            "withdrawn": sum(1 for r in records if r.get("event") == "maintenance_withdrawn"),
+            "problems": [r.get("message") for r in records if r.get("event") == "maintenance_problem"],
+            "sources": [{k: r.get(k) for k in ("place", "node", "sources", "message")}
+                        for r in records if r.get("event") == "maintenance_sources"],
+            "node_names": names,
+        }
     identical = (reference is not None and final_checksum == reference["checksum"]
                  and rewards == reference["rewards"] and all(c == final_checksum for c in serving))
     summary = {
@@ -252,6 +445,9 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         "rewards": rewards,
         "faults_injected": [{"member": m, "fault": f} for _, m, f in injected],
         "failovers": rows,
+        "drains": drains,
+        "syncs_failed": syncs_failed,
+        "maintenance": maintenance_summary,
         "budget_left": cfg.fault_tolerance.max_failovers - len(failovers),
         "final_checksum": final_checksum,
         "serving_checksums": serving,
@@ -279,9 +475,31 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         det = f"{r['detection_s']:.3f}s" if r["detection_s"] is not None else "n/a"
         table.add_row(f"failover {i}", f"{r['lost']} -> {r['replacement']}: detection {det}, re-rendezvous "
                       f"{r['rerendezvous_s']:.3f}s, transfer {r['transfer_s']:.3f}s, total {r['total_s']:.3f}s")
+    if maintenance_summary is not None:
+        if announced:
+            table.add_row("maintenance", f"announced by node {announced['node']}'s GCE metadata server at step "
+                          f"{announced['step']}: TERMINATE_ON_HOST_MAINTENANCE, window in {NOTICE_DEADLINE_S:.0f}s")
+        else:
+            table.add_row("maintenance", "not announced (the run ended first)")
+        for i, n in enumerate(notices, 1):
+            left = (f", deadline {n['deadline'] - announced['at']:.0f}s after the announcement"
+                    if announced and isinstance(n["deadline"], (int, float)) else "")
+            action = f"covered by notice {n['handled_by']}'s drain" if n["handled_by"] else n["action"]
+            table.add_row(f"notice {i}", escape(f"{n['source']} {n['kind']} on node {n['node']}{left}: {action}"))
+        if not notices and announced:
+            table.add_row("notice", "[red]none seen[/]")
+        for i, d in enumerate(drains, 1):
+            style = {"drained": "green", "failed": "red", "cancelled": "yellow"}.get(d["outcome"], "")
+            moved = ", ".join(f"{a} -> {b}" for a, b in d["moved"].items()) or escape(d["reason"])
+            table.add_row(f"drain {i}", f"[{style}]{d['outcome']}[/] node {d['node_name']} in {d['seconds']:.3f}s: "
+                          f"{moved} (no budget spent)")
+        if maintenance_summary["problems"]:
+            table.add_row("maintenance warnings", str(len(maintenance_summary["problems"])))
+    table.add_row("syncs failed", str(syncs_failed))
     if nodes["count"] is not None:
         where = f" of {nodes['cluster_nodes']} in the cluster" if nodes["cluster_nodes"] else ""
-        table.add_row("nodes", f"{nodes['count']}{where} ({cfg.address or 'a local cluster'})")
+        place = cfg.address or (f"a local {len(NODES)}-node cluster" if maintenance is not None else "a local cluster")
+        table.add_row("nodes", f"{nodes['count']}{where} ({place})")
     table.add_row("budget left", f"{summary['budget_left']} of {cfg.fault_tolerance.max_failovers}")
     table.add_row("audit --check", "passed" if not violations else f"{len(violations)} violations")
     if error is not None:

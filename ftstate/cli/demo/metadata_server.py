@@ -1,0 +1,164 @@
+"""A loopback GCE metadata server: what the demo's ``--maintenance`` scenario announces through.
+
+:class:`GceServer` speaks the part of Google's metadata protocol that ftstate's GCE watcher
+reads (:mod:`ftstate.controller.maintenance.gce`): ``GET /computeMetadata/v1/instance/<key>``
+for ``maintenance-event`` (``NONE``, ``MIGRATE_ON_HOST_MAINTENANCE``,
+``TERMINATE_ON_HOST_MAINTENANCE``), ``preempted`` (``TRUE``/``FALSE``) and
+``upcoming-maintenance`` (404 when nothing is scheduled, else a JSON window). Like the real
+server it refuses (403) a request without ``Metadata-Flavor: Google`` and sends that header
+back on every answer. :meth:`GceServer.announce` schedules maintenance (a window starting in
+``seconds``, then the event), :meth:`GceServer.withdraw` takes it back (the value returns to
+``NONE``, as it does on GCE once the maintenance is over).
+
+It is standard library only (``http.server``), binds ``127.0.0.1`` on a free port and serves
+from a daemon thread: a watcher on the same machine reaches it at :attr:`MetadataServer.url`
+(or ``GCE_METADATA_HOST=``:attr:`MetadataServer.host`, the variable Google's libraries read).
+The tests' servers for the other providers (tests/integration/metadata_servers.py) build on
+:class:`MetadataServer`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+Reply = tuple[int, dict[str, str], bytes]
+
+#: The path prefix of every key a GCE VM reads about itself.
+GCE_PREFIX = "/computeMetadata/v1/instance/"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+
+    def _serve(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        owner = self.server.owner
+        owner._log((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+        status, headers, payload = owner.reply(self.command, self.path, self.headers, body)
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_PUT = do_POST = _serve
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    owner: MetadataServer
+
+
+class MetadataServer:
+    """A threaded HTTP server on 127.0.0.1:0 whose answers come from :meth:`reply`.
+
+    requests: what it received, ``(method, path, headers (lower-cased names), body)``, the
+    last ``keep_requests`` of them (all when None)."""
+
+    def __init__(self, *, keep_requests: int | None = None) -> None:
+        self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
+        self._keep = keep_requests
+        self._lock = threading.Lock()
+        self._httpd = _HTTPServer(("127.0.0.1", 0), _Handler)
+        self._httpd.owner = self
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True, name=f"{type(self).__name__}-{self.port}")
+        self._thread.start()
+
+    def _log(self, request: tuple[str, str, dict[str, str], bytes]) -> None:
+        with self._lock:
+            self.requests.append(request)
+            if self._keep is not None and len(self.requests) > self._keep:
+                del self.requests[: len(self.requests) - self._keep]
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def host(self) -> str:
+        """``127.0.0.1:PORT``, the form ``GCE_METADATA_HOST`` takes."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}"
+
+    def reply(self, method: str, path: str, headers: Any, body: bytes) -> Reply:  # pragma: no cover - overridden
+        return 404, {}, b""
+
+    def paths(self, method: str | None = None) -> list[str]:
+        return [p for m, p, _, _ in list(self.requests) if method is None or m == method]
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetadataServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class GceServer(MetadataServer):
+    """A GCE metadata server for one VM. state: the value of each key (None: 404); first_answer:
+    ``time.monotonic()`` of the first answer carrying each ``(key, value)`` (when a watcher
+    first read an announcement)."""
+
+    PREFIX = GCE_PREFIX
+
+    def __init__(self, *, keep_requests: int | None = None) -> None:
+        self.state: dict[str, Any] = {"maintenance-event": "NONE", "preempted": "FALSE", "upcoming-maintenance": None}
+        self.first_answer: dict[tuple[str, str], float] = {}
+        super().__init__(keep_requests=keep_requests)
+
+    def reply(self, method: str, path: str, headers: Any, body: bytes) -> Reply:
+        flavor = {"Metadata-Flavor": "Google", "Content-Type": "application/text"}
+        if headers.get("Metadata-Flavor") != "Google":
+            return 403, {"Content-Type": "text/html"}, b"Missing Metadata-Flavor:Google header."
+        key = path.split("?")[0].removeprefix(self.PREFIX)
+        if method != "GET" or not path.startswith(self.PREFIX) or key not in self.state:
+            return 404, flavor, b"Not Found"
+        value = self.state[key]
+        if value is None:
+            return 404, flavor, b"Not Found"
+        text = json.dumps(value) if isinstance(value, dict) else str(value)
+        self.first_answer.setdefault((key, text), time.monotonic())
+        return 200, flavor, text.encode()
+
+    def announce(self, event: str = "TERMINATE_ON_HOST_MAINTENANCE", *, seconds: float | None = 60.0) -> float | None:
+        """Announce host maintenance: with ``seconds``, first a scheduled window starting that
+        many seconds from now (``upcoming-maintenance``, whose start the watcher takes as the
+        notice's deadline), then the ``maintenance-event`` value. Returns the window's start
+        (epoch seconds), None without one."""
+        start = None
+        if seconds is not None:
+            start = time.time() + seconds
+            when = dt.datetime.fromtimestamp(start, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            self.state["upcoming-maintenance"] = {
+                "type": "SCHEDULED", "maintenance_status": "PENDING", "can_reschedule": False,
+                "window_start_time": when, "latest_window_start_time": when,
+            }
+        self.state["maintenance-event"] = event
+        return start
+
+    def withdraw(self) -> None:
+        """The maintenance is over (or cancelled): every key back to its quiet value."""
+        self.state["maintenance-event"] = "NONE"
+        self.state["upcoming-maintenance"] = None
+        self.state["preempted"] = "FALSE"
+
+
+__all__ = ["GCE_PREFIX", "GceServer", "MetadataServer", "Reply"]
