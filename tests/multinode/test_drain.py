@@ -205,9 +205,10 @@ async def test_a_gce_maintenance_notice_on_one_node_drains_it(restore_nodes, tmp
             del os.environ["GCE_METADATA_HOST"]
         mn.cluster.wait_for_nodes()
         try:
-            cfg = config(tmp_path, placement={"rollout": {"resources": {resource("d"): 1}}},
-                         fault_tolerance={"enable": True, "mode": "standby", "detect_node_maintenance": True,
-                                          "maintenance_check_interval": 0.2})
+            cfg = config(tmp_path, placement={"trainer": {"resources": {resource("a"): 1}},
+                                              "rollout": {"resources": {resource("d"): 1}}},
+                         fault_tolerance={"enable": True, "mode": "standby", "reverse_weight_sync": True,
+                                          "detect_node_maintenance": True, "maintenance_check_interval": 0.2})
             rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout)
             async with rt:
                 await spares_warm(rt)
