@@ -67,7 +67,17 @@ def endpoint(override: str | None = None, environ: Mapping[str, str] | None = No
 # -- the answers, parsed (pure) -------------------------------------------------------------
 
 
-def _json(body: str, where: str) -> object | PollProblem:
+#: What :func:`_answer` returns for "nothing announced" (a 404, or an empty list's empty body).
+_NONE = object()
+
+
+def _answer(status: int, body: str, where: str, *, empty_is_none: bool = False) -> object:
+    """The JSON an IMDS path answered; ``_NONE`` when it announces nothing (404, or an empty
+    body where that means none); a :class:`PollProblem` for any other status or non-JSON."""
+    if status == 404 or (empty_is_none and status == 200 and not body.strip()):
+        return _NONE
+    if status != 200:
+        return PollProblem("aws", where, "http_status", f"HTTP {status}: {body}")
     try:
         return json.loads(body)
     except ValueError:
@@ -76,11 +86,9 @@ def _json(body: str, where: str) -> object | PollProblem:
 
 def parse_spot_action(status: int, body: str, *, where: str = SPOT_PATH) -> list[Notice] | PollProblem:
     """``spot/instance-action``: 404 is none; the JSON action is a ``preempt`` notice."""
-    if status == 404:
+    data = _answer(status, body, where)
+    if data is _NONE:
         return []
-    if status != 200:
-        return PollProblem("aws", where, "http_status", f"HTTP {status}: {body}")
-    data = _json(body, where)
     if isinstance(data, PollProblem):
         return data
     if not isinstance(data, dict) or data.get("action") not in ("terminate", "stop", "hibernate"):
@@ -94,11 +102,9 @@ def parse_spot_action(status: int, body: str, *, where: str = SPOT_PATH) -> list
 
 def parse_rebalance(status: int, body: str, *, where: str = REBALANCE_PATH) -> list[Notice] | PollProblem:
     """``events/recommendations/rebalance``: 404 is none; ``{noticeTime}`` a ``rebalance`` notice."""
-    if status == 404:
+    data = _answer(status, body, where)
+    if data is _NONE:
         return []
-    if status != 200:
-        return PollProblem("aws", where, "http_status", f"HTTP {status}: {body}")
-    data = _json(body, where)
     if isinstance(data, PollProblem):
         return data
     if not isinstance(data, dict) or not isinstance(data.get("noticeTime"), str):
@@ -113,11 +119,9 @@ def parse_rebalance(status: int, body: str, *, where: str = REBALANCE_PATH) -> l
 def parse_scheduled(status: int, body: str, *, where: str = SCHEDULED_PATH) -> list[Notice] | PollProblem:
     """``events/maintenance/scheduled``: a JSON list (404 or empty: none); each event not
     completed or canceled is a notice whose deadline is its NotBefore."""
-    if status == 404 or (status == 200 and not body.strip()):
+    data = _answer(status, body, where, empty_is_none=True)
+    if data is _NONE:
         return []
-    if status != 200:
-        return PollProblem("aws", where, "http_status", f"HTTP {status}: {body}")
-    data = _json(body, where)
     if isinstance(data, PollProblem):
         return data
     if not isinstance(data, list):
