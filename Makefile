@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ftstate-installed
 
-.PHONY: demo test lint install-check setup clean docs
+.PHONY: demo test lint install-check mutation-check setup clean docs
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,11 +27,16 @@ lint: $(STAMP)
 install-check: $(STAMP)
 	PY=$(PY) PIP=$(abspath $(BIN))/pip bash tests/install/check_plain_install.sh
 
+# Each core claim broken in turn in a scratch copy; the tests named for it must fail (~3 min).
+mutation-check: $(STAMP)
+	$(BIN)/python tests/mutation/check_mutations.py
+
 # Two pytest sessions: a driver joins one Ray cluster only, and tests/multinode runs its own
 # (3 raylets on 127.0.0.1, ~10 s to start). ARGS goes to the first, MULTINODE_ARGS to the second.
 test: $(STAMP) lint install-check
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --ignore=tests/multinode $(ARGS)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q tests/multinode $(MULTINODE_ARGS)
+	$(MAKE) mutation-check
 
 docs: $(STAMP)
 	$(BIN)/python -m ftstate.cli.docs

@@ -41,7 +41,14 @@ from ftstate.controller.membership import Member, Membership, walk_proven
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
-from ftstate.core.errors import FTError, LossyRecoveryRefused, MemberLost, TransportError
+from ftstate.core.errors import (
+    FTError,
+    HeldWeightsMismatch,
+    LossyRecoveryRefused,
+    MemberLost,
+    StaleCheckpointRefused,
+    TransportError,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,12 +525,17 @@ class Failover:
         src = sources[0]
         await newcomer.machine.fire("resync", source=src.name)
         timeout = self.config.sync_timeout_s
-        await asyncio.gather(
+        _, got = await asyncio.gather(
             self.calls.call(src.name, src.handle, "send_weights_to", newcomer.rank, timeout),
             self.calls.call(newcomer.name, newcomer.handle, "receive_weights_from", src.rank, version, checksum, timeout),
         )
+        if got["checksum"] != checksum:
+            # It received the version intact but does not hold it after loading (a rollout's
+            # engine copy, or a trainer whose state_dict() differs from what it loaded).
+            raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got["checksum"],
+                                      expected=checksum, what=f"after loading it from {src.name}")
         newcomer.machine.weights_version = version
-        await walk_proven(newcomer.machine, "RESYNCED", checksum=checksum, source=src.name)
+        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source=src.name)
         if newcomer.role == "trainer":
             await self._optimizer_policy(newcomer)
             await self._replay(newcomer)
@@ -557,7 +569,30 @@ class Failover:
             raise err
         await newcomer.machine.fire("resync", source=path)
         await self.calls.call(newcomer.name, newcomer.handle, "call", "load_checkpoint", (path,), {})
-        await newcomer.machine.fire("verified", source=path)
+        # Proof, not trust: what the trainer holds now is hashed and matched against the
+        # versions this run committed. Only the current one is admitted as is (and the calls
+        # since it replayed); an older one would silently roll the run back.
+        held = await self.calls.call(newcomer.name, newcomer.handle, "trainer_checksum")
+        ms = self.membership
+        version, expected = ms.weights_version, ms.checksum
+        if expected is None or held == expected:
+            await newcomer.machine.fire("verified", source=path, checksum=held)
+            if expected is not None:
+                await self._replay(newcomer)
+            await newcomer.machine.fire("admit")
+            return
+        matches = ms.versions_by_checksum.get(held)
+        if not self.ft.allow_checkpoint_rollback:
+            err = StaleCheckpointRefused(member=newcomer.name, checkpoint=path, held=held, expected=expected,
+                                         current_version=version, matches_version=matches)
+            await ms.group.fire("fail", reason=str(err), error=err)
+            raise err
+        self.audit.record("checkpoint_rollback", member=newcomer.name, checkpoint=path, checksum=held,
+                          matches_version=matches, weights_version=version,
+                          calls_dropped=[c.method for c in ms.trainer_calls])
+        ms.trainer_calls.clear()
+        await newcomer.machine.fire("verified", source=path, checksum=held,
+                                    reason=f"checkpoint rollback accepted (holds version {matches})")
         await newcomer.machine.fire("admit")
 
     async def _optimizer_policy(self, newcomer: Member) -> None:

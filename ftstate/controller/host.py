@@ -77,12 +77,23 @@ class WorkerHost:
         node, node_id = _where()
         return {"pid": os.getpid(), "node": node, "node_id": node_id, "member": self.member, "role": self.role}
 
-    async def heartbeat(self) -> dict[str, Any]:
+    async def heartbeat(self, prove: bool = False) -> dict[str, Any]:
+        """Progress, busy, and the weights version and checksum held committed. ``prove`` (the
+        watchdog asks a SUSPECT rollout): the checksum is hashed afresh from the bytes it holds
+        (:meth:`_held_checksum`, ~10 ms per 256 MiB here), not the one cached at its commit; a
+        rollout whose user code is busy (the ``held_weights()`` hook would wait for it) reports
+        no checksum, which does not prove it (it goes STALE and is resynced). A trainer reports
+        its last sent checksum: its weights move on with every step by design."""
+        checksum = self.checksum
+        if prove and self.role == "rollout":
+            checksum = None
+            if self._loaded is not None and not (self._has_held_hook() and self._lock().locked()):
+                checksum = await self._held_checksum(self._loaded.tensors)
         return {
             "progress": self.progress,
             "busy": self.busy,
             "weights_version": self.weights_version,
-            "checksum": self.checksum,
+            "checksum": checksum,
             "pid": os.getpid(),
         }
 
@@ -202,12 +213,14 @@ class WorkerHost:
             raise FTError(f"{self.member}: asked to commit weights version {weights_version} but staged {have}")
         async with self._lock():
             await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+            held = await self._held_checksum(staged.tensors)
             self.weights_version = weights_version
-            self.checksum = staged.state_checksum
+            self.checksum = held
             self._loaded = staged
             self._staged = None
         self._tick()
-        return {"checksum": self.checksum, "weights_version": self.weights_version}
+        # The controller compares ``checksum`` (what this member holds) with the sender's.
+        return {"checksum": held, "received": staged.state_checksum, "weights_version": weights_version}
 
     async def discard_weights(self) -> None:
         """Drop a staged version; what the user holds (the previous version) stays current."""
@@ -261,13 +274,53 @@ class WorkerHost:
         async with self._lock():
             if self.role == "trainer":
                 await self._run(self.user.load_state_dict, {k: v.clone() for k, v in staged.tensors.items()})
+                held = await self._trainer_checksum()
             else:
                 await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+                held = await self._held_checksum(staged.tensors)
             self.weights_version = weights_version
-            self.checksum = staged.state_checksum
+            self.checksum = held
             self._loaded = staged
         self._tick()
-        return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": weights_version}
+        # ``checksum``: what this member holds after loading, for the controller to compare.
+        return {"checksum": held, "received": staged.state_checksum, "nbytes": staged.nbytes,
+                "weights_version": weights_version}
+
+    async def trainer_checksum(self) -> str:
+        """Trainer: the checksum of what its ``state_dict()`` returns now (the proof that a
+        trainer loaded from a checkpoint holds the version it claims)."""
+        async with self._lock():
+            return await self._trainer_checksum()
+
+    async def _trainer_checksum(self) -> str:
+        from ftstate.transport import state_checksum
+        from ftstate.transport.validate import check_state_dict
+
+        state = check_state_dict(await self._run(self.user.state_dict), device_type=None, member=self.member,
+                                 backend=self.backend)
+        return await asyncio.to_thread(state_checksum, state)
+
+    def _has_held_hook(self) -> bool:
+        from ftstate.core.worker import RolloutWorker
+
+        fn = getattr(type(self.user), "held_weights", None)
+        return fn is not None and fn is not RolloutWorker.held_weights
+
+    async def _held_checksum(self, given: Mapping[str, Any]) -> str:
+        """The whole-state checksum of the bytes this rollout serves from, hashed now: what its
+        ``held_weights()`` returns when the user's engine keeps its own copy, else the tensors
+        handed to ``load_weights`` (a ``load_weights`` that wrote into them shows here). Called
+        with the user lock held or with no user call running."""
+        from ftstate.transport import state_checksum
+        from ftstate.transport.validate import check_state_dict
+
+        held = given
+        if self._has_held_hook():
+            returned = await self._run(self.user.held_weights)
+            if returned is not None:
+                held = check_state_dict(returned, device_type=None, member=self.member, backend=self.backend,
+                                        what="held_weights()")
+        return await asyncio.to_thread(state_checksum, held)
 
     async def bench_raw_broadcast(self, nbytes: int, root: int, timeout_s: float) -> float:
         """Benchmarks only: a bare broadcast of ``nbytes`` on the current group version (every

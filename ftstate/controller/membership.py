@@ -44,8 +44,9 @@ async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None
     heartbeat makes it SUSPECT, and an answer given before its version was recorded makes
     it STALE. The load is proven all the same, so the failover goes the legal way round
     (STALE -> RESYNCING -> RESYNCED) instead of firing an edge that no longer exists and
-    leaving the group in PROMOTING until its deadline. ``fields`` go on the audit record of
-    the edge into RESYNCED. Raises MemberLost when the newcomer was lost (or stopped)
+    leaving the group in PROMOTING until its deadline. ``fields`` (the member's own checksum)
+    go on the record of every edge it fires, so the trail shows what it holds on the edge
+    that puts it back into serving whichever way round it went. Raises MemberLost when the newcomer was lost (or stopped)
     meanwhile; the failover then tries the next replacement.
     """
     order = ("RESYNCED", "READY")
@@ -57,9 +58,8 @@ async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None
         trigger = step.get(state)
         if trigger is None:
             raise MemberLost(machine.member, f"{state} while being resynced", group_version=machine.group_version)
-        extra = fields if trigger == "verified" else {}
         with contextlib.suppress(InvalidTransition):  # moved between the look and the fire: look again
-            await machine.fire(trigger, reason="current version loaded and verified", **extra)
+            await machine.fire(trigger, reason="current version loaded and verified", **fields)
     raise MemberLost(machine.member, f"could not be admitted: still {machine.state}", group_version=machine.group_version)
 
 
@@ -113,6 +113,9 @@ class Membership:
         self._members: dict[str, Member] = {}
         #: Checksum of the current weights version (None before the first sync).
         self.checksum: str | None = None
+        #: Every committed version's checksum → that version (a trainer's checkpoint is matched
+        #: against them: which version does it hold?). One short string per sync.
+        self.versions_by_checksum: dict[str, int] = {}
         #: Trainer calls since the last committed sync, in order.
         self.trainer_calls: list[TrainerCall] = []
         #: Bumped on every loss and every change of the group's shape.
@@ -131,6 +134,7 @@ class Membership:
         here is in it (nothing left to replay)."""
         self.group.weights_version = weights_version
         self.checksum = checksum
+        self.versions_by_checksum[checksum] = weights_version
         self.trainer_calls.clear()
 
     # -- reading -----------------------------------------------------------------------

@@ -34,7 +34,14 @@ from ftstate.controller.formation import GroupFormation
 from ftstate.controller.membership import Member, Membership, walk_proven
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
-from ftstate.core.errors import ChecksumMismatch, MemberLost, NoServingWorkers, SyncTimeout, TransportError
+from ftstate.core.errors import (
+    ChecksumMismatch,
+    HeldWeightsMismatch,
+    MemberLost,
+    NoServingWorkers,
+    SyncTimeout,
+    TransportError,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +50,9 @@ class SyncReport:
 
     weights_version: the version every serving rollout now holds; checksum: its whole-state
     checksum; nbytes: bytes sent per receiver; seconds: wall time; failovers: failovers this
-    sync needed; group_version: the membership version it ran under; rollouts: who got it.
+    sync needed; group_version: the membership version it ran under; rollouts: who got it;
+    stale: rollouts that loaded it but do not hold it (their checksum after ``load_weights`` or
+    ``held_weights()`` differed from the sender's), taken out of serving until resynced.
     """
 
     weights_version: int
@@ -53,6 +62,7 @@ class SyncReport:
     failovers: int
     group_version: int
     rollouts: tuple[str, ...]
+    stale: tuple[str, ...] = ()
 
 
 def _rank_of_cause(exc: BaseException) -> int:
@@ -149,7 +159,9 @@ class WeightSync:
             raise
         ms.committed(target, sent["checksum"])
         await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"])
-        user_errors = [e for e in not_loaded.values() if not isinstance(e, MemberLost)]
+        # A held-weights mismatch is a fault of that rollout's engine, handled here (it is
+        # STALE, out of serving, resynced by the next sync) and reported in ``stale``.
+        user_errors = [e for e in not_loaded.values() if not isinstance(e, (MemberLost, HeldWeightsMismatch))]
         if user_errors:
             # The version is committed on the others and the group is consistent; the caller
             # still hears of the rollout whose own load_weights raised (its bug, not a fault).
@@ -162,6 +174,7 @@ class WeightSync:
             failovers=0,
             group_version=group.group_version,
             rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
+            stale=tuple(n for n, e in not_loaded.items() if isinstance(e, HeldWeightsMismatch)),
         )
 
     async def _transfer(self, calls: Sequence[tuple[Member, Any]]) -> list[Any]:
@@ -250,21 +263,44 @@ class WeightSync:
         finally:
             self.routing_open.set()
         failed = self._failures(rollouts, results)
+        held: dict[str, str] = {}
+        for m, r in zip(rollouts, results, strict=True):
+            if m.name in failed:
+                continue
+            held[m.name] = r["checksum"]
+            if r["checksum"] != checksum:
+                # What it holds after load_weights is not what was verified: never serve it.
+                failed[m.name] = HeldWeightsMismatch(m.name, weights_version=version, held=r["checksum"],
+                                                     expected=checksum, what="at commit")
         for m in rollouts:
             if m.name in failed:
                 if m.gone:
                     continue
                 trigger = "sync_failed" if m.machine.state == "SYNCING" else "resync_failed"
-                await m.machine.fire(trigger, reason=f"commit of weights version {version} failed: {failed[m.name]}")
+                err = failed[m.name]
+                extra = ({"checksum": err.held, "expected_checksum": err.expected, "error": err}
+                         if isinstance(err, HeldWeightsMismatch) else {})
+                await m.machine.fire(trigger, reason=f"commit of weights version {version} failed: {err}", **extra)
                 continue
             m.machine.weights_version = version
+            # Each member's own checksum (hashed from what it holds) goes on its record.
             if m.machine.state == "SYNCING":
-                await m.machine.fire("committed", checksum=checksum)
+                await m.machine.fire("committed", checksum=held[m.name])
+            elif m.machine.serving:
+                # Suspected and re-admitted by the watchdog during the sync on the version it
+                # held before: no edge to fire, but the trail must show what it holds now.
+                m.machine.record("weights_loaded", checksum=held[m.name])
             else:
                 # A STALE rollout brought up to date (RESYNCING), or one the watchdog moved
                 # meanwhile (suspected while busy, then re-admitted on the version it held):
                 # its load is proven all the same, so it is walked to READY by legal edges.
-                await walk_proven(m.machine, "READY", checksum=checksum)
+                await walk_proven(m.machine, "READY", checksum=held[m.name])
         trainer.machine.weights_version = version
-        await trainer.machine.fire("committed", checksum=checksum)
+        if trainer.machine.state == "SYNCING":
+            await trainer.machine.fire("committed", checksum=checksum)
+        elif not trainer.gone:
+            # Suspected while it waited on a hung peer and re-admitted by the watchdog (or
+            # still suspect: the watchdog settles it); no edge to fire. A trainer that died
+            # after the vote is the failover's to replace.
+            trainer.machine.record("weights_sent", checksum=checksum)
         return failed

@@ -44,7 +44,9 @@ class Watchdog:
     async def poll(self, m: Member, now: float) -> None:
         """One heartbeat of ``m`` and the event it implies."""
         try:
-            raw = await self.calls.call(m.name, m.handle, "heartbeat", timeout=self.config.heartbeat_interval_s)
+            # A suspect must show its weights to be re-admitted: it hashes them afresh.
+            prove = m.machine.state == "SUSPECT"
+            raw = await self.calls.call(m.name, m.handle, "heartbeat", prove, timeout=self.config.heartbeat_interval_s)
             beat: Heartbeat | None = Heartbeat(**raw)
         except MemberLost:
             beat = None
@@ -57,7 +59,8 @@ class Watchdog:
         if trigger is None or not m.machine.can(trigger):
             return
         reason = "no heartbeat within the interval" if beat is None else f"progress {beat.progress}, busy={beat.busy}"
-        await m.machine.fire(trigger, reason=reason)
+        shown = {"checksum": beat.checksum} if beat is not None and trigger in ("verified", "alive_stale") else {}
+        await m.machine.fire(trigger, reason=reason, **shown)
         if trigger == "verified":
             await m.machine.fire("admit")
 

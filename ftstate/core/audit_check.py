@@ -22,7 +22,14 @@ these invariants, naming its line:
   serving state must hold that version (while the group syncs, the version before the sync
   is also accepted: a rollout keeps serving it until it commits); and when the group commits
   version v (``sync_done`` into READY), every rollout in a serving state must have last
-  reported v.
+  reported v;
+- **held is sent**: every rollout reports the checksum of the bytes it holds (hashed by the
+  rollout itself after it loaded them) on the records that change what it holds, and the
+  group's ``sync_done`` carries the sender's checksum of the version it commits. When the
+  group commits version v, every serving rollout must last have reported v's checksum; a
+  rollout entering a serving state when v's checksum is known must have too. (A trail that
+  admits a rollout whose own checksum differs from the sender's is flagged, whatever state
+  the records claim.)
 
 Checking is streaming (:class:`TrailChecker` takes one record at a time) and never stops at
 the first problem: a malformed line is reported and skipped, a broken transition is reported
@@ -86,6 +93,7 @@ class _Member:
     terminal_line: int | None = None
     role: str | None = None
     weights_version: Any = None
+    checksum: Any = None
 
 
 class TrailChecker:
@@ -106,6 +114,8 @@ class TrailChecker:
         self._current: Any = None
         #: The version committed before the sync in flight (None when the group is not syncing).
         self._before_sync: Any = None
+        #: The sender's checksum of every committed version (from the group's ``sync_done``).
+        self._sent: dict[Any, Any] = {}
 
     # -- input ---------------------------------------------------------------------------
 
@@ -159,14 +169,18 @@ class TrailChecker:
         if rec.get("role"):
             m.role = rec["role"]
         wv = rec.get("weights_version")
+        if rec.get("checksum") is not None and machine != GROUP_MACHINE:
+            m.checksum = rec["checksum"]
         if event == TRANSITION:
-            self._transition(line, rec, spec, m, wv)
+            self._transition(line, rec, spec, m, wv, rec.get("checksum"))
         elif machine == GROUP_MACHINE and wv is not None:
             self._current = wv
         if wv is not None:
             m.weights_version = wv
 
-    def _transition(self, line: int, rec: Mapping[str, Any], spec: MachineSpec, m: _Member, wv: Any) -> None:
+    def _transition(
+        self, line: int, rec: Mapping[str, Any], spec: MachineSpec, m: _Member, wv: Any, checksum: Any
+    ) -> None:
         missing = [k for k in ("from", "to", "trigger") if not rec.get(k)]
         if missing:
             self._report(line, m.name, f"transition record without {', '.join(repr(k) for k in missing)}")
@@ -209,11 +223,11 @@ class TrailChecker:
             m.terminal_line = line
 
         if m.machine == GROUP_MACHINE:
-            self._group_transition(line, src, dst, trigger, wv)
+            self._group_transition(line, src, dst, trigger, wv, checksum)
         elif m.role == ROLLOUT_ROLE and dst in spec.serving_states:
             self._rollout_serving(line, m, dst, trigger, wv)
 
-    def _group_transition(self, line: int, src: str, dst: str, trigger: str, wv: Any) -> None:
+    def _group_transition(self, line: int, src: str, dst: str, trigger: str, wv: Any, checksum: Any) -> None:
         self._group_state = dst
         if dst == GROUP_SYNCING and src != GROUP_SYNCING:
             self._before_sync = self._current
@@ -231,19 +245,24 @@ class TrailChecker:
         if dst != GROUP_SYNCING:
             self._before_sync = None
         if trigger == GROUP_COMMIT and dst == GROUP_READY and self._current is not None:
+            if checksum is not None:
+                self._sent[self._current] = checksum
             for other in self.members.values():
-                if (
+                if not (
                     other.role == ROLLOUT_ROLE
                     and other.machine != GROUP_MACHINE
                     and other.state in self.specs[other.machine].serving_states
-                    and other.weights_version != self._current
                 ):
+                    continue
+                if other.weights_version != self._current:
                     self._report(
                         line,
                         other.name,
                         f"{other.name} serving weights version {other.weights_version} while current is "
                         f"{self._current} (the group committed it by {GROUP_COMMIT})",
                     )
+                elif checksum is not None and other.checksum != checksum:
+                    self._report(line, other.name, _held_not_sent(other, self._current, checksum))
 
     def _rollout_serving(self, line: int, m: _Member, dst: str, trigger: str, wv: Any) -> None:
         if self._current is None:
@@ -265,6 +284,13 @@ class TrailChecker:
                 f"{m.name} serving weights version {wv} while current is {self._current} "
                 f"(entered {dst} by {trigger})",
             )
+        elif wv in self._sent and m.checksum != self._sent[wv]:
+            self._report(line, m.name, _held_not_sent(m, wv, self._sent[wv]) + f" (entered {dst} by {trigger})")
+
+
+def _held_not_sent(m: _Member, version: Any, sent: Any) -> str:
+    held = "no checksum of its own" if m.checksum is None else f"checksum {m.checksum}"
+    return f"{m.name} serving weights version {version} with {held}, the sender's is {sent}"
 
 
 def _illegal(spec: MachineSpec, src: str, trigger: str, dst: str, expected: str | None) -> str:

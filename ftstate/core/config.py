@@ -134,6 +134,14 @@ class FaultToleranceConfig:
         "weights (TrainerWorker.lossy_state_dict, e.g. bf16 copies of fp32 masters). Off: refused "
         "with LossyRecoveryRefused.",
     )
+    allow_checkpoint_rollback: bool = _field(
+        False,
+        "Let a trainer rebuilt from checkpoint_dir be admitted when the checkpoint's weights (the "
+        "checksum of its state_dict() after load_checkpoint) are not the current weights version: an "
+        "older committed version, or none. The run then goes on from the checkpoint, and the trainer "
+        "calls since the last sync are not replayed (a checkpoint_rollback record says so). Off: "
+        "refused with StaleCheckpointRefused, never a silent rollback.",
+    )
     resync_retries: int = _field(
         3,
         "Times a failover makes the point-to-point transfer to a newcomer again after it failed "

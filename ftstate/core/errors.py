@@ -179,6 +179,33 @@ class LossyRecoveryRefused(FTError):
     master weights and ``fault_tolerance.allow_lossy_recovery`` is off."""
 
 
+class StaleCheckpointRefused(FTError):
+    """Raised when a replaced trainer's ``checkpoint_dir`` does not hold the current weights
+    version (its weights hash to an older committed version, or to none) and
+    ``fault_tolerance.allow_checkpoint_rollback`` is off: admitting it would silently roll the
+    run back. member: the new trainer; checkpoint: the folder; held: the checksum of what it
+    loaded; expected: the current version's; matches_version: the committed version it
+    matches, if any."""
+
+    def __init__(
+        self, *, member: str, checkpoint: str, held: str, expected: str, current_version: int,
+        matches_version: int | None,
+    ) -> None:
+        self.member = member
+        self.checkpoint = checkpoint
+        self.held = held
+        self.expected = expected
+        self.current_version = current_version
+        self.matches_version = matches_version
+        what = (f"weights version {matches_version}" if matches_version is not None
+                else "no weights version committed in this run")
+        super().__init__(
+            f"{member}: checkpoint {checkpoint!r} holds {what} (checksum {held}), not the current weights "
+            f"version {current_version} ({expected}); refusing to roll the run back. Save checkpoints right "
+            "after a sync, or set fault_tolerance.allow_checkpoint_rollback to accept the rollback"
+        )
+
+
 class NoServingWorkers(FTError):
     """Raised when a call needs a worker that serves the current weights and none does."""
 
@@ -248,6 +275,24 @@ class StaleGroupVersion(TransportError):
 
 class ChecksumMismatch(TransportError):
     """Raised when received bytes do not hash to the checksum the manifest promised."""
+
+
+class HeldWeightsMismatch(ChecksumMismatch):
+    """Raised (and recorded) when what a member holds after loading a version does not hash to
+    the checksum the sender sent: its ``load_weights`` (or its engine's own copy, read back
+    through ``held_weights()``) is not the verified state. member: who; weights_version; held:
+    the checksum of its bytes; expected: the sender's."""
+
+    def __init__(self, member: str, *, weights_version: int, held: str, expected: str, what: str = "") -> None:
+        self.member = member
+        self.weights_version = weights_version
+        self.held = held
+        self.expected = expected
+        source = f" ({what})" if what else ""
+        super().__init__(
+            f"{member}: holds weights that hash to {held} after loading weights version {weights_version}"
+            f"{source}, the sender's checksum is {expected}"
+        )
 
 
 class ManifestError(TransportError):

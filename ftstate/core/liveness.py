@@ -15,7 +15,9 @@ with the trigger to fire on the worker's machine, if any:
   or a newcomer hung in the re-rendezvous, would only burn the failover deadline);
 - an answer showing progress from a SUSPECT worker -> ``verified`` only if it reports the
   current weights version with the current checksum, else ``alive_stale``. A worker that
-  merely answers proves nothing about its weights; it must show them.
+  merely answers proves nothing about its weights; it must show them: a suspect rollout's
+  checksum is hashed afresh from the bytes it holds when it answers (the watchdog asks it to
+  prove), not the value it cached at its last commit.
 
 SUSPECT carries the ``heartbeat_timeout_s`` deadline in the worker spec, so a suspect that
 does not recover is declared LOST by the machine itself, not by this module. A process that

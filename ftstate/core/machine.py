@@ -336,6 +336,11 @@ class StateMachine:
                     task.cancel(msg=f"deadline: {exc}")
             await self._fire(d.on_expiry, str(exc), exc, {})
 
+    def record(self, event: str, **fields: Any) -> None:
+        """Write a record of this machine that changes no state (e.g. a serving member that
+        now holds a newer weights version), with the machine's identity and versions."""
+        self._record(event, state=self.state, **fields)
+
     def record_error(self, exc: BaseException, **fields: Any) -> None:
         """Write an error that did not (yet) change the state, e.g. a failed actor call."""
         self._record(ERROR, state=self.state, error=type(exc).__name__, message=str(exc), **fields)

@@ -73,3 +73,13 @@ class RolloutWorker(Worker):
     def load_weights(self, state: Mapping[str, Any], version: int) -> None:
         """Adopt a complete, verified set of weights; ``version`` is the weights version."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_weights()")
+
+    def held_weights(self) -> Mapping[str, Any] | None:
+        """The named tensors this worker serves from, read back, when its engine keeps its own
+        copy of what :meth:`load_weights` was given (``{name: tensor}`` with the names, dtypes
+        and shapes it was given). After every load, and when a SUSPECT worker is re-admitted,
+        ftstate hashes what this returns and admits the worker to serving only if that equals
+        the sender's checksum: a copy torn or corrupted inside the engine takes the worker out
+        of serving (STALE). The default, None, means "the tensors given to ``load_weights``":
+        those are hashed instead (a ``load_weights`` that wrote into them shows)."""
+        return None

@@ -747,7 +747,10 @@ class Receiver:
             seal = decode_seal(route.recv_message(stage), manifest)
             stage = "checksums"
             digests = hashing.finish()
-            problem = _verify(manifest, seal, digests, hashing.hasher.tensor_digests())
+            tensor_sums = hashing.hasher.tensor_digests()
+            # This member's own whole-state checksum, from the bytes it received (not the seal's).
+            own = combine((e.name, e.dtype, e.shape, h) for e, h in zip(manifest.tensors, tensor_sums, strict=True))
+            problem = _verify(manifest, seal, digests, tensor_sums, own)
             stage = "commit vote"
             route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, stage)
         except (TransportError, DeadlineExceeded) as exc:
@@ -783,7 +786,7 @@ class Receiver:
         new = CommittedWeights(
             tensors=types.MappingProxyType(tensors),
             weights_version=manifest.weights_version,
-            state_checksum=format_checksum(seal.state_checksum),
+            state_checksum=format_checksum(own),
             group=comm.group,
             group_version=comm.version,
             nbytes=manifest.payload_bytes,
@@ -815,8 +818,9 @@ def _zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
         cursor = max(cursor, e.end)
 
 
-def _verify(manifest: Manifest, seal: Seal, digests: list[int], tensor_sums: list[int]) -> str | None:
-    """None when everything matches, else what did not (first failing bucket first)."""
+def _verify(manifest: Manifest, seal: Seal, digests: list[int], tensor_sums: list[int], state: int) -> str | None:
+    """None when everything matches, else what did not (first failing bucket first). ``state``:
+    the receiver's own whole-state checksum of ``tensor_sums``."""
     n = manifest.num_buckets
     for k, (got, want) in enumerate(zip(digests, seal.bucket_checksums, strict=True)):
         if got != want:
@@ -824,7 +828,6 @@ def _verify(manifest: Manifest, seal: Seal, digests: list[int], tensor_sums: lis
     for e, got, want in zip(manifest.tensors, tensor_sums, seal.tensor_checksums, strict=True):
         if got != want:
             return f"tensor {e.name!r} does not match its checksum (expected {want:016x}, got {got:016x})"
-    state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(manifest.tensors, tensor_sums, strict=True))
     if state != seal.state_checksum:
         return (
             f"whole-state checksum does not match (expected {seal.state_checksum:016x}, got {state:016x})"

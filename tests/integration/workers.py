@@ -151,3 +151,58 @@ class LossyTrainer(TinyTrainer):
     """Sends bf16 copies of fp32 master weights: a rollout cannot give the masters back."""
 
     lossy_state_dict = True
+
+
+class EngineRollout(TinyRollout):
+    """A rollout whose "engine" keeps its own copy of the weights, read back through the
+    ``held_weights()`` hook; ``flip_next_load`` / ``flip_now`` corrupt that copy silently
+    (one byte), as a buggy engine would, while ``load_weights`` returns normally."""
+
+    def load_weights(self, state, version: int) -> None:
+        super().load_weights(state, version)
+        self.engine = {k: v.clone() for k, v in state.items()}
+        if getattr(self, "_flip_next", False):
+            self._flip_next = False
+            self.flip_now()
+
+    def held_weights(self):
+        return getattr(self, "engine", None)
+
+    def flip_next_load(self) -> None:
+        self._flip_next = True
+
+    def flip_now(self) -> None:
+        self.engine["layer.weight"].view(torch.uint8)[0] ^= 0xFF
+
+    def engine_checksum(self) -> str | None:
+        return state_checksum(self.engine) if getattr(self, "engine", None) else None
+
+
+class ReplayTrainer(TinyTrainer):
+    """A trainer whose step is deterministic in its arguments, as ftstate's replay requires:
+    ``train_step(seed)`` adds noise drawn from ``seed`` (stateless SGD: no optimizer state, so
+    a rebuilt trainer's reset optimizer changes nothing). ``reference(seeds)`` is the state a
+    fault-free run reaches, computed in the caller's process. ``marker``: a file created when
+    the step starts, so a test can kill the process inside it (then it lasts ``seconds``)."""
+
+    def train_step(self, seed: int, seconds: float = 0.0, marker: str | None = None) -> int:  # type: ignore[override]
+        if marker is not None:
+            with open(marker, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        if seconds:
+            time.sleep(seconds)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _name, t in sorted(self.state.items()):
+                if t.is_floating_point():
+                    t.add_((torch.randn(t.shape, generator=g) * 0.1).to(t.dtype))
+                else:
+                    t.add_(seed)
+        return seed
+
+    @classmethod
+    def reference(cls, seeds, **kwargs) -> str:
+        trainer = cls(**kwargs)
+        for seed in seeds:
+            trainer.train_step(seed)
+        return trainer.checksum()

@@ -332,3 +332,47 @@ class TestViews:
         text = console.export_text()
         assert "missing: ['rollout-2']" in text  # brackets are text, not markup
         assert "RESYNCED → READY" in text
+
+
+def with_checksums(recs: list[Record], sent: str = "00000000000000aa") -> list[Record]:
+    """good_run() as the runtime writes it now: the group's sync_done carries the sender's
+    checksum, each rollout's committed / verified record the checksum of what it holds."""
+    for member, trigger in (("group", "sync_done"), ("rollout-1", "committed"), ("rollout-2", "committed"),
+                            ("spare-3", "verified")):
+        recs[index_of(recs, member, trigger)]["checksum"] = sent
+    return recs
+
+
+class TestHeldIsSent:
+    """A rollout may serve a version only with its own checksum equal to the sender's."""
+
+    def test_a_run_where_every_rollout_holds_what_was_sent_passes(self, tmp_path: Path) -> None:
+        assert check_trail(write(tmp_path / "a.jsonl", with_checksums(good_run()))) == []
+
+    def test_a_rollout_committed_with_a_checksum_of_its_own_is_flagged_when_the_group_commits(
+        self, tmp_path: Path
+    ) -> None:
+        # The run took rollout-2 out of serving (SYNCING --sync_failed--> STALE, its held checksum
+        # on the record); a trail doctored to say it committed keeps that checksum and is caught.
+        recs = with_checksums(good_run())
+        recs[index_of(recs, "rollout-2", "committed")]["checksum"] = "00000000000000bb"
+        done = index_of(recs, "group", "sync_done")
+        v = only(check_trail(write(tmp_path / "a.jsonl", recs)))
+        assert v.line == line_of(done)
+        assert v.member == "rollout-2"
+        assert v.problem == ("rollout-2 serving weights version 1 with checksum 00000000000000bb, "
+                             "the sender's is 00000000000000aa")
+
+    def test_a_rollout_that_reports_no_checksum_of_its_own_is_flagged(self) -> None:
+        recs = with_checksums(good_run())
+        del recs[index_of(recs, "rollout-1", "committed")]["checksum"]
+        v = only(check_trail(recs))
+        assert v.member == "rollout-1" and "no checksum of its own" in v.problem
+
+    def test_a_newcomer_admitted_holding_other_bytes_is_flagged_at_its_admission(self) -> None:
+        recs = with_checksums(good_run())
+        recs[index_of(recs, "spare-3", "verified")]["checksum"] = "00000000000000cc"
+        admit = index_of(recs, "spare-3", "admit")
+        v = only(check_trail(recs))
+        assert v.line == line_of(admit) and v.member == "spare-3"
+        assert "with checksum 00000000000000cc, the sender's is 00000000000000aa (entered READY by admit)" in v.problem

@@ -1,0 +1,185 @@
+"""Mutation check (the cheap form): break each core claim in a scratch copy and prove the suite notices.
+
+For every claim ftstate makes (two-phase commit, the transport's checksum comparison, the
+held-bytes comparison at commit, replay on a new trainer, RESYNCED-only admission, the
+fail-fast deadline), :data:`MUTATIONS` names one small edit that breaks it and the tests that
+must then fail. Each mutation is applied to a fresh copy of the checkout (the files git
+knows), the named tests are run there (that copy first on ``PYTHONPATH``, so Ray's worker
+processes import the mutant too), and the mutation is *caught* only if pytest reports failed
+tests (exit status 1) or the run exceeds its bound (a claim whose loss makes a test hang).
+An edit that no longer applies (the code moved) fails the check loudly, so the list cannot
+silently rot. The unmutated tests pass in the main suite, which runs first.
+
+Run: ``python tests/mutation/check_mutations.py`` (``make mutation-check``, part of ``make
+test``; ~3 min on 2 cores). ``--only NAME`` runs one mutation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Bound on one mutation's test run, seconds (a mutant that hangs a test counts as caught).
+RUN_TIMEOUT_S = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Edit:
+    path: str
+    old: str
+    new: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """One broken claim: ``edits`` (each must apply exactly once) make ``tests`` fail."""
+
+    name: str
+    claim: str
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    Mutation(
+        "one-phase commit",
+        "a rollout hands weights to load_weights only after every rollout staged the same version",
+        (Edit("ftstate/controller/host.py",
+              "        self._staged = staged\n        self._tick()\n",
+              "        self._staged = staged\n        await self._run(self.user.load_weights, dict(staged.tensors), "
+              "weights_version)\n        self._tick()\n"),),
+        ("tests/integration/test_runtime.py::TestAtomicSync::"
+         "test_a_corrupted_bucket_aborts_the_sync_and_every_rollout_keeps_the_previous_version",),
+    ),
+    Mutation(
+        "no checksum comparison in the transfer",
+        "a version whose received bytes do not match the sender's checksums is never staged or committed "
+        "(the receiver's comparison, and the controller's of each receiver's own checksum with the sender's)",
+        (Edit("ftstate/transport/sync.py",
+              '    """None when everything matches, else what did not (first failing bucket first). ``state``:\n'
+              '    the receiver\'s own whole-state checksum of ``tensor_sums``."""\n',
+              '    """None when everything matches, else what did not (first failing bucket first). ``state``:\n'
+              '    the receiver\'s own whole-state checksum of ``tensor_sums``."""\n    return None\n'),
+         Edit("ftstate/controller/sync.py",
+              '                    torn = [n for n, r in staged.items() if r["checksum"] != sent["checksum"]]\n',
+              "                    torn = []\n")),
+        ("tests/integration/test_runtime.py::TestAtomicSync::"
+         "test_a_corrupted_bucket_aborts_the_sync_and_every_rollout_keeps_the_previous_version",),
+    ),
+    Mutation(
+        "held bytes not compared",
+        "a rollout is recorded as holding a version only if the bytes it holds hash to the sender's checksum",
+        (Edit("ftstate/controller/sync.py", '            if r["checksum"] != checksum:\n', "            if False:\n"),),
+        ("tests/integration/test_held_weights.py::"
+         "test_an_engine_that_corrupts_its_own_copy_is_taken_out_of_serving_at_commit",),
+    ),
+    Mutation(
+        "no replay",
+        "a new trainer re-runs the calls since the last sync, so no step is lost",
+        (Edit("ftstate/controller/failover.py",
+              "        for c in calls:\n            await self.calls.call(trainer.name, trainer.handle, \"call\"",
+              "        for c in calls[:0]:\n            await self.calls.call(trainer.name, trainer.handle, \"call\""),),
+        ("tests/integration/test_replay.py::test_calls_since_the_last_sync_are_replayed_on_the_new_trainer",),
+    ),
+    Mutation(
+        "suspect admitted unproven",
+        "a suspect worker serves again only through RESYNCED, after showing the current weights",
+        (Edit("ftstate/core/liveness.py",
+              "            proven = heartbeat.weights_version == current_version and (",
+              "            proven = True or heartbeat.weights_version == current_version and ("),),
+        ("tests/unit/test_liveness.py",
+         "tests/integration/test_held_weights.py::"
+         "test_a_suspect_rollout_is_readmitted_only_if_a_fresh_hash_of_what_it_holds_matches"),
+    ),
+    Mutation(
+        "serving edge allowed",
+        "no machine may enter a serving state except from RESYNCED (the spec refuses such an edge)",
+        (Edit("ftstate/core/spec.py",
+              "                if t.dest in spec.serving_states and t.source not in spec.serving_states "
+              "and t.source != RESYNCED:",
+              "                if False:"),),
+        ("tests/unit/test_spec.py",),
+    ),
+    Mutation(
+        "no deadlines",
+        "every state with a deadline leaves it when the deadline passes (fail-fast init, bounded failover)",
+        (Edit("ftstate/core/machine.py",
+              "        d = self.spec.states[state].deadline\n        if d is None:\n            return\n",
+              "        d = self.spec.states[state].deadline\n        if True:\n            return\n"),),
+        ("tests/unit/test_machine.py",),
+    ),
+)
+
+
+def scratch_copy(dest: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True, capture_output=True
+    ).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = ROOT / rel
+        if src.is_file():
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+
+
+def apply(copy: Path, m: Mutation) -> None:
+    for e in m.edits:
+        path = copy / e.path
+        text = path.read_text(encoding="utf-8")
+        if text.count(e.old) != 1:
+            raise SystemExit(f"mutation {m.name!r} no longer applies: {e.path} holds its text "
+                             f"{text.count(e.old)} times, expected once; update tests/mutation/check_mutations.py")
+        path.write_text(text.replace(e.old, e.new), encoding="utf-8")
+
+
+def run(m: Mutation) -> tuple[bool, str, float]:
+    with tempfile.TemporaryDirectory(prefix="ftstate-mutant-") as tmp:
+        copy = Path(tmp)
+        scratch_copy(copy)
+        apply(copy, m)
+        env = {**os.environ, "PYTHONPATH": str(copy), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return True, f"a test hung past {RUN_TIMEOUT_S}s", time.monotonic() - t0
+        seconds = time.monotonic() - t0
+        tail = (proc.stdout.strip().splitlines() or [""])[-1]
+        if proc.returncode == 1:
+            return True, tail, seconds
+        if proc.returncode == 0:
+            return False, f"SURVIVED: {tail}", seconds
+        raise SystemExit(f"mutation {m.name!r}: pytest could not run the tests (exit {proc.returncode}):\n"
+                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="run the mutation of this name only")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.only in (None, m.name)]
+    if not chosen:
+        parser.error(f"no mutation named {args.only!r}; names: {', '.join(m.name for m in MUTATIONS)}")
+    survived = []
+    for m in chosen:
+        caught, detail, seconds = run(m)
+        print(f"{'caught  ' if caught else 'SURVIVED'} {m.name:<26} {seconds:5.0f}s  {detail}", flush=True)
+        if not caught:
+            survived.append(m)
+    for m in survived:
+        print(f"\nno test noticed {m.name!r}: the claim {m.claim!r} is not tested by {', '.join(m.tests)}")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
