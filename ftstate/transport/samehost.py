@@ -109,8 +109,9 @@ from ftstate.transport.sync import (
 #: How often a wait on a signal looks at the deadline, at abandonment and at the peer's pid.
 POLL_S = 0.02
 
-#: Bytes copied then hashed at a time (L2-sized pieces: the hash reads them from cache).
-PIECE = 512 * 1024
+#: Bytes copied then hashed at a time: the hash reads each piece back from cache (L2 is 2 MiB
+#: here; measured at 256 MiB, 2 readers: 128 KiB pieces 141 ms, 512 KiB 128 ms, 2 MiB 110 ms).
+PIECE = 2 * 1024 * 1024
 
 #: Tags of the buckets sent point to point to collective ranks (the peer route's messages
 #: use small sequence numbers, so the two never meet).
