@@ -27,7 +27,8 @@ bytes take shared memory; the per-bucket ready / released signals take pyzmq
 (:mod:`ftstate.transport.signals`), not Ray calls and not the collective (which would need
 an operation per reader per bucket and cannot wait on "any reader").
 
-**Double buffering.** Two slots: bucket k is written into slot k % 2 once every reader
+**Double buffering.** Two slots (one when the transfer is a single bucket): bucket k is
+written into slot k % 2 once every reader
 released bucket k - 2 and its collective sends completed, so the sender fills one slot while
 the readers copy out of the other.
 
@@ -229,18 +230,21 @@ def drop_mappings(group: str | None = None) -> None:
             s.close()
 
 
-def _slots_for(sender: Sender, comm: Communicator, capacity: int, readers: set[int]) -> tuple[_Slots, bool]:
-    """The sender's slots for this group version (new ones when too small or when a reader
-    has not mapped them), and whether they are new."""
+def _slots_for(
+    sender: Sender, comm: Communicator, capacity: int, count: int, readers: set[int]
+) -> tuple[_Slots, bool]:
+    """The sender's ``count`` (1 or 2) slots for this group version (new ones when too few,
+    too small, or when a reader has not mapped them), and whether they are new. One slot when
+    the transfer is one bucket: each new slot costs a zeroed allocation of its size."""
     s = sender._samehost
     if s is not None and (s.group, s.version) == (comm.group, comm.version) and s.capacity >= capacity \
-            and readers <= s.attached:
+            and len(s.segments) >= count and readers <= s.attached:
         return s, False
     drop_slots(sender)
     generation = next(_generations)
     made: list[Segment] = []
     try:
-        for slot in (0, 1):
+        for slot in range(count):
             name = segment_name(comm.group, comm.version, os.getpid(), generation, slot)
             made.append(Segment.create(name, group_version=comm.version, slot=slot, capacity=capacity))
     except BaseException:
@@ -260,8 +264,8 @@ def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
     if not offer.fresh:
         raise ManifestError(f"rank {comm.rank}: the offer names segments {list(offer.segments)} this member "
                             "never mapped and that are gone", field="segments")
-    if len(offer.segments) != 2:
-        raise ManifestError(f"malformed offer: field 'segments': expected 2 slots, got {len(offer.segments)}",
+    if len(offer.segments) not in (1, 2):
+        raise ManifestError(f"malformed offer: field 'segments': expected 1 or 2 slots, got {len(offer.segments)}",
                             field="segments")
     segs: list[Segment] = []
     try:
@@ -278,9 +282,13 @@ def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
 # -- moving the bytes ----------------------------------------------------------------------
 
 
-def _copy_hash(pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], hasher: StreamHasher) -> None:
+def _copy_hash(pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], hasher: StreamHasher | None) -> None:
     """Copy each ``(tensor index, dst, src)`` in :data:`PIECE`-sized pieces, hashing each
-    piece of ``dst`` (what this member holds) right after it was copied."""
+    piece of ``dst`` (what this member holds) right after it was copied (no hasher: copy only)."""
+    if hasher is None:
+        for _, dst, src in pairs:
+            dst.copy_(src)
+        return
     for tensor, dst, src in pairs:
         mv = host_bytes(dst)
         for lo in range(0, dst.numel(), PIECE):
@@ -289,7 +297,9 @@ def _copy_hash(pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], hasher: 
             hasher.feed(tensor, mv[lo:hi])
 
 
-def _hash(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher) -> None:
+def _hash(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher | None) -> None:
+    if hasher is None:
+        return
     mv = host_bytes(data)
     for s in bucket.segments:
         hasher.feed(s.tensor, mv[s.bucket_offset : s.bucket_offset + s.length])
@@ -320,10 +330,11 @@ def _check(route: _Route, stage: str, pids: Mapping[int, int]) -> None:
 class _Waiter:
     """The sender's view of the two slots: which bucket each holds, who has not released it."""
 
-    def __init__(self, route: _Route, chan: Channel | None, pids: dict[int, int]) -> None:
+    def __init__(self, route: _Route, chan: Channel | None, pids: dict[int, int], nslots: int) -> None:
         self.route = route
         self.chan = chan
         self.pids = pids
+        self.nslots = nslots
         self.busy: list[tuple[int, set[int], list[Pending]] | None] = [None, None]
 
     def hellos(self, readers: Sequence[int], stage: str) -> None:
@@ -361,7 +372,7 @@ class _Waiter:
             self.pids[rank] = pid
         elif kind == "released":
             index = msg.get("bucket")
-            entry = self.busy[index % 2] if isinstance(index, int) else None
+            entry = self.busy[index % self.nslots] if isinstance(index, int) else None
             if entry is None or entry[0] != index:
                 raise ManifestError(f"bucket signal: rank {rank} released bucket {index}, which it was not reading",
                                     field="bucket")
@@ -444,7 +455,7 @@ def _send(
     """One transfer on the same-host route (see the module docstring)."""
     comm = route.comm
     started = time.monotonic()
-    tensors, weights_version, _ = sender._state_to_send(comm, weights, weights_version)
+    tensors, weights_version, committed = sender._state_to_send(comm, weights, weights_version)
     comm.check_usable()
     names = list(tensors)
     sources = [byte_view(tensors[n]) for n in names]
@@ -453,6 +464,10 @@ def _send(
     )
     buckets = bucket_segments(entries, windows)
     manifest = Manifest(comm.group, comm.version, weights_version, sender.bucket_size, total, entries, windows)
+    # Resending a committed state cut into the same buckets (a failover's resync): its verified
+    # checksums go out again instead of hashing here; the receiver hashes what it reads.
+    known = committed._seal if committed is not None and committed._entries == entries \
+        and committed._windows == windows else None
     receivers = [r for r in range(comm.world_size) if r != comm.rank] if isinstance(route, _BroadcastRoute) \
         else [_peer_of(route)]
     readers = [r for r in receivers if r in same_host]
@@ -468,7 +483,7 @@ def _send(
                     path=str(SHM_DIR), nbytes=2 * capacity,
                     problem=f"the weights are on {comm.device}: this route moves host memory (CUDA IPC is not "
                             "implemented)")
-            slots, fresh = _slots_for(sender, comm, capacity, set(readers))
+            slots, fresh = _slots_for(sender, comm, capacity, min(2, len(buckets)) or 1, set(readers))
         except SharedMemoryUnavailable as exc:
             if require_shm:
                 comm.abort(f"shared memory unavailable: {exc.problem}")
@@ -477,8 +492,9 @@ def _send(
             net, readers = sorted(net + readers), []
     routes = {**{r: "shm" for r in readers}, **{r: "collective" for r in net}}
     chan = Channel.bind() if readers else None
-    waiter = _Waiter(route, chan, {})
-    hasher = StreamHasher(len(entries))
+    nslots = len(slots.segments) if slots is not None and readers else 2
+    waiter = _Waiter(route, chan, {}, nslots)
+    hasher = StreamHasher(len(entries)) if known is None else None
     digests: list[int] = []
     stage = "manifest"
     try:
@@ -497,7 +513,7 @@ def _send(
         n = len(buckets)
         for b in buckets:
             stage = f"bucket {b.index + 1}/{n}"
-            slot = b.index % 2
+            slot = b.index % nslots
             waiter.free(slot, stage)
             one = b.single
             if slots is not None and readers:
@@ -513,7 +529,7 @@ def _send(
                 data = sender._buffer(slot, b.nbytes, comm.device)
                 _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
                              sources[s.tensor][s.start : s.start + s.length]) for s in b.segments], hasher)
-            digests.append(hasher.bucket_digest(b))
+            digests.append(hasher.bucket_digest(b) if hasher is not None else known.bucket_checksums[b.index])
             for r in readers:
                 assert chan is not None
                 chan.send({"kind": "ready", "bucket": b.index, "slot": slot}, to=r)
@@ -524,7 +540,7 @@ def _send(
         stage = "last buckets"
         waiter.free(0, stage)
         waiter.free(1, stage)
-        tensor_sums = hasher.tensor_digests()
+        tensor_sums = hasher.tensor_digests() if hasher is not None else list(known.tensor_checksums)
         state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(entries, tensor_sums, strict=True))
         stage = "seal"
         seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state)
@@ -557,7 +573,7 @@ def _sender_failed(sender: Sender, comm: Communicator, chan: Channel | None, rea
 # -- receiver --------------------------------------------------------------------------------
 
 
-def _await_ready(chan: Channel, index: int, route: _Route, stage: str, sender: dict[int, int]) -> int:
+def _await_ready(chan: Channel, index: int, route: _Route, stage: str, sender: dict[int, int], nslots: int) -> int:
     """The slot holding bucket ``index`` once the sender says it is ready."""
     comm = route.comm
     while True:
@@ -566,7 +582,7 @@ def _await_ready(chan: Channel, index: int, route: _Route, stage: str, sender: d
             _check(route, stage, sender)
             continue
         kind = msg["kind"]
-        if kind == "ready" and msg.get("bucket") == index and msg.get("slot") in (0, 1):
+        if kind == "ready" and msg.get("bucket") == index and msg.get("slot") in (0, 1)[:nslots]:
             return int(msg["slot"])
         if kind == "failed":
             peer = next(iter(sender))
@@ -607,7 +623,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
             sender_pid = {src: offer.pid}
             for b in buckets:
                 stage = f"bucket {b.index + 1}/{n}"
-                seg = segs[_await_ready(chan, b.index, route, stage, sender_pid)]
+                seg = segs[_await_ready(chan, b.index, route, stage, sender_pid, len(segs))]
                 if seg.group_version() != comm.version:
                     raise StaleGroupVersion(comm.group, got=seg.group_version(), current=comm.version,
                                             peer=f"shared-memory segment {seg.name!r}")

@@ -24,6 +24,10 @@ disagree with the collective about who is alive), and are bounded by the same pe
 timeouts. Every header carries the group version and a receiver rejects an older one
 with :class:`~ftstate.core.errors.StaleGroupVersion` before reading anything else.
 
+**Same host.** :mod:`ftstate.transport.samehost` runs this same protocol (manifest, seal,
+vote and commit on the communicator) with the buckets' bytes through shared memory for
+the receivers on the sender's host; it shares this module's checks and commit.
+
 **Pipelining.** Buckets are gloo (or NCCL) asynchronous operations executed by the
 backend's own threads, which do not hold the GIL, with up to :data:`WINDOW` on the wire
 at once. A helper thread hashes each bucket while the driving thread keeps the wire
