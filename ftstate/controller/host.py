@@ -26,6 +26,7 @@ import inspect
 import os
 import signal
 import socket
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -144,10 +145,12 @@ class WorkerHost:
             self._comm.abandon(reason)
 
     def leave(self) -> None:
-        if self._sender is not None and self._sender._samehost is not None:
+        if "ftstate.transport.samehost" in sys.modules:  # it ever took part in a same-host transfer
             from ftstate.transport import samehost
 
-            samehost.drop_slots(self._sender)  # the next version makes its own
+            if self._sender is not None:
+                samehost.drop_slots(self._sender)  # the next version makes its own
+            samehost.drop_mappings()  # and a reader maps the next version's
         if self._comm is not None:
             try:
                 self._comm.abort("left the group version")

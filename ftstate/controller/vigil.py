@@ -33,8 +33,10 @@ class Vigils:
         self._tasks: dict[str, tuple[object, asyncio.Task[None]]] = {}
 
     def keep(self, members: Iterable[Member]) -> None:
-        """Have a vigil pending on each of ``members`` (not gone); drop those of members gone."""
-        live = {m.name: m for m in members if not m.gone}
+        """Have a vigil pending on each of ``members`` that is constructed and not gone; drop
+        those of members gone. A member still constructing (INIT) has its start call pending
+        already, and the launcher decides what a spare that dies or hangs while warming means."""
+        live = {m.name: m for m in members if not m.gone and m.machine.state != "INIT"}
         for name in [n for n, (_, t) in self._tasks.items() if n not in live or t.done()]:
             _, task = self._tasks.pop(name)
             task.cancel()
