@@ -250,7 +250,7 @@ class WorkerHost:
 
     async def prewarm(self) -> dict[str, Any]:
         """A spare's warm-up: import the transport (torch, the backend) now, not on promotion."""
-        import ftstate.transport.sync  # noqa: F401 - the import is the warm-up
+        import ftstate.transport.samehost  # noqa: F401 - the import is the warm-up (sync, torch, zmq)
 
         return await self.info()
 
