@@ -8,6 +8,11 @@ also given as a ratio to a bare broadcast of the same bytes between the same pro
 measured in the same run. Prewarmed spares (standby mode), heartbeat_interval_s 0.2.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python benchmarks/failover.py [--sizes 64,512] [--kills 20]
+        [--shared-memory auto|off]
+
+Detection rides on the vigil call kept pending on every worker (ftstate.controller.vigil).
+``--shared-memory``: the config key; with ``auto`` (default) the newcomer, on its source's
+node here, is resynced through shared memory, with ``off`` over gloo point to point.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ def _check(rt: ftstate.Runtime) -> None:
         raise SystemExit(f"the run failed: {rt.group.error if rt.group else 'unknown error'}")
 
 
-async def run(size_mb: int, role: str, kills: int) -> dict[str, list[float]]:
+async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto") -> dict[str, list[float]]:
     cfg = ftstate.RuntimeConfig.from_dict({
         "rollout_workers": 2, "init_timeout_s": 300, "sync_timeout_s": 300, "failover_timeout_s": 300,
         "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "bucket_size_mb": 64,
+        "shared_memory": shared_memory,
         "fault_tolerance": {"enable": True, "reverse_weight_sync": True, "max_failovers": kills + 1},
     }, environ={})
     floats = size_mb * 2**20 // 4
@@ -82,6 +88,7 @@ async def main() -> None:
     ap.add_argument("--sizes", default="64,512")
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--roles", default="rollout,trainer")
+    ap.add_argument("--shared-memory", default="auto", choices=("auto", "off"))
     args = ap.parse_args()
     started = cluster.connect(None, num_cpus=16, log_to_driver=False)
     try:
@@ -89,7 +96,7 @@ async def main() -> None:
               f"{'total':>15} | {'transfer/raw bcast':>18}   (median / p95, ms)")
         for size in [int(s) for s in args.sizes.split(",")]:
             for role in args.roles.split(","):
-                r = await run(size, role, args.kills)
+                r = await run(size, role, args.kills, args.shared_memory)
 
                 def cell(xs: list[float]) -> str:
                     return f"{statistics.median(xs) * 1e3:7.0f}/{pct(xs, 0.95) * 1e3:<7.0f}"

@@ -38,6 +38,7 @@ from ftstate.controller.calls import ActorCalls
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import Member, Membership, walk_proven
+from ftstate.controller.sync import plan_for
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
@@ -522,12 +523,16 @@ class Failover:
                 raise err
         elif not sources:
             return False  # no survivor holds it: the next sync resyncs the newcomer
-        src = sources[0]
-        await newcomer.machine.fire("resync", source=src.name)
+        # a holder on the newcomer's node first: the plan then reads shared memory, no socket
+        src = min(sources, key=lambda m: m.node_id is None or m.node_id != newcomer.node_id)
+        plan = plan_for(self.config, src, [newcomer])
+        await newcomer.machine.fire("resync", source=src.name, plan=plan.record())
         timeout = self.config.sync_timeout_s
+        shm = plan.uses_shm
         _, got = await asyncio.gather(
-            self.calls.call(src.name, src.handle, "send_weights_to", newcomer.rank, timeout),
-            self.calls.call(newcomer.name, newcomer.handle, "receive_weights_from", src.rank, version, checksum, timeout),
+            self.calls.call(src.name, src.handle, "send_weights_to", newcomer.rank, timeout, shm, plan.require_shm),
+            self.calls.call(newcomer.name, newcomer.handle, "receive_weights_from", src.rank, version, checksum,
+                            timeout, shm),
         )
         if got["checksum"] != checksum:
             # It received the version intact but does not hold it after loading (a rollout's

@@ -26,6 +26,7 @@ import inspect
 import os
 import signal
 import socket
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,6 +98,12 @@ class WorkerHost:
             "pid": os.getpid(),
         }
 
+    async def vigil(self) -> None:
+        """Never returns while this process lives: the controller keeps this call pending so
+        that a death surfaces as Ray's ``ActorDiedError`` at once, idle or not
+        (:mod:`ftstate.controller.vigil`)."""
+        await asyncio.Event().wait()
+
     def _lock(self) -> asyncio.Lock:
         if self._user_lock is None:
             self._user_lock = asyncio.Lock()
@@ -134,6 +141,9 @@ class WorkerHost:
             device_host=_device_host(store_host),
         )
         self.group_version = version
+        from ftstate.transport.shm import sweep_orphans
+
+        sweep_orphans()  # segments a SIGKILLed sender of an older version left named on this host
         self._tick()
         return {"group_version": version, "rank": rank}
 
@@ -146,6 +156,12 @@ class WorkerHost:
             self._comm.abandon(reason)
 
     def leave(self) -> None:
+        if "ftstate.transport.samehost" in sys.modules:  # it ever took part in a same-host transfer
+            from ftstate.transport import samehost
+
+            if self._sender is not None:
+                samehost.drop_slots(self._sender)  # the next version makes its own
+            samehost.drop_mappings()  # and a reader maps the next version's
         if self._comm is not None:
             try:
                 self._comm.abort("left the group version")
@@ -154,9 +170,13 @@ class WorkerHost:
 
     # -- weights ------------------------------------------------------------------------
 
-    async def send_weights(self, weights_version: int, timeout_s: float) -> dict[str, Any]:
+    async def send_weights(
+        self, weights_version: int, timeout_s: float, same_host: list[int] | None = None, require_shm: bool = False
+    ) -> dict[str, Any]:
         """Trainer: broadcast the user's ``state_dict()`` to the group as ``weights_version``.
         ``timeout_s`` bounds the transfer (the controller passes what is left of sync_timeout_s).
+        ``same_host``: the plan's ranks on this node, which read shared memory
+        (:mod:`ftstate.transport.samehost`; ``require_shm``: fail rather than fall back).
         A ``state_dict()`` the transport cannot send (not a mapping, empty, a value that is not
         a dense tensor on the backend's device…) raises
         :class:`~ftstate.core.errors.StateDictError` naming this member and the tensor, before
@@ -175,10 +195,18 @@ class WorkerHost:
             )
             self.busy = True
             try:
-                report = await asyncio.to_thread(
-                    self._sender.broadcast, comm, state, weights_version=weights_version,
-                    timeout_s=timeout_s, progress=self._on_bucket,
-                )
+                if same_host:
+                    from ftstate.transport import samehost
+
+                    report = await asyncio.to_thread(
+                        samehost.broadcast, self._sender, comm, state, same_host=same_host, require_shm=require_shm,
+                        weights_version=weights_version, timeout_s=timeout_s, progress=self._on_bucket,
+                    )
+                else:
+                    report = await asyncio.to_thread(
+                        self._sender.broadcast, comm, state, weights_version=weights_version,
+                        timeout_s=timeout_s, progress=self._on_bucket,
+                    )
             finally:
                 self.busy = False
         if report.ok:
@@ -186,15 +214,22 @@ class WorkerHost:
             self.checksum = report.state_checksum
         self._tick()
         return {"checksum": report.state_checksum, "nbytes": report.nbytes,
-                "rejected": {int(k): v for k, v in report.rejected.items()}}
+                "rejected": {int(k): v for k, v in report.rejected.items()},
+                "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback}
 
-    async def receive_weights(self, weights_version: int, src: int, timeout_s: float) -> dict[str, Any]:
+    async def receive_weights(
+        self, weights_version: int, src: int, timeout_s: float, planned: bool = False
+    ) -> dict[str, Any]:
         """Rollout: receive and verify the broadcast of ``weights_version`` from rank ``src``.
-        It is staged: the user's ``load_weights`` is not called until :meth:`commit_weights`."""
+        It is staged: the user's ``load_weights`` is not called until :meth:`commit_weights`.
+        ``planned``: the sender uses the same-host route (it says in its offer how this member reads)."""
         from ftstate.core.errors import ManifestError
 
         self._staged = None
-        staged = await self._receive("receive_broadcast", root=src, timeout_s=timeout_s)
+        if planned:
+            staged = await self._receive("samehost", src, timeout_s=timeout_s)
+        else:
+            staged = await self._receive("receive_broadcast", root=src, timeout_s=timeout_s)
         if staged.weights_version != weights_version:
             raise ManifestError(
                 f"{self.member}: field 'weights_version': expected {weights_version}, the sender sent "
@@ -228,13 +263,16 @@ class WorkerHost:
 
     async def prewarm(self) -> dict[str, Any]:
         """A spare's warm-up: import the transport (torch, the backend) now, not on promotion."""
-        import ftstate.transport.sync  # noqa: F401 - the import is the warm-up
+        import ftstate.transport.samehost  # noqa: F401 - the import is the warm-up (sync, torch, zmq)
 
         return await self.info()
 
-    async def send_weights_to(self, peer: int, timeout_s: float) -> dict[str, Any]:
+    async def send_weights_to(
+        self, peer: int, timeout_s: float, same_host: bool = False, require_shm: bool = False
+    ) -> dict[str, Any]:
         """Point to point: send the committed version this rollout holds to ``peer`` only
-        (recovery of a newcomer, or reverse recovery of a new trainer)."""
+        (recovery of a newcomer, or reverse recovery of a new trainer); through shared memory
+        when the plan puts ``peer`` on this node (``same_host``)."""
         from ftstate.transport import Sender
 
         comm = self._require_comm()
@@ -244,9 +282,17 @@ class WorkerHost:
             self._sender = Sender(bucket_size=self.bucket_bytes)
         self.busy = True
         try:
-            report = await asyncio.to_thread(
-                self._sender.send_to, comm, peer, self._loaded, timeout_s=timeout_s, progress=self._on_bucket
-            )
+            if same_host:
+                from ftstate.transport import samehost
+
+                report = await asyncio.to_thread(
+                    samehost.send_to, self._sender, comm, peer, self._loaded, require_shm=require_shm,
+                    timeout_s=timeout_s, progress=self._on_bucket,
+                )
+            else:
+                report = await asyncio.to_thread(
+                    self._sender.send_to, comm, peer, self._loaded, timeout_s=timeout_s, progress=self._on_bucket
+                )
         finally:
             self.busy = False
         if not report.ok:
@@ -258,14 +304,17 @@ class WorkerHost:
                 "weights_version": self._loaded.weights_version}
 
     async def receive_weights_from(
-        self, src: int, weights_version: int, checksum: str, timeout_s: float
+        self, src: int, weights_version: int, checksum: str, timeout_s: float, same_host: bool = False
     ) -> dict[str, Any]:
         """Point to point: receive the current version from ``src``, prove it is that version
         (``checksum``), and adopt it: a rollout through ``load_weights``, a trainer through
         ``load_state_dict``."""
         from ftstate.core.errors import ChecksumMismatch
 
-        staged = await self._receive("receive_from", src, timeout_s=timeout_s)
+        if same_host:
+            staged = await self._receive("samehost", src, point_to_point=True, timeout_s=timeout_s)
+        else:
+            staged = await self._receive("receive_from", src, timeout_s=timeout_s)
         if staged.weights_version != weights_version or staged.state_checksum != checksum:
             raise ChecksumMismatch(
                 f"{self.member}: received weights version {staged.weights_version} ({staged.state_checksum}) "
@@ -346,9 +395,12 @@ class WorkerHost:
         os.kill(os.getpid(), signal.SIGSTOP)
 
     async def _receive(self, how: str, *args: Any, timeout_s: float, **kwargs: Any) -> Any:
-        """One transfer into this worker's Receiver (``receive_broadcast`` or ``receive_from``),
-        in a thread, marked busy for the watchdog, with a pending chaos corruption applied."""
-        from ftstate.transport import Receiver
+        """One transfer into this worker's Receiver (``receive_broadcast``, ``receive_from``, or
+        ``samehost``: :func:`ftstate.transport.samehost.receive`), in a thread, marked busy for
+        the watchdog, with a pending chaos corruption applied."""
+        import functools
+
+        from ftstate.transport import Receiver, samehost
 
         comm = self._require_comm()
         if self._receiver is None:
@@ -358,9 +410,9 @@ class WorkerHost:
             self._receiver.corrupt_next_bucket()
         self.busy = True
         try:
-            return await asyncio.to_thread(
-                getattr(self._receiver, how), comm, *args, timeout_s=timeout_s, progress=self._on_bucket, **kwargs
-            )
+            fn = functools.partial(samehost.receive, self._receiver) if how == "samehost" else getattr(
+                self._receiver, how)
+            return await asyncio.to_thread(fn, comm, *args, timeout_s=timeout_s, progress=self._on_bucket, **kwargs)
         finally:
             self.busy = False
 

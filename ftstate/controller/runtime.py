@@ -247,6 +247,9 @@ class Runtime:
             machine.close()
         if self._launcher is not None:
             self._launcher.close()
+        from ftstate.transport.shm import sweep_orphans
+
+        sweep_orphans()  # a sender killed between making its segments and its readers mapping them
         if self._chaos is not None:
             self._chaos.release()
         if self._formation is not None:

@@ -42,6 +42,7 @@ from ftstate.core.errors import (
     SyncTimeout,
     TransportError,
 )
+from ftstate.core.plan import COLLECTIVE, Endpoint, Plan, plan_transfer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,10 @@ class SyncReport:
     checksum; nbytes: bytes sent per receiver; seconds: wall time; failovers: failovers this
     sync needed; group_version: the membership version it ran under; rollouts: who got it;
     stale: rollouts that loaded it but do not hold it (their checksum after ``load_weights`` or
-    ``held_weights()`` differed from the sender's), taken out of serving until resynced.
+    ``held_weights()`` differed from the sender's), taken out of serving until resynced;
+    routes: how each of them got it (``shm``: from shared memory on the trainer's node,
+    ``collective``: over gloo/NCCL; see :mod:`ftstate.core.plan`); shm_fallback: why rollouts
+    planned on shared memory took the collective instead (``shared_memory: auto``), else None.
     """
 
     weights_version: int
@@ -63,6 +67,8 @@ class SyncReport:
     group_version: int
     rollouts: tuple[str, ...]
     stale: tuple[str, ...] = ()
+    routes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    shm_fallback: str | None = None
 
 
 def _rank_of_cause(exc: BaseException) -> int:
@@ -80,6 +86,12 @@ def root_cause(failures: Mapping[str, BaseException], order: Sequence[str] = ())
     arrival = {name: i for i, name in enumerate(order)}
     return dict(sorted(failures.items(),
                        key=lambda kv: (_rank_of_cause(kv[1]), arrival.get(kv[0], len(arrival)))))
+
+
+def plan_for(config: RuntimeConfig, sender: Member, receivers: Sequence[Member]) -> Plan:
+    """The route plan of a transfer from ``sender`` to ``receivers`` (by the nodes they run on)."""
+    return plan_transfer(Endpoint(sender.name, sender.rank, sender.node_id),
+                         [Endpoint(m.name, m.rank, m.node_id) for m in receivers], config.shared_memory)
 
 
 class WeightSync:
@@ -124,7 +136,8 @@ class WeightSync:
         # The sync_start record names the version being pushed; until it is committed the
         # group's (and routing's) current version stays the previous one.
         group.weights_version = target
-        await group.fire("sync_start", rollouts=[m.name for m in rollouts])
+        plan = plan_for(self.config, trainer, rollouts)
+        await group.fire("sync_start", rollouts=[m.name for m in rollouts], plan=plan.record())
         group.weights_version = previous
         await trainer.machine.fire("sync")
         for m in rollouts:
@@ -133,9 +146,13 @@ class WeightSync:
         timeout = self.config.sync_timeout_s
         try:
             async with group.deadline_scope():
+                # the same-host route only where the plan puts a rollout on the trainer's node
+                send_shm = (list(plan.same_host_ranks), plan.require_shm) if plan.uses_shm else ()
+                planned = (True,) if plan.uses_shm else ()
                 results = await self._transfer([
-                    (trainer, self.calls.call(trainer.name, trainer.handle, "send_weights", target, timeout)),
-                    *((m, self.calls.call(m.name, m.handle, "receive_weights", target, 0, timeout))
+                    (trainer, self.calls.call(trainer.name, trainer.handle, "send_weights", target, timeout,
+                                              *send_shm)),
+                    *((m, self.calls.call(m.name, m.handle, "receive_weights", target, 0, timeout, *planned))
                       for m in rollouts),
                 ])
                 failures = self._failures([trainer, *rollouts], results)
@@ -157,6 +174,10 @@ class WeightSync:
         except SyncTimeout:
             group.weights_version = previous
             raise
+        routes = {m.name: sent.get("routes", {}).get(m.rank, COLLECTIVE) for m in rollouts}
+        if sent.get("shm_fallback"):
+            self.audit.record("shm_fallback", reason=sent["shm_fallback"],
+                              members=[n for n in plan.routes if routes[n] != plan.routes[n]])
         ms.committed(target, sent["checksum"])
         await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"])
         # A held-weights mismatch is a fault of that rollout's engine, handled here (it is
@@ -175,6 +196,8 @@ class WeightSync:
             group_version=group.group_version,
             rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
             stale=tuple(n for n, e in not_loaded.items() if isinstance(e, HeldWeightsMismatch)),
+            routes={n: how for n, how in routes.items() if n not in not_loaded},
+            shm_fallback=sent.get("shm_fallback"),
         )
 
     async def _transfer(self, calls: Sequence[tuple[Member, Any]]) -> list[Any]:

@@ -4,8 +4,9 @@ Every ``heartbeat_interval_s`` each member that is not gone (and not still const
 polled with a ``heartbeat`` call bounded by one interval; the answer, or its absence, goes to
 the member's :class:`~ftstate.core.liveness.Liveness`, whose trigger (if any) is fired on
 its machine. The rules are the core's; this module only carries them out. A process that
-*died* is reported by the failing call (:mod:`~ftstate.controller.calls`), not here:
-heartbeats are for the hung.
+*died* is reported by the failing call (:mod:`~ftstate.controller.calls`), not here: every
+member has one call kept pending for that (:mod:`~ftstate.controller.vigil`, renewed at
+each interval); heartbeats are for the hung.
 
 :meth:`Watchdog.settle_suspects` resolves SUSPECT members at once (a sync or a failover
 wants to know now, not at the watchdog's pace), bounded by ``heartbeat_timeout_s`` plus one
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.membership import Member, Membership
+from ftstate.controller.vigil import Vigils
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import MemberLost
 from ftstate.core.liveness import Heartbeat
@@ -31,15 +33,20 @@ class Watchdog:
         self.config = config
         self.membership = membership
         self.calls = calls
+        self.vigils = Vigils(calls)
 
     async def run(self) -> None:
         """Poll forever (the runtime cancels it at close)."""
         interval = self.config.heartbeat_interval_s
         loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(interval)
-            members = [m for m in self.membership if not m.gone and m.machine.state != "INIT"]
-            await asyncio.gather(*(self.poll(m, loop.time()) for m in members), return_exceptions=True)
+        try:
+            while True:
+                self.vigils.keep(self.membership)
+                await asyncio.sleep(interval)
+                members = [m for m in self.membership if not m.gone and m.machine.state != "INIT"]
+                await asyncio.gather(*(self.poll(m, loop.time()) for m in members), return_exceptions=True)
+        finally:
+            await self.vigils.close()
 
     async def poll(self, m: Member, now: float) -> None:
         """One heartbeat of ``m`` and the event it implies."""

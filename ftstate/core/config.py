@@ -213,6 +213,16 @@ class RuntimeConfig:
     bucket_size_mb: float = _field(
         256.0, "Size of one broadcast bucket in MiB; larger tensors are chunked across buckets.", gt=0
     )
+    shared_memory: Literal["auto", "off", "require"] = _field(
+        "auto",
+        "Same-host route of a weight sync. auto: rollouts on the trainer's node (and a newcomer "
+        "resynced from a rollout on its node) read each bucket from shared memory (/dev/shm), "
+        "written once by the sender; the others get it over the collective; when a segment "
+        "cannot be made (no /dev/shm, full, weights on a GPU) that sync takes the collective "
+        "and the audit trail records why (shm_fallback). off: always the collective. require: "
+        "such a sync fails with SharedMemoryUnavailable instead. Its waits are bounded by "
+        "sync_timeout_s (failover_timeout_s for a resync).",
+    )
     worker_cpus: float = _field(
         0.01,
         "CPUs each worker reserves in its resource pool (Ray's logical CPUs; the default is a "

@@ -22,6 +22,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── StateDictError           user code handed weights the transport cannot send (also a TypeError)
     ├── TransportError           moving weights failed
     │   ├── BackendUnavailable   the chosen backend (e.g. nccl) cannot load here
+    │   ├── SharedMemoryUnavailable  /dev/shm is missing, full or too small for the same-host route
     │   ├── StaleGroupVersion    a message or collective from an older group version (fencing)
     │   ├── ChecksumMismatch     a bucket's bytes do not hash to the manifest's checksum
     │   ├── ManifestError        a manifest on the wire is malformed (.field names the field)
@@ -259,6 +260,21 @@ class BackendUnavailable(TransportError):
     """Raised when the chosen transport backend cannot be loaded on this machine."""
 
 
+class SharedMemoryUnavailable(TransportError):
+    """Raised when a shared-memory segment for the same-host route cannot be created.
+
+    path: the segment's path; nbytes: the size asked for; problem: what the system said
+    (with the space left). Raised only with ``shared_memory: require``; with ``auto`` the
+    sync takes the collective instead and the audit trail records why.
+    """
+
+    def __init__(self, *, path: str, nbytes: int, problem: str) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self.problem = problem
+        super().__init__(f"shared memory unavailable: cannot create {path} of {nbytes} bytes: {problem}")
+
+
 class StaleGroupVersion(TransportError):
     """Raised when a message or collective belongs to an older group version than the current one."""
 
@@ -380,6 +396,7 @@ __all__ = [
     "PeerLost",
     "PlacementUnsatisfiable",
     "RendezvousTimeout",
+    "SharedMemoryUnavailable",
     "SpecError",
     "StaleGroupVersion",
     "StateDictError",

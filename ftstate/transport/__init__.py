@@ -20,7 +20,10 @@ neither torch nor any backend; the first use of a name below does):
 Modules: ``store`` (store, versioned rendezvous, fencing), ``base`` (the communicator
 interface), ``factory`` (a backend by name), ``gloo`` and ``nccl`` (backends), ``buckets`` (layout and bucket
 planning), ``manifest`` (wire messages), ``checksum`` (hashing), ``validate`` (what a user's
-state must be to travel), ``sync`` (the transfer protocol, broadcast and point-to-point).
+state must be to travel), ``sync`` (the transfer protocol, broadcast and point-to-point),
+``samehost`` (the same protocol with the buckets through shared memory for receivers on the
+sender's host: ``samehost.broadcast`` / ``send_to`` / ``receive``), ``shm`` (its segments)
+and ``signals`` (its pyzmq bucket-ready / released signals).
 Nothing here imports Ray.
 """
 

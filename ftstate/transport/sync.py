@@ -24,6 +24,10 @@ disagree with the collective about who is alive), and are bounded by the same pe
 timeouts. Every header carries the group version and a receiver rejects an older one
 with :class:`~ftstate.core.errors.StaleGroupVersion` before reading anything else.
 
+**Same host.** :mod:`ftstate.transport.samehost` runs this same protocol (manifest, seal,
+vote and commit on the communicator) with the buckets' bytes through shared memory for
+the receivers on the sender's host; it shares this module's checks and commit.
+
 **Pipelining.** Buckets are gloo (or NCCL) asynchronous operations executed by the
 backend's own threads, which do not hold the GIL, with up to :data:`WINDOW` on the wire
 at once. A helper thread hashes each bucket while the driving thread keeps the wire
@@ -72,6 +76,7 @@ import types
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -172,6 +177,11 @@ class SyncReport:
     seconds: float
     committed: tuple[int, ...]
     rejected: Mapping[int, str]
+    #: rank -> how its buckets travelled (``shm``: read from shared memory on the sender's
+    #: host; ``collective``: over the communicator). Empty for a plain broadcast / send_to.
+    routes: Mapping[int, str] = field(default_factory=dict)
+    #: why same-host ranks took the collective instead of shared memory (``shared_memory: auto``).
+    shm_fallback: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -415,6 +425,7 @@ class Sender:
         plan_layout([], bucket_size)  # validates the size
         self.bucket_size = bucket_size
         self._pack: list[torch.Tensor | None] = [None, None]
+        self._samehost: Any = None  # the shared-memory slots of the same-host route (samehost.py)
 
     def broadcast(
         self,
@@ -462,6 +473,53 @@ class Sender:
 
     # -- internals ----------------------------------------------------------------------
 
+    def _state_to_send(
+        self, comm: Communicator, weights: Mapping[str, torch.Tensor] | CommittedWeights, weights_version: int | None
+    ) -> tuple[Mapping[str, torch.Tensor], int, CommittedWeights | None]:
+        """The tensors to send, the version to stamp and the committed weights they are (if so)."""
+        committed = weights if isinstance(weights, CommittedWeights) else None
+        if weights_version is None:
+            if committed is None:
+                raise ValueError("weights_version is required when sending a plain mapping of tensors")
+            weights_version = committed.weights_version
+        if committed is not None:
+            tensors = committed.tensors
+        else:  # the caller's own tensors: refused here, before anything moves, if they cannot travel
+            tensors = check_state_dict(
+                weights, device_type=comm.device.type, member=f"rank {comm.rank}", what="weights", allow_empty=True
+            )
+        return tensors, weights_version, committed
+
+    def _report(
+        self, comm: Communicator, manifest: Manifest, state: int, num_buckets: int, started: float,
+        votes: Mapping[int, int], routes: Mapping[int, str] | None = None, shm_fallback: str | None = None,
+    ) -> SyncReport:
+        """The sender's report of a completed transfer, logged."""
+        report = SyncReport(
+            group=comm.group,
+            group_version=comm.version,
+            weights_version=manifest.weights_version,
+            state_checksum=format_checksum(state),
+            nbytes=manifest.payload_bytes,
+            num_buckets=num_buckets,
+            seconds=time.monotonic() - started,
+            committed=tuple(sorted(r for r, v in votes.items() if v == VOTE_COMMIT)),
+            rejected={r: _VOTE_NAMES.get(v, f"vote {v}") for r, v in sorted(votes.items()) if v != VOTE_COMMIT},
+            routes=dict(routes or {}),
+            shm_fallback=shm_fallback,
+        )
+        log.info(
+            "weights sent",
+            extra={
+                "group": comm.group, "group_version": comm.version, "rank": comm.rank,
+                "weights_version": report.weights_version, "state_checksum": report.state_checksum,
+                "bytes": report.nbytes, "buckets": report.num_buckets, "seconds": round(report.seconds, 4),
+                "committed": list(report.committed), "rejected": dict(report.rejected),
+                "routes": dict(report.routes), "shm_fallback": shm_fallback,
+            },
+        )
+        return report
+
     def _buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """Packing buffer ``slot``, at least ``nbytes`` long (grown on demand, kept between
         transfers: only buckets of small tensors are packed, so they stay small in practice)."""
@@ -480,17 +538,7 @@ class Sender:
     ) -> SyncReport:
         comm = route.comm
         started = time.monotonic()
-        committed = weights if isinstance(weights, CommittedWeights) else None
-        if weights_version is None:
-            if committed is None:
-                raise ValueError("weights_version is required when sending a plain mapping of tensors")
-            weights_version = committed.weights_version
-        if committed is not None:
-            tensors = committed.tensors
-        else:  # the caller's own tensors: refused here, before anything moves, if they cannot travel
-            tensors = check_state_dict(
-                weights, device_type=comm.device.type, member=f"rank {comm.rank}", what="weights", allow_empty=True
-            )
+        tensors, weights_version, committed = self._state_to_send(comm, weights, weights_version)
         comm.check_usable()
 
         names = list(tensors)
@@ -597,27 +645,7 @@ class Sender:
             comm.abort(f"weight transfer interrupted during {stage}")
             raise
 
-        report = SyncReport(
-            group=comm.group,
-            group_version=comm.version,
-            weights_version=weights_version,
-            state_checksum=format_checksum(state),
-            nbytes=manifest.payload_bytes,
-            num_buckets=len(buckets),
-            seconds=time.monotonic() - started,
-            committed=tuple(sorted(r for r, v in votes.items() if v == VOTE_COMMIT)),
-            rejected={r: _VOTE_NAMES.get(v, f"vote {v}") for r, v in sorted(votes.items()) if v != VOTE_COMMIT},
-        )
-        log.info(
-            "weights sent",
-            extra={
-                "group": comm.group, "group_version": comm.version, "rank": comm.rank,
-                "weights_version": weights_version, "state_checksum": report.state_checksum,
-                "bytes": report.nbytes, "buckets": report.num_buckets, "seconds": round(report.seconds, 4),
-                "committed": list(report.committed), "rejected": dict(report.rejected),
-            },
-        )
-        return report
+        return self._report(comm, manifest, state, len(buckets), started, votes)
 
 
 # -- receiver ------------------------------------------------------------------------------
@@ -712,7 +740,6 @@ class Receiver:
     def _receive(self, route: _Route, progress: Progress | None) -> CommittedWeights:
         comm = route.comm
         kept = self._committed
-        kept_version = kept.weights_version if kept is not None else None
         stage = "manifest"
         manifest: Manifest | None = None
         staging: tuple[torch.Tensor, int] | None = None
@@ -748,8 +775,7 @@ class Receiver:
             stage = "checksums"
             digests = hashing.finish()
             tensor_sums = hashing.hasher.tensor_digests()
-            # This member's own whole-state checksum, from the bytes it received (not the seal's).
-            own = combine((e.name, e.dtype, e.shape, h) for e, h in zip(manifest.tensors, tensor_sums, strict=True))
+            own = _own_state_checksum(manifest, tensor_sums)
             problem = _verify(manifest, seal, digests, tensor_sums, own)
             stage = "commit vote"
             route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, stage)
@@ -765,6 +791,17 @@ class Receiver:
             comm.abort(f"weight transfer interrupted during {stage}")
             raise
 
+        return self._conclude(comm, manifest, seal, staging, kept, problem, own)
+
+    def _conclude(
+        self, comm: Communicator, manifest: Manifest, seal: Seal, staging: tuple[torch.Tensor, int],
+        kept: CommittedWeights | None, problem: str | None, own: int,
+    ) -> CommittedWeights:
+        """After the vote: raise :class:`ChecksumMismatch` for ``problem`` (keeping what was
+        committed), else commit the staged state (one reference assignment). ``own``: this
+        member's whole-state checksum of the bytes it received (:func:`_own_state_checksum`),
+        what it reports as holding, never the seal's."""
+        kept_version = kept.weights_version if kept is not None else None
         if problem is not None:
             self._spare = staging  # verified as garbage, but the buffer is ours to reuse
             kept_text = f"kept weights version {kept_version}" if kept is not None else "kept no weights"
@@ -816,6 +853,11 @@ def _zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
         if e.offset > cursor:
             flat[cursor : e.offset].zero_()
         cursor = max(cursor, e.end)
+
+
+def _own_state_checksum(manifest: Manifest, tensor_sums: list[int]) -> int:
+    """The whole-state checksum of what this member received, from its own per-tensor digests."""
+    return combine((e.name, e.dtype, e.shape, h) for e, h in zip(manifest.tensors, tensor_sums, strict=True))
 
 
 def _verify(manifest: Manifest, seal: Seal, digests: list[int], tensor_sums: list[int], state: int) -> str | None:

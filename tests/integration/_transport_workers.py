@@ -121,6 +121,88 @@ class _Member:
         got = self.receiver.receive_broadcast(comm, root=root, timeout_s=timeout_s, progress=self._progress(kill_at))
         return {"weights_version": got.weights_version, "checksum": got.state_checksum, "group_version": got.group_version}
 
+    def broadcast_planned(self, timeout_s: float, same_host: list[int], require_shm: bool = False,
+                          kill_at: int | None = None) -> dict[str, Any]:
+        from ftstate.transport import samehost
+
+        report = samehost.broadcast(
+            self.sender, self.comm, self.weights, same_host=same_host, require_shm=require_shm,
+            weights_version=self.weights_version, timeout_s=timeout_s, progress=self._progress(kill_at),
+        )
+        return {"committed": list(report.committed), "rejected": dict(report.rejected),
+                "checksum": report.state_checksum, "buckets": report.num_buckets,
+                "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback}
+
+    def receive_planned(self, timeout_s: float, src: int = 0, point_to_point: bool = False,
+                        kill_at: int | None = None) -> dict[str, Any]:
+        from ftstate.transport import samehost
+
+        got = samehost.receive(self.receiver, self.comm, src, point_to_point=point_to_point, timeout_s=timeout_s,
+                                            progress=self._progress(kill_at))
+        return {"weights_version": got.weights_version, "checksum": got.state_checksum,
+                "group_version": got.group_version}
+
+    def send_to_planned(self, peer: int, timeout_s: float, source: str = "weights") -> dict[str, Any]:
+        from ftstate.transport import samehost
+
+        weights = self.weights if source == "weights" else self.receiver.committed
+        report = samehost.send_to(
+            self.sender, self.comm, peer, weights, weights_version=self.weights_version if source == "weights" else None,
+            timeout_s=timeout_s,
+        )
+        return {"committed": list(report.committed), "rejected": dict(report.rejected),
+                "checksum": report.state_checksum, "routes": {int(k): v for k, v in report.routes.items()}}
+
+    def offer_stale_segments(self, stale_version: int, timeout_s: float) -> list[str]:
+        """Send the current version's manifest, then an offer that names segments made for
+        ``stale_version`` (kept named, as a SIGKILLed sender of that version would leave them)."""
+        from ftstate.transport import samehost, shm
+        from ftstate.transport.buckets import plan_layout
+        from ftstate.transport.checksum import dtype_name
+        from ftstate.transport.manifest import Manifest, encode_manifest
+        from ftstate.transport.signals import Channel
+        from ftstate.transport.sync import _BroadcastRoute
+
+        comm = self.comm
+        entries, windows, total = plan_layout(
+            ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self.weights.items()), BUCKET
+        )
+        names = [shm.segment_name(comm.group, stale_version, os.getpid(), 999, slot) for slot in (0, 1)]
+        self.stale = [shm.Segment.create(n, group_version=stale_version, slot=i, capacity=BUCKET)
+                      for i, n in enumerate(names)]
+        for seg in self.stale:  # what an old sender left in its slots: a plausible bucket 0
+            seg.data.fill_(0x5A)
+            seg.mark(0, self.weights_version, windows[0][1] - windows[0][0])
+        chan = Channel.bind()
+        self.stale_chan = chan
+        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+        route.send_message(encode_manifest(
+            Manifest(comm.group, comm.version, self.weights_version, BUCKET, total, entries, windows)), "manifest")
+        offer = samehost.Offer(comm.group, comm.version, os.getpid(), chan.endpoint, tuple(names), True,
+                               tuple(r for r in range(comm.world_size) if r != comm.rank), ())
+        route.send_message(samehost.encode_offer(offer), "offer")
+        return names
+
+    def drop_stale_segments(self) -> None:
+        for seg in getattr(self, "stale", []):
+            seg.unlink()
+            seg.close()
+        self.stale_chan.close()
+
+    def set_shm_dir(self, path: str) -> None:
+        """Point this process's segments at ``path`` (a missing directory: shared memory unavailable)."""
+        from pathlib import Path
+
+        from ftstate.transport import shm
+
+        shm.SHM_DIR = Path(path)
+
+    def segment_names(self) -> list[str]:
+        """The names of this process's sender slots (empty once unlinked or never made)."""
+        from ftstate.transport import shm
+
+        return [n for n in shm.list_segments() if f"-p{os.getpid()}-" in n]
+
     def send_to(self, peer: int, timeout_s: float, source: str = "weights") -> dict[str, Any]:
         if source == "weights":
             report = self.sender.send_to(
@@ -330,6 +412,9 @@ class Pool:
         return version
 
     def close(self) -> None:
+        from ftstate.transport.shm import sweep_orphans
+
         for w in self.started:
             w.kill()
         self.server.close()
+        sweep_orphans()  # what the killed members' last sends left named, as the controller does

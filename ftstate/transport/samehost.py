@@ -1,0 +1,705 @@
+"""The same-host route: buckets written once into shared memory and read by every receiver on the host.
+
+On one host a TCP loopback broadcast copies every byte through the kernel twice per
+receiver; here the sender copies each bucket once into a shared-memory slot
+(:mod:`ftstate.transport.shm`) and every same-host receiver copies it once out of it, with
+the checksum computed on the way (:data:`PIECE`-sized pieces: each piece is hashed right
+after it is copied, while it is still in cache, so verification costs no extra trip
+through memory). Receivers on other hosts get the same buckets over the communicator
+(point to point from the same slot), so one transfer can mix both::
+
+    sender (rank s)                               same-host reader r    collective rank c
+    ---------------                               ------------------    -----------------
+    manifest (collective)  ─────────────────────▶ validate              validate
+    offer: segments, signal endpoint, routes ───▶ map the segments,     (nothing to map)
+                                                  hello (zmq) ──────▶
+    bucket k: wait slot k%2 released, copy +
+      hash into it, mark it ──── ready k (zmq) ─▶ check the slot's header, copy + hash
+                             ◀── released k ───── out of it
+                             ── send (collective, tag) ───────────────▶ receive + hash
+    seal (collective)      ─────────────────────▶ compare every checksum
+    vote (collective)      ◀───────────────────▶ the commit point, as on the broadcast route
+
+The manifest, seal and vote are exactly the broadcast route's (:mod:`ftstate.transport.sync`),
+on the communicator: they stay ordered with the group version's membership and fencing, and
+the receiver commits with the same code (``Receiver._conclude``). Only the buckets'
+bytes take shared memory; the per-bucket ready / released signals take pyzmq
+(:mod:`ftstate.transport.signals`), not Ray calls and not the collective (which would need
+an operation per reader per bucket and cannot wait on "any reader").
+
+**Double buffering.** Two slots (one when the transfer is a single bucket): bucket k is
+written into slot k % 2 once every reader
+released bucket k - 2 and its collective sends completed, so the sender fills one slot while
+the readers copy out of the other.
+
+**Fencing.** The offer is stamped with the group version (an older one raises
+:class:`~ftstate.core.errors.StaleGroupVersion`); a segment's name and header carry the
+group version it was made for and are checked before it is mapped, and each slot's header
+says which bucket of which weights version it holds before a reader copies it.
+
+**Failure.** Each wait is sliced (:data:`POLL_S`); between slices it looks at the
+transfer's deadline (``sync_timeout_s`` / ``failover_timeout_s``: :class:`SyncTimeout`), at
+abandonment by the controller (:class:`CommunicatorAborted`) and at whether the process on
+the other end is still alive: the readers and the sender are on one host, so a pid tells
+(:class:`PeerLost` naming the rank within one slice of a SIGKILL, with no call pending
+anywhere). A side that fails tells the other side (``failed``), aborts its communicator and
+unlinks: the sender its own segments, a reader the segments of a sender that died. Nothing
+is committed by anyone before the vote.
+
+**Shared memory unavailable** (no ``/dev/shm``, full, too small, or weights on a GPU: CUDA
+IPC is not implemented): with ``require_shm`` the sender raises
+:class:`~ftstate.core.errors.SharedMemoryUnavailable`; otherwise those receivers take the
+collective for this transfer and :attr:`SyncReport.shm_fallback` says why (the controller
+records it in the audit trail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from ftstate.core.errors import (
+    CommunicatorAborted,
+    DeadlineExceeded,
+    ManifestError,
+    PeerLost,
+    SharedMemoryUnavailable,
+    StaleGroupVersion,
+    TransportError,
+)
+from ftstate.transport.base import Communicator, Pending
+from ftstate.transport.buckets import Bucket, bucket_segments, plan_layout
+from ftstate.transport.checksum import StreamHasher, byte_view, combine, dtype_name, host_bytes
+from ftstate.transport.manifest import (
+    WIRE_FORMAT,
+    Manifest,
+    Seal,
+    decode_manifest,
+    decode_seal,
+    encode_manifest,
+    encode_seal,
+)
+from ftstate.transport.shm import SHM_DIR, Segment, pid_alive, segment_name, unlink_names
+from ftstate.transport.signals import Channel
+from ftstate.transport.sync import (
+    VOTE_CHECKSUM_MISMATCH,
+    VOTE_COMMIT,
+    WINDOW,
+    CommittedWeights,
+    Progress,
+    Receiver,
+    Sender,
+    SyncReport,
+    _BroadcastRoute,
+    _own_state_checksum,
+    _PeerRoute,
+    _Route,
+    _verify,
+    _with_stage,
+    _zero_padding,
+)
+
+#: How often a wait on a signal looks at the deadline, at abandonment and at the peer's pid.
+POLL_S = 0.02
+
+#: Bytes copied then hashed at a time: the hash reads each piece back from cache (L2 is 2 MiB
+#: here; measured at 256 MiB, 2 readers: 128 KiB pieces 141 ms, 512 KiB 128 ms, 2 MiB 110 ms).
+PIECE = 2 * 1024 * 1024
+
+#: Tags of the buckets sent point to point to collective ranks (the peer route's messages
+#: use small sequence numbers, so the two never meet).
+NET_TAG = 1 << 20
+
+_generations = itertools.count(1)
+
+
+# -- the offer -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What the sender tells every receiver after the manifest: how each one gets the buckets."""
+
+    group: str
+    group_version: int
+    pid: int
+    endpoint: str
+    segments: tuple[str, ...]
+    fresh: bool
+    shm: tuple[int, ...]
+    collective: tuple[int, ...]
+    fallback: str | None = None
+
+
+def encode_offer(o: Offer) -> bytes:
+    return msgpack.packb(
+        {"kind": "offer", "format": WIRE_FORMAT, "group": o.group, "group_version": o.group_version,
+         "pid": o.pid, "endpoint": o.endpoint, "segments": list(o.segments), "fresh": o.fresh,
+         "shm": list(o.shm), "collective": list(o.collective), "fallback": o.fallback},
+        use_bin_type=True,
+    )
+
+
+def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
+    """Validate an offer; :class:`ManifestError` naming the field, :class:`StaleGroupVersion`."""
+    try:
+        d = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ManifestError(f"malformed offer: not msgpack: {exc}") from exc
+    if not isinstance(d, dict) or d.get("kind") != "offer":
+        raise ManifestError("malformed offer: field 'kind': expected 'offer'", field="kind")
+
+    def need(name: str, kind: type | tuple[type, ...]) -> Any:
+        value = d.get(name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ManifestError(f"malformed offer: field {name!r}: {value!r:.60}", field=name)
+        return value
+
+    if need("format", int) != WIRE_FORMAT:
+        raise ManifestError(f"malformed offer: field 'format': {d['format']}, expected {WIRE_FORMAT}", field="format")
+    if need("group", str) != group:
+        raise ManifestError(f"malformed offer: field 'group': {d['group']!r}, expected {group!r}", field="group")
+    gv = need("group_version", int)
+    if gv < group_version:
+        raise StaleGroupVersion(group, got=gv, current=group_version, peer="the sender's offer")
+    if gv > group_version:
+        raise ManifestError(f"malformed offer: field 'group_version': {gv} is newer than {group_version}",
+                            field="group_version")
+    lists = {}
+    for name, kind in (("segments", str), ("shm", int), ("collective", int)):
+        items = need(name, list)
+        if not all(isinstance(x, kind) for x in items):
+            raise ManifestError(f"malformed offer: field {name!r}: {items!r:.60}", field=name)
+        lists[name] = tuple(items)
+    fallback = d.get("fallback")
+    if fallback is not None and not isinstance(fallback, str):
+        raise ManifestError(f"malformed offer: field 'fallback': {fallback!r:.60}", field="fallback")
+    return Offer(group, gv, need("pid", int), need("endpoint", str), lists["segments"], need("fresh", bool),
+                 lists["shm"], lists["collective"], fallback)
+
+
+# -- the segments each side keeps ------------------------------------------------------------
+
+
+@dataclass
+class _Slots:
+    """The sender's two slots for one group version, and the readers that mapped them."""
+
+    group: str
+    version: int
+    capacity: int
+    segments: list[Segment]
+    attached: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Mapped:
+    """A reader's mappings of the sender's current slots."""
+
+    group: str
+    version: int
+    names: tuple[str, ...]
+    segments: list[Segment]
+
+
+#: This process's mappings, by group (a new Receiver in the same process keeps using them).
+_MAPPED: dict[str, _Mapped] = {}
+
+
+def drop_slots(sender: Sender) -> None:
+    """Unlink (if still named) and unmap the sender's slots."""
+    slots, sender._samehost = sender._samehost, None
+    if slots is not None:
+        unlink_names([s.name for s in slots.segments])
+        for s in slots.segments:
+            s.close()
+
+
+def drop_mappings(group: str | None = None) -> None:
+    """Unmap the segments this process mapped (of ``group``, or all)."""
+    for key in [k for k in _MAPPED if group is None or k == group]:
+        for s in _MAPPED.pop(key).segments:
+            s.close()
+
+
+def _slots_for(
+    sender: Sender, comm: Communicator, capacity: int, count: int, readers: set[int]
+) -> tuple[_Slots, bool]:
+    """The sender's ``count`` (1 or 2) slots for this group version (new ones when too few,
+    too small, or when a reader has not mapped them), and whether they are new. One slot when
+    the transfer is one bucket: each new slot costs a zeroed allocation of its size."""
+    s = sender._samehost
+    if s is not None and (s.group, s.version) == (comm.group, comm.version) and s.capacity >= capacity \
+            and len(s.segments) >= count and readers <= s.attached:
+        return s, False
+    drop_slots(sender)
+    generation = next(_generations)
+    made: list[Segment] = []
+    try:
+        for slot in range(count):
+            name = segment_name(comm.group, comm.version, os.getpid(), generation, slot)
+            made.append(Segment.create(name, group_version=comm.version, slot=slot, capacity=capacity))
+    except BaseException:
+        unlink_names([m.name for m in made])
+        for m in made:
+            m.close()
+        raise
+    sender._samehost = _Slots(comm.group, comm.version, capacity, made)
+    return sender._samehost, True
+
+
+def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
+    m = _MAPPED.get(comm.group)
+    if m is not None and m.names == offer.segments and m.version == comm.version:
+        return m.segments
+    drop_mappings(group=comm.group)
+    if not offer.fresh:
+        raise ManifestError(f"rank {comm.rank}: the offer names segments {list(offer.segments)} this member "
+                            "never mapped and that are gone", field="segments")
+    if len(offer.segments) not in (1, 2):
+        raise ManifestError(f"malformed offer: field 'segments': expected 1 or 2 slots, got {len(offer.segments)}",
+                            field="segments")
+    segs: list[Segment] = []
+    try:
+        for name in offer.segments:
+            segs.append(Segment.attach(name, group=comm.group, group_version=comm.version, creator_pid=offer.pid))
+    except BaseException:
+        for s in segs:
+            s.close()
+        raise
+    _MAPPED[comm.group] = _Mapped(comm.group, comm.version, offer.segments, segs)
+    return segs
+
+
+# -- moving the bytes ----------------------------------------------------------------------
+
+
+def _copy_hash(pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], hasher: StreamHasher | None) -> None:
+    """Copy each ``(tensor index, dst, src)`` in :data:`PIECE`-sized pieces, hashing each
+    piece of ``dst`` (what this member holds) right after it was copied (no hasher: copy only)."""
+    if hasher is None:
+        for _, dst, src in pairs:
+            dst.copy_(src)
+        return
+    for tensor, dst, src in pairs:
+        mv = host_bytes(dst)
+        for lo in range(0, dst.numel(), PIECE):
+            hi = min(lo + PIECE, dst.numel())
+            dst[lo:hi].copy_(src[lo:hi])
+            hasher.feed(tensor, mv[lo:hi])
+
+
+def _hash(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher | None) -> None:
+    if hasher is None:
+        return
+    mv = host_bytes(data)
+    for s in bucket.segments:
+        hasher.feed(s.tensor, mv[s.bucket_offset : s.bucket_offset + s.length])
+
+
+def _peer_of(route: _Route) -> int:
+    return route.root if isinstance(route, _BroadcastRoute) else route.peer  # type: ignore[attr-defined]
+
+
+def _check(route: _Route, stage: str, pids: Mapping[int, int]) -> None:
+    """Between two slices of a wait: the deadline, abandonment, and the other end's pids."""
+    comm = route.comm
+    route.remaining(stage)  # raises SyncTimeout past the deadline
+    if comm.aborted:
+        raise CommunicatorAborted(comm.group, comm.version, comm.rank, comm._abort_reason or "aborted")
+    for rank, pid in pids.items():
+        if not pid_alive(pid):
+            raise PeerLost(
+                f"rank {comm.rank} of group {comm.group!r} v{comm.version}: rank {rank} (pid {pid}, same host) "
+                f"died during {stage}",
+                group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=rank,
+            )
+
+
+# -- sender ----------------------------------------------------------------------------------
+
+
+class _Waiter:
+    """The sender's view of the two slots: which bucket each holds, who has not released it."""
+
+    def __init__(self, route: _Route, chan: Channel | None, pids: dict[int, int], nslots: int) -> None:
+        self.route = route
+        self.chan = chan
+        self.pids = pids
+        self.nslots = nslots
+        self.busy: list[tuple[int, set[int], list[Pending]] | None] = [None, None]
+
+    def hellos(self, readers: Sequence[int], stage: str) -> None:
+        assert self.chan is not None
+        while len(self.pids) < len(readers):
+            msg = self.chan.recv(POLL_S)
+            if msg is None:
+                _check(self.route, stage, self.pids)
+                continue
+            self._handle(msg, stage)
+
+    def free(self, slot: int, stage: str) -> None:
+        entry = self.busy[slot]
+        if entry is None:
+            return
+        _, waiting, pending = entry
+        while waiting:
+            assert self.chan is not None
+            msg = self.chan.recv(POLL_S)
+            if msg is None:
+                _check(self.route, stage, {r: self.pids[r] for r in waiting if r in self.pids})
+                continue
+            self._handle(msg, stage)
+        for p in pending:
+            p.wait()
+        self.busy[slot] = None
+
+    def _handle(self, msg: dict[str, Any], stage: str) -> None:
+        comm = self.route.comm
+        kind, rank = msg["kind"], msg["from"]
+        if kind == "hello":
+            pid = msg.get("pid")
+            if not isinstance(pid, int):
+                raise ManifestError(f"malformed bucket signal: hello from rank {rank} without a pid", field="pid")
+            self.pids[rank] = pid
+        elif kind == "released":
+            index = msg.get("bucket")
+            entry = self.busy[index % self.nslots] if isinstance(index, int) else None
+            if entry is None or entry[0] != index:
+                raise ManifestError(f"bucket signal: rank {rank} released bucket {index}, which it was not reading",
+                                    field="bucket")
+            entry[1].discard(rank)
+        elif kind == "failed":
+            raise PeerLost(
+                f"rank {comm.rank} of group {comm.group!r} v{comm.version}: rank {rank} gave the transfer up "
+                f"during {stage}: {msg.get('reason')}",
+                group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=rank,
+            )
+        else:
+            raise ManifestError(f"bucket signal: unexpected {kind!r} from rank {rank}", field="kind")
+
+
+def broadcast(
+    sender: Sender,
+    comm: Communicator,
+    weights: Mapping[str, torch.Tensor] | CommittedWeights,
+    *,
+    same_host: Collection[int],
+    require_shm: bool = False,
+    weights_version: int | None = None,
+    timeout_s: float,
+    progress: Progress | None = None,
+) -> SyncReport:
+    """:meth:`Sender.broadcast` on this route: the ranks in ``same_host`` (on this member's
+    host) read every bucket from shared memory, the others get it over the communicator;
+    receivers call :func:`receive`. Same manifest, checksums, vote and errors; in addition
+    :class:`~ftstate.core.errors.SharedMemoryUnavailable` with ``require_shm`` when a
+    segment cannot be made (else those ranks take the collective, said in
+    :attr:`SyncReport.shm_fallback`). ``timeout_s`` bounds the whole transfer."""
+    route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+    return _send(sender, route, weights, weights_version, progress, same_host=frozenset(same_host),
+                 require_shm=require_shm)
+
+
+def send_to(
+    sender: Sender,
+    comm: Communicator,
+    peer: int,
+    weights: Mapping[str, torch.Tensor] | CommittedWeights,
+    *,
+    require_shm: bool = False,
+    weights_version: int | None = None,
+    timeout_s: float,
+    progress: Progress | None = None,
+) -> SyncReport:
+    """:meth:`Sender.send_to` a ``peer`` on this member's host, through shared memory (the
+    peer calls :func:`receive` with ``point_to_point=True``)."""
+    route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
+    return _send(sender, route, weights, weights_version, progress, same_host=frozenset([peer]),
+                 require_shm=require_shm)
+
+
+def receive(
+    receiver: Receiver, comm: Communicator, src: int, *, point_to_point: bool = False, timeout_s: float,
+    progress: Progress | None = None,
+) -> CommittedWeights:
+    """Receive what ``src`` sends with :func:`broadcast` (or, with ``point_to_point``,
+    :func:`send_to`): from shared memory when the sender's offer says so, else over the
+    communicator. Same errors and guarantee as :meth:`Receiver.receive_broadcast`: on any
+    error the receiver's committed weights are what they were."""
+    if point_to_point:
+        route: _Route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=src, sending=False)
+    else:
+        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=src, sending=False)
+    return _receive(receiver, route, progress)
+
+
+def _send(
+    sender: Sender,
+    route: _Route,
+    weights: Mapping[str, torch.Tensor] | CommittedWeights,
+    weights_version: int | None,
+    progress: Progress | None,
+    *,
+    same_host: frozenset[int],
+    require_shm: bool,
+) -> SyncReport:
+    """One transfer on the same-host route (see the module docstring)."""
+    comm = route.comm
+    started = time.monotonic()
+    tensors, weights_version, committed = sender._state_to_send(comm, weights, weights_version)
+    comm.check_usable()
+    names = list(tensors)
+    sources = [byte_view(tensors[n]) for n in names]
+    entries, windows, total = plan_layout(
+        ((n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names), sender.bucket_size
+    )
+    buckets = bucket_segments(entries, windows)
+    manifest = Manifest(comm.group, comm.version, weights_version, sender.bucket_size, total, entries, windows)
+    # Resending a committed state cut into the same buckets (a failover's resync): its verified
+    # checksums go out again instead of hashing here; the receiver hashes what it reads.
+    known = committed._seal if committed is not None and committed._entries == entries \
+        and committed._windows == windows else None
+    receivers = [r for r in range(comm.world_size) if r != comm.rank] if isinstance(route, _BroadcastRoute) \
+        else [_peer_of(route)]
+    readers = [r for r in receivers if r in same_host]
+    net = [r for r in receivers if r not in same_host]
+    capacity = max([b.nbytes for b in buckets] + [1])
+    slots: _Slots | None = None
+    fresh = False
+    fallback: str | None = None
+    if readers:
+        try:
+            if comm.device.type != "cpu":
+                raise SharedMemoryUnavailable(
+                    path=str(SHM_DIR), nbytes=2 * capacity,
+                    problem=f"the weights are on {comm.device}: this route moves host memory (CUDA IPC is not "
+                            "implemented)")
+            slots, fresh = _slots_for(sender, comm, capacity, min(2, len(buckets)) or 1, set(readers))
+        except SharedMemoryUnavailable as exc:
+            if require_shm:
+                comm.abort(f"shared memory unavailable: {exc.problem}")
+                raise
+            fallback = str(exc)
+            net, readers = sorted(net + readers), []
+    routes = {**{r: "shm" for r in readers}, **{r: "collective" for r in net}}
+    chan = Channel.bind() if readers else None
+    nslots = len(slots.segments) if slots is not None and readers else 2
+    waiter = _Waiter(route, chan, {}, nslots)
+    hasher = StreamHasher(len(entries)) if known is None else None
+    digests: list[int] = []
+    stage = "manifest"
+    try:
+        route.send_message(encode_manifest(manifest), stage)
+        stage = "offer"
+        offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
+                      tuple(s.name for s in slots.segments) if slots and readers else (), fresh,
+                      tuple(readers), tuple(net), fallback)
+        route.send_message(encode_offer(offer), stage)
+        if slots is not None and readers:
+            stage = "attach"
+            waiter.hellos(readers, stage)
+            if fresh:  # every reader mapped them: the names go, the memory stays with the mappings
+                unlink_names(offer.segments)
+            slots.attached |= set(readers)
+        n = len(buckets)
+        for b in buckets:
+            stage = f"bucket {b.index + 1}/{n}"
+            slot = b.index % nslots
+            waiter.free(slot, stage)
+            one = b.single
+            if slots is not None and readers:
+                seg = slots.segments[slot]
+                data = seg.data[: b.nbytes]
+                _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
+                             sources[s.tensor][s.start : s.start + s.length]) for s in b.segments], hasher)
+                seg.mark(b.index, weights_version, b.nbytes)
+            elif one is not None:  # collective only: a bucket that is one tensor goes from its memory
+                data = sources[one.tensor][one.start : one.start + one.length]
+                _hash(b, data, hasher)
+            else:
+                data = sender._buffer(slot, b.nbytes, comm.device)
+                _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
+                             sources[s.tensor][s.start : s.start + s.length]) for s in b.segments], hasher)
+            digests.append(hasher.bucket_digest(b) if hasher is not None else known.bucket_checksums[b.index])
+            for r in readers:
+                assert chan is not None
+                chan.send({"kind": "ready", "bucket": b.index, "slot": slot}, to=r)
+            pending = [comm.send(data, r, tag=NET_TAG + b.index, timeout_s=route.remaining(stage)) for r in net]
+            waiter.busy[slot] = (b.index, set(readers), pending)
+            if progress is not None:
+                progress(b.index + 1, n)
+        stage = "last buckets"
+        waiter.free(0, stage)
+        waiter.free(1, stage)
+        tensor_sums = hasher.tensor_digests() if hasher is not None else list(known.tensor_checksums)
+        state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(entries, tensor_sums, strict=True))
+        stage = "seal"
+        seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state)
+        route.send_message(encode_seal(seal), stage)
+        stage = "commit vote"
+        votes = route.vote(VOTE_COMMIT, stage)
+    except (TransportError, DeadlineExceeded) as exc:
+        _sender_failed(sender, comm, chan, readers, stage, exc)
+        raise _with_stage(exc, stage, weights_version, route) from exc
+    except BaseException as exc:
+        _sender_failed(sender, comm, chan, readers, stage, exc)
+        raise
+    finally:
+        if chan is not None:
+            chan.close()
+    return sender._report(comm, manifest, state, len(buckets), started, votes, routes, fallback)
+
+
+def _sender_failed(sender: Sender, comm: Communicator, chan: Channel | None, readers: Sequence[int],
+                   stage: str, exc: BaseException) -> None:
+    if chan is not None:
+        for r in readers:
+            # a reader that is gone or never said hello: its pid check or deadline ends it
+            with contextlib.suppress(TransportError):
+                chan.send({"kind": "failed", "reason": f"{type(exc).__name__} during {stage}"}, to=r)
+    drop_slots(sender)
+    comm.abort(f"weight transfer failed during {stage}")
+
+
+# -- receiver --------------------------------------------------------------------------------
+
+
+def _await_ready(chan: Channel, index: int, route: _Route, stage: str, sender: dict[int, int], nslots: int) -> int:
+    """The slot holding bucket ``index`` once the sender says it is ready."""
+    comm = route.comm
+    while True:
+        msg = chan.recv(POLL_S)
+        if msg is None:
+            _check(route, stage, sender)
+            continue
+        kind = msg["kind"]
+        if kind == "ready" and msg.get("bucket") == index and msg.get("slot") in (0, 1)[:nslots]:
+            return int(msg["slot"])
+        if kind == "failed":
+            peer = next(iter(sender))
+            raise PeerLost(
+                f"rank {comm.rank} of group {comm.group!r} v{comm.version}: the sender (rank {peer}) gave the "
+                f"transfer up during {stage}: {msg.get('reason')}",
+                group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=peer,
+            )
+        raise ManifestError(f"bucket signal: expected 'ready' for bucket {index}, got {msg!r:.80}", field="bucket")
+
+
+def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> CommittedWeights:
+    """One transfer on the same-host route, into ``receiver`` (see the module docstring)."""
+    comm = route.comm
+    src = _peer_of(route)
+    kept = receiver._committed
+    stage = "manifest"
+    manifest: Manifest | None = None
+    offer: Offer | None = None
+    chan: Channel | None = None
+    comm.check_usable()
+    try:
+        manifest = decode_manifest(route.recv_message(stage), group=comm.group, group_version=comm.version)
+        stage = "offer"
+        offer = decode_offer(route.recv_message(stage), group=comm.group, group_version=comm.version)
+        staging = receiver._staging(manifest.total_bytes, comm.device)
+        flat = staging[0]
+        _zero_padding(flat, manifest)
+        buckets = bucket_segments(manifest.tensors, manifest.buckets)
+        n = len(buckets)
+        hasher = StreamHasher(len(manifest.tensors))
+        digests: list[int] = []
+        if comm.rank in offer.shm:
+            stage = "attach"
+            segs = _mappings(offer, comm)
+            chan = Channel.connect(offer.endpoint, comm.rank)
+            chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
+            sender_pid = {src: offer.pid}
+            for b in buckets:
+                stage = f"bucket {b.index + 1}/{n}"
+                seg = segs[_await_ready(chan, b.index, route, stage, sender_pid, len(segs))]
+                if seg.group_version() != comm.version:
+                    raise StaleGroupVersion(comm.group, got=seg.group_version(), current=comm.version,
+                                            peer=f"shared-memory segment {seg.name!r}")
+                holds = seg.holds()
+                if holds != (b.index, manifest.weights_version, b.nbytes):
+                    raise ManifestError(
+                        f"shared-memory segment {seg.name!r} holds bucket {holds[0]} of weights version {holds[1]} "
+                        f"({holds[2]} bytes), expected bucket {b.index} of {manifest.weights_version} "
+                        f"({b.nbytes} bytes)", field="segment")
+                if receiver._corrupt_next and b.segments:  # chaos: the segment itself is damaged
+                    receiver._corrupt_next = False
+                    seg.data[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
+                data = flat[b.start : b.stop]
+                _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
+                             seg.data[s.bucket_offset : s.bucket_offset + s.length]) for s in b.segments], hasher)
+                digests.append(hasher.bucket_digest(b))
+                chan.send({"kind": "released", "bucket": b.index})
+                if progress is not None:
+                    progress(b.index + 1, n)
+        elif comm.rank in offer.collective:
+            posted: deque[Pending] = deque()
+
+            def post(b: Bucket, stage: str) -> None:
+                posted.append(comm.recv(flat[b.start : b.stop], src, tag=NET_TAG + b.index,
+                                        timeout_s=route.remaining(stage)))
+
+            for b in buckets[:WINDOW]:
+                post(b, f"bucket {b.index + 1}/{n}")
+            for b in buckets:
+                stage = f"bucket {b.index + 1}/{n}"
+                posted.popleft().wait()
+                if b.index + WINDOW < n:
+                    post(buckets[b.index + WINDOW], stage)
+                data = flat[b.start : b.stop]
+                if receiver._corrupt_next and b.segments:
+                    receiver._corrupt_next = False
+                    data[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
+                _hash(b, data, hasher)
+                digests.append(hasher.bucket_digest(b))
+                if progress is not None:
+                    progress(b.index + 1, n)
+        else:
+            raise ManifestError(f"malformed offer: rank {comm.rank} is in neither 'shm' nor 'collective'",
+                                field="shm")
+        stage = "seal"
+        seal = decode_seal(route.recv_message(stage), manifest)
+        stage = "checksums"
+        tensor_sums = hasher.tensor_digests()
+        own = _own_state_checksum(manifest, tensor_sums)
+        problem = _verify(manifest, seal, digests, tensor_sums, own)
+        stage = "commit vote"
+        route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, stage)
+    except (TransportError, DeadlineExceeded) as exc:
+        _receiver_failed(comm, chan, offer, stage, exc)
+        wv = manifest.weights_version if manifest is not None else None
+        raise _with_stage(exc, stage, wv, route) from exc
+    except BaseException as exc:
+        _receiver_failed(comm, chan, offer, stage, exc)
+        raise
+    finally:
+        if chan is not None:
+            chan.close()
+    return receiver._conclude(comm, manifest, seal, staging, kept, problem, own)
+
+
+def _receiver_failed(comm: Communicator, chan: Channel | None, offer: Offer | None, stage: str,
+                     exc: BaseException) -> None:
+    if chan is not None and not isinstance(exc, PeerLost):
+        with contextlib.suppress(TransportError):  # a sender that is gone: nothing to tell
+            chan.send({"kind": "failed", "reason": f"{type(exc).__name__} during {stage}: {exc}"[:500]})
+    if offer is not None and offer.segments and not pid_alive(offer.pid):
+        unlink_names(offer.segments)  # a sender SIGKILLed before it could unlink its own
+    drop_mappings(group=comm.group)
+    comm.abort(f"weight transfer failed during {stage}")
+
+
+__all__ = ["NET_TAG", "PIECE", "POLL_S", "Offer", "broadcast", "decode_offer", "drop_mappings", "drop_slots",
+           "encode_offer", "receive", "send_to"]

@@ -1,0 +1,240 @@
+"""The same-host route with real processes: buckets through /dev/shm, signals over pyzmq.
+
+Same pool of spawned members as test_transport.py (rank 0 sends, ranks 1..n-1 receive);
+every test forms its own group version. What is checked: the bytes arrive bit-exact
+through shared memory and in a mixed transfer (one reader on shared memory, one on the
+collective); a SIGKILLed sender or reader ends the transfer for everyone at once, with
+nothing committed and no segment left named; a damaged segment is caught by the checksum;
+a segment of an older group version is refused before it is read; no shared memory at all
+is a typed error or an announced fallback, never silent.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.integration._transport_workers import GROUP, Pool, RemoteError, make_state
+
+SYNC_S = 10.0
+FAST_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = Pool(size=3)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def group(pool):
+    pool.heal()
+    pool.form()
+    pool.members[0].call("load", seed=1, weights_version=1)
+    return pool
+
+
+def expected_checksum(seed: int) -> str:
+    from ftstate.transport import state_checksum
+
+    return state_checksum(make_state(seed))
+
+
+def planned(pool, same_host, *, members=None, timeout_s: float = SYNC_S) -> dict:
+    trainer, *rollouts = pool.members if members is None else members
+    for r in rollouts:
+        r.start("receive_planned", timeout_s=timeout_s)
+    report = trainer.call("broadcast_planned", timeout_s=timeout_s, same_host=same_host)
+    for r in rollouts:
+        r.result()
+    return report
+
+
+def committed_checksum(worker) -> str | None:
+    info = worker.call("committed")
+    if info is None:
+        return None
+    assert info["checksum"] == info["recomputed"], "committed checksum must match the bytes held"
+    return info["checksum"]
+
+
+def assert_bit_exact(worker, seed: int) -> None:
+    from ftstate.transport.checksum import byte_view, dtype_name
+
+    want = make_state(seed)
+    got = worker.call("committed_bytes")
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert got[name] == (dtype_name(t.dtype), list(t.shape), bytes(byte_view(t).numpy())), name
+
+
+def our_segments(pool) -> list[str]:
+    from ftstate.transport import shm
+
+    pids = {f"-p{w.pid}-" for w in pool.started if w.pid is not None}
+    return [n for n in shm.list_segments() if any(p in n for p in pids)]
+
+
+class TestSameHost:
+    def test_two_readers_get_the_state_bit_exact_through_shared_memory(self, group):
+        report = planned(group, [1, 2])
+        assert report["routes"] == {1: "shm", 2: "shm"} and report["shm_fallback"] is None
+        assert report["committed"] == [1, 2] and report["rejected"] == {}
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 1)
+            assert committed_checksum(rollout) == expected_checksum(1) == report["checksum"]
+        # the names went once the readers mapped the slots: nothing is left in /dev/shm
+        assert our_segments(group) == []
+
+    def test_a_second_sync_reuses_the_slots_and_replaces_the_first(self, group):
+        planned(group, [1, 2])
+        group.members[0].call("load", seed=2, weights_version=2)
+        report = planned(group, [1, 2])
+        assert report["committed"] == [1, 2]
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 2)
+            assert committed_checksum(rollout) == expected_checksum(2)
+
+    def test_mixed_one_reader_on_shared_memory_one_on_the_collective(self, group):
+        report = planned(group, [1])
+        assert report["routes"] == {1: "shm", 2: "collective"}
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 1)
+
+    def test_point_to_point_resync_of_a_newcomer_on_the_same_host(self, group):
+        planned(group, [1, 2])
+        _trainer, source, newcomer = group.members
+        newcomer.call("reset_receiver")
+        newcomer.start("receive_planned", timeout_s=SYNC_S, src=1, point_to_point=True)
+        report = source.call("send_to_planned", peer=2, timeout_s=SYNC_S, source="committed")
+        assert newcomer.result()["checksum"] == expected_checksum(1)
+        assert report["routes"] == {2: "shm"} and report["committed"] == [2]
+        assert_bit_exact(newcomer, 1)
+
+
+class TestFaults:
+    def test_sender_killed_mid_bucket_nothing_committed_no_segment_left_next_sync_succeeds(self, group):
+        planned(group, [1, 2])
+        trainer, *rollouts = group.members
+        trainer.call("load", seed=3, weights_version=2)
+        for r in rollouts:
+            r.start("receive_planned", timeout_s=SYNC_S)
+        t0 = time.monotonic()
+        trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2], kill_at=3)  # after bucket 3 of 8
+        assert trainer.outcome()[0] == "died"
+        for r in rollouts:
+            with pytest.raises(RemoteError) as info:
+                r.result(FAST_S)
+            err = info.value.info
+            assert info.value.isinstance("PeerLost") and err["peer"] == 0, err
+            # the fault landed mid-stream: the sender died with buckets still to send (the ready
+            # signals it queued just before the SIGKILL may not have left the process)
+            assert err["op"].startswith("bucket ") and err["op"].endswith("/8"), err
+            assert "same host) died during bucket" in err["message"], err
+        assert time.monotonic() - t0 < FAST_S
+        for r in rollouts:
+            assert committed_checksum(r) == expected_checksum(1)  # nothing committed
+        assert our_segments(group) == []
+        group.heal()
+        group.form()
+        group.members[0].call("load", seed=4, weights_version=2)
+        assert planned(group, [1, 2])["committed"] == [1, 2]
+        for r in group.members[1:]:
+            assert committed_checksum(r) == expected_checksum(4)
+
+    def test_reader_killed_mid_read_ends_the_transfer_for_all_at_once(self, group):
+        planned(group, [1, 2])
+        trainer, survivor, doomed = group.members
+        trainer.call("load", seed=5, weights_version=2)
+        survivor.start("receive_planned", timeout_s=SYNC_S)
+        doomed.start("receive_planned", timeout_s=SYNC_S, kill_at=2)  # after reading bucket 2 of 8
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
+        err = info.value.info
+        assert info.value.isinstance("PeerLost") and err["peer"] == 2 and err["op"].startswith("bucket "), err
+        assert time.monotonic() - t0 < FAST_S
+        assert doomed.outcome()[0] == "died"
+        kind, survivor_err = survivor.outcome(FAST_S)
+        assert kind == "err" and survivor_err.isinstance("PeerLost"), survivor_err
+        assert committed_checksum(survivor) == expected_checksum(1)
+        assert our_segments(group) == []  # the sender unlinked on its way out
+        assert trainer.call("segment_names") == []
+
+    def test_corrupted_segment_is_caught_by_the_checksum_and_the_previous_version_kept(self, group):
+        pair = group.members[:2]
+        group.form(pair)
+        planned(group, [1], members=pair)
+        trainer, reader = pair
+        trainer.call("load", seed=6, weights_version=2)
+        reader.call("corrupt_next_bucket")  # flips a byte of the shared segment before it is read
+        reader.start("receive_planned", timeout_s=SYNC_S)
+        report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1])
+        with pytest.raises(RemoteError) as info:
+            reader.result()
+        assert info.value.isinstance("ChecksumMismatch"), info.value.info
+        assert "bucket 1/" in info.value.info["message"] and "kept weights version 1" in info.value.info["message"]
+        assert report["rejected"] == {1: "ChecksumMismatch"} and report["committed"] == []
+        assert committed_checksum(reader) == expected_checksum(1)
+
+    def test_a_segment_of_an_older_group_version_is_never_read(self, group):
+        trainer, *rollouts = group.members
+        planned(group, [1, 2])
+        old = group.version
+        group.form()
+        for r in rollouts:
+            r.start("receive_planned", timeout_s=SYNC_S)
+        names = trainer.call("offer_stale_segments", stale_version=old, timeout_s=SYNC_S)
+        assert all(f"-v{old}-" in n for n in names)
+        try:
+            for r in rollouts:
+                with pytest.raises(RemoteError) as info:
+                    r.result(FAST_S)
+                err = info.value.info
+                assert info.value.isinstance("StaleGroupVersion"), err
+                assert (err["got"], err["current"]) == (old, group.version) and names[0] in err["peer"], err
+                assert committed_checksum(r) == expected_checksum(1)  # never the 0x5A bytes of the old slot
+        finally:
+            trainer.call("drop_stale_segments")
+        assert our_segments(group) == []
+
+
+class TestNoSharedMemory:
+    def test_required_shared_memory_that_is_unavailable_is_a_typed_error(self, group):
+        trainer, *rollouts = group.members
+        trainer.call("set_shm_dir", path="/nonexistent-ftstate-shm")
+        try:
+            for r in rollouts:
+                r.start("receive_planned", timeout_s=SYNC_S)
+            with pytest.raises(RemoteError) as info:
+                trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2], require_shm=True)
+            assert info.value.isinstance("SharedMemoryUnavailable"), info.value.info
+            assert info.value.info["message"].startswith("shared memory unavailable: cannot create "
+                                                         "/nonexistent-ftstate-shm/ftstate-"), info.value.info
+            for r in rollouts:  # released at once by the aborted communicator
+                kind, err = r.outcome(FAST_S)
+                assert kind == "err" and err.isinstance("TransportError"), err
+                assert committed_checksum(r) == expected_checksum(1) or committed_checksum(r) is None
+        finally:
+            trainer.call("set_shm_dir", path="/dev/shm")
+
+    def test_with_auto_the_collective_carries_the_sync_and_the_report_says_why(self, group):
+        trainer = group.members[0]
+        trainer.call("set_shm_dir", path="/nonexistent-ftstate-shm")
+        try:
+            report = planned(group, [1, 2])
+        finally:
+            trainer.call("set_shm_dir", path="/dev/shm")
+        assert report["routes"] == {1: "collective", 2: "collective"}
+        assert "/nonexistent-ftstate-shm/ftstate-" in report["shm_fallback"]
+        for r in group.members[1:]:
+            assert_bit_exact(r, 1)
+
+
+def test_the_module_leaves_no_segment_named(pool):
+    assert our_segments(pool) == []
+    assert GROUP == "weights"

@@ -1,0 +1,106 @@
+"""Shared-memory segments and the same-host offer, in one process: names, fencing, sweeping."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ftstate.core.errors import ManifestError, SharedMemoryUnavailable, StaleGroupVersion
+from ftstate.transport import shm
+from ftstate.transport.samehost import Offer, decode_offer, encode_offer
+
+
+@pytest.fixture
+def made():
+    segs: list[shm.Segment] = []
+    yield segs
+    for s in segs:
+        s.unlink()
+        s.close()
+
+
+def create(made, version: int, slot: int = 0, capacity: int = 4096, generation: int = 1) -> shm.Segment:
+    seg = shm.Segment.create(shm.segment_name("weights", version, os.getpid(), generation, slot),
+                             group_version=version, slot=slot, capacity=capacity)
+    made.append(seg)
+    return seg
+
+
+class TestNamesAndHeaders:
+    def test_a_name_carries_group_version_creator_and_slot(self):
+        name = shm.segment_name("my/group", 7, 1234, 3, 1)
+        assert name == "ftstate-my_group-v7-p1234-g3-s1"
+        assert shm.parse_name(name) == {"group": "my_group", "version": 7, "pid": 1234, "generation": 3, "slot": 1}
+        assert shm.parse_name("ftstate-something-else") is None
+
+    def test_a_reader_sees_what_the_sender_wrote(self, made):
+        seg = create(made, 4)
+        seg.data[:5].copy_(seg.data.new_tensor([1, 2, 3, 4, 5]))
+        seg.mark(2, 9, 5)
+        other = shm.Segment.attach(seg.name, group="weights", group_version=4, creator_pid=os.getpid())
+        try:
+            assert other.holds() == (2, 9, 5) and other.data[:5].tolist() == [1, 2, 3, 4, 5]
+        finally:
+            other.close()
+
+
+class TestFencing:
+    def test_a_segment_of_an_older_group_version_is_refused_before_it_is_mapped(self, made):
+        seg = create(made, 3)
+        with pytest.raises(StaleGroupVersion, match="rejected message from shared-memory segment") as info:
+            shm.Segment.attach(seg.name, group="weights", group_version=4, creator_pid=os.getpid())
+        assert (info.value.got, info.value.current) == (3, 4)
+
+    def test_a_header_that_disagrees_with_the_name_is_refused(self, made):
+        seg = create(made, 3)
+        renamed = shm.segment_name("weights", 4, os.getpid(), 9, 0)
+        os.link(shm.SHM_DIR / seg.name, shm.SHM_DIR / renamed)  # same bytes, a v4 name: a forged segment
+        try:
+            with pytest.raises(StaleGroupVersion):
+                shm.Segment.attach(renamed, group="weights", group_version=4, creator_pid=os.getpid())
+        finally:
+            shm.unlink_names([renamed])
+
+    def test_a_segment_made_by_another_process_than_the_sender_is_refused(self, made):
+        seg = create(made, 5)
+        with pytest.raises(ManifestError, match="is not the sender's") as info:
+            shm.Segment.attach(seg.name, group="weights", group_version=5, creator_pid=1)
+        assert info.value.field == "segment"
+
+    def test_an_older_offer_is_stale_and_a_malformed_one_names_its_field(self):
+        offer = Offer("weights", 3, 10, "tcp://127.0.0.1:5555", ("a", "b"), True, (1,), (2,))
+        assert decode_offer(encode_offer(offer), group="weights", group_version=3) == offer
+        with pytest.raises(StaleGroupVersion):
+            decode_offer(encode_offer(offer), group="weights", group_version=4)
+        bad = Offer("weights", 3, 10, "tcp://127.0.0.1:5555", ("a", "b"), True, (1,), ("x",))  # type: ignore[arg-type]
+        with pytest.raises(ManifestError) as info:
+            decode_offer(encode_offer(bad), group="weights", group_version=3)
+        assert info.value.field == "collective"
+
+
+class TestSpace:
+    def test_a_segment_larger_than_dev_shm_is_a_typed_error_and_leaves_nothing(self):
+        name = shm.segment_name("weights", 1, os.getpid(), 77, 0)
+        with pytest.raises(SharedMemoryUnavailable, match="cannot create /dev/shm/ftstate-weights-v1") as info:
+            shm.Segment.create(name, group_version=1, slot=0, capacity=1 << 50)  # 1 PiB
+        assert info.value.nbytes > 1 << 50 and "bytes free in /dev/shm" in info.value.problem
+        assert name not in shm.list_segments()
+
+
+class TestOrphans:
+    def test_segments_of_a_sigkilled_creator_are_swept_and_a_live_ones_kept(self, made):
+        live = create(made, 2)
+        code = ("import os, signal, sys; from ftstate.transport import shm;"
+                "s = shm.Segment.create(shm.segment_name('weights', 2, os.getpid(), 1, 0), group_version=2, slot=0,"
+                " capacity=4096); print(s.name, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.returncode == -signal.SIGKILL, out.stderr
+        orphan = out.stdout.strip()
+        assert orphan in shm.list_segments()
+        swept = shm.sweep_orphans()
+        assert orphan in swept and orphan not in shm.list_segments()
+        assert live.name in shm.list_segments() and live.name not in swept
