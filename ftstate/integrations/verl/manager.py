@@ -1,0 +1,6 @@
+"""placeholder"""
+from verl.checkpoint_engine.base import CheckpointEngineManager
+
+
+class FTStateCheckpointEngineManager(CheckpointEngineManager):
+    pass
