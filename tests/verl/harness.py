@@ -144,6 +144,7 @@ class RecordingAdapter(BaseRollout):
         self.received: dict[str, torch.Tensor] = {}
         self.updates = 0
         self.in_update = 0
+        self.yielded: list[tuple[str, str]] = []
         self.pause_after: int | None = None
         self.paused = False
         self._go: asyncio.Event | None = None
@@ -156,8 +157,10 @@ class RecordingAdapter(BaseRollout):
 
     async def update_weights(self, weights, **kwargs):
         self.in_update = 0
+        self.yielded = []
         async for name, tensor in weights:
             self.received[name] = tensor.clone()
+            self.yielded.append((name, digest(tensor)))
             self.in_update += 1
             if self.pause_after is not None and self.in_update >= self.pause_after:
                 self.pause_after = None
@@ -183,10 +186,18 @@ class RolloutWorker(CheckpointEngineWorker):
         return {"pid": os.getpid(), "updates": a.updates, "in_update": a.in_update, "paused": a.paused,
                 **self.checkpoint_engine.describe()}
 
+    def yielded(self) -> list[tuple[str, str]]:
+        """(name, sha256) of every tensor the engine yielded in the last update, in order."""
+        return list(self.server_adapter.yielded)
+
     def pause_after(self, tensors: int) -> None:
         self.server_adapter.pause_after = tensors
 
-    def block(self, seconds: float) -> None:
+    def release(self) -> None:
+        if self.server_adapter._go is not None:
+            self.server_adapter._go.set()
+
+    async def block(self, seconds: float) -> None:
         """Occupy the actor's event loop (a worker that never reaches the next call in time)."""
         import time
 

@@ -150,6 +150,7 @@ class FTStateCheckpointEngine(CheckpointEngine):
         self._comm: Communicator | None = None
         self._sender = Sender(bucket_size=bucket_size) if is_master else None
         self._receiver = Receiver()
+        self._corrupt_at: int | None = None
 
     # -- verl's protocol ----------------------------------------------------------------
 
@@ -366,6 +367,9 @@ class FTStateCheckpointEngine(CheckpointEngine):
                 raise ManifestError(f"{me}: frame field 'sequence': {got}, expected {seq}", field="sequence")
             if kind == FRAME_END:
                 return None
+            if self._corrupt_at == seq:
+                self._corrupt_at = None
+                self._receiver.corrupt_next_bucket()
             try:
                 return self._receiver.receive_broadcast(comm, root=0, timeout_s=left(f"chunk {seq + 1}"))
             except ChecksumMismatch as exc:
@@ -409,10 +413,18 @@ class FTStateCheckpointEngine(CheckpointEngine):
 
     # -- chaos and inspection -------------------------------------------------------------
 
-    def corrupt_next_bucket(self) -> None:
-        """Test hook: flip one byte of the next bucket this rollout receives (after it arrived,
-        before it is checked), so that chunk fails its checksum."""
-        self._receiver.corrupt_next_bucket()
+    def corrupt_next_bucket(self, skip_chunks: int = 0) -> None:
+        """Test hook: flip one byte of the first bucket of the chunk after ``skip_chunks``
+        chunks of the next update (after it arrived, before it is checked), so that chunk
+        fails its checksum."""
+        self._corrupt_at = skip_chunks
+
+    def abandon(self, reason: str) -> None:
+        """Give up this update's group version from another call while a transfer may be
+        blocked in it (the manager, once a member died): the transfer ends within the
+        transport's poll slice with :class:`~ftstate.core.errors.CommunicatorAborted`."""
+        if self._comm is not None:
+            self._comm.abandon(reason)
 
     def describe(self) -> dict[str, Any]:
         """Where this engine stands (tests and operators): rank, group version, whether a
