@@ -48,6 +48,7 @@ def trainer(ray_cluster, tiny_model):
     from tests.verl.harness import checkpoint_engine_config, trainer_group
 
     wg = trainer_group(tiny_model, checkpoint_engine_config(init_timeout_s=30, sync_timeout_s=60))
+    wg.engine_state()  # every rank constructed (verl starts the actors in the background)
     yield wg
     kill_group(ray_cluster, wg)
 
@@ -58,6 +59,7 @@ def rollouts(ray_cluster, tiny_model):
     from tests.verl.harness import checkpoint_engine_config, rollout_replicas
 
     wg, replicas = rollout_replicas(tiny_model, checkpoint_engine_config(init_timeout_s=30, sync_timeout_s=60))
+    wg.digests()  # every worker constructed
     yield wg, replicas
     kill_group(ray_cluster, wg)
 

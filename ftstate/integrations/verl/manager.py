@@ -269,7 +269,10 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         async def one(i: int, m: _Member, ref: Any) -> None:
             try:
                 results[i] = await asyncio.wrap_future(ref.future())
+            except asyncio.CancelledError:
+                raise  # the deadline: it stays pending (named, and not waited for again)
             except BaseException as exc:  # noqa: BLE001 - sorted below: deaths first
+                pending.discard(m.name)
                 errors[i] = exc
                 if _died(exc):
                     # a transfer blocked on the dead member may not notice: tell the others now
@@ -277,8 +280,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
                         if other.name in pending and other is not m:
                             other.handle.execute_checkpoint_engine.remote("abandon", f"{m.name} died during {what}")
                 return
-            finally:
-                pending.discard(m.name)
+            pending.discard(m.name)
             if on_done is not None:
                 await on_done(m)
 
