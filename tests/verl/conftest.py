@@ -8,6 +8,7 @@ Ray's worker processes, so ``tests.verl.harness`` is always this project's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -67,7 +68,5 @@ def rollouts(ray_cluster, tiny_model):
 def kill_group(ray, wg) -> None:
     """End a worker group's actors (this session's own processes only)."""
     for handle in wg.workers:
-        try:
+        with contextlib.suppress(Exception):  # already gone
             ray.kill(handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass

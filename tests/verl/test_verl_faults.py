@@ -90,7 +90,7 @@ def test_a_rollout_that_never_reaches_init_is_a_typed_error_within_the_deadline_
         assert "init_timeout_s" in str(info.value)
         # nothing left running: the others answer at once and hold no group version
         probe = time.monotonic()
-        states = trainer.engine_state() + [ray.get(wg.workers[0].progress.remote())]
+        states = [*trainer.engine_state(), ray.get(wg.workers[0].progress.remote())]
         assert time.monotonic() - probe < 2.0
         assert [s["communicator"] for s in states] == [False, False, False], states
         assert manager.group is not None and manager.group.state == "FAILED"
@@ -175,7 +175,7 @@ def test_a_dead_trainer_rank_is_member_lost_naming_it_never_a_hang(ray_cluster, 
 
     ce = checkpoint_engine_config(init_timeout_s=20, sync_timeout_s=30)
     doomed = trainer_group(tiny_model, ce)
-    wg, replicas = rollouts
+    _, replicas = rollouts
     manager = FTStateCheckpointEngineManager(config=ce, actor_wg=doomed, replicas=list(replicas))
     try:
         manager.update_weights(global_steps=61)

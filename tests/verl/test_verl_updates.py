@@ -8,6 +8,8 @@ server adapter (the only mock: no inference engine on CPU).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 pytestmark = pytest.mark.ray
@@ -31,7 +33,7 @@ def three_updates(manager, trainer, wg, first_step: int) -> list[dict[str, str]]
         metrics = manager.update_weights(global_steps=step)
         assert metrics["ftstate/chunks"] >= 2, metrics  # several verified chunks per update
         seen.append(assert_every_rollout_holds(trainer, wg))
-    for before, after in zip(seen, seen[1:], strict=False):
+    for before, after in itertools.pairwise(seen):
         assert all(before[n] != after[n] for n in before), "an update left a tensor unchanged"
     return seen
 

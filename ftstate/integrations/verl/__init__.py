@@ -36,8 +36,8 @@ try:
 except ImportError as exc:
     raise IntegrationUnavailable(framework="verl", extra="verl", cause=str(exc)) from None
 
-from ftstate.integrations.verl.engine import BACKEND, FTStateCheckpointEngine  # noqa: E402
-from ftstate.integrations.verl.manager import FTStateCheckpointEngineManager  # noqa: E402
-from ftstate.integrations.verl.settings import EngineSettings  # noqa: E402
+from ftstate.integrations.verl.engine import BACKEND, FTStateCheckpointEngine
+from ftstate.integrations.verl.manager import FTStateCheckpointEngineManager
+from ftstate.integrations.verl.settings import EngineSettings
 
 __all__ = ["BACKEND", "EngineSettings", "FTStateCheckpointEngine", "FTStateCheckpointEngineManager"]

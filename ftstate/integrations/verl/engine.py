@@ -321,7 +321,7 @@ class FTStateCheckpointEngine(CheckpointEngine):
             if failure is None:
                 votes = await asyncio.to_thread(self._close_update, comm, chunks, _OK, left)
                 rejected.update({r: rejected.get(r, "rejected the update") for r, v in votes.items() if v != _OK})
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - the group is aborted below, then it is raised
             failure = failure or exc
         if failure is not None:
             await settle()
