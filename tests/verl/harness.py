@@ -59,6 +59,33 @@ def make_tiny_qwen2(path: str, *, vocab: int = 4096, hidden: int = 128, layers: 
     return path
 
 
+def raw_broadcast(comm, buf: torch.Tensor, bucket: int, window: int = 3) -> float:
+    """The baseline of benchmarks/verl_update.py: ``buf`` broadcast from rank 0 in buckets of
+    ``bucket`` bytes on a plain gloo group (no manifest, no checksums, no vote), ``window``
+    buckets on the wire at once; seconds between two barriers."""
+    import time
+    from collections import deque
+
+    comm.barrier()
+    started = time.perf_counter()
+    posted: deque = deque()
+    for at in range(0, buf.numel(), bucket):
+        posted.append(comm.broadcast(buf[at : at + bucket], 0))
+        while len(posted) >= window:
+            posted.popleft().wait()
+    while posted:
+        posted.popleft().wait()
+    comm.barrier()
+    return time.perf_counter() - started
+
+
+def join_raw(store: str, group: str, version: int, rank: int, world: int):
+    from ftstate.transport import create_communicator
+
+    return create_communicator("gloo", store_addr=store, group=group, version=version, rank=rank, world_size=world,
+                               timeout_s=120)
+
+
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -128,6 +155,31 @@ class HFTrainerWorker(Worker):
         return {name: digest(t) for name, t in self.per_tensor_param()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def gather_full(self) -> int:
+        """Rank 0 keeps the full weights as one byte buffer (for the raw baseline); every rank
+        takes part in the gathers. Returns the byte count."""
+        parts = [t.contiguous().view(-1).view(torch.uint8) for _, t in self.per_tensor_param()]
+        self._full = torch.cat(parts) if self.rank == 0 else None
+        return sum(p.numel() for p in parts)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def walk_generator(self) -> float:
+        """Seconds to walk the per-tensor generator alone (the gathers, nothing sent)."""
+        import time
+
+        started = time.perf_counter()
+        for _ in self.per_tensor_param():
+            pass
+        return time.perf_counter() - started
+
+    def raw_broadcast(self, store: str, group: str, version: int, world: int, bucket: int) -> float:
+        comm = join_raw(store, group, version, 0, world)
+        try:
+            return raw_broadcast(comm, self._full, bucket)
+        finally:
+            comm.close()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def engine_state(self) -> dict[str, Any]:
         return {**self.checkpoint_engine.describe(), "tensors_walked": self.tensors_walked}
 
@@ -145,6 +197,7 @@ class RecordingAdapter(BaseRollout):
         self.updates = 0
         self.in_update = 0
         self.yielded: list[tuple[str, str]] = []
+        self.recording = True
         self.pause_after: int | None = None
         self.paused = False
         self._go: asyncio.Event | None = None
@@ -159,8 +212,9 @@ class RecordingAdapter(BaseRollout):
         self.in_update = 0
         self.yielded = []
         async for name, tensor in weights:
-            self.received[name] = tensor.clone()
-            self.yielded.append((name, digest(tensor)))
+            if self.recording:
+                self.received[name] = tensor.clone()
+                self.yielded.append((name, digest(tensor)))
             self.in_update += 1
             if self.pause_after is not None and self.in_update >= self.pause_after:
                 self.pause_after = None
@@ -196,6 +250,18 @@ class RolloutWorker(CheckpointEngineWorker):
     def release(self) -> None:
         if self.server_adapter._go is not None:
             self.server_adapter._go.set()
+
+    def raw_broadcast(self, store: str, group: str, version: int, rank: int, world: int, nbytes: int,
+                      bucket: int) -> float:
+        comm = join_raw(store, group, version, rank, world)
+        try:
+            return raw_broadcast(comm, torch.empty(nbytes, dtype=torch.uint8), bucket)
+        finally:
+            comm.close()
+
+    def set_recording(self, on: bool) -> None:
+        """Off: the adapter walks what it is given without copying it (the benchmark)."""
+        self.server_adapter.recording = on
 
     async def block(self, seconds: float) -> None:
         """Occupy the actor's event loop (a worker that never reaches the next call in time)."""
