@@ -98,6 +98,9 @@ def test_a_rollout_that_never_reaches_init_is_a_typed_error_within_the_deadline_
         expired = [r for r in manager.audit.records if r["event"] == "deadline_expired"]
         assert expired and expired[0]["key"] == "init_timeout_s"
         assert expired[0]["missing"] == ["rollout replica 1 worker 0"]
+        from ftstate.core.audit_check import assert_trail_valid
+
+        assert_trail_valid(manager.audit.records)
     finally:
         manager.close()
         ray.get(blocked)
@@ -160,9 +163,26 @@ def test_a_replica_sigkilled_mid_update_is_removed_and_the_update_completes_for_
         trainer.train_step(53)
         manager.update_weights(global_steps=53)
         assert ray.get(survivor.digests.remote()) == trainer.full_digests()[0]
+        # verl adds a replacement: it serves only once it verified a complete update
+        new_wg, (replacement,) = rollout_replicas(tiny_model, ce, replicas=1)
+        replacement.replica_rank = 2
+        manager.add_replicas([replacement])
+        assert manager.serving_replicas() == [replicas[0]]
+        trainer.train_step(54)
+        manager.update_weights(global_steps=54)
+        assert manager.serving_replicas() == [replicas[0], replacement]
+        assert new_wg.digests() == [trainer.full_digests()[0]]
+        path = [r["to"] for r in manager.audit.records
+                if r.get("member") == "rollout replica 2 worker 0" and r["event"] == "transition"]
+        assert path == ["RENDEZVOUS", "STALE", "RESYNCING", "RESYNCED", "READY"], path
+        from ftstate.core.audit_check import assert_trail_valid
+
+        assert_trail_valid(manager.audit.records)
     finally:
         manager.close()
         kill_group(ray_cluster, wg)
+        if "new_wg" in locals():
+            kill_group(ray_cluster, new_wg)
 
 
 def test_a_dead_trainer_rank_is_member_lost_naming_it_never_a_hang(ray_cluster, tiny_model, rollouts) -> None:

@@ -71,6 +71,9 @@ def test_ftstate_manager_runs_three_bit_equal_updates_and_every_worker_ends_read
         groups = [r for r in records if r.get("machine") == "group" and r.get("to") == "STOPPED"]
         versions = [r["group_version"] for r in groups]
         assert len(versions) == 3 and versions == sorted(set(versions)), versions  # a new version per update
+        from ftstate.core.audit_check import assert_trail_valid
+
+        assert_trail_valid(records)  # every transition legal, READY only through RESYNCED, no stale serving
     finally:
         manager.close()
 
@@ -103,6 +106,9 @@ def test_a_corrupted_chunk_is_never_yielded_and_the_update_fails_naming_the_roll
         manager.update_weights(global_steps=22)
         assert_every_rollout_holds(trainer, wg)
         assert manager.serving_replicas() == list(replicas)
+        from ftstate.core.audit_check import assert_trail_valid
+
+        assert_trail_valid(manager.audit.records)
     finally:
         manager.close()
 
@@ -130,8 +136,12 @@ def test_staged_mode_yields_nothing_anywhere_until_every_rollout_verified_everyt
             manager.update_weights(global_steps=32)
         assert [ray.get(w.yielded.remote()) for w in wg.workers] == [[], []]
         assert wg.digests() == [before, before]  # both still hold the previous update, whole
+        assert set(manager.states().values()) == {"READY"}  # all-or-nothing: both serve the previous one
         manager.update_weights(global_steps=33)
         assert_every_rollout_holds(trainer, wg)
+        from ftstate.core.audit_check import assert_trail_valid
+
+        assert_trail_valid(manager.audit.records)
     finally:
         manager.close()
         kill_group(ray_cluster, wg)

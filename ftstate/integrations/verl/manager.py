@@ -134,6 +134,9 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         self.updates = 0
         self._members: dict[str, _Member] = {}
         self._attempts = 0
+        self._pushing = 0
+        self._committed = 0
+        self._group_version = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ftstate-verl-manager", daemon=True)
         self._thread.start()
@@ -192,6 +195,10 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         self._attempts += 1
         group = StateMachine(get_spec("group"), member=f"verl-weights update {self._attempts}", config=self.cfg,
                              audit=self.audit, budgets={BUDGET_KEY: self.budget})
+        # the versions carry over from the last update: the group machine is per update,
+        # the weights version and the membership version are the run's
+        group.weights_version = self._committed
+        group.group_version = self._group_version
         self.group = group
         everyone = trainers + rollouts
         # the group's deadline first: it is the one that decides (see _member)
@@ -219,7 +226,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
                 metadata = await self._all(everyone, refs, pending, "prepare")
                 actor_kwargs, rollout_kwargs = self.backend_cls.build_topology(len(trainers), len(rollouts), metadata)
                 version = rollout_kwargs["version"][0]
-                group.group_version = version
+                group.group_version = self._group_version = version
                 actor_kwargs["method"] = ["init_process_group"] * len(trainers)
                 rollout_kwargs["method"] = ["init_process_group"] * len(rollouts)
                 refs = self.actor_wg.execute_checkpoint_engine(**actor_kwargs) + rollout_wg.execute_checkpoint_engine(
@@ -231,7 +238,10 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         await group.fire("rendezvous_done", reason=f"group version {version} formed")
 
         # 2. the transfer, bounded by the group's SYNCING deadline (sync_timeout_s)
-        await group.fire("sync_start", reason=f"weights version {global_steps}")
+        wv = global_steps if global_steps is not None else self.updates + 1
+        self._pushing = wv
+        group.weights_version = wv  # sync_start carries the version being pushed
+        await group.fire("sync_start", reason=f"weights version {wv}")
         group.describe_wait("verl weight transfer", missing=lambda: sorted(pending))
         try:
             async with group.deadline_scope():
@@ -242,7 +252,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
             await self._abandon(group, everyone, rollout_wg, version, exc, pending)
             raise
         await self._finalize(everyone, rollout_wg)
-        group.weights_version = global_steps if global_steps is not None else self.updates + 1
+        self._committed = wv
         await group.fire("sync_done", reason="every rollout verified and applied the update")
         await group.fire("stop", reason="update finished (verl rebuilds the group on every update)")
         metrics: dict[str, Any] = {}
@@ -311,6 +321,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
                 await m.machine.fire("resync", reason="receives the update")
 
     async def _synced(self, m: _Member) -> None:
+        m.machine.weights_version = self._pushing
         state = m.machine.state
         if state == "SYNCING":
             await m.machine.fire("committed", reason="update applied")
@@ -340,13 +351,26 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
                 else:
                     await m.machine.fire("joined_as_source" if m.role == "trainer" else "joined", reason=why)
             elif state == "SYNCING":
-                await m.machine.fire("sync_aborted" if m.role == "trainer" else "sync_failed", reason=why)
+                # a trainer keeps its own weights; a rollout in staged mode applied nothing and
+                # still holds the previous version whole; in stream mode it may hold part of
+                # this one: STALE until a complete verified update reaches it
+                keeps = m.role == "trainer" or self.settings.commit_mode == "staged"
+                await m.machine.fire("sync_aborted" if keeps else "sync_failed", reason=why)
             elif state == "RESYNCING":
                 await m.machine.fire("resync_failed", reason=why)
         if group.terminal:
             return  # the deadline already took it to FAILED
+        committed = [m for m in members if m.role == "rollout" and m.machine.state == "READY"
+                     and m.machine.weights_version == self._pushing and m.name not in pending]
         if isinstance(exc, _ReplicasLost):
             await group.fire("member_lost", reason=f"lost {exc}")
+        elif group.state == "SYNCING" and not isinstance(exc, MemberLost) and committed:
+            # the rollouts that verified the whole update hold it (stream mode); the others are
+            # STALE and not served; the caller still gets the error naming them
+            self._committed = self._pushing
+            await group.fire("sync_done", reason=f"committed by {', '.join(m.name for m in committed)} only: "
+                                                  f"{type(exc).__name__}")
+            await group.fire("stop", reason="update partly failed; verl rebuilds the group on the next update")
         elif group.state == "SYNCING" and not isinstance(exc, MemberLost):
             await group.fire("sync_failed", reason=f"{type(exc).__name__}: {exc}")
             await group.fire("stop", reason="update failed; verl rebuilds the group on the next update")
