@@ -1,7 +1,8 @@
 """The verl suite: verl 0.9.1's own worker groups on one local Ray cluster (loopback), CPU.
 
 Runs in its own virtual environment (``make test-verl``); the core venv has no verl, so this
-folder is skipped there with a reason naming the target. verl's wheel installs a top-level
+folder's tests are skipped there with a reason naming the target (its modules import verl
+only inside the tests, so they collect without it). verl's wheel installs a top-level
 ``tests`` package: the project root goes first on ``sys.path`` here and on ``PYTHONPATH`` for
 Ray's worker processes, so ``tests.verl.harness`` is always this project's.
 """
@@ -9,6 +10,7 @@ Ray's worker processes, so ``tests.verl.harness`` is always this project's.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -19,7 +21,18 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path[:1]:
     sys.path.insert(0, str(ROOT))
 
-pytest.importorskip("verl", reason="the verl suite runs in its own venv: make test-verl")
+HERE = Path(__file__).resolve().parent
+HAS_VERL = importlib.util.find_spec("verl") is not None
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Without verl (the core venv), this folder's tests are skipped, saying where they run."""
+    if HAS_VERL:
+        return
+    skip = pytest.mark.skip(reason="the verl suite runs in its own venv: make test-verl")
+    for item in items:
+        if Path(item.path).resolve().is_relative_to(HERE):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -48,9 +48,13 @@ def test_verls_own_manager_runs_three_bit_equal_updates_over_backend_ftstate(tra
     from ftstate.integrations.verl import FTStateCheckpointEngine
 
     assert manager.backend_cls is FTStateCheckpointEngine
+    walked = [e["tensors_walked"] for e in trainer.engine_state()]
     three_updates(manager, trainer, wg, first_step=1)
-    assert [e["rank"] for e in trainer.engine_state()] == [0, -1]
-    assert all(not e["communicator"] for e in trainer.engine_state())  # finalize released the group
+    states = trainer.engine_state()
+    assert [e["rank"] for e in states] == [0, -1]
+    # rank -1 walked the generator as far as rank 0 (each tensor is an all-gather of both)
+    assert states[0]["tensors_walked"] - walked[0] == states[1]["tensors_walked"] - walked[1] > 0
+    assert all(not e["communicator"] for e in states)  # finalize released the group
 
 
 def test_ftstate_manager_runs_three_bit_equal_updates_and_every_worker_ends_ready(trainer, rollouts) -> None:
