@@ -209,3 +209,26 @@ def test_a_dead_trainer_rank_is_member_lost_naming_it_never_a_hang(ray_cluster, 
     finally:
         manager.close()
         kill_group(ray_cluster, doomed)
+
+
+def test_a_loss_past_max_failovers_is_budget_exhausted_naming_it(ray_cluster, trainer, tiny_model) -> None:
+    import ray
+
+    from ftstate.core.errors import FailoverBudgetExhausted
+    from ftstate.integrations.verl import FTStateCheckpointEngineManager
+    from tests.verl.conftest import kill_group
+    from tests.verl.harness import checkpoint_engine_config, rollout_replicas
+
+    ce = checkpoint_engine_config(init_timeout_s=30, sync_timeout_s=60, fault_tolerance={"max_failovers": 0})
+    wg, replicas = rollout_replicas(tiny_model, ce)
+    manager = FTStateCheckpointEngineManager(config=ce, actor_wg=trainer, replicas=list(replicas))
+    try:
+        manager.update_weights(global_steps=71)
+        os.kill(ray.get(wg.workers[1].progress.remote())["pid"], signal.SIGKILL)
+        with pytest.raises(FailoverBudgetExhausted, match=r"by rollout replica 1 worker 0: max_failovers=0"):
+            manager.update_weights(global_steps=72)
+        assert manager.group is not None and manager.group.state == "FAILED"
+        assert manager.removed == []
+    finally:
+        manager.close()
+        kill_group(ray_cluster, wg)
