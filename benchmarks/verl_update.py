@@ -92,7 +92,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
     import ray
 
-    from tests.verl.harness import checkpoint_engine_config, make_tiny_qwen2, rollout_replicas, trainer_group
+    from tests.verl.harness import (
+        checkpoint_engine_config,
+        make_tiny_qwen2,
+        release,
+        rollout_replicas,
+        trainer_group,
+    )
 
     if not ray.is_initialized():
         ray.init(num_cpus=16, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -110,8 +116,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         for name, trainer in groups:
             rows.append(bench(name, trainer, rollout, replicas, config, args.bucket_mb * MiB, args.reps))
     finally:
-        for handle in rollout.workers + [w for _, g in groups for w in g.workers]:
-            ray.kill(handle, no_restart=True)
+        for wg in [rollout, *(g for _, g in groups)]:
+            release(wg)
     return rows
 
 

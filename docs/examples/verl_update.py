@@ -31,7 +31,7 @@ def main() -> dict[str, object]:
     from verl.workers.config import CheckpointEngineConfig
 
     from ftstate.integrations.verl import FTStateCheckpointEngineManager
-    from tests.verl.harness import make_tiny_qwen2, rollout_replicas, trainer_group
+    from tests.verl.harness import make_tiny_qwen2, release, rollout_replicas, trainer_group
 
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -66,8 +66,8 @@ def main() -> dict[str, object]:
         return {"removed": manager.removed, "states": manager.states(), "audit": manager.audit.records}
     finally:
         manager.close()
-        for handle in trainer.workers + rollout.workers:
-            ray.kill(handle, no_restart=True)
+        release(trainer)
+        release(rollout)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Ray's worker processes, so ``tests.verl.harness`` is always this project's.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import sys
@@ -79,7 +78,7 @@ def rollouts(ray_cluster, tiny_model):
 
 
 def kill_group(ray, wg) -> None:
-    """End a worker group's actors (this session's own processes only)."""
-    for handle in wg.workers:
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(handle, no_restart=True)
+    """End a worker group's actors and free its placement groups (this session's own only)."""
+    from tests.verl.harness import release
+
+    release(wg)

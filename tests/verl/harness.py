@@ -298,7 +298,9 @@ def trainer_group(model_path: str, ce: CheckpointEngineConfig, *, ranks: int = 2
     pool = RayResourcePool([ranks], use_gpu=False, max_colocate_count=1, name_prefix=prefix)
     cls = RayClassWithInitArgs(cls=ray.remote(HFTrainerWorker), model_path=model_path, checkpoint_engine=ce,
                                synthetic_mb=synthetic_mb)
-    return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, name_prefix=prefix)
+    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, name_prefix=prefix)
+    wg.ftstate_pool = pool
+    return wg
 
 
 def rollout_config(ce: CheckpointEngineConfig) -> RolloutConfig:
@@ -313,6 +315,7 @@ def rollout_replicas(model_path: str, ce: CheckpointEngineConfig, *, replicas: i
     pool = RayResourcePool([replicas], use_gpu=False, max_colocate_count=1, name_prefix=prefix)
     cls = RayClassWithInitArgs(cls=ray.remote(RolloutWorker), rollout_config=rc, model_config=model_config)
     wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, name_prefix=prefix)
+    wg.ftstate_pool = pool
     reps = [LocalReplica(replica_rank=i, config=rc, model_config=model_config) for i in range(replicas)]
 
     async def init() -> None:
@@ -320,3 +323,18 @@ def rollout_replicas(model_path: str, ce: CheckpointEngineConfig, *, replicas: i
 
     asyncio.run(init())
     return wg, reps
+
+
+def release(wg: RayWorkerGroup) -> None:
+    """End a worker group made here: its actors, then its placement groups (verl's resource
+    pool reserves one CPU per worker until its placement group is removed; killing the
+    actors alone leaves the reservation, and a later pool then waits for ever)."""
+    import contextlib
+
+    for handle in wg.workers:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(handle, no_restart=True)
+    pool = getattr(wg, "ftstate_pool", None)
+    for pg in (pool.pgs or []) if pool is not None else []:
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(pg)
