@@ -19,6 +19,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── LossyRecoveryRefused     reverse recovery would rebuild a trainer from lossy weights
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
     ├── PlacementUnsatisfiable   the cluster can never place a resource pool as configured
+    ├── IntegrationUnavailable   an integration's framework (verl) cannot be imported; names the extra
     ├── StateDictError           user code handed weights the transport cannot send (also a TypeError)
     ├── TransportError           moving weights failed
     │   ├── BackendUnavailable   the chosen backend (e.g. nccl) cannot load here
@@ -224,6 +225,23 @@ class PlacementUnsatisfiable(FTError):
         super().__init__(f"cannot place resource pool {pool!r}: {problem}; asked {asked}; the cluster has {cluster}")
 
 
+class IntegrationUnavailable(FTError):
+    """Raised when an integration is loaded (e.g. verl importing ``ftstate.integrations.verl``)
+    but its framework cannot be imported. ``framework``: what is missing; ``extra``: the
+    ftstate extra that installs it (named in the message as ``pip install 'ftstate[extra]'``);
+    ``cause``: the import's own message. Deliberately not an ``ImportError``: a framework that
+    imports plugins optionally must not swallow it as "plugin absent"."""
+
+    def __init__(self, *, framework: str, extra: str, cause: str) -> None:
+        self.framework = framework
+        self.extra = extra
+        self.cause = cause
+        super().__init__(
+            f"the {framework} integration cannot load: {cause.strip().splitlines()[0] if cause.strip() else 'import failed'}; "
+            f"install it with: pip install 'ftstate[{extra}]'"
+        )
+
+
 class StateDictError(FTError, TypeError):
     """Raised where user code hands ftstate weights that cannot travel, before anything is sent.
 
@@ -388,6 +406,7 @@ __all__ = [
     "FailoverBudgetExhausted",
     "FailoverTimeout",
     "HeartbeatTimeout",
+    "IntegrationUnavailable",
     "InvalidTransition",
     "LossyRecoveryRefused",
     "ManifestError",

@@ -28,7 +28,7 @@ PACKAGE = ROOT / "ftstate"
 #: Import names this environment cannot map to a distribution, with the distribution that
 #: provides them: cupy (the ``gpu`` extra) is not installed in the dev venv, and any CUDA
 #: build of it (cupy-cuda11x, cupy-cuda12x, ...) is imported as plain ``cupy``.
-NOT_INSTALLED_HERE = {"cupy": "cupy-cuda12x"}
+NOT_INSTALLED_HERE = {"cupy": "cupy-cuda12x", "verl": "verl"}
 
 #: Distributions needed at run time without being imported by name: why, where.
 INDIRECT = {
@@ -38,6 +38,17 @@ INDIRECT = {
 
 #: Extras that are not runtime features (their modules must not be imported by the package).
 NOT_FEATURES = {"dev"}
+
+#: Extras whose tests run in a venv of their own, not in dev: gpu (cupy needs CUDA) and verl
+#: (~110 packages, ~2 GB; ``make test-verl`` builds ``.venv-verl``).
+OWN_VENV = {"gpu", "verl"}
+
+#: Integrations: a package ``ftstate/integrations/<extra>/`` is loaded only by its framework
+#: (by name, e.g. verl's ``custom_backend_module``), and nothing else in ftstate imports it. Its
+#: modules may import the framework at module level (a plugin subclasses the framework's
+#: classes) provided the package's ``__init__`` imports the framework first inside
+#: ``try: ... except ImportError: raise`` naming the extra.
+INTEGRATIONS = ROOT / "ftstate" / "integrations"
 
 
 def canonical(name: str) -> str:
@@ -176,6 +187,8 @@ def test_every_imported_module_is_a_declared_dependency_or_a_lazily_imported_ext
             problems.append(f"{imp.where()}: distribution {dist!r} is neither a dependency nor a feature extra "
                             "in pyproject.toml")
             continue
+        if not imp.lazy and _integration_guard(imp, extra):
+            continue
         if not imp.lazy:
             problems.append(f"{imp.where()}: {dist!r} belongs to the {extra!r} extra, so it must be imported "
                             "inside the function that needs it, not at module level")
@@ -191,16 +204,41 @@ def test_every_imported_module_is_a_declared_dependency_or_a_lazily_imported_ext
     assert not problems, "\n".join(problems)
 
 
+def _integration_guard(imp: Import, extra: str) -> bool:
+    """True when ``imp`` is in ``ftstate/integrations/<extra>/`` and that package's
+    ``__init__`` guards the framework's import with a typed error naming the extra."""
+    package = INTEGRATIONS / extra
+    if not (ROOT / imp.path).is_relative_to(package):
+        return False
+    init = f"ftstate/integrations/{extra}/__init__.py"
+    guarded = any(i.path == init and i.top == imp.top and i.guarded for i in third_party_imports())
+    return guarded and f"ftstate[{extra}]" in (package / "__init__.py").read_text(encoding="utf-8")
+
+
+def test_nothing_outside_an_integration_imports_it() -> None:
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.is_relative_to(INTEGRATIONS):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
+                          if n.startswith("ftstate.integrations")]
+    assert not offenders, offenders
+
+
 @pytest.mark.parametrize("dist", sorted(INDIRECT))
 def test_dependencies_needed_without_an_import_are_declared(dist: str) -> None:
     assert canonical(dist) in declared(), f"{dist} must be a dependency in pyproject.toml: {INDIRECT[dist]}"
 
 
-def test_every_feature_extra_is_in_dev_too_except_gpu() -> None:
-    # The dev venv runs every feature's tests; gpu (cupy) needs CUDA, which the dev venv lacks.
+def test_every_feature_extra_is_in_dev_too_except_those_with_their_own_venv() -> None:
+    # The dev venv runs every feature's tests but gpu's (cupy needs CUDA) and verl's (own venv).
     all_extras = extras()
     for name, members in all_extras.items():
-        if name in NOT_FEATURES | {"gpu"}:
+        if name in NOT_FEATURES | OWN_VENV:
             continue
         assert members <= all_extras["dev"], f"the {name!r} extra {sorted(members)} is missing from 'dev'"
 
@@ -291,3 +329,17 @@ def test_without_cupy_the_nccl_backend_is_a_typed_error_naming_the_gpu_extra(mon
 
     with pytest.raises(BackendUnavailable, match=re.escape("pip install 'ftstate[gpu]'")):
         load_nccl()
+
+
+def test_without_verl_the_integration_is_one_typed_line_naming_the_extra(monkeypatch) -> None:
+    hide(monkeypatch, "verl")
+    for name in [m for m in sys.modules if m.startswith("ftstate.integrations.verl")]:
+        monkeypatch.delitem(sys.modules, name)
+    from ftstate.core.errors import IntegrationUnavailable
+
+    with pytest.raises(IntegrationUnavailable) as info:
+        importlib.import_module("ftstate.integrations.verl")
+    message = str(info.value)
+    assert "pip install 'ftstate[verl]'" in message
+    assert "\n" not in message
+    assert not isinstance(info.value, ImportError)  # verl's optional plugin imports must not swallow it

@@ -1,0 +1,483 @@
+"""``FTStateCheckpointEngine``: ftstate's transport inside verl's checkpoint-engine protocol.
+
+verl calls, on **every** ``update_weights`` (``CheckpointEngineManager``): ``prepare()`` on
+each worker → :meth:`FTStateCheckpointEngine.build_topology` in the driver → each worker's
+``init_process_group(**kwargs)`` → the trainer ranks' ``send_weights(generator)`` while each
+rollout worker iterates ``receive_weights()`` → ``finalize()`` everywhere. Here that becomes:
+
+* **the store in the driver.** ``build_topology`` runs in the driver process, which outlives
+  every worker: it hosts the run's :class:`~ftstate.transport.store.StoreServer` (one per
+  address, started on first use) and issues a new **group version** per update. Forming
+  version N fences every older one (:mod:`ftstate.transport.store`): a straggler of an
+  abandoned update gets ``StaleGroupVersion`` at once, never a half-formed group.
+* **bounded init.** ``init_process_group`` is :func:`~ftstate.transport.create_communicator`
+  bounded by ``init_timeout_s`` (env ``FTSTATE_INIT_TIMEOUT_S``): a member that never joins
+  makes every member that did raise :class:`~ftstate.core.errors.RendezvousTimeout` naming
+  it by verl role, pid and node — verl's silent hang (its issue 6967) becomes an error.
+* **ranks.** Trainer rank 0 sends (group rank 0); rollout workers are group ranks 1..R in
+  verl's order. Other trainer ranks get rank -1 and stay out of the group, but still walk the
+  generator to its end: with FSDP every tensor is produced by a collective across the
+  trainer ranks, so a rank that stopped would hang the others. Rank 0 keeps walking it too
+  after a failed transfer, then raises.
+* **the stream.** The generator is cut into chunks of about ``bucket_size`` bytes. Each chunk
+  is one complete ftstate transfer (:class:`~ftstate.transport.Sender` /
+  :class:`~ftstate.transport.Receiver`: manifest, buckets, checksums, commit vote), framed by
+  a small header broadcast (``[magic, kind, sequence]``) saying "a chunk follows" or "the
+  update ended"; while chunk k is on the wire (in a thread: the actor keeps answering) the
+  generator produces chunk k+1. After the last chunk every member votes once
+  (``allgather``): the sender learns which rollouts rejected anything and raises
+  :class:`~ftstate.core.errors.ChecksumMismatch` naming them.
+* **commit modes** (``commit_mode``). ``stream`` (default): a rollout yields a chunk's tensors
+  once that chunk verified, as verl's engines stream buckets; a chunk that fails its checksum
+  is never yielded, and nothing after it is (the rollout keeps draining the stream so the group
+  stays aligned, then raises). ``staged``: a rollout yields nothing until the final vote says
+  every chunk verified on every rollout; it holds the whole update in staging meanwhile (one
+  copy of the weights per rollout worker).
+
+The yielded tensors are views into the receiver's staging buffer; a buffer is reused only
+once nothing outside the receiver references it, so a server adapter may keep them.
+Tensors from the generator are sent from their own memory where a chunk is one tensor
+(not copied); the generator must not overwrite a tensor it already yielded during the update
+(FSDP's and Megatron's per-tensor generators yield fresh tensors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from ftstate.core.errors import (
+    ChecksumMismatch,
+    FTError,
+    ManifestError,
+    RendezvousTimeout,
+    SyncTimeout,
+    TransportError,
+)
+from ftstate.integrations.verl.settings import EngineSettings
+from ftstate.transport import Receiver, Sender, StoreServer, create_communicator
+from ftstate.transport.base import Communicator
+
+log = logging.getLogger("ftstate.integrations.verl")
+
+#: The registry name (``checkpoint_engine.backend: ftstate``).
+BACKEND = "ftstate"
+
+#: First word of a frame header ("ftvf").
+FRAME_MAGIC = 0x66747666
+FRAME_CHUNK = 1
+FRAME_END = 2
+
+#: Final vote values.
+_OK = 0
+_REJECTED = 1
+
+# -- the driver's store -----------------------------------------------------------------------
+
+_STORES: dict[str, StoreServer] = {}
+_ISSUED: dict[str, int] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _ray_node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address().strip("[]") if ray.is_initialized() else "127.0.0.1"
+
+
+def driver_store(host: str | None = None) -> StoreServer:
+    """The store hosted by this (driver) process for ``host`` (the driver's Ray address by
+    default), started on first use and kept for the life of the process."""
+    host = host or _ray_node_address()
+    with _STORES_LOCK:
+        server = _STORES.get(host)
+        if server is None:
+            server = _STORES[host] = StoreServer(host)
+        return server
+
+
+def issue_version(server: StoreServer, group: str) -> int:
+    """The next group version of ``group``: above every version formed, fenced or issued."""
+    with _STORES_LOCK:
+        current = server.current_version(group) or 0
+        version = max(current, _ISSUED.get(group, 0)) + 1
+        _ISSUED[group] = version
+        return version
+
+
+def _member_name(role: str, index: int, meta: Mapping[str, Any]) -> str:
+    return f"{role} {index} (pid {meta.get('pid', '?')} on {meta.get('host', '?')})"
+
+
+async def _aiter(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
+@CheckpointEngineRegistry.register(BACKEND)
+class FTStateCheckpointEngine(CheckpointEngine):
+    """verl's checkpoint engine over ftstate's transport (see the module docstring).
+
+    ``bucket_size``: bytes per chunk (verl passes ``update_weights_bucket_megabytes << 20``);
+    ``is_master``: trainer rank 0 (verl's trainer side sets it); ``**settings``: the
+    ``engine_kwargs.ftstate`` block (:class:`~ftstate.integrations.verl.settings.EngineSettings`).
+    """
+
+    def __init__(self, bucket_size: int, is_master: bool = False, **settings: Any) -> None:
+        if not isinstance(bucket_size, int) or bucket_size <= 0:
+            raise TransportError(f"FTStateCheckpointEngine: field 'bucket_size': {bucket_size!r}, expected bytes > 0")
+        self.bucket_size = bucket_size
+        self.is_master = is_master
+        self.settings = EngineSettings.from_kwargs(settings)
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.group_version: int | None = None
+        self.members: list[str] = []
+        self.updates = 0
+        self.last_report: dict[str, Any] = {}
+        self._comm: Communicator | None = None
+        self._sender = Sender(bucket_size=bucket_size) if is_master else None
+        self._receiver = Receiver()
+        self._corrupt_at: int | None = None
+
+    # -- verl's protocol ----------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        """What ``build_topology`` needs from this worker: who it is, and (trainer rank 0)
+        the settings every worker shares."""
+        self._close("prepare of a new update")
+        return {
+            "pid": os.getpid(),
+            "host": self.settings.device_host or _ray_node_address(),
+            "is_master": self.is_master,
+            "settings": self.settings.to_kwargs() if self.is_master else None,
+        }
+
+    @classmethod
+    def build_topology(
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """Run in the driver: start its store if needed, issue the next group version, and
+        give each worker its rank (trainer 0 → 0, other trainer ranks → -1, rollouts → 1..R)."""
+        if len(metadata) != actor_wg_world_size + rollout_world_size:
+            raise TransportError(
+                f"build_topology: field 'metadata': {len(metadata)} entries, expected "
+                f"{actor_wg_world_size} trainer + {rollout_world_size} rollout"
+            )
+        master = metadata[0]
+        if not master.get("is_master"):
+            raise TransportError(
+                "build_topology: trainer rank 0 is not the engine's master (is_master=False): the trainer "
+                "worker must build the engine with is_master=(rank == 0)"
+            )
+        settings = EngineSettings.from_kwargs(master["settings"])
+        store = driver_store(settings.store_host)
+        version = issue_version(store, settings.group)
+        world_size = 1 + rollout_world_size
+        members = [_member_name("trainer rank", 0, master)] + [
+            _member_name("rollout worker", i, m) for i, m in enumerate(metadata[actor_wg_world_size:])
+        ]
+        common = {"store": str(store.address), "group": settings.group, "version": version, "members": members}
+
+        def each(n: int) -> dict[str, list[Any]]:
+            return {k: [v] * n for k, v in {"world_size": world_size, **common}.items()}
+
+        actor_kwargs = {"rank": [0] + [-1] * (actor_wg_world_size - 1), **each(actor_wg_world_size)}
+        rollout_kwargs = {"rank": list(range(1, world_size)), **each(rollout_world_size)}
+        log.info("verl topology", extra={"group": settings.group, "group_version": version,
+                                         "world_size": world_size, "trainer_ranks": actor_wg_world_size})
+        return actor_kwargs, rollout_kwargs
+
+    def init_process_group(
+        self, *, rank: int, world_size: int, store: str, group: str, version: int, members: list[str]
+    ) -> None:
+        """Join group version ``version`` (bounded by ``init_timeout_s``); rank -1 only records it."""
+        self._close("a new group version")
+        self.rank, self.world_size, self.group_version, self.members = rank, world_size, version, list(members)
+        if rank < 0:
+            return
+        timeout_s = self.settings.runtime.init_timeout_s
+        try:
+            self._comm = create_communicator(
+                self.settings.runtime.backend,
+                store_addr=store,
+                group=group,
+                version=version,
+                rank=rank,
+                world_size=world_size,
+                timeout_s=timeout_s,
+                device_host=self.settings.device_host or _ray_node_address(),
+            )
+        except RendezvousTimeout as exc:
+            raise RendezvousTimeout(
+                f"verl weight update {exc.what}",
+                key=exc.key,
+                seconds=exc.seconds,
+                member=self.members[rank],
+                group_version=version,
+                missing=[self._name(m) for m in exc.missing],
+                arrived=[self._name(m) for m in exc.arrived],
+            ) from exc
+
+    def finalize(self) -> None:
+        """Release this update's communicator (the group is rebuilt on the next update)."""
+        self._close("update finished")
+
+    async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
+        """Send the generator's tensors to every rollout (rank 0), or walk it (rank -1).
+
+        Returns the per-update metrics verl merges into its own (``ftstate/...``). Raises
+        :class:`~ftstate.core.errors.PeerLost`, :class:`~ftstate.core.errors.SyncTimeout`,
+        :class:`~ftstate.core.errors.ChecksumMismatch` (a rollout rejected a chunk), after the
+        generator was walked to its end.
+        """
+        if self.rank is None:
+            raise TransportError("send_weights called before init_process_group")
+        if self.rank < 0:
+            async for _ in _aiter(weights):
+                pass
+            return {}
+        if self.rank != 0:
+            raise TransportError(f"send_weights on rollout rank {self.rank}: only trainer rank 0 sends")
+        comm = self._require_comm("send_weights")
+        sender = self._sender
+        assert sender is not None
+        self.updates += 1
+        wv = int(global_steps) if global_steps is not None else self.updates
+        timeout_s = self.settings.runtime.sync_timeout_s
+        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        failure: BaseException | None = None
+        rejected: dict[int, str] = {}
+        in_flight: asyncio.Future[Any] | None = None
+        chunks = tensors = nbytes = 0
+        chunk: dict[str, torch.Tensor] = {}
+        size = 0
+
+        def left(stage: str) -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                comm.abort(f"sync deadline passed during {stage}")
+                raise SyncTimeout(f"verl weight update {wv} ({stage})", key="sync_timeout_s", seconds=timeout_s,
+                                  member=self.members[0], group_version=self.group_version)
+            return remaining
+
+        def send_chunk(seq: int, part: dict[str, torch.Tensor]) -> None:
+            self._frame(comm, FRAME_CHUNK, seq, left(f"chunk {seq + 1}"))
+            report = sender.broadcast(comm, part, weights_version=wv, timeout_s=left(f"chunk {seq + 1}"))
+            for r, why in report.rejected.items():
+                rejected.setdefault(r, f"{why} in chunk {seq + 1}")
+
+        async def settle() -> BaseException | None:
+            nonlocal in_flight
+            if in_flight is None:
+                return None
+            try:
+                await in_flight
+            except BaseException as exc:  # noqa: BLE001 - raised once the generator is drained
+                return exc
+            finally:
+                in_flight = None
+            return None
+
+        async def flush() -> None:
+            nonlocal failure, chunk, size, chunks, in_flight
+            failure = failure or await settle()
+            if failure is None and chunk:
+                in_flight = asyncio.ensure_future(asyncio.to_thread(send_chunk, chunks, chunk))
+                chunks += 1
+            chunk, size = {}, 0
+
+        try:
+            async for name, tensor in _aiter(weights):
+                if failure is not None:
+                    continue  # keep walking: the other trainer ranks produce it with us
+                t = tensor.detach()
+                if t.device != comm.device:
+                    t = t.to(comm.device)
+                t = t.contiguous()
+                if chunk and size + t.nbytes > self.bucket_size:
+                    await flush()
+                    if failure is not None:
+                        continue
+                chunk[name] = t
+                size += t.nbytes
+                tensors += 1
+                nbytes += t.nbytes
+            await flush()
+            failure = failure or await settle()
+            if failure is None:
+                votes = await asyncio.to_thread(self._close_update, comm, chunks, _OK, left)
+                rejected.update({r: rejected.get(r, "rejected the update") for r, v in votes.items() if v != _OK})
+        except BaseException as exc:  # noqa: BLE001 - the group is aborted below, then it is raised
+            failure = failure or exc
+        if failure is not None:
+            await settle()
+            comm.abort(f"weight update {wv} failed")
+            if isinstance(failure, FTError):
+                raise failure
+            raise TransportError(f"verl weight update {wv} on {self.members[0]} failed: {failure}") from failure
+        seconds = time.monotonic() - started
+        self.last_report = {"weights_version": wv, "chunks": chunks, "tensors": tensors, "bytes": nbytes,
+                            "seconds": seconds, "group_version": self.group_version}
+        if rejected:
+            names = "; ".join(f"{self.members[r]}: {why}" for r, why in sorted(rejected.items()))
+            raise ChecksumMismatch(
+                f"verl weight update {wv} (group version {self.group_version}): rejected by {names}; "
+                "those rollouts never yielded the corrupted chunk"
+            )
+        log.info("verl weights sent", extra=self.last_report)
+        return {"ftstate/update_s": seconds, "ftstate/bytes": nbytes, "ftstate/chunks": chunks}
+
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` of verified chunks (``stream``) or of the whole verified
+        update (``staged``); see the module docstring. A chunk whose checksum failed is never
+        yielded: this raises :class:`~ftstate.core.errors.ChecksumMismatch` at the end."""
+        comm = self._require_comm("receive_weights")
+        staged = self.settings.commit_mode == "staged"
+        timeout_s = self.settings.runtime.sync_timeout_s
+        deadline = time.monotonic() + timeout_s
+        me = self.members[comm.rank]
+
+        def left(stage: str) -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                comm.abort(f"sync deadline passed during {stage}")
+                raise SyncTimeout(f"verl weight update ({stage})", key="sync_timeout_s", seconds=timeout_s,
+                                  member=me, group_version=self.group_version)
+            return remaining
+
+        def next_chunk(seq: int) -> Any:
+            """The next chunk's committed weights, None at the end, or the ChecksumMismatch."""
+            kind, got = self._read_frame(comm, left(f"frame {seq + 1}"))
+            if got != seq:
+                comm.abort("frame out of order")
+                raise ManifestError(f"{me}: frame field 'sequence': {got}, expected {seq}", field="sequence")
+            if kind == FRAME_END:
+                return None
+            if self._corrupt_at == seq:
+                self._corrupt_at = None
+                self._receiver.corrupt_next_bucket()
+            try:
+                return self._receiver.receive_broadcast(comm, root=0, timeout_s=left(f"chunk {seq + 1}"))
+            except ChecksumMismatch as exc:
+                return exc
+
+        held: list[Mapping[str, torch.Tensor]] = []
+        problem: ChecksumMismatch | None = None
+        seq = 0
+        try:
+            while True:
+                got = await asyncio.to_thread(next_chunk, seq)
+                if got is None:
+                    break
+                seq += 1
+                if isinstance(got, ChecksumMismatch):
+                    problem = problem or got
+                    continue
+                if problem is not None:
+                    continue  # drained, never yielded: the update is already torn for this rollout
+                if staged:
+                    held.append(got.tensors)
+                    continue
+                for name, tensor in got.tensors.items():
+                    yield name, tensor
+            status = _OK if problem is None else _REJECTED
+            votes = await asyncio.to_thread(self._close_update, comm, seq, status, left)
+        except BaseException:
+            comm.abort("receive failed")
+            raise
+        if problem is not None:
+            raise ChecksumMismatch(f"{me}: {problem}; this chunk and every later one were not yielded") from problem
+        others = sorted(r for r, v in votes.items() if v != _OK)
+        if staged and others:
+            raise ChecksumMismatch(
+                f"{me}: staged update not applied: {', '.join(self.members[r] for r in others)} rejected a "
+                "chunk; nothing was yielded"
+            )
+        for tensors in held:
+            for name, tensor in tensors.items():
+                yield name, tensor
+
+    # -- chaos and inspection -------------------------------------------------------------
+
+    def corrupt_next_bucket(self, skip_chunks: int = 0) -> None:
+        """Test hook: flip one byte of the first bucket of the chunk after ``skip_chunks``
+        chunks of the next update (after it arrived, before it is checked), so that chunk
+        fails its checksum."""
+        self._corrupt_at = skip_chunks
+
+    def abandon(self, reason: str) -> None:
+        """Give up this update's group version from another call while a transfer may be
+        blocked in it (the manager, once a member died): the transfer ends within the
+        transport's poll slice with :class:`~ftstate.core.errors.CommunicatorAborted`."""
+        if self._comm is not None:
+            self._comm.abandon(reason)
+
+    def describe(self) -> dict[str, Any]:
+        """Where this engine stands (tests and operators): rank, group version, whether a
+        communicator is held."""
+        return {"rank": self.rank, "group_version": self.group_version, "communicator": self._comm is not None,
+                "updates": self.updates, "commit_mode": self.settings.commit_mode, "pid": os.getpid()}
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _name(self, who: str) -> str:
+        head, _, number = who.partition(" ")
+        if head == "rank" and number.isdigit() and int(number) < len(self.members):
+            return self.members[int(number)]
+        return who
+
+    def _require_comm(self, op: str) -> Communicator:
+        if self._comm is None:
+            raise TransportError(
+                f"{op}: no group version formed on this worker (rank {self.rank}); verl must call "
+                "init_process_group first"
+            )
+        return self._comm
+
+    def _close(self, reason: str) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort(reason)
+
+    @staticmethod
+    def _frame(comm: Communicator, kind: int, seq: int, timeout_s: float) -> None:
+        header = torch.tensor([FRAME_MAGIC, kind, seq], dtype=torch.int64).to(comm.device)
+        comm.broadcast(header, 0, timeout_s=timeout_s).wait()
+
+    def _read_frame(self, comm: Communicator, timeout_s: float) -> tuple[int, int]:
+        header = torch.zeros(3, dtype=torch.int64, device=comm.device)
+        comm.broadcast(header, 0, timeout_s=timeout_s).wait()
+        magic, kind, seq = (int(v) for v in header.cpu().tolist())
+        if magic != FRAME_MAGIC or kind not in (FRAME_CHUNK, FRAME_END):
+            comm.abort("malformed frame")
+            raise ManifestError(
+                f"{self.members[comm.rank]}: malformed frame header: field 'magic'/'kind': {magic:#x}/{kind}, "
+                f"expected {FRAME_MAGIC:#x}/{FRAME_CHUNK} or {FRAME_END}",
+                field="magic" if magic != FRAME_MAGIC else "kind",
+            )
+        return kind, seq
+
+    def _close_update(self, comm: Communicator, chunks: int, status: int, left: Any) -> dict[int, int]:
+        """The end frame (sender) and the one vote every member casts after the last chunk."""
+        if comm.rank == 0:
+            self._frame(comm, FRAME_END, chunks, left("end of update"))
+        mine = torch.tensor([status], dtype=torch.int64).to(comm.device)
+        votes = comm.allgather(mine, timeout_s=left("final vote"))
+        return {r: int(v.item()) for r, v in enumerate(votes) if r != 0}
+
+
+__all__ = ["BACKEND", "FTStateCheckpointEngine", "driver_store", "issue_version"]
