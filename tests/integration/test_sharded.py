@@ -75,3 +75,33 @@ async def test_bad_ownership_fails_the_sync_and_rollouts_keep_the_previous_versi
         assert await rt.rollout("checksum") == [good] * 2
         assert await rt.rollout("generate", "x") == [("x", 1)] * 2
     assert check_trail(tmp_path / "audit.jsonl") == []
+
+
+async def test_a_trainer_rank_killed_mid_sync_fails_the_run_and_rollouts_keep_the_previous_version(
+        ray_cluster, tmp_path):
+    """Replacing one rank is not implemented: with fault tolerance off (the only mode for
+    several ranks) its loss fails the run at once, naming it, and no rollout holds a torn mix."""
+    rt = ftstate.Runtime(config(tmp_path, 3), trainer=ShardTrainer, rollout=TinyRollout)
+    async with rt:
+        good = await synced_equal(rt)
+        await rt.trainer("train_step")
+        victim = rt.handle("trainer-1")
+        pid = await victim.call.remote("facts", (), {})
+        await victim.chaos_kill_after_progress.remote(2)  # its state_dict() prepared, then one bucket on the wire
+        with pytest.raises(ftstate.MemberLost, match="trainer-1"):
+            await rt.sync()
+        assert not _alive(pid["pid"])
+        held = [await rt.handle(f"rollout-{i}").call.remote("checksum", (), {}) for i in range(2)]
+        assert held == [good] * 2
+        with pytest.raises(ftstate.MemberLost):
+            await rt.rollout("generate", "x")
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
