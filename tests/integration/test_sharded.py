@@ -105,3 +105,41 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+async def test_one_rank_whose_state_dict_raises_fails_that_sync_only(ray_cluster, tmp_path):
+    rt = ftstate.Runtime(config(tmp_path, 2), trainer=ShardTrainer, rollout=TinyRollout)
+    async with rt:
+        good = await synced_equal(rt)
+        await rt.trainer("train_step")
+        await rt.trainer("fail_next_state_dict", 1)  # every rank is called; only rank 1 will raise
+        with pytest.raises(RuntimeError, match="state_dict\\(\\) failed on rank 1"):
+            await rt.sync()
+        assert rt.weights_version == 1 and await rt.rollout("checksum") == [good] * 2
+        assert await synced_equal(rt) != good  # the next sync goes through
+        assert rt.weights_version == 2
+    assert check_trail(tmp_path / "audit.jsonl") == []
+
+
+async def test_a_trainer_rank_killed_mid_step_with_a_collective_in_flight_fails_the_run_naming_it(
+        ray_cluster, tmp_path):
+    import asyncio
+    import os
+    import signal
+
+    marker = tmp_path / "in-step.pid"
+    rt = ftstate.Runtime(config(tmp_path, 2), trainer=ShardTrainer, rollout=TinyRollout)
+    async with rt:
+        good = await synced_equal(rt)
+        await rt.trainer("mark_and_wait_in_step", str(marker))
+        step = asyncio.ensure_future(rt.trainer("train_step"))
+        for _ in range(600):  # until rank 1 is inside its step (rank 0 then waits in the all-reduce)
+            if marker.exists() and marker.read_text():
+                break
+            await asyncio.sleep(0.05)
+        assert marker.exists(), "rank 1 never entered its step"
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        with pytest.raises(ftstate.MemberLost, match="trainer-1"):
+            await asyncio.wait_for(step, 60)
+        held = [await rt.handle(f"rollout-{i}").call.remote("checksum", (), {}) for i in range(2)]
+        assert held == [good] * 2

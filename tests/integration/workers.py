@@ -253,8 +253,21 @@ class ShardTrainer(TrainerWorker):
         return {"rank": self.rank, "world": self.world, "setups": self.setups, "pid": os.getpid(),
                 "env": (os.environ.get("RANK"), os.environ.get("WORLD_SIZE"))}
 
+    def fail_next_state_dict(self, rank: int) -> None:
+        self._fail_rank = rank
+
+    def mark_and_wait_in_step(self, marker: str) -> None:
+        """The next train_step of the rank that gets this writes its pid to ``marker`` and waits
+        in the all-reduce for ever-slow peers (a collective in flight when a peer dies)."""
+        self._marker = marker
+
     def train_step(self) -> int:
         box = torch.tensor([1], dtype=torch.int64)
+        marker = getattr(self, "_marker", None)
+        if marker is not None and self.rank == 1:
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600)  # SIGKILLed here by the test, while rank 0 waits in the all-reduce
         self.group.allreduce([box]).wait()  # every rank steps together
         self.steps += 1
         self.state = sharded_state(self.seed, self.steps)
@@ -269,6 +282,9 @@ class ShardTrainer(TrainerWorker):
         from ftstate import Shard
 
         r, n, s = self.rank, self.world, self.state
+        if getattr(self, "_fail_rank", None) == r:
+            self._fail_rank = None
+            raise RuntimeError(f"state_dict() failed on rank {r}: simulated user error")
         style = self._style()
         if style == "gather":
             return dict(s) if r == 0 else {}
