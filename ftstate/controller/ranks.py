@@ -95,7 +95,8 @@ class ShardedSync(WeightSync):
         timeout = self.config.sync_timeout_s
         try:
             async with group.deadline_scope():
-                sent, ownership_rec = await self._prepare(trainers, rollouts, previous)
+                ownership_rec = await self._prepare(trainers, rollouts, previous)
+                sent: dict[str, Any] = {}
                 owners = {r for t in ownership_rec.values() for r, *_ in t[3]}
                 senders = [t for i, t in enumerate(trainers) if i in owners]
                 for i, t in enumerate(trainers):
@@ -143,9 +144,9 @@ class ShardedSync(WeightSync):
             routes={m.name: "collective" for m in rollouts if m.name not in not_loaded},
         )
 
-    async def _prepare(self, trainers: list[Member], rollouts: list[Member],
-                       previous: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Every rank's state_dict() together, then the ownership check (before any byte moves)."""
+    async def _prepare(self, trainers: list[Member], rollouts: list[Member], previous: int) -> dict[str, Any]:
+        """Every rank's state_dict() together, then the ownership check (before any byte moves);
+        returns the ownership's record (what each rollout is told to expect)."""
         results = await asyncio.gather(*(self.calls.call(t.name, t.handle, "prepare_shards", i)
                                          for i, t in enumerate(trainers)), return_exceptions=True)
         failures = self._failures(trainers, results)
@@ -159,7 +160,7 @@ class ShardedSync(WeightSync):
         if failures:
             await self._abort_all(trainers, rollouts, previous, failures, reform=False)
             raise next(iter(failures.values()))
-        return {}, ownership.record()
+        return ownership.record()
 
     async def _abort_all(self, trainers: list[Member], rollouts: list[Member], previous: int,
                          failures: dict[str, BaseException], *, reform: bool = True) -> None:
