@@ -304,6 +304,12 @@ class WorkerHost:
         self._tick()
         return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": weights_version}
 
+    async def note_weights(self, weights_version: int, checksum: str) -> None:
+        """Trainer rank: the version its part went into was committed with the full state's
+        ``checksum`` (what its heartbeat then reports, like a single trainer's after a send)."""
+        self.weights_version = weights_version
+        self.checksum = checksum
+
     async def discard_shards(self) -> None:
         """Trainer rank: drop a prepared part (the sync was refused or abandoned)."""
         self._shard_part = None

@@ -127,6 +127,10 @@ class ShardedSync(WeightSync):
                     t.machine.weights_version = target
                     if t.machine.state == "SYNCING":
                         await t.machine.fire("committed", checksum=sent["checksum"])
+                # each rank's heartbeat then reports the committed version and full checksum
+                # (a rank suspected later is re-admitted on it, as a single trainer is)
+                await asyncio.gather(*(self.calls.call(t.name, t.handle, "note_weights", target, sent["checksum"])
+                                       for t in trainers if not t.gone))
                 self.raise_if_failed()
         except SyncTimeout:
             group.weights_version = previous

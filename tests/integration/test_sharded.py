@@ -34,6 +34,10 @@ async def synced_equal(rt) -> str:
     assert report.checksum == reference == rt.checksum
     assert await rt.rollout("checksum") == [reference] * 2  # every rollout holds the full reference
     assert sorted(report.rollouts) == ["rollout-0", "rollout-1"]
+    for m in rt.members():  # every rank's heartbeat reports the committed version and full checksum
+        if m.role == "trainer":
+            beat = await rt.handle(m.member).heartbeat.remote()
+            assert (beat["weights_version"], beat["checksum"]) == (report.weights_version, reference), m.member
     return reference
 
 
