@@ -2,6 +2,12 @@
 against a raw ``ProcessGroupGloo.broadcast`` of the same bytes between the same processes.
 
     python benchmarks/transfer.py [--sizes 64,256,1024] [--receivers 1,2] [--bucket-mb 256] [--reps 3]
+    python benchmarks/transfer.py --senders 1,2,4 [--sizes 256] [--receivers 2] [--reps 3]
+
+``--senders``: several trainer ranks (``trainer_workers``), each sending the part it owns
+straight to every rollout at once (:mod:`ftstate.transport.shards`), the same total bytes
+split evenly (whole tensors, dealt by size: pipeline style, no assembly copy); the ratio is
+the single sender's time over the N-sender time, rounds interleaved in the same run.
 
 Three kinds of round per cell, interleaved: ``raw`` (the gloo broadcast), ``ftstate`` (the
 broadcast route, every byte over gloo) and ``shm`` (the same-host route of
@@ -148,6 +154,106 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> No
     results.put((idx, None, None, None, None))
 
 
+def _senders_worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> None:
+    """Ranks 0..max(senders)-1 are trainer ranks, the last ``receivers`` ranks the rollouts."""
+    import torch
+
+    from ftstate.core.ownership import Piece, plan_ownership
+    from ftstate.transport import create_communicator
+    from ftstate.transport.checksum import dtype_name
+    from ftstate.transport.shards import receive_parts, send_part
+
+    torch.set_num_threads(1)
+    top, receivers = max(args["senders"]), args["receivers"][0]
+    world = top + receivers
+    peers = list(range(top, world))
+    comm = create_communicator("gloo", store_addr=store_addr, group="senders", version=1, rank=idx,
+                               world_size=world, timeout_s=120)
+    # barriers on a group of their own: a gloo collective's tag counter and point-to-point
+    # tags share one namespace, so a barrier beside the sends could match a send's message
+    fence = create_communicator("gloo", store_addr=store_addr, group="senders-fence", version=1, rank=idx,
+                                world_size=world, timeout_s=120)
+    size = args["sizes"][0]
+    weights = make_weights(size)  # every process builds the same tensors (each sends only its own)
+    senders_cache: dict[int, Any] = {}
+    receivers_cache: dict[int, Any] = {}
+    times: dict[int, list[float]] = {n: [] for n in args["senders"]}
+    checks: list[str] = []
+    for rnd in range(args["warmup"] + args["reps"]):
+        for n in args["senders"]:
+            # deal the tensors over n ranks, largest first onto the least loaded
+            load, owner = [0] * n, {}
+            for name, t in sorted(weights.items(), key=lambda kv: -kv[1].numel()):
+                r = load.index(min(load))
+                owner[name] = r
+                load[r] += t.numel() * t.element_size()
+            ownership = plan_ownership([Piece(k, owner[k], dtype_name(t.dtype), tuple(t.shape))
+                                        for k, t in weights.items()], ranks=n)
+            fence.barrier(timeout_s=120)
+            t0 = time.perf_counter()
+            part = {k: t for k, t in weights.items() if owner.get(k) == idx} if idx < n else {}
+            if part:  # a rank that owns nothing sends nothing (as in the runtime)
+                send_part(senders_cache.setdefault(n, {}), comm, peers, part, weights_version=rnd,
+                          timeout_s=300, bucket_size=int(args["bucket_mb"] * MiB))
+            elif idx >= top:
+                got = receive_parts(receivers_cache.setdefault(n, {}), comm, ownership, timeout_s=300)
+                checks.append(got.state_checksum)
+                del got
+            fence.barrier(timeout_s=120)
+            if rnd >= args["warmup"]:
+                times[n].append(time.perf_counter() - t0)
+    results.put((idx, times, checks))
+    comm.close()
+    fence.close()
+
+
+def senders_main(args: dict[str, Any]) -> int:
+    """``--senders``: see the module docstring."""
+    from ftstate.transport import StoreServer
+
+    server = StoreServer("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    nproc = max(args["senders"]) + args["receivers"][0]
+    procs = [ctx.Process(target=_senders_worker, args=(i, str(server.address), args, results), daemon=True)
+             for i in range(nproc)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    try:
+        while len(got) < nproc:
+            try:
+                idx, times, checks = results.get(timeout=1)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    print(f"benchmark failed: process(es) {dead} exited with an error", file=sys.stderr)
+                    return 1
+                continue
+            got[idx] = (times, checks)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        server.close()
+    times = got[0][0]
+    rollout_checks = [got[i][1] for i in range(max(args["senders"]), nproc)]
+    agree = all(c == rollout_checks[0] for c in rollout_checks) and len(set(rollout_checks[0])) == 1
+    size, base = args["sizes"][0], args["senders"][0]
+    print(f"{size} MiB to {args['receivers'][0]} rollouts, bucket {args['bucket_mb']:g} MiB, {args['reps']} "
+          f"measured rounds ({args['warmup']} warm-up), {os.cpu_count()} cores; seconds are medians on rank 0; "
+          f"ratio = median over rounds of ({base} sender(s) time / N senders time)")
+    print(f"{'senders':>7} | {'seconds':>8} {'GB/s out':>8} | {'ratio':>5}")
+    for n in args["senders"]:
+        sec = statistics.median(times[n])
+        ratio = statistics.median(b / t for b, t in zip(times[base], times[n], strict=True))
+        gb = size * MiB * args["receivers"][0] / 1e9
+        print(f"{n:>7} | {sec:>8.3f} {gb / sec:>8.2f} | {ratio:>5.2f}")
+    print(f"full-state checksums on every rollout, every round: {'match' if agree else 'MISMATCH'}")
+    return 0 if agree else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64,256,1024", help="weights sizes in MiB, comma separated")
@@ -155,7 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=float, default=256.0, help="bucket size in MiB (config bucket_size_mb)")
     parser.add_argument("--reps", type=int, default=3, help="measured rounds per cell")
     parser.add_argument("--warmup", type=int, default=2, help="uncounted rounds per cell")
+    parser.add_argument("--senders", default="", help="trainer-rank counts, comma separated (multi-sender mode)")
     ns = parser.parse_args(argv)
+    if ns.senders:
+        return senders_main({
+            "senders": [int(n) for n in ns.senders.split(",") if n],
+            "sizes": [int(ns.sizes.split(",")[0])],
+            "receivers": [int(ns.receivers.split(",")[-1])],
+            "bucket_mb": ns.bucket_mb, "reps": ns.reps, "warmup": ns.warmup,
+        })
     args = {
         "sizes": [int(s) for s in ns.sizes.split(",") if s],
         "receivers": [int(r) for r in ns.receivers.split(",") if r],

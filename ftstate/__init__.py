@@ -31,6 +31,7 @@ from ftstate.core.errors import (
     ManifestError,
     MemberLost,
     NoServingWorkers,
+    OwnershipError,
     PeerLost,
     PlacementUnsatisfiable,
     RendezvousTimeout,
@@ -43,6 +44,7 @@ from ftstate.core.errors import (
     TransportError,
 )
 from ftstate.core.machine import StateMachine
+from ftstate.core.ownership import Shard
 from ftstate.core.spec import MachineSpec, get_spec, load_machines, load_spec
 from ftstate.core.worker import RolloutWorker, TrainerWorker
 
@@ -97,12 +99,14 @@ __all__ = [
     "MemberInfo",
     "MemberLost",
     "NoServingWorkers",
+    "OwnershipError",
     "PeerLost",
     "PlacementUnsatisfiable",
     "RendezvousTimeout",
     "RolloutWorker",
     "Runtime",
     "RuntimeConfig",
+    "Shard",
     "SharedMemoryUnavailable",
     "SpecError",
     "StaleCheckpointRefused",

@@ -69,6 +69,11 @@ class WorkerHost:
         self._corrupt_next = False
         self._signal_at_progress: tuple[int, int] | None = None
         self._user_lock: asyncio.Lock | None = None
+        # several trainer ranks: this rank's prepared part, one Sender per peer / Receiver per sender rank
+        self._shard_part: Any = None
+        self._shard_senders: dict[int, Any] = {}
+        self._shard_receivers: dict[int, Any] = {}
+        self._trainer_comm: Any = None
 
     # -- identity and liveness ----------------------------------------------------------
 
@@ -239,6 +244,99 @@ class WorkerHost:
         self._staged = staged
         self._tick()
         return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": staged.weights_version}
+
+    # -- several trainer ranks (trainer_workers > 1: ftstate.transport.shards) ---------------
+
+    async def prepare_shards(self, trainer_rank: int) -> dict[str, Any]:
+        """Trainer rank: call the user's ``state_dict()`` (every rank is called together: it may
+        be collective) and keep this rank's part for :meth:`send_shards`; returns the pieces
+        (names, dtypes, shapes, slices) for the controller's ownership check."""
+        from ftstate.transport.shards import split_state
+
+        comm = self._require_comm()
+        async with self._lock():
+            part, pieces = split_state(await self._run(self.user.state_dict), rank=trainer_rank, member=self.member,
+                                       device_type=comm.device.type, backend=self.backend)
+        self._shard_part = part
+        self._tick()
+        return {"pieces": [p.record() for p in pieces],
+                "nbytes": sum(t.numel() * t.element_size() for t in part.values())}
+
+    async def send_shards(self, weights_version: int, peers: list[int], timeout_s: float) -> dict[str, Any]:
+        """Trainer rank: send the part :meth:`prepare_shards` kept to every rank in ``peers`` at once."""
+        from ftstate.transport.shards import send_part
+
+        comm = self._require_comm()
+        part, self._shard_part = self._shard_part, None
+        if part is None:
+            raise FTError(f"{self.member}: asked to send its part of weights version {weights_version} "
+                          "but prepared none")
+        self.busy = True
+        try:
+            report = await asyncio.to_thread(send_part, self._shard_senders, comm, peers, part,
+                                             weights_version=weights_version, timeout_s=timeout_s,
+                                             bucket_size=self.bucket_bytes, progress=self._on_bucket)
+        finally:
+            self.busy = False
+        self._tick()
+        return report
+
+    async def receive_shards(self, weights_version: int, ownership: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Rollout: receive every owning trainer rank's part at once, assemble the full state and
+        stage it (committed by :meth:`commit_weights`, like a broadcast)."""
+        from ftstate.core.errors import ManifestError
+        from ftstate.core.ownership import Ownership
+        from ftstate.transport.shards import receive_parts
+
+        comm = self._require_comm()
+        self._staged = None
+        self.busy = True
+        try:
+            staged = await asyncio.to_thread(receive_parts, self._shard_receivers, comm,
+                                             Ownership.from_record(ownership), timeout_s=timeout_s,
+                                             progress=self._on_bucket)
+        finally:
+            self.busy = False
+        if staged.weights_version != weights_version:
+            raise ManifestError(f"{self.member}: field 'weights_version': expected {weights_version}, the trainer "
+                                f"ranks sent {staged.weights_version}", field="weights_version")
+        self._staged = staged
+        self._tick()
+        return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": weights_version}
+
+    async def note_weights(self, weights_version: int, checksum: str) -> None:
+        """Trainer rank: the version its part went into was committed with the full state's
+        ``checksum`` (what its heartbeat then reports, like a single trainer's after a send)."""
+        self.weights_version = weights_version
+        self.checksum = checksum
+
+    async def discard_shards(self) -> None:
+        """Trainer rank: drop a prepared part (the sync was refused or abandoned)."""
+        self._shard_part = None
+
+    async def setup_trainer_group(self, store_host: str, store_port: int, group: str, version: int, rank: int,
+                                  world_size: int, timeout_s: float) -> dict[str, Any]:
+        """Trainer rank: form the trainer ranks' own group version (gloo here) and hand it to the
+        user's ``setup(group, rank, world_size)``; ``RANK``, ``WORLD_SIZE`` and
+        ``FTSTATE_TRAINER_GROUP_VERSION`` are set in this process for libraries that read them."""
+        from ftstate.transport import create_communicator
+
+        if self._trainer_comm is not None:
+            self._trainer_comm.abort("the trainer group formed a new version")
+        self._trainer_comm = await asyncio.to_thread(
+            create_communicator, self.backend, store_addr=(store_host, store_port), group=group, version=version,
+            rank=rank, world_size=world_size, timeout_s=timeout_s, device_host=_device_host(store_host))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), FTSTATE_TRAINER_GROUP_VERSION=str(version))
+        pg = getattr(self._trainer_comm, "process_group", None)
+        if pg is None:
+            from ftstate.core.errors import BackendUnavailable
+
+            raise BackendUnavailable(f"{self.member}: the {self.backend} backend hands no process group to "
+                                     "setup(); trainer_workers > 1 runs on gloo")
+        async with self._lock():
+            await self._run(self.user.setup, pg, rank, world_size)
+        self._tick()
+        return {"group_version": version, "rank": rank}
 
     async def commit_weights(self, weights_version: int) -> dict[str, Any]:
         """Rollout: hand the staged version to ``load_weights``; the user lock pauses calls meanwhile."""

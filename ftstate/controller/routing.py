@@ -159,7 +159,16 @@ class Router:
         self._trainer_inflight += 1
         self._trainer_idle.clear()
         try:
-            result = await self._user_call(m, method, args, kwargs)
+            ranks = self.membership.live("trainer")
+            if len(ranks) > 1:  # several trainer ranks: each is called (collectives), rank 0 answers
+                outs = await asyncio.gather(*(self._user_call(r, method, args, kwargs) for r in ranks),
+                                            return_exceptions=True)
+                errors = [o for o in outs if isinstance(o, BaseException)]
+                if errors:
+                    raise next((e for e in errors if isinstance(e, MemberLost)), errors[0])
+                result = outs[0]
+            else:
+                result = await self._user_call(m, method, args, kwargs)
             self.membership.trainer_calls.append(TrainerCall(method, tuple(args), dict(kwargs)))
         finally:
             self._trainer_inflight -= 1

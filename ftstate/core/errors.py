@@ -21,6 +21,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── PlacementUnsatisfiable   the cluster can never place a resource pool as configured
     ├── IntegrationUnavailable   an integration's framework (verl) cannot be imported; names the extra
     ├── StateDictError           user code handed weights the transport cannot send (also a TypeError)
+    ├── OwnershipError           trainer ranks' state_dicts overlap, leave a gap or disagree (tensor, ranks)
     ├── TransportError           moving weights failed
     │   ├── BackendUnavailable   the chosen backend (e.g. nccl) cannot load here
     │   ├── SharedMemoryUnavailable  /dev/shm is missing, full or too small for the same-host route
@@ -270,6 +271,20 @@ class StateDictError(FTError, TypeError):
         super().__init__(f"{who}{where}: got {got}, expected {expected}")
 
 
+class OwnershipError(FTError, ValueError):
+    """Raised when what the trainer ranks' ``state_dict()`` returned does not add up to one
+    weights version: a tensor or slice owned twice, a slice missing, slices that disagree on
+    shape or dtype (:mod:`ftstate.core.ownership`). ``tensor``: its name; ``ranks``: the ranks involved."""
+
+    def __init__(self, tensor: str, ranks: Iterable[int], problem: str) -> None:
+        self.tensor = tensor
+        self.ranks = tuple(ranks)
+        self.problem = problem
+        who = ", ".join(str(r) for r in self.ranks)
+        super().__init__(f"tensor {tensor!r} (trainer ranks {who}): {problem}" if tensor
+                         else f"trainer ranks {who}: {problem}")
+
+
 class TransportError(FTError):
     """Base of the errors raised while moving weights."""
 
@@ -412,6 +427,7 @@ __all__ = [
     "ManifestError",
     "MemberLost",
     "NoServingWorkers",
+    "OwnershipError",
     "PeerLost",
     "PlacementUnsatisfiable",
     "RendezvousTimeout",

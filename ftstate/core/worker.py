@@ -42,8 +42,16 @@ class TrainerWorker(Worker):
     #: refuses unless ``fault_tolerance.allow_lossy_recovery`` is on.
     lossy_state_dict: ClassVar[bool] = False
 
+    def setup(self, group: Any, rank: int, world_size: int) -> None:
+        """With ``trainer_workers > 1``: the trainer ranks' own process group (a torch gloo
+        group; ``RANK``/``WORLD_SIZE`` are set in the environment too), handed over before the
+        first sync, to build the user's DDP/FSDP on. The default does nothing."""
+
     def state_dict(self) -> Mapping[str, Any]:
-        """The named tensors to push to the rollouts (CPU tensors for gloo, CUDA for nccl)."""
+        """The named tensors to push to the rollouts (CPU tensors for gloo, CUDA for nccl). With
+        ``trainer_workers > 1``: only what this rank owns, ``{name: tensor}`` for a whole tensor
+        or ``{name: ftstate.Shard(slice, dim, index, count)}`` for a slice (may return ``{}``);
+        every rank is called together (it may be collective). Rollouts always get full tensors."""
         raise NotImplementedError(f"{type(self).__name__} must implement state_dict()")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

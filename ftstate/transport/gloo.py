@@ -191,6 +191,12 @@ class GlooCommunicator(Communicator):
 
     # -- primitives -------------------------------------------------------------------
 
+    @property
+    def process_group(self) -> dist.ProcessGroupGloo:
+        """The torch process group of this version (handed to a trainer's ``setup``; its
+        collectives are called directly: ``pg.allreduce([t]).wait()``)."""
+        return self._live_pg("hand out its process group")
+
     def _live_pg(self, op: str) -> dist.ProcessGroupGloo:
         if self._pg is None or self._abort_reason is not None:
             raise TransportError(

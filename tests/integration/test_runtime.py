@@ -286,9 +286,9 @@ class TestBadInput:
         with pytest.raises(TypeError, match="trainer must be a TrainerWorker subclass"):
             ftstate.Runtime(config(tmp_path), trainer=TinyRollout, rollout=TinyRollout)
 
-    def test_more_than_one_trainer_is_refused_clearly(self, tmp_path):
-        with pytest.raises(ConfigError, match="trainer_workers: this release drives exactly one trainer"):
-            runtime(config(tmp_path, trainer_workers=2))
+    def test_several_trainer_ranks_with_fault_tolerance_are_refused_clearly(self, tmp_path):
+        with pytest.raises(ConfigError, match=r"trainer_workers: 2 trainer ranks run with fault_tolerance\.enable: false"):
+            runtime(config(tmp_path, trainer_workers=2, fault_tolerance={"enable": True}))
 
     def test_a_maintenance_source_that_does_not_exist_is_refused_naming_it(self, tmp_path):
         with pytest.raises(ConfigError, match=r"fault_tolerance\.maintenance_sources\[1\]: must be one of"):

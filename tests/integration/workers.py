@@ -206,3 +206,106 @@ class ReplayTrainer(TinyTrainer):
         for seed in seeds:
             trainer.train_step(seed)
         return trainer.checksum()
+
+
+def sharded_state(seed: int, step: int) -> dict[str, torch.Tensor]:
+    """The full reference a ShardTrainer run holds after ``step`` steps (every rank builds it
+    the same way: its step is deterministic in its arguments, like ReplayTrainer's)."""
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        "emb": torch.randn(10, 6, generator=g),                      # dim-0: 10 rows over 3 -> 4, 4, 2
+        "proj": torch.randn(5, 7, generator=g).to(torch.bfloat16),   # dim-1: 7 cols over 3 -> 3, 3, 1
+        "layer0.w": torch.randn(9, 4, generator=g),
+        "layer1.w": torch.randn(4, 4, generator=g),
+        "layer2.b": torch.randn(4, generator=g),
+        "count": torch.tensor([seed], dtype=torch.int64),
+    }
+    for s in range(1, step + 1):
+        gs = torch.Generator().manual_seed(seed * 7919 + s)
+        for t in state.values():
+            if t.is_floating_point():
+                t.add_((torch.randn(t.shape, generator=gs) * 0.1).to(t.dtype))
+            else:
+                t.add_(1)
+    return state
+
+
+class ShardTrainer(TrainerWorker):
+    """One trainer rank of several; ``style`` says what each rank's ``state_dict()`` owns:
+    ``gather`` (rank 0 everything), ``pipeline`` (each rank whole layers), ``slices`` (dim-0 and
+    dim-1 slices with uneven last slices, the rest whole on rank 0 and 1), or a bad one
+    (``overlap``, ``gap``, ``twice``, ``mismatch``) from ``bad_from_step`` on.
+    ``train_step`` all-reduces a step counter on the trainer group (a collective per step)."""
+
+    def __init__(self, seed: int = 3, style: str = "slices", bad_from_step: int | None = None) -> None:
+        self.seed, self.style, self.bad_from_step = seed, style, bad_from_step
+        self.steps = 0
+        self.state = sharded_state(seed, 0)
+        self.group = None
+        self.rank, self.world = 0, 1
+        self.setups = 0
+
+    def setup(self, group, rank: int, world_size: int) -> None:
+        self.group, self.rank, self.world = group, rank, world_size
+        self.setups += 1
+
+    def facts(self) -> dict:
+        return {"rank": self.rank, "world": self.world, "setups": self.setups, "pid": os.getpid(),
+                "env": (os.environ.get("RANK"), os.environ.get("WORLD_SIZE"))}
+
+    def fail_next_state_dict(self, rank: int) -> None:
+        self._fail_rank = rank
+
+    def mark_and_wait_in_step(self, marker: str) -> None:
+        """The next train_step of the rank that gets this writes its pid to ``marker`` and waits
+        in the all-reduce for ever-slow peers (a collective in flight when a peer dies)."""
+        self._marker = marker
+
+    def train_step(self) -> int:
+        box = torch.tensor([1], dtype=torch.int64)
+        marker = getattr(self, "_marker", None)
+        if marker is not None and self.rank == 1:
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600)  # SIGKILLed here by the test, while rank 0 waits in the all-reduce
+        self.group.allreduce([box]).wait()  # every rank steps together
+        self.steps += 1
+        self.state = sharded_state(self.seed, self.steps)
+        return int(box.item())
+
+    def _style(self) -> str:
+        if self.bad_from_step is not None and self.steps >= self.bad_from_step:
+            return self.style
+        return "slices" if self.style in ("overlap", "gap", "twice", "mismatch") else self.style
+
+    def state_dict(self):
+        from ftstate import Shard
+
+        r, n, s = self.rank, self.world, self.state
+        if getattr(self, "_fail_rank", None) == r:
+            self._fail_rank = None
+            raise RuntimeError(f"state_dict() failed on rank {r}: simulated user error")
+        style = self._style()
+        if style == "gather":
+            return dict(s) if r == 0 else {}
+        if style == "pipeline":
+            names = sorted(s)
+            return {k: s[k] for i, k in enumerate(names) if i % n == r}
+        out = {"emb": Shard(s["emb"].chunk(n, 0)[r], 0, r, n), "proj": Shard(s["proj"].chunk(n, 1)[r], 1, r, n)}
+        whole = ["layer0.w", "layer1.w", "layer2.b", "count"]
+        out.update({k: s[k] for i, k in enumerate(whole) if i % 2 == r})  # rank 2+: slices only
+        if style == "overlap" and r == 1:
+            out["emb"] = Shard(s["emb"].chunk(n, 0)[0], 0, 0, n)
+        if style == "gap" and r == n - 1:
+            del out["emb"]
+        if style == "twice" and r == 1:
+            out["layer0.w"] = s["layer0.w"]
+        if style == "mismatch" and r == 1:
+            out["proj"] = Shard(s["proj"].chunk(n, 1)[r][:4], 1, r, n)
+        return out
+
+    def load_state_dict(self, state) -> None:
+        raise NotImplementedError("fault tolerance is off for several trainer ranks")
+
+    def reference_checksum(self) -> str:
+        return state_checksum(dict(sorted(sharded_state(self.seed, self.steps).items())))

@@ -55,6 +55,7 @@ def test_every_error_crosses_a_process_boundary_with_its_fields():
         errors.ConfigError("fault_tolerance.max_failovers", "must be >= 0"),
         errors.ChecksumMismatch("bucket 1/2 does not match"),
         errors.IntegrationUnavailable(framework="verl", extra="verl", cause="No module named 'verl'"),
+        errors.OwnershipError("layer.w", [0, 1], "slice 1 of 2 along dim 0 is owned twice"),
         errors.StateDictError("trainer-0", "layer.w", "torch.sparse_coo tensor", "a dense (strided) tensor on cpu"),
         errors.StateDictError("", None, "list", "a Mapping[str, torch.Tensor]", what="weights"),
         errors.PlacementUnsatisfiable(pool="rollout", asked="pool 'rollout': 2 x {CPU=1, gpu_node=1}, SPREAD",
