@@ -9,10 +9,12 @@ straight to every rollout at once (:mod:`ftstate.transport.shards`), the same to
 split evenly (whole tensors, dealt by size: pipeline style, no assembly copy); the ratio is
 the single sender's time over the N-sender time, rounds interleaved in the same run.
 
-Three kinds of round per cell, interleaved: ``raw`` (the gloo broadcast), ``ftstate`` (the
-broadcast route, every byte over gloo) and ``shm`` (the same-host route of
+Four kinds of round per cell, interleaved: ``raw`` (the gloo broadcast), ``ftstate`` (the
+broadcast route, every byte over gloo), ``shm`` (the same-host route of
 :mod:`ftstate.transport.samehost`: every receiver reads the buckets from /dev/shm, same
-manifest, checksums, vote and commit). The ceiling is measured in the same run on the
+manifest, checksums, vote and commit) and ``xnode`` (that route with every receiver planned on
+another node: the buckets go to each point to point over gloo, the cross-node leg of a mixed
+transfer; between processes of one host here, so loopback stands in for the NIC). The ceiling is measured in the same run on the
 sender: ``memcpy``, one copy of the same bytes into a preallocated buffer (the least any
 transfer that lands the bytes in another buffer costs), and ``xxh3``, one checksum pass.
 
@@ -99,7 +101,7 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> No
             raw = torch.zeros(nbytes, dtype=torch.uint8)
             if idx == 0:
                 raw.fill_(1)
-            kinds = ("raw", "ftstate", "shm")
+            kinds = ("raw", "ftstate", "shm", "xnode")
             times: dict[str, list[float]] = {k: [] for k in kinds}
             cpu: dict[str, list[float]] = {k: [] for k in kinds}
             checks = []
@@ -110,6 +112,14 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> No
                     t0 = time.perf_counter()
                     if kind == "raw":
                         pg.broadcast(raw, 0).wait()
+                    elif kind == "xnode" and idx == 0:  # as if every receiver were on another node
+                        report = samehost.broadcast(sender, comm, weights, same_host=(), weights_version=rnd,
+                                                    timeout_s=120)
+                        assert report.ok and set(report.routes.values()) == {"collective"}, report
+                        checks.append(report.state_checksum)
+                    elif kind == "xnode":
+                        got = samehost.receive(receiver, comm, 0, timeout_s=120)
+                        checks.append(got.state_checksum)
                     elif kind == "shm" and idx == 0:
                         report = samehost.broadcast(sender, comm, weights, same_host=range(1, world),
                                                     require_shm=True, weights_version=rnd, timeout_s=120)
@@ -323,12 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{'size':>8} {'recv':>4} | {'raw s':>7} {'raw GB/s':>8} {'raw cpu':>7} | {'ftstate s':>9} {'ft GB/s':>7} "
         f"{'ft cpu':>6} | {'ratio':>5} | {'shm s':>6} {'shm GB/s':>8} {'shm cpu':>7} | {'shm/raw':>7} | "
-        f"{'memcpy s':>8} {'xxh3 s':>6} {'shm/memcpy':>10} | checksums"
+        f"{'memcpy s':>8} {'xxh3 s':>6} {'shm/memcpy':>10} | {'xnode/raw':>9} | checksums"
     )
     print(header)
     print("-" * len(header))
     worst = None
     worst_shm = None
+    worst_xnode = None
     for (receivers, size), per_rank in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         data, sender_checks = per_rank[0]
         times = data["times"]
@@ -341,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                 sum(per_rank[r][0]["cpu"][kind][i] for r in per_rank) / (times[kind][i] * cores)
                 for i in range(len(times[kind]))
             )
-            for kind in ("raw", "ftstate", "shm")
+            for kind in ("raw", "ftstate", "shm", "xnode")
         }
         gb = size * MiB / 1e9
         # ftstate throughput / raw throughput, paired round by round (a raw round and an
@@ -349,24 +360,27 @@ def main(argv: list[str] | None = None) -> int:
         ratio = statistics.median(r / f for r, f in zip(times["raw"], times["ftstate"], strict=True))
         shm = statistics.median(times["shm"])
         shm_ratio = statistics.median(r / f for r, f in zip(times["raw"], times["shm"], strict=True))
+        xnode_ratio = statistics.median(r / f for r, f in zip(times["raw"], times["xnode"], strict=True))
         memcpy = statistics.median(data["memcpy"])
         if size >= 256:
             worst = ratio if worst is None else min(worst, ratio)
             worst_shm = shm_ratio if worst_shm is None else min(worst_shm, shm_ratio)
+            worst_xnode = xnode_ratio if worst_xnode is None else min(worst_xnode, xnode_ratio)
         print(
             f"{size:>5} MiB {receivers:>4} | {raw:>7.3f} {gb / raw:>8.2f} {load['raw']:>7.0%} | {ft:>9.3f} "
             f"{gb / ft:>7.2f} {load['ftstate']:>6.0%} | {ratio:>5.2f} | {shm:>6.3f} {gb / shm:>8.2f} "
             f"{load['shm']:>7.0%} | {shm_ratio:>7.2f} | {memcpy:>8.3f} {statistics.median(data['hash']):>6.3f} "
-            f"{memcpy / shm:>10.2f} | {'match' if agree else 'MISMATCH'}"
+            f"{memcpy / shm:>10.2f} | {xnode_ratio:>9.2f} | {'match' if agree else 'MISMATCH'}"
         )
     if worst is not None:
         print(f"worst ratio at >= 256 MiB: broadcast route {worst:.2f} (goal >= 0.85), same-host route "
-              f"{worst_shm:.2f} (goal >= 2)")
+              f"{worst_shm:.2f} (goal >= 2), cross-node leg {worst_xnode:.2f} (goal >= 0.85)")
     print(
         "raw cpu / ft cpu / shm cpu: CPU time of all processes over the round's wall time and all cores; "
         "shm/raw: raw time / same-host time per round; memcpy s / xxh3 s: one copy / one checksum pass of the "
         "same bytes on one core (the same-host route does one of each on every side); shm/memcpy: the share of "
-        "that ceiling reached"
+        "that ceiling reached; xnode/raw: raw time / the same route with every receiver planned on another node "
+        "(each gets the buckets point to point over gloo: the cross-node leg, on loopback here)"
     )
     return 0
 

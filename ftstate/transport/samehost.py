@@ -634,12 +634,17 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
                         f"shared-memory segment {seg.name!r} holds bucket {holds[0]} of weights version {holds[1]} "
                         f"({holds[2]} bytes), expected bucket {b.index} of {manifest.weights_version} "
                         f"({b.nbytes} bytes)", field="segment")
-                if receiver._corrupt_next and b.segments:  # chaos: the segment itself is damaged
+                src = seg.data
+                if receiver._corrupt_next and b.segments:
+                    # chaos: this reader sees a damaged segment. A private damaged copy, not the
+                    # segment itself: the other readers must get the bytes as sent (two readers
+                    # both flipping the shared byte would restore it, and neither would notice).
                     receiver._corrupt_next = False
-                    seg.data[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
+                    src = seg.data[: b.nbytes].clone()
+                    src[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
                 data = flat[b.start : b.stop]
                 _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
-                             seg.data[s.bucket_offset : s.bucket_offset + s.length]) for s in b.segments], hasher)
+                             src[s.bucket_offset : s.bucket_offset + s.length]) for s in b.segments], hasher)
                 digests.append(hasher.bucket_digest(b))
                 chan.send({"kind": "released", "bucket": b.index})
                 if progress is not None:

@@ -171,7 +171,7 @@ class TestFaults:
         planned(group, [1], members=pair)
         trainer, reader = pair
         trainer.call("load", seed=6, weights_version=2)
-        reader.call("corrupt_next_bucket")  # flips a byte of the shared segment before it is read
+        reader.call("corrupt_next_bucket")  # it reads the segment with one byte flipped
         reader.start("receive_planned", timeout_s=SYNC_S)
         report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1])
         with pytest.raises(RemoteError) as info:
@@ -180,6 +180,38 @@ class TestFaults:
         assert "bucket 1/" in info.value.info["message"] and "kept weights version 1" in info.value.info["message"]
         assert report["rejected"] == {1: "ChecksumMismatch"} and report["committed"] == []
         assert committed_checksum(reader) == expected_checksum(1)
+
+    def test_a_damaged_segment_seen_by_one_reader_leaves_the_others_bytes_as_sent(self, group):
+        trainer, damaged, clean = group.members
+        planned(group, [1, 2])
+        trainer.call("load", seed=7, weights_version=2)
+        damaged.call("corrupt_next_bucket")
+        damaged.start("receive_planned", timeout_s=SYNC_S)
+        clean.start("receive_planned", timeout_s=SYNC_S)
+        report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
+        with pytest.raises(RemoteError) as info:
+            damaged.result()
+        assert info.value.isinstance("ChecksumMismatch"), info.value.info
+        clean.result()
+        assert report["rejected"] == {1: "ChecksumMismatch"} and report["committed"] == [2]
+        assert committed_checksum(clean) == expected_checksum(7)
+        assert committed_checksum(damaged) == expected_checksum(1)
+
+    def test_two_readers_damaged_at_the_same_byte_both_reject(self, group):
+        # Two flips of one shared byte would cancel out; each reader's damage is its own.
+        trainer, *readers = group.members
+        planned(group, [1, 2])
+        trainer.call("load", seed=8, weights_version=2)
+        for r in readers:
+            r.call("corrupt_next_bucket")
+            r.start("receive_planned", timeout_s=SYNC_S)
+        report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
+        for r in readers:
+            with pytest.raises(RemoteError) as info:
+                r.result()
+            assert info.value.isinstance("ChecksumMismatch"), info.value.info
+            assert committed_checksum(r) == expected_checksum(1)
+        assert report["rejected"] == {1: "ChecksumMismatch", 2: "ChecksumMismatch"}
 
     def test_a_segment_of_an_older_group_version_is_never_read(self, group):
         trainer, *rollouts = group.members
