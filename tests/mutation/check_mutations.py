@@ -53,9 +53,9 @@ MUTATIONS = (
         "one-phase commit",
         "a rollout hands weights to load_weights only after every rollout staged the same version",
         (Edit("ftstate/controller/host.py",
-              "        self._staged = staged\n        self._tick()\n",
-              "        self._staged = staged\n        await self._run(self.user.load_weights, dict(staged.tensors), "
-              "weights_version)\n        self._tick()\n"),),
+              "                field=\"weights_version\",\n            )\n        self._staged = staged\n",
+              "                field=\"weights_version\",\n            )\n        self._staged = staged\n"
+              "        await self._run(self.user.load_weights, dict(staged.tensors), weights_version)\n"),),
         ("tests/integration/test_runtime.py::TestAtomicSync::"
          "test_a_corrupted_bucket_aborts_the_sync_and_every_rollout_keeps_the_previous_version",),
     ),
