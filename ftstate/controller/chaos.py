@@ -22,7 +22,8 @@ class Chaos:
     """Fault injection on a running runtime: real signals to real processes.
 
     ``role``/``rank``: the worker by role and its index within the role (``("rollout", 1)`` is
-    ``rollout-1``; the trainer is ``("trainer", 0)``), or a member name. Each is usable before
+    ``rollout-1``; the trainer is ``("trainer", 0)``, trainer rank 1 ``("trainer", 1)``), or a
+    member name (its replacement keeps the index). Each is usable before
     or during a sync; ``after_progress`` delays a kill until the worker made that many more
     units of progress (buckets, calls), which lands it in the middle of a transfer.
     """
@@ -38,8 +39,6 @@ class Chaos:
     def _member(self, role: str, rank: int | None) -> Member:
         if rank is None:
             return self.membership.get(role)
-        if role == "trainer":
-            return self.membership.trainer()
         live = self.membership.live(role)
         by_name = {m.name: m for m in live}
         name = f"{role}-{rank}"

@@ -38,6 +38,7 @@ from ftstate.controller.calls import ActorCalls
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import Member, Membership, walk_proven
+from ftstate.controller.ranks import recover_ranks
 from ftstate.controller.sync import plan_for
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
@@ -77,7 +78,8 @@ class Failover:
     It works on the shared membership; the launcher starts and kills actors, the formation
     forms group versions, the watchdog settles suspects. trainer_lossy: the user trainer
     class's ``lossy_state_dict`` (reverse recovery from a lossy copy is refused unless
-    ``allow_lossy_recovery``).
+    ``allow_lossy_recovery``); rank_local_calls: its ``rank_local_calls`` (several ranks:
+    who replays, :mod:`ftstate.controller.ranks`).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Failover:
         watchdog: Watchdog,
         trainer_lossy: bool,
         trainer_class_name: str,
+        rank_local_calls: bool = False,
     ) -> None:
         self.config = config
         self.audit = audit
@@ -102,6 +105,7 @@ class Failover:
         self.watchdog = watchdog
         self.trainer_lossy = trainer_lossy
         self.trainer_class_name = trainer_class_name
+        self.rank_local_calls = rank_local_calls
         self.records: list[FailoverRecord] = []
         self._pending: list[tuple[Member, float]] = []
         self._spare_seq = 0
@@ -329,6 +333,12 @@ class Failover:
                 try:
                     await self.formation.reform()
                     t_reformed = loop.time()
+                    ranks = {lost.name: replacements[lost.name] for lost in losts
+                             if lost.role == "trainer" and self.config.trainer_workers > 1
+                             and lost.name in replacements and lost.name not in resynced}
+                    if ranks:  # several trainer ranks: every rank lost at once in one reconciliation
+                        await self._recover_ranks(list(ranks.values()))
+                        resynced.update(dict.fromkeys(ranks, True))
                     for lost in losts:  # the trainer first: it sorts first
                         replacement = replacements.get(lost.name)
                         if replacement is not None and lost.name not in resynced:
@@ -509,14 +519,7 @@ class Failover:
             if not self.ft.reverse_weight_sync:
                 await self._trainer_from_checkpoint(newcomer)
                 return True
-            if self.trainer_lossy and not self.ft.allow_lossy_recovery:
-                err = LossyRecoveryRefused(
-                    f"{newcomer.name}: refusing to rebuild the trainer from rollout weights: "
-                    f"{self.trainer_class_name}.lossy_state_dict is true (rollouts hold a lossy copy "
-                    "of the master weights); set fault_tolerance.allow_lossy_recovery or use checkpoint_dir"
-                )
-                await group.fire("fail", reason=str(err), error=err)
-                raise err
+            await self._refuse_lossy(newcomer)
             if not sources:
                 err = MemberLost(newcomer.name, "no rollout holds the current weights version to rebuild the trainer")
                 await group.fire("fail", reason=str(err), error=err)
@@ -547,11 +550,34 @@ class Failover:
         await walk_proven(newcomer.machine, "READY")
         return True
 
+    async def _refuse_lossy(self, newcomer: Member) -> None:
+        """Fail the run rather than rebuild a trainer from a lossy copy (unless allowed)."""
+        if self.trainer_lossy and not self.ft.allow_lossy_recovery:
+            err = LossyRecoveryRefused(
+                f"{newcomer.name}: refusing to rebuild the trainer from rollout weights: "
+                f"{self.trainer_class_name}.lossy_state_dict is true (rollouts hold a lossy copy "
+                "of the master weights); set fault_tolerance.allow_lossy_recovery or use checkpoint_dir"
+            )
+            await self.membership.group.fire("fail", reason=str(err), error=err)
+            raise err
+
+    async def _recover_ranks(self, newcomers: list[Member]) -> None:
+        """Replaced trainer ranks (several ranks): :func:`ftstate.controller.ranks.recover_ranks`."""
+        ms = self.membership
+        if ms.weights_version:
+            await self._refuse_lossy(newcomers[0])
+            if not ms.holders():
+                # Rollouts blocked behind a hung rank were suspected too: let them prove their weights.
+                await self.watchdog.settle_suspects(done=lambda: bool(ms.holders()))
+        await recover_ranks(newcomers, config=self.config, audit=self.audit, membership=ms, calls=self.calls,
+                            formation=self.formation, rank_local_calls=self.rank_local_calls,
+                            new_optimizer=self._optimizer_policy)
+
     async def _replay(self, trainer: Member) -> None:
         """Re-run, on the new trainer, the calls made since the last committed sync."""
         calls = list(self.membership.trainer_calls)
         for c in calls:
-            await self.calls.call(trainer.name, trainer.handle, "call", c.method, c.args, c.kwargs)
+            await self.calls.call(trainer.name, trainer.handle, "call", c.method, c.args, c.kwargs, True)
         if calls:
             self.audit.record("trainer_replay", member=trainer.name, calls=[c.method for c in calls])
 

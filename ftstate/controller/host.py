@@ -74,6 +74,9 @@ class WorkerHost:
         self._shard_senders: dict[int, Any] = {}
         self._shard_receivers: dict[int, Any] = {}
         self._trainer_comm: Any = None
+        # trainer ranks: user calls since the last commit (see calls_since_commit)
+        self._calls_started = 0
+        self._calls_done = 0
 
     # -- identity and liveness ----------------------------------------------------------
 
@@ -306,9 +309,89 @@ class WorkerHost:
 
     async def note_weights(self, weights_version: int, checksum: str) -> None:
         """Trainer rank: the version its part went into was committed with the full state's
-        ``checksum`` (what its heartbeat then reports, like a single trainer's after a send)."""
+        ``checksum`` (what its heartbeat then reports, like a single trainer's after a send).
+        The calls counted since the previous commit are in it now."""
         self.weights_version = weights_version
         self.checksum = checksum
+        self._calls_started = self._calls_done = 0
+
+    async def calls_since_commit(self) -> dict[str, int]:
+        """Trainer rank: user calls started, and completed without raising, since its part went
+        into the last committed version (or was restored to it). The controller compares them
+        with the calls it logged as completed on every rank: a rank that started more (a call
+        cut short by a peer's death, or one that completed here only) holds a state that no
+        replay from the log reproduces, so it is restored too."""
+        return {"started": self._calls_started, "done": self._calls_done}
+
+    async def send_part_to(self, peer: int, ownership: dict[str, Any], trainer_rank: int,
+                           timeout_s: float) -> dict[str, Any]:
+        """Rollout: send what trainer rank ``trainer_rank`` owned of the committed version this
+        rollout holds (its part only, sliced out of the full tensors) to ``peer``, point to point."""
+        from ftstate.core.ownership import Ownership
+        from ftstate.transport import Sender
+        from ftstate.transport.shards import part_of
+
+        comm = self._require_comm()
+        loaded = self._loaded
+        if loaded is None:
+            raise FTError(f"{self.member}: holds no committed weights to restore trainer rank {trainer_rank} from")
+        part = part_of(Ownership.from_record(ownership), loaded.tensors, trainer_rank)
+        if self._sender is None:
+            self._sender = Sender(bucket_size=self.bucket_bytes)
+        self.busy = True
+        try:
+            report = await asyncio.to_thread(self._sender.send_to, comm, peer, part,
+                                             weights_version=loaded.weights_version, timeout_s=timeout_s,
+                                             progress=self._on_bucket)
+        finally:
+            self.busy = False
+        if not report.ok:
+            from ftstate.core.errors import ChecksumMismatch
+
+            raise ChecksumMismatch(f"{self.member}: rank {peer} rejected its part of weights version "
+                                   f"{loaded.weights_version}: {dict(report.rejected)}")
+        return {"checksum": report.state_checksum, "nbytes": report.nbytes}
+
+    async def receive_part_from(self, src: int, weights_version: int, ownership: dict[str, Any], trainer_rank: int,
+                                checksum: str | None, timeout_s: float) -> dict[str, Any]:
+        """Trainer rank: receive this rank's part of committed version ``weights_version`` from
+        rollout rank ``src``, prove it is the part this rank sent then (``checksum``: what it
+        sent; None: it owned nothing) and hand it to ``load_state_dict`` in the form
+        ``state_dict()`` returned it. The calls since the commit start over from here."""
+        from ftstate.core.errors import ChecksumMismatch
+        from ftstate.core.ownership import Ownership
+        from ftstate.transport.shards import part_form
+
+        owned = Ownership.from_record(ownership)
+        if checksum is None:
+            part: dict[str, Any] = {}
+        else:
+            staged = await self._receive("receive_from", src, timeout_s=timeout_s)
+            if staged.weights_version != weights_version or staged.state_checksum != checksum:
+                raise ChecksumMismatch(
+                    f"{self.member}: received a part of weights version {staged.weights_version} "
+                    f"({staged.state_checksum}) from rank {src}, expected trainer rank {trainer_rank}'s part of "
+                    f"version {weights_version} ({checksum})")
+            part = {k: v.clone() for k, v in staged.tensors.items()}  # the receiver reuses its buffer
+        async with self._lock():
+            await self._run(self.user.load_state_dict, part_form(owned, part, trainer_rank))
+            self._calls_started = self._calls_done = 0
+            self.weights_version = weights_version
+        self._tick()
+        return {"received": checksum, "tensors": len(part)}
+
+    async def part_checksum(self, trainer_rank: int) -> dict[str, Any]:
+        """Trainer rank: the checksum of what this rank's ``state_dict()`` owns now (every rank
+        is called together: it may be collective); the proof that a restored rank holds its
+        part of the committed version. ``pieces``: how many it owns (0: nothing)."""
+        from ftstate.transport import state_checksum
+        from ftstate.transport.shards import split_state
+
+        async with self._lock():
+            part, pieces = split_state(await self._run(self.user.state_dict), rank=trainer_rank,
+                                       member=self.member, device_type=None, backend=self.backend)
+        return {"checksum": await asyncio.to_thread(state_checksum, part) if pieces else None,
+                "pieces": len(pieces)}
 
     async def discard_shards(self) -> None:
         """Trainer rank: drop a prepared part (the sync was refused or abandoned)."""
@@ -524,12 +607,16 @@ class WorkerHost:
 
     # -- user calls ---------------------------------------------------------------------
 
-    async def call(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    async def call(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], logged: bool = False) -> Any:
+        """A user method. ``logged``: a trainer call the controller keeps in its replay log
+        (``rt.trainer(...)``, or its replay), counted by :meth:`calls_since_commit`."""
         fn = getattr(self.user, method, None)
         if fn is None or method.startswith("_") or not callable(fn):
             raise FTError(f"{self.member}: {type(self.user).__name__} has no public method {method!r}")
         async with self._lock():
+            self._calls_started += logged
             result = await self._run(fn, *args, **dict(kwargs))
+            self._calls_done += logged
         self._tick()
         return result
 

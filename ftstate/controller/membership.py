@@ -105,6 +105,17 @@ class TrainerCall:
     kwargs: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class CommittedParts:
+    """With several trainer ranks: who owned what in the current weights version
+    (``ownership``: :meth:`ftstate.core.ownership.Ownership.record`) and the checksum of each
+    trainer rank's part as it sent it (None: it owned nothing). A replaced rank gets its part
+    back from a rollout and is proven on it."""
+
+    ownership: dict[str, Any]
+    checksums: dict[int, str | None]
+
+
 class Membership:
     """The run's members and versions. group: the group machine."""
 
@@ -118,6 +129,8 @@ class Membership:
         self.versions_by_checksum: dict[str, int] = {}
         #: Trainer calls since the last committed sync, in order.
         self.trainer_calls: list[TrainerCall] = []
+        #: Several trainer ranks: the current version's ownership and parts (None before the first sync).
+        self.parts: CommittedParts | None = None
         #: Bumped on every loss and every change of the group's shape.
         self.epoch = 0
 

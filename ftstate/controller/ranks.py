@@ -21,8 +21,32 @@ transfer step replaced (the vote and the commit are the same code):
    verified against its sender's seal);
 4. the commit, as for one trainer: ``load_weights`` of the full state, held-bytes proof.
 
-Fault tolerance for several ranks (replacing one rank) is not implemented: the runtime
-refuses ``fault_tolerance.enable`` with ``trainer_workers > 1``, and any loss fails the run.
+**Replacing a rank** (:func:`recover_ranks`, run by the failover with fault tolerance on).
+The weights group has formed its next version with the replacement in the lost rank's
+place; then, as one reconciliation for every rank lost at once:
+
+1. the trainer group re-forms under the new version and every rank's ``setup`` is called
+   with it (survivors rebuild their DDP/FSDP on it; their processes stay);
+2. the ranks to restore are chosen. Always the newcomers. A survivor too when it holds a
+   state no replay reproduces: it started or finished a call the controller did not log
+   as done on every rank (a collective cut short by the dead peer, or a call that completed
+   on it only and is about to be retried on all). And, unless the trainer class declares
+   ``rank_local_calls``, every rank as soon as any call was made since the last sync: a
+   trainer call is called on all ranks together and may hold collectives, so replaying it
+   on the newcomer alone would hang (or, with a world of one, compute something else);
+3. each rank restored gets its part of the last committed version back from a rollout,
+   point to point, only its tensors and slices, checksum-proven against what that rank sent
+   at the commit, and then in ``load_state_dict`` in the form its ``state_dict()`` returned;
+   every rank's ``state_dict()`` is then called together and each restored rank's part must
+   hash to what it sent (:class:`~ftstate.core.errors.HeldWeightsMismatch` otherwise);
+4. the newcomers' optimizers follow ``fault_tolerance.optimizer_state``; survivors keep
+   theirs;
+5. the calls since the last sync are replayed, in order, on the restored ranks together:
+   exactly once per rank, since every rank either kept them (untouched) or was taken back
+   to before them.
+
+Before the first sync there is no committed part to restore: a newcomer starts from its
+construction (like the first ranks), and a survivor that would need restoring fails the run.
 """
 
 from __future__ import annotations
@@ -30,12 +54,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ftstate.controller.membership import Member
+from ftstate.controller.calls import ActorCalls
+from ftstate.controller.formation import GroupFormation
+from ftstate.controller.membership import CommittedParts, Member, Membership, walk_proven
 from ftstate.controller.sync import SyncReport, WeightSync
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
     ChecksumMismatch,
+    FTError,
     HeldWeightsMismatch,
     MemberLost,
     NoServingWorkers,
@@ -48,20 +78,123 @@ from ftstate.core.ownership import Piece, plan_ownership
 TRAINER_GROUP = "trainers"
 
 
-async def form_trainer_group(sync: WeightSync) -> int:
-    """Form the trainer ranks' group at the weights group's current version and call every
-    rank's ``setup``; returns the version. Recorded as ``trainer_group_formed``."""
-    ms, formation = sync.membership, sync.formation
-    trainers = ms.live("trainer")
-    version = ms.group_version
+async def form_trainer_group(*, membership: Membership, formation: GroupFormation, calls: ActorCalls,
+                             audit: AuditTrail, timeout_s: float) -> int:
+    """Form the trainer ranks' group at the weights group's current version (older versions
+    of it fenced) and call every rank's ``setup``; returns the version. Recorded as
+    ``trainer_group_formed``. ``timeout_s``: ``init_timeout_s``, the transport's bound on the
+    rendezvous."""
+    trainers = membership.live("trainer")
+    version = membership.group_version
+    formation.store.fence(TRAINER_GROUP, version)
     address = formation.store.address
     await asyncio.gather(*(
-        sync.calls.call(m.name, m.handle, "setup_trainer_group", address.host, address.port, TRAINER_GROUP,
-                        version, rank, len(trainers), sync.config.init_timeout_s)
-        for rank, m in enumerate(trainers)))
-    sync.audit.record("trainer_group_formed", machine="group", member="group", group_version=version,
-                      members=[m.name for m in trainers])
+        calls.call(m.name, m.handle, "setup_trainer_group", address.host, address.port, TRAINER_GROUP,
+                   version, m.rank, len(trainers), timeout_s)
+        for m in trainers))
+    audit.record("trainer_group_formed", machine="group", member="group", group_version=version,
+                 members=[m.name for m in trainers])
     return version
+
+
+async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit: AuditTrail,
+                        membership: Membership, calls: ActorCalls, formation: GroupFormation,
+                        rank_local_calls: bool, new_optimizer: Callable[[Member], Awaitable[None]]) -> None:
+    """Bring replaced trainer ranks (``newcomers``, already in the weights group's new
+    version) and any survivor that needs it to the state of the calls logged since the last
+    sync; see the module docstring. ``rank_local_calls``: the trainer class's attribute;
+    ``new_optimizer``: the optimizer policy, for newcomers only. Raises MemberLost (a rank or
+    the source died: the failover forms the group again), TransportError (a part was
+    damaged: the transfer is made again) or FTError (no way to restore)."""
+    ms = membership
+    trainers = ms.live("trainer")
+    if len(trainers) != config.trainer_workers:
+        raise MemberLost(f"trainer-{len(trainers)}", f"{config.trainer_workers - len(trainers)} trainer ranks "
+                         "are gone: the ranks are recovered together", group_version=ms.group_version)
+    fresh = {m.name for m in newcomers}
+    for m in newcomers:
+        if m.machine.state == "RENDEZVOUS":
+            await m.machine.fire("joined")
+        elif m.machine.state == "RESYNCING":
+            await m.machine.fire("resync_failed", reason="rank recovery to be made again")
+    logged = list(ms.trainer_calls)
+    survivors = [m for m in trainers if m.name not in fresh]
+    counts = await asyncio.gather(*(calls.call(m.name, m.handle, "calls_since_commit") for m in survivors))
+    # A survivor whose own count differs from the log holds what no replay reproduces.
+    unsure = {m.name for m, c in zip(survivors, counts, strict=True)
+              if (c["started"], c["done"]) != (len(logged), len(logged))}
+    if rank_local_calls or not (logged or unsure):
+        restore = [m for m in trainers if m.name in fresh or m.name in unsure]
+    else:
+        restore = list(trainers)
+    await form_trainer_group(membership=ms, formation=formation, calls=calls, audit=audit,
+                             timeout_s=config.init_timeout_s)
+    parts = ms.parts
+    if parts is None or ms.weights_version == 0:
+        kept = [m.name for m in restore if m.name not in fresh]
+        if kept:
+            raise FTError(f"{', '.join(kept)}: would have to be restored, but no weights version was committed "
+                          "yet to restore trainer ranks to (sync before the first trainer call to make the "
+                          "trainer ranks recoverable)")
+        for m in newcomers:
+            await m.machine.fire("resync")
+            await m.machine.fire("verified", reason="no committed version yet: constructed weights")
+    else:
+        await _restore_parts(restore, parts, config=config, membership=ms, calls=calls)
+        # Proof, not trust: every rank's state_dict() together (it may be collective), and each
+        # restored rank must own exactly what it sent at the commit.
+        owned = await asyncio.gather(*(calls.call(m.name, m.handle, "part_checksum", m.rank) for m in trainers))
+        for m, got in zip(trainers, owned, strict=True):
+            if m not in restore:
+                continue
+            expected = parts.checksums.get(m.rank)
+            if got["checksum"] != expected:
+                raise HeldWeightsMismatch(m.name, weights_version=ms.weights_version, held=got["checksum"],
+                                          expected=expected, what="after load_state_dict of its part")
+            if m.name in fresh:
+                await walk_proven(m.machine, "RESYNCED", part_checksum=expected)
+            else:
+                m.machine.record("part_restored", part_checksum=expected)
+    for m in newcomers:
+        await new_optimizer(m)
+    for c in logged:
+        await asyncio.gather(*(calls.call(m.name, m.handle, "call", c.method, c.args, c.kwargs, True)
+                               for m in restore))
+    audit.record("trainer_ranks_recovered", machine="group", member="group", weights_version=ms.weights_version,
+                 newcomers=sorted(fresh), restored=[m.name for m in restore],
+                 untouched=[m.name for m in trainers if m not in restore], replayed=[c.method for c in logged])
+    for m in newcomers:
+        await walk_proven(m.machine, "READY")
+
+
+async def _restore_parts(ranks: list[Member], parts: CommittedParts, *, config: RuntimeConfig,
+                         membership: Membership, calls: ActorCalls) -> None:
+    """Each rank in ``ranks`` gets its part of the current version from a serving rollout,
+    spread over the holders (one transfer at a time per holder: one Sender each)."""
+    ms = membership
+    holders = ms.holders()
+    if not holders:
+        raise MemberLost(ranks[0].name, "no rollout holds the current weights version to restore trainer ranks from",
+                         group_version=ms.group_version)
+    by_source: dict[str, list[Member]] = {}
+    for i, m in enumerate(ranks):
+        by_source.setdefault(holders[i % len(holders)].name, []).append(m)
+    timeout = config.sync_timeout_s
+
+    async def from_source(src: Member, targets: list[Member]) -> None:
+        for m in targets:
+            expected = parts.checksums.get(m.rank)
+            if m.machine.state == "STALE":  # a newcomer (a survivor restored stays READY: it serves on)
+                await m.machine.fire("resync", source=src.name)
+            receive = calls.call(m.name, m.handle, "receive_part_from", src.rank, ms.weights_version,
+                                 parts.ownership, m.rank, expected, timeout)
+            if expected is None:  # it owned nothing: nothing travels, load_state_dict({}) all the same
+                await receive
+                continue
+            await asyncio.gather(
+                calls.call(src.name, src.handle, "send_part_to", m.rank, parts.ownership, m.rank, timeout), receive)
+
+    await asyncio.gather(*(from_source(ms.get(name), targets) for name, targets in by_source.items()))
 
 
 class ShardedSync(WeightSync):
@@ -110,6 +243,8 @@ class ShardedSync(WeightSync):
                 ])
                 failures = self._failures([*senders, *rollouts], results)
                 if not failures:
+                    part_checksums: dict[int, str | None] = {t.rank: None for t in trainers}
+                    part_checksums.update({t.rank: r["checksum"] for t, r in zip(senders, results, strict=False)})
                     staged = {m.name: r for m, r in zip(rollouts, results[len(senders):], strict=True)}
                     checksum = staged[rollouts[0].name]["checksum"]
                     torn = [n for n, r in staged.items() if r["checksum"] != checksum]
@@ -136,6 +271,7 @@ class ShardedSync(WeightSync):
             group.weights_version = previous
             raise
         ms.committed(target, sent["checksum"])
+        ms.parts = CommittedParts(ownership_rec, part_checksums)
         await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"])
         user_errors = [e for e in not_loaded.values() if not isinstance(e, (MemberLost, HeldWeightsMismatch))]
         if user_errors:
@@ -189,4 +325,4 @@ class ShardedSync(WeightSync):
             if group.state == "SYNCING":
                 await group.fire("sync_failed", reason=f"{first[0]}: {type(first[1]).__name__}: {first[1]}")
             return
-        await self._abort(trainers[0], rollouts, previous, failures)
+        await self._abort(trainers[0], rollouts, previous, failures, senders=trainers[1:])

@@ -153,22 +153,29 @@ class Router:
         self.raise_if_failed()
         await self._trainer_open.wait()
         m = self.membership.trainer()
-        if not m.machine.serving:
-            # A replacement mid-failover has not got the weights yet: wait for the failover.
-            raise MemberLost(m.name, f"not serving yet ({m.machine.state})", group_version=self.membership.group_version)
+        ranks = self.membership.live("trainer")
+        if len(ranks) < self.config.trainer_workers:
+            # A trainer rank is gone and not replaced yet: a call on the others alone would
+            # hang in its collectives (or diverge them); wait for the failover.
+            raise MemberLost(f"trainer-{len(ranks)}", "a trainer rank is being replaced",
+                             group_version=self.membership.group_version)
+        for r in ranks:
+            if not r.machine.serving:
+                # A replacement mid-failover has not got the weights yet: wait for the failover.
+                raise MemberLost(r.name, f"not serving yet ({r.machine.state})",
+                                 group_version=self.membership.group_version)
         self._trainer_inflight += 1
         self._trainer_idle.clear()
         try:
-            ranks = self.membership.live("trainer")
             if len(ranks) > 1:  # several trainer ranks: each is called (collectives), rank 0 answers
-                outs = await asyncio.gather(*(self._user_call(r, method, args, kwargs) for r in ranks),
+                outs = await asyncio.gather(*(self._user_call(r, method, args, kwargs, logged=True) for r in ranks),
                                             return_exceptions=True)
                 errors = [o for o in outs if isinstance(o, BaseException)]
                 if errors:
                     raise next((e for e in errors if isinstance(e, MemberLost)), errors[0])
                 result = outs[0]
             else:
-                result = await self._user_call(m, method, args, kwargs)
+                result = await self._user_call(m, method, args, kwargs, logged=True)
             self.membership.trainer_calls.append(TrainerCall(method, tuple(args), dict(kwargs)))
         finally:
             self._trainer_inflight -= 1
@@ -188,13 +195,14 @@ class Router:
         finally:
             self._trainer_open.set()
 
-    async def _user_call(self, m: Member, method: str, args: Any, kwargs: Any) -> Any:
+    async def _user_call(self, m: Member, method: str, args: Any, kwargs: Any, *, logged: bool = False) -> Any:
         """One call of the user's code on a worker. A call that raises changes no state, but
         the trail still says so (an ``error`` record on the worker's machine): a run that
         ends on a user error is then explained by its trail alone. A death is the machine's
-        own transition (``died``), not recorded twice."""
+        own transition (``died``), not recorded twice. ``logged``: a trainer call of the
+        replay log (the host counts it)."""
         try:
-            return await self.calls.call(m.name, m.handle, "call", method, args, kwargs)
+            return await self.calls.call(m.name, m.handle, "call", method, args, kwargs, logged)
         except MemberLost:
             raise
         except Exception as exc:

@@ -132,13 +132,15 @@ class Runtime:
         if audit is not None and not isinstance(audit, AuditTrail):
             raise TypeError(f"audit must be a ftstate.AuditTrail, got {type(audit).__name__}")
         if config.trainer_workers > 1:
-            # Several trainer ranks (ftstate.controller.ranks): replacing one rank, the same-host
-            # route and NCCL are not there yet; refused here rather than half-working.
-            if config.fault_tolerance.enable:
+            # Several trainer ranks (ftstate.controller.ranks): the same-host route and NCCL are
+            # not there yet, and a replaced rank gets its part back from a rollout only;
+            # refused here rather than half-working.
+            ft = config.fault_tolerance
+            if ft.enable and not ft.reverse_weight_sync:
                 raise ConfigError(
-                    "trainer_workers",
-                    f"{config.trainer_workers} trainer ranks run with fault_tolerance.enable: false only "
-                    "(replacing one trainer rank is not implemented yet)",
+                    "fault_tolerance.reverse_weight_sync",
+                    f"false: with {config.trainer_workers} trainer ranks a replaced rank gets its part of the "
+                    "last committed version back from a rollout (a sharded checkpoint is not implemented)",
                 )
             if config.shared_memory == "require":
                 raise ConfigError("shared_memory", "require: several trainer ranks send over the collective only")
@@ -210,7 +212,8 @@ class Runtime:
         self._failover = Failover(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                                   launcher=self._launcher, formation=self._formation, watchdog=self._watchdog,
                                   trainer_lossy=bool(getattr(trainer_cls, "lossy_state_dict", False)),
-                                  trainer_class_name=trainer_cls.__name__)
+                                  trainer_class_name=trainer_cls.__name__,
+                                  rank_local_calls=bool(getattr(trainer_cls, "rank_local_calls", False)))
         self._sync = (ShardedSync if cfg.trainer_workers > 1 else WeightSync)(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                                 formation=self._formation, routing_open=self._routing_open,
                                 raise_if_failed=self._raise_if_failed)
@@ -229,7 +232,8 @@ class Runtime:
             self._launcher.start("rollout", cfg.trainer_workers + i, f"rollout-{i}")
         await self._rendezvous()
         if cfg.trainer_workers > 1:
-            await form_trainer_group(self._sync)
+            await form_trainer_group(membership=ms, formation=self._formation, calls=self._calls, audit=self.audit,
+                                     timeout_s=cfg.init_timeout_s)
         self._watch_task = asyncio.get_running_loop().create_task(self._watchdog.run())
         if cfg.fault_tolerance.detect_node_maintenance:
             self._notices = NoticeMonitor(config=cfg, audit=self.audit, membership=ms,

@@ -241,9 +241,11 @@ class WeightSync:
         return root_cause(out, self._arrival)
 
     async def _abort(
-        self, trainer: Member, rollouts: Sequence[Member], previous: int, failures: Mapping[str, BaseException]
+        self, trainer: Member, rollouts: Sequence[Member], previous: int, failures: Mapping[str, BaseException],
+        *, senders: Sequence[Member] = (),
     ) -> None:
-        """Nobody committed: every survivor keeps ``previous``, which stays the current version."""
+        """Nobody committed: every survivor keeps ``previous``, which stays the current version.
+        ``senders``: the other trainer ranks of the transfer (several ranks)."""
         group = self.membership.group
         for m in [trainer, *rollouts]:
             if m.gone:
@@ -260,7 +262,7 @@ class WeightSync:
         first = next(iter(failures.items()))
         if group.state == "SYNCING":
             await group.fire("sync_failed", reason=f"{first[0]}: {type(first[1]).__name__}: {first[1]}")
-        alive = all(not m.gone for m in [trainer, *rollouts])
+        alive = all(not m.gone for m in [trainer, *senders, *rollouts])
         if alive and not group.terminal and any(not isinstance(e, ChecksumMismatch) for e in failures.values()):
             # The transfer was abandoned mid-stream (a member's communicator was aborted, e.g.
             # the trainer's state_dict() raised): nobody died, so no failover will form the

@@ -205,7 +205,7 @@ class PlacementConfig:
 class RuntimeConfig:
     """Everything a :class:`~ftstate.Runtime` needs to start, sync and recover."""
 
-    trainer_workers: int = _field(1, "Trainer ranks; each sends what its state_dict() owns (more than 1: fault_tolerance off, gloo, collective route).", ge=1)
+    trainer_workers: int = _field(1, "Trainer ranks; each sends what its state_dict() owns (more than 1: gloo, collective route; a replaced rank gets its part back from a rollout).", ge=1)
     rollout_workers: int = _field(2, "Rollout (inference) actors that receive the weights.", ge=1)
     backend: Literal["gloo", "nccl"] = _field(
         "gloo", "Collective backend: gloo (CPU, torch) or nccl (GPU, through cupy; extra ftstate[gpu])."

@@ -41,6 +41,12 @@ class TrainerWorker(Worker):
     #: fp32 masters): rebuilding the trainer from a rollout then loses precision, and ftstate
     #: refuses unless ``fault_tolerance.allow_lossy_recovery`` is on.
     lossy_state_dict: ClassVar[bool] = False
+    #: With several trainer ranks: True when every trainer call touches only this rank's own
+    #: state (no collective on the trainer group). A replaced rank then replays the calls since
+    #: the last sync alone and the survivors keep their state. False (the default): calls may
+    #: hold collectives, so after a loss with calls made since the last sync every rank gets
+    #: its part of that sync back from a rollout and all replay the calls together.
+    rank_local_calls: ClassVar[bool] = False
 
     def setup(self, group: Any, rank: int, world_size: int) -> None:
         """With ``trainer_workers > 1``: the trainer ranks' own process group (a torch gloo
@@ -55,7 +61,10 @@ class TrainerWorker(Worker):
         raise NotImplementedError(f"{type(self).__name__} must implement state_dict()")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Take weights back (recovery of a replaced trainer from a rollout or a checkpoint)."""
+        """Take weights back (recovery of a replaced trainer from a rollout or a checkpoint).
+        With ``trainer_workers > 1``: this rank's part of the last committed version, in the
+        form its ``state_dict()`` returned it (``{}`` if it owned nothing); called on the ranks
+        being restored only, so it must not be collective."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_state_dict()")
 
     def reset_optimizer(self) -> None:

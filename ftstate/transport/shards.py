@@ -169,4 +169,40 @@ def assemble(ownership: Ownership, parts: Mapping[int, Mapping[str, torch.Tensor
     return full
 
 
-__all__ = ["assemble", "receive_parts", "send_part", "split_state"]
+def part_of(ownership: Ownership, full: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """What ``rank`` owned of the full state ``full`` (a rollout's committed version), keyed as
+    the rank sent it (:func:`~ftstate.core.ownership.piece_key`): a whole tensor as is, a slice
+    cut out along its dim (contiguous: a dim-k slice is a strided view). The recovery of a
+    replaced trainer rank: only its part travels, never the whole state."""
+    from ftstate.core.errors import ManifestError
+
+    part: dict[str, torch.Tensor] = {}
+    for t in ownership.tensors:
+        tensor = full.get(t.name)
+        if tensor is None or tuple(tensor.shape) != t.shape:
+            have = "nothing" if tensor is None else list(tensor.shape)
+            raise ManifestError(f"tensor {t.name!r}: this rollout holds {have}, the committed ownership says "
+                                f"{list(t.shape)}", field="tensors")
+        for p in t.parts:
+            if p.rank != rank:
+                continue
+            part[piece_key(t.name, t.dim, p.index)] = (
+                tensor if t.dim is None else tensor.narrow(t.dim, p.start, p.length).contiguous())
+    return part
+
+
+def part_form(ownership: Ownership, part: Mapping[str, torch.Tensor], rank: int) -> dict[str, Any]:
+    """``part`` (keyed as it travels) in the form ``rank``'s ``state_dict()`` returned it:
+    ``{name: tensor}`` for a whole tensor, ``{name: Shard(slice, dim, index, count)}`` for a
+    slice; what a replaced rank's ``load_state_dict`` is given."""
+    out: dict[str, Any] = {}
+    for t in ownership.tensors:
+        for p in t.parts:
+            if p.rank != rank:
+                continue
+            tensor = part[piece_key(t.name, t.dim, p.index)]
+            out[t.name] = tensor if t.dim is None else Shard(tensor, t.dim, p.index, len(t.parts))
+    return out
+
+
+__all__ = ["assemble", "part_form", "part_of", "receive_parts", "send_part", "split_state"]

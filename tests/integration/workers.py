@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 
 import torch
 
@@ -309,3 +310,113 @@ class ShardTrainer(TrainerWorker):
 
     def reference_checksum(self) -> str:
         return state_checksum(dict(sorted(sharded_state(self.seed, self.steps).items())))
+
+
+def part_noise(name: str, shape, seed: int) -> torch.Tensor:
+    """Step ``seed``'s noise for the full tensor ``name`` (every rank draws the full tensor's
+    and keeps its slice, so a sharded run steps bit-identically to one full copy)."""
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed * 100003 + zlib.crc32(name.encode())))
+
+
+class PartTrainer(TrainerWorker):
+    """One trainer rank holding only what it owns, as an FSDP rank holds its shard: dim-0 and
+    dim-1 slices (uneven last slices) of two tensors, the whole ones dealt over ranks 0 and 1
+    (ShardTrainer's ``slices`` layout over :func:`sharded_state`). ``train_step(seed)``
+    all-reduces each rank's ``rank + 1`` on the trainer group (a collective per step: the sum
+    depends on the world being whole) and adds ``part_noise * 0.01 * sum`` to its floats
+    (``sum`` to its ints): deterministic in its arguments and the world size, so
+    :meth:`reference` computes a fault-free run's full state in the test process. Stateless
+    SGD: a replaced rank's reset optimizer changes nothing. ``loads``/``setups`` count the
+    calls of ``load_state_dict``/``setup`` (a survivor left untouched has no load)."""
+
+    def __init__(self, seed: int = 3) -> None:
+        self.seed = seed
+        self.part: dict | None = None
+        self.group = None
+        self.rank, self.world = 0, 1
+        self.setups = self.loads = self.steps = 0
+        self._marker: str | None = None
+
+    def setup(self, group, rank: int, world_size: int) -> None:
+        self.group, self.rank, self.world = group, rank, world_size
+        self.setups += 1
+        if self.part is None:  # the first ranks (and a newcomer, until its part comes back): version 0
+            self.part = self._owned(sharded_state(self.seed, 0))
+
+    def _owned(self, s: dict) -> dict:
+        from ftstate import Shard
+
+        r, n = self.rank, self.world
+        out = {"emb": Shard(s["emb"].chunk(n, 0)[r].clone(), 0, r, n),
+               "proj": Shard(s["proj"].chunk(n, 1)[r].clone(), 1, r, n)}
+        whole = ["layer0.w", "layer1.w", "layer2.b", "count"]
+        out.update({k: s[k].clone() for i, k in enumerate(whole) if i % 2 == r})
+        return out
+
+    def facts(self) -> dict:
+        return {"rank": self.rank, "world": self.world, "setups": self.setups, "loads": self.loads,
+                "steps": self.steps, "pid": os.getpid()}
+
+    def mark_and_wait_in_step(self, marker: str) -> None:
+        """Rank 1's next step writes its pid to ``marker`` and sleeps before its all-reduce
+        (the others wait in theirs): the test SIGKILLs it there, a collective in flight."""
+        self._marker = marker
+
+    def _sum(self) -> int:
+        box = torch.tensor([self.rank + 1], dtype=torch.int64)
+        self.group.allreduce([box]).wait()
+        return int(box.item())
+
+    def train_step(self, seed: int) -> int:
+        if self._marker is not None and self.rank == 1:
+            with open(self._marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600)
+        total = self._sum()
+        full = sharded_state(self.seed, 0)
+        with torch.no_grad():
+            for name, v in self.part.items():
+                t = v.tensor if hasattr(v, "tensor") else v
+                if not t.is_floating_point():
+                    t.add_(total)
+                    continue
+                noise = part_noise(name, full[name].shape, seed)
+                if hasattr(v, "tensor"):
+                    noise = noise.chunk(v.count, v.dim)[v.index]
+                t.add_((noise * 0.01 * total).to(t.dtype))
+        self.steps += 1
+        return total
+
+    def state_dict(self):
+        return dict(self.part)
+
+    def load_state_dict(self, state) -> None:
+        from ftstate import Shard
+
+        self.loads += 1
+        self.part = {k: Shard(v.tensor.clone(), v.dim, v.index, v.count) if isinstance(v, Shard) else v.clone()
+                     for k, v in state.items()}
+
+    @classmethod
+    def reference(cls, seeds, world: int, seed: int = 3) -> str:
+        """The full state's checksum after ``seeds`` steps of a fault-free run of ``world`` ranks."""
+        full = sharded_state(seed, 0)
+        total = world * (world + 1) // 2
+        with torch.no_grad():
+            for s in seeds:
+                for name, t in full.items():
+                    if t.is_floating_point():
+                        t.add_((part_noise(name, t.shape, s) * 0.01 * total).to(t.dtype))
+                    else:
+                        t.add_(total)
+        return state_checksum(full)
+
+
+class LocalPartTrainer(PartTrainer):
+    """:class:`PartTrainer` whose calls touch only the rank's own state (``rank_local_calls``):
+    the step's sum is the whole world's, computed locally instead of all-reduced."""
+
+    rank_local_calls = True
+
+    def _sum(self) -> int:
+        return self.world * (self.world + 1) // 2
