@@ -356,7 +356,10 @@ class Failover:
                         continue
                     if self._pending:
                         # Another member died during the re-rendezvous or the transfer: form
-                        # the group again without it (its own failover comes next).
+                        # the group again without it (its own failover comes next), unless
+                        # it is a trainer rank: the ranks are recovered together, so this
+                        # round takes it in.
+                        await self._take_in_ranks(losts, detected, reasons)
                         continue
                     raise
                 except TransportError:
@@ -389,6 +392,27 @@ class Failover:
         if self.ft.mode == "standby":
             for role in sorted({lost.role for lost in losts}):
                 self.replenish(role)
+
+    async def _take_in_ranks(self, losts: list[Member], detected: dict[str, float], reasons: dict[str, str]) -> None:
+        """Several trainer ranks: a rank lost while this round ran joins it (one of
+        ``max_failovers`` spent on it, as on entry), since every rank must be in place before
+        any is recovered; a later round would find this one waiting for it forever."""
+        if self.config.trainer_workers <= 1:
+            return
+        ranks = [(m, t) for m, t in self._pending if m.role == "trainer"]
+        if not ranks:
+            return
+        self._pending = [(m, t) for m, t in self._pending if m.role != "trainer"]
+        group = self.membership.group
+        for m, t in ranks:
+            detected[m.name], reasons[m.name] = t, self._reason(m)
+        if not await group.spend([f"{m.name}: {reasons[m.name]}" for m, _ in ranks]):
+            raise group.error or FTError(f"no failover left for {', '.join(m.name for m, _ in ranks)}")
+        self.audit.record("failover_joined", machine="group", member="group", members=[m.name for m, _ in ranks],
+                          reason="trainer ranks lost while the ranks were being recovered")
+        for m, _ in ranks:
+            losts.append(m)
+            await self._retire(m)
 
     async def _check_enough_rollouts(
         self, losts: list[Member], replacements: dict[str, Member], dropped: dict[str, str], reasons: dict[str, str]

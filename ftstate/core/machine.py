@@ -237,33 +237,58 @@ class StateMachine:
         if dest is None:
             raise InvalidTransition(self.spec.name, self.member, src, trigger, self.spec.triggers_from(src))
         budget_spec = self.spec.states[dest].budget
-        if budget_spec is not None and dest != src:
-            budget = self._budget(budget_spec.key)
-            if budget.remaining < max(1, len(spend_on)):
-                exc = getattr(errors, budget_spec.error)(limit=budget.limit, spent_on=budget.spent_on, member=self.member)
-                self.error = exc
-                self._record(
-                    BUDGET_EXHAUSTED,
-                    state=src,
-                    trigger=trigger,
-                    budget=budget.key,
-                    limit=budget.limit,
-                    spent_on=list(budget.spent_on),
-                    error=type(exc).__name__,
-                    message=str(exc),
-                )
-                return await self._fire(budget_spec.on_exhausted, str(exc), exc, {})
+        if budget_spec is not None and dest != src and self._budget(budget_spec.key).remaining < max(1, len(spend_on)):
+            return await self._exhausted(dest, trigger)
         await self._model.trigger(trigger)  # transitions checks the edge and moves the model
         self._transition(src, dest, trigger, reason, error, fields)
         if budget_spec is not None and dest != src:
-            budget = self._budget(budget_spec.key)
-            for unit in spend_on or (reason or trigger,):
-                remaining = budget.spend(unit)
-                self._record(
-                    BUDGET_SPENT, state=dest, budget=budget.key, limit=budget.limit, spent=budget.spent,
-                    remaining=remaining, reason=unit,
-                )
+            self._spend(dest, spend_on or (reason or trigger,))
         return dest
+
+    async def spend(self, units: Sequence[str]) -> bool:
+        """Spend ``units`` more of the budget of the state the machine is in, one per entry
+        (a failover round that takes in a loss that came while it ran pays for it as if it
+        had been there on entry). With fewer left, the budget's ``on_exhausted`` trigger fires
+        as it would have on entry, and False is returned."""
+        async with self._lock:
+            budget_spec = self.spec.states[self.state].budget
+            if budget_spec is None:
+                raise FTError(f"{self.spec.name} {self.member}: state {self.state} has no budget to spend")
+            if self._budget(budget_spec.key).remaining < len(units):
+                await self._exhausted(self.state, "spend")
+                return False
+            self._spend(self.state, units)
+            return True
+
+    async def _exhausted(self, dest: str, trigger: str) -> str:
+        """Entering (or staying in) ``dest`` would overspend its budget: its ``on_exhausted``."""
+        budget_spec = self.spec.states[dest].budget
+        assert budget_spec is not None
+        budget = self._budget(budget_spec.key)
+        exc = getattr(errors, budget_spec.error)(limit=budget.limit, spent_on=budget.spent_on, member=self.member)
+        self.error = exc
+        self._record(
+            BUDGET_EXHAUSTED,
+            state=self.state,
+            trigger=trigger,
+            budget=budget.key,
+            limit=budget.limit,
+            spent_on=list(budget.spent_on),
+            error=type(exc).__name__,
+            message=str(exc),
+        )
+        return await self._fire(budget_spec.on_exhausted, str(exc), exc, {})
+
+    def _spend(self, state: str, units: Sequence[str]) -> None:
+        budget_spec = self.spec.states[state].budget
+        assert budget_spec is not None
+        budget = self._budget(budget_spec.key)
+        for unit in units:
+            remaining = budget.spend(unit)
+            self._record(
+                BUDGET_SPENT, state=state, budget=budget.key, limit=budget.limit, spent=budget.spent,
+                remaining=remaining, reason=unit,
+            )
 
     def _transition(
         self, src: str, dest: str, trigger: str, reason: str, error: FTError | None, fields: Mapping[str, Any]

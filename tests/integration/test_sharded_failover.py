@@ -185,3 +185,31 @@ async def test_two_ranks_lost_at_once_are_one_reconciliation(ray_cluster, tmp_pa
         await rt.trainer("train_step", 2)
         await holds(rt, [1, 2], 3)
     assert check_trail(tmp_path / "audit.jsonl") == []
+
+
+async def test_a_rank_lost_while_the_ranks_are_recovered_joins_that_round(ray_cluster, tmp_path):
+    """Rank 2 dies inside its new setup() while rank 1's loss is being recovered: the round
+    takes it in (one more of max_failovers spent), replaces it too, and recovers both."""
+    marker = tmp_path / "in-setup.pid"
+    rt = ftstate.Runtime(config(tmp_path, 3, max_failovers=2), trainer=PartTrainer, rollout=TinyRollout)
+    async with rt:
+        await holds(rt, [], 3)
+        await rt.trainer("train_step", 1)
+        before = await facts(rt)
+        await rt.handle("trainer-2").call.remote("hold_next_setup", (str(marker),), {})  # not logged: not replayed
+        kill(before[1]["pid"])
+        for _ in range(1200):
+            if marker.exists() and marker.read_text():
+                break
+            await asyncio.sleep(0.05)
+        kill(int(marker.read_text()))
+        await replaced(rt, 2)
+        await holds(rt, [1], 3)
+        after = await facts(rt)
+        assert after[0]["pid"] == before[0]["pid"] and {after[1]["pid"], after[2]["pid"]}.isdisjoint(
+            {before[1]["pid"], before[2]["pid"]})
+        assert sorted(f.lost for f in rt.failovers) == ["trainer-1", "trainer-2"]
+        assert [r["members"] for r in rt.audit.records if r.get("event") == "failover_joined"] == [["trainer-2"]]
+        spent = [r["reason"] for r in rt.audit.records if r.get("event") == "budget_spent"]
+        assert [s.split(":")[0] for s in spent] == ["trainer-1", "trainer-2"]
+    assert check_trail(tmp_path / "audit.jsonl") == []

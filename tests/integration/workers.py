@@ -340,6 +340,10 @@ class PartTrainer(TrainerWorker):
     def setup(self, group, rank: int, world_size: int) -> None:
         self.group, self.rank, self.world = group, rank, world_size
         self.setups += 1
+        if getattr(self, "_setup_marker", None):  # hold_next_setup: killed in here by the test
+            with open(self._setup_marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600)
         if self.part is None:  # the first ranks (and a newcomer, until its part comes back): version 0
             self.part = self._owned(sharded_state(self.seed, 0))
 
@@ -356,6 +360,11 @@ class PartTrainer(TrainerWorker):
     def facts(self) -> dict:
         return {"rank": self.rank, "world": self.world, "setups": self.setups, "loads": self.loads,
                 "steps": self.steps, "pid": os.getpid()}
+
+    def hold_next_setup(self, marker: str) -> None:
+        """The next ``setup`` (a failover's re-formed trainer group) writes this process's pid to
+        ``marker`` and sleeps: a rank lost while the ranks are being recovered."""
+        self._setup_marker = marker
 
     def mark_and_wait_in_step(self, marker: str) -> None:
         """Rank 1's next step writes its pid to ``marker`` and sleeps before its all-reduce

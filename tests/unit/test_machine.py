@@ -15,6 +15,7 @@ from ftstate.core.deadline import ManualClock
 from ftstate.core.errors import (
     FailoverBudgetExhausted,
     FailoverTimeout,
+    FTError,
     HeartbeatTimeout,
     InvalidTransition,
     RendezvousTimeout,
@@ -267,6 +268,25 @@ class TestBudgets:
         # Two more members at once but one unit left: refused whole, none spent.
         assert await g.fire("promote", spend_on=["trainer-0 died", "rollout-2 died"]) == "FAILED"
         assert isinstance(g.error, FailoverBudgetExhausted) and budget.spent == 2
+
+    async def test_a_round_that_takes_in_another_loss_pays_for_it_in_promoting(self, clock, audit):
+        g = group(clock, audit, **{"fault_tolerance.max_failovers": 3})
+        await drive(g, "start", "rendezvous_done", "member_lost")
+        await g.fire("promote", spend_on=["trainer-1 died"])
+        assert await g.spend(["trainer-2 died"]) is True and g.state == "PROMOTING"
+        budget = g.budgets["fault_tolerance.max_failovers"]
+        assert budget.spent_on == ["trainer-1 died", "trainer-2 died"]
+        assert [r["remaining"] for r in audit.records if r["event"] == "budget_spent"] == [2, 1]
+        # Two more with one left: refused whole, none spent, the group fails from PROMOTING.
+        assert await g.spend(["trainer-0 died", "rollout-0 died"]) is False
+        assert g.state == "FAILED" and isinstance(g.error, FailoverBudgetExhausted) and budget.spent == 2
+        assert [r["event"] for r in audit.records[-2:]] == ["budget_exhausted", "transition"]
+
+    async def test_spending_outside_a_state_with_a_budget_is_refused(self, clock, audit):
+        g = group(clock, audit)
+        await drive(g, "start", "rendezvous_done")
+        with pytest.raises(FTError, match="state READY has no budget"):
+            await g.spend(["x"])
 
     async def test_a_zero_budget_fails_on_the_first_loss(self, clock, audit):
         g = group(clock, audit, **{"fault_tolerance.max_failovers": 0})
