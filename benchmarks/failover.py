@@ -1,14 +1,16 @@
 """Benchmark: failover latency, kill -> replacement serving the current weights version.
 
-For a rollout and for the trainer (reverse weight sync from a rollout), at 64 MB and 512 MB
-of float32 weights, SIGKILL the worker ``--kills`` times and split each failover into
+For a rollout, for the trainer (reverse weight sync from a rollout) and for one trainer
+rank of two (``rank``: ``trainer_workers: 2``, each rank owning half of every tensor as dim-0
+slices; rank 1 killed right after a sync, so only the newcomer gets its part back, from a
+rollout), at 64 MB and 512 MB of float32 weights in all, SIGKILL the worker ``--kills`` times and split each failover into
 detection (kill -> LOST), re-rendezvous (LOST handled -> group version N+1 formed) and
 transfer (the current version to the newcomer only, checksum-verified). The transfer is
 also given as a ratio to a bare broadcast of the same bytes between the same processes,
 measured in the same run. Prewarmed spares (standby mode), heartbeat_interval_s 0.2.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python benchmarks/failover.py [--sizes 64,512] [--kills 20]
-        [--shared-memory auto|off]
+        [--shared-memory auto|off] [--roles rollout,trainer,rank]
 
 Detection rides on the vigil call kept pending on every worker (ftstate.controller.vigil).
 ``--shared-memory``: the config key; with ``auto`` (default) the newcomer, on its source's
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ftstate
 from ftstate.controller import cluster
-from tests.integration.workers import TinyRollout, TinyTrainer
+from tests.integration.workers import PartTrainer, TinyRollout, TinyTrainer
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -45,23 +47,26 @@ def _check(rt: ftstate.Runtime) -> None:
 
 
 async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto") -> dict[str, list[float]]:
+    ranks = role == "rank"  # one trainer rank of two
     cfg = ftstate.RuntimeConfig.from_dict({
+        "trainer_workers": 2 if ranks else 1,
         "rollout_workers": 2, "init_timeout_s": 300, "sync_timeout_s": 300, "failover_timeout_s": 300,
         "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "bucket_size_mb": 64,
-        "shared_memory": shared_memory,
+        "shared_memory": "off" if ranks else shared_memory,  # several ranks: the collective only
         "fault_tolerance": {"enable": True, "reverse_weight_sync": True, "max_failovers": kills + 1},
     }, environ={})
     floats = size_mb * 2**20 // 4
     out: dict[str, list[float]] = {k: [] for k in ("detection", "rerendezvous", "transfer", "total", "raw")}
-    async with ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout,
+    async with ftstate.Runtime(cfg, trainer=PartTrainer if ranks else TinyTrainer, rollout=TinyRollout,
                                trainer_kwargs={"big_floats": floats}) as rt:
         report = await rt.sync()
+        spare_role = "trainer" if ranks else role
         for _ in range(kills):
-            while not any(m.state == "STANDBY" and m.role == role for m in rt.members()):
+            while not any(m.state == "STANDBY" and m.role == spare_role for m in rt.members()):
                 _check(rt)
                 await asyncio.sleep(0.05)
             before = len(rt.failovers)
-            victim = await rt.chaos.kill(role, 0 if role == "trainer" else 1)
+            victim = await rt.chaos.kill(spare_role, 0 if role == "trainer" else 1)
             t_kill = rt.chaos.injected[-1][0]
             while len(rt.failovers) == before or rt.state != "READY":
                 _check(rt)
@@ -75,6 +80,10 @@ async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto") 
             out["total"].append(detection + f.total_s)
             # Baseline: a bare broadcast of the same bytes from the newcomer's source, same processes.
             members = [m for m in rt.members() if m.rank >= 0 and m.state == "READY"]
+            if ranks:  # the newcomer got its part only: half the bytes
+                assert rt.audit.records and [r for r in rt.audit.records
+                                             if r.get("event") == "trainer_ranks_recovered"][-1]["restored"] == [
+                    f.replacement], "only the newcomer should have been restored right after a sync"
             secs = await asyncio.gather(*(rt.handle(m.member).bench_raw_broadcast.remote(report.nbytes, 1, 300.0)
                                           for m in members))
             out["raw"].append(max(secs))

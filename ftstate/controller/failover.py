@@ -129,17 +129,17 @@ class Failover:
     # -- spares --------------------------------------------------------------------------
 
     def start_spares(self) -> None:
-        """Start ``standby_workers`` prewarmed spares per role (standby mode only)."""
+        """Start the prewarmed spares of each role (standby mode only; ``RuntimeConfig.spares``)."""
         if not (self.ft.enable and self.ft.mode == "standby"):
             return
         for role in ("trainer", "rollout"):
             self.replenish(role)
 
     def replenish(self, role: str) -> None:
-        """Start spares of ``role`` until ``standby_workers`` are warm or warming (after one
-        was used or lost; never more, so the standby pool's slots suffice)."""
+        """Start spares of ``role`` until its count (``RuntimeConfig.spares``) are warm or
+        warming (after one was used or lost; never more, so the standby pool's slots suffice)."""
         have = len(self.membership.spares(role, "INIT", "STANDBY"))
-        for _ in range(self.ft.standby_workers - have):
+        for _ in range(self.config.spares(role) - have):
             self.start_spare(role)
 
     def spare_lost(self, m: Member) -> None:

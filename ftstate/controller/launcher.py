@@ -58,9 +58,9 @@ class ActorLauncher:
         self.pools: dict[str, Any] = {}
 
     def make_pools(self) -> None:
-        """One placement group per role, plus the standby pool (fault tolerance on): two
-        spares' worth of slots per ``standby_workers`` (a spare can be started while another
-        is promoted out of its slot) and one per member (replacements kept off a lost node)."""
+        """One placement group per role, plus the standby pool (fault tolerance on): a slot per
+        spare of each role (:meth:`RuntimeConfig.spares`) and one per member (replacements
+        kept off a lost node, or a spare started while another is promoted out of its slot)."""
         from ftstate.controller.placement import ResourcePool, SparePool
 
         cfg, ft = self.config, self.config.fault_tolerance
@@ -69,7 +69,7 @@ class ActorLauncher:
         if ft.enable or ft.detect_node_maintenance:
             # Spares (standby mode), and replacements that must keep off a lost or draining
             # node: each in a placement group of its own, made when needed (placement.SparePool).
-            spares = 2 * ft.standby_workers if ft.mode == "standby" else 0
+            spares = cfg.spares("trainer") + cfg.spares("rollout")
             sizes[ft.standby_resource_pool] = (spares + cfg.trainer_workers + cfg.rollout_workers,
                                                cfg.placement.standby)
         for name, (slots, placement) in sizes.items():

@@ -64,6 +64,12 @@ class FaultToleranceConfig:
         "standby", "Name of the Ray resource pool (placement group) the spare actors are placed in."
     )
     standby_workers: int = _field(1, "Prewarmed spares kept per role in standby mode.", ge=0)
+    trainer_ranks_per_spare: int = _field(
+        8,
+        "Standby mode with several trainer ranks: standby_workers trainer spares per this many "
+        "ranks (rounded up), so the ranks of one node lost at once find warm spares.",
+        ge=1,
+    )
     detect_node_maintenance: bool = _field(
         False,
         "Watch for maintenance and preemption notices (maintenance_sources: the cloud's metadata "
@@ -318,6 +324,16 @@ class RuntimeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def spares(self, role: str) -> int:
+        """Prewarmed spares kept for ``role`` in standby mode (0 otherwise): ``standby_workers``,
+        and for the trainer ranks that many per ``trainer_ranks_per_spare`` ranks."""
+        ft = self.fault_tolerance
+        if not (ft.enable and ft.mode == "standby"):
+            return 0
+        if role == "trainer":
+            return ft.standby_workers * -(-self.trainer_workers // ft.trainer_ranks_per_spare)
+        return ft.standby_workers
 
     def get(self, dotted: str) -> Any:
         """The value at a dotted path, e.g. ``cfg.get('fault_tolerance.max_failovers')``."""

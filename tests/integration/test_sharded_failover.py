@@ -94,10 +94,15 @@ async def test_a_rank_killed_between_syncs_is_replaced_and_every_rank_replays_to
 
 
 async def test_right_after_a_sync_only_the_newcomer_is_restored(ray_cluster, tmp_path):
-    rt = ftstate.Runtime(config(tmp_path, 2), trainer=PartTrainer, rollout=TinyRollout)
+    """Standby mode: a prewarmed spare takes the rank; the survivor is untouched."""
+    rt = ftstate.Runtime(config(tmp_path, 2, mode="standby"), trainer=PartTrainer, rollout=TinyRollout)
     async with rt:
         await rt.trainer("train_step", 1)
         await holds(rt, [1], 2)
+        for _ in range(600):  # the trainer spare is warm
+            if any(m.state == "STANDBY" and m.role == "trainer" for m in rt.members()):
+                break
+            await asyncio.sleep(0.05)
         before = await facts(rt)
         kill(before[1]["pid"])
         await replaced(rt)  # an idle loss: no call raced it, so the survivor holds what the log says
@@ -106,6 +111,7 @@ async def test_right_after_a_sync_only_the_newcomer_is_restored(ray_cluster, tmp
         after = await facts(rt)
         assert after[0]["pid"] == before[0]["pid"] and after[0]["loads"] == 0  # untouched
         assert after[1]["loads"] == 1 and after[1]["setups"] == 1
+        assert rt.failovers[0].replacement.startswith("spare-trainer")
     assert check_trail(tmp_path / "audit.jsonl") == []
 
 

@@ -329,8 +329,9 @@ class PartTrainer(TrainerWorker):
     SGD: a replaced rank's reset optimizer changes nothing. ``loads``/``setups`` count the
     calls of ``load_state_dict``/``setup`` (a survivor left untouched has no load)."""
 
-    def __init__(self, seed: int = 3) -> None:
+    def __init__(self, seed: int = 3, big_floats: int = 0) -> None:
         self.seed = seed
+        self.big_floats = big_floats  # benchmarks: one more float32 tensor, sharded along dim 0
         self.part: dict | None = None
         self.group = None
         self.rank, self.world = 0, 1
@@ -345,7 +346,13 @@ class PartTrainer(TrainerWorker):
                 f.write(str(os.getpid()))
             time.sleep(3600)
         if self.part is None:  # the first ranks (and a newcomer, until its part comes back): version 0
-            self.part = self._owned(sharded_state(self.seed, 0))
+            self.part = self._owned(self._initial())
+
+    def _initial(self) -> dict:
+        state = sharded_state(self.seed, 0)
+        if self.big_floats:
+            state["big"] = torch.full((self.big_floats,), 0.5)
+        return state
 
     def _owned(self, s: dict) -> dict:
         from ftstate import Shard
@@ -353,6 +360,8 @@ class PartTrainer(TrainerWorker):
         r, n = self.rank, self.world
         out = {"emb": Shard(s["emb"].chunk(n, 0)[r].clone(), 0, r, n),
                "proj": Shard(s["proj"].chunk(n, 1)[r].clone(), 1, r, n)}
+        if "big" in s:
+            out["big"] = Shard(s["big"].chunk(n, 0)[r].clone(), 0, r, n)
         whole = ["layer0.w", "layer1.w", "layer2.b", "count"]
         out.update({k: s[k].clone() for i, k in enumerate(whole) if i % 2 == r})
         return out
@@ -382,7 +391,7 @@ class PartTrainer(TrainerWorker):
                 f.write(str(os.getpid()))
             time.sleep(3600)
         total = self._sum()
-        full = sharded_state(self.seed, 0)
+        full = self._initial()
         with torch.no_grad():
             for name, v in self.part.items():
                 t = v.tensor if hasattr(v, "tensor") else v

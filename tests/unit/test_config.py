@@ -35,6 +35,21 @@ class TestDefaults:
         assert all(row["doc"] for row in describe())
 
 
+class TestSpares:
+    @pytest.mark.parametrize(("ranks", "per", "standby", "expected"), [
+        (1, 8, 1, 1), (8, 8, 1, 1), (9, 8, 1, 2), (16, 4, 2, 8), (3, 1, 1, 3)])
+    def test_trainer_spares_scale_with_the_ranks(self, ranks, per, standby, expected):
+        cfg = RuntimeConfig.from_dict({"trainer_workers": ranks, "fault_tolerance": {
+            "enable": True, "standby_workers": standby, "trainer_ranks_per_spare": per}}, environ={})
+        assert (cfg.spares("trainer"), cfg.spares("rollout")) == (expected, standby)
+
+    def test_no_spares_without_standby(self):
+        cold = {"enable": True, "mode": "cold"}
+        for ft in ({"enable": False}, cold):
+            cfg = RuntimeConfig.from_dict({"trainer_workers": 4, "fault_tolerance": ft}, environ={})
+            assert (cfg.spares("trainer"), cfg.spares("rollout")) == (0, 0)
+
+
 class TestSources:
     def test_env_overrides_init_timeout(self):
         assert build({"init_timeout_s": 30}, env={"FTSTATE_INIT_TIMEOUT_S": "7.5"}).init_timeout_s == 7.5
