@@ -20,6 +20,34 @@ through memory). Receivers on other hosts get the same buckets over the communic
     seal (collective)      ─────────────────────▶ compare every checksum
     vote (collective)      ◀───────────────────▶ the commit point, as on the broadcast route
 
+**Relays: one copy per remote node.** When several receivers share a node other than the
+sender's, the plan (:mod:`ftstate.core.plan`) makes one of them that node's *relay*: the
+sender's offer names it and its peers (``relays``), and only the relay gets the buckets over
+the collective. It answers the offer with an offer of its own (:class:`Offer`, sent point to
+point to the sender and to each peer, tags from :data:`RELAY_TAG`) naming *its* segments,
+and writes every bucket it receives into them for its peers, who read them exactly as they
+would read the sender's (the same reader, slots, signals and checks)::
+
+    sender (rank s)                 relay r (node B)                      peer p (node B)
+    offer (relays: r → [p]) ──────▶ make its slots, bind its signals
+                            ◀────── its offer (or why not) ─────────────▶ map r's slots, hello r
+    bucket k (send, tag) ─────────▶ receive (WINDOW posted), hash, copy
+                                    into its slot k%2 ── ready k ───────▶ copy + hash out
+                                                      ◀─ released k ────
+    seal, vote (collective) ◀─────▶ compare, vote                ◀──────▶ compare with the
+                                                                          *sender's* seal, vote
+
+The relay verifies what it holds like any receiver, and its peers trust it with nothing: the
+seal they compare against comes from the sender over the collective, so a relay that hands
+on damaged bytes is rejected by every peer it damaged. While its peers copy bucket k out,
+the next buckets keep arriving into the relay's own staging, so the network leg does not
+wait for them. Its segments carry its pid and the group version like the sender's; a SIGKILLed
+relay is seen by its peers within one slice of a wait (its pid), who then unlink whatever of
+its segments is still named and unmap the rest; the sender sees its broken connection. A relay
+that cannot make its segments says so in its offer: with ``require_shm`` every side raises
+:class:`~ftstate.core.errors.SharedMemoryUnavailable`, else its peers get the buckets from the
+sender over the collective and :attr:`SyncReport.shm_fallback` names the relay and why.
+
 The manifest, seal and vote are exactly the broadcast route's (:mod:`ftstate.transport.sync`),
 on the communicator: they stay ordered with the group version's membership and fencing, and
 the receiver commits with the same code (``Receiver._conclude``). Only the buckets'
