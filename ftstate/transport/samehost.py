@@ -254,8 +254,10 @@ class _Mapped:
     segments: list[Segment]
 
 
-#: This process's mappings, by group (a new Receiver in the same process keeps using them).
-_MAPPED: dict[str, _Mapped] = {}
+#: This process's mappings, by group and writer pid (a new Receiver in the same process keeps
+#: using them; one per writer, so a member that reads the sender's slots in one transfer and
+#: its node relay's in another keeps both).
+_MAPPED: dict[tuple[str, int], _Mapped] = {}
 
 #: The slots this process writes as its node's relay, by group (kept between transfers, like
 #: a sender's, so its peers keep their mappings).
@@ -275,8 +277,8 @@ def drop_slots(sender: Sender) -> None:
     _drop(slots)
 
 
-def _unmap(group: str | None) -> None:
-    for key in [k for k in _MAPPED if group is None or k == group]:
+def _unmap(group: str | None, writer: int | None = None) -> None:
+    for key in [k for k in _MAPPED if (group is None or k[0] == group) and (writer is None or k[1] == writer)]:
         for s in _MAPPED.pop(key).segments:
             s.close()
 
@@ -336,10 +338,10 @@ def _new_slots(comm: Communicator, capacity: int, count: int) -> _Slots:
 
 
 def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
-    m = _MAPPED.get(comm.group)
+    m = _MAPPED.get((comm.group, offer.pid))
     if m is not None and m.names == offer.segments and m.version == comm.version:
         return m.segments
-    _unmap(comm.group)
+    _unmap(comm.group, offer.pid)
     if not offer.fresh:
         raise ManifestError(f"rank {comm.rank}: the offer names segments {list(offer.segments)} this member "
                             "never mapped and that are gone", field="segments")
@@ -354,7 +356,7 @@ def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
         for s in segs:
             s.close()
         raise
-    _MAPPED[comm.group] = _Mapped(comm.group, comm.version, offer.segments, segs)
+    _MAPPED[(comm.group, offer.pid)] = _Mapped(comm.group, comm.version, offer.segments, segs)
     return segs
 
 
@@ -746,8 +748,6 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
         digests: list[int] = []
         peers = dict(offer.relays).get(comm.rank, ())
         relay = next((r for r, ps in offer.relays if comm.rank in ps), None)
-        if not peers:
-            _drop_relay_slots(comm.group)  # relaying no more (the plan changed): the memory goes
         if comm.rank in offer.shm:
             _read(receiver, route, at, offer, src, manifest, buckets, flat, hasher, digests, progress)
         elif relay is not None:

@@ -286,6 +286,15 @@ class TestRelay:
         for rollout in group.members[1:]:
             assert_bit_exact(rollout, 2)
 
+    def test_a_member_that_reads_the_senders_slots_and_a_relays_in_turn_keeps_both_mapped(self, group):
+        for seed, (same_host, relays) in enumerate([([1, 2], None), ([], {1: [2]}), ([1, 2], None),
+                                                    ([], {1: [2]})], start=1):
+            group.members[0].call("load", seed=seed, weights_version=seed)
+            report = planned(group, same_host, relays=relays)
+            assert report["committed"] == [1, 2], report
+            assert committed_checksum(group.members[2]) == expected_checksum(seed)
+        assert our_segments(group) == []
+
     def test_a_peer_verifies_against_the_senders_seal_not_the_relay(self, group):
         planned(group, [], relays={1: [2]})
         group.members[0].call("load", seed=2, weights_version=2)
