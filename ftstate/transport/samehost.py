@@ -322,6 +322,13 @@ def _relay_slots(comm: Communicator, capacity: int, count: int, peers: set[int])
     return _RELAYING[comm.group], True
 
 
+def _require_host_memory(comm: Communicator, capacity: int) -> None:
+    if comm.device.type != "cpu":
+        raise SharedMemoryUnavailable(
+            path=str(SHM_DIR), nbytes=2 * capacity,
+            problem=f"the weights are on {comm.device}: this route moves host memory (CUDA IPC is not implemented)")
+
+
 def _new_slots(comm: Communicator, capacity: int, count: int) -> _Slots:
     generation = next(_generations)
     made: list[Segment] = []
@@ -567,11 +574,7 @@ def _send(
     fallback: str | None = None
     if readers:
         try:
-            if comm.device.type != "cpu":
-                raise SharedMemoryUnavailable(
-                    path=str(SHM_DIR), nbytes=2 * capacity,
-                    problem=f"the weights are on {comm.device}: this route moves host memory (CUDA IPC is not "
-                            "implemented)")
+            _require_host_memory(comm, capacity)
             slots, fresh = _slots_for(sender, comm, capacity, min(2, len(buckets)) or 1, set(readers))
         except SharedMemoryUnavailable as exc:
             if require_shm:
@@ -906,11 +909,7 @@ class _Relay:
         fresh = False
         unavailable: SharedMemoryUnavailable | None = None
         try:
-            if comm.device.type != "cpu":
-                raise SharedMemoryUnavailable(
-                    path=str(SHM_DIR), nbytes=2 * capacity,
-                    problem=f"the weights are on {comm.device}: this route moves host memory (CUDA IPC is not "
-                            "implemented)")
+            _require_host_memory(comm, capacity)
             slots, fresh = _relay_slots(comm, capacity, min(2, len(buckets)) or 1, set(peers))
         except SharedMemoryUnavailable as exc:
             unavailable = exc

@@ -41,6 +41,17 @@ def planned_routes(members: dict, trainer_node: str) -> dict[str, str]:
     return routes
 
 
+async def two_syncs(rt, routes: dict[str, str]) -> dict:
+    """Two steps and syncs, each leaving every rollout with the trainer's weights by ``routes``;
+    returns the plan of the last sync's audit record."""
+    for _ in range(2):
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        await consistent(rt)
+        assert report.routes == routes and report.shm_fallback is None
+    return [r for r in rt.audit.records if r.get("trigger") == "sync_start"][-1]["plan"]
+
+
 def segments_of(pids) -> list[str]:
     return [n for n in shm.list_segments() if any(f"-p{p}-" in n for p in pids if p)]
 
@@ -59,12 +70,7 @@ async def test_one_sync_mixes_shared_memory_on_the_trainers_node_and_the_collect
         assert trainer_node == multinode_cluster.node_id("a")
         expected = planned_routes(members, trainer_node)
         assert {"shm", "collective"} <= set(expected.values()), {n: m.node_id for n, m in members.items()}
-        for _ in range(2):
-            await rt.trainer("train_step")
-            report = await rt.sync()
-            await consistent(rt)
-            assert report.routes == expected and report.shm_fallback is None
-        plan = [r for r in rt.audit.records if r.get("trigger") == "sync_start"][-1]["plan"]
+        plan = await two_syncs(rt, expected)
         assert plan["routes"] == expected and plan["sender"] == "trainer-0"
         remote = [n for n, how in expected.items() if how != "shm"]
         assert plan["remote_nodes"] == {multinode_cluster.node_id("b")[:8]: remote}
@@ -91,12 +97,7 @@ async def test_one_copy_crosses_to_a_remote_node_and_its_relay_fans_it_out_there
         relay = next(n for n, how in expected.items() if how == "collective")
         peers = sorted(n for n, how in expected.items() if how == "relay")
         assert len(peers) == 2
-        for _ in range(2):
-            await rt.trainer("train_step")
-            report = await rt.sync()
-            await consistent(rt)
-            assert report.routes == expected and report.shm_fallback is None
-        plan = [r for r in rt.audit.records if r.get("trigger") == "sync_start"][-1]["plan"]
+        plan = await two_syncs(rt, expected)
         assert plan["routes"] == expected
         assert plan["relays"] == {b[:8]: {"relay": relay, "peers": peers}}
         assert segments_of([m.pid for m in members.values()]) == []
