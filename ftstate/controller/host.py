@@ -207,7 +207,7 @@ class WorkerHost:
 
                     report = await asyncio.to_thread(
                         samehost.broadcast, self._sender, comm, state, same_host=same_host or [],
-                        relays=dict((r, list(p)) for r, p in relays or ()), require_shm=require_shm,
+                        relays={r: list(p) for r, p in relays or ()}, require_shm=require_shm,
                         weights_version=weights_version, timeout_s=timeout_s, progress=self._on_bucket,
                     )
                 else:
