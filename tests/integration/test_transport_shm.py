@@ -328,6 +328,23 @@ class TestRelay:
         for r in group.members[1:]:
             assert committed_checksum(r) == expected_checksum(4)
 
+    def test_a_peer_killed_mid_read_ends_the_relays_transfer_at_once(self, group):
+        planned(group, [], relays={1: [2]})
+        trainer, relay, peer = group.members
+        trainer.call("load", seed=5, weights_version=2)
+        relay.start("receive_planned", timeout_s=SYNC_S)
+        peer.start("receive_planned", timeout_s=SYNC_S, kill_at=2)  # after reading bucket 2 of 8
+        t0 = time.monotonic()
+        trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays={1: [2]})
+        kind, err = relay.outcome(FAST_S)
+        assert kind == "err" and err.isinstance("PeerLost") and err.info["peer"] == 2, err
+        assert peer.outcome()[0] == "died"
+        kind, err = trainer.outcome(FAST_S)
+        assert kind == "err" and err.isinstance("TransportError"), err
+        assert time.monotonic() - t0 < FAST_S
+        assert committed_checksum(relay) == expected_checksum(1)
+        assert our_segments(group) == []
+
     def test_a_relay_without_shared_memory_falls_back_to_the_collective_with_auto(self, group):
         relay = group.members[1]
         relay.call("set_shm_dir", path="/nonexistent-ftstate-shm")
