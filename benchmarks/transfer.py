@@ -14,7 +14,10 @@ broadcast route, every byte over gloo), ``shm`` (the same-host route of
 :mod:`ftstate.transport.samehost`: every receiver reads the buckets from /dev/shm, same
 manifest, checksums, vote and commit) and ``xnode`` (that route with every receiver planned on
 another node: the buckets go to each point to point over gloo, the cross-node leg of a mixed
-transfer; between processes of one host here, so loopback stands in for the NIC). The ceiling is measured in the same run on the
+transfer; between processes of one host here, so loopback stands in for the NIC) and, with 2
+or more receivers, ``relay`` (every receiver planned on one other node: rank 1 is that node's
+relay, gets the buckets point to point over gloo and writes them into its shared memory,
+where the others read them; one copy crosses the "network" instead of one per receiver). The ceiling is measured in the same run on the
 sender: ``memcpy``, one copy of the same bytes into a preallocated buffer (the least any
 transfer that lands the bytes in another buffer costs), and ``xxh3``, one checksum pass.
 
@@ -71,6 +74,10 @@ def make_weights(size_mb: int) -> dict[str, Any]:
     return out
 
 
+def _opt(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"
+
+
 def _cpu_seconds() -> float:
     """CPU time (user + system) this process used so far, all threads."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -101,7 +108,7 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> No
             raw = torch.zeros(nbytes, dtype=torch.uint8)
             if idx == 0:
                 raw.fill_(1)
-            kinds = ("raw", "ftstate", "shm", "xnode")
+            kinds = ("raw", "ftstate", "shm", "xnode", *(("relay",) if receivers >= 2 else ()))
             times: dict[str, list[float]] = {k: [] for k in kinds}
             cpu: dict[str, list[float]] = {k: [] for k in kinds}
             checks = []
@@ -118,6 +125,16 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> No
                         assert report.ok and set(report.routes.values()) == {"collective"}, report
                         checks.append(report.state_checksum)
                     elif kind == "xnode":
+                        got = samehost.receive(receiver, comm, 0, timeout_s=120)
+                        checks.append(got.state_checksum)
+                    elif kind == "relay" and idx == 0:  # as if every receiver were on one other node
+                        report = samehost.broadcast(sender, comm, weights, same_host=(),
+                                                    relays={1: list(range(2, world))}, require_shm=True,
+                                                    weights_version=rnd, timeout_s=120)
+                        assert report.ok and report.routes == {
+                            1: "collective", **{r: "relay" for r in range(2, world)}}, report
+                        checks.append(report.state_checksum)
+                    elif kind == "relay":
                         got = samehost.receive(receiver, comm, 0, timeout_s=120)
                         checks.append(got.state_checksum)
                     elif kind == "shm" and idx == 0:
@@ -333,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{'size':>8} {'recv':>4} | {'raw s':>7} {'raw GB/s':>8} {'raw cpu':>7} | {'ftstate s':>9} {'ft GB/s':>7} "
         f"{'ft cpu':>6} | {'ratio':>5} | {'shm s':>6} {'shm GB/s':>8} {'shm cpu':>7} | {'shm/raw':>7} | "
-        f"{'memcpy s':>8} {'xxh3 s':>6} {'shm/memcpy':>10} | {'xnode/raw':>9} | checksums"
+        f"{'memcpy s':>8} {'xxh3 s':>6} {'shm/memcpy':>10} | {'xnode/raw':>9} | {'relay/raw':>9} "
+        f"{'relay/xnode':>11} | checksums"
     )
     print(header)
     print("-" * len(header))
@@ -352,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 sum(per_rank[r][0]["cpu"][kind][i] for r in per_rank) / (times[kind][i] * cores)
                 for i in range(len(times[kind]))
             )
-            for kind in ("raw", "ftstate", "shm", "xnode")
+            for kind in times
         }
         gb = size * MiB / 1e9
         # ftstate throughput / raw throughput, paired round by round (a raw round and an
@@ -361,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         shm = statistics.median(times["shm"])
         shm_ratio = statistics.median(r / f for r, f in zip(times["raw"], times["shm"], strict=True))
         xnode_ratio = statistics.median(r / f for r, f in zip(times["raw"], times["xnode"], strict=True))
+        relay_ratio = (statistics.median(r / f for r, f in zip(times["raw"], times["relay"], strict=True))
+                       if times.get("relay") else None)
+        relay_xnode = (statistics.median(x / f for x, f in zip(times["xnode"], times["relay"], strict=True))
+                       if times.get("relay") else None)
         memcpy = statistics.median(data["memcpy"])
         if size >= 256:
             worst = ratio if worst is None else min(worst, ratio)
@@ -370,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{size:>5} MiB {receivers:>4} | {raw:>7.3f} {gb / raw:>8.2f} {load['raw']:>7.0%} | {ft:>9.3f} "
             f"{gb / ft:>7.2f} {load['ftstate']:>6.0%} | {ratio:>5.2f} | {shm:>6.3f} {gb / shm:>8.2f} "
             f"{load['shm']:>7.0%} | {shm_ratio:>7.2f} | {memcpy:>8.3f} {statistics.median(data['hash']):>6.3f} "
-            f"{memcpy / shm:>10.2f} | {xnode_ratio:>9.2f} | {'match' if agree else 'MISMATCH'}"
+            f"{memcpy / shm:>10.2f} | {xnode_ratio:>9.2f} | {_opt(relay_ratio):>9} {_opt(relay_xnode):>11} | "
+            f"{'match' if agree else 'MISMATCH'}"
         )
     if worst is not None:
         print(f"worst ratio at >= 256 MiB: broadcast route {worst:.2f} (goal >= 0.85), same-host route "
@@ -380,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         "shm/raw: raw time / same-host time per round; memcpy s / xxh3 s: one copy / one checksum pass of the "
         "same bytes on one core (the same-host route does one of each on every side); shm/memcpy: the share of "
         "that ceiling reached; xnode/raw: raw time / the same route with every receiver planned on another node "
-        "(each gets the buckets point to point over gloo: the cross-node leg, on loopback here)"
+        "(each gets the buckets point to point over gloo: the cross-node leg, on loopback here); relay/raw: "
+        "raw time / the same with every receiver on one other node, rank 1 relaying through that node's "
+        "shared memory (one copy over gloo); relay/xnode: xnode time / relay time (>1: relaying is faster "
+        "than a copy per receiver; needs 2+ receivers)"
     )
     return 0
 

@@ -179,12 +179,14 @@ class WorkerHost:
     # -- weights ------------------------------------------------------------------------
 
     async def send_weights(
-        self, weights_version: int, timeout_s: float, same_host: list[int] | None = None, require_shm: bool = False
+        self, weights_version: int, timeout_s: float, same_host: list[int] | None = None, require_shm: bool = False,
+        relays: list[tuple[int, list[int]]] | None = None,
     ) -> dict[str, Any]:
         """Trainer: broadcast the user's ``state_dict()`` to the group as ``weights_version``.
         ``timeout_s`` bounds the transfer (the controller passes what is left of sync_timeout_s).
         ``same_host``: the plan's ranks on this node, which read shared memory
-        (:mod:`ftstate.transport.samehost`; ``require_shm``: fail rather than fall back).
+        (:mod:`ftstate.transport.samehost`; ``require_shm``: fail rather than fall back);
+        ``relays``: ``(relay rank, its node peers' ranks)`` of the plan's other nodes.
         A ``state_dict()`` the transport cannot send (not a mapping, empty, a value that is not
         a dense tensor on the backend's device…) raises
         :class:`~ftstate.core.errors.StateDictError` naming this member and the tensor, before
@@ -203,11 +205,12 @@ class WorkerHost:
             )
             self.busy = True
             try:
-                if same_host:
+                if same_host or relays:
                     from ftstate.transport import samehost
 
                     report = await asyncio.to_thread(
-                        samehost.broadcast, self._sender, comm, state, same_host=same_host, require_shm=require_shm,
+                        samehost.broadcast, self._sender, comm, state, same_host=same_host or [],
+                        relays={r: list(p) for r, p in relays or ()}, require_shm=require_shm,
                         weights_version=weights_version, timeout_s=timeout_s, progress=self._on_bucket,
                     )
                 else:
@@ -230,7 +233,8 @@ class WorkerHost:
     ) -> dict[str, Any]:
         """Rollout: receive and verify the broadcast of ``weights_version`` from rank ``src``.
         It is staged: the user's ``load_weights`` is not called until :meth:`commit_weights`.
-        ``planned``: the sender uses the same-host route (it says in its offer how this member reads)."""
+        ``planned``: the sender uses the same-host route (its offer says how this member reads:
+        from the sender's shared memory, over the collective, or from its node's relay, or as the relay)."""
         from ftstate.core.errors import ManifestError
 
         self._staged = None

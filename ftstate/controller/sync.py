@@ -55,7 +55,8 @@ class SyncReport:
     stale: rollouts that loaded it but do not hold it (their checksum after ``load_weights`` or
     ``held_weights()`` differed from the sender's), taken out of serving until resynced;
     routes: how each of them got it (``shm``: from shared memory on the trainer's node,
-    ``collective``: over gloo/NCCL; see :mod:`ftstate.core.plan`); shm_fallback: why rollouts
+    ``collective``: over gloo/NCCL, ``relay``: from shared memory written by its node's relay,
+    which got it over the collective; see :mod:`ftstate.core.plan`); shm_fallback: why rollouts
     planned on shared memory took the collective instead (``shared_memory: auto``), else None.
     """
 
@@ -146,8 +147,10 @@ class WeightSync:
         timeout = self.config.sync_timeout_s
         try:
             async with group.deadline_scope():
-                # the same-host route only where the plan puts a rollout on the trainer's node
-                send_shm = (list(plan.same_host_ranks), plan.require_shm) if plan.uses_shm else ()
+                # the same-host route only where the plan has a rollout read shared memory (on the
+                # trainer's node, or from its node's relay)
+                send_shm = (list(plan.same_host_ranks), plan.require_shm,
+                            [(r, list(p)) for r, p in plan.relay_ranks]) if plan.uses_shm else ()
                 planned = (True,) if plan.uses_shm else ()
                 results = await self._transfer([
                     (trainer, self.calls.call(trainer.name, trainer.handle, "send_weights", target, timeout,

@@ -223,11 +223,14 @@ class RuntimeConfig:
         "auto",
         "Same-host route of a weight sync. auto: rollouts on the trainer's node (and a newcomer "
         "resynced from a rollout on its node) read each bucket from shared memory (/dev/shm), "
-        "written once by the sender; the others get it over the collective; when a segment "
-        "cannot be made (no /dev/shm, full, weights on a GPU) that sync takes the collective "
-        "and the audit trail records why (shm_fallback). off: always the collective. require: "
-        "such a sync fails with SharedMemoryUnavailable instead. Its waits are bounded by "
-        "sync_timeout_s (failover_timeout_s for a resync).",
+        "written once by the sender; on every other node one rollout (the lowest rank there) "
+        "gets it over the collective and relays it through that node's shared memory to the "
+        "others (one copy per node crosses the network); a node with one rollout gets it over "
+        "the collective; when a segment cannot be made (no /dev/shm, full, weights on a GPU) "
+        "those rollouts take the collective for that sync and the audit trail records why "
+        "(shm_fallback). off: always the collective, one copy per rollout. require: such a sync "
+        "fails with SharedMemoryUnavailable instead. Its waits are bounded by sync_timeout_s "
+        "(failover_timeout_s for a resync).",
     )
     worker_cpus: float = _field(
         0.01,

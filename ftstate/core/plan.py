@@ -1,19 +1,25 @@
 """The route plan of one weight transfer: which receiver gets the bytes how, from where members run.
 
-A transfer's bytes should cross a socket only where they must. The plan groups the
-receivers by the node (Ray's node id) they run on, against the sender's node:
+A transfer's bytes should cross a socket only where they must: once per node. The plan
+groups the receivers by the node (Ray's node id) they run on, against the sender's node:
 
 * a receiver on the **sender's node** reads every bucket from shared memory
   (``shm``: :mod:`ftstate.transport.samehost`): written once by the sender, read by all of
   them, no socket;
-* a receiver on **another node** gets it over the collective (``collective``: gloo or
-  NCCL); today one copy per remote receiver. (Relaying one copy per remote node and fanning it
-  out there through that node's shared memory is the next step; the plan already
-  groups the remote receivers by node, in :attr:`Plan.remote_nodes`.)
+* on **another node** with one receiver, that receiver gets it over the collective
+  (``collective``: gloo or NCCL, point to point from the sender);
+* on **another node** with two or more receivers, one copy crosses the network: the
+  receiver of the lowest rank there is that node's **relay** (route ``collective``); it
+  verifies each bucket and writes it into shared memory of its own node, and its node peers
+  (route ``relay``) read it from there. The peers still verify everything against the
+  *sender's* seal (it reaches every member over the collective), never the relay's word.
 
-When no receiver shares the sender's node, or ``shared_memory`` is ``off``, the plan is the
-plain broadcast (:attr:`Plan.uses_shm` false) and nothing changes on the wire. A member whose
-node is unknown (outside Ray) is never assumed to share a host.
+When a relay cannot make its segments, ``auto`` moves its peers to the collective (the
+sender then sends to them as well, and says why in ``SyncReport.shm_fallback``);
+``require`` fails the sync with :class:`~ftstate.core.errors.SharedMemoryUnavailable`.
+With ``shared_memory: off`` every receiver takes the collective and nothing changes on the
+wire. A member whose node is unknown (outside Ray) is never assumed to share a host, with
+the sender or with another receiver.
 
 The plan is data: the sync's audit record (``sync_start``) carries :meth:`Plan.record`,
 and the runtime's ``SyncReport`` says which rollout got the weights how. This module is pure
@@ -23,7 +29,7 @@ and the runtime's ``SyncReport`` says which rollout got the weights how. This mo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 #: The values of the ``shared_memory`` config key.
@@ -31,6 +37,7 @@ SharedMemoryMode = Literal["auto", "off", "require"]
 
 SHM = "shm"
 COLLECTIVE = "collective"
+RELAY = "relay"
 
 
 @dataclass(frozen=True)
@@ -44,36 +51,48 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class Plan:
-    """How each receiver of one transfer gets the bytes (``routes``: name → ``shm`` or ``collective``)."""
+    """How each receiver of one transfer gets the bytes (``routes``: name → ``shm``,
+    ``collective`` or ``relay``); ``relays``: each relay's name → its node peers' names."""
 
     sender: Endpoint
     routes: Mapping[str, str]
     ranks: Mapping[str, int]
     remote_nodes: Mapping[str, tuple[str, ...]]
     mode: SharedMemoryMode
+    relays: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def same_host_ranks(self) -> tuple[int, ...]:
-        """Ranks that read shared memory, in rank order."""
+        """Ranks that read the sender's shared memory, in rank order."""
         return tuple(sorted(self.ranks[n] for n, how in self.routes.items() if how == SHM))
 
     @property
+    def relay_ranks(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """``(relay rank, its peers' ranks)`` for every relay, in rank order."""
+        return tuple(sorted((self.ranks[r], tuple(sorted(self.ranks[p] for p in peers)))
+                            for r, peers in self.relays.items()))
+
+    @property
     def uses_shm(self) -> bool:
-        return bool(self.same_host_ranks)
+        """Whether any receiver reads shared memory (the sender's, or a relay's)."""
+        return bool(self.same_host_ranks) or bool(self.relays)
 
     @property
     def require_shm(self) -> bool:
         return self.mode == "require"
 
     def with_fallback(self) -> Plan:
-        """The plan after the sender found shared memory unavailable (``auto``): all collective."""
+        """The plan after shared memory was found unavailable everywhere (``auto``): all collective."""
         return Plan(self.sender, {n: COLLECTIVE for n in self.routes}, self.ranks, self.remote_nodes, self.mode)
 
     def record(self) -> dict[str, object]:
-        """What the audit trail keeps: the sender's node and every receiver's route."""
+        """What the audit trail keeps: the sender's node, every receiver's route, the relays."""
+        node_of = {n: k for k, names in self.remote_nodes.items() for n in names}
         return {"sender": self.sender.name, "node": _short(self.sender.node_id), "mode": self.mode,
                 "routes": dict(sorted(self.routes.items())),
-                "remote_nodes": {_short(k): list(v) for k, v in sorted(self.remote_nodes.items())}}
+                "remote_nodes": {_short(k): list(v) for k, v in sorted(self.remote_nodes.items())},
+                "relays": {_short(node_of[r]): {"relay": r, "peers": list(p)}
+                           for r, p in sorted(self.relays.items())}}
 
 
 def _short(node_id: str | None) -> str | None:
@@ -84,14 +103,22 @@ def plan_transfer(sender: Endpoint, receivers: Iterable[Endpoint], mode: SharedM
     """The plan for ``sender`` → ``receivers`` under the ``shared_memory`` setting ``mode``."""
     routes: dict[str, str] = {}
     ranks: dict[str, int] = {}
-    remote: dict[str, list[str]] = {}
+    remote: dict[str, list[Endpoint]] = {}
     for r in receivers:
         ranks[r.name] = r.rank
         same = mode != "off" and sender.node_id is not None and r.node_id == sender.node_id
         routes[r.name] = SHM if same else COLLECTIVE
         if not same and r.node_id != sender.node_id:
-            remote.setdefault(r.node_id or "?", []).append(r.name)
-    return Plan(sender, routes, ranks, {k: tuple(v) for k, v in remote.items()}, mode)
+            remote.setdefault(r.node_id or "?", []).append(r)
+    relays: dict[str, tuple[str, ...]] = {}
+    if mode != "off":
+        for node, members in remote.items():
+            if node == "?" or len(members) < 2:  # an unknown node is nobody's shared host
+                continue
+            relay, *peers = sorted(members, key=lambda e: e.rank)
+            relays[relay.name] = tuple(p.name for p in peers)
+            routes.update({p.name: RELAY for p in peers})
+    return Plan(sender, routes, ranks, {k: tuple(e.name for e in v) for k, v in remote.items()}, mode, relays)
 
 
-__all__ = ["COLLECTIVE", "SHM", "Endpoint", "Plan", "SharedMemoryMode", "plan_transfer"]
+__all__ = ["COLLECTIVE", "RELAY", "SHM", "Endpoint", "Plan", "SharedMemoryMode", "plan_transfer"]

@@ -20,6 +20,34 @@ through memory). Receivers on other hosts get the same buckets over the communic
     seal (collective)      ─────────────────────▶ compare every checksum
     vote (collective)      ◀───────────────────▶ the commit point, as on the broadcast route
 
+**Relays: one copy per remote node.** When several receivers share a node other than the
+sender's, the plan (:mod:`ftstate.core.plan`) makes one of them that node's *relay*: the
+sender's offer names it and its peers (``relays``), and only the relay gets the buckets over
+the collective. It answers the offer with an offer of its own (:class:`Offer`, sent point to
+point to the sender and to each peer, tags from :data:`RELAY_TAG`) naming *its* segments,
+and writes every bucket it receives into them for its peers, who read them exactly as they
+would read the sender's (the same reader, slots, signals and checks)::
+
+    sender (rank s)                 relay r (node B)                      peer p (node B)
+    offer (relays: r → [p]) ──────▶ make its slots, bind its signals
+                            ◀────── its offer (or why not) ─────────────▶ map r's slots, hello r
+    bucket k (send, tag) ─────────▶ receive (WINDOW posted), hash, copy
+                                    into its slot k%2 ── ready k ───────▶ copy + hash out
+                                                      ◀─ released k ────
+    seal, vote (collective) ◀─────▶ compare, vote                ◀──────▶ compare with the
+                                                                          *sender's* seal, vote
+
+The relay verifies what it holds like any receiver, and its peers trust it with nothing: the
+seal they compare against comes from the sender over the collective, so a relay that hands
+on damaged bytes is rejected by every peer it damaged. While its peers copy bucket k out,
+the next buckets keep arriving into the relay's own staging, so the network leg does not
+wait for them. Its segments carry its pid and the group version like the sender's; a SIGKILLed
+relay is seen by its peers within one slice of a wait (its pid), who then unlink whatever of
+its segments is still named and unmap the rest; the sender sees its broken connection. A relay
+that cannot make its segments says so in its offer: with ``require_shm`` every side raises
+:class:`~ftstate.core.errors.SharedMemoryUnavailable`, else its peers get the buckets from the
+sender over the collective and :attr:`SyncReport.shm_fallback` names the relay and why.
+
 The manifest, seal and vote are exactly the broadcast route's (:mod:`ftstate.transport.sync`),
 on the communicator: they stay ordered with the group version's membership and fencing, and
 the receiver commits with the same code (``Receiver._conclude``). Only the buckets'
@@ -119,6 +147,9 @@ PIECE = 2 * 1024 * 1024
 #: use small sequence numbers, so the two never meet).
 NET_TAG = 1 << 20
 
+#: First tag of a relay's offer to the sender and to each of its peers (header, then body).
+RELAY_TAG = 1 << 19
+
 _generations = itertools.count(1)
 
 
@@ -138,13 +169,19 @@ class Offer:
     shm: tuple[int, ...]
     collective: tuple[int, ...]
     fallback: str | None = None
+    #: ``(relay rank, its peers' ranks)``: the relay gets the buckets over the collective and
+    #: writes them into its own node's shared memory for its peers (see :class:`_Relay`).
+    relays: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    #: ``shared_memory: require``: a relay that cannot make its segments fails the transfer.
+    require: bool = False
 
 
 def encode_offer(o: Offer) -> bytes:
     return msgpack.packb(
         {"kind": "offer", "format": WIRE_FORMAT, "group": o.group, "group_version": o.group_version,
          "pid": o.pid, "endpoint": o.endpoint, "segments": list(o.segments), "fresh": o.fresh,
-         "shm": list(o.shm), "collective": list(o.collective), "fallback": o.fallback},
+         "shm": list(o.shm), "collective": list(o.collective), "fallback": o.fallback,
+         "relays": [[r, list(peers)] for r, peers in o.relays], "require": o.require},
         use_bin_type=True,
     )
 
@@ -183,8 +220,14 @@ def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
     fallback = d.get("fallback")
     if fallback is not None and not isinstance(fallback, str):
         raise ManifestError(f"malformed offer: field 'fallback': {fallback!r:.60}", field="fallback")
+    relays = []
+    for item in need("relays", list):
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and isinstance(item[1], list)
+                and all(isinstance(p, int) for p in item[1])):
+            raise ManifestError(f"malformed offer: field 'relays': {item!r:.60}", field="relays")
+        relays.append((item[0], tuple(item[1])))
     return Offer(group, gv, need("pid", int), need("endpoint", str), lists["segments"], need("fresh", bool),
-                 lists["shm"], lists["collective"], fallback)
+                 lists["shm"], lists["collective"], fallback, tuple(relays), need("require", bool))
 
 
 # -- the segments each side keeps ------------------------------------------------------------
@@ -211,24 +254,50 @@ class _Mapped:
     segments: list[Segment]
 
 
-#: This process's mappings, by group (a new Receiver in the same process keeps using them).
-_MAPPED: dict[str, _Mapped] = {}
+#: This process's mappings, by group and writer pid (a new Receiver in the same process keeps
+#: using them; one per writer, so a member that reads the sender's slots in one transfer and
+#: its node relay's in another keeps both).
+_MAPPED: dict[tuple[str, int], _Mapped] = {}
+
+#: The slots this process writes as its node's relay, by group (kept between transfers, like
+#: a sender's, so its peers keep their mappings).
+_RELAYING: dict[str, _Slots] = {}
 
 
-def drop_slots(sender: Sender) -> None:
-    """Unlink (if still named) and unmap the sender's slots."""
-    slots, sender._samehost = sender._samehost, None
+def _drop(slots: _Slots | None) -> None:
     if slots is not None:
         unlink_names([s.name for s in slots.segments])
         for s in slots.segments:
             s.close()
 
 
-def drop_mappings(group: str | None = None) -> None:
-    """Unmap the segments this process mapped (of ``group``, or all)."""
-    for key in [k for k in _MAPPED if group is None or k == group]:
+def drop_slots(sender: Sender) -> None:
+    """Unlink (if still named) and unmap the sender's slots."""
+    slots, sender._samehost = sender._samehost, None
+    _drop(slots)
+
+
+def _unmap(group: str | None, writer: int | None = None) -> None:
+    for key in [k for k in _MAPPED if (group is None or k[0] == group) and (writer is None or k[1] == writer)]:
         for s in _MAPPED.pop(key).segments:
             s.close()
+
+
+def _drop_relay_slots(group: str | None) -> None:
+    for key in [k for k in _RELAYING if group is None or k == group]:
+        _drop(_RELAYING.pop(key))
+
+
+def drop_mappings(group: str | None = None) -> None:
+    """Everything of the route this process holds as a receiver (of ``group``, or all): unmap
+    the segments it mapped, and unlink and unmap the slots it wrote as a relay."""
+    _unmap(group)
+    _drop_relay_slots(group)
+
+
+def _fits(s: _Slots | None, comm: Communicator, capacity: int, count: int, readers: set[int]) -> bool:
+    return s is not None and (s.group, s.version) == (comm.group, comm.version) and s.capacity >= capacity \
+        and len(s.segments) >= count and readers <= s.attached
 
 
 def _slots_for(
@@ -237,11 +306,30 @@ def _slots_for(
     """The sender's ``count`` (1 or 2) slots for this group version (new ones when too few,
     too small, or when a reader has not mapped them), and whether they are new. One slot when
     the transfer is one bucket: each new slot costs a zeroed allocation of its size."""
-    s = sender._samehost
-    if s is not None and (s.group, s.version) == (comm.group, comm.version) and s.capacity >= capacity \
-            and len(s.segments) >= count and readers <= s.attached:
-        return s, False
+    if _fits(sender._samehost, comm, capacity, count, readers):
+        return sender._samehost, False
     drop_slots(sender)
+    sender._samehost = _new_slots(comm, capacity, count)
+    return sender._samehost, True
+
+
+def _relay_slots(comm: Communicator, capacity: int, count: int, peers: set[int]) -> tuple[_Slots, bool]:
+    """:func:`_slots_for`, for this process as its node's relay."""
+    if _fits(_RELAYING.get(comm.group), comm, capacity, count, peers):
+        return _RELAYING[comm.group], False
+    _drop_relay_slots(comm.group)
+    _RELAYING[comm.group] = _new_slots(comm, capacity, count)
+    return _RELAYING[comm.group], True
+
+
+def _require_host_memory(comm: Communicator, capacity: int) -> None:
+    if comm.device.type != "cpu":
+        raise SharedMemoryUnavailable(
+            path=str(SHM_DIR), nbytes=2 * capacity,
+            problem=f"the weights are on {comm.device}: this route moves host memory (CUDA IPC is not implemented)")
+
+
+def _new_slots(comm: Communicator, capacity: int, count: int) -> _Slots:
     generation = next(_generations)
     made: list[Segment] = []
     try:
@@ -253,15 +341,14 @@ def _slots_for(
         for m in made:
             m.close()
         raise
-    sender._samehost = _Slots(comm.group, comm.version, capacity, made)
-    return sender._samehost, True
+    return _Slots(comm.group, comm.version, capacity, made)
 
 
 def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
-    m = _MAPPED.get(comm.group)
+    m = _MAPPED.get((comm.group, offer.pid))
     if m is not None and m.names == offer.segments and m.version == comm.version:
         return m.segments
-    drop_mappings(group=comm.group)
+    _unmap(comm.group, offer.pid)
     if not offer.fresh:
         raise ManifestError(f"rank {comm.rank}: the offer names segments {list(offer.segments)} this member "
                             "never mapped and that are gone", field="segments")
@@ -276,22 +363,24 @@ def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
         for s in segs:
             s.close()
         raise
-    _MAPPED[comm.group] = _Mapped(comm.group, comm.version, offer.segments, segs)
+    _MAPPED[(comm.group, offer.pid)] = _Mapped(comm.group, comm.version, offer.segments, segs)
     return segs
 
 
 # -- moving the bytes ----------------------------------------------------------------------
 
 
-def _copy_hash(pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], hasher: StreamHasher | None) -> None:
+def _copy_hash(pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], hasher: StreamHasher | None, *,
+               hash_source: bool = False) -> None:
     """Copy each ``(tensor index, dst, src)`` in :data:`PIECE`-sized pieces, hashing each
-    piece of ``dst`` (what this member holds) right after it was copied (no hasher: copy only)."""
+    piece of what this member holds right after it was copied (no hasher: copy only): ``dst``,
+    or ``src`` with ``hash_source`` (a relay holds what it received and writes a copy)."""
     if hasher is None:
         for _, dst, src in pairs:
             dst.copy_(src)
         return
     for tensor, dst, src in pairs:
-        mv = host_bytes(dst)
+        mv = host_bytes(src if hash_source else dst)
         for lo in range(0, dst.numel(), PIECE):
             hi = min(lo + PIECE, dst.numel())
             dst[lo:hi].copy_(src[lo:hi])
@@ -394,20 +483,23 @@ def broadcast(
     weights: Mapping[str, torch.Tensor] | CommittedWeights,
     *,
     same_host: Collection[int],
+    relays: Mapping[int, Collection[int]] | None = None,
     require_shm: bool = False,
     weights_version: int | None = None,
     timeout_s: float,
     progress: Progress | None = None,
 ) -> SyncReport:
     """:meth:`Sender.broadcast` on this route: the ranks in ``same_host`` (on this member's
-    host) read every bucket from shared memory, the others get it over the communicator;
-    receivers call :func:`receive`. Same manifest, checksums, vote and errors; in addition
+    host) read every bucket from shared memory; each rank of ``relays`` (relay rank → its
+    node peers' ranks) gets it over the communicator and writes it into its node's shared
+    memory for its peers; the others get it over the communicator. Receivers call
+    :func:`receive`. Same manifest, checksums, vote and errors; in addition
     :class:`~ftstate.core.errors.SharedMemoryUnavailable` with ``require_shm`` when a
-    segment cannot be made (else those ranks take the collective, said in
-    :attr:`SyncReport.shm_fallback`). ``timeout_s`` bounds the whole transfer."""
+    segment (here or at a relay) cannot be made (else those ranks take the collective, said
+    in :attr:`SyncReport.shm_fallback`). ``timeout_s`` bounds the whole transfer."""
     route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
     return _send(sender, route, weights, weights_version, progress, same_host=frozenset(same_host),
-                 require_shm=require_shm)
+                 require_shm=require_shm, relays={r: tuple(sorted(p)) for r, p in (relays or {}).items() if p})
 
 
 def send_to(
@@ -452,6 +544,7 @@ def _send(
     *,
     same_host: frozenset[int],
     require_shm: bool,
+    relays: Mapping[int, tuple[int, ...]] | None = None,
 ) -> SyncReport:
     """One transfer on the same-host route (see the module docstring)."""
     comm = route.comm
@@ -471,19 +564,17 @@ def _send(
         and committed._windows == windows else None
     receivers = [r for r in range(comm.world_size) if r != comm.rank] if isinstance(route, _BroadcastRoute) \
         else [_peer_of(route)]
+    relays = {r: p for r, p in (relays or {}).items() if r in receivers}
+    relayed = {p: r for r, peers in relays.items() for p in peers}
     readers = [r for r in receivers if r in same_host]
-    net = [r for r in receivers if r not in same_host]
+    net = [r for r in receivers if r not in same_host and r not in relayed]
     capacity = max([b.nbytes for b in buckets] + [1])
     slots: _Slots | None = None
     fresh = False
     fallback: str | None = None
     if readers:
         try:
-            if comm.device.type != "cpu":
-                raise SharedMemoryUnavailable(
-                    path=str(SHM_DIR), nbytes=2 * capacity,
-                    problem=f"the weights are on {comm.device}: this route moves host memory (CUDA IPC is not "
-                            "implemented)")
+            _require_host_memory(comm, capacity)
             slots, fresh = _slots_for(sender, comm, capacity, min(2, len(buckets)) or 1, set(readers))
         except SharedMemoryUnavailable as exc:
             if require_shm:
@@ -491,7 +582,7 @@ def _send(
                 raise
             fallback = str(exc)
             net, readers = sorted(net + readers), []
-    routes = {**{r: "shm" for r in readers}, **{r: "collective" for r in net}}
+    routes = {**{r: "shm" for r in readers}, **{r: "collective" for r in net}, **{p: "relay" for p in relayed}}
     chan = Channel.bind() if readers else None
     nslots = len(slots.segments) if slots is not None and readers else 2
     waiter = _Waiter(route, chan, {}, nslots)
@@ -503,8 +594,20 @@ def _send(
         stage = "offer"
         offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
                       tuple(s.name for s in slots.segments) if slots and readers else (), fresh,
-                      tuple(readers), tuple(net), fallback)
+                      tuple(readers), tuple(net), fallback, tuple(sorted(relays.items())), require_shm)
         route.send_message(encode_offer(offer), stage)
+        if relays:
+            stage = "relay offers"
+            for r, peers in sorted(relays.items()):
+                theirs = decode_offer(_side_route(route, r, sending=False).recv_message(stage),
+                                      group=comm.group, group_version=comm.version)
+                if theirs.fallback is not None:
+                    if require_shm:
+                        raise _relay_unavailable(r, theirs.fallback, capacity)
+                    # the relay could not make its segments: its peers get the buckets from here
+                    net = sorted(net + list(peers))
+                    routes.update({p: "collective" for p in peers})
+                    fallback = "; ".join(filter(None, [fallback, f"relay rank {r}: {theirs.fallback}"]))
         if slots is not None and readers:
             stage = "attach"
             waiter.hellos(readers, stage)
@@ -548,6 +651,9 @@ def _send(
         route.send_message(encode_seal(seal), stage)
         stage = "commit vote"
         votes = route.vote(VOTE_COMMIT, stage)
+    except SharedMemoryUnavailable as exc:
+        _sender_failed(sender, comm, chan, readers, stage, exc)
+        raise
     except (TransportError, DeadlineExceeded) as exc:
         _sender_failed(sender, comm, chan, readers, stage, exc)
         raise _with_stage(exc, stage, weights_version, route) from exc
@@ -574,22 +680,52 @@ def _sender_failed(sender: Sender, comm: Communicator, chan: Channel | None, rea
 # -- receiver --------------------------------------------------------------------------------
 
 
-def _await_ready(chan: Channel, index: int, route: _Route, stage: str, sender: dict[int, int], nslots: int) -> int:
-    """The slot holding bucket ``index`` once the sender says it is ready."""
+def _side_route(route: _Route, peer: int, *, sending: bool) -> _PeerRoute:
+    """Messages between a relay and the sender or one of its peers, beside the transfer's own
+    stream (tags of their own, same deadline)."""
+    side = _PeerRoute(route.comm, route.deadline, route.timeout_s, peer=peer, sending=sending)
+    side.seq = RELAY_TAG
+    return side
+
+
+def _relay_unavailable(relay: int, reason: str, capacity: int) -> SharedMemoryUnavailable:
+    return SharedMemoryUnavailable(path=f"{SHM_DIR} (the segments of relay rank {relay})", nbytes=2 * capacity,
+                                   problem=reason)
+
+
+@dataclass
+class _Receiving:
+    """One receiver's transfer in progress: where it is, and what a failure must clean up."""
+
+    stage: str = "manifest"
+    #: the offer naming the segments it reads (the sender's or its relay's) and their writer's signals
+    read: Offer | None = None
+    chan: Channel | None = None
+    relay: _Relay | None = None
+
+    def close(self) -> None:
+        if self.chan is not None:
+            self.chan.close()
+        if self.relay is not None:
+            self.relay.close()
+
+
+def _await_ready(chan: Channel, index: int, route: _Route, stage: str, writer: dict[int, int], nslots: int) -> int:
+    """The slot holding bucket ``index`` once its writer (the sender, or this node's relay) says it is ready."""
     comm = route.comm
     while True:
         msg = chan.recv(POLL_S)
         if msg is None:
-            _check(route, stage, sender)
+            _check(route, stage, writer)
             continue
         kind = msg["kind"]
         if kind == "ready" and msg.get("bucket") == index and msg.get("slot") in (0, 1)[:nslots]:
             return int(msg["slot"])
         if kind == "failed":
-            peer = next(iter(sender))
+            peer = next(iter(writer))
             raise PeerLost(
-                f"rank {comm.rank} of group {comm.group!r} v{comm.version}: the sender (rank {peer}) gave the "
-                f"transfer up during {stage}: {msg.get('reason')}",
+                f"rank {comm.rank} of group {comm.group!r} v{comm.version}: rank {peer}, whose shared memory it "
+                f"reads, gave the transfer up during {stage}: {msg.get('reason')}",
                 group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=peer,
             )
         raise ManifestError(f"bucket signal: expected 'ready' for bucket {index}, got {msg!r:.80}", field="bucket")
@@ -600,111 +736,252 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
     comm = route.comm
     src = _peer_of(route)
     kept = receiver._committed
-    stage = "manifest"
+    at = _Receiving()
     manifest: Manifest | None = None
-    offer: Offer | None = None
-    chan: Channel | None = None
     comm.check_usable()
     try:
-        manifest = decode_manifest(route.recv_message(stage), group=comm.group, group_version=comm.version)
-        stage = "offer"
-        offer = decode_offer(route.recv_message(stage), group=comm.group, group_version=comm.version)
+        manifest = decode_manifest(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
+        at.stage = "offer"
+        offer = decode_offer(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
         staging = receiver._staging(manifest.total_bytes, comm.device)
         flat = staging[0]
         _zero_padding(flat, manifest)
         buckets = bucket_segments(manifest.tensors, manifest.buckets)
-        n = len(buckets)
         hasher = StreamHasher(len(manifest.tensors))
         digests: list[int] = []
+        peers = dict(offer.relays).get(comm.rank, ())
+        relay = next((r for r, ps in offer.relays if comm.rank in ps), None)
         if comm.rank in offer.shm:
-            stage = "attach"
-            segs = _mappings(offer, comm)
-            chan = Channel.connect(offer.endpoint, comm.rank)
-            chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
-            sender_pid = {src: offer.pid}
-            for b in buckets:
-                stage = f"bucket {b.index + 1}/{n}"
-                seg = segs[_await_ready(chan, b.index, route, stage, sender_pid, len(segs))]
-                if seg.group_version() != comm.version:
-                    raise StaleGroupVersion(comm.group, got=seg.group_version(), current=comm.version,
-                                            peer=f"shared-memory segment {seg.name!r}")
-                holds = seg.holds()
-                if holds != (b.index, manifest.weights_version, b.nbytes):
-                    raise ManifestError(
-                        f"shared-memory segment {seg.name!r} holds bucket {holds[0]} of weights version {holds[1]} "
-                        f"({holds[2]} bytes), expected bucket {b.index} of {manifest.weights_version} "
-                        f"({b.nbytes} bytes)", field="segment")
-                src = seg.data
-                if receiver._corrupt_next and b.segments:
-                    # chaos: this reader sees a damaged segment. A private damaged copy, not the
-                    # segment itself: the other readers must get the bytes as sent (two readers
-                    # both flipping the shared byte would restore it, and neither would notice).
-                    receiver._corrupt_next = False
-                    src = seg.data[: b.nbytes].clone()
-                    src[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
-                data = flat[b.start : b.stop]
-                _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
-                             src[s.bucket_offset : s.bucket_offset + s.length]) for s in b.segments], hasher)
-                digests.append(hasher.bucket_digest(b))
-                chan.send({"kind": "released", "bucket": b.index})
-                if progress is not None:
-                    progress(b.index + 1, n)
+            _read(receiver, route, at, offer, src, manifest, buckets, flat, hasher, digests, progress)
+        elif relay is not None:
+            at.stage = "relay offer"
+            theirs = decode_offer(_side_route(route, relay, sending=False).recv_message(at.stage),
+                                  group=comm.group, group_version=comm.version)
+            if comm.rank in theirs.shm:
+                _read(receiver, route, at, theirs, relay, manifest, buckets, flat, hasher, digests, progress)
+            elif offer.require:
+                raise _relay_unavailable(relay, theirs.fallback or "no segments offered", max(
+                    [b.nbytes for b in buckets] + [1]))
+            else:  # the relay could not make its segments: the sender sends to this rank as well
+                _net(receiver, route, at, src, buckets, flat, hasher, digests, progress)
         elif comm.rank in offer.collective:
-            posted: deque[Pending] = deque()
-
-            def post(b: Bucket, stage: str) -> None:
-                posted.append(comm.recv(flat[b.start : b.stop], src, tag=NET_TAG + b.index,
-                                        timeout_s=route.remaining(stage)))
-
-            for b in buckets[:WINDOW]:
-                post(b, f"bucket {b.index + 1}/{n}")
-            for b in buckets:
-                stage = f"bucket {b.index + 1}/{n}"
-                posted.popleft().wait()
-                if b.index + WINDOW < n:
-                    post(buckets[b.index + WINDOW], stage)
-                data = flat[b.start : b.stop]
-                if receiver._corrupt_next and b.segments:
-                    receiver._corrupt_next = False
-                    data[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
-                _hash(b, data, hasher)
-                digests.append(hasher.bucket_digest(b))
-                if progress is not None:
-                    progress(b.index + 1, n)
+            if peers:
+                at.relay = _Relay.start(route, at, manifest, buckets, peers, require=offer.require)
+            _net(receiver, route, at, src, buckets, flat, hasher, digests, progress)
         else:
-            raise ManifestError(f"malformed offer: rank {comm.rank} is in neither 'shm' nor 'collective'",
-                                field="shm")
-        stage = "seal"
-        seal = decode_seal(route.recv_message(stage), manifest)
-        stage = "checksums"
+            raise ManifestError(f"malformed offer: rank {comm.rank} is in neither 'shm', 'collective' nor "
+                                "'relays'", field="shm")
+        at.stage = "seal"
+        seal = decode_seal(route.recv_message(at.stage), manifest)
+        at.stage = "checksums"
         tensor_sums = hasher.tensor_digests()
         own = _own_state_checksum(manifest, tensor_sums)
         problem = _verify(manifest, seal, digests, tensor_sums, own)
-        stage = "commit vote"
-        route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, stage)
+        at.stage = "commit vote"
+        route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, at.stage)
+    except SharedMemoryUnavailable as exc:
+        _receiver_failed(comm, at, exc)
+        raise
     except (TransportError, DeadlineExceeded) as exc:
-        _receiver_failed(comm, chan, offer, stage, exc)
+        _receiver_failed(comm, at, exc)
         wv = manifest.weights_version if manifest is not None else None
-        raise _with_stage(exc, stage, wv, route) from exc
+        raise _with_stage(exc, at.stage, wv, route) from exc
     except BaseException as exc:
-        _receiver_failed(comm, chan, offer, stage, exc)
+        _receiver_failed(comm, at, exc)
         raise
     finally:
-        if chan is not None:
-            chan.close()
+        at.close()
     return receiver._conclude(comm, manifest, seal, staging, kept, problem, own)
 
 
-def _receiver_failed(comm: Communicator, chan: Channel | None, offer: Offer | None, stage: str,
-                     exc: BaseException) -> None:
-    if chan is not None and not isinstance(exc, PeerLost):
-        with contextlib.suppress(TransportError):  # a sender that is gone: nothing to tell
-            chan.send({"kind": "failed", "reason": f"{type(exc).__name__} during {stage}: {exc}"[:500]})
-    if offer is not None and offer.segments and not pid_alive(offer.pid):
-        unlink_names(offer.segments)  # a sender SIGKILLed before it could unlink its own
+def _read(
+    receiver: Receiver, route: _Route, at: _Receiving, offer: Offer, writer: int, manifest: Manifest,
+    buckets: Sequence[Bucket], flat: torch.Tensor, hasher: StreamHasher, digests: list[int],
+    progress: Progress | None,
+) -> None:
+    """Copy (and hash) every bucket out of the slots of ``writer`` (the sender, or this node's relay)."""
+    comm = route.comm
+    n = len(buckets)
+    at.stage = "attach"
+    at.read = offer
+    segs = _mappings(offer, comm)
+    at.chan = chan = Channel.connect(offer.endpoint, comm.rank)
+    chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
+    pids = {writer: offer.pid}
+    for b in buckets:
+        at.stage = f"bucket {b.index + 1}/{n}"
+        seg = segs[_await_ready(chan, b.index, route, at.stage, pids, len(segs))]
+        if seg.group_version() != comm.version:
+            raise StaleGroupVersion(comm.group, got=seg.group_version(), current=comm.version,
+                                    peer=f"shared-memory segment {seg.name!r}")
+        holds = seg.holds()
+        if holds != (b.index, manifest.weights_version, b.nbytes):
+            raise ManifestError(
+                f"shared-memory segment {seg.name!r} holds bucket {holds[0]} of weights version {holds[1]} "
+                f"({holds[2]} bytes), expected bucket {b.index} of {manifest.weights_version} "
+                f"({b.nbytes} bytes)", field="segment")
+        src = seg.data
+        if receiver._corrupt_next and b.segments:
+            # chaos: this reader sees a damaged segment. A private damaged copy, not the
+            # segment itself: the other readers must get the bytes as sent (two readers
+            # both flipping the shared byte would restore it, and neither would notice).
+            receiver._corrupt_next = False
+            src = seg.data[: b.nbytes].clone()
+            src[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
+        data = flat[b.start : b.stop]
+        _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
+                     src[s.bucket_offset : s.bucket_offset + s.length]) for s in b.segments], hasher)
+        digests.append(hasher.bucket_digest(b))
+        chan.send({"kind": "released", "bucket": b.index})
+        if progress is not None:
+            progress(b.index + 1, n)
+
+
+def _net(
+    receiver: Receiver, route: _Route, at: _Receiving, src: int, buckets: Sequence[Bucket], flat: torch.Tensor,
+    hasher: StreamHasher, digests: list[int], progress: Progress | None,
+) -> None:
+    """Receive every bucket from ``src`` over the communicator (and, as a relay, hand each on)."""
+    comm = route.comm
+    n = len(buckets)
+    posted: deque[Pending] = deque()
+
+    def post(b: Bucket, stage: str) -> None:
+        posted.append(comm.recv(flat[b.start : b.stop], src, tag=NET_TAG + b.index, timeout_s=route.remaining(stage)))
+
+    for b in buckets[:WINDOW]:
+        post(b, f"bucket {b.index + 1}/{n}")
+    if at.relay is not None:
+        at.relay.attach(at)  # while the first buckets arrive
+    for b in buckets:
+        at.stage = f"bucket {b.index + 1}/{n}"
+        posted.popleft().wait()
+        if b.index + WINDOW < n:
+            post(buckets[b.index + WINDOW], at.stage)
+        data = flat[b.start : b.stop]
+        if receiver._corrupt_next and b.segments:
+            receiver._corrupt_next = False
+            data[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
+        if at.relay is not None:
+            at.relay.publish(b, data, hasher, at.stage)
+        else:
+            _hash(b, data, hasher)
+        digests.append(hasher.bucket_digest(b))
+        if progress is not None:
+            progress(b.index + 1, n)
+    if at.relay is not None:
+        at.stage = "last buckets"
+        at.relay.finish(at.stage)
+
+
+class _Relay:
+    """This receiver's duty as its node's relay: every bucket it receives over the collective
+    is written once into its own slots (:func:`_copy_hash`, hashing its own copy on the way)
+    and read from there by its node peers, exactly as same-host readers read the sender's.
+
+    The relay writes what it received and is trusted with nothing else: its peers verify
+    against the sender's seal, which reaches them over the collective, and vote on their own.
+    Its slots are double-buffered like the sender's (bucket k goes into slot k % 2 once every
+    peer released bucket k - 2), while the next buckets keep arriving into its own staging
+    (:data:`WINDOW` receives posted), so the network leg does not wait for the peers."""
+
+    def __init__(self, route: _Route, peers: tuple[int, ...], slots: _Slots, chan: Channel, fresh: bool,
+                 weights_version: int) -> None:
+        self.route = route
+        self.peers = peers
+        self.slots = slots
+        self.chan = chan
+        self.fresh = fresh
+        self.weights_version = weights_version
+        self.nslots = len(slots.segments)
+        self.waiter = _Waiter(route, chan, {}, self.nslots)
+
+    @classmethod
+    def start(cls, route: _Route, at: _Receiving, manifest: Manifest, buckets: Sequence[Bucket],
+              peers: tuple[int, ...], *, require: bool) -> _Relay | None:
+        """Make (or reuse) the slots and offer them to the peers, and tell the sender whether it
+        could (its peers otherwise take the collective, or with ``require`` the transfer fails).
+        None when it relays nothing this time."""
+        comm = route.comm
+        at.stage = "relay segments"
+        capacity = max([b.nbytes for b in buckets] + [1])
+        slots: _Slots | None = None
+        fresh = False
+        unavailable: SharedMemoryUnavailable | None = None
+        try:
+            _require_host_memory(comm, capacity)
+            slots, fresh = _relay_slots(comm, capacity, min(2, len(buckets)) or 1, set(peers))
+        except SharedMemoryUnavailable as exc:
+            unavailable = exc
+        chan = Channel.bind() if slots is not None else None
+        try:
+            offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
+                          tuple(s.name for s in slots.segments) if slots else (), fresh,
+                          peers if slots else (), () if slots else peers,
+                          str(unavailable) if unavailable else None)
+            payload = encode_offer(offer)
+            at.stage = "relay offer"
+            for rank in (_peer_of(route), *peers):  # the sender first: it waits for the answer
+                _side_route(route, rank, sending=True).send_message(payload, at.stage)
+        except BaseException:
+            if chan is not None:
+                chan.close()
+            raise
+        if unavailable is not None:
+            if require:
+                comm.abort(f"shared memory unavailable: {unavailable.problem}")
+                raise unavailable
+            return None
+        assert slots is not None and chan is not None
+        return cls(route, peers, slots, chan, fresh, manifest.weights_version)
+
+    def attach(self, at: _Receiving) -> None:
+        at.stage = "relay attach"
+        self.waiter.hellos(self.peers, at.stage)
+        if self.fresh:  # every peer mapped them: the names go, the memory stays with the mappings
+            unlink_names([s.name for s in self.slots.segments])
+        self.slots.attached |= set(self.peers)
+
+    def publish(self, b: Bucket, data: torch.Tensor, hasher: StreamHasher, stage: str) -> None:
+        slot = b.index % self.nslots
+        self.waiter.free(slot, stage)
+        seg = self.slots.segments[slot]
+        out = seg.data[: b.nbytes]
+        _copy_hash([(s.tensor, out[s.bucket_offset : s.bucket_offset + s.length],
+                     data[s.bucket_offset : s.bucket_offset + s.length]) for s in b.segments], hasher,
+                   hash_source=True)
+        seg.mark(b.index, self.weights_version, b.nbytes)
+        for p in self.peers:
+            self.chan.send({"kind": "ready", "bucket": b.index, "slot": slot}, to=p)
+        self.waiter.busy[slot] = (b.index, set(self.peers), [])
+
+    def finish(self, stage: str) -> None:
+        """Wait until every peer released the last buckets (before the seal: a peer that dies
+        reading them is named here, not as a broken vote)."""
+        self.waiter.free(0, stage)
+        self.waiter.free(1, stage)
+
+    def failed(self, stage: str, exc: BaseException) -> None:
+        for p in self.peers:
+            with contextlib.suppress(TransportError):  # a peer gone: its own pid check ends it
+                self.chan.send({"kind": "failed", "reason": f"{type(exc).__name__} during {stage}"}, to=p)
+        _drop_relay_slots(self.route.comm.group)
+
+    def close(self) -> None:
+        self.chan.close()
+
+
+def _receiver_failed(comm: Communicator, at: _Receiving, exc: BaseException) -> None:
+    if at.chan is not None and not isinstance(exc, PeerLost):
+        with contextlib.suppress(TransportError):  # a writer that is gone: nothing to tell
+            at.chan.send({"kind": "failed", "reason": f"{type(exc).__name__} during {at.stage}: {exc}"[:500]})
+    if at.relay is not None:
+        at.relay.failed(at.stage, exc)
+    if at.read is not None and at.read.segments and not pid_alive(at.read.pid):
+        unlink_names(at.read.segments)  # a writer SIGKILLed before it could unlink its own
     drop_mappings(group=comm.group)
-    comm.abort(f"weight transfer failed during {stage}")
+    comm.abort(f"weight transfer failed during {at.stage}")
 
 
-__all__ = ["NET_TAG", "PIECE", "POLL_S", "Offer", "broadcast", "decode_offer", "drop_mappings", "drop_slots",
+__all__ = ["NET_TAG", "PIECE", "POLL_S", "RELAY_TAG", "Offer", "broadcast", "decode_offer", "drop_mappings", "drop_slots",
            "encode_offer", "receive", "send_to"]

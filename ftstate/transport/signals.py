@@ -1,4 +1,7 @@
-"""Bucket-ready and bucket-released signals between a sender and its same-host readers, over pyzmq.
+"""Bucket-ready and bucket-released signals between a writer and its same-host readers, over pyzmq.
+
+The writer is the sender, or a remote node's relay writing for its node peers
+(:mod:`ftstate.transport.samehost`); "sender" below means either.
 
 The sender binds one ``ROUTER`` socket on ``tcp://127.0.0.1`` (a random port, named in the
 transfer's offer; loopback only: the readers are on the same host by construction) and every

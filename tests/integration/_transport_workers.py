@@ -122,11 +122,11 @@ class _Member:
         return {"weights_version": got.weights_version, "checksum": got.state_checksum, "group_version": got.group_version}
 
     def broadcast_planned(self, timeout_s: float, same_host: list[int], require_shm: bool = False,
-                          kill_at: int | None = None) -> dict[str, Any]:
+                          kill_at: int | None = None, relays: dict[int, list[int]] | None = None) -> dict[str, Any]:
         from ftstate.transport import samehost
 
         report = samehost.broadcast(
-            self.sender, self.comm, self.weights, same_host=same_host, require_shm=require_shm,
+            self.sender, self.comm, self.weights, same_host=same_host, relays=relays, require_shm=require_shm,
             weights_version=self.weights_version, timeout_s=timeout_s, progress=self._progress(kill_at),
         )
         return {"committed": list(report.committed), "rejected": dict(report.rejected),

@@ -6,7 +6,10 @@ through shared memory and in a mixed transfer (one reader on shared memory, one 
 collective); a SIGKILLed sender or reader ends the transfer for everyone at once, with
 nothing committed and no segment left named; a damaged segment is caught by the checksum;
 a segment of an older group version is refused before it is read; no shared memory at all
-is a typed error or an announced fallback, never silent.
+is a typed error or an announced fallback, never silent. The relay (one copy per remote
+node): rank 1 stands in for a remote node's relay and rank 2 for its node peer; the peer
+reads the relay's slots and still verifies against the sender's seal; a SIGKILLed relay
+ends its peer's read within one poll, with nothing committed and nothing left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -44,11 +47,11 @@ def expected_checksum(seed: int) -> str:
     return state_checksum(make_state(seed))
 
 
-def planned(pool, same_host, *, members=None, timeout_s: float = SYNC_S) -> dict:
+def planned(pool, same_host, *, members=None, timeout_s: float = SYNC_S, relays=None) -> dict:
     trainer, *rollouts = pool.members if members is None else members
     for r in rollouts:
         r.start("receive_planned", timeout_s=timeout_s)
-    report = trainer.call("broadcast_planned", timeout_s=timeout_s, same_host=same_host)
+    report = trainer.call("broadcast_planned", timeout_s=timeout_s, same_host=same_host, relays=relays)
     for r in rollouts:
         r.result()
     return report
@@ -265,6 +268,123 @@ class TestNoSharedMemory:
         assert "/nonexistent-ftstate-shm/ftstate-" in report["shm_fallback"]
         for r in group.members[1:]:
             assert_bit_exact(r, 1)
+
+
+class TestRelay:
+    """Rank 1 relays to rank 2 as if both were on a node of their own (the plan's ``relays``)."""
+
+    def test_the_relay_hands_every_bucket_on_through_its_nodes_shared_memory(self, group):
+        report = planned(group, [], relays={1: [2]})
+        assert report["routes"] == {1: "collective", 2: "relay"} and report["shm_fallback"] is None
+        assert report["committed"] == [1, 2] and report["rejected"] == {}
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 1)
+            assert committed_checksum(rollout) == expected_checksum(1) == report["checksum"]
+        assert our_segments(group) == []
+        group.members[0].call("load", seed=2, weights_version=2)  # the relay's slots are reused
+        assert planned(group, [], relays={1: [2]})["committed"] == [1, 2]
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 2)
+
+    def test_a_member_that_reads_the_senders_slots_and_a_relays_in_turn_keeps_both_mapped(self, group):
+        for seed, (same_host, relays) in enumerate([([1, 2], None), ([], {1: [2]}), ([1, 2], None),
+                                                    ([], {1: [2]})], start=1):
+            group.members[0].call("load", seed=seed, weights_version=seed)
+            report = planned(group, same_host, relays=relays)
+            assert report["committed"] == [1, 2], report
+            assert committed_checksum(group.members[2]) == expected_checksum(seed)
+        assert our_segments(group) == []
+
+    def test_a_peer_verifies_against_the_senders_seal_not_the_relay(self, group):
+        planned(group, [], relays={1: [2]})
+        group.members[0].call("load", seed=2, weights_version=2)
+        group.members[1].call("corrupt_next_bucket")  # the relay hands on a damaged bucket
+        report = planned_tolerant(group, relays={1: [2]})
+        assert report["rejected"] == {1: "ChecksumMismatch", 2: "ChecksumMismatch"}, report
+        for rollout in group.members[1:]:
+            assert committed_checksum(rollout) == expected_checksum(1)
+
+    def test_a_relay_killed_mid_bucket_its_peer_abandons_at_once_nothing_left(self, group):
+        planned(group, [], relays={1: [2]})
+        trainer, relay, peer = group.members
+        trainer.call("load", seed=3, weights_version=2)
+        peer.start("receive_planned", timeout_s=SYNC_S)
+        relay.start("receive_planned", timeout_s=SYNC_S, kill_at=3)  # after handing on bucket 3 of 8
+        t0 = time.monotonic()
+        trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays={1: [2]})
+        kind, err = peer.outcome(FAST_S)
+        assert kind == "err" and err.isinstance("PeerLost") and err.info["peer"] == 1, err
+        assert err.info["op"].startswith("bucket ") and "same host) died" in err.info["message"], err.info
+        assert relay.outcome()[0] == "died"
+        kind, err = trainer.outcome(FAST_S)
+        assert kind == "err" and err.isinstance("TransportError"), err
+        assert time.monotonic() - t0 < FAST_S
+        assert committed_checksum(peer) == expected_checksum(1)  # nothing committed
+        assert our_segments(group) == []
+        group.heal()
+        group.form()
+        group.members[0].call("load", seed=4, weights_version=2)
+        assert planned(group, [], relays={1: [2]})["committed"] == [1, 2]
+        for r in group.members[1:]:
+            assert committed_checksum(r) == expected_checksum(4)
+
+    def test_a_peer_killed_mid_read_ends_the_relays_transfer_at_once(self, group):
+        planned(group, [], relays={1: [2]})
+        trainer, relay, peer = group.members
+        trainer.call("load", seed=5, weights_version=2)
+        relay.start("receive_planned", timeout_s=SYNC_S)
+        peer.start("receive_planned", timeout_s=SYNC_S, kill_at=2)  # after reading bucket 2 of 8
+        t0 = time.monotonic()
+        trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays={1: [2]})
+        kind, err = relay.outcome(FAST_S)
+        assert kind == "err" and err.isinstance("PeerLost") and err.info["peer"] == 2, err
+        assert peer.outcome()[0] == "died"
+        kind, err = trainer.outcome(FAST_S)
+        assert kind == "err" and err.isinstance("TransportError"), err
+        assert time.monotonic() - t0 < FAST_S
+        assert committed_checksum(relay) == expected_checksum(1)
+        assert our_segments(group) == []
+
+    def test_a_relay_without_shared_memory_falls_back_to_the_collective_with_auto(self, group):
+        relay = group.members[1]
+        relay.call("set_shm_dir", path="/nonexistent-ftstate-shm")
+        try:
+            report = planned(group, [], relays={1: [2]})
+        finally:
+            relay.call("set_shm_dir", path="/dev/shm")
+        assert report["routes"] == {1: "collective", 2: "collective"}
+        assert report["shm_fallback"].startswith("relay rank 1: shared memory unavailable"), report
+        for r in group.members[1:]:
+            assert_bit_exact(r, 1)
+
+    def test_a_relay_without_shared_memory_fails_the_transfer_with_require(self, group):
+        trainer, relay, peer = group.members
+        relay.call("set_shm_dir", path="/nonexistent-ftstate-shm")
+        try:
+            for r in (relay, peer):
+                r.start("receive_planned", timeout_s=SYNC_S)
+            with pytest.raises(RemoteError) as info:
+                trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays={1: [2]},
+                             require_shm=True)
+            assert info.value.isinstance("SharedMemoryUnavailable"), info.value.info
+            for r in (relay, peer):
+                kind, err = r.outcome(FAST_S)
+                assert kind == "err" and err.isinstance("SharedMemoryUnavailable"), err
+        finally:
+            relay.call("set_shm_dir", path="/dev/shm")
+        assert our_segments(group) == []
+
+
+def planned_tolerant(pool, *, relays) -> dict:
+    """:func:`planned`, where receivers may reject (their ChecksumMismatch is in the report)."""
+    trainer, *rollouts = pool.members
+    for r in rollouts:
+        r.start("receive_planned", timeout_s=SYNC_S)
+    report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays=relays)
+    for r in rollouts:
+        kind, err = r.outcome(FAST_S)
+        assert kind == "ok" or err.isinstance("ChecksumMismatch"), err
+    return report
 
 
 def test_the_module_leaves_no_segment_named(pool):

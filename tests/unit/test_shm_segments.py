@@ -81,6 +81,14 @@ class TestFencing:
             decode_offer(encode_offer(bad), group="weights", group_version=3)
         assert info.value.field == "collective"
 
+    def test_an_offer_carries_its_relays_and_a_malformed_relay_names_its_field(self):
+        offer = Offer("weights", 3, 10, "", (), False, (), (1, 3), None, ((1, (2,)), (3, (4, 5))), True)
+        assert decode_offer(encode_offer(offer), group="weights", group_version=3) == offer
+        bad = Offer("weights", 3, 10, "", (), False, (), (1,), None, ((1, ("x",)),), False)  # type: ignore[arg-type]
+        with pytest.raises(ManifestError) as info:
+            decode_offer(encode_offer(bad), group="weights", group_version=3)
+        assert info.value.field == "relays"
+
 
 class TestSpace:
     def test_a_segment_larger_than_dev_shm_is_a_typed_error_and_leaves_nothing(self):
