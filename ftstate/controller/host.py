@@ -362,7 +362,6 @@ class WorkerHost:
         rollout rank ``src``, prove it is the part this rank sent then (``checksum``: what it
         sent; None: it owned nothing) and hand it to ``load_state_dict`` in the form
         ``state_dict()`` returned it. The calls since the commit start over from here."""
-        from ftstate.core.errors import ChecksumMismatch
         from ftstate.core.ownership import Ownership
         from ftstate.transport.shards import part_form
 
@@ -370,12 +369,8 @@ class WorkerHost:
         if checksum is None:
             part: dict[str, Any] = {}
         else:
-            staged = await self._receive("receive_from", src, timeout_s=timeout_s)
-            if staged.weights_version != weights_version or staged.state_checksum != checksum:
-                raise ChecksumMismatch(
-                    f"{self.member}: received a part of weights version {staged.weights_version} "
-                    f"({staged.state_checksum}) from rank {src}, expected trainer rank {trainer_rank}'s part of "
-                    f"version {weights_version} ({checksum})")
+            staged = await self._receive_proven(src, weights_version, checksum, timeout_s=timeout_s,
+                                                what=f"trainer rank {trainer_rank}'s part")
             part = {k: v.clone() for k, v in staged.tensors.items()}  # the receiver reuses its buffer
         async with self._lock():
             await self._run(self.user.load_state_dict, part_form(owned, part, trainer_rank))
@@ -494,17 +489,7 @@ class WorkerHost:
         """Point to point: receive the current version from ``src``, prove it is that version
         (``checksum``), and adopt it: a rollout through ``load_weights``, a trainer through
         ``load_state_dict``."""
-        from ftstate.core.errors import ChecksumMismatch
-
-        if same_host:
-            staged = await self._receive("samehost", src, point_to_point=True, timeout_s=timeout_s)
-        else:
-            staged = await self._receive("receive_from", src, timeout_s=timeout_s)
-        if staged.weights_version != weights_version or staged.state_checksum != checksum:
-            raise ChecksumMismatch(
-                f"{self.member}: received weights version {staged.weights_version} ({staged.state_checksum}) "
-                f"from rank {src}, expected version {weights_version} ({checksum})"
-            )
+        staged = await self._receive_proven(src, weights_version, checksum, timeout_s=timeout_s, same_host=same_host)
         async with self._lock():
             if self.role == "trainer":
                 await self._run(self.user.load_state_dict, {k: v.clone() for k, v in staged.tensors.items()})
@@ -519,6 +504,22 @@ class WorkerHost:
         # ``checksum``: what this member holds after loading, for the controller to compare.
         return {"checksum": held, "received": staged.state_checksum, "nbytes": staged.nbytes,
                 "weights_version": weights_version}
+
+    async def _receive_proven(self, src: int, weights_version: int, checksum: str, *, timeout_s: float,
+                              same_host: bool = False, what: str = "weights") -> Any:
+        """Point to point from ``src`` (through shared memory when ``same_host``), then proof
+        that it is ``what`` of ``weights_version``: its checksum must be ``checksum``."""
+        from ftstate.core.errors import ChecksumMismatch
+
+        if same_host:
+            staged = await self._receive("samehost", src, point_to_point=True, timeout_s=timeout_s)
+        else:
+            staged = await self._receive("receive_from", src, timeout_s=timeout_s)
+        if staged.weights_version != weights_version or staged.state_checksum != checksum:
+            raise ChecksumMismatch(
+                f"{self.member}: received {what} of weights version {staged.weights_version} "
+                f"({staged.state_checksum}) from rank {src}, expected {what} of version {weights_version} ({checksum})")
+        return staged
 
     async def trainer_checksum(self) -> str:
         """Trainer: the checksum of what its ``state_dict()`` returns now (the proof that a
