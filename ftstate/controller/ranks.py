@@ -68,7 +68,6 @@ from ftstate.core.errors import (
     FTError,
     HeldWeightsMismatch,
     MemberLost,
-    NoServingWorkers,
     OwnershipError,
     SyncTimeout,
 )
@@ -209,22 +208,8 @@ class ShardedSync(WeightSync):
         trainers = ms.live("trainer")
         if len(trainers) != self.config.trainer_workers:
             raise MemberLost(f"trainer-{len(trainers)}", "a trainer rank is gone", group_version=group.group_version)
-        for t in trainers:
-            if t.machine.state != "READY":
-                raise MemberLost(t.name, f"cannot send weights from state {t.machine.state}",
-                                 group_version=group.group_version)
-        rollouts = [m for m in ms.role("rollout") if m.machine.state in ("READY", "STALE")]
-        if not rollouts:
-            raise NoServingWorkers(f"no rollout can receive weights version {target}: {ms.states_text()}")
-        group.weights_version = target
-        await group.fire("sync_start", rollouts=[m.name for m in rollouts],
-                         plan={"senders": [t.name for t in trainers], "route": "collective"})
-        group.weights_version = previous
-        for t in trainers:
-            await t.machine.fire("sync")
-        for m in rollouts:
-            await m.machine.fire("sync" if m.machine.state == "READY" else "resync")
-        group.describe_wait(f"weight sync to version {target}", missing=[m.name for m in [*trainers, *rollouts]])
+        rollouts = await self._begin(trainers, target, lambda _: {"senders": [t.name for t in trainers],
+                                                                   "route": "collective"})
         timeout = self.config.sync_timeout_s
         try:
             async with group.deadline_scope():

@@ -128,22 +128,8 @@ class WeightSync:
         previous = group.weights_version
         target = previous + 1
         trainer = ms.trainer()
-        if trainer.machine.state != "READY":
-            raise MemberLost(trainer.name, f"cannot send weights from state {trainer.machine.state}",
-                             group_version=group.group_version)
-        rollouts = [m for m in ms.role("rollout") if m.machine.state in ("READY", "STALE")]
-        if not rollouts:
-            raise NoServingWorkers(f"no rollout can receive weights version {target}: {ms.states_text()}")
-        # The sync_start record names the version being pushed; until it is committed the
-        # group's (and routing's) current version stays the previous one.
-        group.weights_version = target
-        plan = plan_for(self.config, trainer, rollouts)
-        await group.fire("sync_start", rollouts=[m.name for m in rollouts], plan=plan.record())
-        group.weights_version = previous
-        await trainer.machine.fire("sync")
-        for m in rollouts:
-            await m.machine.fire("sync" if m.machine.state == "READY" else "resync")
-        group.describe_wait(f"weight sync to version {target}", missing=[m.name for m in [trainer, *rollouts]])
+        rollouts = await self._begin([trainer], target, lambda rs: plan_for(self.config, trainer, rs).record())
+        plan = plan_for(self.config, trainer, rollouts)  # pure: the plan sync_start recorded
         timeout = self.config.sync_timeout_s
         try:
             async with group.deadline_scope():
@@ -202,6 +188,32 @@ class WeightSync:
             routes={n: how for n, how in routes.items() if n not in not_loaded},
             shm_fallback=sent.get("shm_fallback"),
         )
+
+    async def _begin(self, senders: Sequence[Member], target: int,
+                     plan: Callable[[list[Member]], dict[str, object]]) -> list[Member]:
+        """Open the attempt at weights version ``target``: every sender must be READY, some
+        rollout must be able to receive; ``sync_start`` (with ``plan`` of the receivers) and
+        the members' ``sync``/``resync`` are fired. Returns the receiving rollouts."""
+        ms = self.membership
+        group = ms.group
+        for s in senders:
+            if s.machine.state != "READY":
+                raise MemberLost(s.name, f"cannot send weights from state {s.machine.state}",
+                                 group_version=group.group_version)
+        rollouts = [m for m in ms.role("rollout") if m.machine.state in ("READY", "STALE")]
+        if not rollouts:
+            raise NoServingWorkers(f"no rollout can receive weights version {target}: {ms.states_text()}")
+        # The sync_start record names the version being pushed; until it is committed the
+        # group's (and routing's) current version stays the previous one.
+        previous, group.weights_version = group.weights_version, target
+        await group.fire("sync_start", rollouts=[m.name for m in rollouts], plan=plan(rollouts))
+        group.weights_version = previous
+        for s in senders:
+            await s.machine.fire("sync")
+        for m in rollouts:
+            await m.machine.fire("sync" if m.machine.state == "READY" else "resync")
+        group.describe_wait(f"weight sync to version {target}", missing=[m.name for m in [*senders, *rollouts]])
+        return rollouts
 
     async def _transfer(self, calls: Sequence[tuple[Member, Any]]) -> list[Any]:
         """Run the participants' calls of one transfer; results (or exceptions) in order.

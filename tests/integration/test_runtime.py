@@ -286,9 +286,15 @@ class TestBadInput:
         with pytest.raises(TypeError, match="trainer must be a TrainerWorker subclass"):
             ftstate.Runtime(config(tmp_path), trainer=TinyRollout, rollout=TinyRollout)
 
-    def test_several_trainer_ranks_with_fault_tolerance_are_refused_clearly(self, tmp_path):
-        with pytest.raises(ConfigError, match=r"trainer_workers: 2 trainer ranks run with fault_tolerance\.enable: false"):
-            runtime(config(tmp_path, trainer_workers=2, fault_tolerance={"enable": True}))
+    @pytest.mark.parametrize(("overrides", "match"), [
+        ({"fault_tolerance": {"enable": True}},
+         r"fault_tolerance\.reverse_weight_sync: false: with 2 trainer ranks a replaced rank gets its part"),
+        ({"shared_memory": "require"}, r"shared_memory: require: several trainer ranks send over the collective"),
+        ({"backend": "nccl"}, r"backend: nccl: several trainer ranks run on gloo only"),
+    ])
+    def test_what_several_trainer_ranks_cannot_do_is_refused_naming_the_key(self, tmp_path, overrides, match):
+        with pytest.raises(ConfigError, match=match):
+            runtime(config(tmp_path, trainer_workers=2, **overrides))
 
     def test_a_maintenance_source_that_does_not_exist_is_refused_naming_it(self, tmp_path):
         with pytest.raises(ConfigError, match=r"fault_tolerance\.maintenance_sources\[1\]: must be one of"):
