@@ -65,10 +65,10 @@ from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
     ChecksumMismatch,
-    FTError,
     HeldWeightsMismatch,
     MemberLost,
     OwnershipError,
+    RankNotRecoverable,
     SyncTimeout,
 )
 from ftstate.core.ownership import Piece, plan_ownership
@@ -104,7 +104,7 @@ async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit
     sync; see the module docstring. ``rank_local_calls``: the trainer class's attribute;
     ``new_optimizer``: the optimizer policy, for newcomers only. Raises MemberLost (a rank or
     the source died: the failover forms the group again), TransportError (a part was
-    damaged: the transfer is made again) or FTError (no way to restore)."""
+    damaged: the transfer is made again) or RankNotRecoverable (nothing committed to restore to)."""
     ms = membership
     trainers = ms.live("trainer")
     if len(trainers) != config.trainer_workers:
@@ -132,9 +132,9 @@ async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit
     if parts is None or ms.weights_version == 0:
         kept = [m.name for m in restore if m.name not in fresh]
         if kept:
-            raise FTError(f"{', '.join(kept)}: would have to be restored, but no weights version was committed "
-                          "yet to restore trainer ranks to (sync before the first trainer call to make the "
-                          "trainer ranks recoverable)")
+            err = RankNotRecoverable(kept)
+            await ms.group.fire("fail", reason=str(err), error=err)
+            raise err
         for m in newcomers:
             await m.machine.fire("resync")
             await m.machine.fire("verified", reason="no committed version yet: constructed weights")

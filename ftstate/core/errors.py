@@ -17,6 +17,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── FailoverBudgetExhausted  max_failovers spent; names the failures it was spent on
     ├── MemberLost               a worker died or was declared lost and nothing replaced it
     ├── LossyRecoveryRefused     reverse recovery would rebuild a trainer from lossy weights
+    ├── RankNotRecoverable       a trainer rank would have to be restored with no committed version
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
     ├── PlacementUnsatisfiable   the cluster can never place a resource pool as configured
     ├── IntegrationUnavailable   an integration's framework (verl) cannot be imported; names the extra
@@ -180,6 +181,19 @@ class MemberLost(FTError):
 class LossyRecoveryRefused(FTError):
     """Raised when a trainer would be rebuilt from rollout weights that are a lossy copy of its
     master weights and ``fault_tolerance.allow_lossy_recovery`` is off."""
+
+
+class RankNotRecoverable(FTError):
+    """Raised when, with several trainer ranks, a lost rank's recovery needs surviving ranks
+    taken back to the last committed version (trainer calls were made since, and they may
+    hold collectives) but no version was committed yet. members: the ranks it would restore."""
+
+    def __init__(self, members: Sequence[str]) -> None:
+        self.members = tuple(members)
+        super().__init__(
+            f"{', '.join(self.members)}: would have to be taken back to the last committed weights version to "
+            "replay the trainer calls with the replaced rank, but none was committed yet (sync once before the "
+            "first trainer call, or declare the trainer class's rank_local_calls)")
 
 
 class StaleCheckpointRefused(FTError):
@@ -430,6 +444,7 @@ __all__ = [
     "OwnershipError",
     "PeerLost",
     "PlacementUnsatisfiable",
+    "RankNotRecoverable",
     "RendezvousTimeout",
     "SharedMemoryUnavailable",
     "SpecError",

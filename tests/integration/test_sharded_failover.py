@@ -219,3 +219,16 @@ async def test_a_rank_lost_while_the_ranks_are_recovered_joins_that_round(ray_cl
         spent = [r["reason"] for r in rt.audit.records if r.get("event") == "budget_spent"]
         assert [s.split(":")[0] for s in spent] == ["trainer-1", "trainer-2"]
     assert check_trail(tmp_path / "audit.jsonl") == []
+
+
+async def test_before_the_first_sync_a_loss_that_needs_a_survivor_restored_fails_the_run_naming_it(
+        ray_cluster, tmp_path):
+    """A call with an all-reduce was made and no version committed: the survivor cannot be
+    taken back to before it, so the run fails with RankNotRecoverable naming it, at once."""
+    rt = ftstate.Runtime(config(tmp_path, 2), trainer=PartTrainer, rollout=TinyRollout)
+    async with rt:
+        await rt.trainer("train_step", 1)
+        kill((await facts(rt))[1]["pid"])
+        with pytest.raises(ftstate.RankNotRecoverable, match=r"trainer-0: would have to be taken back") as info:
+            await asyncio.wait_for(rt.trainer("train_step", 2), 60)
+        assert info.value.members == ("trainer-0",) and rt.state == "FAILED"
