@@ -31,6 +31,7 @@ recorded (who, by whom, how long each phase took) for the sync report and the de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -115,6 +116,8 @@ class Failover:
         # when each spare was started; how long each one that got warm took, by name
         self._started_at: dict[str, float] = {}
         self._warm_seconds: dict[str, float] = {}
+        #: The committed weights' size: what a spare's staging buffer is reserved for (0: none yet).
+        self.staging_bytes = 0
         #: Ray ids of nodes whose members were lost together (a node loss): no spare goes there.
         self.lost_nodes: set[str | None] = set()
         #: Ray ids of nodes where a member went silent (not reported dead): no replacement goes there.
@@ -184,6 +187,20 @@ class Failover:
             await m.machine.fire("warm")
             self._cold_starts[m.role] = 0
             self._warm_seconds[m.name] = asyncio.get_running_loop().time() - self._started_at[m.name]
+            if self.staging_bytes:  # after it is warm: a failover need not wait for this
+                with contextlib.suppress(FTError):
+                    await self.calls.call(m.name, m.handle, "reserve_staging", self.staging_bytes)
+
+    async def weights_sized(self, nbytes: int) -> None:
+        """A sync committed ``nbytes`` of weights: every warm spare reserves a staging buffer
+        that size (:meth:`WorkerHost.reserve_staging`), so the transfer to it when promoted
+        writes into memory already resident; one that dies meanwhile is the watchdog's."""
+        if nbytes <= self.staging_bytes:
+            return
+        self.staging_bytes = nbytes
+        spares = [m for role in ("trainer", "rollout") for m in self.membership.spares(role, "STANDBY")]
+        await asyncio.gather(*(self.calls.call(m.name, m.handle, "reserve_staging", nbytes) for m in spares),
+                             return_exceptions=True)
 
     def spare_for(self, role: str, avoid: set[str] | frozenset[str] = frozenset()) -> Member | None:
         spares = [m for m in self.membership.spares(role, "STANDBY") if m.node_id not in avoid]

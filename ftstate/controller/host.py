@@ -447,6 +447,21 @@ class WorkerHost:
 
         return await self.info()
 
+    async def reserve_staging(self, nbytes: int) -> None:
+        """A spare: have its receiver's staging buffer for the next transfer allocated and
+        touched now (:meth:`ftstate.transport.Receiver.reserve`), sized for the current weights
+        version (``nbytes`` and slack for the manifest's alignment). Host memory only (gloo):
+        a GPU allocation has no page faults to pay in advance."""
+        if self.backend != "gloo":
+            return
+        import torch
+
+        from ftstate.transport import Receiver
+
+        if self._receiver is None:
+            self._receiver = Receiver()
+        await asyncio.to_thread(self._receiver.reserve, nbytes + nbytes // 64 + (1 << 20), torch.device("cpu"))
+
     async def send_weights_to(
         self, peer: int, timeout_s: float, same_host: bool = False, require_shm: bool = False
     ) -> dict[str, Any]:

@@ -398,6 +398,8 @@ class Runtime:
                                       membership_changed=bool(membership_changed), transient_retries=transient,
                                       weights_version=ms.weights_version, group_version=ms.group_version)
                     continue
+                if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
+                    self._spawn(failover.weights_sized(report.nbytes))
                 return dataclasses.replace(report, failovers=len(failover.records) - before)
 
     # -- recovery ----------------------------------------------------------------------------

@@ -24,6 +24,12 @@ from tests.integration.workers import LossyTrainer, TinyRollout, TinyTrainer
 pytestmark = pytest.mark.ray
 
 
+def _rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def config(tmp_path, **ft) -> ftstate.RuntimeConfig:
     return ftstate.RuntimeConfig.from_dict(
         {
@@ -107,6 +113,26 @@ class TestRolloutFailover:
             await assert_consistent(rt)
             print(f"rollout failover: rerendezvous {record.rerendezvous_s:.3f}s transfer {record.transfer_s:.3f}s "
                   f"total {record.total_s:.3f}s")
+        finally:
+            await finish(rt, tmp_path)
+
+    async def test_warm_spares_hold_a_resident_staging_buffer_the_size_of_the_weights(self, ray_cluster, tmp_path):
+        """After a sync of 32 MiB every warm spare's resident memory grows by that much (its
+        staging buffer allocated and touched), and a promoted spare still gets the weights."""
+        floats = 8 * 2**20  # 32 MiB of float32
+        rt = runtime(config(tmp_path), trainer_kwargs={"big_floats": floats})
+        await rt.start()
+        try:
+            await spares_warm(rt, 2)
+            spares = {m.member: m.pid for m in rt.members() if m.state == "STANDBY"}
+            before = {n: _rss(pid) for n, pid in spares.items()}
+            await rt.sync()
+            await wait_until(lambda: all(_rss(pid) - before[n] >= floats * 4 for n, pid in spares.items()), 30,
+                             "every spare's staging buffer resident")
+            await rt.chaos.kill("rollout", 1)
+            await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the failover")
+            assert rt.failovers[0].replacement in spares
+            await assert_consistent(rt)
         finally:
             await finish(rt, tmp_path)
 

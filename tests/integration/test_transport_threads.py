@@ -106,6 +106,25 @@ def test_staging_buffers_are_recycled_once_released(server):
     assert len(storages) <= 2  # the committed buffer and one spare, alternating
 
 
+def test_a_reserved_staging_buffer_is_the_one_the_next_transfer_fills(server):
+    """A spare reserves (and touches) its staging buffer ahead of time; the transfer writes
+    into that very buffer, bit-exact; one too small is replaced, not overrun."""
+    comms = form(server, 2)
+    sender, receiver = Sender(bucket_size=BUCKET), Receiver()
+    nbytes = sum(t.numel() * t.element_size() for t in state(1).values())
+    receiver.reserve(nbytes + 4096, torch.device("cpu"))
+    reserved = receiver._spare[0].untyped_storage().data_ptr()
+    _, got = sync(comms, sender, receiver, state(1), 1)
+    assert got._flat.untyped_storage().data_ptr() == reserved
+    assert state_checksum(got.tensors) == state_checksum(state(1))
+    small = Receiver()
+    small.reserve(16, torch.device("cpu"))
+    too_small = small._spare[0].untyped_storage().data_ptr()
+    _, got = sync(comms, sender, small, state(2), 2)
+    assert got._flat.untyped_storage().data_ptr() != too_small
+    assert state_checksum(got.tensors) == state_checksum(state(2))
+
+
 def test_initial_weights_are_committed_and_kept_on_a_rejected_update(server):
     comms = form(server, 2)
     receiver = Receiver(state(7), weights_version=7)
