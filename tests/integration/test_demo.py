@@ -1,6 +1,7 @@
 """`ftstate demo` end to end at its smallest size, on the session's Ray cluster: real RL,
 three real SIGKILLs, and the proof that nothing was lost (final weights and reward curve
-identical to the same seeds run without faults)."""
+identical to the same seeds run without faults); with one trainer, and sharded over two
+trainer ranks (`--trainers 2`), rank 1 killed mid-step."""
 
 from __future__ import annotations
 
@@ -42,3 +43,24 @@ def test_a_fault_it_cannot_survive_exits_non_zero_with_the_typed_error(ray_clust
     assert report["error"].startswith("FailoverBudgetExhausted: failover budget exhausted")
     assert report["failovers"] == []
     assert check_trail(out / "audit.jsonl") == []
+
+
+def test_two_trainer_ranks_survive_losing_rank_1_mid_step_and_match_the_two_rank_reference(ray_cluster, tmp_path):
+    out = tmp_path / "demo"
+    assert run_demo(out=str(out), steps=4, faults=True, trainers=2, **{**SMALL, "batch_size": 16, "pad_mb": 0.5}) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["trainers"] == 2 and report["steps_done"] == 4
+    assert [(f["member"], f["fault"]) for f in report["faults_injected"]][2] == ("trainer-1", "kill")
+    lost = [(f["role"], f["lost"]) for f in report["failovers"]]
+    assert lost == [("rollout", "rollout-1"), ("rollout", "rollout-0"), ("trainer", "trainer-1")], lost
+    replacement = report["failovers"][2]["replacement"]
+    rank0, rank1 = report["trainer_ranks"]
+    assert rank0["member_end"] == "trainer-0" and rank0["same_process"] and rank0["pid_end"] == rank0["pid_start"]
+    assert rank1["member_end"] == replacement and rank1["pid_end"] != rank1["pid_start"]
+    [recovered] = report["trainer_ranks_recovered"]
+    assert recovered["newcomers"] == [replacement]
+    assert report["identical_to_fault_free"] is True
+    assert report["final_checksum"] == report["fault_free_checksum"]
+    assert report["rewards"] == report["fault_free_rewards"]
+    assert set(report["serving_checksums"]) == {report["final_checksum"]}
+    assert report["audit_violations"] == [] and check_trail(out / "audit.jsonl") == []
