@@ -20,6 +20,8 @@ is the same arithmetic in one process).
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -95,8 +97,9 @@ class ShardedPolicyTrainer(TrainerWorker):
     replaced rank has no optimizer state to miss).
 
     ``part`` is the authoritative state, ``{name: Shard}`` (or a whole tensor on rank 0);
-    ``model`` is a compute buffer that a step fills with the gathered full weights (the
-    ballast, never read by the model nor trained, stays in the parts only). Every collective
+    ``model`` is a compute buffer that a step fills with the gathered full weights; the
+    ballast, never read by the model nor trained, lives in the parts only (``setup`` drops the
+    model's full copy of it, so a rank holds ``1/N`` of it). Every collective
     runs on the trainer group handed to :meth:`setup` (``group.allgather(...).wait()``), never
     on a default group; the gradients are combined by an all-gather and a sum in rank order,
     not by the group's all-reduce, whose order of addition is the transport's business."""
@@ -108,6 +111,8 @@ class ShardedPolicyTrainer(TrainerWorker):
         self.lr = lr
         self.update = update
         self.model = build_policy(seed, **dict(size))
+        #: Every tensor of the full state, in ``state_dict`` order: its shape and dtype.
+        self.meta = {name: (tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()}
         self.group: Any = None
         self.rank, self.world = 0, 1
         self.part: dict[str, Any] | None = None
@@ -119,8 +124,7 @@ class ShardedPolicyTrainer(TrainerWorker):
 
     def _layout(self) -> dict[str, list[tuple[int, int]] | None]:
         """Per tensor of the state: each rank's ``(start, length)`` rows, or None (rank 0 whole)."""
-        return {name: row_slices(t.shape[0] if t.ndim else 0, self.world)
-                for name, t in self.model.state_dict().items()}
+        return {name: row_slices(shape[0] if shape else 0, self.world) for name, (shape, _) in self.meta.items()}
 
     def setup(self, group: Any, rank: int, world_size: int) -> None:
         """The trainer group (again after every membership change: a survivor keeps its part;
@@ -140,6 +144,8 @@ class ShardedPolicyTrainer(TrainerWorker):
                     self.part[name] = Shard(full[name][first:first + length].detach().clone(), 0, rank, world_size)
                 elif rank == 0:
                     self.part[name] = full[name].detach().clone()
+            if hasattr(self.model, "ballast"):
+                del self.model.ballast
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part only (no collective)."""
@@ -167,21 +173,20 @@ class ShardedPolicyTrainer(TrainerWorker):
         dtype of a flat buffer in which each tensor has a segment of the same length on every
         rank (a slice padded to the longest slice; a whole tensor, zeros on the ranks that do
         not own it)."""
-        full_shapes = {k: v for k, v in self.model.state_dict().items() if k in set(names)}
         layout = self._layout()
         out: dict[str, torch.Tensor] = {}
         by_dtype: dict[torch.dtype, list[str]] = {}
         for name in names:
-            by_dtype.setdefault(full_shapes[name].dtype, []).append(name)
+            by_dtype.setdefault(self.meta[name][1], []).append(name)
         for dtype, group_names in by_dtype.items():
             segments: list[torch.Tensor] = []
             for name in group_names:
-                ref, slices = full_shapes[name], layout[name]
+                shape, slices = self.meta[name][0], layout[name]
                 if slices is None:
                     mine = self._local(name) if self.rank == 0 else None
-                    segments.append(mine.reshape(-1) if mine is not None else torch.zeros(ref.numel(), dtype=dtype))
+                    segments.append(mine.reshape(-1) if mine is not None else torch.zeros(shape, dtype=dtype).reshape(-1))
                 else:
-                    row = ref[0].numel()
+                    row = math.prod(shape[1:])
                     seg = torch.zeros(slices[0][1] * row, dtype=dtype)
                     mine = self._local(name)
                     assert mine is not None, f"rank {self.rank} holds no part of {name}"
@@ -192,19 +197,19 @@ class ShardedPolicyTrainer(TrainerWorker):
             self.group.allgather([gathered], [flat]).wait()
             offset = 0
             for name, seg in zip(group_names, segments, strict=True):
-                ref, slices = full_shapes[name], layout[name]
+                shape, slices = self.meta[name][0], layout[name]
                 if slices is None:
-                    out[name] = gathered[0][offset:offset + seg.numel()].view(ref.shape).clone()
+                    out[name] = gathered[0][offset:offset + seg.numel()].view(shape).clone()
                 else:
-                    row = ref[0].numel()
-                    out[name] = torch.cat([gathered[k][offset:offset + length * row].view(length, *ref.shape[1:])
+                    row = math.prod(shape[1:])
+                    out[name] = torch.cat([gathered[k][offset:offset + length * row].view(length, *shape[1:])
                                            for k, (_, length) in enumerate(slices)])
                 offset += seg.numel()
-        return out
+        return {name: out[name] for name in names}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The full weights, gathered from every rank (collective), in ``state_dict`` order."""
-        return self._gather(list(self.model.state_dict()))
+        return self._gather(list(self.meta))
 
     def train(self, prompt_ids: Sequence[int], prompts: Sequence[Sequence[int]],
               completions: Sequence[Sequence[int]], rewards: Sequence[float]) -> dict[str, float]:
@@ -246,7 +251,5 @@ class ShardedPolicyTrainer(TrainerWorker):
 
     def facts(self) -> dict[str, Any]:
         """Rank, world, pid and counts (setups, loads, steps) of this rank."""
-        import os
-
         return {"rank": self.rank, "world": self.world, "pid": os.getpid(), "setups": self.setups,
                 "loads": self.loads, "steps": self.steps}
