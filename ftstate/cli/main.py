@@ -3,7 +3,8 @@
     ftstate diagram [--machine NAME] [--format mermaid|dot]
     ftstate audit FILE [--check] [--summary/--no-summary] [--timeline/--no-timeline]
     ftstate config [FILE]
-    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--address auto|HOST:PORT] [--maintenance]
+    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--trainers N] [--address auto|HOST:PORT]
+                 [--maintenance]
 
 Errors ftstate knows about (any :class:`~ftstate.core.errors.FTError`, a missing or unreadable
 file) end the command with one line ``error: ...`` on stderr and exit status 2; ``--debug``
@@ -254,6 +255,10 @@ def demo(
         float, typer.Option("--pad-mb", min=0.0, help="Extra megabytes in the synced weights (a ballast tensor).")
     ] = 32.0,
     rollouts: Annotated[int, typer.Option("--rollouts", min=1, help="Rollout workers.")] = 2,
+    trainers: Annotated[
+        int, typer.Option("--trainers", min=1, help="Trainer ranks (trainer_workers): more than 1 shards the "
+                          "policy over them FSDP-style, and the trainer fault kills rank 1 mid-step.")
+    ] = 1,
     max_failovers: Annotated[
         int, typer.Option("--max-failovers", min=0, help="Failover budget; 0 makes the first fault fatal.")
     ] = 5,
@@ -274,6 +279,11 @@ def demo(
     one with --address: one trainer, rollouts and a prewarmed spare each, with faults injected and
     recovered from; the report says on how many nodes the workers ran.
 
+    With --trainers N the policy is sharded over N trainer ranks (each holds a dim-0 slice of
+    every tensor; gradients all-gathered and added in rank order), each rank sends its part in
+    every sync, and the trainer fault kills rank 1 mid-step: it is replaced while rank 0 keeps
+    its process, and the run still matches the N-rank fault-free run bit for bit.
+
     With --maintenance, a cloud's maintenance notice instead of (or, with --faults, besides) the
     kills: the node it names is drained, its members replaced on another node before they go.
 
@@ -286,7 +296,7 @@ def demo(
 
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
                               pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live,
-                              address=address, maintenance=maintenance))
+                              address=address, maintenance=maintenance, trainers=trainers))
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """`ftstate demo` end to end at its smallest size, on the session's Ray cluster: real RL,
 three real SIGKILLs, and the proof that nothing was lost (final weights and reward curve
-identical to the same seeds run without faults)."""
+identical to the same seeds run without faults); with one trainer, and sharded over two
+trainer ranks (`--trainers 2`), rank 1 killed mid-step."""
 
 from __future__ import annotations
 
@@ -42,3 +43,32 @@ def test_a_fault_it_cannot_survive_exits_non_zero_with_the_typed_error(ray_clust
     assert report["error"].startswith("FailoverBudgetExhausted: failover budget exhausted")
     assert report["failovers"] == []
     assert check_trail(out / "audit.jsonl") == []
+
+
+def test_two_trainer_ranks_survive_losing_rank_1_mid_step_and_match_the_two_rank_reference(ray_cluster, tmp_path):
+    out = tmp_path / "demo"
+    # 6 steps: the faults at steps 1, 3 and 4 (the spares have a few steps to warm up)
+    code = run_demo(out=str(out), steps=6, faults=True, trainers=2, **{**SMALL, "batch_size": 16, "pad_mb": 0.5})
+    report = json.loads((out / "report.json").read_text())
+    what = json.dumps({k: report[k] for k in ("error", "faults_injected", "failovers", "trainer_ranks",
+                                               "trainer_ranks_recovered", "identical_to_fault_free", "rewards",
+                                               "fault_free_rewards", "final_checksum", "fault_free_checksum",
+                                               "serving_checksums", "audit_violations")}, indent=1)
+    assert code == 0, what
+    assert report["trainers"] == 2 and report["steps_done"] == 6, what
+    assert [(f["member"], f["fault"]) for f in report["faults_injected"]][2] == ("trainer-1", "kill"), what
+    lost = [(f["role"], f["lost"]) for f in report["failovers"]]
+    assert ("rollout", "rollout-1") in lost and ("rollout", "rollout-0") in lost, what
+    [trainer_failover] = [f for f in report["failovers"] if f["role"] == "trainer"]
+    assert trainer_failover["lost"] == "trainer-1", what
+    replacement = trainer_failover["replacement"]
+    rank0, rank1 = report["trainer_ranks"]
+    assert rank0["member_end"] == "trainer-0" and rank0["same_process"], what
+    assert rank0["pid_end"] == rank0["pid_start"], what
+    assert rank1["member_end"] == replacement and rank1["pid_end"] != rank1["pid_start"], what
+    assert [replacement] in [r["newcomers"] for r in report["trainer_ranks_recovered"]], what
+    assert report["identical_to_fault_free"] is True, what
+    assert report["final_checksum"] == report["fault_free_checksum"], what
+    assert report["rewards"] == report["fault_free_rewards"], what
+    assert set(report["serving_checksums"]) == {report["final_checksum"]}, what
+    assert report["audit_violations"] == [] and check_trail(out / "audit.jsonl") == [], what

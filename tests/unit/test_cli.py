@@ -228,7 +228,7 @@ class TestDemo:
         assert result.exit_code == 3, result.output
         assert calls == [{"out": "somewhere", "steps": 4, "faults": False, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
-                          "address": None, "maintenance": False}]
+                          "address": None, "maintenance": False, "trainers": 1}]
 
     def test_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -239,7 +239,7 @@ class TestDemo:
         # faults None: the demo decides (on, except in the maintenance scenario)
         assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": None, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
-                          "address": None, "maintenance": False}]
+                          "address": None, "maintenance": False, "trainers": 1}]
 
     def test_max_failovers_zero_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []

@@ -1,19 +1,38 @@
 """The demo's RL pieces: the task's reward, sampling seeded per (step, prompt) and never per
 worker, a training run that is bit-for-bit reproducible however the prompts were sharded,
-and a reward curve that rises. Pure torch, no Ray; about 10 s on one core."""
+a reward curve that rises, and the step of several trainer ranks (``--trainers N``): its
+one-process reference against an independent simulation, and the sharded trainer ranks
+themselves over a real gloo group on loopback, one thread per rank, a rank replaced from its
+part. Pure torch, no Ray; about 15 s on one core."""
 
 from __future__ import annotations
 
+import copy
+import datetime
 import json
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from ftstate.cli.demo import task
-from ftstate.cli.demo.policy import build_policy, logprobs, sample
-from ftstate.cli.demo.reinforce import reinforce_step, train_local
+from ftstate.cli.demo.policy import build_policy, logprobs, sample, single_thread
+from ftstate.cli.demo.reinforce import (
+    in_prompt_order,
+    rank_gradient,
+    reinforce_step,
+    row_slices,
+    sharded_reinforce_step,
+    train_local,
+)
+from ftstate.cli.demo.workers import ShardedPolicyTrainer
+from ftstate.core.errors import ConfigError
+from ftstate.core.ownership import Piece, Shard, plan_ownership
+from ftstate.transport import state_checksum
 
 SEED = 7
 
@@ -250,3 +269,244 @@ class TestLearning:
         assert last > first + 0.15, run.rewards
         assert last > 0.25, run.rewards
         assert max(s.seconds for s in run.stats) < 1.0
+
+
+def one_batch(model: torch.nn.Module, step: int, size: int) -> tuple[list[int], list[list[int]], list[list[int]], list[float]]:
+    batch = task.make_prompts(step, size, SEED)
+    ids, prompts = [p for p, _ in batch], [t for _, t in batch]
+    comps = sample(model, prompts, step, ids, task.N_DIGITS, 1.0, seed=SEED)
+    return ids, prompts, comps, [task.reward(p, c) for p, c in zip(prompts, comps, strict=True)]
+
+
+class TestRowSlices:
+    @pytest.mark.parametrize(("rows", "ranks"), [(14, 2), (14, 3), (14, 4), (64, 3), (192, 5), (10, 4)])
+    def test_slices_are_torch_chunks_one_per_rank(self, rows, ranks):
+        chunks = torch.arange(rows).chunk(ranks)
+        assert [(int(c[0]), len(c)) for c in chunks] == row_slices(rows, ranks)
+
+    @pytest.mark.parametrize(("rows", "ranks"), [(5, 4), (14, 8), (1, 2), (0, 2), (64, 1)])
+    def test_too_few_rows_or_one_rank_is_owned_whole(self, rows, ranks):
+        assert row_slices(rows, ranks) is None
+
+
+class TestSeveralTrainerRanks:
+    def test_the_n_rank_run_is_deterministic_and_still_learns_the_same_rewards_at_first(self):
+        a = train_local(SEED, 3, batch_size=32, trainer_ranks=2)
+        b = train_local(SEED, 3, batch_size=32, trainer_ranks=2)
+        assert a.rewards == b.rewards
+        assert_same_state(a.model, b.model)
+        one = train_local(SEED, 3, batch_size=32)
+        assert a.rewards[0] == one.rewards[0]  # the same weights sample the first step
+        assert not torch.equal(a.model.head.weight, build_policy(SEED).head.weight)
+
+    def test_rank_gradients_add_up_to_the_full_batch_gradient(self):
+        model = build_policy(SEED)
+        ids, prompts, comps, rewards = one_batch(model, 0, 24)
+        prompts, comps, rewards = in_prompt_order(prompts, comps, rewards, ids, "sign")
+        r = torch.tensor(rewards)
+        loss = -((r - r.mean()) * logprobs(model, prompts, comps)).mean()
+        full = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        for ranks in (2, 3):
+            parts = [rank_gradient(model, prompts, comps, rewards, k, ranks) for k in range(ranks)]
+            assert float(sum(p.loss for p in parts)) == pytest.approx(float(loss.detach()), abs=1e-6)
+            for i, g in enumerate(full):
+                assert torch.allclose(sum(p.grads[i] for p in parts), g, atol=1e-6), i
+
+    @pytest.mark.parametrize("update", ["sign", "sgd"])
+    @pytest.mark.parametrize("ranks", [2, 3])
+    def test_the_step_equals_an_independent_simulation_of_the_ranks(self, ranks, update):
+        """N model copies, each backpropagating its own slice, gradients added in rank order,
+        each copy updating only its own rows: the reference gets the same bits. (With plain
+        SGD every rounding shows: adding the gradients in another order fails it.)"""
+        rule = torch.sign if update == "sign" else (lambda g: g)
+        reference = build_policy(SEED, pad_mb=0.01)
+        ids, prompts, comps, rewards = one_batch(reference, 0, 20)
+        copies = [copy.deepcopy(reference) for _ in range(ranks)]
+        sharded_reinforce_step(reference, prompts, comps, rewards, 0.01, ranks=ranks, prompt_ids=ids, update=update)
+
+        order = sorted(range(len(ids)), key=lambda i: ids[i])
+        prompts, comps = [prompts[i] for i in order], [comps[i] for i in order]
+        r = torch.tensor([rewards[i] for i in order])
+        for k, m in enumerate(copies):
+            mine = list(range(k, len(order), ranks))
+            with single_thread():  # as every step: a reduction over threads may add in another order
+                (-((r - r.mean())[mine] * logprobs(m, [prompts[i] for i in mine], [comps[i] for i in mine])).sum()
+                 / len(order)).backward()
+        names = [n for n, p in reference.named_parameters() if p.requires_grad]
+        grads = {n: [dict(m.named_parameters())[n].grad for m in copies] for n in names}
+        total = {n: gs[0].clone() for n, gs in grads.items()}
+        for n, gs in grads.items():
+            for g in gs[1:]:
+                total[n] = total[n] + g
+        want = {}
+        with torch.no_grad():
+            for n, t in reference.state_dict().items():
+                if n not in total:  # the ballast: synced, never trained
+                    want[n] = copies[0].state_dict()[n]
+                    continue
+                rows = [c.clone() for c in copies[0].state_dict()[n].chunk(ranks)]
+                if len(rows) < ranks or len(rows[-1]) == 0 or t.ndim == 0:
+                    want[n] = copies[0].state_dict()[n].sub(rule(total[n]), alpha=0.01)
+                    continue
+                for k, m in enumerate(copies):
+                    mine = dict(m.named_parameters())[n].chunk(ranks)[k]
+                    rows[k] = mine.sub(rule(total[n].chunk(ranks)[k]), alpha=0.01)
+                want[n] = torch.cat(rows)
+        for n, t in reference.state_dict().items():
+            assert torch.equal(t, want[n]), n
+
+    def test_bad_ranks_are_rejected(self):
+        model = build_policy(SEED)
+        with pytest.raises(ValueError, match="ranks must be >= 1"):
+            sharded_reinforce_step(model, [[1]], [[1]], [1.0], 0.1, ranks=0)
+        with pytest.raises(ValueError, match="trainer_ranks must be >= 1"):
+            train_local(SEED, 1, batch_size=4, trainer_ranks=0)
+        with pytest.raises(ValueError, match="rank must be in"):
+            rank_gradient(model, [[1]], [[1]], [1.0], 2, 2)
+
+
+def gloo_groups(world: int) -> list[Any]:
+    """``world`` gloo groups on loopback in this process (an in-process store), as the
+    trainer ranks get them from ftstate."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    groups: list[Any] = [None] * world
+
+    def join(rank: int) -> None:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=30)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        groups[rank] = dist.ProcessGroupGloo(store, rank, world, opts)
+
+    on_all(list(range(world)), join)
+    return groups
+
+
+def on_all(items: list[Any], fn: Callable[[Any], Any]) -> list[Any]:
+    """``fn`` on every item at once, one thread each (collectives need every rank)."""
+    out: list[Any] = [None] * len(items)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fn(items[i])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+#: The sharded trainers' policy in these tests: a small ballast, sliced like every tensor.
+SHARDED_SIZE = {"pad_mb": 0.01}
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread process-wide: the ranks' threads then all restore the same count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class TestShardedPolicyTrainer:
+    def ranks(self, world: int, update: str = "sign") -> list[ShardedPolicyTrainer]:
+        trainers = [ShardedPolicyTrainer(SEED, SHARDED_SIZE, 0.005, update) for _ in range(world)]
+        for rank, (t, g) in enumerate(zip(trainers, gloo_groups(world), strict=True)):
+            t.setup(g, rank, world)
+        return trainers
+
+    def step(self, trainers: list[ShardedPolicyTrainer], step: int, size: int) -> float:
+        model = build_policy(SEED, **SHARDED_SIZE)
+        model.load_state_dict(on_all(trainers, lambda t: t.full_state())[0])
+        ids, prompts, comps, rewards = one_batch(model, step, size)
+        return on_all(trainers, lambda t: t.train(ids, prompts, comps, rewards))[0]["reward"]
+
+    @pytest.mark.parametrize(("world", "update"), [(2, "sign"), (3, "sign"), (3, "sgd")])
+    def test_ranks_over_a_gloo_group_land_on_the_reference_bit_for_bit(self, one_thread, world, update):
+        """(Plain SGD shows every rounding: gradients added in another order than the ranks' fail it.)"""
+        trainers = self.ranks(world, update)
+        rewards = [self.step(trainers, step, 16) for step in range(2)]
+        ref = train_local(SEED, 2, batch_size=16, lr=0.005, update=update, trainer_ranks=world, **SHARDED_SIZE)
+        assert rewards == ref.rewards
+        want = state_checksum({k: v.detach() for k, v in ref.model.state_dict().items()})
+        assert on_all(trainers, lambda t: t.checksum()) == [want] * world
+
+    def test_each_rank_owns_a_dim0_slice_and_the_parts_make_the_whole(self, one_thread):
+        trainers = self.ranks(3)
+        parts = [t.state_dict() for t in trainers]
+        assert all(isinstance(v, Shard) and v.dim == 0 and v.index == r
+                   for r, part in enumerate(parts) for v in part.values())
+        pieces = [Piece(name, r, str(v.tensor.dtype), tuple(v.tensor.shape), v.dim, v.index, v.count)
+                  for r, part in enumerate(parts) for name, v in part.items()]
+        plan = plan_ownership(pieces, ranks=3)  # no overlap, no gap, the chunk rule
+        full = build_policy(SEED, **SHARDED_SIZE).state_dict()
+        assert {t.name: t.shape for t in plan.tensors} == {k: tuple(v.shape) for k, v in full.items()}
+
+    def test_a_tensor_with_too_few_rows_is_owned_whole_by_rank_0(self, one_thread):
+        size = {"pad_mb": 0.0, "vocab_size": 5}  # head.bias and tok.weight: 5 rows over 4 ranks
+        trainers = [ShardedPolicyTrainer(SEED, size, 0.005) for _ in range(4)]
+        for rank, (t, g) in enumerate(zip(trainers, gloo_groups(4), strict=True)):
+            t.setup(g, rank, 4)
+        parts = [t.state_dict() for t in trainers]
+        assert torch.is_tensor(parts[0]["head.bias"]) and all("head.bias" not in p for p in parts[1:])
+        assert all(isinstance(p["pos.weight"], Shard) for p in parts)
+        full = on_all(trainers, lambda t: t.full_state())
+        assert all(state_checksum(f) == state_checksum(build_policy(SEED, **size).state_dict()) for f in full)
+
+    def test_a_replaced_rank_restored_from_its_part_continues_the_same_run(self, one_thread):
+        trainers = self.ranks(2)
+        self.step(trainers, 0, 16)
+        part = trainers[1].state_dict()  # what the last sync committed of rank 1
+        newcomer = ShardedPolicyTrainer(SEED, SHARDED_SIZE, 0.005)
+        survivor = trainers[0]
+        groups = gloo_groups(2)
+        survivor.setup(groups[0], 0, 2)  # setup again with the re-formed group: it keeps its part
+        newcomer.setup(groups[1], 1, 2)
+        newcomer.load_state_dict(part)
+        self.step([survivor, newcomer], 1, 16)
+        ref = train_local(SEED, 2, batch_size=16, lr=0.005, trainer_ranks=2, **SHARDED_SIZE)
+        want = state_checksum({k: v.detach() for k, v in ref.model.state_dict().items()})
+        assert on_all([survivor, newcomer], lambda t: t.checksum()) == [want] * 2
+        assert (survivor.setups, survivor.loads, newcomer.loads) == (2, 0, 1)
+
+    def test_a_rank_cannot_change_place(self, one_thread):
+        [t0, _] = self.ranks(2)
+        with pytest.raises(RuntimeError, match="handed rank 1 of 2"):
+            t0.setup(None, 1, 2)
+
+
+class TestDemoOptions:
+    def test_trainers_reach_the_config(self, tmp_path):
+        from ftstate.cli.demo.run import DemoOptions, demo_config, trainer_to_kill
+
+        assert demo_config(DemoOptions(trainers=2), tmp_path).trainer_workers == 2
+        assert demo_config(DemoOptions(), tmp_path).trainer_workers == 1
+        assert (trainer_to_kill(1), trainer_to_kill(2), trainer_to_kill(4)) == (0, 1, 1)
+
+    @pytest.mark.parametrize(("options", "match"), [
+        ({"trainers": 0}, "must be an int >= 1"),
+        ({"trainers": True}, "must be an int >= 1"),
+        ({"trainers": 2.0}, "must be an int >= 1"),
+        ({"trainers": 9, "batch_size": 8}, "batch_size must be at least that"),
+    ])
+    def test_bad_trainers_are_a_config_error_naming_the_option(self, options, match):
+        from ftstate.cli.demo.run import DemoOptions, check_options
+
+        with pytest.raises(ConfigError, match=match) as info:
+            check_options(DemoOptions(**options))
+        assert info.value.path == "trainers"
+
+    def test_run_demo_refuses_them_before_starting_anything(self, tmp_path):
+        from ftstate.cli.demo import run_demo
+
+        assert run_demo(out=str(tmp_path / "x"), steps=1, trainers=0, live=False) == 2
+        assert not (tmp_path / "x").exists()

@@ -23,6 +23,20 @@ return their shards in any order.
 
 :func:`train_local` is the whole demo loop without Ray — prompts, sampling split into
 shards as rollouts would serve them, rewards, step — used by the tests and to time a step.
+
+**Several trainer ranks** (``ftstate demo --trainers N``, :func:`sharded_reinforce_step`).
+Rank ``r`` of ``N`` computes the gradient of its slice of the batch only (items ``r::N`` in
+prompt-id order) with the whole batch's baseline (its mean reward) and the whole batch's
+size as the normaliser, so the ``N`` gradients add up to the full batch's: ``loss_r =
+-sum((reward_i - mean(reward)) * logprob_i for i in slice r) / batch``. The gradients are
+added **in rank order** (``((g_0 + g_1) + g_2) + ...``), never in the order a collective
+happens to add them: float addition is not associative, and the demo's proof is bit-identity.
+Each rank then applies the same stateless update to the rows it owns (:func:`row_slices`:
+dim-0 slices by torch's ``chunk`` rule, a tensor with too few rows owned whole by rank 0).
+:func:`sharded_reinforce_step` is that arithmetic in one process, the fault-free reference
+for ``N`` ranks; :class:`~ftstate.cli.demo.workers.ShardedPolicyTrainer` runs it over a real
+trainer group. It is not bit-identical to the one-rank step (a batch's split changes the
+float results of its matmuls), only close to it; one rank keeps :func:`reinforce_step`.
 """
 
 from __future__ import annotations
@@ -41,6 +55,8 @@ _UPDATES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sign": torch.sign,
     "sgd": lambda g: g,
 }
+#: The update rules a step takes (see the module docstring).
+UPDATES = frozenset(_UPDATES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +68,35 @@ class StepStats:
     loss: float
     grad_norm: float
     seconds: float
+
+
+Batch = tuple[list[Sequence[int]], list[Sequence[int]], list[float]]
+
+
+def in_prompt_order(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    prompt_ids: Sequence[int] | None,
+    update: str,
+) -> Batch:
+    """The batch checked and, with ``prompt_ids``, put in prompt-id order (the canonical
+    order a step computes in); without ``prompt_ids`` it is taken as already canonical."""
+    if not (len(prompts) == len(completions) == len(rewards)) or not prompts:
+        raise ValueError(
+            f"need matching non-empty batches, got {len(prompts)} prompts, "
+            f"{len(completions)} completions, {len(rewards)} rewards"
+        )
+    if update not in _UPDATES:
+        raise ValueError(f"update must be one of {sorted(_UPDATES)}, got {update!r}")
+    order = list(range(len(prompts)))
+    if prompt_ids is not None:
+        if len(prompt_ids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(prompt_ids)} prompt ids")
+        if len(set(prompt_ids)) != len(prompt_ids):
+            raise ValueError("prompt ids must be unique within a step")
+        order = sorted(order, key=lambda i: prompt_ids[i])
+    return [prompts[i] for i in order], [completions[i] for i in order], [rewards[i] for i in order]
 
 
 def reinforce_step(
@@ -71,22 +116,7 @@ def reinforce_step(
     depend on the order the shards came back in; without it the caller must pass the
     batch in a canonical order.
     """
-    if not (len(prompts) == len(completions) == len(rewards)) or not prompts:
-        raise ValueError(
-            f"need matching non-empty batches, got {len(prompts)} prompts, "
-            f"{len(completions)} completions, {len(rewards)} rewards"
-        )
-    if update not in _UPDATES:
-        raise ValueError(f"update must be one of {sorted(_UPDATES)}, got {update!r}")
-    if prompt_ids is not None:
-        if len(prompt_ids) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(prompt_ids)} prompt ids")
-        if len(set(prompt_ids)) != len(prompt_ids):
-            raise ValueError("prompt ids must be unique within a step")
-        order = sorted(range(len(prompts)), key=lambda i: prompt_ids[i])
-        prompts = [prompts[i] for i in order]
-        completions = [completions[i] for i in order]
-        rewards = [rewards[i] for i in order]
+    prompts, completions, rewards = in_prompt_order(prompts, completions, rewards, prompt_ids, update)
     start = time.perf_counter()
     r = torch.tensor(rewards, dtype=torch.float32)
     advantage = r - r.mean()
@@ -106,6 +136,116 @@ def reinforce_step(
     return StepStats(
         mean_reward=float(r.mean()),
         loss=float(loss.detach()),
+        grad_norm=grad_norm,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def row_slices(rows: int, ranks: int) -> list[tuple[int, int]] | None:
+    """How ``ranks`` trainer ranks split a tensor of ``rows`` rows (its dim 0): ``(start,
+    length)`` of each rank's slice by torch's ``chunk`` rule (slices of ``ceil(rows/ranks)``,
+    the last ones shorter), or None when that would leave a rank an empty slice (fewer rows
+    than that, or a 0-d tensor): rank 0 then owns the tensor whole. One rank owns it whole."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    size = -(-rows // ranks) if rows > 0 else 0
+    if ranks == 1 or size == 0 or (ranks - 1) * size >= rows:
+        return None
+    return [(r * size, min(size, rows - r * size)) for r in range(ranks)]
+
+
+@dataclasses.dataclass
+class RankGradient:
+    """What one trainer rank computed for its slice of a batch: ``grads`` of every trainable
+    parameter (``model.parameters()`` order, zeros where the slice does not reach one) and
+    its share of the loss (the shares add up to the full batch's loss)."""
+
+    grads: list[torch.Tensor]
+    loss: torch.Tensor
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a step updates (``requires_grad``; the ballast is not one), in order."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def rank_gradient(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    rank: int,
+    ranks: int,
+) -> RankGradient:
+    """Rank ``rank`` of ``ranks``: the gradient of its slice ``r::ranks`` of a batch in
+    canonical (prompt-id) order, with the whole batch's baseline and size (module docstring).
+    Leaves the model's weights and ``.grad`` alone."""
+    if not 0 <= rank < ranks:
+        raise ValueError(f"rank must be in [0, {ranks}), got {rank}")
+    batch = len(prompts)
+    r = torch.tensor(list(rewards), dtype=torch.float32)
+    advantage = r - r.mean()
+    params = [p for _, p in trainable(model)]
+    mine = list(range(rank, batch, ranks))
+    model.train()
+    if not mine:
+        return RankGradient([torch.zeros_like(p) for p in params], torch.zeros(()))
+    with single_thread():
+        lp = logprobs(model, [prompts[i] for i in mine], [completions[i] for i in mine])
+        loss = -(advantage[mine] * lp).sum() / batch
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return RankGradient([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)],
+                        loss.detach())
+
+
+def sum_in_rank_order(parts: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """``parts[0] + parts[1] + ...`` tensor by tensor, added left to right in rank order."""
+    total = [t.clone() for t in parts[0]]
+    for part in parts[1:]:
+        for acc, t in zip(total, part, strict=True):
+            acc.add_(t)
+    return total
+
+
+def update_rows(param: torch.Tensor, grad: torch.Tensor, lr: float, update: str) -> None:
+    """The stateless update of one tensor (or of the rows one rank owns): ``param -= lr * u(grad)``."""
+    with torch.no_grad():
+        param.sub_(_UPDATES[update](grad), alpha=lr)
+
+
+def sharded_reinforce_step(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    rewards: Sequence[float],
+    lr: float,
+    *,
+    ranks: int,
+    prompt_ids: Sequence[int] | None = None,
+    update: str = "sign",
+) -> StepStats:
+    """One step as ``ranks`` trainer ranks take it, in one process, in place on ``model``:
+    each rank's :func:`rank_gradient`, added in rank order, then each rank's update of the
+    rows it owns (:func:`row_slices`), slice by slice as the ranks apply it. The fault-free
+    reference of :class:`~ftstate.cli.demo.workers.ShardedPolicyTrainer`."""
+    prompts, completions, rewards = in_prompt_order(prompts, completions, rewards, prompt_ids, update)
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    start = time.perf_counter()
+    per_rank = [rank_gradient(model, prompts, completions, rewards, k, ranks) for k in range(ranks)]
+    grads = sum_in_rank_order([g.grads for g in per_rank])
+    [loss] = sum_in_rank_order([[g.loss] for g in per_rank])
+    grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+    for (_, p), g in zip(trainable(model), grads, strict=True):
+        slices = row_slices(p.shape[0] if p.ndim else 0, ranks)
+        if slices is None:
+            update_rows(p, g, lr, update)
+            continue
+        for first, length in slices:
+            update_rows(p[first:first + length], g[first:first + length], lr, update)
+    return StepStats(
+        mean_reward=float(torch.tensor(list(rewards), dtype=torch.float32).mean()),
+        loss=float(loss),
         grad_norm=grad_norm,
         seconds=time.perf_counter() - start,
     )
@@ -139,17 +279,20 @@ def train_local(
     update: str = UPDATE,
     shards: int = 1,
     shard_order: Sequence[int] | None = None,
+    trainer_ranks: int = 1,
     **size: float,
 ) -> RunResult:
     """The demo's loop in one process: per step, make the prompts, deal them into
     ``shards`` shards (prompt ``i`` to shard ``i % shards``, as ``shards`` rollouts would
     get them), sample the shards in ``shard_order`` (default 0, 1, ...), score, and take a
-    :func:`reinforce_step`.
-    ``size`` goes to :func:`~ftstate.cli.demo.policy.build_policy`.
+    :func:`reinforce_step` (with ``trainer_ranks`` > 1, the :func:`sharded_reinforce_step` of
+    that many ranks). ``size`` goes to :func:`~ftstate.cli.demo.policy.build_policy`.
 
     The result does not depend on ``shards`` or ``shard_order``: that is the property the
     tests pin.
     """
+    if trainer_ranks < 1:
+        raise ValueError(f"trainer_ranks must be >= 1, got {trainer_ranks}")
     model = build_policy(seed, **size)  # type: ignore[arg-type]
     order = list(shard_order) if shard_order is not None else list(range(shards))
     if sorted(order) != list(range(shards)):
@@ -176,7 +319,11 @@ def train_local(
                 seed=seed,
             )
         scores = [task.reward(p, c) for p, c in zip(prompts, completions, strict=True)]
-        st = reinforce_step(model, prompts, completions, scores, lr, prompt_ids=ids, update=update)
+        if trainer_ranks == 1:
+            st = reinforce_step(model, prompts, completions, scores, lr, prompt_ids=ids, update=update)
+        else:
+            st = sharded_reinforce_step(model, prompts, completions, scores, lr, ranks=trainer_ranks,
+                                        prompt_ids=ids, update=update)
         rewards.append(st.mean_reward)
         stats.append(st)
     return RunResult(model=model, rewards=rewards, stats=stats)

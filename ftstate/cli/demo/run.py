@@ -1,6 +1,6 @@
 """``ftstate demo``: real RL on a local Ray cluster, surviving real SIGKILLs, with proof.
 
-One trainer, two rollouts and one prewarmed spare per role, on the embedded default (a
+One trainer (or ``trainers`` sharded ranks), two rollouts and one prewarmed spare per role, on the embedded default (a
 local Ray cluster on the CPU) or on a running Ray cluster it joins (``address``: ``auto``
 or ``host:port``; the report says on how many nodes the workers ran). Each step the rollouts sample completions of the toy task
 (:mod:`ftstate.cli.demo.task`: sort three digits) for a batch of prompts, seeded per
@@ -8,6 +8,19 @@ or ``host:port``; the report says on how many nodes the workers ran). Each step 
 pushes the weights. With faults on, the demo SIGKILLs a rollout while it generates, a
 rollout in the middle of a sync, and the trainer in the middle of a train step, and ftstate
 recovers from each.
+
+**Several trainer ranks** (``trainers``, ``ftstate demo --trainers N``; config
+``trainer_workers: N``): the policy is sharded FSDP/ZeRO-3 style over ``N`` ranks
+(:class:`~ftstate.cli.demo.workers.ShardedPolicyTrainer`: each rank holds its dim-0 slice of
+every tensor, a step gathers the full model on the trainer group, computes the gradient of its
+slice of the batch, and the ranks' gradients are all-gathered and added in rank order, so every
+rank applies the same bits to its own rows), and every sync sends each rank's part from that
+rank. The third fault then SIGKILLs trainer rank 1 as the step starts: rank 0's all-gather
+loses its peer mid-step, rank 1 is replaced, the group re-forms, both ranks get their part of
+the last sync back from a rollout and replay the steps since, and the step is made again. The
+report lists each rank's pid at the start and the end (the survivor's is unchanged), and the
+reference is the same ``N``-rank arithmetic run in one process
+(``train_local(..., trainer_ranks=N)``).
 
 **Proof that nothing was lost.** The same seeds are also run without faults and without
 Ray (:func:`~ftstate.cli.demo.reinforce.train_local`, the same sampling and step code). A
@@ -56,7 +69,8 @@ class DemoOptions:
     make syncs move more; rollouts: rollout workers; max_failovers: the failover budget
     (0 makes the first fault fatal); live: draw the live view; address: a running Ray
     cluster to join (``auto``, ``host:port``), none starts a local one; maintenance: the
-    maintenance scenario (a local 3-node cluster, a GCE notice, a drain)."""
+    maintenance scenario (a local 3-node cluster, a GCE notice, a drain); trainers: trainer
+    ranks (``trainer_workers``; more than 1 shards the policy over them)."""
 
     out: str = "ftstate-demo"
     steps: int = 24
@@ -69,6 +83,7 @@ class DemoOptions:
     live: bool = True
     address: str | None = None
     maintenance: bool = False
+    trainers: int = 1
 
 
 #: The maintenance scenario's nodes (the first is the head, the driver's).
@@ -83,7 +98,8 @@ def notice_step(steps: int) -> int:
 
 
 def fault_plan(steps: int) -> dict[int, str]:
-    """Which fault hits at which step (a step runs generate -> train -> sync)."""
+    """Which fault hits at which step (a step runs generate -> train -> sync). With several
+    trainer ranks, "kill trainer mid-step" hits :func:`trainer_to_kill`."""
     if steps < 4:
         return {min(1, steps - 1): "kill rollout while generating"} if steps > 1 else {}
     return {
@@ -91,6 +107,25 @@ def fault_plan(steps: int) -> dict[int, str]:
         steps // 2: "kill rollout mid-sync",
         (3 * steps) // 4: "kill trainer mid-step",
     }
+
+
+def trainer_to_kill(trainers: int) -> int:
+    """The trainer rank the "kill trainer mid-step" fault kills: the trainer, or rank 1 of
+    several (rank 0 survives, its all-gather cut short by the loss)."""
+    return 1 if trainers > 1 else 0
+
+
+def check_options(opts: DemoOptions) -> None:
+    """Refuse options that cannot make a run, naming the option (ConfigError)."""
+    if isinstance(opts.trainers, bool) or not isinstance(opts.trainers, int) or opts.trainers < 1:
+        raise ConfigError("trainers", f"must be an int >= 1 (trainer ranks), got {opts.trainers!r}")
+    if opts.trainers > opts.batch_size:
+        raise ConfigError("trainers", f"{opts.trainers} trainer ranks each train on a slice of the batch: "
+                          f"batch_size must be at least that, got {opts.batch_size}")
+    if opts.maintenance and opts.address is not None:
+        raise ConfigError("address", "the maintenance scenario starts a local 3-node cluster of its own, each "
+                          "node with its own loopback metadata server; it cannot join a running cluster "
+                          "(drop --address)")
 
 
 def run_demo(out: str = "ftstate-demo", steps: int = 0, faults: bool | None = None, **options: Any) -> int:
@@ -103,10 +138,7 @@ def run_demo(out: str = "ftstate-demo", steps: int = 0, faults: bool | None = No
 
     console = Console()
     try:
-        if opts.maintenance and opts.address is not None:
-            raise ConfigError("address", "the maintenance scenario starts a local 3-node cluster of its own, each "
-                              "node with its own loopback metadata server; it cannot join a running cluster "
-                              "(drop --address)")
+        check_options(opts)
         return asyncio.run(_main(opts, console))
     except FTError as exc:
         from rich.markup import escape
@@ -131,6 +163,7 @@ def demo_config(opts: DemoOptions, folder: Path) -> RuntimeConfig:
                                    "rollout": {"labels": {LABEL: f"in({','.join(NODES[1:])})"}}}}
     return RuntimeConfig.from_dict(
         {
+            "trainer_workers": opts.trainers,
             "rollout_workers": opts.rollouts,
             "address": opts.address,
             "bucket_size_mb": 8,
@@ -221,7 +254,7 @@ class _MaintenanceScenario:
 async def _main(opts: DemoOptions, console: Any) -> int:
     from ftstate.cli.demo import task
     from ftstate.cli.demo.live import LiveView
-    from ftstate.cli.demo.workers import PolicyRollout, PolicyTrainer
+    from ftstate.cli.demo.workers import PolicyRollout, PolicyTrainer, ShardedPolicyTrainer
     from ftstate.controller import cluster
     from ftstate.controller.runtime import Runtime
 
@@ -245,7 +278,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
         if scenario is not None:
             scenario.close()
         raise
-    rt = Runtime(cfg, trainer=PolicyTrainer, rollout=PolicyRollout,
+    rt = Runtime(cfg, trainer=ShardedPolicyTrainer if opts.trainers > 1 else PolicyTrainer, rollout=PolicyRollout,
                  trainer_kwargs={"seed": opts.seed, "size": size, "lr": lr},
                  rollout_kwargs={"seed": opts.seed, "size": size})
     rewards: list[float] = []
@@ -254,10 +287,12 @@ async def _main(opts: DemoOptions, console: Any) -> int:
     view = LiveView(rt, opts.steps, console, enabled=opts.live,
                     node_names=scenario.names() if scenario is not None else None)
     nodes: dict[str, Any] = {}
+    first_members: list[Any] = []
     announce_at = notice_step(opts.steps) if scenario is not None else None
     try:
         with view:
             await rt.start()
+            first_members = rt.members()
             report = await rt.sync()  # version 1: the initial weights
             syncs.append(report)
             for step in range(opts.steps):
@@ -275,7 +310,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
                 completions = [r[1] for r in results]
                 scores = [r[2] for r in results]
                 if fault == "kill trainer mid-step":
-                    await rt.chaos.kill("trainer", 0)
+                    await rt.chaos.kill("trainer", trainer_to_kill(opts.trainers))
                 stats = await rt.trainer("train", ids, prompts, completions, scores)
                 rewards.append(stats["reward"])
                 rt.audit.record("reward", step=step, reward=stats["reward"])
@@ -311,7 +346,8 @@ async def _main(opts: DemoOptions, console: Any) -> int:
         from ftstate.cli.demo.reinforce import train_local
         from ftstate.transport import state_checksum
 
-        ref = train_local(opts.seed, opts.steps, batch_size=opts.batch_size, lr=lr, shards=opts.rollouts, **size)
+        ref = train_local(opts.seed, opts.steps, batch_size=opts.batch_size, lr=lr, shards=opts.rollouts,
+                          trainer_ranks=opts.trainers, **size)
         reference = {
             "checksum": state_checksum({k: v.detach() for k, v in ref.model.state_dict().items()}),
             "rewards": ref.rewards,
@@ -320,7 +356,28 @@ async def _main(opts: DemoOptions, console: Any) -> int:
     if scenario is not None:
         maintenance = {"announced": scenario.announced, "drains": drains, "node_names": scenario.names()}
     return _report(opts, console, folder, rewards, syncs, failovers, injected, members, final_checksum, serving,
-                   reference, error, seconds, cfg, nodes=nodes, maintenance=maintenance)
+                   reference, error, seconds, cfg, nodes=nodes, maintenance=maintenance,
+                   trainer_ranks=trainer_ranks(first_members, members))
+
+
+#: Worker states of a member that no longer holds its rank.
+GONE = frozenset({"LOST", "RETIRED", "FAILED"})
+
+
+def trainer_ranks(first: list[Any], last: list[Any]) -> list[dict[str, Any]]:
+    """Each trainer rank's member and pid at the start and at the end of the run (a rank whose
+    process survived every failover keeps its pid)."""
+    def by_rank(members: list[Any]) -> dict[int, Any]:
+        return {m.rank: m for m in members if m.role == "trainer" and m.rank >= 0 and m.state not in GONE}
+
+    start, end = by_rank(first), by_rank(last)
+    rows = []
+    for rank in sorted(set(start) | set(end)):
+        a, b = start.get(rank), end.get(rank)
+        rows.append({"rank": rank, "member_start": a.member if a else None, "pid_start": a.pid if a else None,
+                     "member_end": b.member if b else None, "pid_end": b.pid if b else None,
+                     "same_process": bool(a and b and a.pid is not None and a.pid == b.pid)})
+    return rows
 
 
 def _nodes(rt: Any, members: list[Any]) -> dict[str, Any]:
@@ -377,7 +434,7 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
             failovers: list[Any], injected: list[tuple[float, str, str]], members: list[Any],
             final_checksum: str | None, serving: list[str], reference: dict[str, Any] | None,
             error: FTError | None, seconds: float, cfg: RuntimeConfig, nodes: dict[str, Any] | None = None,
-            maintenance: dict[str, Any] | None = None) -> int:
+            maintenance: dict[str, Any] | None = None, trainer_ranks: list[dict[str, Any]] | None = None) -> int:
     from rich.markup import escape
     from rich.table import Table
 
@@ -438,6 +495,11 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
     summary = {
         "steps_done": len(rewards),
         "steps": opts.steps,
+        "trainers": opts.trainers,
+        "trainer_ranks": trainer_ranks or [],
+        "trainer_ranks_recovered": [{k: r.get(k) for k in ("t", "weights_version", "newcomers", "restored",
+                                                          "untouched", "replayed")}
+                                    for r in records if r.get("event") == "trainer_ranks_recovered"],
         "syncs": len(syncs),
         "bytes_synced": sum(r.nbytes for r in syncs),
         "reward_first": rewards[0] if rewards else None,
@@ -495,6 +557,11 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
                           f"{moved} (no budget spent)")
         if maintenance_summary["problems"]:
             table.add_row("maintenance warnings", str(len(maintenance_summary["problems"])))
+    if opts.trainers > 1:
+        for t in trainer_ranks or []:
+            kept = ("same process" if t["same_process"]
+                    else f"replaced: {t['member_end']} pid {t['pid_end']}")
+            table.add_row(f"trainer rank {t['rank']}", f"{t['member_start']} pid {t['pid_start']} -> {kept}")
     table.add_row("syncs failed", str(syncs_failed))
     if nodes["count"] is not None:
         where = f" of {nodes['cluster_nodes']} in the cluster" if nodes["cluster_nodes"] else ""

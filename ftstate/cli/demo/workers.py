@@ -1,4 +1,5 @@
-"""The demo's workers: a REINFORCE trainer and rollouts that sample the toy task.
+"""The demo's workers: a REINFORCE trainer (one, or sharded over several ranks) and
+rollouts that sample the toy task.
 
 Both hold the same :class:`~ftstate.cli.demo.policy.Policy`; the trainer's ``state_dict`` is
 what every sync moves. ``generate`` samples one shard of a step's prompts, seeded per
@@ -6,10 +7,22 @@ what every sync moves. ``generate`` samples one shard of a step's prompts, seede
 (in prompt-id order, whatever order the shards came back in). Both are deterministic given
 their arguments, which is what lets a replaced trainer replay the steps since the last
 committed sync and land on the same weights.
+
+:class:`ShardedPolicyTrainer` is one of ``N`` trainer ranks (``ftstate demo --trainers N``),
+FSDP/ZeRO-3 style: it holds only its dim-0 slice of every tensor (:func:`~ftstate.cli.demo.
+reinforce.row_slices`; a tensor with too few rows whole on rank 0), and that part is all its
+``state_dict()`` returns and ``load_state_dict()`` takes back, neither collective. A step
+gathers the full model over the trainer group, computes the gradient of the rank's slice of
+the batch, gathers every rank's gradient and adds them in rank order (the same bits on every
+rank), and updates its own rows (:func:`~ftstate.cli.demo.reinforce.sharded_reinforce_step`
+is the same arithmetic in one process).
 """
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,7 +30,16 @@ import torch
 
 from ftstate.cli.demo import task
 from ftstate.cli.demo.policy import build_policy, sample
-from ftstate.cli.demo.reinforce import reinforce_step
+from ftstate.cli.demo.reinforce import (
+    UPDATES,
+    in_prompt_order,
+    rank_gradient,
+    reinforce_step,
+    row_slices,
+    trainable,
+    update_rows,
+)
+from ftstate.core.ownership import Shard
 from ftstate.core.worker import RolloutWorker, TrainerWorker
 from ftstate.transport import state_checksum
 
@@ -67,3 +89,167 @@ class PolicyRollout(RolloutWorker):
 
     def checksum(self) -> str:
         return state_checksum({k: v.detach() for k, v in self.model.state_dict().items()})
+
+
+class ShardedPolicyTrainer(TrainerWorker):
+    """One of ``N`` trainer ranks of the demo's policy (see the module docstring). seed, size,
+    lr: as :class:`PolicyTrainer`; update: ``"sign"`` or ``"sgd"`` (stateless either way, so a
+    replaced rank has no optimizer state to miss).
+
+    ``part`` is the authoritative state, ``{name: Shard}`` (or a whole tensor on rank 0);
+    ``model`` is a compute buffer that a step fills with the gathered full weights; the
+    ballast, never read by the model nor trained, lives in the parts only (``setup`` drops the
+    model's full copy of it, so a rank holds ``1/N`` of it). Every collective
+    runs on the trainer group handed to :meth:`setup` (``group.allgather(...).wait()``), never
+    on a default group; the gradients are combined by an all-gather and a sum in rank order,
+    not by the group's all-reduce, whose order of addition is the transport's business."""
+
+    def __init__(self, seed: int, size: Mapping[str, Any], lr: float, update: str = "sign") -> None:
+        if update not in UPDATES:
+            raise ValueError(f"update must be one of {sorted(UPDATES)}, got {update!r}")
+        self.seed = seed
+        self.lr = lr
+        self.update = update
+        self.model = build_policy(seed, **dict(size))
+        #: Every tensor of the full state, in ``state_dict`` order: its shape and dtype.
+        self.meta = {name: (tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()}
+        self.group: Any = None
+        self.rank, self.world = 0, 1
+        self.part: dict[str, Any] | None = None
+        self.steps = 0
+        self.loads = 0
+        self.setups = 0
+
+    # -- ownership ------------------------------------------------------------------------
+
+    def _layout(self) -> dict[str, list[tuple[int, int]] | None]:
+        """Per tensor of the state: each rank's ``(start, length)`` rows, or None (rank 0 whole)."""
+        return {name: row_slices(shape[0] if shape else 0, self.world) for name, (shape, _) in self.meta.items()}
+
+    def setup(self, group: Any, rank: int, world_size: int) -> None:
+        """The trainer group (again after every membership change: a survivor keeps its part;
+        a first rank, or a newcomer until its part comes back, cuts its part of the seeded
+        initial weights)."""
+        if self.part is not None and (rank, world_size) != (self.rank, self.world):
+            raise RuntimeError(f"trainer rank {self.rank} of {self.world} was handed rank {rank} of {world_size}: "
+                               "its part covers other rows")
+        self.group, self.rank, self.world = group, rank, world_size
+        self.setups += 1
+        if self.part is None:
+            full = self.model.state_dict()
+            self.part = {}
+            for name, slices in self._layout().items():
+                if slices is not None:
+                    first, length = slices[rank]
+                    self.part[name] = Shard(full[name][first:first + length].detach().clone(), 0, rank, world_size)
+                elif rank == 0:
+                    self.part[name] = full[name].detach().clone()
+            if hasattr(self.model, "ballast"):
+                del self.model.ballast
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part only (no collective)."""
+        return dict(self._own())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """This rank's part of the last committed version back (no collective)."""
+        self.loads += 1
+        self.part = {k: Shard(v.tensor.detach().clone(), v.dim, v.index, v.count) if isinstance(v, Shard)
+                     else v.detach().clone() for k, v in state.items()}
+
+    def _own(self) -> dict[str, Any]:
+        if self.part is None:
+            raise RuntimeError("ShardedPolicyTrainer has no part before setup(): it needs the trainer group")
+        return self.part
+
+    def _local(self, name: str) -> torch.Tensor | None:
+        v = self._own().get(name)
+        return v.tensor if isinstance(v, Shard) else v
+
+    # -- collectives on the trainer group ---------------------------------------------------
+
+    def _gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The full tensors ``names``, assembled from every rank's part: one all-gather per
+        dtype of a flat buffer in which each tensor has a segment of the same length on every
+        rank (a slice padded to the longest slice; a whole tensor, zeros on the ranks that do
+        not own it)."""
+        layout = self._layout()
+        out: dict[str, torch.Tensor] = {}
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name in names:
+            by_dtype.setdefault(self.meta[name][1], []).append(name)
+        for dtype, group_names in by_dtype.items():
+            segments: list[torch.Tensor] = []
+            for name in group_names:
+                shape, slices = self.meta[name][0], layout[name]
+                if slices is None:
+                    mine = self._local(name) if self.rank == 0 else None
+                    segments.append(mine.reshape(-1) if mine is not None else torch.zeros(shape, dtype=dtype).reshape(-1))
+                else:
+                    row = math.prod(shape[1:])
+                    seg = torch.zeros(slices[0][1] * row, dtype=dtype)
+                    mine = self._local(name)
+                    assert mine is not None, f"rank {self.rank} holds no part of {name}"
+                    seg[: mine.numel()] = mine.reshape(-1)
+                    segments.append(seg)
+            flat = torch.cat(segments)
+            gathered = [torch.empty_like(flat) for _ in range(self.world)]
+            self.group.allgather([gathered], [flat]).wait()
+            offset = 0
+            for name, seg in zip(group_names, segments, strict=True):
+                shape, slices = self.meta[name][0], layout[name]
+                if slices is None:
+                    out[name] = gathered[0][offset:offset + seg.numel()].view(shape).clone()
+                else:
+                    row = math.prod(shape[1:])
+                    out[name] = torch.cat([gathered[k][offset:offset + length * row].view(length, *shape[1:])
+                                           for k, (_, length) in enumerate(slices)])
+                offset += seg.numel()
+        return {name: out[name] for name in names}
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The full weights, gathered from every rank (collective), in ``state_dict`` order."""
+        return self._gather(list(self.meta))
+
+    def train(self, prompt_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+              completions: Sequence[Sequence[int]], rewards: Sequence[float]) -> dict[str, float]:
+        """One step over the whole batch, called on every rank together (collective)."""
+        start = time.perf_counter()
+        prompts, completions, rewards = in_prompt_order(prompts, completions, rewards, prompt_ids, self.update)
+        names = [name for name, _ in trainable(self.model)]
+        full = self._gather(names)
+        with torch.no_grad():
+            for name, p in trainable(self.model):
+                p.copy_(full[name])
+        mine = rank_gradient(self.model, prompts, completions, rewards, self.rank, self.world)
+        flat = torch.cat([g.reshape(-1) for g in mine.grads] + [mine.loss.reshape(1)])
+        gathered = [torch.empty_like(flat) for _ in range(self.world)]
+        self.group.allgather([gathered], [flat]).wait()
+        total = gathered[0].clone()
+        for other in gathered[1:]:  # rank order, the same bits on every rank
+            total.add_(other)
+        layout = self._layout()
+        offset = 0
+        for name, p in trainable(self.model):
+            g = total[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            slices = layout[name]
+            if slices is None:
+                if self.rank == 0:
+                    update_rows(self._local(name), g, self.lr, self.update)
+                continue
+            first, length = slices[self.rank]
+            update_rows(self._local(name), g[first:first + length], self.lr, self.update)
+        self.steps += 1
+        reward = float(torch.tensor(list(rewards), dtype=torch.float32).mean())
+        return {"reward": reward, "loss": float(total[-1]), "seconds": time.perf_counter() - start}
+
+    def checksum(self) -> str:
+        """The full weights' checksum (collective: every rank gathers), comparable with
+        :class:`PolicyTrainer`'s and the rollouts'."""
+        return state_checksum(self.full_state())
+
+    def facts(self) -> dict[str, Any]:
+        """Rank, world, pid and counts (setups, loads, steps) of this rank."""
+        return {"rank": self.rank, "world": self.world, "pid": os.getpid(), "setups": self.setups,
+                "loads": self.loads, "steps": self.steps}
