@@ -10,7 +10,7 @@ also given as a ratio to a bare broadcast of the same bytes between the same pro
 measured in the same run. Prewarmed spares (standby mode), heartbeat_interval_s 0.2.
 
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python benchmarks/failover.py [--sizes 64,512] [--kills 20]
-        [--shared-memory auto|off] [--roles rollout,trainer,rank]
+        [--shared-memory auto|off] [--roles rollout,trainer,rank] [--rollout tiny|resident]
 
 Detection rides on the vigil call kept pending on every worker (ftstate.controller.vigil).
 ``--shared-memory``: the config key; with ``auto`` (default) the newcomer, on its source's
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ftstate
 from ftstate.controller import cluster
-from tests.integration.workers import PartTrainer, TinyRollout, TinyTrainer
+from tests.integration.workers import PartTrainer, ResidentRollout, TinyRollout, TinyTrainer
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -46,7 +46,8 @@ def _check(rt: ftstate.Runtime) -> None:
         raise SystemExit(f"the run failed: {rt.group.error if rt.group else 'unknown error'}")
 
 
-async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto") -> dict[str, list[float]]:
+async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto",
+              rollout: str = "tiny") -> dict[str, list[float]]:
     ranks = role == "rank"  # one trainer rank of two
     cfg = ftstate.RuntimeConfig.from_dict({
         "trainer_workers": 2 if ranks else 1,
@@ -57,8 +58,11 @@ async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto") 
     }, environ={})
     floats = size_mb * 2**20 // 4
     out: dict[str, list[float]] = {k: [] for k in ("detection", "rerendezvous", "transfer", "total", "raw")}
-    async with ftstate.Runtime(cfg, trainer=PartTrainer if ranks else TinyTrainer, rollout=TinyRollout,
-                               trainer_kwargs={"big_floats": floats}) as rt:
+    resident = rollout == "resident"
+    async with ftstate.Runtime(cfg, trainer=PartTrainer if ranks else TinyTrainer,
+                               rollout=ResidentRollout if resident else TinyRollout,
+                               trainer_kwargs={"big_floats": floats},
+                               rollout_kwargs={"big_floats": floats} if resident else None) as rt:
         report = await rt.sync()
         spare_role = "trainer" if ranks else role
         for _ in range(kills):
@@ -98,6 +102,9 @@ async def main() -> None:
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--roles", default="rollout,trainer")
     ap.add_argument("--shared-memory", default="auto", choices=("auto", "off"))
+    ap.add_argument("--rollout", default="tiny", choices=("tiny", "resident"),
+                    help="tiny: load_weights keeps a fresh clone (new memory each load); resident: it copies "
+                         "into parameters built with the rollout, as an inference engine does")
     args = ap.parse_args()
     started = cluster.connect(None, num_cpus=16, log_to_driver=False)
     try:
@@ -105,7 +112,7 @@ async def main() -> None:
               f"{'total':>15} | {'transfer/raw bcast':>18}   (median / p95, ms)")
         for size in [int(s) for s in args.sizes.split(",")]:
             for role in args.roles.split(","):
-                r = await run(size, role, args.kills, args.shared_memory)
+                r = await run(size, role, args.kills, args.shared_memory, args.rollout)
 
                 def cell(xs: list[float]) -> str:
                     return f"{statistics.median(xs) * 1e3:7.0f}/{pct(xs, 0.95) * 1e3:<7.0f}"

@@ -31,7 +31,6 @@ recorded (who, by whom, how long each phase took) for the sync report and the de
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -180,6 +179,8 @@ class Failover:
     async def _warm(self, m: Member) -> None:
         try:
             info = await self.calls.call(m.name, m.handle, "prewarm")
+            if self.staging_bytes:  # part of warming: a STANDBY spare is ready to receive at full speed
+                await self.calls.call(m.name, m.handle, "reserve_staging", self.staging_bytes)
         except FTError:
             return  # died while warming: its machine is LOST already
         m.located(info)
@@ -187,9 +188,6 @@ class Failover:
             await m.machine.fire("warm")
             self._cold_starts[m.role] = 0
             self._warm_seconds[m.name] = asyncio.get_running_loop().time() - self._started_at[m.name]
-            if self.staging_bytes:  # after it is warm: a failover need not wait for this
-                with contextlib.suppress(FTError):
-                    await self.calls.call(m.name, m.handle, "reserve_staging", self.staging_bytes)
 
     async def weights_sized(self, nbytes: int) -> None:
         """A sync committed ``nbytes`` of weights: every warm spare reserves a staging buffer

@@ -148,6 +148,28 @@ class TinyRollout(RolloutWorker):
         return os.getpid()
 
 
+class ResidentRollout(TinyRollout):
+    """Loads like an inference engine: its parameters exist (and are resident) from its
+    construction, and ``load_weights`` copies into them (``big_floats``: the size of the
+    ``big`` tensor it is built with; benchmarks/failover.py --rollout resident)."""
+
+    def __init__(self, big_floats: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if big_floats:  # filled, not torch.zeros: calloc'd pages would only be faulted in at the first load
+            self.state = {"big": torch.empty(big_floats).fill_(0.0)}
+
+    def load_weights(self, state, version: int) -> None:
+        loaded = {}
+        with torch.no_grad():
+            for k, v in state.items():
+                t = self.state.get(k)
+                if t is not None and t.shape == v.shape and t.dtype == v.dtype:
+                    loaded[k] = t.copy_(v)
+                else:
+                    loaded[k] = v.clone()
+        self.state, self.version = loaded, version
+
+
 class LossyTrainer(TinyTrainer):
     """Sends bf16 copies of fp32 master weights: a rollout cannot give the masters back."""
 
