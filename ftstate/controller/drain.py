@@ -139,6 +139,12 @@ class Drainer:
 
     async def _move(self, members: Sequence[Member], moved: dict[str, Member], node: str) -> None:
         """Bring up a replacement per draining member, resync it, admit it, retire the member."""
+        ranks = [m for m in members if m.role == "trainer" and self.config.trainer_workers > 1]
+        if ranks:
+            await self._move_ranks(ranks, moved, node)
+            members = [m for m in members if m not in ranks]
+            if not members:
+                return
         for m in members:
             self._check(node)
             replacement = await self.failover.replacement_for(m)
@@ -161,6 +167,39 @@ class Drainer:
         if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
             for role in sorted({m.role for m in members}):
                 self.failover.replenish(role)
+
+    async def _move_ranks(self, ranks: Sequence[Member], moved: dict[str, Member], node: str) -> None:
+        """Several trainer ranks: a rank's part lives in its process only, and two processes
+        cannot hold one rank of the trainer group, so the draining rank retires first (trainer
+        calls are paused meanwhile) and its replacement takes its rank and gets its part back
+        from a rollout, as after a loss (:func:`ftstate.controller.ranks.recover_ranks`), but
+        spending nothing. If that fails once the rank is gone, the rank is handed to the
+        failover as a loss: never left missing."""
+        for m in ranks:
+            self._check(node)
+            moved[m.name] = await self.failover.replacement_for(m)
+        self._check(node)
+        for m in ranks:
+            replacement = moved.pop(m.name)  # from here on it is no drain to undo, but the rank itself
+            await m.machine.fire("retire", reason=f"drained: {replacement.name} takes trainer rank {m.rank}")
+            self.launcher.kill(m)
+            self.launcher.give_back(m)
+            replacement.set_rank(m.rank)
+            moved[m.name] = replacement
+        newcomers = [moved[m.name] for m in ranks]
+        try:
+            await self.formation.reform()
+            await self.failover.recover_ranks(newcomers)
+        except FTError:
+            loop = asyncio.get_running_loop()
+            for r in newcomers:
+                if r.machine.can("died"):
+                    await r.machine.fire("died", reason="its trainer rank could not be recovered during a drain")
+                else:
+                    self.failover.note_loss(r, loop.time())
+            raise
+        if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
+            self.failover.replenish("trainer")
 
     def _check(self, node: str) -> None:
         if node in self._withdrawn:

@@ -352,7 +352,7 @@ class Failover:
                              if lost.role == "trainer" and self.config.trainer_workers > 1
                              and lost.name in replacements and lost.name not in resynced}
                     if ranks:  # several trainer ranks: every rank lost at once in one reconciliation
-                        await self._recover_ranks(list(ranks.values()))
+                        await self.recover_ranks(list(ranks.values()))
                         resynced.update(dict.fromkeys(ranks, True))
                     for lost in losts:  # the trainer first: it sorts first
                         replacement = replacements.get(lost.name)
@@ -600,8 +600,9 @@ class Failover:
             await self.membership.group.fire("fail", reason=str(err), error=err)
             raise err
 
-    async def _recover_ranks(self, newcomers: list[Member]) -> None:
-        """Replaced trainer ranks (several ranks): :func:`ftstate.controller.ranks.recover_ranks`."""
+    async def recover_ranks(self, newcomers: list[Member]) -> None:
+        """Replaced trainer ranks (several ranks): :func:`ftstate.controller.ranks.recover_ranks`
+        (after a loss, or a drain that moved them)."""
         ms = self.membership
         if ms.weights_version:
             await self._refuse_lossy(newcomers[0])
