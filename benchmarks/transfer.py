@@ -234,6 +234,19 @@ def _senders_worker(idx: int, store_addr: str, args: dict[str, Any], results: An
     fence.close()
 
 
+def _next_result(results: Any, procs: list[Any]) -> tuple[Any, ...] | None:
+    """The next result a worker process put on ``results``; None (said on stderr) once one of
+    them exited with an error, instead of waiting for a result that will never come."""
+    while True:
+        try:
+            return results.get(timeout=1)
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                print(f"benchmark failed: process(es) {dead} exited with an error", file=sys.stderr)
+                return None
+
+
 def senders_main(args: dict[str, Any]) -> int:
     """``--senders``: see the module docstring."""
     from ftstate.transport import StoreServer
@@ -249,14 +262,10 @@ def senders_main(args: dict[str, Any]) -> int:
     got: dict[int, Any] = {}
     try:
         while len(got) < nproc:
-            try:
-                idx, times, checks = results.get(timeout=1)
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    print(f"benchmark failed: process(es) {dead} exited with an error", file=sys.stderr)
-                    return 1
-                continue
+            item = _next_result(results, procs)
+            if item is None:
+                return 1
+            idx, times, checks = item
             got[idx] = (times, checks)
     finally:
         for p in procs:
@@ -318,14 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     done = 0
     try:
         while done < nproc:
-            try:
-                idx, receivers, size, times, checks = results.get(timeout=1)
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    print(f"benchmark failed: process(es) {dead} exited with an error", file=sys.stderr)
-                    return 1
-                continue
+            item = _next_result(results, procs)
+            if item is None:
+                return 1
+            idx, receivers, size, times, checks = item
             if receivers is None:
                 done += 1
                 continue

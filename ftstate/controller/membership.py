@@ -199,6 +199,19 @@ class Membership:
             raise MemberLost("trainer-0", "no live trainer", group_version=self.group_version)
         return live[0]
 
+    def trainer_ranks(self, expected: int, why: str) -> list[Member]:
+        """The live trainer ranks when all ``expected`` are there; else MemberLost naming the
+        members that last held the missing ranks (``why``: what cannot go on without them)."""
+        live = self.live("trainer")
+        if len(live) >= expected:
+            return live
+        have = {m.rank for m in live}
+        missing = [r for r in range(expected) if r not in have]
+        last = {m.rank: m.name for m in self.role("trainer") if m.gone}
+        raise MemberLost(", ".join(last.get(r, f"trainer rank {r}") for r in missing),
+                         f"trainer ranks {missing} are gone and not replaced yet: {why}",
+                         group_version=self.group_version)
+
     def serving_rollouts(self) -> list[str]:
         """Rollouts in a serving state holding the current weights version, in rank order."""
         version = self.weights_version

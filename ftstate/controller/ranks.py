@@ -106,10 +106,7 @@ async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit
     the source died: the failover forms the group again), TransportError (a part was
     damaged: the transfer is made again) or RankNotRecoverable (nothing committed to restore to)."""
     ms = membership
-    trainers = ms.live("trainer")
-    if len(trainers) != config.trainer_workers:
-        raise MemberLost(f"trainer-{len(trainers)}", f"{config.trainer_workers - len(trainers)} trainer ranks "
-                         "are gone: the ranks are recovered together", group_version=ms.group_version)
+    trainers = ms.trainer_ranks(config.trainer_workers, "the ranks are recovered together")
     fresh = {m.name for m in newcomers}
     for m in newcomers:
         if m.machine.state == "RENDEZVOUS":
@@ -205,9 +202,7 @@ class ShardedSync(WeightSync):
         t0 = time.perf_counter()
         previous = group.weights_version
         target = previous + 1
-        trainers = ms.live("trainer")
-        if len(trainers) != self.config.trainer_workers:
-            raise MemberLost(f"trainer-{len(trainers)}", "a trainer rank is gone", group_version=group.group_version)
+        trainers = ms.trainer_ranks(self.config.trainer_workers, "every rank sends its part")
         rollouts = await self._begin(trainers, target, lambda _: {"senders": [t.name for t in trainers],
                                                                    "route": "collective"})
         timeout = self.config.sync_timeout_s

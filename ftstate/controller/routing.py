@@ -153,12 +153,9 @@ class Router:
         self.raise_if_failed()
         await self._trainer_open.wait()
         m = self.membership.trainer()
-        ranks = self.membership.live("trainer")
-        if len(ranks) < self.config.trainer_workers:
-            # A trainer rank is gone and not replaced yet: a call on the others alone would
-            # hang in its collectives (or diverge them); wait for the failover.
-            raise MemberLost(f"trainer-{len(ranks)}", "a trainer rank is being replaced",
-                             group_version=self.membership.group_version)
+        # A call on some ranks alone would hang in its collectives (or diverge them): with a
+        # rank gone, MemberLost has the caller wait for the failover.
+        ranks = self.membership.trainer_ranks(self.config.trainer_workers, "a trainer call runs on every rank")
         for r in ranks:
             if not r.machine.serving:
                 # A replacement mid-failover has not got the weights yet: wait for the failover.
