@@ -13,9 +13,10 @@ through memory). Receivers on other hosts get the same buckets over the communic
     manifest (collective)  ─────────────────────▶ validate              validate
     offer: segments, signal endpoint, routes ───▶ map the segments,     (nothing to map)
                                                   hello (zmq) ──────▶
-    bucket k: wait slot k%2 released, copy +
-      hash into it, mark it ──── ready k (zmq) ─▶ check the slot's header, copy + hash
-                             ◀── released k ───── out of it
+    bucket k: wait slot k%2 released, mark it,
+      copy + hash into it ────── ready k, upto ─▶ check the slot's header, copy + hash
+        (every STREAM bytes)     (zmq)            out of it up to there, wait for more
+                             ◀── released k ───── once all of it is out
                              ── send (collective, tag) ───────────────▶ receive + hash
     seal (collective)      ─────────────────────▶ compare every checksum
     vote (collective)      ◀───────────────────▶ the commit point, as on the broadcast route
@@ -55,6 +56,12 @@ bytes take shared memory; the per-bucket ready / released signals take pyzmq
 (:mod:`ftstate.transport.signals`), not Ray calls and not the collective (which would need
 an operation per reader per bucket and cannot wait on "any reader").
 
+**Streaming.** A bucket is read while it is written: the writer marks the slot's header
+first, then says how far it has filled it every :data:`STREAM` bytes (``ready`` with
+``upto``), and its readers copy each piece as soon as it is there. A reader releases the
+slot after the writer's last word on it (``upto`` equal to the bucket's size). Without it a
+transfer of one bucket would be written, then read, with nothing overlapping.
+
 **Double buffering.** Two slots (one when the transfer is a single bucket): bucket k is
 written into slot k % 2 once every reader
 released bucket k - 2 and its collective sends completed, so the sender fills one slot while
@@ -88,7 +95,7 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +113,7 @@ from ftstate.core.errors import (
 )
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.buckets import Bucket, bucket_segments, plan_layout
+from ftstate.transport.buckets import Segment as BucketSegment
 from ftstate.transport.checksum import StreamHasher, byte_view, combine, dtype_name, host_bytes
 from ftstate.transport.manifest import (
     WIRE_FORMAT,
@@ -142,6 +150,11 @@ POLL_S = 0.02
 #: Bytes copied then hashed at a time: the hash reads each piece back from cache (L2 is 2 MiB
 #: here; measured at 256 MiB, 2 readers: 128 KiB pieces 141 ms, 512 KiB 128 ms, 2 MiB 110 ms).
 PIECE = 2 * 1024 * 1024
+
+#: A writer tells its readers how far it has filled a slot every this many bytes, so they
+#: copy a bucket out while it is still being written instead of after it (one bucket of
+#: 256 MiB would otherwise be written, then read: nothing overlaps).
+STREAM = 8 * 1024 * 1024
 
 #: Tags of the buckets sent point to point to collective ranks (the peer route's messages
 #: use small sequence numbers, so the two never meet).
@@ -370,21 +383,56 @@ def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
 # -- moving the bytes ----------------------------------------------------------------------
 
 
-def _copy_hash(pairs: Sequence[tuple[int, torch.Tensor, torch.Tensor]], hasher: StreamHasher | None, *,
-               hash_source: bool = False) -> None:
-    """Copy each ``(tensor index, dst, src)`` in :data:`PIECE`-sized pieces, hashing each
-    piece of what this member holds right after it was copied (no hasher: copy only): ``dst``,
-    or ``src`` with ``hash_source`` (a relay holds what it received and writes a copy)."""
-    if hasher is None:
-        for _, dst, src in pairs:
-            dst.copy_(src)
-        return
-    for tensor, dst, src in pairs:
-        mv = host_bytes(src if hash_source else dst)
-        for lo in range(0, dst.numel(), PIECE):
-            hi = min(lo + PIECE, dst.numel())
-            dst[lo:hi].copy_(src[lo:hi])
-            hasher.feed(tensor, mv[lo:hi])
+def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torch.Tensor], hasher: StreamHasher | None,
+               *, hash_source: bool = False, filled: Callable[[int], None] | None = None,
+               awaiting: Callable[[int], None] | None = None, damage: bool = False) -> None:
+    """Copy bucket ``b``'s segments into ``dst`` (a view of the bucket's bytes) from ``src(s)``
+    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece of what this
+    member holds right after it was copied, while it is in cache: ``dst``, or the source with
+    ``hash_source`` (a relay holds what it received and writes a copy). No hasher: copy only.
+
+    A writer streams: ``filled(n)`` is called once the first ``n`` bytes are in place, every
+    :data:`STREAM` bytes and at the end (``n == b.nbytes``). A reader follows it:
+    ``awaiting(n)`` returns once the writer has filled the first ``n`` bytes. ``damage``
+    (chaos) flips the first byte copied before it is hashed, as a damaged segment would."""
+    told = 0
+    for s in b.segments:
+        out = dst[s.bucket_offset : s.bucket_offset + s.length]
+        into = src(s)
+        mv = host_bytes(into if hash_source else out) if hasher is not None else None
+        for lo in range(0, s.length, PIECE):
+            hi = min(lo + PIECE, s.length)
+            if awaiting is not None:
+                awaiting(s.bucket_offset + hi)
+            out[lo:hi].copy_(into[lo:hi])
+            if damage:
+                out[lo : lo + 1].bitwise_xor_(0xFF)
+                damage = False
+            if mv is not None:
+                hasher.feed(s.tensor, mv[lo:hi])  # type: ignore[union-attr]
+            if filled is not None and s.bucket_offset + hi - told >= STREAM:
+                told = s.bucket_offset + hi
+                filled(told)
+    if filled is not None and told < b.nbytes:
+        filled(b.nbytes)
+
+
+def _in_bucket(data: torch.Tensor) -> Callable[[BucketSegment], torch.Tensor]:
+    """Segment ``s``'s bytes in ``data``, a view of the whole bucket's bytes."""
+    return lambda s: data[s.bucket_offset : s.bucket_offset + s.length]
+
+
+def _in_tensors(sources: Sequence[torch.Tensor]) -> Callable[[BucketSegment], torch.Tensor]:
+    """Segment ``s``'s bytes in the tensor it belongs to (each a flat uint8 view)."""
+    return lambda s: sources[s.tensor][s.start : s.start + s.length]
+
+
+def _announcer(chan: Channel, readers: Sequence[int], bucket: int, slot: int) -> Callable[[int], None]:
+    """What a writer calls as it fills ``slot`` with ``bucket``: tells every reader how far it got."""
+    def filled(upto: int) -> None:
+        for r in readers:
+            chan.send({"kind": "ready", "bucket": bucket, "slot": slot, "upto": upto}, to=r)
+    return filled
 
 
 def _hash(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher | None) -> None:
@@ -621,22 +669,19 @@ def _send(
             waiter.free(slot, stage)
             one = b.single
             if slots is not None and readers:
+                assert chan is not None
                 seg = slots.segments[slot]
                 data = seg.data[: b.nbytes]
-                _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
-                             sources[s.tensor][s.start : s.start + s.length]) for s in b.segments], hasher)
-                seg.mark(b.index, weights_version, b.nbytes)
+                seg.mark(b.index, weights_version, b.nbytes)  # before the readers hear of it
+                _copy_hash(b, data, _in_tensors(sources), hasher,
+                           filled=_announcer(chan, readers, b.index, slot))
             elif one is not None:  # collective only: a bucket that is one tensor goes from its memory
                 data = sources[one.tensor][one.start : one.start + one.length]
                 _hash(b, data, hasher)
             else:
                 data = sender._buffer(slot, b.nbytes, comm.device)
-                _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
-                             sources[s.tensor][s.start : s.start + s.length]) for s in b.segments], hasher)
+                _copy_hash(b, data, _in_tensors(sources), hasher)
             digests.append(hasher.bucket_digest(b) if hasher is not None else known.bucket_checksums[b.index])
-            for r in readers:
-                assert chan is not None
-                chan.send({"kind": "ready", "bucket": b.index, "slot": slot}, to=r)
             pending = [comm.send(data, r, tag=NET_TAG + b.index, timeout_s=route.remaining(stage)) for r in net]
             waiter.busy[slot] = (b.index, set(readers), pending)
             if progress is not None:
@@ -710,25 +755,59 @@ class _Receiving:
             self.relay.close()
 
 
-def _await_ready(chan: Channel, index: int, route: _Route, stage: str, writer: dict[int, int], nslots: int) -> int:
-    """The slot holding bucket ``index`` once its writer (the sender, or this node's relay) says it is ready."""
-    comm = route.comm
-    while True:
-        msg = chan.recv(POLL_S)
-        if msg is None:
-            _check(route, stage, writer)
-            continue
+class _Follower:
+    """A reader's view of the slot its writer (the sender, or this node's relay) is filling:
+    which slot holds bucket ``index`` and how many of its bytes are in place, from the
+    writer's ``ready`` signals (several per bucket: the writer streams, see :data:`STREAM`)."""
+
+    def __init__(self, chan: Channel, route: _Route, writer: dict[int, int], nslots: int) -> None:
+        self.chan = chan
+        self.route = route
+        self.writer = writer
+        self.nslots = nslots
+        self.index = -1
+        self.slot = -1
+        self.nbytes = 0
+        self.upto = 0
+        self.stage = ""
+
+    def start(self, index: int, nbytes: int, stage: str) -> int:
+        """The slot that holds (or is being filled with) bucket ``index``, once its writer says so."""
+        self.index, self.slot, self.nbytes, self.upto, self.stage = index, -1, nbytes, 0, stage
+        self._next()
+        return self.slot
+
+    def awaiting(self, n: int) -> None:
+        """Return once the first ``n`` bytes of the bucket are in its slot."""
+        while self.upto < n:
+            self._next()
+
+    def _next(self) -> None:
+        comm = self.route.comm
+        while True:
+            msg = self.chan.recv(POLL_S)
+            if msg is None:
+                _check(self.route, self.stage, self.writer)
+                continue
+            break
         kind = msg["kind"]
-        if kind == "ready" and msg.get("bucket") == index and msg.get("slot") in (0, 1)[:nslots]:
-            return int(msg["slot"])
         if kind == "failed":
-            peer = next(iter(writer))
+            peer = next(iter(self.writer))
             raise PeerLost(
                 f"rank {comm.rank} of group {comm.group!r} v{comm.version}: rank {peer}, whose shared memory it "
-                f"reads, gave the transfer up during {stage}: {msg.get('reason')}",
-                group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=peer,
+                f"reads, gave the transfer up during {self.stage}: {msg.get('reason')}",
+                group=comm.group, group_version=comm.version, rank=comm.rank, op=self.stage, peer=peer,
             )
-        raise ManifestError(f"bucket signal: expected 'ready' for bucket {index}, got {msg!r:.80}", field="bucket")
+        slot, upto = msg.get("slot"), msg.get("upto")
+        if kind != "ready" or msg.get("bucket") != self.index or slot not in (0, 1)[: self.nslots] \
+                or (self.slot >= 0 and slot != self.slot):
+            where = f"slot {self.slot}" if self.slot >= 0 else "a slot"
+            raise ManifestError(f"bucket signal: expected 'ready' for bucket {self.index} in {where}, "
+                                f"got {msg!r:.80}", field="bucket")
+        if not isinstance(upto, int) or not self.upto < upto <= self.nbytes:
+            raise ManifestError(f"bucket signal: bucket {self.index} filled up to {upto!r}, expected more than "
+                                f"{self.upto} and at most its {self.nbytes} bytes", field="upto")
+        self.slot, self.upto = slot, upto
 
 
 def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> CommittedWeights:
@@ -808,9 +887,10 @@ def _read(
     at.chan = chan = Channel.connect(offer.endpoint, comm.rank)
     chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
     pids = {writer: offer.pid}
+    follow = _Follower(chan, route, pids, len(segs))
     for b in buckets:
         at.stage = f"bucket {b.index + 1}/{n}"
-        seg = segs[_await_ready(chan, b.index, route, at.stage, pids, len(segs))]
+        seg = segs[follow.start(b.index, b.nbytes, at.stage)]
         if seg.group_version() != comm.version:
             raise StaleGroupVersion(comm.group, got=seg.group_version(), current=comm.version,
                                     peer=f"shared-memory segment {seg.name!r}")
@@ -820,17 +900,13 @@ def _read(
                 f"shared-memory segment {seg.name!r} holds bucket {holds[0]} of weights version {holds[1]} "
                 f"({holds[2]} bytes), expected bucket {b.index} of {manifest.weights_version} "
                 f"({b.nbytes} bytes)", field="segment")
-        src = seg.data
-        if receiver._corrupt_next and b.segments:
-            # chaos: this reader sees a damaged segment. A private damaged copy, not the
-            # segment itself: the other readers must get the bytes as sent (two readers
-            # both flipping the shared byte would restore it, and neither would notice).
-            receiver._corrupt_next = False
-            src = seg.data[: b.nbytes].clone()
-            src[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
-        data = flat[b.start : b.stop]
-        _copy_hash([(s.tensor, data[s.bucket_offset : s.bucket_offset + s.length],
-                     src[s.bucket_offset : s.bucket_offset + s.length]) for s in b.segments], hasher)
+        # chaos: this reader sees a damaged segment. Damaged in its own copy, not in the
+        # segment: the other readers must get the bytes as sent (two readers both flipping
+        # the shared byte would restore it, and neither would notice).
+        damage = receiver._corrupt_next and bool(b.segments)
+        receiver._corrupt_next = receiver._corrupt_next and not damage
+        _copy_hash(b, flat[b.start : b.stop], _in_bucket(seg.data), hasher, awaiting=follow.awaiting, damage=damage)
+        follow.awaiting(b.nbytes)  # the writer's last word on this bucket, before the next one's
         digests.append(hasher.bucket_digest(b))
         chan.send({"kind": "released", "bucket": b.index})
         if progress is not None:
@@ -947,12 +1023,9 @@ class _Relay:
         self.waiter.free(slot, stage)
         seg = self.slots.segments[slot]
         out = seg.data[: b.nbytes]
-        _copy_hash([(s.tensor, out[s.bucket_offset : s.bucket_offset + s.length],
-                     data[s.bucket_offset : s.bucket_offset + s.length]) for s in b.segments], hasher,
-                   hash_source=True)
-        seg.mark(b.index, self.weights_version, b.nbytes)
-        for p in self.peers:
-            self.chan.send({"kind": "ready", "bucket": b.index, "slot": slot}, to=p)
+        seg.mark(b.index, self.weights_version, b.nbytes)  # before the peers hear of it
+        _copy_hash(b, out, _in_bucket(data), hasher, hash_source=True,
+                   filled=_announcer(self.chan, self.peers, b.index, slot))
         self.waiter.busy[slot] = (b.index, set(self.peers), [])
 
     def finish(self, stage: str) -> None:

@@ -112,3 +112,74 @@ class TestOrphans:
         swept = shm.sweep_orphans()
         assert orphan in swept and orphan not in shm.list_segments()
         assert live.name in shm.list_segments() and live.name not in swept
+
+
+class TestStreaming:
+    """A writer tells its readers how far it has filled a slot while it fills it, and a reader
+    copies each piece once the writer has said it is there: a bucket is read while written."""
+
+    def bucket(self, sizes: list[int]):
+        from ftstate.transport.buckets import bucket_segments, plan_layout
+
+        entries, windows, _ = plan_layout(((f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)), 1 << 30)
+        (b,) = bucket_segments(entries, windows)
+        return b
+
+    def test_a_writer_announces_its_progress_every_stream_bytes_and_at_the_end(self, monkeypatch):
+        import torch
+
+        from ftstate.transport import samehost
+        from ftstate.transport.checksum import StreamHasher
+
+        monkeypatch.setattr(samehost, "PIECE", 1024)
+        monkeypatch.setattr(samehost, "STREAM", 4096)
+        b = self.bucket([10_000, 3_000])
+        src = torch.randint(0, 255, (b.nbytes,), dtype=torch.uint8)
+        dst = torch.zeros(b.nbytes, dtype=torch.uint8)
+        told: list[int] = []
+        asked: list[int] = []
+        samehost._copy_hash(b, dst, samehost._in_bucket(src), StreamHasher(2), filled=told.append,
+                            awaiting=asked.append)
+        assert all(told[i] - told[i - 1] >= 4096 for i in range(1, len(told) - 1)) and told[-1] == b.nbytes
+        assert len(told) >= 3 and told == sorted(told)
+        # every piece is asked for before it is copied, by where it ends
+        assert asked == sorted(asked) and asked[-1] == b.segments[-1].bucket_offset + b.segments[-1].length
+        for s in b.segments:
+            lo, hi = s.bucket_offset, s.bucket_offset + s.length
+            assert torch.equal(dst[lo:hi], src[lo:hi])
+
+    def follower(self):
+        from types import SimpleNamespace
+
+        from ftstate.transport import samehost
+        from ftstate.transport.signals import Channel
+
+        writer = Channel.bind()
+        reader = Channel.connect(writer.endpoint, 1)
+        reader.send({"kind": "hello", "rank": 1, "pid": os.getpid()})
+        assert writer.recv(5.0)["kind"] == "hello"
+        route = SimpleNamespace(comm=SimpleNamespace(rank=1, group="weights", version=3))
+        return writer, reader, samehost._Follower(reader, route, {0: os.getpid()}, 2)  # type: ignore[arg-type]
+
+    def test_a_reader_waits_for_the_bytes_it_copies_and_refuses_a_malformed_progress(self):
+        writer, reader, follow = self.follower()
+        try:
+            writer.send({"kind": "ready", "bucket": 0, "slot": 1, "upto": 40}, to=1)
+            writer.send({"kind": "ready", "bucket": 0, "slot": 1, "upto": 100}, to=1)
+            assert follow.start(0, 100, "bucket 1/2") == 1 and follow.upto == 40
+            follow.awaiting(30)  # already there: no message read
+            assert follow.upto == 40
+            follow.awaiting(41)
+            assert follow.upto == 100
+            cases = [({"upto": 10}, "upto"), ({"upto": 120}, "upto"), ({"slot": 1, "upto": 50}, "bucket"),
+                     ({"bucket": 2, "upto": 50}, "bucket")]
+            for bad, field in cases:
+                writer.send({"kind": "ready", "bucket": 1, "slot": 0, "upto": 10}, to=1)
+                writer.send({"kind": "ready", "bucket": 1, "slot": 0, **bad}, to=1)
+                assert follow.start(1, 100, "bucket 2/2") == 0
+                with pytest.raises(ManifestError) as err:
+                    follow.awaiting(100)
+                assert err.value.field == field, bad
+        finally:
+            reader.close()
+            writer.close()
