@@ -115,6 +115,7 @@ from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.buckets import Bucket, bucket_segments, plan_layout
 from ftstate.transport.buckets import Segment as BucketSegment
 from ftstate.transport.checksum import StreamHasher, byte_view, combine, dtype_name, host_bytes
+from ftstate.transport.cudaipc import DeviceMemory, device_memory_for
 from ftstate.transport.manifest import (
     WIRE_FORMAT,
     Manifest,
@@ -187,6 +188,9 @@ class Offer:
     relays: tuple[tuple[int, tuple[int, ...]], ...] = ()
     #: ``shared_memory: require``: a relay that cannot make its segments fails the transfer.
     require: bool = False
+    #: One handle per slot when the slots' data is in device memory (:mod:`~ftstate.transport.cudaipc`;
+    #: ``segments`` are then their headers only); empty for slots in ``/dev/shm``.
+    handles: tuple[bytes, ...] = ()
 
 
 def encode_offer(o: Offer) -> bytes:
@@ -194,7 +198,8 @@ def encode_offer(o: Offer) -> bytes:
         {"kind": "offer", "format": WIRE_FORMAT, "group": o.group, "group_version": o.group_version,
          "pid": o.pid, "endpoint": o.endpoint, "segments": list(o.segments), "fresh": o.fresh,
          "shm": list(o.shm), "collective": list(o.collective), "fallback": o.fallback,
-         "relays": [[r, list(peers)] for r, peers in o.relays], "require": o.require},
+         "relays": [[r, list(peers)] for r, peers in o.relays], "require": o.require,
+         "handles": list(o.handles)},
         use_bin_type=True,
     )
 
@@ -239,8 +244,12 @@ def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
                 and all(isinstance(p, int) for p in item[1])):
             raise ManifestError(f"malformed offer: field 'relays': {item!r:.60}", field="relays")
         relays.append((item[0], tuple(item[1])))
+    handles = need("handles", list)
+    if not all(isinstance(h, bytes) for h in handles) or len(handles) not in (0, len(lists["segments"])):
+        raise ManifestError(f"malformed offer: field 'handles': expected none or one handle (bytes) per segment "
+                            f"({len(lists['segments'])}), got {handles!r:.60}", field="handles")
     return Offer(group, gv, need("pid", int), need("endpoint", str), lists["segments"], need("fresh", bool),
-                 lists["shm"], lists["collective"], fallback, tuple(relays), need("require", bool))
+                 lists["shm"], lists["collective"], fallback, tuple(relays), need("require", bool), tuple(handles))
 
 
 # -- the segments each side keeps ------------------------------------------------------------
@@ -255,6 +264,11 @@ class _Slots:
     capacity: int
     segments: list[Segment]
     attached: set[int] = field(default_factory=set)
+    #: Where the slots' data is when not in their segments (see :class:`_Device`).
+    device: _Device | None = None
+
+    def data(self, slot: int) -> torch.Tensor:
+        return self.segments[slot].data if self.device is None else self.device.data[slot]
 
 
 @dataclass
@@ -265,6 +279,25 @@ class _Mapped:
     version: int
     names: tuple[str, ...]
     segments: list[Segment]
+    device: _Device | None = None
+
+    def data(self, slot: int) -> torch.Tensor:
+        return self.segments[slot].data if self.device is None else self.device.data[slot]
+
+
+@dataclass
+class _Device:
+    """The data of a set of slots in device memory: one tensor per slot (allocated by the writer,
+    opened by a reader), and the handles the writer offers for them."""
+
+    memory: DeviceMemory
+    data: list[torch.Tensor]
+    handles: tuple[bytes, ...] = ()
+
+    def release(self) -> None:
+        data, self.data = self.data, []
+        for t in data:
+            self.memory.release(t)
 
 
 #: This process's mappings, by group and writer pid (a new Receiver in the same process keeps
@@ -282,6 +315,8 @@ def _drop(slots: _Slots | None) -> None:
         unlink_names([s.name for s in slots.segments])
         for s in slots.segments:
             s.close()
+        if slots.device is not None:
+            slots.device.release()
 
 
 def drop_slots(sender: Sender) -> None:
@@ -292,8 +327,11 @@ def drop_slots(sender: Sender) -> None:
 
 def _unmap(group: str | None, writer: int | None = None) -> None:
     for key in [k for k in _MAPPED if (group is None or k[0] == group) and (writer is None or k[1] == writer)]:
-        for s in _MAPPED.pop(key).segments:
+        m = _MAPPED.pop(key)
+        for s in m.segments:
             s.close()
+        if m.device is not None:
+            m.device.release()
 
 
 def _drop_relay_slots(group: str | None) -> None:
@@ -308,21 +346,24 @@ def drop_mappings(group: str | None = None) -> None:
     _drop_relay_slots(group)
 
 
-def _fits(s: _Slots | None, comm: Communicator, capacity: int, count: int, readers: set[int]) -> bool:
+def _fits(s: _Slots | None, comm: Communicator, capacity: int, count: int, readers: set[int],
+          memory: DeviceMemory | None = None) -> bool:
     return s is not None and (s.group, s.version) == (comm.group, comm.version) and s.capacity >= capacity \
-        and len(s.segments) >= count and readers <= s.attached
+        and len(s.segments) >= count and readers <= s.attached \
+        and (s.device.memory if s.device is not None else None) is memory
 
 
 def _slots_for(
-    sender: Sender, comm: Communicator, capacity: int, count: int, readers: set[int]
+    sender: Sender, comm: Communicator, capacity: int, count: int, readers: set[int],
+    memory: DeviceMemory | None = None,
 ) -> tuple[_Slots, bool]:
     """The sender's ``count`` (1 or 2) slots for this group version (new ones when too few,
     too small, or when a reader has not mapped them), and whether they are new. One slot when
     the transfer is one bucket: each new slot costs a zeroed allocation of its size."""
-    if _fits(sender._samehost, comm, capacity, count, readers):
+    if _fits(sender._samehost, comm, capacity, count, readers, memory):
         return sender._samehost, False
     drop_slots(sender)
-    sender._samehost = _new_slots(comm, capacity, count)
+    sender._samehost = _new_slots(comm, capacity, count, memory)
     return sender._samehost, True
 
 
@@ -339,28 +380,54 @@ def _require_host_memory(comm: Communicator, capacity: int) -> None:
     if comm.device.type != "cpu":
         raise SharedMemoryUnavailable(
             path=str(SHM_DIR), nbytes=2 * capacity,
-            problem=f"the weights are on {comm.device}: this route moves host memory (CUDA IPC is not implemented)")
+            problem=f"the weights are on {comm.device}: this route moves host memory here, and no device memory "
+                    f"other processes can map is known for {comm.device.type}")
 
 
-def _new_slots(comm: Communicator, capacity: int, count: int) -> _Slots:
+def _slot_memory(comm: Communicator, capacity: int) -> DeviceMemory | None:
+    """The device memory the sender's slots take (:func:`~ftstate.transport.cudaipc.device_memory_for`
+    the communicator's device), or None for slots in ``/dev/shm`` once :func:`_require_host_memory`
+    passed (a device with no such memory: :class:`SharedMemoryUnavailable`)."""
+    memory = device_memory_for(comm.device)
+    if memory is None:
+        _require_host_memory(comm, capacity)
+    return memory
+
+
+def _new_slots(comm: Communicator, capacity: int, count: int, memory: DeviceMemory | None = None) -> _Slots:
+    """``count`` new slots; with ``memory`` their segments are headers only and their data is
+    allocated (and exported) there (a failure there: :class:`SharedMemoryUnavailable`)."""
     generation = next(_generations)
     made: list[Segment] = []
+    device = _Device(memory, []) if memory is not None else None
     try:
         for slot in range(count):
             name = segment_name(comm.group, comm.version, os.getpid(), generation, slot)
-            made.append(Segment.create(name, group_version=comm.version, slot=slot, capacity=capacity))
+            made.append(Segment.create(name, group_version=comm.version, slot=slot,
+                                       capacity=capacity if device is None else 0))
+        if device is not None:
+            try:
+                for _ in range(count):
+                    device.data.append(device.memory.alloc(capacity, comm.device))
+                device.handles = tuple(device.memory.export(t) for t in device.data)
+            except (RuntimeError, OSError) as exc:  # out of device memory, or it cannot be exported
+                raise SharedMemoryUnavailable(path=f"{comm.device} memory ({type(device.memory).__name__})",
+                                              nbytes=count * capacity, problem=str(exc)[:300]) from exc
     except BaseException:
         unlink_names([m.name for m in made])
         for m in made:
             m.close()
+        if device is not None:
+            device.release()
         raise
-    return _Slots(comm.group, comm.version, capacity, made)
+    return _Slots(comm.group, comm.version, capacity, made, device=device)
 
 
-def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
+def _mappings(offer: Offer, comm: Communicator) -> _Mapped:
     m = _MAPPED.get((comm.group, offer.pid))
-    if m is not None and m.names == offer.segments and m.version == comm.version:
-        return m.segments
+    if m is not None and m.names == offer.segments and m.version == comm.version \
+            and (m.device.handles if m.device is not None else ()) == offer.handles:
+        return m
     _unmap(comm.group, offer.pid)
     if not offer.fresh:
         raise ManifestError(f"rank {comm.rank}: the offer names segments {list(offer.segments)} this member "
@@ -369,15 +436,28 @@ def _mappings(offer: Offer, comm: Communicator) -> list[Segment]:
         raise ManifestError(f"malformed offer: field 'segments': expected 1 or 2 slots, got {len(offer.segments)}",
                             field="segments")
     segs: list[Segment] = []
+    device: _Device | None = None
     try:
         for name in offer.segments:
             segs.append(Segment.attach(name, group=comm.group, group_version=comm.version, creator_pid=offer.pid))
+        if offer.handles:  # the headers checked out: now the data, in device memory
+            memory = device_memory_for(comm.device)
+            if memory is None:
+                raise SharedMemoryUnavailable(
+                    path=f"{comm.device} memory", nbytes=0,
+                    problem=f"rank {comm.rank}: the sender's slots are in device memory and this member has "
+                            f"none it can map on {comm.device}")
+            device = _Device(memory, [], offer.handles)
+            for h in offer.handles:
+                device.data.append(memory.open(h, comm.device))
     except BaseException:
         for s in segs:
             s.close()
+        if device is not None:
+            device.release()
         raise
-    _MAPPED[(comm.group, offer.pid)] = _Mapped(comm.group, comm.version, offer.segments, segs)
-    return segs
+    m = _MAPPED[(comm.group, offer.pid)] = _Mapped(comm.group, comm.version, offer.segments, segs, device)
+    return m
 
 
 # -- moving the bytes ----------------------------------------------------------------------
@@ -415,6 +495,42 @@ def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torc
                 filled(told)
     if filled is not None and told < b.nbytes:
         filled(b.nbytes)
+
+
+def _device_copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torch.Tensor],
+                      hasher: StreamHasher | None, memory: DeviceMemory, *, hash_source: bool = False,
+                      filled: Callable[[int], None] | None = None, awaiting: Callable[[int], None] | None = None,
+                      damage: bool = False) -> None:
+    """:func:`_copy_hash` where the slot is in device memory (the writer's ``dst``, or the
+    reader's ``src``), kept apart from it because nothing here can be hashed in cache.
+
+    The copies are queued on the device and only :meth:`~DeviceMemory.synchronize` says they
+    are done, so the whole bucket is copied, synchronized, and only then announced: a writer
+    calls ``filled(b.nbytes)`` once per bucket, not every :data:`STREAM` bytes (a streamed
+    announcement would need a synchronize per piece, which stalls the device's queue between
+    pieces, and a device copies a bucket in less time than a reader takes to wake up to a
+    signal). A reader waits for that one ``ready`` (``awaiting(b.nbytes)``), copies,
+    synchronizes, and hashes; its caller releases the slot only after that.
+
+    Hashing goes through the host (:func:`_hash`), after the announcement (while the readers
+    copy): a writer hashes its source (``hash_source``), so a slot damaged after the copy is
+    caught by every reader; a reader hashes what it holds. ``damage`` as in :func:`_copy_hash`."""
+    if awaiting is not None:
+        awaiting(b.nbytes)
+    for s in b.segments:
+        out = dst[s.bucket_offset : s.bucket_offset + s.length]
+        out.copy_(src(s))
+        if damage and s.length:
+            out[:1].bitwise_xor_(0xFF)
+            damage = False
+    memory.synchronize(dst.device)
+    if filled is not None:
+        filled(b.nbytes)
+    if hasher is not None and hash_source:
+        for s in b.segments:
+            hasher.feed(s.tensor, host_bytes(src(s)))
+    else:
+        _hash(b, dst, hasher)
 
 
 def _in_bucket(data: torch.Tensor) -> Callable[[BucketSegment], torch.Tensor]:
@@ -622,8 +738,8 @@ def _send(
     fallback: str | None = None
     if readers:
         try:
-            _require_host_memory(comm, capacity)
-            slots, fresh = _slots_for(sender, comm, capacity, min(2, len(buckets)) or 1, set(readers))
+            memory = _slot_memory(comm, capacity)
+            slots, fresh = _slots_for(sender, comm, capacity, min(2, len(buckets)) or 1, set(readers), memory)
         except SharedMemoryUnavailable as exc:
             if require_shm:
                 comm.abort(f"shared memory unavailable: {exc.problem}")
@@ -642,7 +758,8 @@ def _send(
         stage = "offer"
         offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
                       tuple(s.name for s in slots.segments) if slots and readers else (), fresh,
-                      tuple(readers), tuple(net), fallback, tuple(sorted(relays.items())), require_shm)
+                      tuple(readers), tuple(net), fallback, tuple(sorted(relays.items())), require_shm,
+                      handles=slots.device.handles if slots and slots.device and readers else ())
         route.send_message(encode_offer(offer), stage)
         if relays:
             stage = "relay offers"
@@ -661,6 +778,9 @@ def _send(
             waiter.hellos(readers, stage)
             if fresh:  # every reader mapped them: the names go, the memory stays with the mappings
                 unlink_names(offer.segments)
+                if slots.device is not None:
+                    for t in slots.device.data:
+                        slots.device.memory.unlink(t)
             slots.attached |= set(readers)
         n = len(buckets)
         for b in buckets:
@@ -671,10 +791,14 @@ def _send(
             if slots is not None and readers:
                 assert chan is not None
                 seg = slots.segments[slot]
-                data = seg.data[: b.nbytes]
+                data = slots.data(slot)[: b.nbytes]
                 seg.mark(b.index, weights_version, b.nbytes)  # before the readers hear of it
-                _copy_hash(b, data, _in_tensors(sources), hasher,
-                           filled=_announcer(chan, readers, b.index, slot))
+                if slots.device is None:
+                    _copy_hash(b, data, _in_tensors(sources), hasher,
+                               filled=_announcer(chan, readers, b.index, slot))
+                else:
+                    _device_copy_hash(b, data, _in_tensors(sources), hasher, slots.device.memory,
+                                      hash_source=True, filled=_announcer(chan, readers, b.index, slot))
             elif one is not None:  # collective only: a bucket that is one tensor goes from its memory
                 data = sources[one.tensor][one.start : one.start + one.length]
                 _hash(b, data, hasher)
@@ -883,14 +1007,16 @@ def _read(
     n = len(buckets)
     at.stage = "attach"
     at.read = offer
-    segs = _mappings(offer, comm)
+    mapped = _mappings(offer, comm)
+    segs = mapped.segments
     at.chan = chan = Channel.connect(offer.endpoint, comm.rank)
     chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
     pids = {writer: offer.pid}
     follow = _Follower(chan, route, pids, len(segs))
     for b in buckets:
         at.stage = f"bucket {b.index + 1}/{n}"
-        seg = segs[follow.start(b.index, b.nbytes, at.stage)]
+        slot = follow.start(b.index, b.nbytes, at.stage)
+        seg = segs[slot]
         if seg.group_version() != comm.version:
             raise StaleGroupVersion(comm.group, got=seg.group_version(), current=comm.version,
                                     peer=f"shared-memory segment {seg.name!r}")
@@ -905,7 +1031,16 @@ def _read(
         # the shared byte would restore it, and neither would notice).
         damage = receiver._corrupt_next and bool(b.segments)
         receiver._corrupt_next = receiver._corrupt_next and not damage
-        _copy_hash(b, flat[b.start : b.stop], _in_bucket(seg.data), hasher, awaiting=follow.awaiting, damage=damage)
+        if mapped.device is None:
+            _copy_hash(b, flat[b.start : b.stop], _in_bucket(seg.data), hasher, awaiting=follow.awaiting,
+                       damage=damage)
+        else:
+            data = mapped.data(slot)
+            if data.numel() < b.nbytes:
+                raise ManifestError(f"the device memory of slot {slot} ({seg.name!r}) holds {data.numel()} bytes, "
+                                    f"fewer than bucket {b.index}'s {b.nbytes}", field="handles")
+            _device_copy_hash(b, flat[b.start : b.stop], _in_bucket(data), hasher, mapped.device.memory,
+                              awaiting=follow.awaiting, damage=damage)
         follow.awaiting(b.nbytes)  # the writer's last word on this bucket, before the next one's
         digests.append(hasher.bucket_digest(b))
         chan.send({"kind": "released", "bucket": b.index})

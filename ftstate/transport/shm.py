@@ -112,7 +112,9 @@ class Segment:
         self.name = name
         self.capacity = capacity
         self._mm: mmap.mmap | None = mm
-        self.data: torch.Tensor = torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER_BYTES, count=capacity)
+        # capacity 0: a header only (a slot whose data lives in device memory, see samehost)
+        self.data: torch.Tensor = torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER_BYTES, count=capacity) \
+            if capacity else torch.empty(0, dtype=torch.uint8)
 
     @property
     def path(self) -> Path:

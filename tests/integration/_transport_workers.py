@@ -189,6 +189,30 @@ class _Member:
             seg.close()
         self.stale_chan.close()
 
+    def install_device_memory(self, device_type: str, factory: str | None) -> None:
+        """Install ``factory`` (``"module:Class"``, built once per process) as this process's
+        device memory for ``device_type`` (None: back to the default)."""
+        import importlib
+
+        from ftstate.transport import cudaipc
+
+        if factory is None:
+            cudaipc.uninstall(device_type)
+            self.device_memory = None
+            return
+        module, _, cls = factory.partition(":")
+        current = getattr(self, "device_memory", None)
+        if type(current).__name__ != cls:
+            self.device_memory = getattr(importlib.import_module(module), cls)()
+        cudaipc.install(device_type, self.device_memory)
+
+    def device_memory_stats(self) -> dict[str, int]:
+        return self.device_memory.stats()
+
+    def tamper_device_slot(self) -> None:
+        """The installed stand-in damages the slots it allocated at its next synchronize."""
+        self.device_memory.tamper_next = True
+
     def set_shm_dir(self, path: str) -> None:
         """Point this process's segments at ``path`` (a missing directory: shared memory unavailable)."""
         from pathlib import Path
