@@ -22,8 +22,9 @@ interface), ``factory`` (a backend by name), ``gloo`` and ``nccl`` (backends), `
 planning), ``manifest`` (wire messages), ``checksum`` (hashing), ``validate`` (what a user's
 state must be to travel), ``sync`` (the transfer protocol, broadcast and point-to-point),
 ``samehost`` (the same protocol with the buckets through shared memory for receivers on the
-sender's host: ``samehost.broadcast`` / ``send_to`` / ``receive``), ``shm`` (its segments)
-and ``signals`` (its pyzmq bucket-ready / released signals).
+sender's host: ``samehost.broadcast`` / ``send_to`` / ``receive``), ``shm`` (its segments),
+``cudaipc`` (its slots in device memory, CUDA IPC) and ``signals`` (its pyzmq bucket-ready /
+released signals).
 Nothing here imports Ray.
 """
 

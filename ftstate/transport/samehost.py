@@ -81,11 +81,25 @@ anywhere). A side that fails tells the other side (``failed``), aborts its commu
 unlinks: the sender its own segments, a reader the segments of a sender that died. Nothing
 is committed by anyone before the vote.
 
-**Shared memory unavailable** (no ``/dev/shm``, full, too small, or weights on a GPU: CUDA
-IPC is not implemented): with ``require_shm`` the sender raises
+**Device memory.** When the communicator's device has memory other processes on the host
+can map (:func:`~ftstate.transport.cudaipc.device_memory_for`: CUDA IPC for ``cuda``), the
+slots' data lives there instead of in ``/dev/shm``: each slot keeps its segment as a header
+only (so its name, group version, ``mark``/``holds``, unlinking and sweeping are exactly
+the host slots'), the writer allocates and exports the data, the offer carries one handle
+per slot (``handles``), and each reader opens them once, kept with its mapping of the
+headers and dropped on the same paths. The bytes stay on the device: the writer copies a
+bucket into the slot, synchronizes, and only then says ``ready`` (once per bucket, not
+streamed: see :func:`_device_copy_hash`); a reader copies it into its staging on its own
+device, synchronizes, hashes, and only then releases. Relays keep their slots in ``/dev/shm``.
+
+**Shared memory unavailable** (no ``/dev/shm``, full, too small; device memory that cannot
+be allocated or exported; weights on a device with no such memory, i.e. not ``cpu`` and not
+``cuda``): with ``require_shm`` the sender raises
 :class:`~ftstate.core.errors.SharedMemoryUnavailable`; otherwise those receivers take the
 collective for this transfer and :attr:`SyncReport.shm_fallback` says why (the controller
-records it in the audit trail).
+records it in the audit trail). A relay on a GPU cannot make its slots (they are host
+memory), which is the same case. A reader that is offered device slots and has no device
+memory of its own raises it too.
 """
 
 from __future__ import annotations

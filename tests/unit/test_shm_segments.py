@@ -90,6 +90,30 @@ class TestFencing:
         assert info.value.field == "relays"
 
 
+    def test_an_offer_carries_one_device_handle_per_slot_and_a_malformed_one_names_its_field(self):
+        offer = Offer("weights", 3, 10, "tcp://127.0.0.1:5555", ("a", "b"), True, (1, 2), (), handles=(b"h0", b"\x00h1"))
+        assert decode_offer(encode_offer(offer), group="weights", group_version=3) == offer
+        host = Offer("weights", 3, 10, "tcp://127.0.0.1:5555", ("a", "b"), True, (1, 2), ())
+        assert decode_offer(encode_offer(host), group="weights", group_version=3).handles == ()
+        for handles in [(b"h0",), (b"h0", b"h1", b"h2"), ("h0", "h1"), (b"h0", 1)]:
+            bad = Offer("weights", 3, 10, "", ("a", "b"), True, (1, 2), (), handles=handles)  # type: ignore[arg-type]
+            with pytest.raises(ManifestError, match="field 'handles'") as info:
+                decode_offer(encode_offer(bad), group="weights", group_version=3)
+            assert info.value.field == "handles", handles
+
+    def test_a_header_only_segment_is_fenced_and_marked_like_any_other(self, made):
+        seg = create(made, 6, capacity=0)  # the header of a slot whose data is in device memory
+        assert seg.data.numel() == 0
+        seg.mark(2, 9, 12345)
+        reader = shm.Segment.attach(seg.name, group="weights", group_version=6, creator_pid=os.getpid())
+        try:
+            assert (reader.group_version(), reader.holds(), reader.data.numel()) == (6, (2, 9, 12345), 0)
+        finally:
+            reader.close()
+        with pytest.raises(StaleGroupVersion):
+            shm.Segment.attach(seg.name, group="weights", group_version=7, creator_pid=os.getpid())
+
+
 class TestSpace:
     def test_a_segment_larger_than_dev_shm_is_a_typed_error_and_leaves_nothing(self):
         name = shm.segment_name("weights", 1, os.getpid(), 77, 0)
