@@ -105,6 +105,7 @@ memory of its own raises it too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import time
@@ -807,12 +808,10 @@ def _send(
                 seg = slots.segments[slot]
                 data = slots.data(slot)[: b.nbytes]
                 seg.mark(b.index, weights_version, b.nbytes)  # before the readers hear of it
-                if slots.device is None:
-                    _copy_hash(b, data, _in_tensors(sources), hasher,
-                               filled=_announcer(chan, readers, b.index, slot))
-                else:
-                    _device_copy_hash(b, data, _in_tensors(sources), hasher, slots.device.memory,
-                                      hash_source=True, filled=_announcer(chan, readers, b.index, slot))
+                write_slot = _copy_hash if slots.device is None else functools.partial(
+                    _device_copy_hash, memory=slots.device.memory, hash_source=True)
+                write_slot(b, data, _in_tensors(sources), hasher,
+                           filled=_announcer(chan, readers, b.index, slot))
             elif one is not None:  # collective only: a bucket that is one tensor goes from its memory
                 data = sources[one.tensor][one.start : one.start + one.length]
                 _hash(b, data, hasher)

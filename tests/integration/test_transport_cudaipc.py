@@ -11,7 +11,8 @@ tests/gpu/test_cuda_ipc.py on a GPU.
 
 Rank 0 sends, ranks 1 and 2 read. What is checked: both readers bit-exact to the sender, the
 report's routes say ``shm``; a second sync reuses the slots; a mixed transfer sends the
-device slots over the collective too; a SIGKILLed sender or reader ends the transfer with
+device slots over the collective too; a point-to-point resync takes device slots too, and a
+relay keeps its own in /dev/shm; a SIGKILLed sender or reader ends the transfer with
 nothing committed and nothing left in /dev/shm (the headers and the stand-in's files); a
 damaged device slot, or a reader's damaged copy, is caught by the checksum; memory that
 cannot be allocated is an announced fallback with ``auto`` and a typed error with ``require``.
@@ -104,6 +105,31 @@ class TestDeviceSlots:
         assert report["routes"] == {1: "shm", 2: "collective"}
         for rollout in group.members[1:]:
             assert_bit_exact(rollout, 1)
+
+
+    def test_point_to_point_resync_of_a_newcomer_from_a_members_device_slots(self, group):
+        planned(group, [1, 2])
+        _trainer, source, newcomer = group.members
+        newcomer.call("reset_receiver")
+        allocated = stats(source)["alloc"]
+        newcomer.start("receive_planned", timeout_s=SYNC_S, src=1, point_to_point=True)
+        report = source.call("send_to_planned", peer=2, timeout_s=SYNC_S, source="committed")
+        assert newcomer.result()["checksum"] == expected_checksum(1)
+        assert report["routes"] == {2: "shm"} and report["committed"] == [2]
+        assert stats(source)["alloc"] - allocated == 2  # the source's own slots, in device memory
+        assert_bit_exact(newcomer, 1)
+        assert our_segments(group) == []
+
+    def test_a_relay_keeps_its_slots_in_dev_shm(self, group):
+        relay = group.members[1]
+        allocated = stats(relay)["alloc"]
+        report = planned(group, [], relays={1: [2]})
+        assert report["routes"] == {1: "collective", 2: "relay"} and report["shm_fallback"] is None
+        assert report["committed"] == [1, 2]
+        assert stats(relay)["alloc"] == allocated
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 1)
+        assert our_segments(group) == []
 
 
 class TestFaults:
