@@ -23,10 +23,12 @@ and opened with ``rebuild_cuda_tensor`` on the reader's own device.
 this process, for a device CUDA IPC cannot serve or for a test stand-in); None means the
 slots are host memory.
 
-A handle names no file: a CUDA allocation is returned when its exporting process frees it or
-dies (the readers' mappings keep nothing alive after that), so a SIGKILLed writer leaves
-nothing behind on the host. Only what the writer's stream has finished is visible to a
-reader: the route announces a bucket after :meth:`DeviceMemory.synchronize`, never before.
+A CUDA IPC handle names nothing on the host: the allocation belongs to the exporting
+process (torch keeps a block its readers still hold open, through a reference count it
+shares with them) and goes with it, so a SIGKILLed writer leaves nothing behind, and its
+readers drop their mappings on their way out. A reader sees only what the writer's queue has
+finished: the route announces a bucket after :meth:`DeviceMemory.synchronize`, never before,
+and a reader synchronizes its own copy before it releases the slot.
 """
 
 from __future__ import annotations
@@ -137,8 +139,11 @@ class CudaIpc:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
 
     def export(self, t: torch.Tensor) -> bytes:
+        import torch
         from torch.multiprocessing.reductions import reduce_tensor
 
+        if t.device.type != "cuda" or t.dtype != torch.uint8:
+            raise ValueError(f"CudaIpc exports the uint8 CUDA tensors it allocated, not {t.dtype} on {t.device}")
         _rebuild, args = reduce_tensor(t.detach())
         return pack_rebuild_args(args)
 

@@ -67,6 +67,22 @@ class TestHandles:
         assert info.value.field == "handles"
 
 
+    def test_open_calls_torchs_rebuild_with_the_writers_arguments_on_the_readers_device(self, monkeypatch):
+        # The CUDA call itself cannot run here: rebuild_cuda_tensor is replaced by a recorder,
+        # to check what CudaIpc.open hands it (tests/gpu runs the real one).
+        import torch.multiprocessing.reductions as reductions
+
+        calls = []
+        monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: calls.append(args) or "opened")
+        handle = cudaipc.pack_rebuild_args(fake_reduce_args(device=3))
+        assert cudaipc.CudaIpc().open(handle, torch.device("cuda", 2)) == "opened"
+        assert calls == [fake_reduce_args(device=2)]  # the writer's device index 3 replaced by 2
+
+    def test_export_refuses_what_it_did_not_allocate(self):
+        with pytest.raises(ValueError, match="uint8 CUDA tensors"):
+            cudaipc.CudaIpc().export(torch.zeros(4, dtype=torch.uint8))
+
+
 class TestWhichMemory:
     def test_cuda_gets_cuda_ipc_and_the_host_gets_dev_shm(self):
         assert isinstance(cudaipc.device_memory_for(torch.device("cuda", 1)), cudaipc.CudaIpc)
