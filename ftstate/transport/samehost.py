@@ -395,15 +395,19 @@ def _require_host_memory(comm: Communicator, capacity: int) -> None:
     if comm.device.type != "cpu":
         raise SharedMemoryUnavailable(
             path=str(SHM_DIR), nbytes=2 * capacity,
-            problem=f"the weights are on {comm.device}: this route moves host memory here, and no device memory "
-                    f"other processes can map is known for {comm.device.type}")
+            problem=f"the weights are on {comm.device}: these slots hold host memory (a relay's always do)")
 
 
 def _slot_memory(comm: Communicator, capacity: int) -> DeviceMemory | None:
     """The device memory the sender's slots take (:func:`~ftstate.transport.cudaipc.device_memory_for`
-    the communicator's device), or None for slots in ``/dev/shm`` once :func:`_require_host_memory`
-    passed (a device with no such memory: :class:`SharedMemoryUnavailable`)."""
+    the communicator's device), or None for slots in ``/dev/shm``; a device with no memory other
+    processes can map: :class:`SharedMemoryUnavailable`."""
     memory = device_memory_for(comm.device)
+    if memory is None and comm.device.type != "cpu":
+        raise SharedMemoryUnavailable(
+            path=f"{comm.device} memory", nbytes=2 * capacity,
+            problem=f"the weights are on {comm.device} and no device memory other processes can map is known "
+                    f"for {comm.device.type!r} (ftstate.transport.cudaipc.device_memory_for)")
     if memory is None:
         _require_host_memory(comm, capacity)
     return memory

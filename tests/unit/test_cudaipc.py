@@ -101,8 +101,13 @@ class TestWhichMemory:
         cudaipc.install("cuda", None)  # as if CUDA IPC were refused on this host
         comm = SimpleNamespace(device=device)
         with pytest.raises(SharedMemoryUnavailable, match=f"no device memory other processes can map is known "
-                                                          f"for {device.type}"):
+                                                          f"for '{device.type}'"):
             samehost._slot_memory(comm, 1024)  # type: ignore[arg-type]
+
+    def test_a_relay_on_a_device_cannot_make_its_slots(self):
+        comm = SimpleNamespace(device=torch.device("cuda", 0))
+        with pytest.raises(SharedMemoryUnavailable, match="these slots hold host memory"):
+            samehost._require_host_memory(comm, 1024)  # type: ignore[arg-type]
 
     def test_the_host_takes_slots_in_dev_shm(self):
         comm = SimpleNamespace(device=torch.device("cpu"))
