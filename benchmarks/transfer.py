@@ -156,6 +156,7 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> No
                     if rnd >= args["warmup"]:
                         times[kind].append(time.perf_counter() - t0)
                         cpu[kind].append(_cpu_seconds() - c0)
+            together = _together(comm, nbytes)
             hashing, memcpy = [], []
             if idx == 0:  # the ceiling: one copy of the same bytes, and one xxh3 pass, one core each
                 for _ in range(3):
@@ -174,11 +175,37 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> No
                         at += b.numel()
                     memcpy.append(time.perf_counter() - t0)
                 del flat
-            results.put((idx, receivers, size, {"times": times, "cpu": cpu, "hash": hashing, "memcpy": memcpy},
+            results.put((idx, receivers, size, {"times": times, "cpu": cpu, "hash": hashing, "memcpy": memcpy,
+                                                   "together": together},
                          checks))
             del weights, raw
         comm.close()
     results.put((idx, None, None, None, None))
+
+
+def _together(comm: Any, nbytes: int, reps: int = 3) -> list[float]:
+    """The same-host route's floor on this host: every process of the run copies and hashes
+    ``nbytes`` of its own at the same moment (in the route's cache-sized pieces), as the
+    sender and each reader do once per sync; this process's time for each of ``reps`` rounds."""
+    import torch
+    import xxhash
+
+    from ftstate.transport.samehost import PIECE
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)  # touched: no page faults in the timed copies
+    view = memoryview(dst.numpy()).cast("B")
+    out = []
+    for _ in range(reps):
+        comm.barrier(timeout_s=60)
+        t0 = time.perf_counter()
+        h = xxhash.xxh3_64()
+        for lo in range(0, nbytes, PIECE):
+            dst[lo : lo + PIECE].copy_(src[lo : lo + PIECE])
+            h.update(view[lo : lo + PIECE])
+        out.append(time.perf_counter() - t0)
+    comm.barrier(timeout_s=60)
+    return out
 
 
 def _senders_worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> None:
@@ -355,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{'size':>8} {'recv':>4} | {'raw s':>7} {'raw GB/s':>8} {'raw cpu':>7} | {'ftstate s':>9} {'ft GB/s':>7} "
         f"{'ft cpu':>6} | {'ratio':>5} | {'shm s':>6} {'shm GB/s':>8} {'shm cpu':>7} | {'shm/raw':>7} | "
-        f"{'memcpy s':>8} {'xxh3 s':>6} {'shm/memcpy':>10} | {'xnode/raw':>9} | {'relay/raw':>9} "
+        f"{'memcpy s':>8} {'xxh3 s':>6} {'shm/memcpy':>10} | {'together s':>10} {'shm/tog':>7} | {'xnode/raw':>9} | {'relay/raw':>9} "
         f"{'relay/xnode':>11} | checksums"
     )
     print(header)
@@ -389,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         relay_xnode = (statistics.median(x / f for x, f in zip(times["xnode"], times["relay"], strict=True))
                        if times.get("relay") else None)
         memcpy = statistics.median(data["memcpy"])
+        # all processes at once: a round lasts as long as its slowest process
+        together = statistics.median(max(per_rank[r][0]["together"][i] for r in per_rank)
+                                     for i in range(len(data["together"])))
         if size >= 256:
             worst = ratio if worst is None else min(worst, ratio)
             worst_shm = shm_ratio if worst_shm is None else min(worst_shm, shm_ratio)
@@ -397,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{size:>5} MiB {receivers:>4} | {raw:>7.3f} {gb / raw:>8.2f} {load['raw']:>7.0%} | {ft:>9.3f} "
             f"{gb / ft:>7.2f} {load['ftstate']:>6.0%} | {ratio:>5.2f} | {shm:>6.3f} {gb / shm:>8.2f} "
             f"{load['shm']:>7.0%} | {shm_ratio:>7.2f} | {memcpy:>8.3f} {statistics.median(data['hash']):>6.3f} "
-            f"{memcpy / shm:>10.2f} | {xnode_ratio:>9.2f} | {_opt(relay_ratio):>9} {_opt(relay_xnode):>11} | "
+            f"{memcpy / shm:>10.2f} | {together:>10.3f} {together / shm:>7.2f} | {xnode_ratio:>9.2f} | {_opt(relay_ratio):>9} {_opt(relay_xnode):>11} | "
             f"{'match' if agree else 'MISMATCH'}"
         )
     if worst is not None:
@@ -407,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         "raw cpu / ft cpu / shm cpu: CPU time of all processes over the round's wall time and all cores; "
         "shm/raw: raw time / same-host time per round; memcpy s / xxh3 s: one copy / one checksum pass of the "
         "same bytes on one core (the same-host route does one of each on every side); shm/memcpy: the share of "
-        "that ceiling reached; xnode/raw: raw time / the same route with every receiver planned on another node "
+        "that ceiling reached; together s: every process of the run (sender and receivers) copying and hashing "
+        "the same bytes of its own at once, in the route's pieces: the same-host route's floor on this host, "
+        "with its cores and memory bandwidth shared as in a sync; shm/tog: the share of that floor reached; "
+        "xnode/raw: raw time / the same route with every receiver planned on another node "
         "(each gets the buckets point to point over gloo: the cross-node leg, on loopback here); relay/raw: "
         "raw time / the same with every receiver on one other node, rank 1 relaying through that node's "
         "shared memory (one copy over gloo); relay/xnode: xnode time / relay time (>1: relaying is faster "

@@ -173,8 +173,14 @@ PIECE = 2 * 1024 * 1024
 STREAM = 8 * 1024 * 1024
 
 #: Tags of the buckets sent point to point to collective ranks (the peer route's messages
-#: use small sequence numbers, so the two never meet).
+#: use small sequence numbers, so the two never meet): the n-th chunk of the transfer is
+#: tagged ``NET_TAG + n``.
 NET_TAG = 1 << 20
+
+#: A bucket goes to a collective rank in messages of this many bytes, each sent as soon as the
+#: sender has it (copied and hashed) and hashed by the receiver as soon as it lands, so
+#: sending, the network and the receiver's hash overlap even for a transfer of one bucket.
+NET_CHUNK = 8 * 1024 * 1024
 
 #: First tag of a relay's offer to the sender and to each of its peers (header, then body).
 RELAY_TAG = 1 << 19
@@ -203,6 +209,9 @@ class Offer:
     relays: tuple[tuple[int, tuple[int, ...]], ...] = ()
     #: ``shared_memory: require``: a relay that cannot make its segments fails the transfer.
     require: bool = False
+    #: The bytes of one point-to-point message to a collective rank: each bucket goes as
+    #: ``ceil(nbytes / chunk)`` messages, tagged :data:`NET_TAG` + their index in the transfer.
+    chunk: int = 0
     #: One handle per slot when the slots' data is in device memory (:mod:`~ftstate.transport.cudaipc`;
     #: ``segments`` are then their headers only); empty for slots in ``/dev/shm``.
     handles: tuple[bytes, ...] = ()
@@ -213,7 +222,7 @@ def encode_offer(o: Offer) -> bytes:
         {"kind": "offer", "format": WIRE_FORMAT, "group": o.group, "group_version": o.group_version,
          "pid": o.pid, "endpoint": o.endpoint, "segments": list(o.segments), "fresh": o.fresh,
          "shm": list(o.shm), "collective": list(o.collective), "fallback": o.fallback,
-         "relays": [[r, list(peers)] for r, peers in o.relays], "require": o.require,
+         "relays": [[r, list(peers)] for r, peers in o.relays], "require": o.require, "chunk": o.chunk,
          "handles": list(o.handles)},
         use_bin_type=True,
     )
@@ -253,6 +262,9 @@ def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
     fallback = d.get("fallback")
     if fallback is not None and not isinstance(fallback, str):
         raise ManifestError(f"malformed offer: field 'fallback': {fallback!r:.60}", field="fallback")
+    chunk = need("chunk", int)
+    if chunk < 0:
+        raise ManifestError(f"malformed offer: field 'chunk': {chunk}, expected a number of bytes", field="chunk")
     relays = []
     for item in need("relays", list):
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and isinstance(item[1], list)
@@ -264,7 +276,8 @@ def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
         raise ManifestError(f"malformed offer: field 'handles': expected none or one handle (bytes) per segment "
                             f"({len(lists['segments'])}), got {handles!r:.60}", field="handles")
     return Offer(group, gv, need("pid", int), need("endpoint", str), lists["segments"], need("fresh", bool),
-                 lists["shm"], lists["collective"], fallback, tuple(relays), need("require", bool), tuple(handles))
+                 lists["shm"], lists["collective"], fallback, tuple(relays), need("require", bool), chunk,
+                 tuple(handles))
 
 
 # -- the segments each side keeps ------------------------------------------------------------
@@ -578,6 +591,63 @@ def _hash(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher | None) -> No
         hasher.feed(s.tensor, mv[s.bucket_offset : s.bucket_offset + s.length])
 
 
+def _hash_range(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher, lo: int, hi: int) -> None:
+    """Feed the bucket's bytes ``[lo, hi)`` (offsets within it) to their tensors' hashers."""
+    mv = host_bytes(data[lo:hi])
+    for s in bucket.segments:
+        a, z = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.length)
+        if a < z:
+            hasher.feed(s.tensor, mv[a - lo : z - lo])
+
+
+def _chunks(buckets: Sequence[Bucket], chunk: int) -> list[tuple[Bucket, int, int]]:
+    """Every bucket cut into ``(bucket, lo, hi)`` messages of ``chunk`` bytes, in transfer order
+    (the n-th is tagged ``NET_TAG + n`` by both sides)."""
+    return [(b, lo, min(lo + chunk, b.nbytes)) for b in buckets for lo in range(0, b.nbytes, chunk)]
+
+
+class _NetSends:
+    """The sender's messages to its collective ranks: each chunk is posted once it is filled."""
+
+    def __init__(self, route: _Route, net: Sequence[int], buckets: Sequence[Bucket], chunk: int) -> None:
+        self.route = route
+        self.net = net
+        self.first: dict[int, int] = {}  # bucket index -> tag offset of its first chunk
+        n = 0
+        for b in buckets:
+            self.first[b.index] = n
+            n += -(-b.nbytes // chunk)
+        self.chunk = chunk
+
+    def filler(self, b: Bucket, data: torch.Tensor, pending: list[Pending], stage: str) -> Callable[[int], None]:
+        """What to call as ``data`` (the bucket's bytes) fills up: posts every whole chunk so far."""
+        sent = 0
+        comm = self.route.comm
+
+        def filled(upto: int) -> None:
+            nonlocal sent
+            while sent < b.nbytes and (upto == b.nbytes or sent + self.chunk <= upto):
+                hi = min(sent + self.chunk, b.nbytes)
+                tag = NET_TAG + self.first[b.index] + sent // self.chunk
+                pending.extend(comm.send(data[sent:hi], r, tag=tag, timeout_s=self.route.remaining(stage))
+                               for r in self.net)
+                sent = hi
+        return filled
+
+
+def _both(*calls: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    live = [c for c in calls if c is not None]
+    if not live:
+        return None
+    if len(live) == 1:
+        return live[0]
+
+    def both(upto: int) -> None:
+        for c in live:
+            c(upto)
+    return both
+
+
 def _peer_of(route: _Route) -> int:
     return route.root if isinstance(route, _BroadcastRoute) else route.peer  # type: ignore[attr-defined]
 
@@ -777,7 +847,7 @@ def _send(
         stage = "offer"
         offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
                       tuple(s.name for s in slots.segments) if slots and readers else (), fresh,
-                      tuple(readers), tuple(net), fallback, tuple(sorted(relays.items())), require_shm,
+                      tuple(readers), tuple(net), fallback, tuple(sorted(relays.items())), require_shm, NET_CHUNK,
                       handles=slots.device.handles if slots and slots.device and readers else ())
         route.send_message(encode_offer(offer), stage)
         if relays:
@@ -802,11 +872,13 @@ def _send(
                         slots.device.memory.unlink(t)
             slots.attached |= set(readers)
         n = len(buckets)
+        sends = _NetSends(route, net, buckets, NET_CHUNK)
         for b in buckets:
             stage = f"bucket {b.index + 1}/{n}"
             slot = b.index % nslots
             waiter.free(slot, stage)
             one = b.single
+            pending: list[Pending] = []
             if slots is not None and readers:
                 assert chan is not None
                 seg = slots.segments[slot]
@@ -814,16 +886,17 @@ def _send(
                 seg.mark(b.index, weights_version, b.nbytes)  # before the readers hear of it
                 write_slot = _copy_hash if slots.device is None else functools.partial(
                     _device_copy_hash, memory=slots.device.memory, hash_source=True)
-                write_slot(b, data, _in_tensors(sources), hasher,
-                           filled=_announcer(chan, readers, b.index, slot))
+                write_slot(b, data, _in_tensors(sources), hasher, filled=_both(
+                    _announcer(chan, readers, b.index, slot),
+                    sends.filler(b, data, pending, stage) if net else None))
             elif one is not None:  # collective only: a bucket that is one tensor goes from its memory
                 data = sources[one.tensor][one.start : one.start + one.length]
+                sends.filler(b, data, pending, stage)(b.nbytes)  # sent while it is hashed here
                 _hash(b, data, hasher)
             else:
                 data = sender._buffer(slot, b.nbytes, comm.device)
-                _copy_hash(b, data, _in_tensors(sources), hasher)
+                _copy_hash(b, data, _in_tensors(sources), hasher, filled=sends.filler(b, data, pending, stage))
             digests.append(hasher.bucket_digest(b) if hasher is not None else known.bucket_checksums[b.index])
-            pending = [comm.send(data, r, tag=NET_TAG + b.index, timeout_s=route.remaining(stage)) for r in net]
             waiter.busy[slot] = (b.index, set(readers), pending)
             if progress is not None:
                 progress(b.index + 1, n)
@@ -983,11 +1056,11 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
                 raise _relay_unavailable(relay, theirs.fallback or "no segments offered", max(
                     [b.nbytes for b in buckets] + [1]))
             else:  # the relay could not make its segments: the sender sends to this rank as well
-                _net(receiver, route, at, src, buckets, flat, hasher, digests, progress)
+                _net(receiver, route, at, src, buckets, flat, hasher, digests, progress, offer.chunk)
         elif comm.rank in offer.collective:
             if peers:
                 at.relay = _Relay.start(route, at, manifest, buckets, peers, require=offer.require)
-            _net(receiver, route, at, src, buckets, flat, hasher, digests, progress)
+            _net(receiver, route, at, src, buckets, flat, hasher, digests, progress, offer.chunk)
         else:
             raise ManifestError(f"malformed offer: rank {comm.rank} is in neither 'shm', 'collective' nor "
                                 "'relays'", field="shm")
@@ -1067,33 +1140,47 @@ def _read(
 
 def _net(
     receiver: Receiver, route: _Route, at: _Receiving, src: int, buckets: Sequence[Bucket], flat: torch.Tensor,
-    hasher: StreamHasher, digests: list[int], progress: Progress | None,
+    hasher: StreamHasher, digests: list[int], progress: Progress | None, chunk: int,
 ) -> None:
-    """Receive every bucket from ``src`` over the communicator (and, as a relay, hand each on)."""
+    """Receive every bucket from ``src`` over the communicator, chunk by chunk (see
+    :data:`NET_CHUNK`), hashing each chunk as it lands (and, as a relay, hand each bucket on)."""
     comm = route.comm
+    if chunk <= 0:
+        raise ManifestError(f"malformed offer: field 'chunk': {chunk}, expected a positive number of bytes for "
+                            f"rank {comm.rank}, which gets the buckets over the collective", field="chunk")
     n = len(buckets)
+    chunks = _chunks(buckets, chunk)
     posted: deque[Pending] = deque()
+    nposted = 0
 
-    def post(b: Bucket, stage: str) -> None:
-        posted.append(comm.recv(flat[b.start : b.stop], src, tag=NET_TAG + b.index, timeout_s=route.remaining(stage)))
+    def post_until(bucket: int, stage: str) -> None:
+        """Post the receives of every chunk of the buckets before ``bucket``."""
+        nonlocal nposted
+        while nposted < len(chunks) and chunks[nposted][0].index < bucket:
+            b, lo, hi = chunks[nposted]
+            posted.append(comm.recv(flat[b.start + lo : b.start + hi], src, tag=NET_TAG + nposted,
+                                    timeout_s=route.remaining(stage)))
+            nposted += 1
 
-    for b in buckets[:WINDOW]:
-        post(b, f"bucket {b.index + 1}/{n}")
+    post_until(WINDOW, "bucket 1")
     if at.relay is not None:
         at.relay.attach(at)  # while the first buckets arrive
+    done = 0
     for b in buckets:
         at.stage = f"bucket {b.index + 1}/{n}"
-        posted.popleft().wait()
-        if b.index + WINDOW < n:
-            post(buckets[b.index + WINDOW], at.stage)
         data = flat[b.start : b.stop]
-        if receiver._corrupt_next and b.segments:
-            receiver._corrupt_next = False
-            data[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
+        while done < len(chunks) and chunks[done][0] is b:
+            _, lo, hi = chunks[done]
+            posted.popleft().wait()
+            done += 1
+            post_until(b.index + WINDOW, at.stage)
+            if receiver._corrupt_next and b.segments and lo <= b.segments[0].bucket_offset < hi:
+                receiver._corrupt_next = False
+                data[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
+            if at.relay is None:
+                _hash_range(b, data, hasher, lo, hi)
         if at.relay is not None:
             at.relay.publish(b, data, hasher, at.stage)
-        else:
-            _hash(b, data, hasher)
         digests.append(hasher.bucket_digest(b))
         if progress is not None:
             progress(b.index + 1, n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -88,6 +89,14 @@ class TestFencing:
         with pytest.raises(ManifestError) as info:
             decode_offer(encode_offer(bad), group="weights", group_version=3)
         assert info.value.field == "relays"
+
+    def test_an_offer_carries_its_chunk_size_and_a_negative_one_names_its_field(self):
+        offer = Offer("weights", 3, 10, "", (), False, (), (1,), chunk=8 << 20)
+        assert decode_offer(encode_offer(offer), group="weights", group_version=3).chunk == 8 << 20
+        with pytest.raises(ManifestError) as info:
+            decode_offer(encode_offer(Offer("weights", 3, 10, "", (), False, (), (1,), chunk=-1)), group="weights",
+                         group_version=3)
+        assert info.value.field == "chunk"
 
 
     def test_an_offer_carries_one_device_handle_per_slot_and_a_malformed_one_names_its_field(self):
@@ -207,3 +216,31 @@ class TestStreaming:
         finally:
             reader.close()
             writer.close()
+
+
+class TestChunks:
+    """A bucket goes to a collective rank in chunks, each hashed as it lands: the chunks cover
+    every byte once, in order, and hashing them one by one gives the whole bucket's digests."""
+
+    def test_chunks_cut_every_bucket_in_order_and_hash_as_the_whole(self):
+        import torch
+
+        from ftstate.transport import samehost
+        from ftstate.transport.buckets import bucket_segments, plan_layout
+        from ftstate.transport.checksum import StreamHasher
+
+        entries, windows, total = plan_layout(((f"t{i}", "uint8", (n,)) for i, n in enumerate([700, 2_500, 90])), 1024)
+        buckets = bucket_segments(entries, windows)
+        chunks = samehost._chunks(buckets, 300)
+        for b in buckets:
+            mine = [(lo, hi) for c, lo, hi in chunks if c is b]
+            assert mine[0][0] == 0 and mine[-1][1] == b.nbytes
+            assert all(hi - lo <= 300 for lo, hi in mine)
+            assert all(hi == nxt for (_, hi), (nxt, _) in itertools.pairwise(mine))
+        flat = torch.randint(0, 255, (total,), dtype=torch.uint8)
+        whole, cut = StreamHasher(3), StreamHasher(3)
+        for b in buckets:
+            samehost._hash(b, flat[b.start : b.stop], whole)
+        for b, lo, hi in chunks:
+            samehost._hash_range(b, flat[b.start : b.stop], cut, lo, hi)
+        assert cut.tensor_digests() == whole.tensor_digests()
