@@ -1,4 +1,5 @@
-"""One local Ray cluster for the whole test session, bound to loopback."""
+"""One local Ray cluster for the whole test session, bound to loopback; one pool of transport
+member processes per test module that asks for it."""
 
 from __future__ import annotations
 
@@ -22,3 +23,15 @@ def ray_cluster():
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Three member processes (tests/integration/_transport_workers.py), shared by one module's tests."""
+    from tests.integration._transport_workers import Pool
+
+    p = Pool(size=3)
+    try:
+        yield p
+    finally:
+        p.close()

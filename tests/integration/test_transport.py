@@ -13,19 +13,10 @@ import time
 
 import pytest
 
-from tests.integration._transport_workers import GROUP, Pool, RemoteError, make_state
+from tests.integration._transport_workers import GROUP, RemoteError, make_state
 
 SYNC_S = 10.0  # sync_timeout_s in these tests: a typed error must come much sooner
 FAST_S = 5.0  # "at once, not at the timeout"
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(size=3)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.fixture

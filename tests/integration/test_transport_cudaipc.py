@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from tests.integration._transport_workers import Pool, RemoteError
+from tests.integration._transport_workers import RemoteError
 from tests.integration.test_transport_shm import (
     FAST_S,
     SYNC_S,
@@ -37,15 +37,6 @@ from tests.integration.test_transport_shm import (
 
 STANDIN = "tests.integration._device_standin:HostStandIn"
 NO_ROOM = "tests.integration._device_standin:NoRoomStandIn"
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(size=3)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def install(members, factory: str = STANDIN) -> None:

@@ -18,19 +18,10 @@ import time
 
 import pytest
 
-from tests.integration._transport_workers import GROUP, Pool, RemoteError, make_state
+from tests.integration._transport_workers import GROUP, RemoteError, make_state
 
 SYNC_S = 10.0
 FAST_S = 5.0
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = Pool(size=3)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.fixture
