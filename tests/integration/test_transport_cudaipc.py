@@ -28,6 +28,7 @@ from tests.integration._transport_workers import RemoteError
 from tests.integration.test_transport_shm import (
     FAST_S,
     SYNC_S,
+    a_readers_damaged_copy_is_its_own,
     assert_bit_exact,
     committed_checksum,
     expected_checksum,
@@ -190,20 +191,7 @@ class TestFaults:
         assert report["rejected"] == {1: "ChecksumMismatch", 2: "ChecksumMismatch"} and report["committed"] == []
 
     def test_a_readers_damaged_copy_is_caught_and_the_other_reader_commits(self, group):
-        trainer, damaged, clean = group.members
-        planned(group, [1, 2])
-        trainer.call("load", seed=7, weights_version=2)
-        damaged.call("corrupt_next_bucket")
-        damaged.start("receive_planned", timeout_s=SYNC_S)
-        clean.start("receive_planned", timeout_s=SYNC_S)
-        report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
-        with pytest.raises(RemoteError) as info:
-            damaged.result()
-        assert info.value.isinstance("ChecksumMismatch"), info.value.info
-        clean.result()
-        assert report["rejected"] == {1: "ChecksumMismatch"} and report["committed"] == [2]
-        assert committed_checksum(clean) == expected_checksum(7)
-        assert committed_checksum(damaged) == expected_checksum(1)
+        a_readers_damaged_copy_is_its_own(group)
 
 
 class TestNoDeviceMemory:

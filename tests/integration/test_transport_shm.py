@@ -32,6 +32,24 @@ def group(pool):
     return pool
 
 
+def a_readers_damaged_copy_is_its_own(group) -> None:
+    """Reader 1 damages its own copy of the first bucket: it rejects, reader 2 commits the bytes as sent."""
+    trainer, damaged, clean = group.members
+    planned(group, [1, 2])
+    trainer.call("load", seed=7, weights_version=2)
+    damaged.call("corrupt_next_bucket")
+    damaged.start("receive_planned", timeout_s=SYNC_S)
+    clean.start("receive_planned", timeout_s=SYNC_S)
+    report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
+    with pytest.raises(RemoteError) as info:
+        damaged.result()
+    assert info.value.isinstance("ChecksumMismatch"), info.value.info
+    clean.result()
+    assert report["rejected"] == {1: "ChecksumMismatch"} and report["committed"] == [2]
+    assert committed_checksum(clean) == expected_checksum(7)
+    assert committed_checksum(damaged) == expected_checksum(1)
+
+
 def expected_checksum(seed: int) -> str:
     from ftstate.transport import state_checksum
 
@@ -176,20 +194,7 @@ class TestFaults:
         assert committed_checksum(reader) == expected_checksum(1)
 
     def test_a_damaged_segment_seen_by_one_reader_leaves_the_others_bytes_as_sent(self, group):
-        trainer, damaged, clean = group.members
-        planned(group, [1, 2])
-        trainer.call("load", seed=7, weights_version=2)
-        damaged.call("corrupt_next_bucket")
-        damaged.start("receive_planned", timeout_s=SYNC_S)
-        clean.start("receive_planned", timeout_s=SYNC_S)
-        report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
-        with pytest.raises(RemoteError) as info:
-            damaged.result()
-        assert info.value.isinstance("ChecksumMismatch"), info.value.info
-        clean.result()
-        assert report["rejected"] == {1: "ChecksumMismatch"} and report["committed"] == [2]
-        assert committed_checksum(clean) == expected_checksum(7)
-        assert committed_checksum(damaged) == expected_checksum(1)
+        a_readers_damaged_copy_is_its_own(group)
 
     def test_two_readers_damaged_at_the_same_byte_both_reject(self, group):
         # Two flips of one shared byte would cancel out; each reader's damage is its own.
