@@ -32,8 +32,9 @@ would read the sender's (the same reader, slots, signals and checks)::
     sender (rank s)                 relay r (node B)                      peer p (node B)
     offer (relays: r → [p]) ──────▶ make its slots, bind its signals
                             ◀────── its offer (or why not) ─────────────▶ map r's slots, hello r
-    bucket k (send, tag) ─────────▶ receive (WINDOW posted), hash, copy
-                                    into its slot k%2 ── ready k ───────▶ copy + hash out
+    bucket k, chunk by chunk ─────▶ receive (WINDOW posted); each chunk
+      (send, tag)                   hashed and copied into its slot k%2
+                                    as it lands ──────── ready k, upto ─▶ copy + hash out
                                                       ◀─ released k ────
     seal, vote (collective) ◀─────▶ compare, vote                ◀──────▶ compare with the
                                                                           *sender's* seal, vote
@@ -496,12 +497,11 @@ def _mappings(offer: Offer, comm: Communicator) -> _Mapped:
 
 
 def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torch.Tensor], hasher: StreamHasher | None,
-               *, hash_source: bool = False, filled: Callable[[int], None] | None = None,
+               *, filled: Callable[[int], None] | None = None,
                awaiting: Callable[[int], None] | None = None, damage: bool = False) -> None:
     """Copy bucket ``b``'s segments into ``dst`` (a view of the bucket's bytes) from ``src(s)``
-    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece of what this
-    member holds right after it was copied, while it is in cache: ``dst``, or the source with
-    ``hash_source`` (a relay holds what it received and writes a copy). No hasher: copy only.
+    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece of ``dst`` right
+    after it was copied, while it is in cache. No hasher: copy only.
 
     A writer streams: ``filled(n)`` is called once the first ``n`` bytes are in place, every
     :data:`STREAM` bytes and at the end (``n == b.nbytes``). A reader follows it:
@@ -511,7 +511,7 @@ def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torc
     for s in b.segments:
         out = dst[s.bucket_offset : s.bucket_offset + s.length]
         into = src(s)
-        mv = host_bytes(into if hash_source else out) if hasher is not None else None
+        mv = host_bytes(out) if hasher is not None else None
         for lo in range(0, s.length, PIECE):
             hi = min(lo + PIECE, s.length)
             if awaiting is not None:
@@ -1169,6 +1169,8 @@ def _net(
     for b in buckets:
         at.stage = f"bucket {b.index + 1}/{n}"
         data = flat[b.start : b.stop]
+        if at.relay is not None:
+            at.relay.begin(b, at.stage)
         while done < len(chunks) and chunks[done][0] is b:
             _, lo, hi = chunks[done]
             posted.popleft().wait()
@@ -1177,10 +1179,12 @@ def _net(
             if receiver._corrupt_next and b.segments and lo <= b.segments[0].bucket_offset < hi:
                 receiver._corrupt_next = False
                 data[b.segments[0].bucket_offset : b.segments[0].bucket_offset + 1].bitwise_xor_(0xFF)
-            if at.relay is None:
+            if at.relay is not None:
+                at.relay.hand_on(b, data, hasher, lo, hi)
+            else:
                 _hash_range(b, data, hasher, lo, hi)
         if at.relay is not None:
-            at.relay.publish(b, data, hasher, at.stage)
+            at.relay.end(b)
         digests.append(hasher.bucket_digest(b))
         if progress is not None:
             progress(b.index + 1, n)
@@ -1191,8 +1195,9 @@ def _net(
 
 class _Relay:
     """This receiver's duty as its node's relay: every bucket it receives over the collective
-    is written once into its own slots (:func:`_copy_hash`, hashing its own copy on the way)
-    and read from there by its node peers, exactly as same-host readers read the sender's.
+    is written once into its own slots, chunk by chunk as it lands (:meth:`hand_on`: each
+    piece hashed as received, then copied while in cache), and read from there by its node
+    peers, exactly as same-host readers read the sender's, following it as it fills.
 
     The relay writes what it received and is trusted with nothing else: its peers verify
     against the sender's seal, which reaches them over the collective, and vote on their own.
@@ -1210,6 +1215,8 @@ class _Relay:
         self.weights_version = weights_version
         self.nslots = len(slots.segments)
         self.waiter = _Waiter(route, chan, {}, self.nslots)
+        #: the bucket being handed on: its slot, the slot's bytes, and how to tell the peers
+        self.filling: tuple[int, torch.Tensor, Callable[[int], None]] = (0, torch.empty(0), lambda _: None)
 
     @classmethod
     def start(cls, route: _Route, at: _Receiving, manifest: Manifest, buckets: Sequence[Bucket],
@@ -1257,14 +1264,26 @@ class _Relay:
             unlink_names([s.name for s in self.slots.segments])
         self.slots.attached |= set(self.peers)
 
-    def publish(self, b: Bucket, data: torch.Tensor, hasher: StreamHasher, stage: str) -> None:
+    def begin(self, b: Bucket, stage: str) -> None:
+        """Bucket ``b`` is arriving: take its slot once the peers released the bucket before
+        in it, and mark the slot (before the peers hear of it)."""
         slot = b.index % self.nslots
         self.waiter.free(slot, stage)
-        seg = self.slots.segments[slot]
-        out = seg.data[: b.nbytes]
-        seg.mark(b.index, self.weights_version, b.nbytes)  # before the peers hear of it
-        _copy_hash(b, out, _in_bucket(data), hasher, hash_source=True,
-                   filled=_announcer(self.chan, self.peers, b.index, slot))
+        self.slots.segments[slot].mark(b.index, self.weights_version, b.nbytes)
+        self.filling = (slot, self.slots.data(slot)[: b.nbytes], _announcer(self.chan, self.peers, b.index, slot))
+
+    def hand_on(self, b: Bucket, data: torch.Tensor, hasher: StreamHasher, lo: int, hi: int) -> None:
+        """The bucket's bytes ``[lo, hi)`` have landed in ``data``: hash them and copy them into
+        the slot a :data:`PIECE` at a time (hashed while in cache), then tell the peers."""
+        _, out, filled = self.filling
+        for p in range(lo, hi, PIECE):
+            q = min(p + PIECE, hi)
+            out[p:q].copy_(data[p:q])
+            _hash_range(b, data, hasher, p, q)
+        filled(hi)
+
+    def end(self, b: Bucket) -> None:
+        slot, _, _ = self.filling
         self.waiter.busy[slot] = (b.index, set(self.peers), [])
 
     def finish(self, stage: str) -> None:

@@ -193,7 +193,9 @@ def test_a_dead_trainer_rank_is_member_lost_naming_it_never_a_hang(ray_cluster, 
     from tests.verl.conftest import kill_group
     from tests.verl.harness import checkpoint_engine_config, trainer_group
 
-    ce = checkpoint_engine_config(init_timeout_s=20, sync_timeout_s=30)
+    # init_timeout_s leaves room for the new trainer group to start on a loaded machine (20 s
+    # was once too short in CI); the loss itself must still surface well before it (< 20 s).
+    ce = checkpoint_engine_config(init_timeout_s=45, sync_timeout_s=30)
     doomed = trainer_group(tiny_model, ce)
     _, replicas = rollouts
     manager = FTStateCheckpointEngineManager(config=ce, actor_wg=doomed, replicas=list(replicas))
