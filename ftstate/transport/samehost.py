@@ -17,7 +17,8 @@ through memory). Receivers on other hosts get the same buckets over the communic
       copy + hash into it ────── ready k, upto ─▶ check the slot's header, copy + hash
         (every STREAM bytes)     (zmq)            out of it up to there, wait for more
                              ◀── released k ───── once all of it is out
-                             ── send (collective, tag) ───────────────▶ receive + hash
+                             ── each NET_CHUNK as it fills ───────────▶ receive, hash each
+                                (collective, tag)                         chunk as it lands
     seal (collective)      ─────────────────────▶ compare every checksum
     vote (collective)      ◀───────────────────▶ the commit point, as on the broadcast route
 
@@ -61,7 +62,9 @@ an operation per reader per bucket and cannot wait on "any reader").
 first, then says how far it has filled it every :data:`STREAM` bytes (``ready`` with
 ``upto``), and its readers copy each piece as soon as it is there. A reader releases the
 slot after the writer's last word on it (``upto`` equal to the bucket's size). Without it a
-transfer of one bucket would be written, then read, with nothing overlapping.
+transfer of one bucket would be written, then read, with nothing overlapping. Collective
+ranks get each bucket the same way, in :data:`NET_CHUNK` messages sent as they are filled
+and hashed as they land; a relay hands each one on to its peers as it lands.
 
 **Double buffering.** Two slots (one when the transfer is a single bucket): bucket k is
 written into slot k % 2 once every reader
