@@ -200,8 +200,9 @@ class Communicator(abc.ABC):
 
     # -- error translation (used by the backends) --------------------------------------
 
-    def _translate(self, exc: BaseException, op: str, timeout_s: float) -> Exception:
-        """The ftstate error for a backend exception raised by ``op``; aborts the communicator."""
+    def _translate(self, exc: BaseException, op: str, timeout_s: float, peer: int | None = None) -> Exception:
+        """The ftstate error for a backend exception raised by ``op``; aborts the communicator.
+        ``peer``: the rank on the other end of a point-to-point ``op``, named by a :class:`PeerLost`."""
         text = str(exc)
         low = text.lower()
         first_line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
@@ -217,7 +218,7 @@ class Communicator(abc.ABC):
         elif any(s in low for s in _PEER_GONE):
             err = PeerLost(
                 f"{self.member}: a peer was lost during {op}: {first_line}",
-                group=self.group, group_version=self.version, rank=self.rank, op=op,
+                group=self.group, group_version=self.version, rank=self.rank, op=op, peer=peer,
             )
             self.abort(f"peer lost during {op}")
         else:

@@ -69,12 +69,14 @@ _ABANDONED_GROUPS: list[object] = []
 
 
 class _GlooPending(Pending):
-    __slots__ = ("_comm", "_op", "_timeout_s", "_wait_timeout", "_work")
+    __slots__ = ("_comm", "_op", "_peer", "_timeout_s", "_wait_timeout", "_work")
 
     def __init__(
-        self, comm: GlooCommunicator, work: object, op: str, timeout_s: float, wait_timeout: bool
+        self, comm: GlooCommunicator, work: object, op: str, timeout_s: float, wait_timeout: bool,
+        peer: int | None = None,
     ) -> None:
         self._comm = comm
+        self._peer = peer  # the other end of a send / receive
         self._work = work
         self._op = op
         self._timeout_s = timeout_s
@@ -100,7 +102,7 @@ class _GlooPending(Pending):
                     raise CommunicatorAborted(comm.group, comm.version, comm.rank, comm._abort_reason)
         except RuntimeError as exc:  # DistError and gloo's errors are RuntimeErrors
             del work
-            raise self._comm._translate(exc, self._op, self._timeout_s) from exc
+            raise self._comm._translate(exc, self._op, self._timeout_s, self._peer) from exc
 
 
 class GlooCommunicator(Communicator):
@@ -225,8 +227,8 @@ class GlooCommunicator(Communicator):
         try:
             work = pg.send([tensor], peer, tag)
         except RuntimeError as exc:
-            raise self._translate(exc, op, t) from exc
-        return _GlooPending(self, work, op, t, wait_timeout=True)
+            raise self._translate(exc, op, t, peer) from exc
+        return _GlooPending(self, work, op, t, wait_timeout=True, peer=peer)
 
     def recv(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
         t = self._timeout(timeout_s)
@@ -235,8 +237,8 @@ class GlooCommunicator(Communicator):
         try:
             work = pg.recv([tensor], peer, tag)
         except RuntimeError as exc:
-            raise self._translate(exc, op, t) from exc
-        return _GlooPending(self, work, op, t, wait_timeout=True)
+            raise self._translate(exc, op, t, peer) from exc
+        return _GlooPending(self, work, op, t, wait_timeout=True, peer=peer)
 
     def allgather(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> list[torch.Tensor]:
         t = self._timeout(timeout_s)

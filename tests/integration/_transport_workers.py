@@ -189,6 +189,12 @@ class _Member:
             seg.close()
         self.stale_chan.close()
 
+    def set_net_chunk(self, nbytes: int | None) -> None:
+        """This process, as a sender, sends collective ranks ``nbytes``-byte chunks (None: the default)."""
+        from ftstate.transport import samehost
+
+        samehost.NET_CHUNK = nbytes or 8 * 1024 * 1024
+
     def install_device_memory(self, device_type: str, factory: str | None) -> None:
         """Install ``factory`` (``"module:Class"``, built once per process) as this process's
         device memory for ``device_type`` (None: back to the default)."""

@@ -177,6 +177,61 @@ class TestFaults:
         assert our_segments(group) == []  # the sender unlinked on its way out
         assert trainer.call("segment_names") == []
 
+    def test_collective_ranks_get_every_bucket_in_chunks_bit_exact(self, group):
+        # 10,000-byte chunks: several per 64 KiB bucket, their ends off every tensor's boundary
+        group.members[0].call("set_net_chunk", nbytes=10_000)
+        try:
+            report = planned(group, [])
+        finally:
+            group.members[0].call("set_net_chunk", nbytes=None)
+        assert report["routes"] == {1: "collective", 2: "collective"} and report["committed"] == [1, 2]
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 1)
+
+    def test_sender_killed_mid_chunks_the_collective_ranks_keep_their_version(self, group):
+        planned(group, [])
+        trainer, *rollouts = group.members
+        trainer.call("load", seed=11, weights_version=2)
+        trainer.call("set_net_chunk", nbytes=10_000)  # the process dies: nothing to set back
+        for r in rollouts:
+            r.start("receive_planned", timeout_s=SYNC_S)
+        t0 = time.monotonic()
+        trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[], kill_at=3)  # after bucket 3 of 8
+        assert trainer.outcome()[0] == "died"
+        for r in rollouts:
+            with pytest.raises(RemoteError) as info:
+                r.result(FAST_S)
+            assert info.value.isinstance("PeerLost") and info.value.info["peer"] == 0, info.value.info
+        assert time.monotonic() - t0 < FAST_S
+        for r in rollouts:
+            assert committed_checksum(r) == expected_checksum(1)
+        group.heal()
+        group.form()
+        group.members[0].call("load", seed=12, weights_version=2)
+        assert planned(group, [])["committed"] == [1, 2]
+        for r in group.members[1:]:
+            assert committed_checksum(r) == expected_checksum(12)
+
+    def test_a_collective_rank_killed_mid_chunks_gives_the_sender_a_typed_error(self, group):
+        planned(group, [])
+        trainer, survivor, doomed = group.members
+        trainer.call("load", seed=13, weights_version=2)
+        trainer.call("set_net_chunk", nbytes=10_000)
+        survivor.start("receive_planned", timeout_s=SYNC_S)
+        doomed.start("receive_planned", timeout_s=SYNC_S, kill_at=2)  # after bucket 2 of 8
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(RemoteError) as info:
+                trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[])
+        finally:
+            trainer.call("set_net_chunk", nbytes=None)
+        assert info.value.isinstance("PeerLost") and info.value.info["peer"] == 2, info.value.info
+        assert time.monotonic() - t0 < FAST_S
+        assert doomed.outcome()[0] == "died"
+        kind, err = survivor.outcome(FAST_S)
+        assert kind == "err" and err.isinstance("TransportError"), err
+        assert committed_checksum(survivor) == expected_checksum(1)
+
     def test_corrupted_segment_is_caught_by_the_checksum_and_the_previous_version_kept(self, group):
         pair = group.members[:2]
         group.form(pair)
