@@ -587,11 +587,9 @@ def _announcer(chan: Channel, readers: Sequence[int], bucket: int, slot: int) ->
 
 
 def _hash(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher | None) -> None:
-    if hasher is None:
-        return
-    mv = host_bytes(data)
-    for s in bucket.segments:
-        hasher.feed(s.tensor, mv[s.bucket_offset : s.bucket_offset + s.length])
+    """Feed all of the bucket's bytes (``data``) to their tensors' hashers (none: nothing)."""
+    if hasher is not None:
+        _hash_range(bucket, data, hasher, 0, bucket.nbytes)
 
 
 def _hash_range(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher, lo: int, hi: int) -> None:
@@ -1165,7 +1163,7 @@ def _net(
                                     timeout_s=route.remaining(stage)))
             nposted += 1
 
-    post_until(WINDOW, "bucket 1")
+    post_until(WINDOW, f"bucket 1/{n}")
     if at.relay is not None:
         at.relay.attach(at)  # while the first buckets arrive
     done = 0
@@ -1219,7 +1217,7 @@ class _Relay:
         self.nslots = len(slots.segments)
         self.waiter = _Waiter(route, chan, {}, self.nslots)
         #: the bucket being handed on: its slot, the slot's bytes, and how to tell the peers
-        self.filling: tuple[int, torch.Tensor, Callable[[int], None]] = (0, torch.empty(0), lambda _: None)
+        self.filling: tuple[int, torch.Tensor, Callable[[int], None]] | None = None
 
     @classmethod
     def start(cls, route: _Route, at: _Receiving, manifest: Manifest, buckets: Sequence[Bucket],
@@ -1278,6 +1276,7 @@ class _Relay:
     def hand_on(self, b: Bucket, data: torch.Tensor, hasher: StreamHasher, lo: int, hi: int) -> None:
         """The bucket's bytes ``[lo, hi)`` have landed in ``data``: hash them and copy them into
         the slot a :data:`PIECE` at a time (hashed while in cache), then tell the peers."""
+        assert self.filling is not None, "hand_on before begin"
         _, out, filled = self.filling
         for p in range(lo, hi, PIECE):
             q = min(p + PIECE, hi)
@@ -1286,6 +1285,7 @@ class _Relay:
         filled(hi)
 
     def end(self, b: Bucket) -> None:
+        assert self.filling is not None, "end before begin"
         slot, _, _ = self.filling
         self.waiter.busy[slot] = (b.index, set(self.peers), [])
 
