@@ -226,8 +226,13 @@ class ChaosRun:
             if not cands:
                 return self._skip(f, f"no live {f.target}")
             m = sorted(cands, key=lambda m: m.member)[f.pick % len(cands)]
+            if not pid_alive(m.pid):  # died already (its node was lost) and not declared yet
+                return self._skip(f, f"{m.member} (pid {m.pid}) is already dead")
             rt.audit.record("chaos", member=m.member, fault="kill" if f.kind == "kill" else "hang", pid=m.pid)
-            os.kill(m.pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+            try:
+                os.kill(m.pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+            except ProcessLookupError:
+                return self._skip(f, f"{m.member} (pid {m.pid}) died as it was hit")
             if f.kind == "stop":
                 self._stopped.append(m.pid)
             hit = f"{f.kind} {m.member} (pid {m.pid})"
