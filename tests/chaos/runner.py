@@ -265,8 +265,13 @@ class ChaosRun:
             if not cands:
                 return self._skip(f, "no serving rollout")
             name = cands[f.pick % len(cands)]
+            import ray.exceptions
+
+            try:  # the runner's own call: a rollout hit by the fault before it may be dead already
+                await rt.handle(name).chaos_corrupt_next_bucket.remote()
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
+                return self._skip(f, f"{name} is dead or unreachable")
             rt.audit.record("chaos", member=name, fault="corrupt")
-            await rt.handle(name).chaos_corrupt_next_bucket.remote()
             hit = f"corrupt the next bucket of {name}"
         else:  # slow
             await rt.trainer("slow_next_state_dict", SLOW_STATE_S)
