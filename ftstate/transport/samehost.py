@@ -499,12 +499,25 @@ def _mappings(offer: Offer, comm: Communicator) -> _Mapped:
 # -- moving the bytes ----------------------------------------------------------------------
 
 
+#: Test hook (the tamper test and the mutation check): called by a writer with each piece of a
+#: slot right after copying it there, before it is hashed or announced -- the window in which a
+#: stray or hostile write into the slot lands. None outside tests.
+after_slot_copy: Callable[[torch.Tensor], None] | None = None
+
+
 def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torch.Tensor], hasher: StreamHasher | None,
                *, filled: Callable[[int], None] | None = None,
-               awaiting: Callable[[int], None] | None = None, damage: bool = False) -> None:
+               awaiting: Callable[[int], None] | None = None, damage: bool = False,
+               hash_source: bool = False) -> None:
     """Copy bucket ``b``'s segments into ``dst`` (a view of the bucket's bytes) from ``src(s)``
-    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece of ``dst`` right
-    after it was copied, while it is in cache. No hasher: copy only.
+    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece right after it
+    was copied, while it is in cache. No hasher: copy only.
+
+    What is hashed: a reader hashes ``dst``, its own private copy (what it will commit). A
+    writer into a shared slot passes ``hash_source``: it hashes the piece of *its source* it
+    just read, never the slot, because the slot is writable by every process that mapped it
+    (same uid) and anything written there after the copy would otherwise be hashed into the
+    seal and so blessed; hashing the source makes every reader of such bytes see a mismatch.
 
     A writer streams: ``filled(n)`` is called once the first ``n`` bytes are in place, every
     :data:`STREAM` bytes and at the end (``n == b.nbytes``). A reader follows it:
@@ -514,12 +527,14 @@ def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torc
     for s in b.segments:
         out = dst[s.bucket_offset : s.bucket_offset + s.length]
         into = src(s)
-        mv = host_bytes(out) if hasher is not None else None
+        mv = (host_bytes(into) if hash_source else host_bytes(out)) if hasher is not None else None
         for lo in range(0, s.length, PIECE):
             hi = min(lo + PIECE, s.length)
             if awaiting is not None:
                 awaiting(s.bucket_offset + hi)
             out[lo:hi].copy_(into[lo:hi])
+            if after_slot_copy is not None:
+                after_slot_copy(out[lo:hi])
             if damage:
                 out[lo : lo + 1].bitwise_xor_(0xFF)
                 damage = False
@@ -885,8 +900,9 @@ def _send(
                 seg = slots.segments[slot]
                 data = slots.data(slot)[: b.nbytes]
                 seg.mark(b.index, weights_version, b.nbytes)  # before the readers hear of it
-                write_slot = _copy_hash if slots.device is None else functools.partial(
-                    _device_copy_hash, memory=slots.device.memory, hash_source=True)
+                # both hash the source, never the slot (see _copy_hash)
+                write_slot = functools.partial(_copy_hash, hash_source=True) if slots.device is None \
+                    else functools.partial(_device_copy_hash, memory=slots.device.memory, hash_source=True)
                 write_slot(b, data, _in_tensors(sources), hasher, filled=_both(
                     _announcer(chan, readers, b.index, slot),
                     sends.filler(b, data, pending, stage) if net else None))

@@ -215,6 +215,17 @@ class _Member:
     def device_memory_stats(self) -> dict[str, int]:
         return self.device_memory.stats()
 
+    def tamper_slot_after_copy(self) -> None:
+        """As a writer, flip the first byte of the next piece it copies into a shared-memory slot,
+        right after the copy (the window a same-uid process writing into the slot would use)."""
+        from ftstate.transport import samehost
+
+        def tamper(piece: Any) -> None:
+            samehost.after_slot_copy = None  # once
+            piece[:1].bitwise_xor_(0xFF)
+
+        samehost.after_slot_copy = tamper
+
     def tamper_device_slot(self) -> None:
         """The installed stand-in damages the slots it allocated at its next synchronize."""
         self.device_memory.tamper_next = True

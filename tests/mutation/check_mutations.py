@@ -1,7 +1,8 @@
 """Mutation check (the cheap form): break each core claim in a scratch copy and prove the suite notices.
 
 For every claim ftstate makes (two-phase commit, the transport's checksum comparison, the
-held-bytes comparison at commit, replay on a new trainer, RESYNCED-only admission, the
+held-bytes comparison at commit, the writer hashing its source
+rather than the shared-memory slot, replay on a new trainer, RESYNCED-only admission, the
 fail-fast deadline), :data:`MUTATIONS` names one small edit that breaks it and the tests that
 must then fail. Each mutation is applied to a fresh copy of the checkout (the files git
 knows), the named tests are run there (that copy first on ``PYTHONPATH``, so Ray's worker
@@ -73,6 +74,16 @@ MUTATIONS = (
               "                    torn = []\n")),
         ("tests/integration/test_runtime.py::TestAtomicSync::"
          "test_a_corrupted_bucket_aborts_the_sync_and_every_rollout_keeps_the_previous_version",),
+    ),
+    Mutation(
+        "writer hashes its slot",
+        "a write into a shared-memory slot after the writer's copy is never blessed: the writer hashes its "
+        "source, so every reader of such bytes rejects them",
+        (Edit("ftstate/transport/samehost.py",
+              "write_slot = functools.partial(_copy_hash, hash_source=True) if slots.device is None",
+              "write_slot = _copy_hash if slots.device is None"),),
+        ("tests/integration/test_transport_shm.py::TestFaults::"
+         "test_a_slot_tampered_right_after_the_writers_copy_is_refused_and_the_next_sync_succeeds",),
     ),
     Mutation(
         "held bytes not compared",
