@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import torch
 
-from ftstate.core.errors import BackendUnavailable, RendezvousTimeout, TransportError
+from ftstate.core.errors import BackendUnavailable, ManifestError, RendezvousTimeout, TransportError
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.store import (
     StoreAddress,
@@ -160,7 +160,15 @@ class NcclCommunicator(Communicator):
             store.wait([key], datetime.timedelta(seconds=max(remaining, 0.001)))
         except RuntimeError as exc:
             raise timeout("NCCL unique id exchange (rank 0 did not publish it)", exc) from exc
-        uid = tuple(msgpack.unpackb(store.get(key)))
+        raw = store.get(key)
+        try:
+            uid = tuple(msgpack.unpackb(raw))
+            # NCCL's id is 128 bytes (cupy: a tuple of small ints); bounded, whatever the build says
+            if not 0 < len(uid) <= 1024 or not all(isinstance(b, int) and -128 <= b < 256 for b in uid):
+                raise ValueError("not a list of bytes")
+        except Exception as exc:  # a planted or truncated value: typed, naming the key
+            raise ManifestError(f"store value {key!r}: expected the NCCL unique id (a list of bytes), got "
+                                f"{raw[:40]!r}", field=key, peer=f"store key {key}") from exc
         box: dict[str, Any] = {}
 
         def init() -> None:

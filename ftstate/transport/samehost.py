@@ -112,6 +112,7 @@ import contextlib
 import functools
 import itertools
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -136,6 +137,7 @@ from ftstate.transport.buckets import Segment as BucketSegment
 from ftstate.transport.checksum import StreamHasher, byte_view, combine, dtype_name, host_bytes
 from ftstate.transport.cudaipc import DeviceMemory, device_memory_for
 from ftstate.transport.manifest import (
+    MAX_BUCKET_SIZE,
     WIRE_FORMAT,
     Manifest,
     Seal,
@@ -143,6 +145,7 @@ from ftstate.transport.manifest import (
     decode_seal,
     encode_manifest,
     encode_seal,
+    short,
 )
 from ftstate.transport.shm import SHM_DIR, Segment, pid_alive, segment_name, unlink_names
 from ftstate.transport.signals import Channel
@@ -232,55 +235,84 @@ def encode_offer(o: Offer) -> bytes:
     )
 
 
+#: Caps on an offer's fields (a hostile or broken peer must not make its decoding the problem).
+MAX_RANK = 1 << 16
+MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT
+MAX_HANDLE_BYTES = 4096
+_ENDPOINT = re.compile(r"tcp://127\.0\.0\.1:([0-9]{1,5})")
+
+
 def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
-    """Validate an offer; :class:`ManifestError` naming the field, :class:`StaleGroupVersion`."""
+    """Validate an offer; :class:`ManifestError` naming the field, :class:`StaleGroupVersion`.
+
+    Every field is checked for type and range before anything uses it (a pid goes to
+    ``os.kill``, an endpoint to zmq, segment names to ``/dev/shm``): pids in [1, MAX_PID],
+    ranks in [0, MAX_RANK), the endpoint on loopback with a valid port, at most two slots."""
     try:
         d = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:
-        raise ManifestError(f"malformed offer: not msgpack: {exc}") from exc
+        raise ManifestError(f"malformed offer: not msgpack: {short(str(exc))}") from exc
     if not isinstance(d, dict) or d.get("kind") != "offer":
         raise ManifestError("malformed offer: field 'kind': expected 'offer'", field="kind")
+
+    def bad(name: str, value: Any, expected: str) -> ManifestError:
+        return ManifestError(f"malformed offer: field {name!r}: expected {expected}, got {short(value)}", field=name)
 
     def need(name: str, kind: type | tuple[type, ...]) -> Any:
         value = d.get(name)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ManifestError(f"malformed offer: field {name!r}: {value!r:.60}", field=name)
+            raise bad(name, value, getattr(kind, "__name__", str(kind)))
         return value
 
+    def ranks(name: str, items: Any, cap: int = MAX_RANK) -> tuple[int, ...]:
+        if not isinstance(items, list) or len(items) > cap \
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_RANK for x in items):
+            raise bad(name, items, f"a list of at most {cap} ranks in [0, {MAX_RANK})")
+        return tuple(items)
+
     if need("format", int) != WIRE_FORMAT:
-        raise ManifestError(f"malformed offer: field 'format': {d['format']}, expected {WIRE_FORMAT}", field="format")
+        raise bad("format", d["format"], str(WIRE_FORMAT))
     if need("group", str) != group:
-        raise ManifestError(f"malformed offer: field 'group': {d['group']!r}, expected {group!r}", field="group")
+        raise bad("group", d["group"], repr(group))
     gv = need("group_version", int)
     if gv < group_version:
         raise StaleGroupVersion(group, got=gv, current=group_version, peer="the sender's offer")
     if gv > group_version:
-        raise ManifestError(f"malformed offer: field 'group_version': {gv} is newer than {group_version}",
+        raise ManifestError(f"malformed offer: field 'group_version': {short(gv)} is newer than {group_version}",
                             field="group_version")
-    lists = {}
-    for name, kind in (("segments", str), ("shm", int), ("collective", int)):
-        items = need(name, list)
-        if not all(isinstance(x, kind) for x in items):
-            raise ManifestError(f"malformed offer: field {name!r}: {items!r:.60}", field=name)
-        lists[name] = tuple(items)
+    pid = need("pid", int)
+    if not 1 <= pid <= MAX_PID:
+        raise bad("pid", pid, f"a pid in [1, {MAX_PID}]")
+    endpoint = need("endpoint", str)
+    match = _ENDPOINT.fullmatch(endpoint)
+    if endpoint and (match is None or not 0 < int(match.group(1)) < 65536):
+        raise bad("endpoint", endpoint, "'' or tcp://127.0.0.1:<port>")
+    segments = need("segments", list)
+    if len(segments) > 2 or not all(isinstance(x, str) and 0 < len(x) <= 255 for x in segments):
+        raise bad("segments", segments, "at most two segment names")
+    shm_ranks = ranks("shm", d.get("shm"))
+    collective = ranks("collective", d.get("collective"))
     fallback = d.get("fallback")
-    if fallback is not None and not isinstance(fallback, str):
-        raise ManifestError(f"malformed offer: field 'fallback': {fallback!r:.60}", field="fallback")
+    if fallback is not None and not (isinstance(fallback, str) and len(fallback) <= 4096):
+        raise bad("fallback", fallback, "null or a reason")
     chunk = need("chunk", int)
-    if chunk < 0:
-        raise ManifestError(f"malformed offer: field 'chunk': {chunk}, expected a number of bytes", field="chunk")
+    if not 0 <= chunk <= MAX_BUCKET_SIZE:
+        raise bad("chunk", chunk, f"a number of bytes in [0, {MAX_BUCKET_SIZE}]")
     relays = []
-    for item in need("relays", list):
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and isinstance(item[1], list)
-                and all(isinstance(p, int) for p in item[1])):
-            raise ManifestError(f"malformed offer: field 'relays': {item!r:.60}", field="relays")
-        relays.append((item[0], tuple(item[1])))
+    raw_relays = need("relays", list)
+    if len(raw_relays) > MAX_RANK:
+        raise bad("relays", raw_relays, f"at most {MAX_RANK} relays")
+    for item in raw_relays:
+        if not (isinstance(item, list) and len(item) == 2):
+            raise bad("relays", item, "[relay rank, [peer ranks]]")
+        relays.append((ranks("relays", [item[0]], 1)[0], ranks("relays", item[1])))
     handles = need("handles", list)
-    if not all(isinstance(h, bytes) for h in handles) or len(handles) not in (0, len(lists["segments"])):
+    if not all(isinstance(h, bytes) and len(h) <= MAX_HANDLE_BYTES for h in handles) \
+            or len(handles) not in (0, len(segments)):
         raise ManifestError(f"malformed offer: field 'handles': expected none or one handle (bytes) per segment "
-                            f"({len(lists['segments'])}), got {handles!r:.60}", field="handles")
-    return Offer(group, gv, need("pid", int), need("endpoint", str), lists["segments"], need("fresh", bool),
-                 lists["shm"], lists["collective"], fallback, tuple(relays), need("require", bool), chunk,
+                            f"({len(segments)}), got {short(handles)}", field="handles")
+    return Offer(group, gv, pid, endpoint, tuple(segments), need("fresh", bool),
+                 shm_ranks, collective, fallback, tuple(relays), need("require", bool), chunk,
                  tuple(handles))
 
 
@@ -726,8 +758,9 @@ class _Waiter:
         kind, rank = msg["kind"], msg["from"]
         if kind == "hello":
             pid = msg.get("pid")
-            if not isinstance(pid, int):
-                raise ManifestError(f"malformed bucket signal: hello from rank {rank} without a pid", field="pid")
+            if not isinstance(pid, int) or isinstance(pid, bool) or not 1 <= pid <= MAX_PID:
+                raise ManifestError(f"malformed bucket signal: hello from rank {rank} without a pid in "
+                                    f"[1, {MAX_PID}]: {short(pid)}", field="pid", peer=f"rank {rank}")
             self.pids[rank] = pid
         elif kind == "released":
             index = msg.get("bucket")
@@ -739,7 +772,7 @@ class _Waiter:
         elif kind == "failed":
             raise PeerLost(
                 f"rank {comm.rank} of group {comm.group!r} v{comm.version}: rank {rank} gave the transfer up "
-                f"during {stage}: {msg.get('reason')}",
+                f"during {stage}: {short(msg.get('reason'))}",
                 group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=rank,
             )
         else:
@@ -1026,7 +1059,7 @@ class _Follower:
             peer = next(iter(self.writer))
             raise PeerLost(
                 f"rank {comm.rank} of group {comm.group!r} v{comm.version}: rank {peer}, whose shared memory it "
-                f"reads, gave the transfer up during {self.stage}: {msg.get('reason')}",
+                f"reads, gave the transfer up during {self.stage}: {short(msg.get('reason'))}",
                 group=comm.group, group_version=comm.version, rank=comm.rank, op=self.stage, peer=peer,
             )
         slot, upto = msg.get("slot"), msg.get("upto")

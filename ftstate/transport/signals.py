@@ -28,22 +28,40 @@ import msgpack
 import zmq
 
 from ftstate.core.errors import ManifestError, TransportError
+from ftstate.transport.manifest import short
 
 #: The only address the channel binds or connects to.
 LOOPBACK = "tcp://127.0.0.1"
+
+
+#: Largest signal frame accepted (``zmq.MAXMSGSIZE`` on every socket: a peer that sends more
+#: is disconnected by zmq before the frame is ever buffered); real signals are ~100 bytes.
+MAX_SIGNAL_BYTES = 4096
+
+#: Ranks an identity may name (the offer's own cap).
+MAX_RANK = 1 << 16
 
 
 def _identity(rank: int) -> bytes:
     return b"r%d" % rank
 
 
+def _rank_of(ident: bytes) -> int | None:
+    """The rank a DEALER's identity names (``r<rank>``), or None when it names none."""
+    digits = ident[1:]
+    if ident[:1] != b"r" or not digits.isdigit() or len(digits) > 6 or (len(digits) > 1 and digits[:1] == b"0"):
+        return None
+    rank = int(digits)
+    return rank if rank < MAX_RANK else None
+
+
 def _decode(frame: bytes) -> dict[str, Any]:
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:
-        raise ManifestError(f"malformed bucket signal: {exc}", field="signal") from exc
+        raise ManifestError(f"malformed bucket signal: {short(str(exc))}", field="signal") from exc
     if not isinstance(msg, dict) or not isinstance(msg.get("kind"), str):
-        raise ManifestError(f"malformed bucket signal: expected a map with a 'kind', got {msg!r:.80}",
+        raise ManifestError(f"malformed bucket signal: expected a map with a 'kind', got {short(msg)}",
                             field="signal")
     return msg
 
@@ -65,6 +83,7 @@ class Channel:
     def bind(cls) -> Channel:
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIGNAL_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         port = sock.bind_to_random_port(LOOPBACK)
         return cls(sock, f"{LOOPBACK}:{port}", router=True)
@@ -75,6 +94,7 @@ class Channel:
             raise ManifestError(f"bucket signal endpoint {endpoint!r} is not on {LOOPBACK}", field="endpoint")
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIGNAL_BYTES)
         sock.setsockopt(zmq.IDENTITY, _identity(rank))
         sock.connect(endpoint)
         return cls(sock, endpoint, router=False)
@@ -98,18 +118,25 @@ class Channel:
         message carries the reader's rank as ``from``."""
         if not self._poller.poll(max(0, int(timeout_s * 1000))):
             return None
+        frames = self._sock.recv_multipart()
         if self._router:
-            ident, frame = self._sock.recv_multipart()
+            if len(frames) != 2:
+                raise ManifestError(f"malformed bucket signal: {len(frames) - 1} frames from {short(frames[0])}, "
+                                    "expected one", field="signal", peer=short(frames[0]))
+            ident, frame = frames
+            rank = _rank_of(ident)
+            if rank is None:
+                raise ManifestError(f"bucket signal from an unknown peer {short(ident)}", field="signal",
+                                    peer=short(ident))
             msg = _decode(frame)
-            try:
-                msg["from"] = int(ident[1:].decode())
-            except ValueError as exc:
-                raise ManifestError(f"bucket signal from an unknown peer {ident!r}", field="signal") from exc
+            msg["from"] = rank
             return msg
-        return _decode(self._sock.recv())
+        if len(frames) != 1:
+            raise ManifestError(f"malformed bucket signal: {len(frames)} frames, expected one", field="signal")
+        return _decode(frames[0])
 
     def close(self) -> None:
         self._sock.close(linger=0)
 
 
-__all__ = ["LOOPBACK", "Channel"]
+__all__ = ["LOOPBACK", "MAX_SIGNAL_BYTES", "Channel"]

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from ftstate.core.errors import RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.core.errors import ManifestError, RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.transport.manifest import short
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -68,9 +69,47 @@ class StoreAddress:
         return cls(host, int(port))
 
 
+#: Versions a jump of ``current_version`` releases at most (the controller raises it one or a
+#: few at a time; a larger jump has nobody waiting in the versions it skips).
+MAX_RELEASED = 64
+
 #: Value written into the ``joined`` keys of ranks that never arrived in a superseded
 #: version, which wakes the members waiting there (see :func:`raise_current_version`).
 FENCED = b"fenced"
+
+
+#: Bounds on what a store value may hold (anyone who reached the store could have planted it).
+MAX_VERSION = (1 << 63) - 1
+MAX_WORLD_SIZE = 1 << 16
+MAX_VALUE_BYTES = 64 * 1024
+
+
+def _malformed(key: str, raw: object, expected: str) -> ManifestError:
+    return ManifestError(f"store value {key!r}: expected {expected}, got {short(raw)}", field=key,
+                         peer=f"store key {key}")
+
+
+def parse_int(key: str, raw: bytes, *, hi: int = MAX_VERSION) -> int:
+    """A decimal integer in [0, ``hi``] read from the store; anything else: ManifestError naming the key."""
+    if not isinstance(raw, (bytes, bytearray)) or not 0 < len(raw) <= 20 or not bytes(raw).isdigit():
+        raise _malformed(key, raw, f"a decimal integer in [0, {hi}]")
+    value = int(raw)
+    if value > hi:
+        raise _malformed(key, raw, f"a decimal integer in [0, {hi}]")
+    return value
+
+
+def parse_registration(key: str, raw: bytes) -> dict[str, object]:
+    """A ``joined`` value (msgpack: pid, host, t), checked; anything else: ManifestError naming the key."""
+    if len(raw) > MAX_VALUE_BYTES:
+        raise _malformed(key, raw[:40], f"at most {MAX_VALUE_BYTES} bytes")
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise _malformed(key, raw[:40], "a msgpack map") from exc
+    if not isinstance(value, dict):
+        raise _malformed(key, value, "a msgpack map")
+    return value
 
 
 def _delta(seconds: float) -> datetime.timedelta:
@@ -187,7 +226,7 @@ def read_current_version(store: Store, group: str) -> int | None:
     key = _current_key(group)
     if not store.check([key]):
         return None
-    return int(store.get(key))
+    return parse_int(key, store.get(key))
 
 
 def raise_current_version(store: Store, group: str, version: int) -> int:
@@ -197,14 +236,17 @@ def raise_current_version(store: Store, group: str, version: int) -> int:
     key = _current_key(group)
     want = str(version).encode()
     current = store.compare_set(key, "", want)
-    before = None if current == want else int(current)
-    while int(current) < version:
-        before = int(current)
+    before = None if current == want else parse_int(key, current)
+    while parse_int(key, current) < version:
+        before = parse_int(key, current)
         current = store.compare_set(key, current, want)
-    if int(current) == version and before is not None and before < version:
-        for superseded in range(before, version):
+    now = parse_int(key, current)
+    if now == version and before is not None and before < version:
+        # only the versions just superseded (bounded: a planted huge value was refused above,
+        # and a jump of more than MAX_RELEASED versions releases the last ones only)
+        for superseded in range(max(before, version - MAX_RELEASED), version):
             _release_waiters(store, group, superseded)
-    return int(current)
+    return now
 
 
 def _release_waiters(store: Store, group: str, version: int) -> None:
@@ -216,7 +258,7 @@ def _release_waiters(store: Store, group: str, version: int) -> None:
     size_key = f"{prefix}/world_size"
     if not store.check([size_key]):
         return  # nobody registered in that version: nobody waits
-    for rank in range(int(store.get(size_key))):
+    for rank in range(parse_int(size_key, store.get(size_key), hi=MAX_WORLD_SIZE)):
         store.compare_set(f"{prefix}/joined/{rank}", "", FENCED)
 
 
@@ -224,7 +266,11 @@ def roster(store: Store, group: str, version: int) -> list[int]:
     key = f"{version_prefix(group, version)}/roster"
     if not store.check([key]):
         return []
-    return sorted({int(r) for r in store.get(key).decode().split(",") if r})
+    raw = store.get(key)
+    ranks = raw.split(b",")
+    if len(ranks) > MAX_WORLD_SIZE + 1:
+        raise _malformed(key, raw[:40], f"at most {MAX_WORLD_SIZE} ranks")
+    return sorted({parse_int(key, r, hi=MAX_WORLD_SIZE) for r in ranks if r})
 
 
 def wait_for_ranks(
@@ -291,7 +337,7 @@ def join_version(
     if agreed != size:
         raise TransportError(
             f"rank {rank} of group {group!r} version {version}: field 'world_size': {world_size}, but the "
-            f"members already registered agreed on {agreed.decode(errors='replace')}"
+            f"members already registered agreed on {agreed[:24].decode(errors='replace')}"
         )
     me = msgpack.packb({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
     held = store.compare_set(f"{prefix}/joined/{rank}", "", me)
@@ -299,10 +345,11 @@ def join_version(
         raise StaleGroupVersion(group, got=version, current=read_current_version(store, group) or version,
                                 peer=f"rank {rank}")
     if held != me:
-        other = msgpack.unpackb(held) if held else {}
+        key = f"{prefix}/joined/{rank}"
+        other = parse_registration(key, held) if held else {}
         raise TransportError(
             f"rank {rank} of group {group!r} version {version} is already held by pid "
-            f"{other.get('pid', '?')} on {other.get('host', '?')}"
+            f"{short(other.get('pid', '?'))} on {short(other.get('host', '?'))}"
         )
     store.append(f"{prefix}/roster", f"{rank},")
     # Superseded between the first check and the world size being published? Then nobody
@@ -319,6 +366,8 @@ __all__ = [
     "check_group_name",
     "connect_store",
     "join_version",
+    "parse_int",
+    "parse_registration",
     "raise_current_version",
     "read_current_version",
     "roster",

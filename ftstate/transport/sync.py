@@ -340,7 +340,14 @@ def _with_stage(exc: Exception, stage: str, weights_version: int | None, route: 
             group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=peer,
         )
     if isinstance(exc, ManifestError):
-        return ManifestError(f"{exc} (weight transfer{wv}, {stage})", field=exc.field)
+        peer = exc.peer
+        if peer is None:  # the route knows who sent what this member received
+            if isinstance(route, _PeerRoute):
+                peer = f"rank {route.peer}"
+            elif isinstance(route, _BroadcastRoute) and route.root != comm.rank:
+                peer = f"rank {route.root}"
+        sender = f", from {peer}" if peer else ""
+        return ManifestError(f"{exc} (weight transfer{wv}, {stage}{sender})", field=exc.field, peer=peer)
     return type(exc)(f"{exc} (weight transfer{wv}, {stage})")
 
 
@@ -745,7 +752,11 @@ class Receiver:
             count = _use_count(buf)
             if buf.device == device and buf.numel() >= nbytes and count is not None and count <= baseline:
                 return buf, baseline
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        try:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        except (RuntimeError, MemoryError) as exc:  # the manifest passed its caps, but not this host's memory
+            raise TransportError(f"staging for a transfer of {nbytes} bytes cannot be allocated on {device}: "
+                                 f"{str(exc)[:200]}") from exc
         return buf, _use_count(buf) or 0
 
     def _receive(self, route: _Route, progress: Progress | None) -> CommittedWeights:
