@@ -266,6 +266,25 @@ class PlacementConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SecurityConfig:
+    """The ``security`` block: who may take part in a run's weight sync (docs/security.md)."""
+
+    authenticate: bool = _field(
+        True,
+        "A secret made per run at start() and handed to every member through Ray; every store value, "
+        "zmq signal, manifest, seal, offer and vote carries a MAC bound to the run, group version and "
+        "sender rank, and one that does not verify is dropped and audited as forged_message.",
+    )
+    integrity: Literal["xxh3", "keyed"] = _field(
+        "xxh3",
+        "Per-bucket and per-tensor digests. xxh3: fast checksums, catch damage, not forgery (the seal "
+        "that carries them is MAC'd when authenticate is on). keyed: BLAKE3 keyed with the run's "
+        "secret, so bytes injected into gloo or a slot by anyone without it cannot match (needs "
+        "authenticate).",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """Everything a :class:`~ftstate.Runtime` needs to start, sync and recover."""
 
@@ -331,6 +350,7 @@ class RuntimeConfig:
     )
     fault_tolerance: FaultToleranceConfig = _field(FaultToleranceConfig, "Failover settings.")  # noqa: RUF009
     placement: PlacementConfig = _field(PlacementConfig, "Where workers run on a multi-node cluster.")  # noqa: RUF009
+    security: SecurityConfig = _field(SecurityConfig, "Authentication of the weight-sync path.")  # noqa: RUF009
 
     # -- construction -------------------------------------------------------------------
 
@@ -415,6 +435,9 @@ class RuntimeConfig:
         return value
 
     def _check_combinations(self) -> None:
+        if self.security.integrity == "keyed" and not self.security.authenticate:
+            raise ConfigError("security.integrity",
+                              "'keyed' needs security.authenticate: true (the key is the run's secret)")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 "heartbeat_timeout_s",

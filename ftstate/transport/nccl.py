@@ -34,6 +34,7 @@ import msgpack
 import torch
 
 from ftstate.core.errors import BackendUnavailable, ManifestError, RendezvousTimeout, TransportError
+from ftstate.transport import auth
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.store import (
     StoreAddress,
@@ -143,7 +144,7 @@ class NcclCommunicator(Communicator):
         join_version(store, group, version, rank, world_size, timeout_s)
         key = f"{version_prefix(group, version)}/nccl/unique_id"
         if rank == 0:
-            store.set(key, msgpack.packb(list(nccl.get_unique_id())))
+            store.set(key, auth.sign(f"store {key}", "", 0, "run", msgpack.packb(list(nccl.get_unique_id()))))
         remaining = deadline - time.monotonic()
 
         def timeout(what: str, exc: BaseException | None = None) -> RendezvousTimeout:
@@ -161,8 +162,11 @@ class NcclCommunicator(Communicator):
         except RuntimeError as exc:
             raise timeout("NCCL unique id exchange (rank 0 did not publish it)", exc) from exc
         raw = store.get(key)
+        opened = auth.verify(f"store {key}", "", 0, "run", raw, record_as="store", key=key)  # a forgery is recorded there
         try:
-            uid = tuple(msgpack.unpackb(raw))
+            if opened is None:
+                raise ValueError("its tag does not verify")
+            uid = tuple(msgpack.unpackb(opened))
             # NCCL's id is 128 bytes (cupy: a tuple of small ints); bounded, whatever the build says
             if not 0 < len(uid) <= 1024 or not all(isinstance(b, int) and -128 <= b < 256 for b in uid):
                 raise ValueError("not a list of bytes")

@@ -131,6 +131,7 @@ from ftstate.core.errors import (
     StaleGroupVersion,
     TransportError,
 )
+from ftstate.transport import auth
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.buckets import Bucket, bucket_segments, plan_layout
 from ftstate.transport.buckets import Segment as BucketSegment
@@ -727,10 +728,12 @@ class _Waiter:
         self.pids = pids
         self.nslots = nslots
         self.busy: list[tuple[int, set[int], list[Pending]] | None] = [None, None]
+        self.expected: set[int] = set()
 
     def hellos(self, readers: Sequence[int], stage: str) -> None:
         assert self.chan is not None
-        while len(self.pids) < len(readers):
+        self.expected = set(readers)
+        while not self.expected <= set(self.pids):
             msg = self.chan.recv(POLL_S)
             if msg is None:
                 _check(self.route, stage, self.pids)
@@ -756,6 +759,13 @@ class _Waiter:
     def _handle(self, msg: dict[str, Any], stage: str) -> None:
         comm = self.route.comm
         kind, rank = msg["kind"], msg["from"]
+        if kind == "hello" and rank not in self.expected:  # a reader outside the plan: never let in
+            if auth.enabled():
+                auth.record_forged("signal", rank, group=comm.group, version=comm.version,
+                                   problem="hello from a rank that is not a reader of this transfer")
+                return
+            raise ManifestError(f"bucket signal: hello from rank {rank}, which is not a reader of this transfer",
+                                field="rank", peer=f"rank {rank}")
         if kind == "hello":
             pid = msg.get("pid")
             if not isinstance(pid, int) or isinstance(pid, bool) or not 1 <= pid <= MAX_PID:
@@ -885,7 +895,7 @@ def _send(
             fallback = str(exc)
             net, readers = sorted(net + readers), []
     routes = {**{r: "shm" for r in readers}, **{r: "collective" for r in net}, **{p: "relay" for p in relayed}}
-    chan = Channel.bind() if readers else None
+    chan = Channel.bind(group=comm.group, version=comm.version, rank=comm.rank) if readers else None
     nslots = len(slots.segments) if slots is not None and readers else 2
     waiter = _Waiter(route, chan, {}, nslots)
     hasher = StreamHasher(len(entries)) if known is None else None
@@ -1149,7 +1159,8 @@ def _read(
     at.read = offer
     mapped = _mappings(offer, comm)
     segs = mapped.segments
-    at.chan = chan = Channel.connect(offer.endpoint, comm.rank)
+    at.chan = chan = Channel.connect(offer.endpoint, comm.rank, group=comm.group, version=comm.version,
+                                     writer=writer)
     chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
     pids = {writer: offer.pid}
     follow = _Follower(chan, route, pids, len(segs))
@@ -1285,7 +1296,7 @@ class _Relay:
             slots, fresh = _relay_slots(comm, capacity, min(2, len(buckets)) or 1, set(peers))
         except SharedMemoryUnavailable as exc:
             unavailable = exc
-        chan = Channel.bind() if slots is not None else None
+        chan = Channel.bind(group=comm.group, version=comm.version, rank=comm.rank) if slots is not None else None
         try:
             offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
                           tuple(s.name for s in slots.segments) if slots else (), fresh,
