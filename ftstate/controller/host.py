@@ -97,7 +97,7 @@ class WorkerHost:
         node, node_id = _where()
         return {"pid": os.getpid(), "node": node, "node_id": node_id, "member": self.member, "role": self.role}
 
-    async def heartbeat(self, prove: bool = False) -> dict[str, Any]:
+    async def heartbeat(self, prove: bool = False, forged: bool = False) -> dict[str, Any]:
         """Progress, busy, and the weights version and checksum held committed. ``prove`` (the
         watchdog asks a SUSPECT rollout): the checksum is hashed afresh from the bytes it holds
         (:meth:`_held_checksum`, ~10 ms per 256 MiB here), not the one cached at its commit; a
@@ -117,8 +117,9 @@ class WorkerHost:
             "weights_version": self.weights_version,
             "checksum": checksum,
             "pid": os.getpid(),
-            # messages this member dropped as forged since the last heartbeat (the watchdog audits them)
-            "forged": auth.drain_forged(),
+            # ``forged`` (the watchdog asks): the messages this member dropped as forged since it
+            # last asked, handed over once, for the audit trail
+            **({"forged": auth.drain_forged()} if forged else {}),
         }
 
     async def vigil(self) -> None:

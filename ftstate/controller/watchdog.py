@@ -54,7 +54,8 @@ class Watchdog:
         try:
             # A suspect must show its weights to be re-admitted: it hashes them afresh.
             prove = m.machine.state == "SUSPECT"
-            raw = await self.calls.call(m.name, m.handle, "heartbeat", prove, timeout=self.config.heartbeat_interval_s)
+            raw = await self.calls.call(m.name, m.handle, "heartbeat", prove, True,
+                                        timeout=self.config.heartbeat_interval_s)
             record_forged(m, raw.pop("forged", ()), self.membership)
             beat: Heartbeat | None = Heartbeat(**raw)
         except MemberLost:

@@ -86,6 +86,15 @@ MUTATIONS = (
          "test_a_slot_tampered_right_after_the_writers_copy_is_refused_and_the_next_sync_succeeds",),
     ),
     Mutation(
+        "tags not checked",
+        "a message whose MAC does not verify (store value, zmq signal, gloo message, vote) is never acted on",
+        (Edit("ftstate/transport/auth.py", "    if problem is not None:\n        record_forged(",
+              "    if problem is not None and False:\n        record_forged("),),
+        ("tests/unit/test_auth.py",
+         "tests/integration/test_transport_security.py::TestAuthenticated::"
+         "test_a_manifest_from_a_member_without_the_secret_is_refused_before_it_is_decoded"),
+    ),
+    Mutation(
         "held bytes not compared",
         "a rollout is recorded as holding a version only if the bytes it holds hash to the sender's checksum",
         (Edit("ftstate/controller/sync.py", '            if r["checksum"] != checksum:\n', "            if False:\n"),),
