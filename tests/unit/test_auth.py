@@ -63,6 +63,22 @@ class TestTags:
         assert key.secret.hex() not in repr(key) and str(key.secret) not in repr(key)
 
 
+class TestVotes:
+    def test_a_vote_whose_tag_does_not_verify_counts_as_forged_never_as_a_commit(self, key):
+        import types
+
+        from ftstate.transport.sync import VOTE_COMMIT, VOTE_FORGED, _signed_vote, _vote_value
+
+        comm = types.SimpleNamespace(group="weights", version=2)
+        good = _signed_vote(comm, 1, VOTE_COMMIT)
+        assert _vote_value(comm, 1, good) == VOTE_COMMIT
+        assert _vote_value(comm, 2, good) == VOTE_FORGED  # rank 1's vote presented as rank 2's
+        forged = good.clone()
+        forged[1] ^= 1
+        assert _vote_value(comm, 1, forged) == VOTE_FORGED
+        assert [f["channel"] for f in auth.drain_forged()] == ["vote", "vote"]
+
+
 class TestSignals:
     def test_a_replayed_signal_is_dropped_and_recorded(self, key):
         router = Channel.bind(group="weights", version=1, rank=0)
