@@ -43,7 +43,9 @@ def forged(rt) -> list[dict]:
 
 class TestStoreRewrite:
     async def test_a_rewritten_current_version_is_recorded_and_the_next_sync_succeeds(self, ray_cluster, tmp_path):
-        async with runtime(config(tmp_path)) as rt:
+        # default heartbeats: the attacking process's torch import on a loaded 2-core machine must
+        # not make a member look hung (that would be a different test)
+        async with runtime(config(tmp_path, heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)) as rt:
             await rt.trainer("train_step")
             await rt.sync()
             rewrite_current_version(rt)
@@ -53,14 +55,15 @@ class TestStoreRewrite:
                 trainer_sum, rollout_sums = await checksums(rt)
                 assert rollout_sums == [trainer_sum, trainer_sum] == [report.checksum] * 2
             assert report.weights_version == 3 and report.group_version == 1
-            await wait_until(lambda: forged(rt), 10, "a forged_message record")
+            await wait_until(lambda: forged(rt), 30, "a forged_message record")
             record = forged(rt)[0]
             assert record["channel"] == "store" and record["key"] == f"{GROUP}/current_version"
             assert record["claimed_sender"] == "run" and record["problem"] == "shorter than a tag"  # b"9"
         assert check_trail(tmp_path / "audit.jsonl") == []
 
     async def test_without_authentication_the_same_rewrite_fences_the_run(self, ray_cluster, tmp_path):
-        async with runtime(config(tmp_path, security={"authenticate": False})) as rt:
+        async with runtime(config(tmp_path, heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0,
+                                  security={"authenticate": False})) as rt:
             await rt.sync()
             rewrite_current_version(rt)
             with pytest.raises(StaleGroupVersion):
