@@ -79,6 +79,28 @@ class TestAuthenticated:
         next_sync_is_whole(secured, 2, 2)
         assert all(w.call("forged") == [] for w in secured.members)
 
+    def test_the_relay_route_and_point_to_point_carry_tags_too(self, secured):
+        for keyed in ("xxh3", "keyed"):
+            for w in secured.members:
+                w.call("secure", secret=SECRET, integrity=keyed)
+            # a version of its own each time: in one group version, a relay transfer from rank 1 to
+            # rank 2 right after rank 1 sent to rank 2 point to point hangs with or without
+            # authentication (a separate defect of the same-host route, reported, not fixed here)
+            secured.form()
+            secured.members[0].call("load", seed=3, weights_version=2)
+            report = planned(secured, [], relays={1: [2]})
+            assert report["routes"] == {1: "collective", 2: "relay"} and report["committed"] == [1, 2]
+            for r in secured.members[1:]:
+                assert_bit_exact(r, 3)
+            _trainer, source, newcomer = secured.members
+            newcomer.call("reset_receiver")
+            newcomer.start("receive_planned", timeout_s=SYNC_S, src=1, point_to_point=True)
+            assert source.call("send_to_planned", peer=2, timeout_s=SYNC_S, source="committed")["committed"] == [2]
+            assert newcomer.result()["checksum"] == expected_checksum(3)
+        assert all(w.call("forged") == [] for w in secured.members)
+        for w in secured.members:
+            w.call("secure", secret=SECRET)
+
     def test_a_manifest_from_a_member_without_the_secret_is_refused_before_it_is_decoded(self, secured):
         trainer, *readers = secured.members
         planned(secured, [1, 2])
