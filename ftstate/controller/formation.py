@@ -122,16 +122,19 @@ class GroupFormation:
             m.set_rank(rank)
             m.machine.group_version = version
         joins = [asyncio.ensure_future(self.join(m, version, len(members))) for m in members]
-        done, pending = await asyncio.wait(joins, return_when=asyncio.FIRST_EXCEPTION)
-        if pending:
-            # One join failed: nobody else can complete this version. Supersede it so the
-            # members waiting in it for the missing rank are released now.
-            self.store.fence(GROUP, version + 1)
-        results = await asyncio.gather(*joins, return_exceptions=True)
+        try:
+            done, _ = await asyncio.wait(joins, return_when=asyncio.FIRST_EXCEPTION)
+            if any(t.exception() is not None for t in done):
+                # A join failed: the version is not formed, whatever the others saw (the failed
+                # member may have registered before its call failed). Supersede it, so nobody
+                # uses it and the members waiting in it for a missing rank are released now.
+                self.store.fence(GROUP, version + 1)
+            results = await asyncio.gather(*joins, return_exceptions=True)
+        except asyncio.CancelledError:  # the caller's state deadline: the joins go with it
+            for t in joins:
+                t.cancel()
+            raise
         failures = {m.name: r for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)}
-        for r in failures.values():
-            if isinstance(r, asyncio.CancelledError):
-                raise r
         if failures:
             order = [m.name for m, t in zip(members, joins, strict=True) if t in done and t.exception() is not None]
             failures = root_cause(failures, order)

@@ -61,11 +61,15 @@ def assert_retired_after_replacements_served(rt, moved: dict[str, str]) -> None:
     (it held the current weights, proven), and from the drain's start to its end the rollouts
     in a serving state never numbered fewer than before it (they kept serving throughout)."""
     trail = rt.audit.records
-    index = {(r.get("member"), r["to"]): i for i, r in enumerate(trail) if r["event"] == "transition"}
+    index: dict[tuple[str, str], int] = {}  # the first time each member entered each state
+    for i, r in enumerate(trail):
+        if r["event"] == "transition":
+            index.setdefault((r.get("member"), r["to"]), i)
     for old, new in moved.items():
         assert index[(new, "READY")] < index[(old, "RETIRED")], (old, new)
     start = next(i for i, r in enumerate(trail) if r["event"] == "drain_started")
     end = next(i for i, r in enumerate(trail) if r["event"] == "drain_drained")
+    assert all(index[(o, "RETIRED")] <= end for o in moved)
 
     def rollout_transition(r: dict) -> bool:
         return r["event"] == "transition" and str(r.get("member", "")).startswith(("rollout", "spare-rollout"))
