@@ -3,6 +3,13 @@ against a raw ``ProcessGroupGloo.broadcast`` of the same bytes between the same 
 
     python benchmarks/transfer.py [--sizes 64,256,1024] [--receivers 1,2] [--bucket-mb 256] [--reps 3]
     python benchmarks/transfer.py --senders 1,2,4 [--sizes 256] [--receivers 2] [--reps 3]
+    python benchmarks/transfer.py --security [--sizes 256] [--receivers 2] [--reps 5]
+
+``--security``: the cost of ``security.authenticate`` and ``security.integrity: keyed``
+(:mod:`ftstate.transport.auth`): every process switches together, round by round, between no
+key (``open``), the run's key with xxh3 bucket digests (``auth``) and keyed BLAKE3 bucket
+digests (``keyed``), on the same-host route (``shm``) and on the cross-node leg (``xnode``:
+every receiver over gloo); ratios are per-round medians of time / the ``open`` round's time.
 
 ``--senders``: several trainer ranks (``trainer_workers``), each sending the part it owns
 straight to every rollout at once (:mod:`ftstate.transport.shards`), the same total bytes
@@ -317,6 +324,101 @@ def senders_main(args: dict[str, Any]) -> int:
     return 0 if agree else 1
 
 
+SECURITY_MODES = ("open", "auth", "keyed")
+SECURITY_ROUTES = ("shm", "xnode")
+
+
+def _security_worker(idx: int, store_addr: str, args: dict[str, Any], results: Any) -> None:
+    import torch
+
+    from ftstate.transport import Receiver, Sender, auth, checksum, create_communicator, samehost, store
+
+    torch.set_num_threads(1)
+    sender = Sender(bucket_size=int(args["bucket_mb"] * MiB))
+    receiver = Receiver()
+    world = args["receivers"] + 1
+    comm = create_communicator("gloo", store_addr=store_addr, group="benchsec", version=1, rank=idx,
+                               world_size=world, timeout_s=60)
+    size = args["sizes"][0]
+    weights = make_weights(size) if idx == 0 else None
+    kinds = [(route, mode) for route in SECURITY_ROUTES for mode in SECURITY_MODES]
+    times: dict[str, list[float]] = {f"{r}-{m}": [] for r, m in kinds}
+    checks = []
+    for rnd in range(args["warmup"] + args["reps"]):
+        for route, mode in kinds:
+            # every process switches at the same point of the loop; a transfer reads the group's
+            # current_version from the store (fencing), so rank 0 rewrites it as this mode writes it
+            if mode == "open":
+                auth.uninstall()
+                checksum.use_integrity("xxh3")
+            else:
+                auth.install("bench", args["secret"])
+                checksum.use_integrity("keyed" if mode == "keyed" else "xxh3")
+            if idx == 0:
+                comm._store.set("benchsec/current_version", store._signed("benchsec/current_version", b"1"))
+            same_host = range(1, world) if route == "shm" else ()
+            comm.barrier(timeout_s=60)
+            t0 = time.perf_counter()
+            if idx == 0:
+                report = samehost.broadcast(sender, comm, weights, same_host=same_host, require_shm=route == "shm",
+                                            weights_version=rnd, timeout_s=120)
+                assert report.ok, report
+                checks.append(report.state_checksum)
+            else:
+                checks.append(samehost.receive(receiver, comm, 0, timeout_s=120).state_checksum)
+            comm.barrier(timeout_s=60)
+            if rnd >= args["warmup"]:
+                times[f"{route}-{mode}"].append(time.perf_counter() - t0)
+    forged = auth.drain_forged()
+    assert not forged, forged  # every round's messages verified: the figures are of the happy path
+    results.put((idx, times, checks))
+    comm.close()
+
+
+def security_main(args: dict[str, Any]) -> int:
+    """The cost of authentication and keyed integrity, in the same run (see the module docstring)."""
+    from ftstate.transport import StoreServer
+
+    server = StoreServer("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    nproc = 1 + args["receivers"]
+    procs = [ctx.Process(target=_security_worker, args=(i, str(server.address), args, results), daemon=True)
+             for i in range(nproc)]
+    for p in procs:
+        p.start()
+    per_rank: dict[int, Any] = {}
+    try:
+        while len(per_rank) < nproc:
+            item = _next_result(results, procs)
+            if item is None:
+                return 1
+            per_rank[item[0]] = item[1:]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        server.close()
+    times, sender_checks = per_rank[0]
+    agree = all(per_rank[r][1] == sender_checks for r in per_rank)
+    size = args["sizes"][0]
+    print(f"{size} MiB, {args['receivers']} receivers, bucket {args['bucket_mb']:g} MiB, {args['reps']} measured "
+          f"rounds ({args['warmup']} warm-up), load average before {args['load']:.2f}; seconds are medians, "
+          "ratios the per-round median of time / the open round's time")
+    print(f"{'route':>6} | {'open s':>7} | {'auth s':>7} {'auth/open':>9} | {'keyed s':>7} {'keyed/open':>10} "
+          f"{'keyed/auth':>10} | checksums")
+    for route in SECURITY_ROUTES:
+        o, a, k = (times[f"{route}-{m}"] for m in SECURITY_MODES)
+        ra = statistics.median(x / y for x, y in zip(a, o, strict=True))
+        rk = statistics.median(x / y for x, y in zip(k, o, strict=True))
+        rka = statistics.median(x / y for x, y in zip(k, a, strict=True))
+        print(f"{route:>6} | {statistics.median(o):>7.3f} | {statistics.median(a):>7.3f} {ra:>9.3f} | "
+              f"{statistics.median(k):>7.3f} {rk:>10.3f} {rka:>10.3f} | {'match' if agree else 'MISMATCH'}")
+    print("goal (issue 25): auth/open < 1.03, keyed/open < 1.15 at 256 MiB")
+    return 0 if agree else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64,256,1024", help="weights sizes in MiB, comma separated")
@@ -325,7 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="measured rounds per cell")
     parser.add_argument("--warmup", type=int, default=2, help="uncounted rounds per cell")
     parser.add_argument("--senders", default="", help="trainer-rank counts, comma separated (multi-sender mode)")
+    parser.add_argument("--security", action="store_true",
+                        help="measure security.authenticate and integrity: keyed against no key, same run")
     ns = parser.parse_args(argv)
+    if ns.security:
+        return security_main({
+            "sizes": [int(ns.sizes.split(",")[0]) if ns.sizes != "64,256,1024" else 256],
+            "receivers": int(ns.receivers.split(",")[-1]),
+            "bucket_mb": ns.bucket_mb, "reps": ns.reps, "warmup": ns.warmup,
+            "secret": os.urandom(32), "load": os.getloadavg()[0],
+        })
     if ns.senders:
         return senders_main({
             "senders": [int(n) for n in ns.senders.split(",") if n],

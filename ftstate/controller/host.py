@@ -38,7 +38,8 @@ class WorkerHost:
 
     member: its name (``rollout-1``); role: ``trainer`` or ``rollout``; user_cls, args,
     kwargs: the user's class and constructor arguments; backend: ``gloo`` or ``nccl``;
-    bucket_bytes: broadcast bucket size.
+    bucket_bytes: broadcast bucket size; run, secret: the run's id and secret (installed for the
+    transport's MACs; None: the run does not authenticate); integrity: ``security.integrity``.
     """
 
     def __init__(
@@ -50,7 +51,17 @@ class WorkerHost:
         kwargs: Mapping[str, Any],
         backend: str,
         bucket_bytes: int,
+        *,
+        run: str = "",
+        secret: bytes | None = None,
+        integrity: str = "xxh3",
     ) -> None:
+        from ftstate.transport import auth, checksum
+
+        # the run's secret, handed over by Ray (security.authenticate; ftstate.transport.auth)
+        if secret is not None:
+            auth.install(run, secret)
+        checksum.use_integrity(integrity)
         self.member = member
         self.role = role
         self.backend = backend
@@ -86,7 +97,7 @@ class WorkerHost:
         node, node_id = _where()
         return {"pid": os.getpid(), "node": node, "node_id": node_id, "member": self.member, "role": self.role}
 
-    async def heartbeat(self, prove: bool = False) -> dict[str, Any]:
+    async def heartbeat(self, prove: bool = False, forged: bool = False) -> dict[str, Any]:
         """Progress, busy, and the weights version and checksum held committed. ``prove`` (the
         watchdog asks a SUSPECT rollout): the checksum is hashed afresh from the bytes it holds
         (:meth:`_held_checksum`, ~10 ms per 256 MiB here), not the one cached at its commit; a
@@ -98,12 +109,17 @@ class WorkerHost:
             checksum = None
             if self._loaded is not None and not (self._has_held_hook() and self._lock().locked()):
                 checksum = await self._held_checksum(self._loaded.tensors)
+        from ftstate.transport import auth
+
         return {
             "progress": self.progress,
             "busy": self.busy,
             "weights_version": self.weights_version,
             "checksum": checksum,
             "pid": os.getpid(),
+            # ``forged`` (the watchdog asks): the messages this member dropped as forged since it
+            # last asked, handed over once, for the audit trail
+            **({"forged": auth.drain_forged()} if forged else {}),
         }
 
     async def vigil(self) -> None:

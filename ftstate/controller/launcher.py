@@ -56,6 +56,16 @@ class ActorLauncher:
         self.node = node
         self._on_transition = on_transition
         self.pools: dict[str, Any] = {}
+        # The run's secret (security.authenticate), made here, at start(): installed in this
+        # process (the store it hosts) and handed to every member as a constructor argument,
+        # i.e. over Ray's channel, never over ftstate's own sockets (ftstate.transport.auth).
+        from ftstate.transport import auth
+
+        self._secret = auth.new_secret() if config.security.authenticate else None
+        if self._secret is not None:
+            auth.install(run_id, self._secret)
+        else:
+            auth.uninstall()
 
     def make_pools(self) -> None:
         """One placement group per role, plus the standby pool (fault tolerance on): a slot per
@@ -130,7 +140,8 @@ class ActorLauncher:
             max_concurrency=64,
             **resource_pool.options(slot),
         ).remote(name, role, self.classes[role], tuple(args), dict(kwargs), self.config.backend,
-                 int(self.config.bucket_size_mb * 2**20))
+                 int(self.config.bucket_size_mb * 2**20), run=self.run_id, secret=self._secret,
+                 integrity=self.config.security.integrity)
         member = Member(name, role, rank, machine, handle, self.liveness(), pool=resource_pool.name, slot=slot)
         self.membership.add(member)
         return member
@@ -173,8 +184,11 @@ class ActorLauncher:
             self.kill(member)
 
     def close(self) -> None:
-        """Kill every actor and remove the placement groups."""
+        """Kill every actor and remove the placement groups; forget the run's secret."""
+        from ftstate.transport import auth
+
         self.kill_all()
+        auth.uninstall()
         for pool in self.pools.values():
             with contextlib.suppress(Exception):  # the cluster may be gone already
                 pool.remove()

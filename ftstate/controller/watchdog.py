@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.membership import Member, Membership
@@ -53,7 +54,9 @@ class Watchdog:
         try:
             # A suspect must show its weights to be re-admitted: it hashes them afresh.
             prove = m.machine.state == "SUSPECT"
-            raw = await self.calls.call(m.name, m.handle, "heartbeat", prove, timeout=self.config.heartbeat_interval_s)
+            raw = await self.calls.call(m.name, m.handle, "heartbeat", prove, True,
+                                        timeout=self.config.heartbeat_interval_s)
+            record_forged(m, raw.pop("forged", ()), self.membership)
             beat: Heartbeat | None = Heartbeat(**raw)
         except MemberLost:
             beat = None
@@ -110,3 +113,15 @@ class Watchdog:
             if done() or loop.time() > until:
                 return
             await asyncio.sleep(interval)
+
+
+def record_forged(m: Member, forged: Any, membership: Membership) -> None:
+    """Audit what ``m`` dropped as forged since its last heartbeat, and what this controller
+    process did (its store reads), as ``forged_message`` records (security.authenticate)."""
+    from ftstate.transport import auth
+
+    for entry in forged if isinstance(forged, list) else []:
+        if isinstance(entry, dict):
+            m.machine.record("forged_message", **{k: v for k, v in entry.items() if k != "t"})
+    for entry in auth.drain_forged():
+        membership.group.record("forged_message", reported_by="controller", **{k: v for k, v in entry.items() if k != "t"})

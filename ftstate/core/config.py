@@ -9,6 +9,11 @@ values and impossible combinations with a :class:`~ftstate.core.errors.ConfigErr
 message starts with the field's dotted path, e.g.
 ``fault_tolerance.max_failovers: must be >= 0, got -1``.
 
+Config files are read as untrusted input: at most :data:`MAX_CONFIG_BYTES`, YAML aliases
+refused (``&a`` / ``*a`` would let a few hundred bytes expand to gigabytes), nesting at most
+:data:`MAX_CONFIG_DEPTH` deep, numbers finite, and every value an error quotes is shortened
+with :mod:`reprlib`, so a hostile file gets a one-line ConfigError, never a MemoryError.
+
 The one environment override is ``FTSTATE_INIT_TIMEOUT_S`` for ``init_timeout_s`` (the
 value operators most often need to raise on a slow cluster without editing a file); it
 wins over the file, like torchft's ``TORCHFT_*`` overrides.
@@ -17,7 +22,9 @@ wins over the file, like torchft's ``TORCHFT_*`` overrides.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import reprlib
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -29,6 +36,57 @@ from ftstate.core.errors import ConfigError
 MAINTENANCE_SOURCES = ("gce", "aws", "azure", "ray", "file")
 #: The sources that poll an HTTP metadata endpoint (``fault_tolerance.maintenance_endpoints``).
 METADATA_SOURCES = ("gce", "aws", "azure")
+
+
+#: Largest config file read (a real one is a few KiB).
+MAX_CONFIG_BYTES = 1024 * 1024
+#: Deepest nesting of mappings and lists accepted in a config file.
+MAX_CONFIG_DEPTH = 32
+#: Largest integer a config value may hold (int64).
+_MAX_INT = (1 << 63) - 1
+
+_short = reprlib.Repr()
+_short.maxstring = 80
+_short.maxother = 80
+_short.maxlist = 6
+_short.maxdict = 6
+_short.maxlong = 40
+_short.maxlevel = 3
+
+
+def _r(value: Any) -> str:
+    """A bounded repr of a value from a config file or the environment, for error messages."""
+    try:
+        return _short.repr(value)
+    except Exception:  # noqa: BLE001 - the repr of hostile data must never be the crash
+        return f"<{type(value).__name__}>"
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    """``yaml.safe_load`` without aliases and with bounded nesting (ConfigError otherwise)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:  # type: ignore[override]
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise ConfigError("", f"{source}: YAML aliases are not accepted (line {mark.line + 1}); "
+                                      "write the value out")
+            self.depth += 1
+            if self.depth > MAX_CONFIG_DEPTH:
+                raise ConfigError("", f"{source}: nested deeper than {MAX_CONFIG_DEPTH} levels")
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    loader = Loader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _field(default: Any, doc: str, **rules: Any) -> Any:
@@ -209,6 +267,25 @@ class PlacementConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SecurityConfig:
+    """The ``security`` block: who may take part in a run's weight sync (docs/security.md)."""
+
+    authenticate: bool = _field(
+        True,
+        "A secret made per run at start() and handed to every member through Ray; every store value, "
+        "zmq signal, manifest, seal, offer and vote carries a MAC bound to the run, group version and "
+        "sender rank, and one that does not verify is dropped and audited as forged_message.",
+    )
+    integrity: Literal["xxh3", "keyed"] = _field(
+        "xxh3",
+        "Per-bucket and per-tensor digests. xxh3: fast checksums, catch damage, not forgery (the seal "
+        "that carries them is MAC'd when authenticate is on). keyed: BLAKE3 keyed with the run's "
+        "secret, so bytes injected into gloo or a slot by anyone without it cannot match (needs "
+        "authenticate).",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """Everything a :class:`~ftstate.Runtime` needs to start, sync and recover."""
 
@@ -274,6 +351,7 @@ class RuntimeConfig:
     )
     fault_tolerance: FaultToleranceConfig = _field(FaultToleranceConfig, "Failover settings.")  # noqa: RUF009
     placement: PlacementConfig = _field(PlacementConfig, "Where workers run on a multi-node cluster.")  # noqa: RUF009
+    security: SecurityConfig = _field(SecurityConfig, "Authentication of the weight-sync path.")  # noqa: RUF009
 
     # -- construction -------------------------------------------------------------------
 
@@ -300,11 +378,22 @@ class RuntimeConfig:
 
         p = Path(path)
         try:
-            data = yaml.safe_load(p.read_text())
+            with p.open("rb") as fh:
+                raw = fh.read(MAX_CONFIG_BYTES + 1)
         except FileNotFoundError as exc:
             raise ConfigError("", f"{p}: no such config file") from exc
+        except OSError as exc:
+            raise ConfigError("", f"{p}: cannot be read: {exc.strerror or exc}") from exc
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError("", f"{p}: larger than {MAX_CONFIG_BYTES} bytes, not a config file")
+        try:
+            data = _load_yaml(raw.decode("utf-8"), str(p))
+        except UnicodeDecodeError as exc:
+            raise ConfigError("", f"{p}: not UTF-8 text (byte {exc.start})") from exc
         except yaml.YAMLError as exc:
-            raise ConfigError("", f"{p}: not valid YAML: {exc}") from exc
+            raise ConfigError("", f"{p}: not valid YAML: {str(exc)[:300]}") from exc
+        except RecursionError as exc:  # pragma: no cover - MAX_CONFIG_DEPTH stops it first
+            raise ConfigError("", f"{p}: nested too deeply") from exc
         if data is not None and not isinstance(data, Mapping):
             raise ConfigError("", f"{p}: expected a mapping at the top level, got {type(data).__name__}")
         try:
@@ -347,6 +436,9 @@ class RuntimeConfig:
         return value
 
     def _check_combinations(self) -> None:
+        if self.security.integrity == "keyed" and not self.security.authenticate:
+            raise ConfigError("security.integrity",
+                              "'keyed' needs security.authenticate: true (the key is the run's secret)")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 "heartbeat_timeout_s",
@@ -362,14 +454,14 @@ class RuntimeConfig:
         if ft.standby_resource_pool in ("trainer", "rollout"):
             raise ConfigError(
                 "fault_tolerance.standby_resource_pool",
-                f"must differ from the role pools 'trainer' and 'rollout', got {ft.standby_resource_pool!r}",
+                f"must differ from the role pools 'trainer' and 'rollout', got {_r(ft.standby_resource_pool)}",
             )
         if "file" in ft.maintenance_sources and ft.maintenance_file is None:
             raise ConfigError("fault_tolerance.maintenance_file", "required when maintenance_sources names 'file'")
         for source, url in ft.maintenance_endpoints.items():
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(
-                    f"fault_tolerance.maintenance_endpoints.{source}", f"must be an http:// or https:// URL, got {url!r}"
+                    f"fault_tolerance.maintenance_endpoints.{source}", f"must be an http:// or https:// URL, got {_r(url)}"
                 )
         if ft.optimizer_state == "checkpoint" and ft.checkpoint_dir is None:
             raise ConfigError("fault_tolerance.checkpoint_dir", "required when optimizer_state is 'checkpoint'")
@@ -460,10 +552,13 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
         raise ConfigError(prefix.rstrip("."), f"expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    bad_keys = [k for k in data if not isinstance(k, str)]
+    if bad_keys:
+        raise ConfigError(prefix.rstrip("."), f"keys must be strings, got {_r(bad_keys[0])}")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(
-            f"{prefix}{unknown[0]}",
+            f"{prefix}{_r(unknown[0])[1:-1]}",
             f"unknown key; expected one of: {', '.join(sorted(fields))}",
         )
     values = {}
@@ -494,22 +589,26 @@ def _convert(f: dataclasses.Field[Any], hint: Any, value: Any, path: str, *, fro
     if typing.get_origin(base) is Literal:
         choices = typing.get_args(base)
         if value not in choices:
-            raise ConfigError(path, f"must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+            raise ConfigError(path, f"must be one of {', '.join(repr(c) for c in choices)}, got {_r(value)}")
         return value
     if base is bool:
         if not isinstance(value, bool):
-            raise ConfigError(path, f"must be true or false, got {value!r}")
+            raise ConfigError(path, f"must be true or false, got {_r(value)}")
         return value
     if base in (int, float):
         if from_env:
             try:
                 value = base(value)
             except ValueError as exc:
-                raise ConfigError(path, f"must be a number, got {value!r}") from exc
+                raise ConfigError(path, f"must be a number, got {_r(value)}") from exc
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"must be {'an integer' if base is int else 'a number'}, got {value!r}")
+            raise ConfigError(path, f"must be {'an integer' if base is int else 'a number'}, got {_r(value)}")
+        if isinstance(value, float) and not math.isfinite(value):  # a bound must bound something
+            raise ConfigError(path, f"must be a finite number, got {_r(value)}")
+        if isinstance(value, int) and abs(value) > _MAX_INT:
+            raise ConfigError(path, f"must be at most {_MAX_INT} in magnitude, got {_r(value)}")
         if base is int and not float(value).is_integer():
-            raise ConfigError(path, f"must be an integer, got {value!r}")
+            raise ConfigError(path, f"must be an integer, got {_r(value)}")
         value = base(value)
         if "ge" in f.metadata and value < f.metadata["ge"]:
             raise ConfigError(path, f"must be >= {f.metadata['ge']}, got {value:g}")
@@ -518,7 +617,7 @@ def _convert(f: dataclasses.Field[Any], hint: Any, value: Any, path: str, *, fro
         return value
     if base is str:
         if not isinstance(value, str) or not value:
-            raise ConfigError(path, f"must be a non-empty string, got {value!r}")
+            raise ConfigError(path, f"must be a non-empty string, got {_r(value)}")
         return value
     raise ConfigError(path, f"unsupported field type {hint!r}")  # pragma: no cover - declaration bug
 
@@ -530,21 +629,21 @@ def _convert_list(f: dataclasses.Field[Any], value: Any, path: str) -> list[str]
     if value == "auto" and "auto" in choices:
         return ["auto"]
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(path, f"must be a list, got {value!r}")
+        raise ConfigError(path, f"must be a list, got {_r(value)}")
     out: list[str] = []
     for i, item in enumerate(value):
         if not isinstance(item, str) or not item:
-            raise ConfigError(f"{path}[{i}]", f"must be a non-empty string, got {item!r}")
+            raise ConfigError(f"{path}[{i}]", f"must be a non-empty string, got {_r(item)}")
         if choices and item not in choices:
-            raise ConfigError(f"{path}[{i}]", f"must be one of {', '.join(repr(c) for c in choices)}, got {item!r}")
+            raise ConfigError(f"{path}[{i}]", f"must be one of {', '.join(repr(c) for c in choices)}, got {_r(item)}")
         if item in out:
-            raise ConfigError(f"{path}[{i}]", f"{item!r} is named twice")
+            raise ConfigError(f"{path}[{i}]", f"{_r(item)} is named twice")
         out.append(item)
     if "auto" in choices:
         if not out:
             return ["auto"]
         if "auto" in out and len(out) > 1:
-            raise ConfigError(path, f"'auto' cannot be combined with named sources, got {out!r}")
+            raise ConfigError(path, f"'auto' cannot be combined with named sources, got {_r(out)}")
     return out
 
 
@@ -553,20 +652,20 @@ def _convert_mapping(f: dataclasses.Field[Any], hint: Any, value: Any, path: str
     endpoints), with only the ``keys`` of the field's metadata when it names them."""
     _, value_type = typing.get_args(hint)
     if not isinstance(value, Mapping):
-        raise ConfigError(path, f"must be a mapping of names to {value_type.__name__} values, got {value!r}")
+        raise ConfigError(path, f"must be a mapping of names to {value_type.__name__} values, got {_r(value)}")
     allowed: tuple[str, ...] = f.metadata.get("keys", ())
     out: dict[str, Any] = {}
     for key, item in value.items():
         if not isinstance(key, str) or not key:
-            raise ConfigError(path, f"keys must be non-empty strings, got {key!r}")
+            raise ConfigError(path, f"keys must be non-empty strings, got {_r(key)}")
         if allowed and key not in allowed:
-            raise ConfigError(f"{path}.{key}", f"unknown key; expected one of: {', '.join(allowed)}")
+            raise ConfigError(f"{path}.{_r(key)[1:-1]}", f"unknown key; expected one of: {', '.join(allowed)}")
         if value_type is float:
-            if isinstance(item, bool) or not isinstance(item, (int, float)) or item < 0:
-                raise ConfigError(f"{path}.{key}", f"must be a number >= 0, got {item!r}")
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item) or item < 0:
+                raise ConfigError(f"{path}.{key}", f"must be a number >= 0, got {_r(item)}")
             out[key] = float(item)
         elif not isinstance(item, str) or not item:
-            raise ConfigError(f"{path}.{key}", f"must be a non-empty string, got {item!r}")
+            raise ConfigError(f"{path}.{key}", f"must be a non-empty string, got {_r(item)}")
         else:
             out[key] = item
     return out

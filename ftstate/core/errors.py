@@ -28,7 +28,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     │   ├── SharedMemoryUnavailable  /dev/shm is missing, full or too small for the same-host route
     │   ├── StaleGroupVersion    a message or collective from an older group version (fencing)
     │   ├── ChecksumMismatch     a bucket's bytes do not hash to the manifest's checksum
-    │   ├── ManifestError        a manifest on the wire is malformed (.field names the field)
+    │   ├── ManifestError        a message (manifest, seal, offer, signal, store value) is malformed (.field, .peer)
     │   ├── PeerLost             a peer died or vanished mid-collective (.group, .rank, .op, .peer)
     │   └── CommunicatorAborted  a transfer on a communicator that was aborted: form a new version
     └── AuditViolation           an audit trail breaks an invariant of the machines
@@ -359,14 +359,17 @@ class HeldWeightsMismatch(ChecksumMismatch):
 
 
 class ManifestError(TransportError):
-    """Raised when a manifest, seal or message header received on the wire is malformed.
+    """Raised when a message received is malformed: a manifest, seal, offer or vote, a message
+    header, a bucket signal, or a value read from the rendezvous store.
 
     field: the offending field (``"group_version"``, ``"tensors[3].shape"``…) when one
-    field is at fault, else None (e.g. the bytes are not msgpack at all).
+    field is at fault, else None (e.g. the bytes are not msgpack at all). peer: who sent it
+    (``"rank 2"``, ``"store key weights/current_version"``) when the receiver knows.
     """
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, peer: str | None = None) -> None:
         self.field = field
+        self.peer = peer
         super().__init__(message)
 
 

@@ -25,6 +25,7 @@ This module is pure (msgpack only) and is unit-tested without processes.
 from __future__ import annotations
 
 import itertools
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import msgpack
 
 from ftstate.core.errors import ManifestError, StaleGroupVersion
-from ftstate.transport.buckets import DTYPE_ITEMSIZE, MIN_BUCKET_SIZE, TensorEntry, nbytes_of
+from ftstate.transport.buckets import DTYPE_ITEMSIZE, MIN_BUCKET_SIZE, TensorEntry
 
 #: Version of the wire format; bumped on any incompatible change of either message.
 WIRE_FORMAT = 1
@@ -41,6 +42,31 @@ WIRE_FORMAT = 1
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 _U64 = (1 << 64) - 1
+
+#: Caps a receiver applies before it trusts a manifest (far above any real model, far below
+#: what would make validation or the staging allocation itself the attack).
+MAX_NDIM = 64
+MAX_TENSORS = 1 << 20
+MAX_BUCKETS = 1 << 22
+MAX_NAME_CHARS = 4096
+#: Bytes one transfer may announce (16 TiB): the receiver allocates this much staging.
+MAX_TOTAL_BYTES = 1 << 44
+#: Largest bucket accepted (64 GiB; ``bucket_size_mb`` is far below it in practice).
+MAX_BUCKET_SIZE = 1 << 36
+
+_short = reprlib.Repr()
+_short.maxstring = 60
+_short.maxother = 60
+_short.maxlist = 6
+_short.maxlong = 40
+
+
+def short(value: Any) -> str:
+    """A bounded repr of a value taken from the wire, for error messages."""
+    try:
+        return _short.repr(value)
+    except Exception:  # noqa: BLE001 - a repr of hostile data must never be the crash
+        return f"<{type(value).__name__}>"
 
 
 @dataclass(frozen=True)
@@ -124,13 +150,13 @@ def _load(data: bytes | bytearray | memoryview, kind: str) -> Mapping[str, Any]:
     try:
         obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise ManifestError(f"malformed {kind}: not valid msgpack ({exc})") from exc
+        raise ManifestError(f"malformed {kind}: not valid msgpack ({short(str(exc))})") from exc
     if not isinstance(obj, dict):
         raise ManifestError(f"malformed {kind}: expected a map at the top level, got {type(obj).__name__}")
     if obj.get("kind") != kind:
-        raise _fail("kind", f"expected {kind!r}, got {obj.get('kind')!r}")
+        raise _fail("kind", f"expected {kind!r}, got {short(obj.get('kind'))}")
     if obj.get("format") != WIRE_FORMAT:
-        raise _fail("format", f"wire format {obj.get('format')!r} is not supported (this side speaks {WIRE_FORMAT})")
+        raise _fail("format", f"wire format {short(obj.get('format'))} is not supported (this side speaks {WIRE_FORMAT})")
     return obj
 
 
@@ -141,26 +167,41 @@ def _int(obj: Mapping[str, Any], field: str, *, lo: int = 0, hi: int = _U64) -> 
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(field, f"expected an integer, got {type(value).__name__}")
     if not lo <= value <= hi:
-        raise _fail(field, f"must be in [{lo}, {hi}], got {value}")
+        raise _fail(field, f"must be in [{lo}, {hi}], got {short(value)}")
     return value
 
 
-def _list(obj: Mapping[str, Any], field: str) -> list[Any]:
+def _list(obj: Mapping[str, Any], field: str, cap: int | None = None) -> list[Any]:
     if field not in obj:
         raise _fail(field, "missing")
     value = obj[field]
     if not isinstance(value, list):
         raise _fail(field, f"expected a list, got {type(value).__name__}")
+    if cap is not None and len(value) > cap:
+        raise _fail(field, f"{len(value)} items, more than the {cap} accepted")
     return value
+
+
+def _shape_nbytes(dtype: str, shape: list[Any], where: str, name: str) -> int:
+    """The byte count of ``shape`` (already checked: at most MAX_NDIM non-negative ints), multiplied
+    out with a bail-out past MAX_TOTAL_BYTES so no product grows without bound."""
+    n = DTYPE_ITEMSIZE[dtype]
+    if 0 in shape:
+        return 0
+    for d in shape:
+        n *= d
+        if n > MAX_TOTAL_BYTES:
+            raise _fail(f"{where}.shape", f"tensor {short(name)}: more than MAX_TOTAL_BYTES ({MAX_TOTAL_BYTES}) bytes")
+    return n
 
 
 def _fence(obj: Mapping[str, Any], group: str | None, group_version: int | None) -> tuple[str, int]:
     g = obj.get("group")
-    if not isinstance(g, str) or not g:
-        raise _fail("group", f"expected a non-empty string, got {g!r}")
+    if not isinstance(g, str) or not g or len(g) > MAX_NAME_CHARS:
+        raise _fail("group", f"expected a non-empty string, got {short(g)}")
     gv = _int(obj, "group_version")
     if group is not None and g != group:
-        raise _fail("group", f"message is for group {g!r}, this member is in group {group!r}")
+        raise _fail("group", f"message is for group {short(g)}, this member is in group {group!r}")
     if group_version is not None:
         if gv < group_version:
             raise StaleGroupVersion(g, got=gv, current=group_version)
@@ -184,58 +225,69 @@ def decode_manifest(
     obj = _load(data, "manifest")
     g, gv = _fence(obj, group, group_version)
     weights_version = _int(obj, "weights_version")
-    bucket_size = _int(obj, "bucket_size", lo=MIN_BUCKET_SIZE)
-    total = _int(obj, "total_bytes")
+    bucket_size = _int(obj, "bucket_size", lo=MIN_BUCKET_SIZE, hi=MAX_BUCKET_SIZE)
+    total = _int(obj, "total_bytes", hi=MAX_TOTAL_BYTES)
 
     entries: list[TensorEntry] = []
     names: set[str] = set()
-    for i, raw in enumerate(_list(obj, "tensors")):
+    for i, raw in enumerate(_list(obj, "tensors", MAX_TENSORS)):
         where = f"tensors[{i}]"
         if not isinstance(raw, list) or len(raw) != 5:
-            raise _fail(where, "expected [name, dtype, shape, offset, nbytes]")
+            raise _fail(where, f"expected [name, dtype, shape, offset, nbytes], got {short(raw)}")
         name, dtype, shape, offset, nbytes = raw
-        if not isinstance(name, str) or not name:
-            raise _fail(f"{where}.name", f"expected a non-empty string, got {name!r}")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+            raise _fail(f"{where}.name", f"expected a non-empty string of at most {MAX_NAME_CHARS} characters, "
+                                         f"got {short(name)}")
         if name in names:
-            raise _fail(f"{where}.name", f"duplicate tensor name {name!r}")
+            raise _fail(f"{where}.name", f"duplicate tensor name {short(name)}")
         names.add(name)
-        if dtype not in DTYPE_ITEMSIZE:
-            raise _fail(f"{where}.dtype", f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-            raise _fail(f"{where}.shape", f"tensor {name!r}: expected a list of non-negative integers, got {shape!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+            raise _fail(f"{where}.dtype", f"tensor {short(name)}: unknown dtype {short(dtype)}")
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM \
+                or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= MAX_TOTAL_BYTES for d in shape):
+            raise _fail(f"{where}.shape", f"tensor {short(name)}: expected a list of at most {MAX_NDIM} integers "
+                                          f"in [0, {MAX_TOTAL_BYTES}], got {short(shape)}")
         for f, v in (("offset", offset), ("nbytes", nbytes)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise _fail(f"{where}.{f}", f"tensor {name!r}: expected a non-negative integer, got {v!r}")
-        if nbytes != nbytes_of(dtype, shape):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOTAL_BYTES:
+                raise _fail(f"{where}.{f}", f"tensor {short(name)}: expected an integer in [0, {MAX_TOTAL_BYTES}], "
+                                            f"got {short(v)}")
+        expected = _shape_nbytes(dtype, shape, where, name)
+        if nbytes != expected:
             raise _fail(
                 f"{where}.nbytes",
-                f"tensor {name!r}: {nbytes} does not match dtype {dtype} and shape {shape} "
-                f"({nbytes_of(dtype, shape)} bytes)",
+                f"tensor {short(name)}: {nbytes} does not match dtype {dtype} and shape {short(shape)} "
+                f"({expected} bytes)",
             )
         if offset % DTYPE_ITEMSIZE[dtype]:
-            raise _fail(f"{where}.offset", f"tensor {name!r}: {offset} is not aligned to the {dtype} itemsize")
+            raise _fail(f"{where}.offset", f"tensor {short(name)}: {offset} is not aligned to the {dtype} itemsize")
         if offset + nbytes > total:
-            raise _fail(f"{where}.offset", f"tensor {name!r}: ends at {offset + nbytes}, past total_bytes {total}")
+            raise _fail(f"{where}.offset", f"tensor {short(name)}: ends at {offset + nbytes}, past total_bytes {total}")
         entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
 
     spans = sorted((e.offset, e.end, e.name) for e in entries if e.nbytes)
     for (_, end_a, name_a), (start_b, _, name_b) in itertools.pairwise(spans):
         if start_b < end_a:
-            raise _fail("tensors", f"tensors {name_a!r} and {name_b!r} overlap")
+            raise _fail("tensors", f"tensors {short(name_a)} and {short(name_b)} overlap")
+    # the stream ends where its last tensor ends (the senders' plan_layout): no slack for a
+    # receiver to allocate and never fill
+    end = max((e.end for e in entries if e.nbytes), default=0)
+    if total != end:
+        raise _fail("total_bytes", f"{total}, but the tensors end at byte {end}")
 
     windows: list[tuple[int, int]] = []
     prev = 0
-    for k, raw in enumerate(_list(obj, "buckets")):
+    for k, raw in enumerate(_list(obj, "buckets", MAX_BUCKETS)):
         where = f"buckets[{k}]"
         if (
             not isinstance(raw, list)
             or len(raw) != 2
             or any(isinstance(v, bool) or not isinstance(v, int) for v in raw)
         ):
-            raise _fail(where, f"expected [start, stop] integers, got {raw!r}")
+            raise _fail(where, f"expected [start, stop] integers, got {short(raw)}")
         start, stop = raw
         if not prev <= start < stop <= total:
-            raise _fail(where, f"window [{start}, {stop}) is empty, out of order or past total_bytes {total}")
+            raise _fail(where, f"window [{short(start)}, {short(stop)}) is empty, out of order or past total_bytes "
+                               f"{total}")
         if stop - start > bucket_size:
             raise _fail(where, f"window of {stop - start} bytes is larger than bucket_size {bucket_size}")
         windows.append((start, stop))
@@ -248,7 +300,7 @@ def decode_manifest(
             while k < len(windows) and windows[k][1] <= pos:
                 k += 1
             if k == len(windows) or windows[k][0] > pos:
-                raise _fail("buckets", f"byte {pos} of tensor {name!r} is in no bucket")
+                raise _fail("buckets", f"byte {pos} of tensor {short(name)} is in no bucket")
             pos = windows[k][1]
     return Manifest(g, gv, weights_version, bucket_size, total, tuple(entries), tuple(windows))
 
@@ -270,12 +322,12 @@ def decode_seal(data: bytes | bytearray | memoryview, manifest: Manifest) -> Sea
 
 
 def _checksums(obj: Mapping[str, Any], field: str, count: int) -> tuple[int, ...]:
-    values = _list(obj, field)
+    values = _list(obj, field, MAX_BUCKETS)
     if len(values) != count:
         raise _fail(field, f"expected {count} checksums, got {len(values)}")
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _U64:
-            raise _fail(f"{field}[{i}]", f"expected an unsigned 64-bit integer, got {v!r}")
+            raise _fail(f"{field}[{i}]", f"expected an unsigned 64-bit integer, got {short(v)}")
     return tuple(values)
 
 
@@ -293,7 +345,13 @@ def manifest_for(
 
 
 __all__ = [
+    "MAX_BUCKETS",
+    "MAX_BUCKET_SIZE",
     "MAX_MESSAGE_BYTES",
+    "MAX_NAME_CHARS",
+    "MAX_NDIM",
+    "MAX_TENSORS",
+    "MAX_TOTAL_BYTES",
     "WIRE_FORMAT",
     "Manifest",
     "Seal",
@@ -302,4 +360,5 @@ __all__ = [
     "encode_manifest",
     "encode_seal",
     "manifest_for",
+    "short",
 ]

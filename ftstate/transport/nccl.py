@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import torch
 
-from ftstate.core.errors import BackendUnavailable, RendezvousTimeout, TransportError
+from ftstate.core.errors import BackendUnavailable, ManifestError, RendezvousTimeout, TransportError
+from ftstate.transport import auth
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.store import (
     StoreAddress,
@@ -143,7 +144,7 @@ class NcclCommunicator(Communicator):
         join_version(store, group, version, rank, world_size, timeout_s)
         key = f"{version_prefix(group, version)}/nccl/unique_id"
         if rank == 0:
-            store.set(key, msgpack.packb(list(nccl.get_unique_id())))
+            store.set(key, auth.sign(f"store {key}", "", 0, "run", msgpack.packb(list(nccl.get_unique_id()))))
         remaining = deadline - time.monotonic()
 
         def timeout(what: str, exc: BaseException | None = None) -> RendezvousTimeout:
@@ -160,7 +161,18 @@ class NcclCommunicator(Communicator):
             store.wait([key], datetime.timedelta(seconds=max(remaining, 0.001)))
         except RuntimeError as exc:
             raise timeout("NCCL unique id exchange (rank 0 did not publish it)", exc) from exc
-        uid = tuple(msgpack.unpackb(store.get(key)))
+        raw = store.get(key)
+        opened = auth.verify(f"store {key}", "", 0, "run", raw, record_as="store", key=key)  # a forgery is recorded there
+        try:
+            if opened is None:
+                raise ValueError("its tag does not verify")
+            uid = tuple(msgpack.unpackb(opened))
+            # NCCL's id is 128 bytes (cupy: a tuple of small ints); bounded, whatever the build says
+            if not 0 < len(uid) <= 1024 or not all(isinstance(b, int) and -128 <= b < 256 for b in uid):
+                raise ValueError("not a list of bytes")
+        except Exception as exc:  # a planted or truncated value: typed, naming the key
+            raise ManifestError(f"store value {key!r}: expected the NCCL unique id (a list of bytes), got "
+                                f"{raw[:40]!r}", field=key, peer=f"store key {key}") from exc
         box: dict[str, Any] = {}
 
         def init() -> None:

@@ -112,6 +112,7 @@ import contextlib
 import functools
 import itertools
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -130,12 +131,14 @@ from ftstate.core.errors import (
     StaleGroupVersion,
     TransportError,
 )
+from ftstate.transport import auth
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.buckets import Bucket, bucket_segments, plan_layout
 from ftstate.transport.buckets import Segment as BucketSegment
 from ftstate.transport.checksum import StreamHasher, byte_view, combine, dtype_name, host_bytes
 from ftstate.transport.cudaipc import DeviceMemory, device_memory_for
 from ftstate.transport.manifest import (
+    MAX_BUCKET_SIZE,
     WIRE_FORMAT,
     Manifest,
     Seal,
@@ -143,6 +146,7 @@ from ftstate.transport.manifest import (
     decode_seal,
     encode_manifest,
     encode_seal,
+    short,
 )
 from ftstate.transport.shm import SHM_DIR, Segment, pid_alive, segment_name, unlink_names
 from ftstate.transport.signals import Channel
@@ -232,55 +236,84 @@ def encode_offer(o: Offer) -> bytes:
     )
 
 
+#: Caps on an offer's fields (a hostile or broken peer must not make its decoding the problem).
+MAX_RANK = 1 << 16
+MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT
+MAX_HANDLE_BYTES = 4096
+_ENDPOINT = re.compile(r"tcp://127\.0\.0\.1:([0-9]{1,5})")
+
+
 def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
-    """Validate an offer; :class:`ManifestError` naming the field, :class:`StaleGroupVersion`."""
+    """Validate an offer; :class:`ManifestError` naming the field, :class:`StaleGroupVersion`.
+
+    Every field is checked for type and range before anything uses it (a pid goes to
+    ``os.kill``, an endpoint to zmq, segment names to ``/dev/shm``): pids in [1, MAX_PID],
+    ranks in [0, MAX_RANK), the endpoint on loopback with a valid port, at most two slots."""
     try:
         d = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:
-        raise ManifestError(f"malformed offer: not msgpack: {exc}") from exc
+        raise ManifestError(f"malformed offer: not msgpack: {short(str(exc))}") from exc
     if not isinstance(d, dict) or d.get("kind") != "offer":
         raise ManifestError("malformed offer: field 'kind': expected 'offer'", field="kind")
+
+    def bad(name: str, value: Any, expected: str) -> ManifestError:
+        return ManifestError(f"malformed offer: field {name!r}: expected {expected}, got {short(value)}", field=name)
 
     def need(name: str, kind: type | tuple[type, ...]) -> Any:
         value = d.get(name)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ManifestError(f"malformed offer: field {name!r}: {value!r:.60}", field=name)
+            raise bad(name, value, getattr(kind, "__name__", str(kind)))
         return value
 
+    def ranks(name: str, items: Any, cap: int = MAX_RANK) -> tuple[int, ...]:
+        if not isinstance(items, list) or len(items) > cap \
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_RANK for x in items):
+            raise bad(name, items, f"a list of at most {cap} ranks in [0, {MAX_RANK})")
+        return tuple(items)
+
     if need("format", int) != WIRE_FORMAT:
-        raise ManifestError(f"malformed offer: field 'format': {d['format']}, expected {WIRE_FORMAT}", field="format")
+        raise bad("format", d["format"], str(WIRE_FORMAT))
     if need("group", str) != group:
-        raise ManifestError(f"malformed offer: field 'group': {d['group']!r}, expected {group!r}", field="group")
+        raise bad("group", d["group"], repr(group))
     gv = need("group_version", int)
     if gv < group_version:
         raise StaleGroupVersion(group, got=gv, current=group_version, peer="the sender's offer")
     if gv > group_version:
-        raise ManifestError(f"malformed offer: field 'group_version': {gv} is newer than {group_version}",
+        raise ManifestError(f"malformed offer: field 'group_version': {short(gv)} is newer than {group_version}",
                             field="group_version")
-    lists = {}
-    for name, kind in (("segments", str), ("shm", int), ("collective", int)):
-        items = need(name, list)
-        if not all(isinstance(x, kind) for x in items):
-            raise ManifestError(f"malformed offer: field {name!r}: {items!r:.60}", field=name)
-        lists[name] = tuple(items)
+    pid = need("pid", int)
+    if not 1 <= pid <= MAX_PID:
+        raise bad("pid", pid, f"a pid in [1, {MAX_PID}]")
+    endpoint = need("endpoint", str)
+    match = _ENDPOINT.fullmatch(endpoint)
+    if endpoint and (match is None or not 0 < int(match.group(1)) < 65536):
+        raise bad("endpoint", endpoint, "'' or tcp://127.0.0.1:<port>")
+    segments = need("segments", list)
+    if len(segments) > 2 or not all(isinstance(x, str) and 0 < len(x) <= 255 for x in segments):
+        raise bad("segments", segments, "at most two segment names")
+    shm_ranks = ranks("shm", d.get("shm"))
+    collective = ranks("collective", d.get("collective"))
     fallback = d.get("fallback")
-    if fallback is not None and not isinstance(fallback, str):
-        raise ManifestError(f"malformed offer: field 'fallback': {fallback!r:.60}", field="fallback")
+    if fallback is not None and not (isinstance(fallback, str) and len(fallback) <= 4096):
+        raise bad("fallback", fallback, "null or a reason")
     chunk = need("chunk", int)
-    if chunk < 0:
-        raise ManifestError(f"malformed offer: field 'chunk': {chunk}, expected a number of bytes", field="chunk")
+    if not 0 <= chunk <= MAX_BUCKET_SIZE:
+        raise bad("chunk", chunk, f"a number of bytes in [0, {MAX_BUCKET_SIZE}]")
     relays = []
-    for item in need("relays", list):
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int) and isinstance(item[1], list)
-                and all(isinstance(p, int) for p in item[1])):
-            raise ManifestError(f"malformed offer: field 'relays': {item!r:.60}", field="relays")
-        relays.append((item[0], tuple(item[1])))
+    raw_relays = need("relays", list)
+    if len(raw_relays) > MAX_RANK:
+        raise bad("relays", raw_relays, f"at most {MAX_RANK} relays")
+    for item in raw_relays:
+        if not (isinstance(item, list) and len(item) == 2):
+            raise bad("relays", item, "[relay rank, [peer ranks]]")
+        relays.append((ranks("relays", [item[0]], 1)[0], ranks("relays", item[1])))
     handles = need("handles", list)
-    if not all(isinstance(h, bytes) for h in handles) or len(handles) not in (0, len(lists["segments"])):
+    if not all(isinstance(h, bytes) and len(h) <= MAX_HANDLE_BYTES for h in handles) \
+            or len(handles) not in (0, len(segments)):
         raise ManifestError(f"malformed offer: field 'handles': expected none or one handle (bytes) per segment "
-                            f"({len(lists['segments'])}), got {handles!r:.60}", field="handles")
-    return Offer(group, gv, need("pid", int), need("endpoint", str), lists["segments"], need("fresh", bool),
-                 lists["shm"], lists["collective"], fallback, tuple(relays), need("require", bool), chunk,
+                            f"({len(segments)}), got {short(handles)}", field="handles")
+    return Offer(group, gv, pid, endpoint, tuple(segments), need("fresh", bool),
+                 shm_ranks, collective, fallback, tuple(relays), need("require", bool), chunk,
                  tuple(handles))
 
 
@@ -499,12 +532,25 @@ def _mappings(offer: Offer, comm: Communicator) -> _Mapped:
 # -- moving the bytes ----------------------------------------------------------------------
 
 
+#: Test hook (the tamper test and the mutation check): called by a writer with each piece of a
+#: slot right after copying it there, before it is hashed or announced -- the window in which a
+#: stray or hostile write into the slot lands. None outside tests.
+after_slot_copy: Callable[[torch.Tensor], None] | None = None
+
+
 def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torch.Tensor], hasher: StreamHasher | None,
                *, filled: Callable[[int], None] | None = None,
-               awaiting: Callable[[int], None] | None = None, damage: bool = False) -> None:
+               awaiting: Callable[[int], None] | None = None, damage: bool = False,
+               hash_source: bool = False) -> None:
     """Copy bucket ``b``'s segments into ``dst`` (a view of the bucket's bytes) from ``src(s)``
-    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece of ``dst`` right
-    after it was copied, while it is in cache. No hasher: copy only.
+    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece right after it
+    was copied, while it is in cache. No hasher: copy only.
+
+    What is hashed: a reader hashes ``dst``, its own private copy (what it will commit). A
+    writer into a shared slot passes ``hash_source``: it hashes the piece of *its source* it
+    just read, never the slot, because the slot is writable by every process that mapped it
+    (same uid) and anything written there after the copy would otherwise be hashed into the
+    seal and so blessed; hashing the source makes every reader of such bytes see a mismatch.
 
     A writer streams: ``filled(n)`` is called once the first ``n`` bytes are in place, every
     :data:`STREAM` bytes and at the end (``n == b.nbytes``). A reader follows it:
@@ -514,12 +560,14 @@ def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torc
     for s in b.segments:
         out = dst[s.bucket_offset : s.bucket_offset + s.length]
         into = src(s)
-        mv = host_bytes(out) if hasher is not None else None
+        mv = (host_bytes(into) if hash_source else host_bytes(out)) if hasher is not None else None
         for lo in range(0, s.length, PIECE):
             hi = min(lo + PIECE, s.length)
             if awaiting is not None:
                 awaiting(s.bucket_offset + hi)
             out[lo:hi].copy_(into[lo:hi])
+            if after_slot_copy is not None:
+                after_slot_copy(out[lo:hi])
             if damage:
                 out[lo : lo + 1].bitwise_xor_(0xFF)
                 damage = False
@@ -680,10 +728,12 @@ class _Waiter:
         self.pids = pids
         self.nslots = nslots
         self.busy: list[tuple[int, set[int], list[Pending]] | None] = [None, None]
+        self.expected: set[int] = set()
 
     def hellos(self, readers: Sequence[int], stage: str) -> None:
         assert self.chan is not None
-        while len(self.pids) < len(readers):
+        self.expected = set(readers)
+        while not self.expected <= set(self.pids):
             msg = self.chan.recv(POLL_S)
             if msg is None:
                 _check(self.route, stage, self.pids)
@@ -709,10 +759,18 @@ class _Waiter:
     def _handle(self, msg: dict[str, Any], stage: str) -> None:
         comm = self.route.comm
         kind, rank = msg["kind"], msg["from"]
+        if kind == "hello" and rank not in self.expected:  # a reader outside the plan: never let in
+            if auth.enabled():
+                auth.record_forged("signal", rank, group=comm.group, version=comm.version,
+                                   problem="hello from a rank that is not a reader of this transfer")
+                return
+            raise ManifestError(f"bucket signal: hello from rank {rank}, which is not a reader of this transfer",
+                                field="rank", peer=f"rank {rank}")
         if kind == "hello":
             pid = msg.get("pid")
-            if not isinstance(pid, int):
-                raise ManifestError(f"malformed bucket signal: hello from rank {rank} without a pid", field="pid")
+            if not isinstance(pid, int) or isinstance(pid, bool) or not 1 <= pid <= MAX_PID:
+                raise ManifestError(f"malformed bucket signal: hello from rank {rank} without a pid in "
+                                    f"[1, {MAX_PID}]: {short(pid)}", field="pid", peer=f"rank {rank}")
             self.pids[rank] = pid
         elif kind == "released":
             index = msg.get("bucket")
@@ -724,7 +782,7 @@ class _Waiter:
         elif kind == "failed":
             raise PeerLost(
                 f"rank {comm.rank} of group {comm.group!r} v{comm.version}: rank {rank} gave the transfer up "
-                f"during {stage}: {msg.get('reason')}",
+                f"during {stage}: {short(msg.get('reason'))}",
                 group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=rank,
             )
         else:
@@ -837,7 +895,7 @@ def _send(
             fallback = str(exc)
             net, readers = sorted(net + readers), []
     routes = {**{r: "shm" for r in readers}, **{r: "collective" for r in net}, **{p: "relay" for p in relayed}}
-    chan = Channel.bind() if readers else None
+    chan = Channel.bind(group=comm.group, version=comm.version, rank=comm.rank) if readers else None
     nslots = len(slots.segments) if slots is not None and readers else 2
     waiter = _Waiter(route, chan, {}, nslots)
     hasher = StreamHasher(len(entries)) if known is None else None
@@ -885,8 +943,9 @@ def _send(
                 seg = slots.segments[slot]
                 data = slots.data(slot)[: b.nbytes]
                 seg.mark(b.index, weights_version, b.nbytes)  # before the readers hear of it
-                write_slot = _copy_hash if slots.device is None else functools.partial(
-                    _device_copy_hash, memory=slots.device.memory, hash_source=True)
+                # both hash the source, never the slot (see _copy_hash)
+                write_slot = functools.partial(_copy_hash, hash_source=True) if slots.device is None \
+                    else functools.partial(_device_copy_hash, memory=slots.device.memory, hash_source=True)
                 write_slot(b, data, _in_tensors(sources), hasher, filled=_both(
                     _announcer(chan, readers, b.index, slot),
                     sends.filler(b, data, pending, stage) if net else None))
@@ -1010,7 +1069,7 @@ class _Follower:
             peer = next(iter(self.writer))
             raise PeerLost(
                 f"rank {comm.rank} of group {comm.group!r} v{comm.version}: rank {peer}, whose shared memory it "
-                f"reads, gave the transfer up during {self.stage}: {msg.get('reason')}",
+                f"reads, gave the transfer up during {self.stage}: {short(msg.get('reason'))}",
                 group=comm.group, group_version=comm.version, rank=comm.rank, op=self.stage, peer=peer,
             )
         slot, upto = msg.get("slot"), msg.get("upto")
@@ -1100,7 +1159,8 @@ def _read(
     at.read = offer
     mapped = _mappings(offer, comm)
     segs = mapped.segments
-    at.chan = chan = Channel.connect(offer.endpoint, comm.rank)
+    at.chan = chan = Channel.connect(offer.endpoint, comm.rank, group=comm.group, version=comm.version,
+                                     writer=writer)
     chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
     pids = {writer: offer.pid}
     follow = _Follower(chan, route, pids, len(segs))
@@ -1236,7 +1296,7 @@ class _Relay:
             slots, fresh = _relay_slots(comm, capacity, min(2, len(buckets)) or 1, set(peers))
         except SharedMemoryUnavailable as exc:
             unavailable = exc
-        chan = Channel.bind() if slots is not None else None
+        chan = Channel.bind(group=comm.group, version=comm.version, rank=comm.rank) if slots is not None else None
         try:
             offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
                           tuple(s.name for s in slots.segments) if slots else (), fresh,

@@ -5,7 +5,8 @@ The writer is the sender, or a remote node's relay writing for its node peers
 
 The sender binds one ``ROUTER`` socket on ``tcp://127.0.0.1`` (a random port, named in the
 transfer's offer; loopback only: the readers are on the same host by construction) and every
-same-host reader connects one ``DEALER`` whose identity is its rank. ROUTER/DEALER, not
+same-host reader connects one ``DEALER`` and introduces itself by rank with ``hello`` (see
+:class:`Channel` for how connections are told apart and what is refused). ROUTER/DEALER, not
 PUB/SUB: PUB/SUB drops what is sent right after ``connect()`` (DESIGN.md), and the sender
 must know each reader is there, so a reader's first message is ``hello`` and the sender
 sends nothing to a reader before it has heard it (``ROUTER_MANDATORY`` turns a message to
@@ -28,22 +29,28 @@ import msgpack
 import zmq
 
 from ftstate.core.errors import ManifestError, TransportError
+from ftstate.transport import auth
+from ftstate.transport.manifest import short
 
 #: The only address the channel binds or connects to.
 LOOPBACK = "tcp://127.0.0.1"
 
 
-def _identity(rank: int) -> bytes:
-    return b"r%d" % rank
+#: Largest signal frame accepted (``zmq.MAXMSGSIZE`` on every socket: a peer that sends more
+#: is disconnected by zmq before the frame is ever buffered); real signals are ~100 bytes.
+MAX_SIGNAL_BYTES = 4096
+
+#: Ranks an identity may name (the offer's own cap).
+MAX_RANK = 1 << 16
 
 
 def _decode(frame: bytes) -> dict[str, Any]:
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:
-        raise ManifestError(f"malformed bucket signal: {exc}", field="signal") from exc
+        raise ManifestError(f"malformed bucket signal: {short(str(exc))}", field="signal") from exc
     if not isinstance(msg, dict) or not isinstance(msg.get("kind"), str):
-        raise ManifestError(f"malformed bucket signal: expected a map with a 'kind', got {msg!r:.80}",
+        raise ManifestError(f"malformed bucket signal: expected a map with a 'kind', got {short(msg)}",
                             field="signal")
     return msg
 
@@ -51,65 +58,137 @@ def _decode(frame: bytes) -> dict[str, Any]:
 class Channel:
     """One end of the signal channel of one transfer.
 
-    :meth:`bind` (the sender's ROUTER) or :meth:`connect` (a reader's DEALER, as ``rank``).
+    :meth:`bind` (the writer's ROUTER, as ``rank``) or :meth:`connect` (a reader's DEALER, as
+    ``rank``, reading the slots of ``writer``). ``group``/``version``: the transfer's, bound
+    into every tag.
+
+    **Who is who.** A reader's DEALER takes the identity zmq gives it, not one naming its rank:
+    the ROUTER learns which connection is which rank from that rank's ``hello`` only, and only
+    from a hello whose tag verifies when the run authenticates (:mod:`ftstate.transport.auth`).
+    A process that connects first claiming a rank's identity (an identity squat) therefore gets
+    nothing, and the genuine reader's hello is not dropped. Every message carries the sender's
+    rank and a sequence number; a tag that does not verify, a sequence number not above the
+    last one from that sender (a replay), a message from a connection that said no valid hello
+    -- each is dropped and recorded as forged when the run authenticates (an outsider must not
+    be able to end a transfer either), or raised as a :class:`ManifestError` when it does not.
     """
 
-    def __init__(self, sock: zmq.Socket, endpoint: str, *, router: bool) -> None:
+    def __init__(self, sock: zmq.Socket, endpoint: str, *, router: bool, group: str, version: int, rank: int,
+                 writer: int | None = None) -> None:
         self._sock = sock
         self.endpoint = endpoint
         self._router = router
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        self.group = group
+        self.version = version
+        self.rank = rank
+        self.writer = writer
+        self._seq = 0
+        self._seen: dict[int, int] = {}  # sender rank -> last sequence number accepted
+        self._ident_of: dict[int, bytes] = {}  # router: rank -> its connection's identity
+        self._rank_at: dict[bytes, int] = {}
+
+    @property
+    def _channel(self) -> str:
+        return f"signal {self.endpoint}"  # the transfer's own endpoint: nothing of another verifies
 
     @classmethod
-    def bind(cls) -> Channel:
+    def bind(cls, *, group: str = "", version: int = 0, rank: int = 0) -> Channel:
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIGNAL_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         port = sock.bind_to_random_port(LOOPBACK)
-        return cls(sock, f"{LOOPBACK}:{port}", router=True)
+        return cls(sock, f"{LOOPBACK}:{port}", router=True, group=group, version=version, rank=rank)
 
     @classmethod
-    def connect(cls, endpoint: str, rank: int) -> Channel:
+    def connect(cls, endpoint: str, rank: int, *, group: str = "", version: int = 0, writer: int = 0) -> Channel:
         if not endpoint.startswith(LOOPBACK + ":"):
-            raise ManifestError(f"bucket signal endpoint {endpoint!r} is not on {LOOPBACK}", field="endpoint")
+            raise ManifestError(f"bucket signal endpoint {short(endpoint)} is not on {LOOPBACK}", field="endpoint")
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, _identity(rank))
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SIGNAL_BYTES)
         sock.connect(endpoint)
-        return cls(sock, endpoint, router=False)
+        return cls(sock, endpoint, router=False, group=group, version=version, rank=rank, writer=writer)
 
     def send(self, msg: dict[str, Any], to: int | None = None) -> None:
         """Send ``msg`` (to reader ``to`` from the sender's side). Never blocks: a full
-        queue or a reader gone raises :class:`~ftstate.core.errors.TransportError`."""
-        frame = msgpack.packb(msg, use_bin_type=True)
+        queue or a reader gone (or not yet heard from) raises
+        :class:`~ftstate.core.errors.TransportError`."""
+        self._seq += 1
+        body = {**msg, "rank": self.rank, "seq": self._seq, **({"to": to} if to is not None else {})}
+        frame = auth.sign(self._channel, self.group, self.version, self.rank, msgpack.packb(body, use_bin_type=True))
+        who = f" to rank {to}" if to is not None else ""
         try:
             if self._router:
                 assert to is not None
-                self._sock.send_multipart([_identity(to), frame], flags=zmq.NOBLOCK)
+                ident = self._ident_of.get(to)
+                if ident is None:
+                    raise TransportError(f"bucket signal {msg.get('kind')!r}{who}: rank {to} has not said hello")
+                self._sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
             else:
                 self._sock.send(frame, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            who = f" to rank {to}" if to is not None else ""
             raise TransportError(f"bucket signal {msg.get('kind')!r}{who} could not be sent: {exc}") from exc
 
     def recv(self, timeout_s: float) -> dict[str, Any] | None:
-        """The next message within ``timeout_s`` seconds, or None. On the sender's side the
-        message carries the reader's rank as ``from``."""
+        """The next message within ``timeout_s`` seconds, or None (also when what arrived was
+        dropped as forged). The message carries its sender's rank as ``from``."""
         if not self._poller.poll(max(0, int(timeout_s * 1000))):
             return None
+        frames = self._sock.recv_multipart()
+        ident = frames[0] if self._router else b""
+        expected = 2 if self._router else 1
+        if len(frames) != expected:
+            return self._refuse(f"{len(frames) - expected + 1} frames, expected one", ident)
+        frame = frames[-1]
+        if auth.enabled():
+            if len(frame) <= auth.TAG_BYTES:
+                return self._refuse("shorter than a tag", ident)
+            body = frame[: -auth.TAG_BYTES]
+        else:
+            body = frame
+        try:
+            msg = _decode(body)
+        except ManifestError as exc:
+            return self._refuse(str(exc), ident)
+        claimed = msg.get("rank")
+        if isinstance(claimed, bool) or not isinstance(claimed, int) or not 0 <= claimed < MAX_RANK:
+            return self._refuse(f"no sender rank ({short(claimed)})", ident)
+        if not self._router and claimed != self.writer:
+            return self._refuse(f"claims rank {claimed}, the writer is rank {self.writer}", ident, claimed)
+        if auth.verify(self._channel, self.group, self.version, claimed, frame, record_as="signal",
+                       endpoint=self.endpoint) is None:
+            return None  # recorded by auth
+        seq = msg.get("seq")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= self._seen.get(claimed, 0):
+            return self._refuse(f"sequence number {short(seq)} is not above {self._seen.get(claimed, 0)} "
+                                "(a replay)", ident, claimed)
         if self._router:
-            ident, frame = self._sock.recv_multipart()
-            msg = _decode(frame)
-            try:
-                msg["from"] = int(ident[1:].decode())
-            except ValueError as exc:
-                raise ManifestError(f"bucket signal from an unknown peer {ident!r}", field="signal") from exc
-            return msg
-        return _decode(self._sock.recv())
+            known = self._rank_at.get(ident)
+            if msg["kind"] == "hello" and known is None:
+                if claimed in self._ident_of:
+                    return self._refuse(f"a second connection says hello as rank {claimed}", ident, claimed)
+                self._ident_of[claimed], self._rank_at[ident] = ident, claimed
+            elif known != claimed:
+                return self._refuse(f"{msg['kind']!r} claiming rank {claimed} from a connection that said hello "
+                                    f"as {known}", ident, claimed)
+        self._seen[claimed] = seq
+        msg["from"] = claimed
+        return msg
+
+    def _refuse(self, problem: str, ident: bytes, claimed: int | str | None = None) -> None:
+        """A message that cannot be from a member of the plan: dropped and recorded when the run
+        authenticates, a typed error when it does not (then no outsider is told apart anyway)."""
+        who = claimed if claimed is not None else f"connection {short(ident)}"
+        if auth.enabled():
+            auth.record_forged("signal", who, group=self.group, version=self.version, problem=problem[:200])
+            return None
+        raise ManifestError(f"malformed bucket signal from {who}: {problem}", field="signal", peer=str(who))
 
     def close(self) -> None:
         self._sock.close(linger=0)
 
 
-__all__ = ["LOOPBACK", "Channel"]
+__all__ = ["LOOPBACK", "MAX_SIGNAL_BYTES", "Channel"]

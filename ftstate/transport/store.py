@@ -27,6 +27,15 @@ before arriving) marks N's missing ranks FENCED, which ends its members' waits a
 with StaleGroupVersion: no polling, and no one waiting out ``init_timeout_s`` in a version
 that cannot complete. Because every version has its own prefix, a failed version leaves
 nothing behind that could disturb version N+1.
+
+**Authentication.** When the run authenticates (:mod:`ftstate.transport.auth`) every value
+ftstate writes here carries a tag bound to its key (roster entries one each). A value that
+does not verify was planted by someone who reached the store without the run's secret: it is
+recorded as forged and treated as absent -- a planted ``current_version`` fences nobody and is
+replaced, a planted ``world_size`` or ``joined`` registration (an identity squat) is replaced
+by the genuine member's, a planted roster entry is left out. The gloo backend's own keys
+(``gloo/...``) are written by torch and carry no tag: what travels over the connections they
+set up is tagged instead (:mod:`ftstate.transport.sync`).
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from ftstate.core.errors import RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.core.errors import ManifestError, RendezvousTimeout, StaleGroupVersion, TransportError
+from ftstate.transport import auth
+from ftstate.transport.manifest import short
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -68,9 +79,50 @@ class StoreAddress:
         return cls(host, int(port))
 
 
+#: Compare-and-sets spent at most replacing a value planted by someone outside the run.
+MAX_CAS_TRIES = 16
+
+#: Versions a jump of ``current_version`` releases at most (the controller raises it one or a
+#: few at a time; a larger jump has nobody waiting in the versions it skips).
+MAX_RELEASED = 64
+
 #: Value written into the ``joined`` keys of ranks that never arrived in a superseded
 #: version, which wakes the members waiting there (see :func:`raise_current_version`).
 FENCED = b"fenced"
+
+
+#: Bounds on what a store value may hold (anyone who reached the store could have planted it).
+MAX_VERSION = (1 << 63) - 1
+MAX_WORLD_SIZE = 1 << 16
+MAX_VALUE_BYTES = 64 * 1024
+
+
+def _malformed(key: str, raw: object, expected: str) -> ManifestError:
+    return ManifestError(f"store value {key!r}: expected {expected}, got {short(raw)}", field=key,
+                         peer=f"store key {key}")
+
+
+def parse_int(key: str, raw: bytes, *, hi: int = MAX_VERSION) -> int:
+    """A decimal integer in [0, ``hi``] read from the store; anything else: ManifestError naming the key."""
+    if not isinstance(raw, (bytes, bytearray)) or not 0 < len(raw) <= 20 or not bytes(raw).isdigit():
+        raise _malformed(key, raw, f"a decimal integer in [0, {hi}]")
+    value = int(raw)
+    if value > hi:
+        raise _malformed(key, raw, f"a decimal integer in [0, {hi}]")
+    return value
+
+
+def parse_registration(key: str, raw: bytes) -> dict[str, object]:
+    """A ``joined`` value (msgpack: pid, host, t), checked; anything else: ManifestError naming the key."""
+    if len(raw) > MAX_VALUE_BYTES:
+        raise _malformed(key, raw[:40], f"at most {MAX_VALUE_BYTES} bytes")
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise _malformed(key, raw[:40], "a msgpack map") from exc
+    if not isinstance(value, dict):
+        raise _malformed(key, value, "a msgpack map")
+    return value
 
 
 def _delta(seconds: float) -> datetime.timedelta:
@@ -183,28 +235,58 @@ def connect_store(address: StoreAddress | str | tuple[str, int], timeout_s: floa
         ) from exc
 
 
+def _signed(key: str, payload: bytes) -> bytes:
+    """What ftstate writes under ``key``: the payload, tagged for the key when the run
+    authenticates (:mod:`ftstate.transport.auth`; the key names the group, version and rank)."""
+    return auth.sign(f"store {key}", "", 0, "run", payload)
+
+
+def _opened(key: str, raw: bytes) -> bytes | None:
+    """The payload of a value read under ``key``, or None when its tag does not verify (a value
+    planted by someone outside the run: recorded as forged, then treated as absent)."""
+    return auth.verify(f"store {key}", "", 0, "run", raw, record_as="store", key=key)
+
+
+def _version_of(key: str, raw: bytes) -> int | None:
+    payload = _opened(key, raw)
+    return None if payload is None else parse_int(key, payload)
+
+
 def read_current_version(store: Store, group: str) -> int | None:
+    """The group's current version; None when none was set, or when what is there was not
+    written by a member of the run (recorded as forged: it fences nobody)."""
     key = _current_key(group)
     if not store.check([key]):
         return None
-    return int(store.get(key))
+    return _version_of(key, store.get(key))
 
 
 def raise_current_version(store: Store, group: str, version: int) -> int:
     """Atomically raise the group's current version to ``version``; returns the result
-    (greater than ``version`` when the group already moved on)."""
+    (greater than ``version`` when the group already moved on). A forged value there is
+    replaced (at most :data:`MAX_CAS_TRIES` compare-and-sets, else TransportError)."""
     check_group_name(group)
     key = _current_key(group)
-    want = str(version).encode()
+    want = _signed(key, str(version).encode())
     current = store.compare_set(key, "", want)
-    before = None if current == want else int(current)
-    while int(current) < version:
-        before = int(current)
+    before = None
+    tries = 0
+    while current != want:
+        value = _version_of(key, current)
+        if value is not None and value >= version:
+            return value
+        if value is not None:
+            before = value
+        tries += 1
+        if tries > MAX_CAS_TRIES:
+            raise TransportError(f"store key {key!r}: could not raise it to {version} in {MAX_CAS_TRIES} "
+                                 "compare-and-sets (someone keeps rewriting it)")
         current = store.compare_set(key, current, want)
-    if int(current) == version and before is not None and before < version:
-        for superseded in range(before, version):
+    if before is not None and before < version:
+        # only the versions just superseded (a jump of more than MAX_RELEASED releases the last ones only)
+        for superseded in range(max(before, version - MAX_RELEASED), version):
             _release_waiters(store, group, superseded)
-    return int(current)
+    return version
 
 
 def _release_waiters(store: Store, group: str, version: int) -> None:
@@ -216,15 +298,49 @@ def _release_waiters(store: Store, group: str, version: int) -> None:
     size_key = f"{prefix}/world_size"
     if not store.check([size_key]):
         return  # nobody registered in that version: nobody waits
-    for rank in range(int(store.get(size_key))):
-        store.compare_set(f"{prefix}/joined/{rank}", "", FENCED)
+    payload = _opened(size_key, store.get(size_key))
+    if payload is None:
+        return  # planted: no member registered a size there
+    for rank in range(parse_int(size_key, payload, hi=MAX_WORLD_SIZE)):
+        key = f"{prefix}/joined/{rank}"
+        store.compare_set(key, "", _signed(key, FENCED))
 
 
 def roster(store: Store, group: str, version: int) -> list[int]:
+    """Ranks that registered for the version (entries not written by a member: recorded, left out)."""
     key = f"{version_prefix(group, version)}/roster"
     if not store.check([key]):
         return []
-    return sorted({int(r) for r in store.get(key).decode().split(",") if r})
+    raw = store.get(key)
+    entries = raw.split(b",")
+    if len(entries) > 4 * MAX_WORLD_SIZE + 1:
+        raise _malformed(key, raw[:40], f"at most {MAX_WORLD_SIZE} ranks")
+    ranks = set()
+    for entry in filter(None, entries):
+        rank, _, mac = entry.partition(b":")
+        if auth.enabled():
+            try:
+                tag = bytes.fromhex(mac.decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                tag = b""
+            if auth.verify(f"store {key}", "", 0, "run", rank + tag, record_as="store", key=key) is None:
+                continue  # recorded
+        ranks.add(parse_int(key, rank, hi=MAX_WORLD_SIZE))
+    return sorted(ranks)
+
+
+def _roster_entry(key: str, rank: int) -> str:
+    if not auth.enabled():
+        return f"{rank},"
+    payload = str(rank).encode()
+    return f"{rank}:{auth.tag(f'store {key}', '', 0, 'run', payload).hex()},"
+
+
+def _forged_joined(store: Store, keys: list[str]) -> list[str]:
+    """The ``joined`` keys among ``keys`` whose value no member wrote (recorded as forged)."""
+    if not auth.enabled():
+        return []
+    return [k for k in keys if store.check([k]) and _opened(k, store.get(k)) is None]
 
 
 def wait_for_ranks(
@@ -241,12 +357,21 @@ def wait_for_ranks(
 
     prefix = version_prefix(group, version)
     keys = [f"{prefix}/joined/{r}" for r in range(world_size)]
-    try:
-        store.wait(keys, _delta(timeout_s))
-    except (DistError, RuntimeError) as exc:
-        last: Exception | None = exc
-    else:
-        last = None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.wait(keys, _delta(deadline - time.monotonic()))
+        except (DistError, RuntimeError) as exc:
+            last: Exception | None = exc
+        else:
+            last = None
+        # a registration planted by someone outside the run does not count: remove it and wait
+        # on (the genuine rank can then register), within the same timeout
+        forged = _forged_joined(store, keys) if last is None else []
+        if not forged or time.monotonic() >= deadline:
+            break
+        for k in forged:
+            store.delete_key(k)
     # Woken because every rank arrived, or because the version was superseded and its
     # missing ranks were marked FENCED: only the current version may go on.
     current = read_current_version(store, group)
@@ -286,25 +411,38 @@ def join_version(
     if current > version:
         raise StaleGroupVersion(group, got=version, current=current, peer=f"rank {rank}")
     prefix = version_prefix(group, version)
-    size = str(world_size).encode()
-    agreed = store.compare_set(f"{prefix}/world_size", "", size)
+    size_key = f"{prefix}/world_size"
+    size = _signed(size_key, str(world_size).encode())
+    agreed = store.compare_set(size_key, "", size)
+    for _ in range(MAX_CAS_TRIES):
+        if agreed == size or _opened(size_key, agreed) is not None:
+            break
+        agreed = store.compare_set(size_key, agreed, size)  # planted by an outsider (recorded): replaced
     if agreed != size:
+        shown = _opened(size_key, agreed) or b"?"
         raise TransportError(
             f"rank {rank} of group {group!r} version {version}: field 'world_size': {world_size}, but the "
-            f"members already registered agreed on {agreed.decode(errors='replace')}"
+            f"members already registered agreed on {shown[:24].decode(errors='replace')}"
         )
-    me = msgpack.packb({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()})
-    held = store.compare_set(f"{prefix}/joined/{rank}", "", me)
-    if held == FENCED:
+    key = f"{prefix}/joined/{rank}"
+    me = _signed(key, msgpack.packb({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}))
+    fenced = _signed(key, FENCED)
+    held = store.compare_set(key, "", me)
+    for _ in range(MAX_CAS_TRIES):
+        if held in (me, fenced) or _opened(key, held) is not None:
+            break
+        held = store.compare_set(key, held, me)  # an identity squat by an outsider (recorded): taken back
+    if held == fenced:
         raise StaleGroupVersion(group, got=version, current=read_current_version(store, group) or version,
                                 peer=f"rank {rank}")
     if held != me:
-        other = msgpack.unpackb(held) if held else {}
+        payload = _opened(key, held)
+        other = parse_registration(key, payload) if payload else {}
         raise TransportError(
             f"rank {rank} of group {group!r} version {version} is already held by pid "
-            f"{other.get('pid', '?')} on {other.get('host', '?')}"
+            f"{short(other.get('pid', '?'))} on {short(other.get('host', '?'))}"
         )
-    store.append(f"{prefix}/roster", f"{rank},")
+    store.append(f"{prefix}/roster", _roster_entry(f"{prefix}/roster", rank))
     # Superseded between the first check and the world size being published? Then nobody
     # will mark this version's missing ranks: stop here instead of waiting them out.
     current = read_current_version(store, group)
@@ -319,6 +457,8 @@ __all__ = [
     "check_group_name",
     "connect_store",
     "join_version",
+    "parse_int",
+    "parse_registration",
     "raise_current_version",
     "read_current_version",
     "roster",

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import struct
 import threading
 import time
 import types
@@ -90,6 +91,7 @@ from ftstate.core.errors import (
     SyncTimeout,
     TransportError,
 )
+from ftstate.transport import auth
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.buckets import Bucket, TensorEntry, bucket_segments, plan_layout
 from ftstate.transport.checksum import (
@@ -130,7 +132,7 @@ MAGIC = 0x66747374
 #: Vote values.
 VOTE_COMMIT = 0
 VOTE_CHECKSUM_MISMATCH = 1
-_VOTE_NAMES = {VOTE_COMMIT: "committed", VOTE_CHECKSUM_MISMATCH: "ChecksumMismatch"}
+_VOTE_NAMES = {VOTE_COMMIT: "committed", VOTE_CHECKSUM_MISMATCH: "ChecksumMismatch", -1: "ForgedVote"}
 
 Progress = Callable[[int, int], None]
 """Called after each bucket with ``(buckets done, buckets in total)``; may be used to
@@ -220,10 +222,16 @@ class _Route:
     def post(self, tensor: torch.Tensor, stage: str) -> Pending:
         raise NotImplementedError
 
+    def _other(self) -> int:
+        """The rank at the other end of what this member receives (the sender, or the peer)."""
+        raise NotImplementedError
+
     def send_message(self, payload: bytes, stage: str, *, group_version: int | None = None) -> None:
-        """Header then payload. ``group_version`` overrides the stamp (tests of fencing only)."""
+        """Header then payload, the payload tagged for this rank when the run authenticates
+        (:mod:`ftstate.transport.auth`). ``group_version`` overrides the stamp (tests of fencing only)."""
         dev = self.comm.device
         stamp = self.comm.version if group_version is None else group_version
+        payload = auth.sign("gloo", self.comm.group, stamp, self.comm.rank, payload)
         header = torch.tensor([MAGIC, WIRE_FORMAT, stamp, len(payload)], dtype=torch.int64).to(dev)
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
         first = self.post(header, stage)
@@ -259,7 +267,14 @@ class _Route:
             )
         body = torch.empty(length, dtype=torch.uint8, device=comm.device)
         self.post(body, stage).wait()
-        return bytes(host_bytes(body))
+        sender = self._other()
+        payload = auth.verify("gloo", comm.group, comm.version, sender, bytes(host_bytes(body)))
+        if payload is None:  # recorded by auth; never decoded, never acted on
+            raise ManifestError(
+                f"message during {stage} on group {comm.group!r} v{comm.version} claimed to come from rank {sender} "
+                "and its tag does not verify: forged or from outside the run; dropped",
+                field="tag", peer=f"rank {sender}")
+        return payload
 
     def vote(self, value: int, stage: str) -> dict[int, int]:
         raise NotImplementedError
@@ -278,10 +293,13 @@ class _BroadcastRoute(_Route):
     def post(self, tensor: torch.Tensor, stage: str) -> Pending:
         return self.comm.broadcast(tensor, self.root, timeout_s=self.remaining(stage))
 
+    def _other(self) -> int:
+        return self.root
+
     def vote(self, value: int, stage: str) -> dict[int, int]:
-        mine = torch.tensor([value], dtype=torch.int64)
+        mine = _signed_vote(self.comm, self.comm.rank, value)
         votes = self.comm.allgather(mine, timeout_s=self.remaining(stage))
-        return {r: int(v.item()) for r, v in enumerate(votes) if r != self.root}
+        return {r: _vote_value(self.comm, r, v) for r, v in enumerate(votes) if r != self.root}
 
 
 class _PeerRoute(_Route):
@@ -300,15 +318,42 @@ class _PeerRoute(_Route):
             return self.comm.send(tensor, self.peer, tag=tag, timeout_s=t)
         return self.comm.recv(tensor, self.peer, tag=tag, timeout_s=t)
 
+    def _other(self) -> int:
+        return self.peer
+
     def vote(self, value: int, stage: str) -> dict[int, int]:
-        box = torch.tensor([value], dtype=torch.int64).to(self.comm.device)
+        box = _signed_vote(self.comm, self.comm.rank, value).to(self.comm.device)
         tag, self.seq = self.seq, self.seq + 1
         t = self.remaining(stage)
         if self.sending:  # the sender collects the receiver's vote
             self.comm.recv(box, self.peer, tag=tag, timeout_s=t).wait()
-            return {self.peer: int(box.cpu().item())}
+            return {self.peer: _vote_value(self.comm, self.peer, box.cpu())}
         self.comm.send(box, self.peer, tag=tag, timeout_s=t).wait()
         return {}
+
+
+#: What a vote that does not authenticate counts as: not a commit (the sender reports the rank
+#: as rejected with this reason; the forgery is recorded by :mod:`ftstate.transport.auth`).
+VOTE_FORGED = -1
+
+
+def _signed_vote(comm: Communicator, rank: int, value: int) -> torch.Tensor:
+    """A vote as int64 words: the value, then its tag when the run authenticates."""
+    if not auth.enabled():
+        return torch.tensor([value], dtype=torch.int64)
+    t = auth.tag("vote", comm.group, comm.version, rank, value.to_bytes(8, "little", signed=True))
+    return torch.tensor([value, *struct.unpack("<2q", t)], dtype=torch.int64)
+
+
+def _vote_value(comm: Communicator, rank: int, words: torch.Tensor) -> int:
+    """The vote of ``rank``, or :data:`VOTE_FORGED` when its tag does not verify."""
+    vals = [int(v) for v in words.reshape(-1).tolist()]
+    if not auth.enabled():
+        return vals[0]
+    payload = vals[0].to_bytes(8, "little", signed=True)
+    if auth.verify("vote", comm.group, comm.version, rank, payload + struct.pack("<2q", *vals[1:3])) is None:
+        return VOTE_FORGED
+    return vals[0]
 
 
 def _with_stage(exc: Exception, stage: str, weights_version: int | None, route: _Route) -> Exception:
@@ -340,7 +385,14 @@ def _with_stage(exc: Exception, stage: str, weights_version: int | None, route: 
             group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=peer,
         )
     if isinstance(exc, ManifestError):
-        return ManifestError(f"{exc} (weight transfer{wv}, {stage})", field=exc.field)
+        peer = exc.peer
+        if peer is None:  # the route knows who sent what this member received
+            if isinstance(route, _PeerRoute):
+                peer = f"rank {route.peer}"
+            elif isinstance(route, _BroadcastRoute) and route.root != comm.rank:
+                peer = f"rank {route.root}"
+        sender = f", from {peer}" if peer else ""
+        return ManifestError(f"{exc} (weight transfer{wv}, {stage}{sender})", field=exc.field, peer=peer)
     return type(exc)(f"{exc} (weight transfer{wv}, {stage})")
 
 
@@ -745,7 +797,11 @@ class Receiver:
             count = _use_count(buf)
             if buf.device == device and buf.numel() >= nbytes and count is not None and count <= baseline:
                 return buf, baseline
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        try:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        except (RuntimeError, MemoryError) as exc:  # the manifest passed its caps, but not this host's memory
+            raise TransportError(f"staging for a transfer of {nbytes} bytes cannot be allocated on {device}: "
+                                 f"{str(exc)[:200]}") from exc
         return buf, _use_count(buf) or 0
 
     def _receive(self, route: _Route, progress: Progress | None) -> CommittedWeights:

@@ -215,6 +215,57 @@ class _Member:
     def device_memory_stats(self) -> dict[str, int]:
         return self.device_memory.stats()
 
+    def secure(self, secret: bytes | None, run: str = "test-run", integrity: str = "xxh3") -> None:
+        """Install (or, None, forget) the run's secret in this process, as a WorkerHost does."""
+        from ftstate.transport import auth, checksum
+
+        if secret is None:
+            auth.uninstall()
+        else:
+            auth.install(run, secret)
+        checksum.use_integrity(integrity)
+
+    def forged(self) -> list[dict[str, Any]]:
+        """What this process dropped as forged since the last call."""
+        from ftstate.transport import auth
+
+        return auth.drain_forged()
+
+    def attack_signals_at_first_copy(self, script: str) -> None:
+        """As a writer: when it copies its first piece into a slot (every reader has said hello),
+        run ``script`` in a separate process against this transfer's signal endpoint (argv[1])."""
+        import subprocess
+        import sys
+
+        from ftstate.transport import samehost
+
+        bound: list[str] = []
+        original = samehost.Channel.__dict__["bind"]  # the classmethod itself, to put back
+
+        def bind(**kwargs: Any) -> Any:
+            chan = original.__func__(samehost.Channel, **kwargs)
+            bound.append(chan.endpoint)
+            return chan
+
+        def attack(piece: Any) -> None:
+            samehost.after_slot_copy = None
+            samehost.Channel.bind = original
+            subprocess.run([sys.executable, "-c", script, bound[-1]], check=True, timeout=20)
+
+        samehost.Channel.bind = staticmethod(bind)
+        samehost.after_slot_copy = attack
+
+    def tamper_slot_after_copy(self) -> None:
+        """As a writer, flip the first byte of the next piece it copies into a shared-memory slot,
+        right after the copy (the window a same-uid process writing into the slot would use)."""
+        from ftstate.transport import samehost
+
+        def tamper(piece: Any) -> None:
+            samehost.after_slot_copy = None  # once
+            piece[:1].bitwise_xor_(0xFF)
+
+        samehost.after_slot_copy = tamper
+
     def tamper_device_slot(self) -> None:
         """The installed stand-in damages the slots it allocated at its next synchronize."""
         self.device_memory.tamper_next = True

@@ -266,6 +266,33 @@ class TestFaults:
         assert report["rejected"] == {1: "ChecksumMismatch"} and report["committed"] == []
         assert committed_checksum(reader) == expected_checksum(1)
 
+    def test_a_slot_tampered_right_after_the_writers_copy_is_refused_and_the_next_sync_succeeds(self, group):
+        # The writer's seal covers what it copied from, not what the slot holds afterwards: a
+        # write into the slot after the copy is never blessed (issue 25).
+        trainer, *readers = group.members
+        planned(group, [1, 2])
+        trainer.call("load", seed=11, weights_version=2)
+        trainer.call("tamper_slot_after_copy")
+        for r in readers:
+            r.start("receive_planned", timeout_s=SYNC_S)
+        report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
+        for r in readers:
+            with pytest.raises(RemoteError) as info:
+                r.result()
+            assert info.value.isinstance("ChecksumMismatch"), info.value.info
+            assert "kept weights version 1" in info.value.info["message"]
+        assert report["committed"] == [] and report["rejected"] == {1: "ChecksumMismatch", 2: "ChecksumMismatch"}
+        # the seal is the trainer's own bytes, not the tampered slot's
+        assert report["checksum"] == expected_checksum(11)
+        for r in readers:
+            assert committed_checksum(r) == expected_checksum(1)
+        trainer.call("load", seed=12, weights_version=3)
+        report = planned(group, [1, 2])
+        assert report["committed"] == [1, 2]
+        for r in readers:
+            assert_bit_exact(r, 12)
+            assert committed_checksum(r) == expected_checksum(12) == report["checksum"]
+
     def test_a_damaged_segment_seen_by_one_reader_leaves_the_others_bytes_as_sent(self, group):
         a_readers_damaged_copy_is_its_own(group)
 

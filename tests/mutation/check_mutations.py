@@ -1,8 +1,10 @@
 """Mutation check (the cheap form): break each core claim in a scratch copy and prove the suite notices.
 
 For every claim ftstate makes (two-phase commit, the transport's checksum comparison, the
-held-bytes comparison at commit, replay on a new trainer, RESYNCED-only admission, the
-fail-fast deadline, and the claims issue 22 found unguarded), :data:`MUTATIONS` names one small edit that breaks it and the tests that
+held-bytes comparison at commit, the writer hashing its source rather than the shared-memory
+slot, MAC verification, replay on a new trainer, RESYNCED-only admission, the fail-fast
+deadline, and the claims issue 22 found unguarded), :data:`MUTATIONS` names one small edit that
+breaks it and the tests that
 must then fail. Each mutation is applied to a fresh copy of the checkout (the files git
 knows), the named tests are run there (that copy first on ``PYTHONPATH``, so Ray's worker
 processes import the mutant too), and the mutation is *caught* only if pytest reports failed
@@ -73,6 +75,25 @@ MUTATIONS = (
               "                    torn = []\n")),
         ("tests/integration/test_runtime.py::TestAtomicSync::"
          "test_a_corrupted_bucket_aborts_the_sync_and_every_rollout_keeps_the_previous_version",),
+    ),
+    Mutation(
+        "writer hashes its slot",
+        "a write into a shared-memory slot after the writer's copy is never blessed: the writer hashes its "
+        "source, so every reader of such bytes rejects them",
+        (Edit("ftstate/transport/samehost.py",
+              "write_slot = functools.partial(_copy_hash, hash_source=True) if slots.device is None",
+              "write_slot = _copy_hash if slots.device is None"),),
+        ("tests/integration/test_transport_shm.py::TestFaults::"
+         "test_a_slot_tampered_right_after_the_writers_copy_is_refused_and_the_next_sync_succeeds",),
+    ),
+    Mutation(
+        "tags not checked",
+        "a message whose MAC does not verify (store value, zmq signal, gloo message, vote) is never acted on",
+        (Edit("ftstate/transport/auth.py", "    if problem is not None:\n        record_forged(",
+              "    if problem is not None and False:\n        record_forged("),),
+        ("tests/unit/test_auth.py",
+         "tests/integration/test_transport_security.py::TestAuthenticated::"
+         "test_a_manifest_from_a_member_without_the_secret_is_refused_before_it_is_decoded"),
     ),
     Mutation(
         "held bytes not compared",

@@ -128,6 +128,19 @@ class TestConfig:
         assert result.exit_code == 0, result.output
         assert "valid" in result.stdout
 
+    def test_a_yaml_alias_bomb_inside_rollout_workers_is_one_line_and_exit_2(self, tmp_path: Path) -> None:
+        # issue 25: 461 bytes of aliases expanded to a MemoryError at 3 GB in the error's repr
+        lines = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+        lines += [f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]"
+                  for p, c in zip("abcdefgh", "bcdefghi", strict=True)]
+        lines.append("rollout_workers: [*i, *i]")
+        path = tmp_path / "bomb.yaml"
+        path.write_text("\n".join(lines))
+        result = invoke("config", str(path))
+        assert result.exit_code == 2
+        assert "aliases are not accepted" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in result.output
+
     def test_a_bad_file_exits_2_naming_the_field(self, tmp_path: Path) -> None:
         path = tmp_path / "bad.yaml"
         path.write_text("fault_tolerance:\n  max_failovers: -1\n")

@@ -1,0 +1,168 @@
+"""The run's secret and the message authentication codes of ftstate's control plane.
+
+Nothing on the paths a weight sync opens authenticates by itself: torch's TCPStore and gloo
+take any connection, and a zmq socket takes any peer. With ``security.authenticate`` (the
+default) the controller makes one secret per run when it starts (:func:`new_secret`, 32
+random bytes) and hands it to every member through Ray, as an actor constructor argument --
+Ray's own channel, never ftstate's sockets -- and each process installs it (:func:`install`).
+
+Every value ftstate writes to the rendezvous store, every zmq signal, and every manifest,
+seal, offer and vote then carries a tag: keyed BLAKE2b (:data:`TAG_BYTES` bytes, stdlib
+``hashlib``; chosen over HMAC-SHA256 for being one pass and faster on small messages, with the
+same standing as a MAC) over the message, bound to the run, the channel, the group, the group
+version and the sender's rank (:func:`tag`). A receiver recomputes it for the sender the
+message claims; a message whose tag does not verify is dropped, logged and kept in a bounded
+list (:func:`drain_forged`) that the controller writes to the audit trail as
+``forged_message`` events naming the channel and the claimed sender. It is never acted on.
+Replays of another group version fail the tag (the version is bound into it) and the fencing.
+
+The key is process-wide because every transport entry point would otherwise need it as an
+argument, and a member process belongs to one run; without one installed (``authenticate:
+false``, or the transport used on its own) messages carry no tag and nothing is checked, as
+before. Pure stdlib: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("ftstate.security")
+
+#: Bytes of one tag (128 bits: a forgery succeeds with probability 2**-128 per try).
+TAG_BYTES = 16
+
+#: Bytes of a run's secret.
+SECRET_BYTES = 32
+
+#: Forged messages remembered until the controller collects them (the oldest go first).
+MAX_FORGED_KEPT = 256
+
+_PERSON = b"ftstate-mac-v1"
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """The secret of one run, and the run it belongs to (bound into every tag)."""
+
+    run: str
+    secret: bytes
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"RunKey(run={self.run!r})"
+
+
+_key: RunKey | None = None
+_forged: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_FORGED_KEPT)
+_lock = threading.Lock()
+
+
+def new_secret() -> bytes:
+    """A fresh secret for a run (``secrets.token_bytes``)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def install(run: str, secret: bytes) -> None:
+    """Make ``secret`` this process's key for ``run`` (a member's constructor, the controller's start)."""
+    global _key
+    if not isinstance(secret, bytes) or len(secret) < 16:
+        raise ValueError("the run's secret must be at least 16 bytes")
+    _key = RunKey(run, secret)
+
+
+def uninstall() -> None:
+    """Forget the key (the run closed)."""
+    global _key
+    _key = None
+
+
+def current() -> RunKey | None:
+    return _key
+
+
+def enabled() -> bool:
+    return _key is not None
+
+
+def tag(channel: str, group: str, version: int, sender: int | str, payload: bytes, *,
+        key: RunKey | None = None) -> bytes:
+    """The tag of ``payload`` sent by ``sender`` on ``channel`` in version ``version`` of ``group``."""
+    k = key or _key
+    if k is None:
+        raise RuntimeError("no run key installed")
+    h = hashlib.blake2b(key=k.secret, digest_size=TAG_BYTES, person=_PERSON)
+    # length-prefixed context, so no two different contexts hash alike
+    for part in (k.run, channel, group, str(version), str(sender)):
+        b = part.encode()
+        h.update(len(b).to_bytes(4, "little") + b)
+    h.update(payload)
+    return h.digest()
+
+
+def sign(channel: str, group: str, version: int, sender: int | str, payload: bytes) -> bytes:
+    """``payload`` followed by its tag (unchanged when no key is installed)."""
+    if _key is None:
+        return payload
+    return payload + tag(channel, group, version, sender, payload)
+
+
+def verify(channel: str, group: str, version: int, sender: int | str, data: bytes, *,
+           record_as: str | None = None, **fields: Any) -> bytes | None:
+    """The payload of ``data`` (what :func:`sign` made) when its tag verifies for ``sender``,
+    else None, and the forgery is recorded (as channel ``record_as``, default ``channel``,
+    with ``fields``). No key installed: ``data`` as it is."""
+    if _key is None:
+        return data
+    problem = None
+    if len(data) < TAG_BYTES:
+        problem = "shorter than a tag"
+    else:
+        payload, got = data[:-TAG_BYTES], data[-TAG_BYTES:]
+        if not hmac.compare_digest(got, tag(channel, group, version, sender, payload)):
+            problem = "tag does not verify"
+    if problem is not None:
+        record_forged(record_as or channel, sender, group=group, version=version, problem=problem, **fields)
+        return None
+    return payload
+
+
+def record_forged(channel: str, claimed: int | str, **fields: Any) -> None:
+    """Remember (and log) a message that did not authenticate, for the audit trail."""
+    entry = {"channel": channel, "claimed_sender": str(claimed)[:80], "t": time.time(),
+             **{k: (v if isinstance(v, (int, float, bool)) or v is None else str(v)[:200]) for k, v in fields.items()}}
+    with _lock:
+        _forged.append(entry)
+    log.warning("forged_message", extra=entry)
+
+
+def drain_forged() -> list[dict[str, Any]]:
+    """The forged messages recorded since the last call (and forget them)."""
+    with _lock:
+        out = list(_forged)
+        _forged.clear()
+    return out
+
+
+__all__ = [
+    "MAX_FORGED_KEPT",
+    "SECRET_BYTES",
+    "TAG_BYTES",
+    "RunKey",
+    "current",
+    "drain_forged",
+    "enabled",
+    "install",
+    "new_secret",
+    "record_forged",
+    "sign",
+    "tag",
+    "uninstall",
+    "verify",
+]
