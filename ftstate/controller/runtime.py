@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -73,7 +74,44 @@ from ftstate.core.machine import StateMachine
 from ftstate.core.spec import get_spec
 from ftstate.core.worker import RolloutWorker, TrainerWorker
 
-__all__ = ["GROUP", "MemberInfo", "Runtime", "SyncReport"]
+__all__ = ["GROUP", "MemberInfo", "Runtime", "SyncReport", "run_facts"]
+
+
+def run_facts(cfg: RuntimeConfig, node: str | None) -> dict[str, Any]:
+    """What a run's ``run_start`` record says started: the config's digest (sha256 of its
+    canonical JSON, so two runs of one config compare equal), the workers asked for, the
+    versions of ftstate, Ray, torch and Python, and where the controller runs."""
+    import hashlib
+    import json
+    import platform
+    import socket
+
+    import ray
+    import torch
+
+    import ftstate
+
+    canonical = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    return {
+        "config_digest": hashlib.sha256(canonical.encode()).hexdigest()[:16],
+        "trainer_workers": cfg.trainer_workers, "rollout_workers": cfg.rollout_workers,
+        "fault_tolerance": cfg.fault_tolerance.enable,
+        "versions": {"ftstate": ftstate.__version__, "ray": ray.__version__, "torch": torch.__version__,
+                     "python": platform.python_version()},
+        "controller": {"host": socket.gethostname(), "node": node, "pid": os.getpid()},
+        "nodes": cluster_nodes_brief(),
+    }
+
+
+def cluster_nodes_brief() -> list[str]:
+    """The alive nodes, ``id@address CPU=n`` each (a run_start fact; empty if Ray cannot say)."""
+    try:
+        from ftstate.controller.placement import cluster_nodes
+
+        return sorted(f"{n['node_id'][:8]}@{n['address']} CPU={float(n['resources'].get('CPU', 0)):g}"
+                      for n in cluster_nodes())
+    except Exception:  # noqa: BLE001 - a fact for the trail, never a reason to fail start()
+        return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +237,7 @@ class Runtime:
         cfg = self.config
         self._started_ray = cluster.connect(cfg.address)
         node = cluster.node_address()
+        self.audit.begin_run(self.run_id, **run_facts(cfg, node))
         self.group = StateMachine(get_spec("group"), member="group", config=cfg, audit=self.audit)
         self.group.listen(self._on_group_transition)
         self.group.bind(node=node, node_id=cluster.node_id())  # the group's records: the controller's node
@@ -460,6 +499,9 @@ class Runtime:
         """Deal ``items`` over the rollouts serving the current weights (item ``i`` to the
         ``i mod n``-th), call ``method(*args, shard)`` on each, and return one result per item,
         in item order (``method`` must answer each shard with one result per item, in order).
+        A rollout dealt no item (fewer items than rollouts) is not called: ``method`` never
+        gets an empty shard, and no items at all calls nobody. If several rollouts raise, the
+        error names every one of them.
         With fault tolerance on, the shard of a rollout lost mid-call is dealt again over the
         rollouts serving once the failover completed; with it off, the loss is raised."""
         return await self._require_router().rollout_map(method, items, args)

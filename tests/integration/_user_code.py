@@ -42,3 +42,22 @@ class RolloutWhoseSparesCannotStart(TinyRollout):
 class TrainerWhoseStateDictRaises(TinyTrainer):
     def state_dict(self):
         raise KeyError("optimizer.param_groups")
+
+
+class RolloutCountingShards(TinyRollout):
+    """``generate_all`` answers a shard and remembers every shard size it was called with;
+    ``boom`` raises in every rollout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shards: list[int] = []
+
+    def generate_all(self, prompts: list[str]) -> list[str]:
+        self.shards.append(len(prompts))
+        return [p.upper() for p in prompts]
+
+    def shard_sizes(self) -> list[int]:
+        return list(self.shards)
+
+    def boom(self) -> None:
+        raise RuntimeError(f"engine crashed in pid {os.getpid()}")

@@ -35,8 +35,9 @@ def config(tmp_path, ft: bool = False, **overrides) -> ftstate.RuntimeConfig:
         "rollout_workers": 2,
         "init_timeout_s": 60,
         "sync_timeout_s": 30,
-        "heartbeat_interval_s": 0.2,
-        "heartbeat_timeout_s": 1.0,
+        # generous: these tests are about user errors, not liveness, on a loaded 2-CPU machine
+        "heartbeat_interval_s": 0.5,
+        "heartbeat_timeout_s": 15.0,
         "audit_log": str(tmp_path / "audit.jsonl"),
     }
     if ft:
@@ -131,3 +132,21 @@ async def wait_for(cond, what: str, timeout: float = 60) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.05)
+
+
+async def test_rollout_map_never_calls_a_rollout_with_an_empty_shard(ray_cluster, tmp_path):
+    from tests.integration._user_code import RolloutCountingShards
+
+    async with ftstate.Runtime(config(tmp_path, rollout_workers=3), trainer=TinyTrainer,
+                               rollout=RolloutCountingShards) as rt:
+        await rt.sync()
+        assert await rt.rollout_map("generate_all", ["a"]) == ["A"]
+        assert await rt.rollout_map("generate_all", []) == []
+        assert await rt.rollout_map("generate_all", ["a", "b", "c", "d"]) == ["A", "B", "C", "D"]
+        sizes = await rt.rollout("shard_sizes")
+        assert sizes == [[1, 2], [1], [1]], sizes  # rollout-0 got the lone item; nobody got []
+        # every rollout that raised is named, through rt.rollout as through the commit
+        with pytest.raises(RuntimeError) as info:
+            await rt.rollout("boom")
+        assert all(f"rollout-{i}" in str(info.value) for i in range(3)), str(info.value)
+        assert "RolloutCountingShards.boom()" in "\n".join(info.value.__notes__)
