@@ -82,7 +82,7 @@ class TestHelp:
         from ftstate.cli.demo.run import DemoOptions
         from ftstate.cli.main import DEMO_STEPS
 
-        assert DEMO_STEPS == DemoOptions.steps
+        assert DemoOptions.steps == DEMO_STEPS
         result = runner.invoke(app, ["demo", "--help"], env={"COLUMNS": "200"})
         assert f"default: {DemoOptions.steps}; 0 takes that default" in " ".join(result.output.split())
 
