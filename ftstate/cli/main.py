@@ -266,7 +266,7 @@ def audit(
                 typer.echo(json.dumps(rec, default=str))
             continue
         head = f"{file}" + (f" run {rid}" if rid else "")
-        if len(runs) > 1 or rid:
+        if (len(runs) > 1 or rid) and (timeline or (summary and not filtered)):
             started = f"{len(recs)} records, from {recs[0][1].get('ts', '?')}"
             if tty:
                 console.rule(f"{head} ({started})")

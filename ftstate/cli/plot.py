@@ -359,6 +359,11 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
                 for start, stop, state in lane.segments]
         colors = [_color(state, serving) for _, _, state in lane.segments]
         ax.broken_barh(bars, (y - height / 2, height), facecolors=colors, edgecolor="white", linewidth=0.4)
+        losses = [(bar, c) for bar, c, (_, _, state) in zip(bars, colors, lane.segments, strict=True)
+                  if state in _LOSS_STATES]
+        if losses:  # on top: the segment after a loss (RETIRED) starts milliseconds later and would hide it
+            ax.broken_barh([b for b, _ in losses], (y - height / 2, height), facecolors=[c for _, c in losses],
+                           edgecolor="black", linewidth=0.4, zorder=3)
         seen_states.update(state for _, _, state in lane.segments)
         ylabels.append((y, "group" if is_group else lane.label))
     ax.set_yticks([y for y, _ in ylabels], [label for _, label in ylabels])

@@ -256,3 +256,17 @@ def test_reading_a_big_hostile_file_is_bounded_in_time(tmp_path: Path) -> None:
     took = time.monotonic() - t0
     assert result.exit_code == 2 and "not an audit trail" in result.stderr
     assert took < 20, took
+
+
+def test_the_picture_draws_each_failover_with_the_reports_figure(tmp_path: Path) -> None:
+    """The picture's failover band runs from LOST to serving, the failover record's total_s:
+    the figure the report and `ftstate audit` print, from the same record."""
+    from ftstate.cli.plot import _failovers, plot_timeline
+
+    path = write_trail(tmp_path / "audit.jsonl")
+    records = as_records(path)
+    [band] = _failovers(records, 10.0)
+    [row] = failover_rows(records)
+    assert band.reason == "rollout-1 -> spare-rollout-0"
+    assert round(band.end - band.start, 6) == row["total_s"] == 0.08
+    assert plot_timeline(records, tmp_path / "t.png").stat().st_size > 0
