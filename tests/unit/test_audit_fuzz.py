@@ -1,11 +1,12 @@
 """Property-based fuzzing of the trail reader, the checker, the views and ``ftstate audit``.
 
-Inputs: mutated copies of a real trail (a field set to any JSON value, a field dropped, a
+Inputs: mutated copies of the demo's real trail (tests/unit/data/demo-audit.jsonl) and of a
+two-run synthetic one (a field set to any JSON value, a field dropped, a
 line cut at any byte, bytes spliced in, lines swapped or repeated) and records of arbitrary
 JSON. The property: only typed outcomes (violations, exit status 0, 1 or 2 with no
 traceback) within a bounded time per case (hypothesis ``deadline``: 10 s, against ~0.2-0.5 s a
 case takes here; generous because the machine running it may be loaded). Case counts are the
-``max_examples`` below (FUZZ_EXAMPLES each, half that for the CLI: 350 in all with the default 100; set
+``max_examples`` below (FUZZ_EXAMPLES each, half that for the CLI: 175 in all with the default 50; set
 FTSTATE_FUZZ_EXAMPLES for a longer run).
 """
 
@@ -35,13 +36,15 @@ from ftstate.core.audit_check import check, load_records
 from tests.unit._trails import write_trail
 
 #: Cases per property (override with FTSTATE_FUZZ_EXAMPLES for a longer run).
-FUZZ_EXAMPLES = int(os.environ.get("FTSTATE_FUZZ_EXAMPLES", "100"))
+FUZZ_EXAMPLES = int(os.environ.get("FTSTATE_FUZZ_EXAMPLES", "50"))
 COMMON = settings(max_examples=FUZZ_EXAMPLES, deadline=10_000, derandomize=True,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 _ROOT = Path(__file__).resolve().parent
-_BASE = write_trail(Path(os.environ.get("TMPDIR", "/tmp")) / f"ftstate-fuzz-base-{os.getpid()}.jsonl",
-                    runs=("run-a", "run-b")).read_bytes().splitlines()
+_SYNTHETIC = write_trail(Path(os.environ.get("TMPDIR", "/tmp")) / f"ftstate-fuzz-base-{os.getpid()}.jsonl",
+                         runs=("run-a", "run-b")).read_bytes().splitlines()
+#: The trail of a real `make docs` demo run (24 steps, three kills, 305 records).
+_DEMO = (_ROOT / "data" / "demo-audit.jsonl").read_bytes().splitlines()
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True)
@@ -57,7 +60,7 @@ FIELDS = ["event", "machine", "member", "from", "to", "trigger", "role", "rank",
 
 @st.composite
 def mutated_trails(draw) -> bytes:
-    lines = list(_BASE)
+    lines = list(draw(st.sampled_from([_SYNTHETIC, _DEMO])))
     for _ in range(draw(st.integers(1, 6))):
         i = draw(st.integers(0, len(lines) - 1))
         kind = draw(st.sampled_from(["set", "drop", "cut", "splice", "swap", "repeat", "raw"]))
