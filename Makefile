@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ftstate-installed
 
-.PHONY: demo test test-verl lint install-check mutation-check setup clean docs
+.PHONY: demo test test-verl lint install-check mutation-check setup clean docs soak chaos
 
 # The verl suite's own venv: verl 0.9.1 brings ~110 packages (~2 GB) the core must not get.
 # torch is pinned in the same install so verl's requirements never replace the CPU build.
@@ -44,7 +44,7 @@ lint: $(STAMP)
 install-check: $(STAMP)
 	PY=$(PY) PIP=$(abspath $(BIN))/pip bash tests/install/check_plain_install.sh
 
-# Each core claim broken in turn in a scratch copy; the tests named for it must fail (~3 min).
+# Each core claim broken in turn in a scratch copy; the tests named for it must fail (~10 min).
 mutation-check: $(STAMP)
 	$(BIN)/python tests/mutation/check_mutations.py
 
@@ -55,6 +55,20 @@ test: $(STAMP) lint install-check test-verl
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --ignore=tests/multinode --ignore=tests/verl $(ARGS)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q tests/multinode $(MULTINODE_ARGS)
 	$(MAKE) mutation-check
+
+# Seeded random fault schedules on a 3-node cluster of this machine, invariants after every step
+# (tests/chaos). `make chaos SEEDS=4,5 FAULTS=8` runs given seeds; `make soak SOAK_MINUTES=240` runs
+# seeds 1, 2, ... until the time is up and prints the figures (syncs, faults, memory, fds).
+# A failing schedule is written to chaos-out/ and replayed with
+# `python -m tests.chaos --replay chaos-out/seed-N.json --shrink`.
+SEEDS ?= 1,2,3
+FAULTS ?= 6
+SOAK_MINUTES ?= 60
+chaos: $(STAMP)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/python -m tests.chaos --seeds $(SEEDS) --faults $(FAULTS) $(CHAOS_ARGS)
+
+soak: $(STAMP)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/python -m tests.chaos --soak-minutes $(SOAK_MINUTES) --faults $(FAULTS) $(CHAOS_ARGS)
 
 # The generated reference pages, then the README's timeline picture drawn from a real run of
 # the demo (a local Ray cluster, 1-2 minutes): the picture always shows what the code does now.

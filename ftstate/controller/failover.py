@@ -362,7 +362,15 @@ class Failover:
                         replacement = replacements.get(lost.name)
                         if replacement is not None and lost.name not in resynced:
                             resynced[lost.name] = await self.resync(replacement)
-                except MemberLost:
+                except MemberLost as exc:
+                    # A survivor the re-rendezvous or the transfer found unreachable but that
+                    # nobody declared lost (on a node whose raylet just went, or hung): not
+                    # retried around blindly; the watchdog's verdict first (LOST, and taken
+                    # in below; or alive, and the version formed again), bounded by its deadlines.
+                    survivor = self.membership.find(exc.member)
+                    unsettled = survivor is not None and not survivor.gone and survivor not in replacements.values()
+                    if unsettled:
+                        await self.watchdog.verdict([survivor])
                     dead = [n for n, r in replacements.items() if r.machine.state in ("LOST", "RETIRED")]
                     if dead:
                         # A replacement itself died (a spare killed before anyone noticed, or
@@ -379,6 +387,9 @@ class Failover:
                         # it is a trainer rank: the ranks are recovered together, so this
                         # round takes it in.
                         await self._take_in_ranks(losts, detected, reasons)
+                        continue
+                    if unsettled and transfer_tries < self.ft.resync_retries:
+                        transfer_tries += 1  # it answered again: form the version again, boundedly
                         continue
                     raise
                 except TransportError:

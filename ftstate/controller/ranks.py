@@ -202,6 +202,7 @@ class ShardedSync(WeightSync):
         t0 = time.perf_counter()
         previous = group.weights_version
         target = previous + 1
+        self.failures = {}
         trainers = ms.trainer_ranks(self.config.trainer_workers, "every rank sends its part")
         rollouts = await self._begin(trainers, target, lambda _: {"senders": [t.name for t in trainers],
                                                                    "route": "collective"})

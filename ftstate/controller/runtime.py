@@ -388,6 +388,7 @@ class Runtime:
             await self._recover()
         else:
             await group.fire("rendezvous_done")
+            formation.mark_formed(version)
         self.progress.report("group", f"group {GROUP!r} formed: version {group.group_version}, "
                              f"{len(ms.group_members())} members", group_version=group.group_version)
         # What the survivors' abandoned joins of this version said no longer matters.
@@ -446,6 +447,13 @@ class Runtime:
                     if not self.config.fault_tolerance.enable or self._failure is not None:
                         raise
                     self._raise_if_failed()
+                    # A member the failure names that is neither dead nor answering (its node's
+                    # raylet is gone, it is hung) is not retried around: its verdict is the
+                    # watchdog's (LOST, then replaced; or alive again), bounded by its deadlines.
+                    unsettled = self._unsettled([exc, *weight_sync.failures.values()])
+                    if unsettled:
+                        await watchdog.verdict(unsettled)
+                        self._raise_if_failed()
                     membership_changed = ms.epoch != epoch or failover.pending
                     if not membership_changed:
                         transient += 1
@@ -467,6 +475,13 @@ class Runtime:
                 if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
                     self._spawn(failover.weights_sized(report.nbytes))
                 return dataclasses.replace(report, failovers=len(failover.records) - before)
+
+    def _unsettled(self, errors: Sequence[BaseException]) -> list[Member]:
+        """Members that ``errors`` say were lost (``MemberLost``) but that are not gone: the
+        call found them unreachable, or they stopped answering, and nobody declared them LOST."""
+        ms = self._require_membership()
+        names = dict.fromkeys(e.member for e in errors if isinstance(e, MemberLost))
+        return [m for n in names if (m := ms.find(n)) is not None and not m.gone]
 
     # -- recovery ----------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@
 Whether a failed attempt is tried again is the runtime's policy, not this module's. What an
 attempt raises is the failure's *cause*: a member that died explains its peers' broken
 connections; a receiver's own error (a bug, a missing library) explains the sender's
-"connection reset"; so :func:`root_cause` orders them.
+"connection reset"; so :func:`~ftstate.controller.causes.root_cause` orders them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ftstate.controller.calls import ActorCalls, name_all
+from ftstate.controller.causes import root_cause
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.membership import Member, Membership, walk_proven
 from ftstate.core.audit import AuditTrail
@@ -40,7 +41,6 @@ from ftstate.core.errors import (
     MemberLost,
     NoServingWorkers,
     SyncTimeout,
-    TransportError,
 )
 from ftstate.core.plan import COLLECTIVE, Endpoint, Plan, plan_transfer
 
@@ -70,23 +70,6 @@ class SyncReport:
     stale: tuple[str, ...] = ()
     routes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     shm_fallback: str | None = None
-
-
-def _rank_of_cause(exc: BaseException) -> int:
-    if isinstance(exc, MemberLost):
-        return 0  # a death explains everything its peers saw
-    if not isinstance(exc, TransportError):
-        return 1  # a member's own error (user code, a missing library): the real cause
-    return 2  # a transport error: the first to fail is the cause, the rest its echoes
-
-
-def root_cause(failures: Mapping[str, BaseException], order: Sequence[str] = ()) -> dict[str, BaseException]:
-    """``failures`` ordered cause first (see the module docstring). ``order``: the members
-    in the order their failures arrived; among transport errors the first one is the cause
-    (the others were abandoned because of it, or saw its broken connection)."""
-    arrival = {name: i for i, name in enumerate(order)}
-    return dict(sorted(failures.items(),
-                       key=lambda kv: (_rank_of_cause(kv[1]), arrival.get(kv[0], len(arrival)))))
 
 
 def plan_for(config: RuntimeConfig, sender: Member, receivers: Sequence[Member]) -> Plan:
@@ -119,6 +102,9 @@ class WeightSync:
         self.raise_if_failed = raise_if_failed
         # Members whose calls of the current transfer failed, in the order they failed.
         self._arrival: list[str] = []
+        #: The last attempt's failures by member, cause first (what the runtime's retry policy
+        #: reads to find members that were unreachable rather than dead).
+        self.failures: dict[str, BaseException] = {}
 
     async def attempt(self) -> SyncReport:
         """One try at the next weights version; see the module docstring."""
@@ -127,6 +113,7 @@ class WeightSync:
         t0 = time.perf_counter()
         previous = group.weights_version
         target = previous + 1
+        self.failures = {}
         trainer = ms.trainer()
         rollouts = await self._begin([trainer], target, lambda rs: plan_for(self.config, trainer, rs).record())
         plan = plan_for(self.config, trainer, rollouts)  # pure: the plan sync_start recorded
@@ -196,6 +183,8 @@ class WeightSync:
         the members' ``sync``/``resync`` are fired. Returns the receiving rollouts."""
         ms = self.membership
         group = ms.group
+        # Never a transfer under a version that was abandoned or never completed.
+        await self.formation.ensure_formed()
         for s in senders:
             if s.machine.state != "READY":
                 raise MemberLost(s.name, f"cannot send weights from state {s.machine.state}",
@@ -253,7 +242,8 @@ class WeightSync:
                 if isinstance(r, asyncio.CancelledError):
                     raise r
                 out[m.name] = r
-        return root_cause(out, self._arrival)
+        self.failures = root_cause(out, self._arrival)
+        return self.failures
 
     async def _abort(
         self, trainer: Member, rollouts: Sequence[Member], previous: int, failures: Mapping[str, BaseException],
@@ -277,14 +267,16 @@ class WeightSync:
         first = next(iter(failures.items()))
         if group.state == "SYNCING":
             await group.fire("sync_failed", reason=f"{first[0]}: {type(first[1]).__name__}: {first[1]}")
-        alive = all(not m.gone for m in [trainer, *senders, *rollouts])
-        if alive and not group.terminal and any(not isinstance(e, ChecksumMismatch) for e in failures.values()):
-            # The transfer was abandoned mid-stream (a member's communicator was aborted, e.g.
-            # the trainer's state_dict() raised): nobody died, so no failover will form the
-            # next group version; form it here so the next sync finds a sound group. (A
-            # checksum mismatch leaves the stream aligned and the group usable.)
-            with contextlib.suppress(MemberLost):  # a death meanwhile is the failover's to handle
-                await self.formation.reform()
+        if any(not isinstance(e, ChecksumMismatch) for e in failures.values()):
+            # The transfer was abandoned mid-stream (communicators aborted, a member dead or
+            # unreachable): the version cannot carry another transfer. The next one is formed
+            # by whoever goes next (a failover, or the next attempt's ensure_formed), not
+            # here: a member that is unreachable but not yet declared lost would fail it,
+            # and its verdict is the watchdog's to give. (A checksum mismatch leaves the
+            # stream aligned and the group usable.)
+            first_name, first_err = next(iter(failures.items()))
+            self.formation.spoil(f"transfer of weights version {previous + 1} abandoned: "
+                                 f"{first_name}: {type(first_err).__name__}")
 
     async def _commit(
         self, trainer: Member, rollouts: Sequence[Member], version: int, checksum: str

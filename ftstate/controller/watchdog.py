@@ -48,8 +48,8 @@ class Watchdog:
         finally:
             await self.vigils.close()
 
-    async def poll(self, m: Member, now: float) -> None:
-        """One heartbeat of ``m`` and the event it implies."""
+    async def poll(self, m: Member, now: float) -> bool:
+        """One heartbeat of ``m`` and the event it implies; returns whether it answered."""
         try:
             # A suspect must show its weights to be re-admitted: it hashes them afresh.
             prove = m.machine.state == "SUSPECT"
@@ -58,18 +58,37 @@ class Watchdog:
         except MemberLost:
             beat = None
         if m.gone:
-            return
+            return False
         trigger = m.liveness.observe(
             now, beat, state=m.machine.state, current_version=self.membership.weights_version,
             current_checksum=self.membership.checksum,
         )
         if trigger is None or not m.machine.can(trigger):
-            return
+            return beat is not None
         reason = "no heartbeat within the interval" if beat is None else f"progress {beat.progress}, busy={beat.busy}"
         shown = {"checksum": beat.checksum} if beat is not None and trigger in ("verified", "alive_stale") else {}
         await m.machine.fire(trigger, reason=reason, **shown)
         if trigger == "verified":
             await m.machine.fire("admit")
+        return beat is not None
+
+    async def verdict(self, members: list[Member]) -> None:
+        """Wait for the watchdog's verdict on ``members``, which a call just found lost (dead or
+        unreachable) though nobody declared them LOST: each is polled every interval until it
+        is gone (a silent one goes SUSPECT, and the SUSPECT deadline declares it LOST), or it
+        answered and is not suspect. Bounded by ``heartbeat_timeout_s`` plus two intervals:
+        by then a silent member's SUSPECT deadline has expired."""
+        loop = asyncio.get_running_loop()
+        interval = self.config.heartbeat_interval_s
+        until = loop.time() + self.config.heartbeat_timeout_s + 2 * interval
+        waiting = list(members)
+        while True:
+            answered = await asyncio.gather(*(self.poll(m, loop.time()) for m in waiting), return_exceptions=True)
+            waiting = [m for m, a in zip(waiting, answered, strict=True)
+                       if not m.gone and not (a is True and m.machine.state != "SUSPECT")]
+            if not waiting or loop.time() > until:
+                return
+            await asyncio.sleep(interval)
 
     async def settle_suspects(self, done: Callable[[], bool] | None = None) -> None:
         """Resolve suspects now rather than at the watchdog's pace: members that were only

@@ -154,8 +154,9 @@ class FaultToleranceConfig:
     resync_retries: int = _field(
         3,
         "Times a failover makes the point-to-point transfer to a newcomer again after it failed "
-        "without a death (a corrupted bucket, a dropped connection); past that the failover fails "
-        "with the transfer's error.",
+        "without a death (a corrupted bucket, a dropped connection), or forms the group version "
+        "again after a survivor that could not be reached answered again; past that the failover "
+        "fails with that error.",
         ge=0,
     )
     spare_start_attempts: int = _field(

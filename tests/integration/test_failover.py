@@ -17,9 +17,9 @@ import pytest
 
 import ftstate
 from ftstate.core.audit_check import check_trail
-from ftstate.core.errors import FailoverBudgetExhausted, LossyRecoveryRefused, MemberLost
+from ftstate.core.errors import FailoverBudgetExhausted, HeldWeightsMismatch, LossyRecoveryRefused, MemberLost
 from tests.integration.test_runtime import assert_gone, wait_until
-from tests.integration.workers import LossyTrainer, TinyRollout, TinyTrainer
+from tests.integration.workers import BadNewcomerRollout, LossyTrainer, TinyRollout, TinyTrainer
 
 pytestmark = pytest.mark.ray
 
@@ -174,6 +174,73 @@ class TestRolloutFailover:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, sig)
             await finish(rt, tmp_path)
+
+    async def test_a_hung_rollout_is_declared_lost_within_the_heartbeat_timeout_plus_an_interval(
+        self, ray_cluster, tmp_path
+    ):
+        """Detection time with a timeout much larger than the interval: SUSPECT at the first
+        missed heartbeat (within two intervals of the stop), LOST ``heartbeat_timeout_s`` later;
+        never earlier than the timeout, and no extra timeout on top."""
+        cfg = ftstate.RuntimeConfig.from_dict({**config(tmp_path).to_dict(), "heartbeat_interval_s": 0.25,
+                                               "heartbeat_timeout_s": 4.0}, environ={})
+        rt = runtime(cfg)
+        await rt.start()
+        pid = None
+        try:
+            await rt.sync()
+            pid = next(m.pid for m in rt.members() if m.member == "rollout-0")
+            t0 = time.monotonic()
+            await rt.chaos.hang("rollout", 0)
+            state = lambda: next(m.state for m in rt.members() if m.member == "rollout-0")  # noqa: E731
+            await wait_until(lambda: state() == "SUSPECT", 10, "rollout-0 suspect")
+            suspect_s = time.monotonic() - t0
+            await wait_until(lambda: state() in ("LOST", "RETIRED"), 20, "rollout-0 lost")
+            lost_s = time.monotonic() - t0
+            interval, timeout = cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s
+            assert suspect_s < 2 * interval + 1.0, suspect_s
+            assert timeout <= lost_s < timeout + 3 * interval + 1.5, (suspect_s, lost_s)
+        finally:
+            if pid:
+                for sig in (signal.SIGKILL, signal.SIGCONT):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+            await rt.close()
+
+    async def test_a_newcomer_whose_every_resync_fails_ends_the_failover_after_resync_retries(
+        self, ray_cluster, tmp_path
+    ):
+        """A newcomer whose every transfer fails without it dying (its engine holds a corrupted
+        copy after each load) is never admitted: the failover makes ``resync_retries + 1``
+        transfers and fails with that transfer's error, well before ``failover_timeout_s``."""
+        marker = tmp_path / "newcomers-are-bad"
+        cfg = config(tmp_path, mode="cold", resync_retries=2)
+        rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=BadNewcomerRollout,
+                             rollout_kwargs={"marker": str(marker)})
+        await rt.start()
+        try:
+            await rt.sync()
+            marker.touch()  # the replacement, built after the kill, is bad
+            t0 = time.monotonic()
+            await rt.chaos.kill("rollout", 0)
+            await wait_until(lambda: rt.state == "FAILED", cfg.failover_timeout_s, "the failover to give up")
+            elapsed = time.monotonic() - t0
+            assert elapsed < cfg.failover_timeout_s / 2, elapsed
+            newcomer = next(m.member for m in rt.members() if m.member.startswith("rollout-1-r"))
+            resyncs = [r for r in rt.audit.records
+                       if r.get("member") == newcomer and r["event"] == "transition" and r.get("trigger") == "resync"]
+            assert len(resyncs) == cfg.fault_tolerance.resync_retries + 1, resyncs
+            assert newcomer not in rt.serving_rollouts()
+            assert not any(r.get("member") == newcomer and r.get("to") == "READY" for r in rt.audit.records)
+            with pytest.raises(HeldWeightsMismatch, match=newcomer):
+                await rt.sync()
+        finally:
+            pids = [m.pid for m in rt.members()]
+            run_id = rt.run_id
+            await rt.close()
+        assert check_trail(tmp_path / "audit.jsonl") == []
+        import ray
+
+        assert_gone(ray, run_id, pids)
 
     async def test_a_corrupted_bucket_is_retried_without_spending_the_budget(self, ray_cluster, tmp_path):
         rt = runtime(config(tmp_path))

@@ -18,7 +18,8 @@ import pytest
 
 import ftstate
 from ftstate.core.audit_check import check_trail
-from tests.integration.workers import LocalPartTrainer, PartTrainer, TinyRollout
+from ftstate.core.errors import HeldWeightsMismatch
+from tests.integration.workers import LocalPartTrainer, MisloadingPartTrainer, PartTrainer, TinyRollout
 
 pytestmark = pytest.mark.ray
 
@@ -232,3 +233,37 @@ async def test_before_the_first_sync_a_loss_that_needs_a_survivor_restored_fails
         with pytest.raises(ftstate.RankNotRecoverable, match=r"trainer-0: would have to be taken back") as info:
             await asyncio.wait_for(rt.trainer("train_step", 2), 60)
         assert info.value.members == ("trainer-0",) and rt.state == "FAILED"
+
+
+async def test_a_restored_rank_that_does_not_reproduce_its_part_is_never_admitted(ray_cluster, tmp_path):
+    """Proof, not trust: the replacement's load_state_dict returns normally but what its
+    state_dict() then owns does not hash to what rank 1 sent at the commit, so it is not
+    admitted; the failover tries again (resync_retries) and fails the run with
+    HeldWeightsMismatch naming it, and the rollouts keep serving the committed version."""
+    marker = tmp_path / "misload"
+    cfg = config(tmp_path, 2, resync_retries=1)
+    rt = ftstate.Runtime(cfg, trainer=MisloadingPartTrainer, rollout=TinyRollout,
+                         trainer_kwargs={"marker": str(marker)})
+    async with rt:
+        await holds(rt, [], 2)
+        committed = rt.checksum
+        before = await facts(rt)
+        marker.touch()  # the replacement, built after the kill, misloads
+        kill(before[1]["pid"])
+        for _ in range(1200):
+            if rt.state == "FAILED":
+                break
+            await asyncio.sleep(0.05)
+        assert rt.state == "FAILED", rt.members()
+        newcomer = next(m.member for m in rt.members() if m.role == "trainer" and m.member != "trainer-0"
+                        and m.member != "trainer-1")
+        with pytest.raises(HeldWeightsMismatch, match="after load_state_dict of its part") as info:
+            await rt.sync()
+        assert newcomer in str(info.value)
+        assert not any(r.get("member") == newcomer and r.get("to") in ("RESYNCED", "READY")
+                       for r in rt.audit.records if r["event"] == "transition")
+        assert rt.failovers == []
+        rollouts = rt._membership.live("rollout")
+        held = await asyncio.gather(*(rt._calls.call(m.name, m.handle, "call", "checksum", (), {}) for m in rollouts))
+        assert held == [committed] * 2  # the failed run's rollouts still hold the committed version
+    assert check_trail(tmp_path / "audit.jsonl") == []

@@ -177,6 +177,24 @@ class TestFaults:
         assert our_segments(group) == []  # the sender unlinked on its way out
         assert trainer.call("segment_names") == []
 
+    def test_a_reader_lost_before_it_attached_leaves_no_segment_named_while_the_sender_lives(self, group):
+        """The transfer fails in the window between the sender naming its fresh segments and
+        every reader mapping them (after which the names go): nobody else will unlink them, so
+        the sender, alive, must do it on its way out."""
+        trainer, survivor, doomed = group.members
+        survivor.start("receive_planned", timeout_s=SYNC_S)
+        doomed.kill()  # before it said hello: it never maps the segments
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
+        assert info.value.isinstance("TransportError"), info.value.info
+        assert time.monotonic() - t0 < FAST_S
+        assert trainer.alive
+        assert trainer.call("segment_names") == []
+        assert our_segments(group) == []
+        kind, _ = survivor.outcome(FAST_S)
+        assert kind == "err"
+
     def test_collective_ranks_get_every_bucket_in_chunks_bit_exact(self, group):
         # 10,000-byte chunks: several per 64 KiB bucket, their ends off every tensor's boundary
         group.members[0].call("set_net_chunk", nbytes=10_000)

@@ -201,6 +201,21 @@ class EngineRollout(TinyRollout):
         return state_checksum(self.engine) if getattr(self, "engine", None) else None
 
 
+class BadNewcomerRollout(EngineRollout):
+    """An engine rollout constructed while ``marker`` exists holds a corrupted copy after every
+    load (one byte flipped in its engine, ``load_weights`` returning normally): a newcomer whose
+    every resync fails without it dying."""
+
+    def __init__(self, marker: str | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._bad = marker is not None and os.path.exists(marker)
+
+    def load_weights(self, state, version: int) -> None:
+        super().load_weights(state, version)
+        if self._bad:
+            self.flip_now()
+
+
 class ReplayTrainer(TinyTrainer):
     """A trainer whose step is deterministic in its arguments, as ftstate's replay requires:
     ``train_step(seed)`` adds noise drawn from ``seed`` (stateless SGD: no optimizer state, so
@@ -460,3 +475,20 @@ class LocalPartTrainer(PartTrainer):
 
     def _sum(self) -> int:
         return self.world * (self.world + 1) // 2
+
+
+class MisloadingPartTrainer(LocalPartTrainer):
+    """A rank constructed while ``marker`` exists does not reproduce the part it is given: its
+    ``load_state_dict`` nudges one value (a resharding bug, a wrong dtype cast), and returns
+    normally."""
+
+    def __init__(self, marker: str | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._misload = marker is not None and os.path.exists(marker)
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        if self._misload:
+            with torch.no_grad():
+                t = self.part["emb"].tensor
+                t.view(-1)[0] += 1.0

@@ -53,6 +53,37 @@ def rollouts_on_one_node() -> dict:
                           "rollout": {"strategy": "PACK", "labels": {LABEL: "in(b,c)"}}}}
 
 
+SERVING = ("READY", "SYNCING", "DRAINING")  # machines/worker.yaml: serving
+
+
+def assert_retired_after_replacements_served(rt, moved: dict[str, str]) -> None:
+    """From the trail: each drained member retired only after its replacement reached READY
+    (it held the current weights, proven), and from the drain's start to its end the rollouts
+    in a serving state never numbered fewer than before it (they kept serving throughout)."""
+    trail = rt.audit.records
+    index: dict[tuple[str, str], int] = {}  # the first time each member entered each state
+    for i, r in enumerate(trail):
+        if r["event"] == "transition":
+            index.setdefault((r.get("member"), r["to"]), i)
+    for old, new in moved.items():
+        assert index[(new, "READY")] < index[(old, "RETIRED")], (old, new)
+    start = next(i for i, r in enumerate(trail) if r["event"] == "drain_started")
+    end = next(i for i, r in enumerate(trail) if r["event"] == "drain_drained")
+    assert all(index[(o, "RETIRED")] <= end for o in moved)
+
+    def rollout_transition(r: dict) -> bool:
+        return r["event"] == "transition" and str(r.get("member", "")).startswith(("rollout", "spare-rollout"))
+
+    state = {r["member"]: r["to"] for r in trail[:start] if rollout_transition(r)}
+    before = sum(s in SERVING for s in state.values())
+    assert before >= 2
+    for r in trail[start:end + 1]:
+        if rollout_transition(r):
+            state[r["member"]] = r["to"]
+            serving = sum(s in SERVING for s in state.values())
+            assert serving >= before, f"only {serving} rollouts serving during the drain, at {r}"
+
+
 async def test_a_node_with_two_rollouts_is_drained_while_serving(restore_nodes, tmp_path) -> None:
     import ray
 
@@ -89,6 +120,7 @@ async def test_a_node_with_two_rollouts_is_drained_while_serving(restore_nodes, 
         assert rt.group_version >= v0 + 2 and len(served) >= 4
         states = [r["to"] for r in rt.audit.records if r.get("member") == "rollout-0" and r["event"] == "transition"]
         assert states[-2:] == ["DRAINING", "RETIRED"]
+        assert_retired_after_replacements_served(rt, record.moved)
         await consistent(rt)
         # The node then goes: nothing of the run was there any more, so no failover is needed.
         mn.kill(mn.name_of(node))

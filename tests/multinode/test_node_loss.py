@@ -116,6 +116,32 @@ async def test_rollouts_spread_and_spares_stay_off_the_nodes_they_cover(multinod
         await consistent(rt)
 
 
+async def test_spares_keep_off_the_nodes_of_the_members_they_cover_whatever_ray_would_choose(
+    multinode_cluster, tmp_path
+) -> None:
+    """Spares may go to b or c only (a label), the rollout is on b and the trainer on c: every
+    rollout spare must then be on c and every trainer spare on b. Ray left to itself picks
+    either node for each of the six spares, so a placement that forgot the members it covers
+    passes this by luck once in 64 runs (the spread test above, once in two)."""
+    mn = multinode_cluster
+    placement = {"placement": {"trainer": {"resources": {resource("c"): 1}},
+                               "rollout": {"resources": {resource("b"): 1}},
+                               "standby": {"labels": {LABEL: "in(b,c)"}}}}
+    cfg = config(tmp_path, rollout_workers=1, **placement)
+    cfg = ftstate.RuntimeConfig.from_dict({**cfg.to_dict(), "fault_tolerance": {
+        **cfg.to_dict()["fault_tolerance"], "standby_workers": 3}}, environ={})
+    rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout)
+    async with rt:
+        await spares_warm(rt, 6)
+        members = by_name(rt)
+        assert mn.name_of(members["trainer-0"].node_id) == "c" and mn.name_of(members["rollout-0"].node_id) == "b"
+        spares = {n: mn.name_of(m.node_id) for n, m in members.items() if m.rank < 0 and m.state == "STANDBY"}
+        assert len(spares) == 6, spares
+        for name, node in spares.items():
+            assert node == ("c" if name.startswith("spare-rollout") else "b"), spares
+        assert not any(r["event"] == "spare_colocated" for r in rt.audit.records)
+
+
 def rollouts_together(**extra) -> dict:
     """Both rollouts on one of b, c (PACK, by label); the trainer on a."""
     return {"placement": {"trainer": {"resources": {resource("a"): 1}},

@@ -2,7 +2,7 @@
 
 For every claim ftstate makes (two-phase commit, the transport's checksum comparison, the
 held-bytes comparison at commit, replay on a new trainer, RESYNCED-only admission, the
-fail-fast deadline), :data:`MUTATIONS` names one small edit that breaks it and the tests that
+fail-fast deadline, and the claims issue 22 found unguarded), :data:`MUTATIONS` names one small edit that breaks it and the tests that
 must then fail. Each mutation is applied to a fresh copy of the checkout (the files git
 knows), the named tests are run there (that copy first on ``PYTHONPATH``, so Ray's worker
 processes import the mutant too), and the mutation is *caught* only if pytest reports failed
@@ -11,7 +11,7 @@ An edit that no longer applies (the code moved) fails the check loudly, so the l
 silently rot. The unmutated tests pass in the main suite, which runs first.
 
 Run: ``python tests/mutation/check_mutations.py`` (``make mutation-check``, part of ``make
-test``; ~3 min on 2 cores). ``--only NAME`` runs one mutation.
+test``; ~10 min on 2 cores). ``--only NAME`` runs one mutation.
 """
 
 from __future__ import annotations
@@ -115,6 +115,71 @@ MUTATIONS = (
               "        d = self.spec.states[state].deadline\n        if d is None:\n            return\n",
               "        d = self.spec.states[state].deadline\n        if True:\n            return\n"),),
         ("tests/unit/test_machine.py",),
+    ),
+    # Claims a plausible one-line bug once broke with every test green (issue 22), each now
+    # held by a test that fails without it.
+    Mutation(
+        "restored rank admitted unproven",
+        "a trainer rank restored from a rollout rejoins only if what it then owns hashes to the part it sent",
+        (Edit("ftstate/controller/ranks.py", '            if got["checksum"] != expected:\n', "            if False:\n"),),
+        ("tests/integration/test_sharded_failover.py::"
+         "test_a_restored_rank_that_does_not_reproduce_its_part_is_never_admitted",),
+    ),
+    Mutation(
+        "resync retries unbounded",
+        "a newcomer whose every transfer fails without a death ends the failover after resync_retries + 1 tries",
+        (Edit("ftstate/controller/failover.py",
+              "                    if transfer_tries > self.ft.resync_retries:\n",
+              "                    if transfer_tries > self.ft.resync_retries + 1000:\n"),),
+        ("tests/integration/test_failover.py::TestRolloutFailover::"
+         "test_a_newcomer_whose_every_resync_fails_ends_the_failover_after_resync_retries",),
+    ),
+    Mutation(
+        "slow detection",
+        "a hung worker is SUSPECT within an interval or two and LOST heartbeat_timeout_s later, no later",
+        (Edit("ftstate/controller/watchdog.py", "prove, timeout=self.config.heartbeat_interval_s)",
+              "prove, timeout=self.config.heartbeat_timeout_s)"),),
+        ("tests/integration/test_failover.py::TestRolloutFailover::"
+         "test_a_hung_rollout_is_declared_lost_within_the_heartbeat_timeout_plus_an_interval",),
+    ),
+    Mutation(
+        "segments left named",
+        "a sender whose transfer fails before every reader mapped its segments unlinks them itself",
+        (Edit("ftstate/transport/samehost.py",
+              '    drop_slots(sender)\n    comm.abort(f"weight transfer failed during {stage}")\n',
+              '    comm.abort(f"weight transfer failed during {stage}")\n'),),
+        ("tests/integration/test_transport_shm.py::TestFaults::"
+         "test_a_reader_lost_before_it_attached_leaves_no_segment_named_while_the_sender_lives",),
+    ),
+    Mutation(
+        "spares on the nodes they cover",
+        "a spare keeps off the nodes of the members it covers, where another node can hold it",
+        (Edit("ftstate/controller/failover.py",
+              "        covered = {self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()\n",
+              "        covered = self.avoided_nodes()\n"),),
+        ("tests/multinode/test_node_loss.py::"
+         "test_spares_keep_off_the_nodes_of_the_members_they_cover_whatever_ray_would_choose",),
+    ),
+    Mutation(
+        "drain retires before the weights moved",
+        "a drained member retires only once its replacement holds the current weights; rollouts serve throughout",
+        (Edit("ftstate/controller/drain.py", "            await self.failover.resync(moved[m.name])\n",
+              "            pass  # resynced by the next sync\n"),),
+        ("tests/multinode/test_drain.py::test_a_node_with_two_rollouts_is_drained_while_serving",),
+    ),
+    Mutation(
+        "one round per loss",
+        "members lost together are replaced in one failover round under one new group version",
+        (Edit("ftstate/controller/failover.py", "            batch, self._pending = self._pending, []\n",
+              "            batch, self._pending = self._pending[:1], self._pending[1:]\n"),),
+        ("tests/integration/test_fault_matrix.py::test_fault_matrix[idle-kill]",),
+    ),
+    Mutation(
+        "transfer under an unformed version",
+        "a sync never runs under a group version that was abandoned or never formed (issue 22's defect)",
+        (Edit("ftstate/controller/sync.py", "        await self.formation.ensure_formed()\n", ""),),
+        ("tests/integration/test_runtime.py::TestAtomicSync::"
+         "test_a_trainer_whose_state_dict_fails_fails_the_sync_fast_and_the_next_one_works",),
     ),
 )
 
