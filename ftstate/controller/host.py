@@ -39,7 +39,7 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-from ftstate.core.errors import FTError, WorkerInitError
+from ftstate.core.errors import FTError, TransportError, WorkerInitError
 from ftstate.core.text import bounded, clean
 
 
@@ -643,7 +643,11 @@ class WorkerHost:
 
     def _require_comm(self) -> Any:
         if self._comm is None:
-            raise FTError(f"{self.member}: not a member of any group version (join first)")
+            # The controller never transfers under a version it did not form (formation.py);
+            # should it happen, a transport error: the attempt is abandoned and the next one
+            # forms a new version, instead of an internal error ending the run.
+            raise TransportError(f"{self.member}: not a member of any group version (its last join did not "
+                                 f"complete); the next transfer forms a new one")
         return self._comm
 
     # -- user calls ---------------------------------------------------------------------

@@ -672,6 +672,16 @@ class Runtime:
                 # Noted now, not in the task: a sync that fails because of this loss must find it.
                 failover.note_loss(m, asyncio.get_running_loop().time(), trigger)
             self._spawn(self._member_lost(m, machine.error))
+        elif dest == "FAILED" and trigger == "start_timeout" and not self._closed:
+            ms, _, launcher, _, failover, _ = self._parts()
+            m = ms.get(machine.member)
+            if m.rank < 0:
+                # A spare that never started within init_timeout_s (its node went, or it hangs
+                # in its constructor): its actor and slot go, and another is started in its
+                # place, as for a spare that died (bounded by spare_start_attempts).
+                launcher.kill(m)
+                launcher.give_back(m)
+                failover.spare_lost(m)
 
     def _on_group_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:
         if dest == "FAILED" and self._failure is None and machine.error is not None:

@@ -49,6 +49,8 @@ SLOW_STATE_S = 0.8
 SLOW_STEP_S = 0.6
 #: Bound on waiting for a moment (the sync under way, a failover under way), seconds.
 MOMENT_WAIT_S = 20.0
+#: Bound on waiting for the spares to warm before the schedule starts, seconds.
+SPARES_WAIT_S = 120.0
 
 
 class ChaosTrainer(TinyTrainer):
@@ -226,8 +228,13 @@ class ChaosRun:
             if not cands:
                 return self._skip(f, f"no live {f.target}")
             m = sorted(cands, key=lambda m: m.member)[f.pick % len(cands)]
+            if not pid_alive(m.pid):  # died already (its node was lost) and not declared yet
+                return self._skip(f, f"{m.member} (pid {m.pid}) is already dead")
             rt.audit.record("chaos", member=m.member, fault="kill" if f.kind == "kill" else "hang", pid=m.pid)
-            os.kill(m.pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+            try:
+                os.kill(m.pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+            except ProcessLookupError:
+                return self._skip(f, f"{m.member} (pid {m.pid}) died as it was hit")
             if f.kind == "stop":
                 self._stopped.append(m.pid)
             hit = f"{f.kind} {m.member} (pid {m.pid})"
@@ -346,8 +353,12 @@ class ChaosRun:
             raise Violation(f"the audit trail fails --check: {[str(v) for v in violations[:5]]}")
 
     async def _spares_warm(self, n: int) -> None:
-        deadline = time.monotonic() + 120
+        """Until ``n`` spares are warm, for at most SPARES_WAIT_S; the schedule then starts with
+        what there is (how many spares a run has is no invariant; a loss finds out)."""
+        deadline = time.monotonic() + SPARES_WAIT_S
         while sum(m.state == "STANDBY" for m in self.rt.members()) < n:
             if time.monotonic() > deadline:
-                raise Violation(f"{n} spares not warm within 120 s: {[(m.member, m.state) for m in self.rt.members()]}")
+                self.outcome.log.append(f"start: fewer than {n} spares warm after {SPARES_WAIT_S:g}s: "
+                                        f"{[(m.member, m.state) for m in self.rt.members() if m.rank < 0]}")
+                return
             await asyncio.sleep(0.1)

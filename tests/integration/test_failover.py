@@ -375,6 +375,39 @@ class TestShrinking:
             hang.unlink(missing_ok=True)
             await finish(rt, tmp_path)
 
+    async def test_a_spare_that_never_starts_is_replaced_after_init_timeout(self, ray_cluster, tmp_path):
+        """A spare stuck in its constructor past init_timeout_s (its INIT deadline) is FAILED;
+        its actor is killed and another spare takes its place (a chaos soak found spares
+        that failed so and were never replaced: the role silently ran short)."""
+        hang = tmp_path / "hang-while"
+        cfg = ftstate.RuntimeConfig.from_dict({**config(tmp_path).to_dict(), "init_timeout_s": 25}, environ={})
+        rt = runtime(cfg, rollout_kwargs={"hang_while": str(hang)})
+        await rt.start()
+        try:
+            await spares_warm(rt, 2)
+            hang.touch()
+            spare = next(m.member for m in rt.members() if m.state == "STANDBY" and m.role == "rollout")
+            await rt.chaos.kill(spare)  # its successor starts, and hangs in its constructor
+            await wait_until(lambda: list(tmp_path.glob("hang-while.*.pid")), 60, "the next spare to hang")
+            [pidfile] = tmp_path.glob("hang-while.*.pid")
+            hung_pid = int(pidfile.read_text())
+            hang.unlink()  # the one after it constructs normally
+            await wait_until(lambda: any(r.get("trigger") == "start_timeout" for r in rt.audit.records), 60,
+                             "the hung spare's INIT deadline")
+            await wait_until(lambda: not os.path.exists(f"/proc/{hung_pid}"), 15, "the hung spare to be killed")
+            await spares_warm(rt, 2, timeout=60)
+            await rt.sync()
+            await assert_consistent(rt)
+        finally:
+            hang.unlink(missing_ok=True)
+            pids = [m.pid for m in rt.members()]
+            run_id = rt.run_id
+            await rt.close()
+        assert check_trail(tmp_path / "audit.jsonl") == []
+        import ray
+
+        assert_gone(ray, run_id, [*pids, hung_pid])
+
 
 class TestBudgets:
     async def test_the_next_loss_after_the_budget_is_spent_fails_the_run_naming_the_spent_failures(
