@@ -363,14 +363,16 @@ class Failover:
                         if replacement is not None and lost.name not in resynced:
                             resynced[lost.name] = await self.resync(replacement)
                 except MemberLost as exc:
-                    # A survivor the re-rendezvous or the transfer found unreachable but that
-                    # nobody declared lost (on a node whose raylet just went, or hung): not
-                    # retried around blindly; the watchdog's verdict first (LOST, and taken
-                    # in below; or alive, and the version formed again), bounded by its deadlines.
-                    survivor = self.membership.find(exc.member)
-                    unsettled = survivor is not None and not survivor.gone and survivor not in replacements.values()
+                    # A member the re-rendezvous or the transfer found unreachable but that
+                    # nobody declared lost (on a node whose raylet just went, or hung), a
+                    # survivor or a replacement: not retried around blindly; the watchdog's
+                    # verdict first (LOST: a replacement is retired for the next candidate, a
+                    # survivor taken in below; or alive, and the version formed again),
+                    # bounded by its deadlines.
+                    hit = self.membership.find(exc.member)
+                    unsettled = hit is not None and not hit.gone
                     if unsettled:
-                        await self.watchdog.verdict([survivor])
+                        await self.watchdog.verdict([hit])
                     dead = [n for n, r in replacements.items() if r.machine.state in ("LOST", "RETIRED")]
                     if dead:
                         # A replacement itself died (a spare killed before anyone noticed, or

@@ -193,6 +193,11 @@ class ChaosRun:
                 for f in moments["mid-failover"]:
                     await self._inject(f)
             report = await sync
+            self.outcome.syncs += 1
+            self._track()
+            await self._consistent(report)
+        except Violation:
+            raise
         except FTError as exc:
             if type(exc) is FTError:
                 raise Violation(f"step {step}: a bare FTError reached the user: {exc}") from exc
@@ -206,9 +211,6 @@ class ChaosRun:
             return False
         except Exception as exc:
             raise Violation(f"step {step}: {type(exc).__name__} is not an ftstate error: {exc}") from exc
-        self.outcome.syncs += 1
-        self._track()
-        await self._consistent(report)
         self.outcome.log.append(f"step {step}: v{report.weights_version} g{report.group_version} "
                                 f"{len(report.rollouts)} rollouts, {report.failovers} failovers, {report.seconds:.2f}s")
         self._readd_nodes()
