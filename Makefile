@@ -70,8 +70,13 @@ chaos: $(STAMP)
 soak: $(STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/python -m tests.chaos --soak-minutes $(SOAK_MINUTES) --faults $(FAULTS) $(CHAOS_ARGS)
 
+# The generated reference pages, then the README's timeline picture drawn from a real run of
+# the demo (a local Ray cluster, 1-2 minutes): the picture always shows what the code does now.
 docs: $(STAMP)
 	$(BIN)/python -m ftstate.cli.docs
+	rm -rf build/docs-demo
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/ftstate demo --out build/docs-demo --no-live
+	cp build/docs-demo/timeline.png docs/img/demo-timeline.png
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .ruff_cache

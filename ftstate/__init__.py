@@ -43,6 +43,7 @@ from ftstate.core.errors import (
     StateDictError,
     SyncTimeout,
     TransportError,
+    WorkerInitError,
 )
 from ftstate.core.machine import StateMachine
 from ftstate.core.ownership import Shard
@@ -119,6 +120,7 @@ __all__ = [
     "SyncTimeout",
     "TrainerWorker",
     "TransportError",
+    "WorkerInitError",
     "get_spec",
     "load_machines",
     "load_spec",

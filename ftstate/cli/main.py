@@ -31,10 +31,34 @@ from ftstate.core.errors import FTError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: The demo's steps when --steps is 0 (ftstate.cli.demo.run.DemoOptions.steps; a test pins them equal,
+#: so that ``--help`` says the real default without importing the demo, which loads Ray and torch).
+DEMO_STEPS = 24
 #: Set by the global ``--debug`` option for the command being run.
 _DEBUG: contextvars.ContextVar[bool] = contextvars.ContextVar("ftstate_cli_debug", default=False)
 
+def _untyped_help(cmd: Any, ctx: Any) -> Any:
+    option = type(cmd).__mro__[1].get_help_option(cmd, ctx)
+    if option is not None:
+        option.metavar = ""  # a flag: typer's rich help would show it as taking a <bool>
+    return option
+
+
+class _Group(typer.core.TyperGroup):
+    """The root command; its ``--help`` shows as a flag."""
+
+    get_help_option = _untyped_help
+
+
+class _Command(typer.core.TyperCommand):
+    """Every subcommand; its ``--help`` shows as a flag (every boolean option of ours passes
+    ``metavar=""`` for the same reason)."""
+
+    get_help_option = _untyped_help
+
+
 app = typer.Typer(
+    cls=_Group,
     name="ftstate",
     help="Fault-tolerant weight synchronisation for disaggregated RL post-training, "
     "modelled as explicit state machines.",
@@ -53,7 +77,7 @@ class DiagramFormat(enum.StrEnum):
 @app.callback()
 def _root(
     debug: Annotated[
-        bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")
+        bool, typer.Option("--debug", metavar="", help="Show full tracebacks instead of one-line errors.")
     ] = False,
 ) -> None:
     """Fault-tolerant weight synchronisation for disaggregated RL post-training.
@@ -95,7 +119,7 @@ def _handled(fn: F) -> F:
 # -- diagram -----------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=_Command)
 @_handled
 def diagram(
     machine: Annotated[
@@ -124,37 +148,85 @@ def diagram(
 # -- audit -------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=_Command)
 @_handled
 def audit(
-    file: Annotated[Path, typer.Argument(help="The JSON-lines audit trail of a run.", show_default=False)],
+    file: Annotated[Path, typer.Argument(help="The JSON-lines audit trail of a run (or of several runs).",
+                                         show_default=False)],
     check: Annotated[
-        bool, typer.Option("--check", help="Check every invariant of the machines; exit 1 if one is broken.")
+        bool, typer.Option("--check", metavar="", help="Check every invariant of the machines, run by run; exit 1 if one is "
+                           "broken, 2 if the file cannot be read or holds no record.")
     ] = False,
     summary: Annotated[
-        bool, typer.Option("--summary/--no-summary", help="Print the per-member summary.")
+        bool, typer.Option("--summary/--no-summary", metavar="", help="Print the per-member summary (default: on; off with a "
+                           "filter or --json).", show_default=False)
     ] = True,
     timeline: Annotated[
-        bool, typer.Option("--timeline/--no-timeline", help="Print the record-by-record timeline.")
+        bool, typer.Option("--timeline/--no-timeline", metavar="", help="Print the record-by-record timeline (default: on).",
+                           show_default=False)
     ] = True,
     plot: Annotated[
         Path | None,
-        typer.Option("--plot", help="Also draw the timeline picture (PNG): states over time per worker, "
-                     "failovers, deadline expiries, the reward curve. Needs matplotlib: "
-                     "pip install 'ftstate[plot]'.", show_default=False),
+        typer.Option("--plot", help="Also draw the timeline picture (PNG) of the run shown (the last one when the "
+                     "file holds several): states over time per worker, failovers, deadline expiries, the reward "
+                     "curve. Needs matplotlib: pip install 'ftstate[plot]'.", show_default=False),
+    ] = None,
+    member: Annotated[
+        list[str] | None,
+        typer.Option("--member", "-m", help="Only records of this member (repeatable; shell patterns such as "
+                     "'rollout-*'); a failover record counts for its lost member and its replacement.",
+                     show_default=False),
+    ] = None,
+    event: Annotated[
+        list[str] | None,
+        typer.Option("--event", "-e", help="Only records of this event or transition trigger (repeatable; "
+                     "patterns allowed), e.g. failover, chaos, 'sync_*', died.", show_default=False),
+    ] = None,
+    since: Annotated[
+        float | None, typer.Option("--since", help="Only records at or after this many seconds into the run "
+                                   "(the t column).", show_default=False)
+    ] = None,
+    until: Annotated[
+        float | None, typer.Option("--until", help="Only records at or before this many seconds into the run.",
+                                   show_default=False)
+    ] = None,
+    failovers: Annotated[
+        bool, typer.Option("--failovers", metavar="", help="Only the failover story: faults injected, losses, promotions, "
+                           "failover records (lost -> replacement, cause, each phase's time), budget spends, retries.")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", metavar="", help="Print the selected records as JSON lines (as in the file), no tables.")
+    ] = False,
+    run: Annotated[
+        str | None, typer.Option("--run", help="Only this run of a file that holds several (its id, the run "
+                                 "column of run_start; default: every run, one after another).", show_default=False)
     ] = None,
 ) -> None:
-    """Show what happened in a run: a timeline of every record and a summary per member (and,
-    when the run had maintenance notices, each notice and drain and how it ended).
+    """Show what happened in a run: a timeline of every record (each row's detail says what it
+    holds) and a summary per member (and, when the run had maintenance notices, each notice and
+    drain and how it ended). A file that several runs appended to is shown run by run.
 
-    With --check, also replay the trail against the machines' specs: continuity of each
-    member's states, legal transitions only, nothing after a terminal state, serving states
-    entered only through RESYNCED, and no rollout serving a weights version other than the
-    group's current one. Each violation is printed with its line number.
+    On a terminal (or with COLUMNS set) the tables fit its width; piped, the timeline is plain
+    tab-separated lines, one per record. Filters (--member, --event, --since/--until,
+    --failovers) select timeline rows and --json records.
+
+    With --check, also replay the trail against the machines' specs, each run from fresh
+    machines: continuity of each member's states, legal transitions only, nothing after a
+    terminal state, serving states entered only through RESYNCED, and no rollout serving a
+    weights version other than the group's current one. Each violation is printed with its
+    line number. Exit status: 0 passed, 1 violations, 2 a file that cannot be read or holds no
+    audit record (one line on stderr).
     """
-    from rich.console import Console
+    import json
 
-    from ftstate.cli.audit_view import render_maintenance, render_summary, render_timeline
+    from ftstate.cli.audit_view import (
+        plain_lines,
+        render_maintenance,
+        render_summary,
+        render_timeline,
+        select,
+    )
+    from ftstate.core.audit import split_runs
 
     if plot is not None:  # before printing anything: a picture that cannot be drawn is the error
         from ftstate.cli.plot import require_matplotlib
@@ -164,24 +236,59 @@ def audit(
     from ftstate.core.audit_check import load_records
 
     records, bad = load_records(file)
+    if not records:
+        if not bad:
+            raise FTError(f"{file}: no audit records (the file is empty)")
+        raise FTError(f"{file}: not an audit trail: none of its lines is a record (line {bad[0].line}: "
+                      f"{bad[0].problem})")
     if not check:
-        for v in bad:
+        for v in bad[:20]:
             typer.echo(f"warning: {file}:{v} (skipped)", err=True)
-    # Piped into a file or a pager, a wide table reads better than one folded to 80 columns.
-    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    console = Console(highlight=False, width=160 if wide else None)
-    if timeline:
-        console.print(render_timeline(records, title=f"{file}"))
-    if summary:
-        console.print(render_summary(records))
-        maintenance = render_maintenance(records)
-        if maintenance is not None:
-            console.print(maintenance)
+        if len(bad) > 20:
+            typer.echo(f"warning: {file}: {len(bad) - 20} more unreadable lines (skipped)", err=True)
+    runs = split_runs(records)
+    if run is not None:
+        runs = [(rid, recs) for rid, recs in runs if rid == run]
+        if not runs:
+            known = ", ".join(rid or "(no id)" for rid, _ in split_runs(records)[:10])
+            raise FTError(f"{file}: no run {run!r} (runs: {known})")
+    filtered = bool(member or event or since is not None or until is not None or failovers)
+    tty = sys.stdout.isatty() or "COLUMNS" in os.environ
+    from rich.console import Console
+
+    # No fixed width: rich takes the terminal's, or COLUMNS; piped, tables (the summary) get 120.
+    console = Console(highlight=False, width=None if tty else 120, no_color=not tty, soft_wrap=False)
+    for rid, recs in runs:
+        chosen = select(recs, members=member or (), events=event or (), since=since, until=until,
+                        failovers=failovers)
+        if as_json:
+            for rec in chosen:
+                typer.echo(json.dumps(rec, default=str))
+            continue
+        head = f"{file}" + (f" run {rid}" if rid else "")
+        if (len(runs) > 1 or rid) and (timeline or (summary and not filtered)):
+            started = f"{len(recs)} records, from {recs[0][1].get('ts', '?')}"
+            if tty:
+                console.rule(f"{head} ({started})")
+            else:
+                typer.echo(f"== {head} ({started})")
+        if timeline:
+            if tty:
+                console.print(render_timeline(chosen, title=head, context=recs))
+            else:
+                for line in plain_lines(chosen, context=recs):
+                    typer.echo(line)
+        if summary and not filtered:
+            console.print(render_summary(recs))
+            maintenance = render_maintenance(recs)
+            if maintenance is not None:
+                console.print(maintenance)
     if plot is not None:
         from ftstate.cli.plot import plot_timeline
 
+        shown = runs[-1][1]
         try:
-            written = plot_timeline(records, plot, title=str(file))
+            written = plot_timeline(shown, plot, title=str(file))
         except ValueError as exc:
             raise FTError(f"cannot draw {file}: {exc}") from exc
         typer.echo(f"timeline picture: {written}")
@@ -189,21 +296,23 @@ def audit(
         return
     result = run_check(file)
     members = len(result.members)
+    nruns = sum(1 for r in result.runs.values() if r.members)
     if result.violations:
         for v in result.violations:
             typer.echo(f"{file}:{v.line}: {v.member + ': ' if v.member else ''}{v.problem}")
         n = len(result.violations)
         typer.echo(
-            f"audit check failed: {n} violation{'s' if n != 1 else ''} in {result.records} records, {members} members"
+            f"audit check failed: {n} violation{'s' if n != 1 else ''} in {result.records} records, {members} members, "
+            f"{nruns} run{'s' if nruns != 1 else ''}"
         )
         raise typer.Exit(1)
-    typer.echo(f"audit check passed: {result.records} records, {members} members")
+    typer.echo(f"audit check passed: {result.records} records, {members} members, {nruns} run{'s' if nruns != 1 else ''}")
 
 
 # -- config ------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=_Command)
 @_handled
 def config(
     file: Annotated[
@@ -234,18 +343,19 @@ def config(
 # -- demo --------------------------------------------------------------------------------
 
 
-@app.command()
+@app.command(cls=_Command)
 @_handled
 def demo(
     out: Annotated[
         str, typer.Option("--out", help="Folder for the demo's audit trail and report.")
     ] = "ftstate-demo",
     steps: Annotated[
-        int, typer.Option("--steps", min=0, help="Training steps to run; 0 takes the demo's default.")
+        int, typer.Option("--steps", min=0, help=f"Training steps to run (default: {DEMO_STEPS}; 0 takes that "
+                          "default).", show_default=False)
     ] = 0,
     faults: Annotated[
         bool | None,
-        typer.Option("--faults/--no-faults", help="SIGKILL a rollout while it generates, a rollout mid-sync "
+        typer.Option("--faults/--no-faults", metavar="", help="SIGKILL a rollout while it generates, a rollout mid-sync "
                      "and the trainer mid-step, and recover from each. Default: on, except with --maintenance.",
                      show_default=False),
     ] = None,
@@ -262,7 +372,7 @@ def demo(
     max_failovers: Annotated[
         int, typer.Option("--max-failovers", min=0, help="Failover budget; 0 makes the first fault fatal.")
     ] = 5,
-    live: Annotated[bool, typer.Option("--live/--no-live", help="Draw the live view (on a terminal).")] = True,
+    live: Annotated[bool, typer.Option("--live/--no-live", metavar="", help="Draw the live view (on a terminal).")] = True,
     address: Annotated[
         str | None,
         typer.Option("--address", help="Join a running Ray cluster: 'auto' (the one `ray start` made on this "
@@ -270,7 +380,7 @@ def demo(
     ] = None,
     maintenance: Annotated[
         bool,
-        typer.Option("--maintenance", help="The maintenance scenario: a local 3-node cluster, each node with a "
+        typer.Option("--maintenance", metavar="", help="The maintenance scenario: a local 3-node cluster, each node with a "
                      "loopback GCE metadata server; one announces host maintenance mid-run and ftstate drains "
                      "that node while training goes on (no kills unless --faults)."),
     ] = False,

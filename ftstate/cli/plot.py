@@ -83,6 +83,11 @@ _LANE_IN = 0.42
 _BASE_IN = 1.6
 _REWARD_IN = 2.2
 _MIN_WIDTH_FRACTION = 0.002
+#: The least width of a LOST or FAILED segment, as a fraction of the time span.
+LOST_MIN_WIDTH_FRACTION = 0.008
+_LOSS_STATES = ("LOST", "FAILED")
+#: Rows of failover labels above the lanes (they take turns, so neighbours never overlap).
+_LABEL_ROWS = 3
 
 
 @dataclasses.dataclass
@@ -239,11 +244,15 @@ def _failovers(records: list[Mapping[str, Any]], end: float) -> list[_Failover]:
             current = None
     if current is not None:
         out.append(current)
-    # The runtime's `failover` records name who was replaced by whom: a shorter label.
-    swaps = [f"{r.get('lost')} -> {r.get('replacement')}" for r in records
-             if r.get("event") == "failover" and r.get("lost")]
-    for fo, swap in zip(out, swaps, strict=False):
-        fo.reason = swap
+    # The runtime's `failover` records name who was replaced by whom (a shorter label) and
+    # how long it took from LOST to serving: the band and its label show exactly that, the
+    # figure the report and `ftstate audit` print (audit_view.failover_rows, one reading).
+    from ftstate.cli.audit_view import failover_rows
+
+    for fo, row in zip(out, failover_rows(records), strict=False):
+        fo.reason = f"{row['lost']} -> {row['replacement']}"
+        if isinstance(row.get("total_s"), (int, float)) and fo.finished:
+            fo.start, fo.end = row["t"] - row["total_s"], row["t"]
     for fo in out:
         if len(fo.reason) > 48:
             fo.reason = fo.reason[:45] + "..."
@@ -331,7 +340,8 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
     FigureCanvasAgg(fig)
     heights = [_LANE_IN * (len(workers) + 1)] + ([_REWARD_IN - 0.5] if rewards else [])
     grid = fig.add_gridspec(len(heights), 1, height_ratios=heights, hspace=0.18)
-    top = 1 - 0.55 / (height_px / DPI)
+    # Room under the title for the failover labels' rows (10 pt each, above the lanes).
+    top = 1 - (0.55 + _LABEL_ROWS * 10 / 72) / (height_px / DPI)
     bottom = 0.5 / (height_px / DPI)
     fig.subplots_adjust(left=0.14, right=0.83, top=top, bottom=bottom)
     ax = fig.add_subplot(grid[0])
@@ -344,9 +354,16 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
         y = len(lanes) - 1 - i
         is_group = lane in group
         height = 0.4 if is_group else 0.7
-        bars = [(start, max(stop - start, min_width)) for start, stop, _ in lane.segments]
+        # A loss lasts milliseconds: drawn at least LOST_MIN_WIDTH_FRACTION wide, so it shows.
+        bars = [(start, max(stop - start, span * LOST_MIN_WIDTH_FRACTION if state in _LOSS_STATES else min_width))
+                for start, stop, state in lane.segments]
         colors = [_color(state, serving) for _, _, state in lane.segments]
         ax.broken_barh(bars, (y - height / 2, height), facecolors=colors, edgecolor="white", linewidth=0.4)
+        losses = [(bar, c) for bar, c, (_, _, state) in zip(bars, colors, lane.segments, strict=True)
+                  if state in _LOSS_STATES]
+        if losses:  # on top: the segment after a loss (RETIRED) starts milliseconds later and would hide it
+            ax.broken_barh([b for b, _ in losses], (y - height / 2, height), facecolors=[c for _, c in losses],
+                           edgecolor="black", linewidth=0.4, zorder=3)
         seen_states.update(state for _, _, state in lane.segments)
         ylabels.append((y, "group" if is_group else lane.label))
     ax.set_yticks([y for y, _ in ylabels], [label for _, label in ylabels])
@@ -411,7 +428,7 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
             label,
             (fo.start, 1.0),
             xycoords=("data", "axes fraction"),
-            xytext=(dx, 3 + 10 * ((fo.number - 1) % 3)),  # rows in turn: neighbours never overlap
+            xytext=(dx, 3 + 10 * ((fo.number - 1) % _LABEL_ROWS)),  # rows in turn: neighbours never overlap
             textcoords="offset points",
             fontsize=8,
             color="#5b2a9e",

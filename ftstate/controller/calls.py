@@ -13,8 +13,13 @@ call goes through :meth:`ActorCalls.call`, which turns
   that error, so callers catch ftstate's classes, never Ray's wrappers;
 - any other exception raised inside the worker (the user's code, a library it needs) back
   into itself: its own class and message, prefixed with the member's name, with a note
-  saying which call raised it and Ray's remote traceback chained as its ``__cause__``.
-  Never a bare ``RayTaskError``.
+  naming the user's method that raised it (``MyRollout.load_weights()``, not ftstate's
+  internal call) and the frame in the user's file, and the user's own frames as a second
+  note. Ray's coloured remote traceback is not chained (it would print first, ftstate's
+  frames and ANSI escapes before the user's line); it is kept, cleaned, as
+  ``remote_traceback``. Never a bare ``RayTaskError``.
+
+Every message made here has its terminal escapes removed (:func:`ftstate.core.text.clean`).
 
 Detection latency for a SIGKILLed worker with a call pending is Ray's (~10-20 ms here);
 an idle one is found by the next heartbeat poll.
@@ -25,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
+from ftstate.core.text import bounded, clean
 
 
 class ActorCalls:
@@ -65,7 +71,10 @@ class ActorCalls:
             if isinstance(cause, FTError):
                 raise _naming(member, cause) from exc
             if isinstance(cause, Exception):
-                raise _worker_exception(member, method, args, cause) from exc
+                named = _worker_exception(member, method, args, cause)
+                with contextlib.suppress(AttributeError, TypeError):
+                    named.remote_traceback = bounded(clean(str(exc)), 20000)  # type: ignore[attr-defined]
+                raise named from None
             raise
         except TimeoutError as exc:
             ray_cancel(ref)
@@ -92,17 +101,40 @@ def _naming(member: str, exc: FTError) -> FTError:
 
 def _worker_exception(member: str, method: str, args: tuple[Any, ...], exc: Exception) -> Exception:
     """The worker's own exception, named: same class, message prefixed with the member (when
-    the class keeps its message as its only argument, as nearly all do), and a note naming
-    the call (for ``call``, the user's method)."""
-    what = f"{args[0]}()" if method == "call" and args and isinstance(args[0], str) else f"{method}()"
+    the class keeps its message as its only argument, as nearly all do) and cleaned of
+    terminal escapes, a note naming the user's method that raised it and where, and a note
+    with the user's frames (what the host marked, :func:`ftstate.controller.host.mark_user_error`)."""
+    what = getattr(exc, "ftstate_method", None) or (
+        f"{args[0]}()" if method == "call" and args and isinstance(args[0], str) else f"{method}()")
+    where = getattr(exc, "ftstate_where", "")
+    frames = getattr(exc, "ftstate_frames", "")
     named: Exception = exc
-    if len(exc.args) == 1 and isinstance(exc.args[0], str) and member not in exc.args[0]:
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        text = exc.args[0] if member in exc.args[0] else f"{member}: {exc.args[0]}"
         with contextlib.suppress(Exception):  # an exotic class that cannot be copied keeps its text
             copied = copy.copy(exc)
-            copied.args = (f"{member}: {exc.args[0]}",)
+            copied.args = (bounded(clean(text), 4000),)
             named = copied
-    named.add_note(f"raised by {what} in ftstate worker {member}")
+    at = f", at {where}" if where else ""
+    named.add_note(f"raised by {what} in ftstate worker {member}{at}")
+    if frames:
+        named.add_note(f"the user's frames (innermost last):\n{frames.rstrip()}")
     return named
+
+
+def name_all(errors: Sequence[BaseException], members: Sequence[str]) -> BaseException:
+    """One error for several members whose user code raised in the same step (every rollout's
+    ``load_weights``): the first, its message naming every member that raised and a note per
+    other member with its own exception."""
+    first = errors[0]
+    if len(errors) == 1:
+        return first
+    others = [f"{m}: {type(e).__name__}: {_first_line(e)}" for m, e in zip(members[1:], errors[1:], strict=True)]
+    if len(first.args) == 1 and isinstance(first.args[0], str):
+        with contextlib.suppress(Exception):
+            first.args = (f"{first.args[0]} (also raised by {', '.join(members[1:])})",)
+    first.add_note("the others that raised: " + "; ".join(others))
+    return first
 
 
 def _as_future(ref: Any) -> asyncio.Future[Any]:
@@ -117,5 +149,5 @@ def ray_cancel(ref: Any) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    text = clean(str(exc)).strip().splitlines()
+    return bounded(text[0], 1000) if text else type(exc).__name__

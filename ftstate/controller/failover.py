@@ -50,6 +50,7 @@ from ftstate.core.errors import (
     MemberLost,
     StaleCheckpointRefused,
     TransportError,
+    WorkerInitError,
 )
 
 
@@ -181,6 +182,9 @@ class Failover:
             info = await self.calls.call(m.name, m.handle, "prewarm")
             if self.staging_bytes:  # part of warming: a STANDBY spare is ready to receive at full speed
                 await self.calls.call(m.name, m.handle, "reserve_staging", self.staging_bytes)
+        except WorkerInitError as exc:
+            await _constructor_failed(m, exc)  # as if it died warming: LOST, then spare_lost
+            return
         except FTError:
             return  # died while warming: its machine is LOST already
         m.located(info)
@@ -502,9 +506,11 @@ class Failover:
         self._spare_seq += 1
         try:
             info = await self.calls.call(fresh.name, fresh.handle, "prewarm")
-        except FTError:
+        except FTError as exc:
             # It could not even start (its constructor failed, no resources): not a member to
             # fail over, just no replacement.
+            if isinstance(exc, WorkerInitError):
+                await _constructor_failed(fresh, exc)
             self._pending = [(p, t) for p, t in self._pending if p is not fresh]
             if fresh.machine.can("retire"):
                 await fresh.machine.fire("retire", reason="replacement could not start")
@@ -687,3 +693,11 @@ class Failover:
         else:
             await self.calls.call(newcomer.name, newcomer.handle, "call", "reset_optimizer", (), {})
 
+
+async def _constructor_failed(m: Member, exc: WorkerInitError) -> None:
+    """A started actor whose user class raised in its constructor: its process lives on (the
+    host keeps the error to report it) but it will never serve, so it is LOST with that
+    error as its reason, exactly as if the constructor had killed it (the runtime then
+    kills the process and the rest follows from LOST)."""
+    if m.machine.can("died"):
+        await m.machine.fire("died", reason=str(exc), error=exc)

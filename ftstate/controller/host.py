@@ -3,7 +3,14 @@
 The controller (:class:`ftstate.controller.runtime.Runtime`) never talks to user code directly; it
 calls a host, which
 
-- constructs the user's :class:`~ftstate.core.worker.TrainerWorker` / ``RolloutWorker``;
+- constructs the user's :class:`~ftstate.core.worker.TrainerWorker` / ``RolloutWorker``; a
+  constructor that raises does not kill the process (Ray would report only "the actor died
+  in its creation task", the user's line buried in a coloured traceback): the host keeps
+  the error and answers every call with a :class:`~ftstate.core.errors.WorkerInitError`
+  naming the member, the class, the user's exception and the frame in their code;
+- marks every exception the user's code raises with the method that raised it
+  (``MyRollout.load_weights()``) and the user's own frames, which
+  :mod:`ftstate.controller.calls` puts in front of the caller;
 - joins weight-sync group versions and sends, stages, commits or discards weights;
 - runs user methods one at a time, plain ones in a thread so the actor's event loop keeps
   answering heartbeats (a blocking call in an async actor would freeze it, DESIGN.md);
@@ -27,10 +34,13 @@ import os
 import signal
 import socket
 import sys
+import sysconfig
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
-from ftstate.core.errors import FTError, TransportError
+from ftstate.core.errors import FTError, TransportError, WorkerInitError
+from ftstate.core.text import bounded, clean
 
 
 class WorkerHost:
@@ -66,7 +76,15 @@ class WorkerHost:
         self.role = role
         self.backend = backend
         self.bucket_bytes = bucket_bytes
-        self.user = user_cls(*args, **dict(kwargs))
+        self._init_error: WorkerInitError | None = None
+        try:
+            self.user = user_cls(*args, **dict(kwargs))
+        except Exception as exc:  # noqa: BLE001 - the user's constructor: reported, not fatal to the process
+            self.user = None
+            where, frames = user_frames(exc)
+            self._init_error = WorkerInitError(
+                member=member, role=role, cls=getattr(user_cls, "__name__", repr(user_cls)),
+                exc_type=type(exc).__name__, message=bounded(clean(str(exc))), where=where, traceback=frames)
         self.progress = 0
         self.busy = False
         self.weights_version = 0
@@ -93,7 +111,10 @@ class WorkerHost:
 
     async def info(self) -> dict[str, Any]:
         """Who and where: pid, the node's address, and Ray's node id (several nodes may share
-        one address, e.g. a test cluster on one machine: only the id tells them apart)."""
+        one address, e.g. a test cluster on one machine: only the id tells them apart).
+        Raises the :class:`~ftstate.core.errors.WorkerInitError` of a constructor that raised."""
+        if self._init_error is not None:
+            raise self._init_error
         node, node_id = _where()
         return {"pid": os.getpid(), "node": node, "node_id": node_id, "member": self.member, "role": self.role}
 
@@ -650,6 +671,8 @@ class WorkerHost:
     async def call(self, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], logged: bool = False) -> Any:
         """A user method. ``logged``: a trainer call the controller keeps in its replay log
         (``rt.trainer(...)``, or its replay), counted by :meth:`calls_since_commit`."""
+        if self._init_error is not None:
+            raise self._init_error
         fn = getattr(self.user, method, None)
         if fn is None or method.startswith("_") or not callable(fn):
             raise FTError(f"{self.member}: {type(self.user).__name__} has no public method {method!r}")
@@ -661,9 +684,17 @@ class WorkerHost:
         return result
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args, **kwargs)
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        """Run a user method; an exception it raises is marked with the method and the user's
+        frames (:func:`mark_user_error`) for the controller's report."""
+        if self._init_error is not None:
+            raise self._init_error
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return await fn(*args, **kwargs)
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except Exception as exc:
+            mark_user_error(exc, f"{type(self.user).__name__}.{getattr(fn, '__name__', 'call')}()")
+            raise
 
     # -- chaos (tests, benchmarks, demo) ---------------------------------------------------
 
@@ -681,6 +712,37 @@ class WorkerHost:
     async def chaos_hang_after_progress(self, steps: int) -> None:
         """SIGSTOP this process after ``steps`` more units of progress: hung mid-transfer."""
         self._signal_at_progress = (self.progress + steps, signal.SIGSTOP)
+
+
+_FTSTATE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def user_frames(exc: BaseException) -> tuple[str, str]:
+    """The user's part of ``exc``'s traceback: ``(where, frames)``. frames: the frames outside
+    ftstate and the standard library, formatted as ``traceback`` does (bounded); where: the
+    innermost of them that is the user's own file (outside ``site-packages`` too: a library
+    the user called is not where they look first), ``file:line in function``."""
+    outside = [f for f in traceback.extract_tb(exc.__traceback__)
+               if not f.filename.startswith("<")
+               and not os.path.abspath(f.filename).startswith((_FTSTATE_DIR, _STDLIB_DIR))]
+    own = [f for f in outside if f"{os.sep}site-packages{os.sep}" not in f.filename] or outside
+    where = f"{own[-1].filename}:{own[-1].lineno} in {own[-1].name}" if own else ""
+    return where, bounded(clean("".join(traceback.format_list(outside[-20:]))), 8000)
+
+
+def mark_user_error(exc: BaseException, method: str) -> None:
+    """Note on ``exc`` (as attributes, which travel with it through Ray's pickling) which user
+    method raised it and where in the user's code; the first marking (the innermost call) wins."""
+    if getattr(exc, "ftstate_method", None):
+        return
+    where, frames = user_frames(exc)
+    try:
+        exc.ftstate_method = method  # type: ignore[attr-defined]
+        exc.ftstate_where = where  # type: ignore[attr-defined]
+        exc.ftstate_frames = frames  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):  # an exception class without a __dict__: reported without them
+        pass
 
 
 def _where() -> tuple[str, str | None]:

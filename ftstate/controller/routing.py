@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from ftstate.controller.calls import ActorCalls
+from ftstate.controller.calls import ActorCalls, name_all
 from ftstate.controller.membership import Member, Membership, TrainerCall
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
@@ -94,18 +94,21 @@ class Router:
                     f"no rollout serves the current weights version {self.membership.weights_version}: "
                     f"{self.membership.states_text()}"
                 )
-            shards = {name: todo[i::len(targets)] for i, name in enumerate(targets)}
+            # Fewer items than rollouts: only those dealt one are called (never with an empty shard).
+            shards = {name: todo[i::len(targets)] for i, name in enumerate(targets) if todo[i::len(targets)]}
             outs = await asyncio.gather(*(
                 self._user_call(self.membership.get(name), method, (*args, [items[j] for j in idx]), {})
                 for name, idx in shards.items()
             ), return_exceptions=True)
             failed: list[int] = []
+            raised = {n: o for n, o in zip(shards, outs, strict=True)
+                      if isinstance(o, BaseException) and not (isinstance(o, MemberLost) and ft.enable)}
+            if raised:  # every rollout whose own code raised is named, not just the first
+                raise name_all(list(raised.values()), list(raised))
             for (name, idx), out in zip(shards.items(), outs, strict=True):
                 if isinstance(out, MemberLost) and ft.enable:
                     failed += idx
                     continue
-                if isinstance(out, BaseException):
-                    raise out
                 if not isinstance(out, (list, tuple)) or len(out) != len(idx):
                     got = f"{len(out)} results" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
                     raise FTError(f"{name}: {method}() answered {got} for a shard of {len(idx)} items; "
@@ -146,8 +149,14 @@ class Router:
         if not targets:
             raise NoServingWorkers(f"no rollout serves the current weights version "
                                    f"{self.membership.weights_version}: {self.membership.states_text()}")
-        return list(await asyncio.gather(*(self._user_call(self.membership.get(m), method, args, kwargs)
-                                           for m in targets)))
+        outs = await asyncio.gather(*(self._user_call(self.membership.get(m), method, args, kwargs)
+                                      for m in targets), return_exceptions=True)
+        raised = {n: o for n, o in zip(targets, outs, strict=True) if isinstance(o, BaseException)}
+        if raised:
+            # A loss first (the caller's failover retry hinges on it), else every rollout that raised.
+            lost = next((e for e in raised.values() if isinstance(e, MemberLost)), None)
+            raise lost if lost is not None else name_all(list(raised.values()), list(raised))
+        return list(outs)
 
     async def _trainer_once(self, method: str, args: Any, kwargs: Any) -> Any:
         self.raise_if_failed()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,6 +56,7 @@ from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import GROUP, Member, Membership
 from ftstate.controller.notices import NoticeMonitor
+from ftstate.controller.progress import Progress
 from ftstate.controller.ranks import ShardedSync, form_trainer_group
 from ftstate.controller.routing import Router
 from ftstate.controller.sync import SyncReport, WeightSync
@@ -73,7 +75,44 @@ from ftstate.core.machine import StateMachine
 from ftstate.core.spec import get_spec
 from ftstate.core.worker import RolloutWorker, TrainerWorker
 
-__all__ = ["GROUP", "MemberInfo", "Runtime", "SyncReport"]
+__all__ = ["GROUP", "MemberInfo", "Runtime", "SyncReport", "run_facts"]
+
+
+def run_facts(cfg: RuntimeConfig, node: str | None) -> dict[str, Any]:
+    """What a run's ``run_start`` record says started: the config's digest (sha256 of its
+    canonical JSON, so two runs of one config compare equal), the workers asked for, the
+    versions of ftstate, Ray, torch and Python, and where the controller runs."""
+    import hashlib
+    import json
+    import platform
+    import socket
+
+    import ray
+    import torch
+
+    import ftstate
+
+    canonical = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    return {
+        "config_digest": hashlib.sha256(canonical.encode()).hexdigest()[:16],
+        "trainer_workers": cfg.trainer_workers, "rollout_workers": cfg.rollout_workers,
+        "fault_tolerance": cfg.fault_tolerance.enable,
+        "versions": {"ftstate": ftstate.__version__, "ray": ray.__version__, "torch": torch.__version__,
+                     "python": platform.python_version()},
+        "controller": {"host": socket.gethostname(), "node": node, "pid": os.getpid()},
+        "nodes": cluster_nodes_brief(),
+    }
+
+
+def cluster_nodes_brief() -> list[str]:
+    """The alive nodes, ``id@address CPU=n`` each (a run_start fact; empty if Ray cannot say)."""
+    try:
+        from ftstate.controller.placement import cluster_nodes
+
+        return sorted(f"{n['node_id'][:8]}@{n['address']} CPU={float(n['resources'].get('CPU', 0)):g}"
+                      for n in cluster_nodes())
+    except Exception:  # noqa: BLE001 - a fact for the trail, never a reason to fail start()
+        return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +213,8 @@ class Runtime:
         self._chaos: Chaos | None = None
         self._drainer: Drainer | None = None
         self._notices: NoticeMonitor | None = None
+        #: Start-up phases as they happen (:mod:`ftstate.controller.progress`): listen to show them.
+        self.progress = Progress()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -197,8 +238,20 @@ class Runtime:
 
     async def _start(self) -> None:
         cfg = self.config
+        self.progress.report("cluster", f"connecting to Ray ({cfg.address or 'a local cluster of its own'})")
         self._started_ray = cluster.connect(cfg.address)
         node = cluster.node_address()
+        facts = run_facts(cfg, node)
+        self.audit.begin_run(self.run_id, **facts)
+        cpus = sum(float(n.rsplit("CPU=", 1)[1]) for n in facts["nodes"] if "CPU=" in n)
+        self.progress.report("cluster", f"Ray cluster: {len(facts['nodes'])} node(s), {cpus:g} CPUs",
+                             nodes=len(facts["nodes"]), cpus=cpus)
+        workers = cfg.trainer_workers + cfg.rollout_workers
+        processes = workers + (cfg.spares("trainer") + cfg.spares("rollout")
+                               if cfg.fault_tolerance.enable and cfg.fault_tolerance.mode == "standby" else 0)
+        if self.progress.check_capacity(processes, cpus):
+            self.audit.record("oversubscribed", processes=processes, cpus=cpus,
+                              reason=self.progress.last.message if self.progress.last else "")
         self.group = StateMachine(get_spec("group"), member="group", config=cfg, audit=self.audit)
         self.group.listen(self._on_group_transition)
         self.group.bind(node=node, node_id=cluster.node_id())  # the group's records: the controller's node
@@ -294,18 +347,29 @@ class Runtime:
             here = set(arrived())
             return [m.name for m in members if m.name not in here]
 
+        ready: set[str] = set()
+
+        def report_ready() -> None:
+            self.progress.report("workers", f"starting {len(members)} workers: {len(ready)} ready",
+                                 workers=len(members), ready=len(ready))
+
         async def join(m: Member) -> None:
             info = await self._calls.call(m.name, m.handle, "info")
             m.located(info)
+            ready.add(m.name)  # its process is up and its class constructed
+            report_ready()
             await formation.join(m, version, len(members))
 
         group.describe_wait(launcher.describe_pools(), missing=launcher.unplaced)
         async with group.deadline_scope():
+            self.progress.report("placement", f"placing {len(members)} workers ({launcher.describe_pools()})",
+                                 workers=len(members))
             await launcher.pools_ready()
             # Spares warm up while the group forms; started once the pools are placed, so each
             # can take a slot away from the nodes of the members it covers.
             self._parts()[4].start_spares()
             group.describe_wait(f"rendezvous of group {GROUP!r}", missing=missing, arrived=arrived)
+            report_ready()
             joins = [asyncio.ensure_future(join(m)) for m in members]
             try:
                 await asyncio.gather(*joins)
@@ -325,6 +389,8 @@ class Runtime:
         else:
             await group.fire("rendezvous_done")
             formation.mark_formed(version)
+        self.progress.report("group", f"group {GROUP!r} formed: version {group.group_version}, "
+                             f"{len(ms.group_members())} members", group_version=group.group_version)
         # What the survivors' abandoned joins of this version said no longer matters.
         await asyncio.gather(*joins, return_exceptions=True)
         for m in members:
@@ -475,6 +541,9 @@ class Runtime:
         """Deal ``items`` over the rollouts serving the current weights (item ``i`` to the
         ``i mod n``-th), call ``method(*args, shard)`` on each, and return one result per item,
         in item order (``method`` must answer each shard with one result per item, in order).
+        A rollout dealt no item (fewer items than rollouts) is not called: ``method`` never
+        gets an empty shard, and no items at all calls nobody. If several rollouts raise, the
+        error names every one of them.
         With fault tolerance on, the shard of a rollout lost mid-call is dealt again over the
         rollouts serving once the failover completed; with it off, the loss is raised."""
         return await self._require_router().rollout_map(method, items, args)

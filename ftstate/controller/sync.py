@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ftstate.controller.calls import ActorCalls
+from ftstate.controller.calls import ActorCalls, name_all
 from ftstate.controller.causes import root_cause
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.membership import Member, Membership, walk_proven
@@ -158,11 +158,11 @@ class WeightSync:
         await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"])
         # A held-weights mismatch is a fault of that rollout's engine, handled here (it is
         # STALE, out of serving, resynced by the next sync) and reported in ``stale``.
-        user_errors = [e for e in not_loaded.values() if not isinstance(e, (MemberLost, HeldWeightsMismatch))]
+        user_errors = {n: e for n, e in not_loaded.items() if not isinstance(e, (MemberLost, HeldWeightsMismatch))}
         if user_errors:
             # The version is committed on the others and the group is consistent; the caller
-            # still hears of the rollout whose own load_weights raised (its bug, not a fault).
-            raise user_errors[0]
+            # still hears of every rollout whose own load_weights raised (its bug, not a fault).
+            raise name_all(list(user_errors.values()), list(user_errors))
         return SyncReport(
             weights_version=target,
             checksum=sent["checksum"],

@@ -23,7 +23,24 @@ Record fields (absent when they do not apply):
 ``reason``             why, in one line
 ``detail``             the rest of a multi-line ``reason`` or ``message`` (a remote
                        traceback), kept apart so every other field stays one line
+``run``                the run's id, on every record written after :meth:`AuditTrail.begin_run`
 =====================  ============================================================
+
+**One run, one trail of its own inside the file.** A run's first record is ``run_start``
+(its id, what started: config digest, versions, hosts, the workers asked for), and every
+record of the run carries its ``run``. A file given as ``audit_log`` to several runs one after
+another is appended to, never overwritten (a trail is evidence): ``ftstate audit --check``
+and the views take its runs one by one (:func:`split_runs`), so two runs into one file are
+two valid trails, not one broken one. Terminal escapes and control characters are removed
+from every string a record holds (:func:`ftstate.core.text.clean`): a remote traceback's
+colours or a hostile message must not move the cursor of whoever reads the trail.
+
+**Reading is bounded** (:func:`parse_lines`): a line longer than :data:`MAX_LINE_BYTES` is
+reported and skipped without being read whole, a record nested deeper than
+:data:`MAX_DEPTH` or holding a known field of the wrong type (:func:`record_problem`) is
+reported and skipped, and bytes that are not UTF-8 are reported; nothing in a trail file can
+make a reader raise anything but :class:`~ftstate.core.errors.AuditViolation` (or ``OSError``
+for a file that cannot be opened).
 
 Writing goes through structlog (JSON renderer, ~20-30 µs a record); this module imports
 neither Ray nor torch.
@@ -34,11 +51,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import structlog
+
+from ftstate.core.text import clean
 
 #: Events that change a machine's state; everything else is context.
 TRANSITION = "transition"
@@ -46,8 +65,22 @@ DEADLINE_EXPIRED = "deadline_expired"
 BUDGET_SPENT = "budget_spent"
 BUDGET_EXHAUSTED = "budget_exhausted"
 ERROR = "error"
+#: A run's first record (see the module docstring).
+RUN_START = "run_start"
 #: Fields written as one line (their further lines go to ``detail``).
 ONE_LINE_FIELDS = ("reason", "message")
+#: The longest line a reader takes (a record is a few hundred bytes; one with a remote
+#: traceback in ``detail`` a few tens of KB).
+MAX_LINE_BYTES = 1 << 20
+#: The deepest nesting of lists and objects a record may have (the runtime writes at most 3).
+MAX_DEPTH = 32
+#: Known fields and the JSON types they must have (None is allowed for each: absent).
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("event", "machine", "member", "from", "to", "trigger", "role", "run", "ts", "state",
+                     "checksum"), (str,)),
+    **dict.fromkeys(("group_version", "weights_version", "rank", "pid"), (int,)),
+    **dict.fromkeys(("t", "seconds_in_state"), (int, float)),
+}
 
 
 class AuditTrail:
@@ -71,6 +104,8 @@ class AuditTrail:
         self._clock = clock
         self._t0 = clock()
         self._file: IO[str] | None = None
+        #: The run whose records are being written (set by :meth:`begin_run`).
+        self.run: str | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
@@ -86,9 +121,19 @@ class AuditTrail:
             logger = structlog.ReturnLogger()
         self._log = structlog.wrap_logger(logger, processors=processors, context_class=dict)
 
+    def begin_run(self, run: str, **facts: Any) -> None:
+        """Start a run in this trail: every later record carries ``run``, and this writes its
+        ``run_start`` record with ``facts`` (what started: config digest, versions, hosts)."""
+        self.run = run
+        self.record(RUN_START, **facts)
+
     def record(self, event: str, **fields: Any) -> None:
         """Write one record. ``fields`` may use ``from``/``to`` via ``**{"from": ...}``.
-        A multi-line ``reason`` or ``message`` keeps its first line; the rest goes to ``detail``."""
+        A multi-line ``reason`` or ``message`` keeps its first line; the rest goes to ``detail``.
+        Strings are cleaned of terminal escapes and control characters."""
+        fields = {k: _cleaned(v) for k, v in fields.items()}
+        if self.run is not None:
+            fields.setdefault("run", self.run)
         for key in ONE_LINE_FIELDS:
             value = fields.get(key)
             if isinstance(value, str) and "\n" in value.strip():
@@ -112,6 +157,16 @@ class AuditTrail:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cleaned(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, str):
+        return clean(value) if "\x1b" in value or not value.isprintable() else value
+    if depth < MAX_DEPTH and isinstance(value, (list, tuple)):
+        return [_cleaned(v, depth + 1) for v in value]
+    if depth < MAX_DEPTH and isinstance(value, dict):
+        return {k: _cleaned(v, depth + 1) for k, v in value.items()}
+    return value
 
 
 def _dumps(obj: Any, **kw: Any) -> str:
@@ -143,19 +198,108 @@ def as_records(trail: Any) -> list[dict[str, Any]]:
 
 
 def read_trail(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, record)`` for each line of a trail; a malformed line raises
-    :class:`~ftstate.core.errors.AuditViolation` naming it."""
+    """Yield ``(line_number, record)`` for each line of a trail; a malformed line (see
+    :func:`parse_lines`) raises :class:`~ftstate.core.errors.AuditViolation` naming it."""
     from ftstate.core.errors import AuditViolation
 
     p = Path(path)
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise AuditViolation(str(p), lineno, f"not a JSON object: {exc.msg}") from exc
-            if not isinstance(rec, dict) or "event" not in rec:
-                raise AuditViolation(str(p), lineno, "not an audit record (no 'event' field)")
-            yield lineno, rec
+    with p.open("rb") as f:
+        for lineno, rec, problem in parse_lines(f):
+            if problem is not None:
+                raise AuditViolation(str(p), lineno, problem)
+            yield lineno, rec  # type: ignore[misc]
+
+
+def parse_lines(f: IO[bytes]) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
+    """``(line, record, None)`` for each record of a trail opened in binary, ``(line, None,
+    problem)`` for each line that is not one: longer than :data:`MAX_LINE_BYTES` (skipped
+    without being read whole), not UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH`,
+    not an object with an ``event``, or a known field of the wrong type. Blank lines are skipped."""
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            size = len(raw)
+            while raw and not raw.endswith(b"\n"):  # the rest of the line, a bounded chunk at a time
+                raw = f.readline(MAX_LINE_BYTES)
+                size += len(raw)
+            yield lineno, None, f"line longer than {MAX_LINE_BYTES} bytes ({size} bytes): not read"
+            continue
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield lineno, None, f"not UTF-8 text (byte {exc.start})"
+            continue
+        try:
+            rec = json.loads(text)
+        except RecursionError:
+            yield lineno, None, f"not an audit record: nested deeper than {MAX_DEPTH} levels"
+            continue
+        except ValueError as exc:  # JSONDecodeError, and the int-string length limit
+            yield lineno, None, f"not a JSON object: {getattr(exc, 'msg', None) or exc}"
+            continue
+        problem = record_problem(rec)
+        if problem is not None:
+            yield lineno, None, problem
+            continue
+        yield lineno, rec, None
+
+
+def record_problem(rec: Any) -> str | None:
+    """Why ``rec`` is not a readable audit record (None when it is): not an object, no
+    string ``event``, nested deeper than :data:`MAX_DEPTH`, or a known field
+    (:data:`FIELD_TYPES`) of the wrong type. Views and the checker may then use every known
+    field as its type without checking again."""
+    if not isinstance(rec, dict) or "event" not in rec:
+        return "not an audit record (no 'event' field)"
+    if _too_deep(rec):
+        return f"not an audit record: nested deeper than {MAX_DEPTH} levels"
+    for key, types in FIELD_TYPES.items():
+        value = rec.get(key)
+        if value is None and key != "event":
+            continue
+        if not isinstance(value, types) or isinstance(value, bool):
+            return f"field {key!r}: expected {_WANT[types]}, got {type(value).__name__}"
+    return None
+
+
+_WANT = {(str,): "a string", (int,): "an integer", (int, float): "a number"}
+
+
+def _too_deep(value: Any) -> bool:
+    # Iterative: a recursive walk is what a hostile record would exploit.
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return False
+
+
+def split_runs(items: Iterable[Any]) -> list[tuple[str, list[tuple[int, dict[str, Any]]]]]:
+    """The runs of a trail, in order of their first record: ``(run id, its (line, record)
+    pairs)``. A record's run is its ``run`` field; records without one (a trail written before
+    runs were recorded, or records before any ``run_start``) belong to the run opened by the
+    last ``run_start`` without an id, else to ``""``."""
+    runs: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    current = ""
+    anonymous = 0
+    for i, item in enumerate(items, 1):  # (line, record) pairs, or plain records numbered from 1
+        line, rec = item if isinstance(item, tuple) else (i, item)
+        run = rec.get("run")
+        if not isinstance(run, str):
+            if rec.get("event") == RUN_START:
+                anonymous += 1
+                current = f"#{anonymous}"
+            run = current
+        runs.setdefault(run, []).append((line, rec))
+    return list(runs.items())

@@ -34,19 +34,25 @@ these invariants, naming its line:
 Checking is streaming (:class:`TrailChecker` takes one record at a time) and never stops at
 the first problem: a malformed line is reported and skipped, a broken transition is reported
 and the member's state follows the record, so one fault yields one report, not a cascade.
+
+A file holds one run or several appended one after another (:mod:`ftstate.core.audit`: each
+starts with ``run_start`` and every record carries its ``run``): each run is replayed on its
+own, from fresh machines, so a second run's ``trainer-0`` starting in INIT is not a
+continuity break of the first's. Reading is bounded and hostile input is a violation, never
+an exception: an over-long line, bytes that are not UTF-8, deep nesting, a known field of the
+wrong type (:func:`ftstate.core.audit.record_problem`).
 This module imports neither Ray nor torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ftstate.core.audit import TRANSITION, AuditTrail
+from ftstate.core.audit import RUN_START, TRANSITION, AuditTrail, parse_lines, record_problem
 from ftstate.core.errors import AuditViolation
 from ftstate.core.spec import RESYNCED, MachineSpec, load_machines
 
@@ -96,6 +102,20 @@ class _Member:
     checksum: Any = None
 
 
+@dataclasses.dataclass
+class _Run:
+    """The replay state of one run."""
+
+    members: dict[tuple[str, str], _Member] = dataclasses.field(default_factory=dict)
+    group_state: str | None = None
+    #: The group's current weights version (None until a group record carries one).
+    current: Any = None
+    #: The version committed before the sync in flight (None when the group is not syncing).
+    before_sync: Any = None
+    #: The sender's checksum of every committed version (from the group's ``sync_done``).
+    sent: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
 class TrailChecker:
     """Replays records one at a time (:meth:`feed`) and collects :attr:`violations`.
 
@@ -107,27 +127,42 @@ class TrailChecker:
         self.violations: list[Violation] = []
         #: Records fed (well-formed ones).
         self.records = 0
-        self.members: dict[tuple[str, str], _Member] = {}
         self._unknown_machines: set[str] = set()
-        self._group_state: str | None = None
-        #: The group's current weights version (None until a group record carries one).
-        self._current: Any = None
-        #: The version committed before the sync in flight (None when the group is not syncing).
-        self._before_sync: Any = None
-        #: The sender's checksum of every committed version (from the group's ``sync_done``).
-        self._sent: dict[Any, Any] = {}
+        #: Each run's replay (see the module docstring), by run id; "" for records without one.
+        self.runs: dict[str, _Run] = {}
+        self._run = self.runs.setdefault("", _Run())
+        self._anonymous = 0
+
+    @property
+    def members(self) -> dict[tuple[str, str, str], _Member]:
+        """Every member of every run, by ``(run, machine, member)``."""
+        return {(run, *key): m for run, r in self.runs.items() for key, m in r.members.items()}
 
     # -- input ---------------------------------------------------------------------------
 
     def feed(self, line: int, record: Any) -> list[Violation]:
         """Check one record; returns the violations it caused (also kept in :attr:`violations`)."""
         start = len(self.violations)
-        if not isinstance(record, Mapping) or "event" not in record:
-            self._report(line, "", "not an audit record (no 'event' field)")
+        problem = record_problem(dict(record) if isinstance(record, Mapping) else record)
+        if problem is not None:
+            self._report(line, "", problem)
             return self.violations[start:]
         self.records += 1
+        self._enter_run(record)
         self._check(line, record)
         return self.violations[start:]
+
+    def _enter_run(self, rec: Mapping[str, Any]) -> None:
+        run = rec.get("run")
+        if run is None:
+            if rec["event"] == RUN_START:  # a run_start without an id: a new anonymous run
+                self._anonymous += 1
+                self._run = self.runs.setdefault(f"#{self._anonymous}", _Run())
+            return  # else: the run the last record without an id was in
+        if rec["event"] == RUN_START and run in self.runs and self.runs[run].members:
+            self._run = self.runs[run] = _Run()  # the same id started again: replayed afresh
+            return
+        self._run = self.runs.setdefault(run, _Run())
 
     def malformed(self, line: int, problem: str) -> None:
         """Report a line that could not be parsed at all."""
@@ -156,9 +191,9 @@ class TrailChecker:
         if not name:
             self._report(line, "", f"{event} record of machine {machine!r} without a 'member' field")
             return
-        m = self.members.get((machine, name))
+        m = self._run.members.get((machine, name))
         if m is None:
-            m = self.members[(machine, name)] = _Member(machine, name)
+            m = self._run.members[(machine, name)] = _Member(machine, name)
         if m.terminal_line is not None:
             self._report(
                 line,
@@ -174,7 +209,7 @@ class TrailChecker:
         if event == TRANSITION:
             self._transition(line, rec, spec, m, wv, rec.get("checksum"))
         elif machine == GROUP_MACHINE and wv is not None:
-            self._current = wv
+            self._run.current = wv
         if wv is not None:
             m.weights_version = wv
 
@@ -228,64 +263,64 @@ class TrailChecker:
             self._rollout_serving(line, m, dst, trigger, wv)
 
     def _group_transition(self, line: int, src: str, dst: str, trigger: str, wv: Any, checksum: Any) -> None:
-        self._group_state = dst
+        self._run.group_state = dst
         if dst == GROUP_SYNCING and src != GROUP_SYNCING:
-            self._before_sync = self._current
+            self._run.before_sync = self._run.current
         if (
             src == GROUP_SYNCING
             and dst != GROUP_SYNCING
             and trigger != GROUP_COMMIT
-            and self._before_sync is not None
+            and self._run.before_sync is not None
         ):
             # The sync was abandoned (failed, timed out, a member lost): nothing was committed,
             # so the version before it is still current, whatever the record carries.
-            self._current = self._before_sync
+            self._run.current = self._run.before_sync
         elif wv is not None:
-            self._current = wv
+            self._run.current = wv
         if dst != GROUP_SYNCING:
-            self._before_sync = None
-        if trigger == GROUP_COMMIT and dst == GROUP_READY and self._current is not None:
+            self._run.before_sync = None
+        if trigger == GROUP_COMMIT and dst == GROUP_READY and self._run.current is not None:
             if checksum is not None:
-                self._sent[self._current] = checksum
-            for other in self.members.values():
+                self._run.sent[self._run.current] = checksum
+            for other in self._run.members.values():
                 if not (
                     other.role == ROLLOUT_ROLE
                     and other.machine != GROUP_MACHINE
                     and other.state in self.specs[other.machine].serving_states
                 ):
                     continue
-                if other.weights_version != self._current:
+                if other.weights_version != self._run.current:
                     self._report(
                         line,
                         other.name,
                         f"{other.name} serving weights version {other.weights_version} while current is "
-                        f"{self._current} (the group committed it by {GROUP_COMMIT})",
+                        f"{self._run.current} (the group committed it by {GROUP_COMMIT})",
                     )
                 elif checksum is not None and other.checksum != checksum:
-                    self._report(line, other.name, _held_not_sent(other, self._current, checksum))
+                    self._report(line, other.name, _held_not_sent(other, self._run.current, checksum))
 
     def _rollout_serving(self, line: int, m: _Member, dst: str, trigger: str, wv: Any) -> None:
-        if self._current is None:
+        if self._run.current is None:
             return
-        allowed = {self._current}
-        if self._group_state == GROUP_SYNCING and self._before_sync is not None:
-            allowed.add(self._before_sync)
+        allowed = {self._run.current}
+        if self._run.group_state == GROUP_SYNCING and self._run.before_sync is not None:
+            allowed.add(self._run.before_sync)
         if wv is None:
             self._report(
                 line,
                 m.name,
                 f"{m.name} entered serving state {dst} by {trigger} without a weights_version "
-                f"while current is {self._current}",
+                f"while current is {self._run.current}",
             )
         elif wv not in allowed:
             self._report(
                 line,
                 m.name,
-                f"{m.name} serving weights version {wv} while current is {self._current} "
+                f"{m.name} serving weights version {wv} while current is {self._run.current} "
                 f"(entered {dst} by {trigger})",
             )
-        elif wv in self._sent and m.checksum != self._sent[wv]:
-            self._report(line, m.name, _held_not_sent(m, wv, self._sent[wv]) + f" (entered {dst} by {trigger})")
+        elif wv in self._run.sent and m.checksum != self._run.sent[wv]:
+            self._report(line, m.name, _held_not_sent(m, wv, self._run.sent[wv]) + f" (entered {dst} by {trigger})")
 
 
 def _held_not_sent(m: _Member, version: Any, sent: Any) -> str:
@@ -309,26 +344,20 @@ def _illegal(spec: MachineSpec, src: str, trigger: str, dst: str, expected: str 
 
 
 def load_records(path: str | os.PathLike[str]) -> tuple[list[tuple[int, dict[str, Any]]], list[Violation]]:
-    """Read a trail leniently: ``(line, record)`` for every good line, a violation for every bad one.
+    """Read a trail leniently: ``(line, record)`` for every good line, a violation for every bad one
+    (:func:`ftstate.core.audit.parse_lines`: bounded line length, nesting and field types).
 
     (:func:`ftstate.core.audit.read_trail` stops at the first malformed line; a checker and a
-    viewer want everything else too.) A missing file raises :class:`OSError`.
+    viewer want everything else too.) A file that cannot be opened raises :class:`OSError`.
     """
     records: list[tuple[int, dict[str, Any]]] = []
     bad: list[Violation] = []
-    with Path(path).open(encoding="utf-8") as f:
-        for lineno, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                rec = json.loads(text)
-            except json.JSONDecodeError as exc:
-                bad.append(Violation(lineno, "", f"not a JSON object: {exc.msg}"))
-                continue
-            if not isinstance(rec, dict) or "event" not in rec:
-                bad.append(Violation(lineno, "", "not an audit record (no 'event' field)"))
-                continue
-            records.append((lineno, rec))
+    with Path(path).open("rb") as f:
+        for lineno, rec, problem in parse_lines(f):
+            if problem is not None:
+                bad.append(Violation(lineno, "", problem))
+            else:
+                records.append((lineno, rec))  # type: ignore[arg-type]
     return records, bad
 
 

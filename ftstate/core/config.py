@@ -121,7 +121,10 @@ class FaultToleranceConfig:
     standby_resource_pool: str = _field(
         "standby", "Name of the Ray resource pool (placement group) the spare actors are placed in."
     )
-    standby_workers: int = _field(1, "Prewarmed spares kept per role in standby mode.", ge=0)
+    standby_workers: int = _field(
+        1, "Prewarmed spares kept per role in standby mode: the losses of a role covered at spare speed "
+        "within one refill window (a promoted spare is replaced at once, but the new one takes seconds to warm: "
+        "a further loss meanwhile waits for it, or starts a fresh actor).", ge=0)
     trainer_ranks_per_spare: int = _field(
         8,
         "Standby mode with several trainer ranks: standby_workers trainer spares per this many "

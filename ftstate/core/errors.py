@@ -16,6 +16,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     │   └── HeartbeatTimeout     heartbeat_timeout_s: a worker stopped making progress
     ├── FailoverBudgetExhausted  max_failovers spent; names the failures it was spent on
     ├── MemberLost               a worker died or was declared lost and nothing replaced it
+    ├── WorkerInitError          a worker class's constructor raised (member, class, the user's exception and frame)
     ├── LossyRecoveryRefused     reverse recovery would rebuild a trainer from lossy weights
     ├── RankNotRecoverable       a trainer rank would have to be restored with no committed version
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
@@ -176,6 +177,30 @@ class MemberLost(FTError):
         self.group_version = group_version
         version = f" (group version {group_version})" if group_version is not None else ""
         super().__init__(f"{member} lost{version}: {reason}")
+
+
+class WorkerInitError(FTError):
+    """Raised when the user's worker class raised in its constructor: ``start()`` fails with it
+    at once (fault tolerance on or off: a member that never served was not lost, its class
+    failed), and so does a failover whose trainer replacement cannot be constructed.
+
+    member / role: who; cls: the class's name; exc_type / message: the user's exception
+    (ANSI escapes removed); where: the frame in the user's code that raised it
+    (``file:line in function``, empty when none is outside ftstate and the standard
+    library); traceback: the user's frames, as ``traceback`` formats them."""
+
+    def __init__(
+        self, *, member: str, role: str, cls: str, exc_type: str, message: str, where: str = "", traceback: str = "",
+    ) -> None:
+        self.member = member
+        self.role = role
+        self.cls = cls
+        self.exc_type = exc_type
+        self.message = message
+        self.where = where
+        self.traceback = traceback
+        at = f" (at {where})" if where else ""
+        super().__init__(f"{member}: {cls}.__init__() raised {exc_type}: {message}{at}")
 
 
 class LossyRecoveryRefused(FTError):
@@ -455,4 +480,5 @@ __all__ = [
     "StateDictError",
     "SyncTimeout",
     "TransportError",
+    "WorkerInitError",
 ]

@@ -6,6 +6,7 @@ trainer ranks (`--trainers 2`), rank 1 killed mid-step."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -17,10 +18,33 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 SMALL = {"batch_size": 32, "pad_mb": 1.0, "live": False}
 
 
-def test_the_demo_survives_three_kills_and_matches_the_fault_free_run(ray_cluster, tmp_path):
+def test_the_demo_survives_three_kills_and_matches_the_fault_free_run(ray_cluster, tmp_path, capsys):
     out = tmp_path / "demo"
     assert run_demo(out=str(out), steps=10, faults=True, **SMALL) == 0
     report = json.loads((out / "report.json").read_text())
+    # Without a terminal (pytest captures stdout): plain progress lines, as `make demo > log` shows.
+    printed = capsys.readouterr().out.splitlines()
+    assert any(re.fullmatch(r"starting 3 workers: \d ready", ln) for ln in printed), printed[:20]
+    assert "starting 3 workers: 3 ready" in printed
+    steps = [ln for ln in printed if re.match(r"step \d+/10: reward ", ln)]
+    assert [int(ln.split()[1].split("/")[0]) for ln in steps] == list(range(1, 11)), steps
+    told = [ln for ln in printed if ln.startswith("failover ")]
+    assert [ln.split(":")[0] for ln in told] == ["failover 1", "failover 2", "failover 3"], told
+    # The report, the view and the picture read the same failover records: the same figures.
+    from ftstate.cli.audit_view import failover_rows
+    from ftstate.cli.plot import _failovers
+    from ftstate.core.audit import as_records
+
+    records = as_records(out / "audit.jsonl")
+    rows = failover_rows(records)
+    assert [(f["lost"], f["total_s"], f["detection_s"]) for f in report["failovers"]] == \
+        [(r["lost"], r["total_s"], r["detection_s"]) for r in rows]
+    bands = _failovers(records, max(r["t"] for r in records))
+    assert [round(b.end - b.start, 6) for b in bands] == [round(r["total_s"], 6) for r in rows]
+    assert all(r["detection_s"] is not None and 0 <= r["detection_s"] < 5 for r in rows), rows
+    # the failed-then-completed sync is explained
+    assert len(report["syncs_failed_explained"]) == report["syncs_failed"]
+    assert all("committed on every serving rollout" in e for e in report["syncs_failed_explained"])
     assert report["steps_done"] == 10 and report["syncs"] == 11
     assert [f["fault"] for f in report["faults_injected"]] == ["kill", "kill after 2 progress", "kill"]
     assert [f["role"] for f in report["failovers"]] == ["rollout", "rollout", "trainer"]

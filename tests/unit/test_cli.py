@@ -72,6 +72,20 @@ class TestHelp:
         assert result.exit_code == 0, result.output
         assert "Usage" in result.output
 
+    @pytest.mark.parametrize("cmd", [[], *([c] for c in COMMANDS)])
+    def test_boolean_flags_show_as_flags_not_as_options_taking_a_value(self, cmd: list[str]) -> None:
+        result = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "160"})
+        assert result.exit_code == 0
+        assert "<bool>" not in result.output and "BOOLEAN" not in result.output, result.output
+
+    def test_the_demo_help_names_the_real_default_of_steps(self) -> None:
+        from ftstate.cli.demo.run import DemoOptions
+        from ftstate.cli.main import DEMO_STEPS
+
+        assert DemoOptions.steps == DEMO_STEPS
+        result = runner.invoke(app, ["demo", "--help"], env={"COLUMNS": "200"})
+        assert f"default: {DemoOptions.steps}; 0 takes that default" in " ".join(result.output.split())
+
     def test_python_dash_m_ftstate_works_without_loading_ray_or_torch(self) -> None:
         code = (
             "import sys, runpy; sys.argv = ['ftstate', '--help']\n"

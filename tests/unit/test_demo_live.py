@@ -56,3 +56,44 @@ def test_each_event_reads_as_one_line() -> None:
     assert describe_event({"event": "maintenance_withdrawn", "source": "gce", "kind": "terminate",
                            "node_id": NODE}, names).endswith("node b")
     assert "unreachable" in describe_event({"event": "maintenance_problem", "message": "gce: unreachable"})
+
+
+def starting_runtime(trail: AuditTrail) -> types.SimpleNamespace:
+    from ftstate.controller.progress import Progress
+
+    return types.SimpleNamespace(group=None, state="INIT", group_version=0, weights_version=0, failovers=[],
+                                 drains=[], members=lambda: [], audit=trail, progress=Progress())
+
+
+def test_on_a_terminal_the_header_says_what_start_up_waits_for() -> None:
+    rt = starting_runtime(AuditTrail(None))
+    out = io.StringIO()
+    console = Console(file=out, width=140, force_terminal=True, color_system=None)
+    view = LiveView(rt, 6, console)
+    rt.progress.report("workers", "starting 24 workers: 7 ready", workers=24, ready=7)
+    console.print(view)
+    assert "starting 24 workers: 7 ready" in out.getvalue()
+    assert "step" not in out.getvalue().split("RL steps")[0]  # nothing printed as plain lines on a terminal
+
+
+def test_without_a_terminal_each_phase_step_and_failover_is_one_plain_line() -> None:
+    rt = starting_runtime(AuditTrail(None))
+    out = io.StringIO()
+    console = Console(file=out, width=100, force_terminal=False)
+    view = LiveView(rt, 2, console)
+    with view:
+        rt.progress.report("workers", "starting 3 workers: 0 ready")
+        rt.progress.report("oversubscribed", "9 worker processes requested on a cluster of 2 CPUs", level="warning")
+        rt.group, rt.state, rt.weights_version = object(), "READY", 2
+        view.update(step=1, reward=0.25)
+        rt.failovers = [types.SimpleNamespace(lost="rollout-1", replacement="spare-rollout-0", rerendezvous_s=0.04,
+                                              transfer_s=0.03, total_s=0.08, reason="process died during vigil()")]
+        view.update(step=2, reward=0.5)
+    assert out.getvalue().splitlines() == [
+        "starting 3 workers: 0 ready",
+        "warning: 9 worker processes requested on a cluster of 2 CPUs",
+        "step 1/2: reward 0.250, weights version 2",
+        "failover 1: rollout-1 -> spare-rollout-0: re-rendezvous 0.040s, transfer 0.030s, total 0.080s "
+        "(cause: process died during vigil())",
+        "step 2/2: reward 0.500, weights version 2",
+    ]

@@ -2,8 +2,10 @@
 and (in the maintenance scenario) the notices and drains as they happen.
 
 Redrawn a few times a second by rich from the runtime's own machines and its audit records
-(nothing is polled from the workers for it). Off a terminal (CI, a pipe) it stays silent:
-the final report says everything.
+(nothing is polled from the workers for it); while the run starts, its header says what the
+runtime waits for (``starting 24 workers: 7 ready``, from ``rt.progress``). Off a terminal
+(CI, a pipe, ``make demo > log``) it prints plain lines instead: each start-up phase, one line
+per RL step and one per failover, as they happen.
 """
 
 from __future__ import annotations
@@ -98,6 +100,29 @@ class LiveView:
         self._seen = 0
         self._events: list[str] = []
         self._pending: set[str] = set()  # nodes a notice asked to drain, until the drain ends
+        #: Off a terminal: plain lines (start-up, each step, each failover) instead of the live view.
+        self.plain = not console.is_terminal
+        self.steps = steps
+        self._startup = ""
+        self._failovers_told = 0
+        progress = getattr(rt, "progress", None)
+        if progress is not None:
+            progress.listen(self._on_progress)
+
+    def _on_progress(self, event: Any) -> None:
+        self._startup = event.message
+        if self.plain:
+            self._say(("warning: " if event.level == "warning" else "") + event.message)
+
+    def _say(self, line: str) -> None:
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def _tell_failovers(self) -> None:
+        failovers = list(getattr(self.rt, "failovers", []) or [])
+        for i, f in enumerate(failovers[self._failovers_told:], self._failovers_told + 1):
+            self._say(f"failover {i}: {f.lost} -> {f.replacement}: re-rendezvous {f.rerendezvous_s:.3f}s, "
+                      f"transfer {f.transfer_s:.3f}s, total {f.total_s:.3f}s (cause: {f.reason})")
+        self._failovers_told = len(failovers)
 
     def update(self, *, step: int | None = None, reward: float | None = None, note: str | None = None) -> None:
         if step is not None:
@@ -106,6 +131,14 @@ class LiveView:
             self.reward = reward
         if note is not None:
             self.note = note
+        if self.plain:
+            self._tell_failovers()
+            if step is not None and reward is not None:
+                rt = self.rt
+                version = f", weights version {rt.weights_version}" if rt.group is not None else ""
+                self._say(f"step {step}/{self.steps}: reward {reward:.3f}{version}")
+            elif note:
+                self._say(f"step {(step or 0) + 1}/{self.steps}: {note}")
 
     def maintenance_lines(self) -> list[str]:
         """The latest maintenance and drain events, one line each (read from the audit
@@ -131,7 +164,9 @@ class LiveView:
     def __rich__(self) -> Group:
         rt = self.rt
         header = Table.grid(padding=(0, 2))
-        if rt.group is not None:
+        if rt.group is None or rt.state in ("INIT", "RENDEZVOUS"):
+            header.add_row(f"[bold]{escape(self._startup or 'starting')}[/]")
+        elif rt.group is not None:
             reward = f"{self.reward:.3f}" if self.reward is not None else "-"
             header.add_row(f"group [bold]{rt.state}[/]", f"group version {rt.group_version}",
                            f"weights version {rt.weights_version}", f"reward {reward}",
@@ -170,6 +205,8 @@ class LiveView:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.plain:
+            self._tell_failovers()
         if self._live is not None:
             self._live.__exit__(*exc)
             self._live = None

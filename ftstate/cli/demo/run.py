@@ -430,6 +430,28 @@ def _notices(records: list[dict[str, Any]], names: dict[str, str]) -> list[dict[
     return out
 
 
+def _failed_syncs(records: list[dict[str, Any]]) -> list[str]:
+    """Each sync attempt the group left by a failure, explained: which version it was pushing,
+    why it failed, and whether that version was then committed (the runtime makes a failed
+    sync again after a failover: ``rt.sync()`` returned once, for every rollout)."""
+    out = []
+    target = None
+    committed = {r.get("weights_version") for r in records if r.get("event") == "transition"
+                 and r.get("machine") == "group" and r.get("trigger") == "sync_done"}
+    for r in records:
+        if r.get("event") != "transition" or r.get("machine") != "group":
+            continue
+        if r.get("trigger") == "sync_start":
+            target = r.get("weights_version")
+        elif r.get("from") == "SYNCING" and r.get("trigger") in ("sync_failed", "sync_timeout"):
+            why = str(r.get("reason") or r.get("trigger"))
+            why = why if len(why) <= 90 else why[:87] + "..."
+            then = ("made again after the failover and committed on every serving rollout" if target in committed
+                    else "never committed")
+            out.append(f"the sync to weights version {target} ({why}): {then}")
+    return out
+
+
 def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float], syncs: list[Any],
             failovers: list[Any], injected: list[tuple[float, str, str]], members: list[Any],
             final_checksum: str | None, serving: list[str], reference: dict[str, Any] | None,
@@ -462,14 +484,13 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         picture_skipped = str(exc)
         console.print(f"[yellow]skipped:[/] {escape(picture_skipped)}", highlight=False, soft_wrap=True)
 
-    # Detection latency: a fault's injection to its member being declared LOST.
-    kills = {member: t for t, member, fault in injected if fault.startswith("kill")}
-    rows = []
-    for f in failovers:
-        detected = f.detected_at - kills[f.lost] if f.lost in kills else None
-        rows.append({"lost": f.lost, "replacement": f.replacement, "role": f.role,
-                     "detection_s": detected, "rerendezvous_s": f.rerendezvous_s, "transfer_s": f.transfer_s,
-                     "total_s": f.total_s, "group_version": f.group_version})
+    # Every failover figure from the trail, read where the picture and `ftstate audit` read
+    # them (audit_view.failover_rows): detection is the fault's chaos record to its LOST one.
+    from ftstate.cli.audit_view import describe_failover, failover_rows
+
+    rows = [{k: row[k] for k in ("lost", "replacement", "role", "detection_s", "rerendezvous_s", "transfer_s",
+                                 "total_s", "group_version", "cause")} for row in failover_rows(records)]
+    failed_syncs = _failed_syncs(records)
     nodes = nodes or {"count": None, "cluster_nodes": None, "by_member": {}}
     # A sync that failed: the group left SYNCING by a failure (a sync retried after one
     # counts here too, though rt.sync() itself returned).
@@ -509,6 +530,7 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         "failovers": rows,
         "drains": drains,
         "syncs_failed": syncs_failed,
+        "syncs_failed_explained": failed_syncs,
         "maintenance": maintenance_summary,
         "budget_left": cfg.fault_tolerance.max_failovers - len(failovers),
         "final_checksum": final_checksum,
@@ -534,9 +556,7 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
     if rewards:
         table.add_row("mean reward", f"{rewards[0]:.3f} -> {rewards[-1]:.3f}")
     for i, r in enumerate(rows, 1):
-        det = f"{r['detection_s']:.3f}s" if r["detection_s"] is not None else "n/a"
-        table.add_row(f"failover {i}", f"{r['lost']} -> {r['replacement']}: detection {det}, re-rendezvous "
-                      f"{r['rerendezvous_s']:.3f}s, transfer {r['transfer_s']:.3f}s, total {r['total_s']:.3f}s")
+        table.add_row(f"failover {i}", escape(describe_failover({**r, "cause": ""})))
     if maintenance_summary is not None:
         if announced:
             table.add_row("maintenance", f"announced by node {announced['node']}'s GCE metadata server at step "
@@ -562,7 +582,7 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
             kept = ("same process" if t["same_process"]
                     else f"replaced: {t['member_end']} pid {t['pid_end']}")
             table.add_row(f"trainer rank {t['rank']}", f"{t['member_start']} pid {t['pid_start']} -> {kept}")
-    table.add_row("syncs failed", str(syncs_failed))
+    table.add_row("syncs failed", escape(f"{syncs_failed}" + (f": {'; '.join(failed_syncs)}" if failed_syncs else "")))
     if nodes["count"] is not None:
         where = f" of {nodes['cluster_nodes']} in the cluster" if nodes["cluster_nodes"] else ""
         place = cfg.address or (f"a local {len(NODES)}-node cluster" if maintenance is not None else "a local cluster")

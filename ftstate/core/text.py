@@ -1,0 +1,38 @@
+"""Text that reaches a person: what ftstate puts in a message, a log line or an audit record.
+
+Remote tracebacks from Ray arrive coloured (``\\x1b[36mray::...``), and a user's own message can
+hold anything; a terminal escape in an error message or a trail record garbles the screen it is
+printed on, and in a trail it is a way to hide or fake lines (an escape that moves the cursor).
+Every message and record goes through :func:`clean` before it is kept, and
+:func:`bounded` keeps one hostile value from making a message of megabytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: ANSI/VT100 escape sequences: CSI (``ESC [ ... final``), OSC (``ESC ] ... BEL|ST``) and
+#: the two-byte ones (``ESC x``).
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+#: Other control characters (not tab or newline), including a stray ESC and C1 controls.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without terminal escape sequences."""
+    return _ANSI.sub("", text)
+
+
+def clean(text: str) -> str:
+    """``text`` without terminal escapes and control characters (tab and newline stay)."""
+    return _CONTROL.sub("", _ANSI.sub("", text))
+
+
+def bounded(text: str, limit: int = 2000) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+__all__ = ["bounded", "clean", "strip_ansi"]
