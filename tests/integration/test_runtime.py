@@ -111,7 +111,7 @@ class TestHappyPath:
             await rt.sync()
             pids = {m.member: m.pid for m in rt.members()}
         for rec in rt.audit.records:
-            if rec["machine"] == "worker" and rec["event"] == "transition" and rec["from"] != "INIT":
+            if rec.get("machine") == "worker" and rec["event"] == "transition" and rec["from"] != "INIT":
                 assert rec["pid"] == pids[rec["member"]] and rec["node"] == "127.0.0.1"
 
 
