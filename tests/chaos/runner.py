@@ -38,8 +38,9 @@ import ftstate
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import FailoverBudgetExhausted, FTError
 from tests.chaos.schedule import Fault, Schedule
-from tests.integration.workers import TinyRollout, TinyTrainer
+from tests.integration.workers import TinyRollout
 from tests.multinode.harness import MultiNode, pid_alive, resource
+from tests.multinode.test_node_loss import SlowTrainer
 
 #: The head node (the driver's): never lost, never drained.
 HEAD = "a"
@@ -53,17 +54,8 @@ MOMENT_WAIT_S = 20.0
 SPARES_WAIT_S = 120.0
 
 
-class ChaosTrainer(TinyTrainer):
-    """TinyTrainer whose next state_dict() can be made slow (a fault then lands mid-sync)."""
-
-    def slow_next_state_dict(self, seconds: float) -> None:
-        self._slow = seconds
-
-    def state_dict(self):
-        seconds, self._slow = getattr(self, "_slow", 0.0), 0.0
-        if seconds:
-            time.sleep(seconds)
-        return super().state_dict()
+#: The trainer: TinyTrainer whose next state_dict() can be made slow (a fault then lands mid-sync).
+ChaosTrainer = SlowTrainer
 
 
 def chaos_config(tmp: Path, *, heartbeat_interval_s: float | None = None, heartbeat_timeout_s: float | None = None,

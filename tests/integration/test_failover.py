@@ -86,6 +86,17 @@ async def finish(rt, tmp_path) -> None:
     assert_gone(ray, run_id, pids)
 
 
+async def next_spare_hangs(rt, hang) -> int:
+    """Kill a warm rollout spare while ``hang`` (a ``hang_while`` marker) exists: its successor
+    starts and hangs in its constructor; returns the hung process's pid."""
+    hang.touch()
+    spare = next(m.member for m in rt.members() if m.state == "STANDBY" and m.role == "rollout")
+    await rt.chaos.kill(spare)
+    await wait_until(lambda: list(hang.parent.glob(f"{hang.name}.*.pid")), 60, "the next spare to hang")
+    [pidfile] = hang.parent.glob(f"{hang.name}.*.pid")
+    return int(pidfile.read_text())
+
+
 class TestRolloutFailover:
     async def test_an_idle_rollout_killed_is_replaced_by_a_standby_that_gets_the_current_weights(
         self, ray_cluster, tmp_path
@@ -352,12 +363,7 @@ class TestShrinking:
         try:
             await spares_warm(rt, 2)
             await rt.sync()
-            hang.touch()
-            spare = next(m.member for m in rt.members() if m.state == "STANDBY" and m.role == "rollout")
-            await rt.chaos.kill(spare)  # its successor starts, and hangs in its constructor
-            await wait_until(lambda: list(tmp_path.glob("hang-while.*.pid")), 60, "the next spare to hang")
-            [pidfile] = tmp_path.glob("hang-while.*.pid")
-            hung_pid = int(pidfile.read_text())
+            hung_pid = await next_spare_hangs(rt, hang)
             hang.unlink()  # a fresh actor started from now on constructs normally
             t0 = time.monotonic()
             await rt.chaos.kill("rollout", 1)
@@ -385,12 +391,7 @@ class TestShrinking:
         await rt.start()
         try:
             await spares_warm(rt, 2)
-            hang.touch()
-            spare = next(m.member for m in rt.members() if m.state == "STANDBY" and m.role == "rollout")
-            await rt.chaos.kill(spare)  # its successor starts, and hangs in its constructor
-            await wait_until(lambda: list(tmp_path.glob("hang-while.*.pid")), 60, "the next spare to hang")
-            [pidfile] = tmp_path.glob("hang-while.*.pid")
-            hung_pid = int(pidfile.read_text())
+            hung_pid = await next_spare_hangs(rt, hang)
             hang.unlink()  # the one after it constructs normally
             await wait_until(lambda: any(r.get("trigger") == "start_timeout" for r in rt.audit.records), 60,
                              "the hung spare's INIT deadline")
