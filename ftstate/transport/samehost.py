@@ -148,6 +148,7 @@ from ftstate.transport.manifest import (
     encode_seal,
     short,
 )
+from ftstate.transport.nodecopy import NodeCopy, is_copy
 from ftstate.transport.shm import SHM_DIR, Segment, pid_alive, segment_name, unlink_names
 from ftstate.transport.signals import Channel
 from ftstate.transport.sync import (
@@ -223,6 +224,10 @@ class Offer:
     #: One handle per slot when the slots' data is in device memory (:mod:`~ftstate.transport.cudaipc`;
     #: ``segments`` are then their headers only); empty for slots in ``/dev/shm``.
     handles: tuple[bytes, ...] = ()
+    #: ``staging: node``: the node copy the readers in ``shm`` verify in place (no slots, no
+    #: private staging; :mod:`ftstate.transport.nodecopy`), and the pid of its owner.
+    node_copy: str = ""
+    owner: int = 0
 
 
 def encode_offer(o: Offer) -> bytes:
@@ -231,7 +236,7 @@ def encode_offer(o: Offer) -> bytes:
          "pid": o.pid, "endpoint": o.endpoint, "segments": list(o.segments), "fresh": o.fresh,
          "shm": list(o.shm), "collective": list(o.collective), "fallback": o.fallback,
          "relays": [[r, list(peers)] for r, peers in o.relays], "require": o.require, "chunk": o.chunk,
-         "handles": list(o.handles)},
+         "handles": list(o.handles), "node_copy": o.node_copy, "owner": o.owner},
         use_bin_type=True,
     )
 
@@ -312,9 +317,14 @@ def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
             or len(handles) not in (0, len(segments)):
         raise ManifestError(f"malformed offer: field 'handles': expected none or one handle (bytes) per segment "
                             f"({len(segments)}), got {short(handles)}", field="handles")
+    node_copy = need("node_copy", str)
+    owner = need("owner", int)
+    if node_copy and (not is_copy(node_copy) or not 1 <= owner <= MAX_PID or segments):
+        raise bad("node_copy", node_copy, f"'' or a node copy's name, with its owner's pid in [1, {MAX_PID}] "
+                                          "and no slots")
     return Offer(group, gv, pid, endpoint, tuple(segments), need("fresh", bool),
                  shm_ranks, collective, fallback, tuple(relays), need("require", bool), chunk,
-                 tuple(handles))
+                 tuple(handles), node_copy, owner)
 
 
 # -- the segments each side keeps ------------------------------------------------------------
@@ -800,6 +810,7 @@ def broadcast(
     weights_version: int | None = None,
     timeout_s: float,
     progress: Progress | None = None,
+    node_copy_owner: int | None = None,
 ) -> SyncReport:
     """:meth:`Sender.broadcast` on this route: the ranks in ``same_host`` (on this member's
     host) read every bucket from shared memory; each rank of ``relays`` (relay rank → its
@@ -808,10 +819,23 @@ def broadcast(
     :func:`receive`. Same manifest, checksums, vote and errors; in addition
     :class:`~ftstate.core.errors.SharedMemoryUnavailable` with ``require_shm`` when a
     segment (here or at a relay) cannot be made (else those ranks take the collective, said
-    in :attr:`SyncReport.shm_fallback`). ``timeout_s`` bounds the whole transfer."""
+    in :attr:`SyncReport.shm_fallback`). ``timeout_s`` bounds the whole transfer.
+
+    ``node_copy_owner`` (``staging: node``): the same-host ranks verify the version in place
+    in one node copy owned by that process (:mod:`ftstate.transport.nodecopy`) instead of
+    copying it out of two slots; one that cannot be made falls back to the slots (said in
+    :attr:`SyncReport.shm_fallback`; with ``require_shm`` it raises). After a vote every rank
+    passed, the node copy this sender wrote before is unlinked and this one kept
+    (:func:`node_copy_of`); after any other outcome this one is unlinked."""
     route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
     return _send(sender, route, weights, weights_version, progress, same_host=frozenset(same_host),
-                 require_shm=require_shm, relays={r: tuple(sorted(p)) for r, p in (relays or {}).items() if p})
+                 require_shm=require_shm, relays={r: tuple(sorted(p)) for r, p in (relays or {}).items() if p},
+                 node_copy_owner=node_copy_owner)
+
+
+def node_copy_of(sender: Sender) -> str | None:
+    """The node copy ``sender`` wrote for its last committed transfer (kept named), if any."""
+    return sender._node_copy
 
 
 def send_to(
@@ -857,6 +881,7 @@ def _send(
     same_host: frozenset[int],
     require_shm: bool,
     relays: Mapping[int, tuple[int, ...]] | None = None,
+    node_copy_owner: int | None = None,
 ) -> SyncReport:
     """One transfer on the same-host route (see the module docstring)."""
     comm = route.comm
@@ -884,7 +909,19 @@ def _send(
     slots: _Slots | None = None
     fresh = False
     fallback: str | None = None
-    if readers:
+    node: NodeCopy | None = None
+    if readers and node_copy_owner is not None:
+        try:
+            _require_host_memory(comm, manifest.total_bytes)
+            node = NodeCopy.create(comm.group, group_version=comm.version, owner=node_copy_owner,
+                                   weights_version=weights_version, manifest=encode_manifest(manifest),
+                                   data_bytes=manifest.total_bytes)
+        except SharedMemoryUnavailable as exc:
+            if require_shm:
+                comm.abort(f"shared memory unavailable: {exc.problem}")
+                raise
+            fallback = f"node copy: {exc}; the slots instead"  # the readers stage privately
+    if readers and node is None:
         try:
             memory = _slot_memory(comm, capacity)
             slots, fresh = _slots_for(sender, comm, capacity, min(2, len(buckets)) or 1, set(readers), memory)
@@ -896,8 +933,9 @@ def _send(
             net, readers = sorted(net + readers), []
     routes = {**{r: "shm" for r in readers}, **{r: "collective" for r in net}, **{p: "relay" for p in relayed}}
     chan = Channel.bind(group=comm.group, version=comm.version, rank=comm.rank) if readers else None
-    nslots = len(slots.segments) if slots is not None and readers else 2
+    nslots = 1 if node is not None else len(slots.segments) if slots is not None and readers else 2
     waiter = _Waiter(route, chan, {}, nslots)
+    node_pending: list[Pending] = []  # the node copy's sends, waited once after the last bucket
     hasher = StreamHasher(len(entries)) if known is None else None
     digests: list[int] = []
     stage = "manifest"
@@ -907,7 +945,8 @@ def _send(
         offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
                       tuple(s.name for s in slots.segments) if slots and readers else (), fresh,
                       tuple(readers), tuple(net), fallback, tuple(sorted(relays.items())), require_shm, NET_CHUNK,
-                      handles=slots.device.handles if slots and slots.device and readers else ())
+                      handles=slots.device.handles if slots and slots.device and readers else (),
+                      node_copy=node.name if node is not None else "", owner=node_copy_owner if node else 0)
         route.send_message(encode_offer(offer), stage)
         if relays:
             stage = "relay offers"
@@ -921,7 +960,10 @@ def _send(
                     net = sorted(net + list(peers))
                     routes.update({p: "collective" for p in peers})
                     fallback = "; ".join(filter(None, [fallback, f"relay rank {r}: {theirs.fallback}"]))
-        if slots is not None and readers:
+        if node is not None:
+            stage = "attach"
+            waiter.hellos(readers, stage)  # the node copy keeps its name: a newcomer maps it later
+        elif slots is not None and readers:
             stage = "attach"
             waiter.hellos(readers, stage)
             if fresh:  # every reader mapped them: the names go, the memory stays with the mappings
@@ -938,7 +980,12 @@ def _send(
             waiter.free(slot, stage)
             one = b.single
             pending: list[Pending] = []
-            if slots is not None and readers:
+            if node is not None:  # written once at its place in the layout; read in place
+                assert chan is not None
+                data = node.data[b.start : b.start + b.nbytes]
+                _copy_hash(b, data, _in_tensors(sources), hasher, hash_source=True, filled=_both(
+                    _announcer(chan, readers, b.index, 0), sends.filler(b, data, node_pending, stage) if net else None))
+            elif slots is not None and readers:
                 assert chan is not None
                 seg = slots.segments[slot]
                 data = slots.data(slot)[: b.nbytes]
@@ -957,7 +1004,10 @@ def _send(
                 data = sender._buffer(slot, b.nbytes, comm.device)
                 _copy_hash(b, data, _in_tensors(sources), hasher, filled=sends.filler(b, data, pending, stage))
             digests.append(hasher.bucket_digest(b) if hasher is not None else known.bucket_checksums[b.index])
-            waiter.busy[slot] = (b.index, set(readers), pending)
+            if node is None:
+                waiter.busy[slot] = (b.index, set(readers), pending)
+            elif b.index == n - 1:  # nothing is recycled: the readers only say when they are through
+                waiter.busy[0] = (b.index, set(readers), node_pending)
             if progress is not None:
                 progress(b.index + 1, n)
         stage = "last buckets"
@@ -971,28 +1021,47 @@ def _send(
         stage = "commit vote"
         votes = route.vote(VOTE_COMMIT, stage)
     except SharedMemoryUnavailable as exc:
-        _sender_failed(sender, comm, chan, readers, stage, exc)
+        _sender_failed(sender, comm, chan, readers, stage, exc, node)
         raise
     except (TransportError, DeadlineExceeded) as exc:
-        _sender_failed(sender, comm, chan, readers, stage, exc)
+        _sender_failed(sender, comm, chan, readers, stage, exc, node)
         raise _with_stage(exc, stage, weights_version, route) from exc
     except BaseException as exc:
-        _sender_failed(sender, comm, chan, readers, stage, exc)
+        _sender_failed(sender, comm, chan, readers, stage, exc, node)
         raise
     finally:
         if chan is not None:
             chan.close()
+    if node is not None:
+        _settle_node_copy(sender, node, committed=all(v == VOTE_COMMIT for v in votes.values()))
     return sender._report(comm, manifest, state, len(buckets), started, votes, routes, fallback)
 
 
+def _settle_node_copy(sender: Sender, node: NodeCopy, *, committed: bool) -> None:
+    """After the vote: a version every rank committed keeps its node copy (the source of
+    newcomers on the node) and the one this sender wrote before goes; any other outcome
+    unlinks the new one (the ranks that committed it keep their mappings). The writer's own
+    mapping goes either way: it never reads the copy again."""
+    if committed:
+        if sender._node_copy not in (None, node.name):
+            unlink_names([sender._node_copy])
+        sender._node_copy = node.name
+    else:
+        node.unlink()
+    node.close()
+
+
 def _sender_failed(sender: Sender, comm: Communicator, chan: Channel | None, readers: Sequence[int],
-                   stage: str, exc: BaseException) -> None:
+                   stage: str, exc: BaseException, node: NodeCopy | None = None) -> None:
     if chan is not None:
         for r in readers:
             # a reader that is gone or never said hello: its pid check or deadline ends it
             with contextlib.suppress(TransportError):
                 chan.send({"kind": "failed", "reason": f"{type(exc).__name__} during {stage}"}, to=r)
     drop_slots(sender)
+    if node is not None:  # a failed version's node copy never stays
+        node.unlink()
+        node.close()
     comm.abort(f"weight transfer failed during {stage}")
 
 
@@ -1021,6 +1090,8 @@ class _Receiving:
     read: Offer | None = None
     chan: Channel | None = None
     relay: _Relay | None = None
+    #: the node copy it verifies in place (``staging: node``)
+    node: NodeCopy | None = None
 
     def close(self) -> None:
         if self.chan is not None:
@@ -1096,15 +1167,22 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
         manifest = decode_manifest(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
         at.stage = "offer"
         offer = decode_offer(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
-        staging = receiver._staging(manifest.total_bytes, comm.device)
+        in_place = comm.rank in offer.shm and bool(offer.node_copy)
+        if in_place:  # nothing private: the node copy is the staging
+            at.node = _map_node_copy(offer, comm, manifest, src)
+            staging = (at.node.data, 0)
+        else:
+            staging = receiver._staging(manifest.total_bytes, comm.device)
+            _zero_padding(staging[0], manifest)
         flat = staging[0]
-        _zero_padding(flat, manifest)
         buckets = bucket_segments(manifest.tensors, manifest.buckets)
         hasher = StreamHasher(len(manifest.tensors))
         digests: list[int] = []
         peers = dict(offer.relays).get(comm.rank, ())
         relay = next((r for r, ps in offer.relays if comm.rank in ps), None)
-        if comm.rank in offer.shm:
+        if in_place:
+            _verify_in_place(receiver, route, at, offer, src, buckets, flat, hasher, digests, progress)
+        elif comm.rank in offer.shm:
             _read(receiver, route, at, offer, src, manifest, buckets, flat, hasher, digests, progress)
         elif relay is not None:
             at.stage = "relay offer"
@@ -1144,7 +1222,58 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
         raise
     finally:
         at.close()
-    return receiver._conclude(comm, manifest, seal, staging, kept, problem, own)
+    return receiver._conclude(comm, manifest, seal, staging, kept, problem, own,
+                              node=at.node.name if at.node is not None else None)
+
+
+def _map_node_copy(offer: Offer, comm: Communicator, manifest: Manifest, writer: int) -> NodeCopy:
+    node = NodeCopy.attach(offer.node_copy, group=comm.group, owner=offer.owner, group_version=comm.version,
+                           writer=offer.pid)
+    try:
+        node.check_holds(manifest)
+    except BaseException:
+        node.close()
+        raise
+    return node
+
+
+def _verify_in_place(
+    receiver: Receiver, route: _Route, at: _Receiving, offer: Offer, writer: int, buckets: Sequence[Bucket],
+    flat: torch.Tensor, hasher: StreamHasher, digests: list[int], progress: Progress | None,
+) -> None:
+    """Hash every bucket where the sender writes it in the node copy (``flat``, this
+    member's private mapping of it), following the writer's ``ready`` signals a
+    :data:`PIECE` at a time; nothing is copied. Says ``released`` once, after the last bucket."""
+    comm = route.comm
+    n = len(buckets)
+    at.stage = "attach"
+    at.read = offer
+    at.chan = chan = Channel.connect(offer.endpoint, comm.rank, group=comm.group, version=comm.version,
+                                     writer=writer)
+    chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
+    follow = _Follower(chan, route, {writer: offer.pid}, 1)
+    for b in buckets:
+        at.stage = f"bucket {b.index + 1}/{n}"
+        follow.start(b.index, b.nbytes, at.stage)
+        data = flat[b.start : b.start + b.nbytes]
+        # chaos: this reader sees a damaged bucket. Damaged in what it hashes, never in the
+        # node copy, which the other readers verify too.
+        damaged = b.segments[0].bucket_offset if receiver._corrupt_next and b.segments else -1
+        receiver._corrupt_next = receiver._corrupt_next and damaged < 0
+        for lo in range(0, b.nbytes, PIECE):
+            hi = min(lo + PIECE, b.nbytes)
+            follow.awaiting(hi)
+            piece = data
+            if lo <= damaged < hi:
+                piece = data[:hi].clone()
+                piece[damaged] ^= 0xFF
+            _hash_range(b, piece, hasher, lo, hi)
+        follow.awaiting(b.nbytes)  # the writer's last word on this bucket, before the next one's
+        digests.append(hasher.bucket_digest(b))
+        if progress is not None:
+            progress(b.index + 1, n)
+    if buckets:
+        chan.send({"kind": "released", "bucket": buckets[-1].index})
 
 
 def _read(
@@ -1373,6 +1502,10 @@ def _receiver_failed(comm: Communicator, at: _Receiving, exc: BaseException) -> 
         at.relay.failed(at.stage, exc)
     if at.read is not None and at.read.segments and not pid_alive(at.read.pid):
         unlink_names(at.read.segments)  # a writer SIGKILLed before it could unlink its own
+    if at.node is not None:
+        if not pid_alive(at.node.writer):
+            at.node.unlink()  # a failed version's node copy never stays, whoever dies
+        at.node.close()
     drop_mappings(group=comm.group)
     comm.abort(f"weight transfer failed during {at.stage}")
 

@@ -60,17 +60,21 @@ _MAGIC = 0x6674736873656731  # "ftshseg1"
 # magic, group version, creator pid, slot, capacity | bucket index + 1 (0: none), weights version, nbytes
 _FIXED = struct.Struct("<QQQQQ")
 _BUCKET = struct.Struct("<QQQ")
-_NAME = re.compile(r"^ftstate-(?P<group>[A-Za-z0-9_.]+)-v(?P<version>\d+)-p(?P<pid>\d+)-g(?P<gen>\d+)-s(?P<slot>\d+)$")
+# ``-s<slot>``: a slot of a double buffer; ``-n0``: a node copy (ftstate.transport.nodecopy), whose
+# ``p<pid>`` is its owner's (the node agent's), not its writer's
+_NAME = re.compile(r"^ftstate-(?P<group>[A-Za-z0-9_.]+)-v(?P<version>\d+)-p(?P<pid>\d+)-g(?P<gen>\d+)"
+                   r"-(?P<kind>[sn])(?P<slot>\d+)$")
 
 
-def _safe_group(group: str) -> str:
+def safe_group(group: str) -> str:
+    """``group`` as it appears in a segment's name."""
     safe = re.sub(r"[^A-Za-z0-9_.]", "_", group)
     return safe[:64] or "_"
 
 
 def segment_name(group: str, version: int, pid: int, generation: int, slot: int) -> str:
     """The name of slot ``slot`` of generation ``generation`` made by ``pid`` for ``group`` vN."""
-    return f"{PREFIX}{_safe_group(group)}-v{version}-p{pid}-g{generation}-s{slot}"
+    return f"{PREFIX}{safe_group(group)}-v{version}-p{pid}-g{generation}-s{slot}"
 
 
 def parse_name(name: str) -> dict[str, int | str] | None:
@@ -79,7 +83,7 @@ def parse_name(name: str) -> dict[str, int | str] | None:
     if m is None:
         return None
     return {"group": m["group"], "version": int(m["version"]), "pid": int(m["pid"]),
-            "generation": int(m["gen"]), "slot": int(m["slot"])}
+            "generation": int(m["gen"]), "slot": int(m["slot"]), "kind": "node" if m["kind"] == "n" else "slot"}
 
 
 def pid_alive(pid: int) -> bool:
@@ -156,7 +160,7 @@ class Segment:
         group version: an older one raises :class:`StaleGroupVersion` (nothing is read), any
         other disagreement :class:`~ftstate.core.errors.ManifestError` (field ``segment``)."""
         fields = parse_name(name)
-        if fields is None or fields["group"] != _safe_group(group) or fields["pid"] != creator_pid:
+        if fields is None or fields["group"] != safe_group(group) or fields["pid"] != creator_pid:
             raise ManifestError(f"shared-memory segment {name!r} is not the sender's (group {group!r}, "
                                 f"pid {creator_pid})", field="segment")
         if int(fields["version"]) != group_version:
@@ -279,6 +283,7 @@ __all__ = [
     "list_segments",
     "parse_name",
     "pid_alive",
+    "safe_group",
     "segment_name",
     "sweep_orphans",
     "unlink_names",

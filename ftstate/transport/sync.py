@@ -160,6 +160,8 @@ class CommittedWeights:
     # the verified seal and the windows it covers, so a resend with the same plan need not re-hash
     _windows: tuple[tuple[int, int], ...] | None = field(default=None, repr=False, compare=False)
     _seal: Seal | None = field(default=None, repr=False, compare=False)
+    # the node copy whose mapping ``tensors`` view (ftstate.transport.nodecopy), None: a private buffer
+    _node: str | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -478,6 +480,7 @@ class Sender:
         self.bucket_size = bucket_size
         self._pack: list[torch.Tensor | None] = [None, None]
         self._samehost: Any = None  # the shared-memory slots of the same-host route (samehost.py)
+        self._node_copy: str | None = None  # the last node copy it wrote that was committed (nodecopy.py)
 
     def broadcast(
         self,
@@ -862,15 +865,18 @@ class Receiver:
 
     def _conclude(
         self, comm: Communicator, manifest: Manifest, seal: Seal, staging: tuple[torch.Tensor, int],
-        kept: CommittedWeights | None, problem: str | None, own: int,
+        kept: CommittedWeights | None, problem: str | None, own: int, node: str | None = None,
     ) -> CommittedWeights:
         """After the vote: raise :class:`ChecksumMismatch` for ``problem`` (keeping what was
         committed), else commit the staged state (one reference assignment). ``own``: this
         member's whole-state checksum of the bytes it received (:func:`_own_state_checksum`),
-        what it reports as holding, never the seal's."""
+        what it reports as holding, never the seal's. ``node``: ``staging`` is a mapping of
+        that node copy (:mod:`ftstate.transport.nodecopy`), never a buffer to recycle, and
+        once it is committed no private copy is kept beside it."""
         kept_version = kept.weights_version if kept is not None else None
         if problem is not None:
-            self._spare = staging  # verified as garbage, but the buffer is ours to reuse
+            if node is None:
+                self._spare = staging  # verified as garbage, but the buffer is ours to reuse
             kept_text = f"kept weights version {kept_version}" if kept is not None else "kept no weights"
             log.warning(
                 "weights rejected",
@@ -899,9 +905,12 @@ class Receiver:
             _windows=manifest.buckets,
             _seal=seal,
             _baseline=baseline,
+            _node=node,
         )
         self._committed = new  # the commit: one reference assignment
-        if kept is not None and kept._flat is not None:
+        if node is not None:
+            self._spare = None
+        elif kept is not None and kept._flat is not None and kept._node is None:
             self._spare = (kept._flat, kept._baseline)
         log.info(
             "weights committed",

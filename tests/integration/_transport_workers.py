@@ -122,16 +122,28 @@ class _Member:
         return {"weights_version": got.weights_version, "checksum": got.state_checksum, "group_version": got.group_version}
 
     def broadcast_planned(self, timeout_s: float, same_host: list[int], require_shm: bool = False,
-                          kill_at: int | None = None, relays: dict[int, list[int]] | None = None) -> dict[str, Any]:
+                          kill_at: int | None = None, relays: dict[int, list[int]] | None = None,
+                          node_copy_owner: int | None = None) -> dict[str, Any]:
         from ftstate.transport import samehost
 
         report = samehost.broadcast(
             self.sender, self.comm, self.weights, same_host=same_host, relays=relays, require_shm=require_shm,
             weights_version=self.weights_version, timeout_s=timeout_s, progress=self._progress(kill_at),
+            node_copy_owner=node_copy_owner,
         )
         return {"committed": list(report.committed), "rejected": dict(report.rejected),
                 "checksum": report.state_checksum, "buckets": report.num_buckets,
-                "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback}
+                "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback,
+                "node_copy": samehost.node_copy_of(self.sender)}
+
+    def adopt(self, name: str, owner: int, weights_version: int, checksum: str) -> dict[str, Any]:
+        """A newcomer on the node takes the committed node copy ``name`` (ftstate.transport.nodecopy)."""
+        from ftstate.transport import nodecopy
+
+        got = nodecopy.adopt(self.receiver, name, group=GROUP, owner=owner, weights_version=weights_version,
+                             checksum=checksum)
+        return {"weights_version": got.weights_version, "checksum": got.state_checksum, "node": got._node}
+
 
     def receive_planned(self, timeout_s: float, src: int = 0, point_to_point: bool = False,
                         kill_at: int | None = None) -> dict[str, Any]:
@@ -315,7 +327,8 @@ class _Member:
         if c is None:
             return None
         return {"weights_version": c.weights_version, "checksum": c.state_checksum,
-                "recomputed": state_checksum(c.tensors)}
+                "recomputed": state_checksum(c.tensors), "node": c._node,
+                "spare": self.receiver._spare is not None}
 
     def committed_bytes(self) -> dict[str, tuple[str, list[int], bytes]]:
         """Every committed tensor as (dtype, shape, raw bytes), for bit-exact comparison."""

@@ -35,7 +35,8 @@ class TestNamesAndHeaders:
     def test_a_name_carries_group_version_creator_and_slot(self):
         name = shm.segment_name("my/group", 7, 1234, 3, 1)
         assert name == "ftstate-my_group-v7-p1234-g3-s1"
-        assert shm.parse_name(name) == {"group": "my_group", "version": 7, "pid": 1234, "generation": 3, "slot": 1}
+        assert shm.parse_name(name) == {"group": "my_group", "version": 7, "pid": 1234, "generation": 3, "slot": 1,
+                                        "kind": "slot"}
         assert shm.parse_name("ftstate-something-else") is None
 
     def test_a_reader_sees_what_the_sender_wrote(self, made):

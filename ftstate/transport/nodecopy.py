@@ -1,0 +1,258 @@
+"""The node copy: one full-size shared-memory copy of a weights version per node, verified in place.
+
+With ``staging: node`` (:mod:`ftstate.core.config`) the same-host route
+(:mod:`ftstate.transport.samehost`) does not recycle two bucket slots: the sender writes the
+incoming version once into a new segment holding the whole flat layout of the transfer (the
+*node copy*), and every rollout on its node verifies it **in place**: it hashes the mapped
+bytes as they are announced and keeps no private staging copy. Only after the vote does a
+rollout hand views into the node copy to its ``load_weights`` (the engine copies from there
+into its own weights), and its committed state (:class:`~ftstate.transport.sync.CommittedWeights`)
+stays those views. So the node holds one extra copy of the weights at rest and two during a
+sync (the committed one and the incoming one), whatever the number of rollouts on it::
+
+    ftstate-<group>-v<group version>-p<owner pid>-g<generation>-n0
+    [header page: magic, group version, owner pid, writer pid, weights version,
+                  manifest bytes, data bytes | manifest (msgpack)] [data: the flat layout]
+
+**Self-describing.** The segment carries the transfer's manifest, so a newcomer on the node
+(:func:`adopt`) maps the committed node copy, rebuilds the tensors from it, hashes them, and
+commits only when the whole-state checksum is the one the controller knows committed: no
+collective, no sender, memory speed. The manifest's layout needs no trust of its own: every
+byte taken at its offsets goes into the checksum that must match.
+
+**Ownership.** The name's pid is the *owner's*, not the writer's: a small per-node agent
+(:mod:`ftstate.controller.nodecopies`) that outlives every worker on the node. The name is
+kept (a newcomer must find it) while the version is committed; the writer unlinks it on every
+failure and when a later version of its own is committed, and the agent unlinks every other
+one at the controller's word (after a sync or a failed one, at the run's end). A SIGKILLed
+rollout or trainer therefore leaves the node copy in place; a SIGKILLed agent leaves an
+orphan (:func:`~ftstate.transport.shm.sweep_orphans` removes it, as for slots).
+
+**Mappings.** The writer maps it shared and populated; a reader maps it *private*
+(copy-on-write) and only reads it: nothing it or its user code writes into its tensors
+reaches the other rollouts, and pages it only reads stay the node's one copy (they count
+in every reader's Pss, shared, not in its private memory). The mapping lives as long as
+anything references its tensors (the ``mmap`` behind :attr:`NodeCopy.data`); dropping the
+committed state unmaps it, and the memory returns to the system once the name is unlinked
+and the last process unmapped it.
+
+**What in place costs.** The bytes a rollout verified are still writable by any process of
+the same user that maps the segment shared (as are the slots'); a write after the vote is
+caught by the checksum the host computes at commit (:meth:`WorkerHost.commit_weights`
+hashes what it handed to ``load_weights``, or ``held_weights()``), not by the vote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import struct
+import types
+from typing import TYPE_CHECKING
+
+from ftstate.core.errors import ChecksumMismatch, ManifestError, SharedMemoryUnavailable
+from ftstate.transport.shm import (
+    HEADER_BYTES,
+    PREFIX,
+    SHM_DIR,
+    list_segments,
+    parse_name,
+    safe_group,
+    unlink_names,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from ftstate.transport.manifest import Manifest
+    from ftstate.transport.sync import CommittedWeights, Receiver
+
+_MAGIC = 0x6674736e6f646531  # "ftsnode1"
+# magic, group version, owner pid, writer pid, weights version, manifest bytes, data bytes
+_FIXED = struct.Struct("<QQQQQQQ")
+
+_generations = itertools.count(1)
+
+
+def copy_name(group: str, group_version: int, owner: int, generation: int) -> str:
+    """The name of a node copy of ``group`` at ``group_version``, owned by process ``owner``."""
+    return f"{PREFIX}{safe_group(group)}-v{group_version}-p{owner}-g{generation}-n0"
+
+
+def is_copy(name: str) -> bool:
+    fields = parse_name(name)
+    return fields is not None and fields["kind"] == "node"
+
+
+def copies_of(owner: int) -> list[str]:
+    """The node copies in ``/dev/shm`` owned by process ``owner``."""
+    return [n for n in list_segments() if is_copy(n) and parse_name(n)["pid"] == owner]  # type: ignore[index]
+
+
+def _data_offset(manifest_bytes: int) -> int:
+    return -(-(_FIXED.size + manifest_bytes) // HEADER_BYTES) * HEADER_BYTES
+
+
+class NodeCopy:
+    """One mapping of a node copy: :attr:`data` is a uint8 tensor over its flat layout.
+
+    :meth:`create` (the writer, mapped shared) or :meth:`attach` (a reader, mapped
+    private). :meth:`close` drops this object's hold on the mapping; tensors made from
+    :attr:`data` keep it mapped until they go."""
+
+    def __init__(self, name: str, mm: mmap.mmap, *, group_version: int, owner: int, writer: int,
+                 weights_version: int, manifest: bytes, data_bytes: int) -> None:
+        import torch  # here: the agent that lists and unlinks copies needs no torch
+
+        self.name = name
+        self.group_version = group_version
+        self.owner = owner
+        self.writer = writer
+        self.weights_version = weights_version
+        self.manifest = manifest
+        self.data_bytes = data_bytes
+        self._mm: mmap.mmap | None = mm
+        self.data: torch.Tensor = torch.frombuffer(mm, dtype=torch.uint8, offset=_data_offset(len(manifest)),
+                                                   count=data_bytes) if data_bytes else torch.empty(0, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, group: str, *, group_version: int, owner: int, weights_version: int, manifest: bytes,
+               data_bytes: int) -> NodeCopy:
+        """A new node copy (a fresh name), reserved at once (``posix_fallocate``: a full
+        ``/dev/shm`` fails here with :class:`SharedMemoryUnavailable`, not with a SIGBUS
+        mid-bucket), mapped shared and populated, its header and manifest written."""
+        name = copy_name(group, group_version, owner, next(_generations))
+        path = SHM_DIR / name
+        size = _data_offset(len(manifest)) + data_bytes
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as exc:
+            raise SharedMemoryUnavailable(path=str(path), nbytes=size, problem=os.strerror(exc.errno or 0)) from exc
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                st = os.statvfs(SHM_DIR)
+                raise SharedMemoryUnavailable(
+                    path=str(path), nbytes=size,
+                    problem=f"the node copy does not fit: {os.strerror(exc.errno or 0)} "
+                            f"({st.f_bavail * st.f_frsize} bytes free in {SHM_DIR})") from exc
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        _FIXED.pack_into(mm, 0, _MAGIC, group_version, owner, os.getpid(), weights_version, len(manifest), data_bytes)
+        mm[_FIXED.size : _FIXED.size + len(manifest)] = manifest
+        return cls(name, mm, group_version=group_version, owner=owner, writer=os.getpid(),
+                   weights_version=weights_version, manifest=manifest, data_bytes=data_bytes)
+
+    @classmethod
+    def attach(cls, name: str, *, group: str, owner: int, group_version: int | None = None,
+               writer: int | None = None) -> NodeCopy:
+        """Map an existing node copy privately, after checking its name and header against
+        what the caller was told (``group``, ``owner``, and when given the ``group_version``
+        and the ``writer``'s pid): :class:`ManifestError` (field ``node_copy``) naming the
+        segment and what disagrees; one that is gone (unlinked: its sync failed or a later
+        version replaced it) says so."""
+        fields = parse_name(name)
+        if fields is None or fields["kind"] != "node" or fields["group"] != safe_group(group) \
+                or fields["pid"] != owner or (group_version is not None and fields["version"] != group_version):
+            raise ManifestError(f"node copy {name!r} is not one of group {group!r} v{group_version} owned by "
+                                f"pid {owner}", field="node_copy")
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDONLY)
+        except OSError as exc:
+            raise ManifestError(f"node copy {name!r} cannot be opened: {os.strerror(exc.errno or 0)} (unlinked: "
+                                "its sync failed, or a later version replaced it)", field="node_copy") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise ManifestError(f"node copy {name!r} is {size} bytes, shorter than its header", field="node_copy")
+            mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        magic, gv, own, wpid, wv, mlen, dlen = _FIXED.unpack_from(mm, 0)
+        problem = None
+        if magic != _MAGIC:
+            problem = f"bad magic {magic:#x}"
+        elif gv != fields["version"] or own != owner:
+            problem = f"its header says group version {gv} and owner {own}, its name v{fields['version']} and {owner}"
+        elif writer is not None and wpid != writer:
+            problem = f"written by pid {wpid}, not the sender's {writer}"
+        elif _data_offset(mlen) + dlen > size:
+            problem = f"its manifest ({mlen} bytes) and data ({dlen} bytes) exceed its size {size}"
+        if problem is not None:
+            mm.close()
+            raise ManifestError(f"node copy {name!r}: {problem}", field="node_copy")
+        manifest = bytes(mm[_FIXED.size : _FIXED.size + mlen])
+        return cls(name, mm, group_version=gv, owner=own, writer=wpid, weights_version=wv, manifest=manifest,
+                   data_bytes=dlen)
+
+    def check_holds(self, manifest: Manifest) -> None:
+        """That this copy was made for ``manifest`` (its weights version and its whole layout)."""
+        if self.weights_version != manifest.weights_version or self.data_bytes < manifest.total_bytes:
+            raise ManifestError(
+                f"node copy {self.name!r} holds weights version {self.weights_version} in {self.data_bytes} bytes, "
+                f"expected version {manifest.weights_version} in {manifest.total_bytes}", field="node_copy")
+
+    def unlink(self) -> None:
+        unlink_names([self.name])
+
+    def close(self) -> None:
+        """Drop this object's hold on the mapping (tensors made from :attr:`data` keep it)."""
+        import torch
+
+        self._mm = None
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+
+def tensors_of(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """The manifest's tensors as views into ``flat`` (its whole layout)."""
+    from ftstate.transport.checksum import torch_dtype
+
+    return {e.name: flat[e.offset : e.offset + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
+            for e in manifest.tensors}
+
+
+def adopt(receiver: Receiver, name: str, *, group: str, owner: int, weights_version: int,
+          checksum: str) -> CommittedWeights:
+    """A newcomer on the node: map the committed node copy ``name``, hash it in place, and
+    commit it into ``receiver`` only if it is ``weights_version`` with whole-state checksum
+    ``checksum`` (what the controller knows committed). No collective, no sender: a CPU-bound
+    read of the node's memory, bounded by its size. Raises :class:`ManifestError` (the copy is
+    gone or not that version) or :class:`ChecksumMismatch` (its bytes are not that version);
+    either way ``receiver`` keeps what it held."""
+    from ftstate.transport.checksum import state_checksum
+    from ftstate.transport.manifest import decode_manifest
+    from ftstate.transport.sync import CommittedWeights
+
+    node = NodeCopy.attach(name, group=group, owner=owner)
+    try:
+        manifest = decode_manifest(node.manifest, group=group, group_version=node.group_version)
+        node.check_holds(manifest)
+        if manifest.weights_version != weights_version:
+            raise ManifestError(f"node copy {name!r} holds weights version {manifest.weights_version}, expected "
+                                f"{weights_version}", field="node_copy")
+        flat = node.data
+        tensors = tensors_of(flat, manifest)
+        held = state_checksum(tensors)
+        if held != checksum:
+            raise ChecksumMismatch(f"node copy {name!r} of weights version {weights_version} hashes to {held}, "
+                                   f"expected the committed {checksum}; kept what this member held")
+    finally:
+        node.close()
+    new = CommittedWeights(
+        tensors=types.MappingProxyType(tensors), weights_version=weights_version, state_checksum=held, group=group,
+        group_version=manifest.group_version, nbytes=manifest.payload_bytes, _flat=flat, _entries=manifest.tensors,
+        _windows=manifest.buckets, _node=name)
+    receiver._committed = new
+    receiver._spare = None  # the node copy is its staging now: no private copy kept beside it
+    return new
+
+
+__all__ = ["NodeCopy", "adopt", "copies_of", "copy_name", "is_copy", "tensors_of", "unlink_names"]

@@ -1,0 +1,131 @@
+"""The node copy with real processes: one full-size copy per node, verified in place, kept for newcomers.
+
+Same pool of spawned members as test_transport_shm.py (rank 0 writes, ranks 1..2 read). The
+"owner" of the node copies here is this test process (the runtime's is the node agent,
+tests/integration/test_runtime_nodecopy.py). What is checked: readers commit views into one
+node copy (no private staging, no spare kept); the copy stays named while committed and a
+later version replaces it; a damaged bucket at one reader unlinks the new copy while every
+reader keeps a valid state; a sender SIGKILLed mid-bucket leaves nothing committed and the
+failed copy unlinked; a newcomer adopts the committed copy with no transfer at all, and one
+that is gone or not the version asked for is a typed error.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ftstate.transport import nodecopy
+from tests.integration._transport_workers import RemoteError
+from tests.integration.test_transport_shm import (
+    FAST_S,
+    SYNC_S,
+    assert_bit_exact,
+    committed_checksum,
+    expected_checksum,
+)
+
+OWNER = os.getpid()
+
+
+@pytest.fixture
+def group(pool):
+    pool.heal()
+    pool.form()
+    pool.members[0].call("load", seed=1, weights_version=1)
+    yield pool
+    nodecopy.unlink_names(nodecopy.copies_of(OWNER))  # what a test that failed left
+
+
+def in_place(pool, *, members=None, timeout_s: float = SYNC_S) -> dict:
+    trainer, *rollouts = pool.members if members is None else members
+    for r in rollouts:
+        r.start("receive_planned", timeout_s=timeout_s)
+    report = trainer.call("broadcast_planned", timeout_s=timeout_s, same_host=[1, 2], node_copy_owner=OWNER)
+    for r in rollouts:
+        r.result()
+    return report
+
+
+class TestOneCopyPerNode:
+    def test_readers_commit_views_into_one_node_copy_and_keep_no_private_staging(self, group):
+        report = in_place(group)
+        assert report["committed"] == [1, 2] and report["shm_fallback"] is None
+        assert nodecopy.copies_of(OWNER) == [report["node_copy"]]
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 1)
+            assert committed_checksum(rollout) == expected_checksum(1)
+            info = rollout.call("committed")
+            assert info["node"] == report["node_copy"] and not info["spare"]
+
+    def test_a_later_version_replaces_the_copy_and_the_first_is_unlinked(self, group):
+        first = in_place(group)["node_copy"]
+        group.members[0].call("load", seed=2, weights_version=2)
+        second = in_place(group)["node_copy"]
+        assert second != first and nodecopy.copies_of(OWNER) == [second]
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 2)
+
+    def test_a_damaged_bucket_at_one_reader_unlinks_the_new_copy(self, group):
+        trainer, damaged, clean = group.members
+        kept = in_place(group)["node_copy"]
+        trainer.call("load", seed=7, weights_version=2)
+        damaged.call("corrupt_next_bucket")
+        damaged.start("receive_planned", timeout_s=SYNC_S)
+        clean.start("receive_planned", timeout_s=SYNC_S)
+        report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2], node_copy_owner=OWNER)
+        with pytest.raises(RemoteError) as info:
+            damaged.result()
+        assert info.value.isinstance("ChecksumMismatch"), info.value.info
+        clean.result()
+        assert report["rejected"] == {1: "ChecksumMismatch"}
+        # the damage was in what the reader hashed, never in the copy the other one verified
+        assert committed_checksum(damaged) == expected_checksum(1)
+        assert committed_checksum(clean) == expected_checksum(7)
+        assert nodecopy.copies_of(OWNER) == [kept] and report["node_copy"] == kept
+
+    def test_sender_killed_mid_bucket_commits_nothing_and_unlinks_the_failed_copy(self, group):
+        kept = in_place(group)["node_copy"]
+        trainer, *rollouts = group.members
+        trainer.call("load", seed=3, weights_version=2)
+        for r in rollouts:
+            r.start("receive_planned", timeout_s=SYNC_S)
+        trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2], node_copy_owner=OWNER, kill_at=3)
+        assert trainer.outcome()[0] == "died"
+        for r in rollouts:
+            with pytest.raises(RemoteError) as info:
+                r.result(FAST_S)
+            assert info.value.isinstance("PeerLost"), info.value.info
+            assert committed_checksum(r) == expected_checksum(1)
+        # the committed copy survives its writer; the failed one went with the readers' failure
+        assert nodecopy.copies_of(OWNER) == [kept]
+
+
+class TestNewcomer:
+    def test_a_newcomer_adopts_the_committed_copy_without_a_transfer(self, group):
+        report = in_place(group)
+        newcomer = group.members[2]
+        newcomer.call("reset_receiver")
+        got = newcomer.call("adopt", name=report["node_copy"], owner=OWNER, weights_version=1,
+                            checksum=expected_checksum(1))
+        assert got == {"weights_version": 1, "checksum": expected_checksum(1), "node": report["node_copy"]}
+        assert_bit_exact(newcomer, 1)
+
+    def test_a_copy_that_is_gone_or_of_another_version_is_refused_and_nothing_is_adopted(self, group):
+        report = in_place(group)
+        newcomer = group.members[2]
+        newcomer.call("reset_receiver")
+        with pytest.raises(RemoteError, match="holds weights version 1, expected 2") as info:
+            newcomer.call("adopt", name=report["node_copy"], owner=OWNER, weights_version=2,
+                          checksum=expected_checksum(1))
+        assert info.value.isinstance("ManifestError")
+        with pytest.raises(RemoteError, match="expected the committed") as info:
+            newcomer.call("adopt", name=report["node_copy"], owner=OWNER, weights_version=1,
+                          checksum=expected_checksum(2))
+        assert info.value.isinstance("ChecksumMismatch")
+        nodecopy.unlink_names([report["node_copy"]])
+        with pytest.raises(RemoteError, match="cannot be opened") as info:
+            newcomer.call("adopt", name=report["node_copy"], owner=OWNER, weights_version=1,
+                          checksum=expected_checksum(1))
+        assert newcomer.call("committed") is None
