@@ -38,15 +38,18 @@ from ftstate.controller.calls import ActorCalls
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import Member, Membership, walk_proven
+from ftstate.controller.nodecopies import NodeCopies
 from ftstate.controller.ranks import recover_ranks
 from ftstate.controller.sync import plan_for
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
+    ChecksumMismatch,
     FTError,
     HeldWeightsMismatch,
     LossyRecoveryRefused,
+    ManifestError,
     MemberLost,
     StaleCheckpointRefused,
     TransportError,
@@ -96,6 +99,7 @@ class Failover:
         trainer_lossy: bool,
         trainer_class_name: str,
         rank_local_calls: bool = False,
+        node_copies: NodeCopies | None = None,
     ) -> None:
         self.config = config
         self.audit = audit
@@ -107,6 +111,8 @@ class Failover:
         self.trainer_lossy = trainer_lossy
         self.trainer_class_name = trainer_class_name
         self.rank_local_calls = rank_local_calls
+        #: ``staging: node``: each node's committed copy, which a rollout newcomer there adopts
+        self.node_copies = node_copies
         self.records: list[FailoverRecord] = []
         self._pending: list[tuple[Member, float]] = []
         self._spare_seq = 0
@@ -180,7 +186,8 @@ class Failover:
     async def _warm(self, m: Member) -> None:
         try:
             info = await self.calls.call(m.name, m.handle, "prewarm")
-            if self.staging_bytes:  # part of warming: a STANDBY spare is ready to receive at full speed
+            if self.staging_bytes and not self._adopts(m.role, info.get("node_id")):
+                # part of warming: a STANDBY spare is ready to receive at full speed
                 await self.calls.call(m.name, m.handle, "reserve_staging", self.staging_bytes)
         except WorkerInitError as exc:
             await _constructor_failed(m, exc)  # as if it died warming: LOST, then spare_lost
@@ -200,9 +207,15 @@ class Failover:
         if nbytes <= self.staging_bytes:
             return
         self.staging_bytes = nbytes
-        spares = [m for role in ("trainer", "rollout") for m in self.membership.spares(role, "STANDBY")]
+        spares = [m for role in ("trainer", "rollout") for m in self.membership.spares(role, "STANDBY")
+                  if not self._adopts(role, m.node_id)]
         await asyncio.gather(*(self.calls.call(m.name, m.handle, "reserve_staging", nbytes) for m in spares),
                              return_exceptions=True)
+
+    def _adopts(self, role: str, node_id: str | None) -> bool:
+        """Whether a rollout spare on ``node_id`` would be resynced from its node's copy
+        (``staging: node``), so it needs no staging buffer of its own."""
+        return role == "rollout" and self.node_copies is not None and node_id in self.node_copies.committed
 
     def spare_for(self, role: str, avoid: set[str] | frozenset[str] = frozenset()) -> Member | None:
         spares = [m for m in self.membership.spares(role, "STANDBY") if m.node_id not in avoid]
@@ -582,6 +595,8 @@ class Failover:
                 err = MemberLost(newcomer.name, "no rollout holds the current weights version to rebuild the trainer")
                 await group.fire("fail", reason=str(err), error=err)
                 raise err
+        elif await self._adopt_node_copy(newcomer, version, checksum):
+            return True
         elif not sources:
             return False  # no survivor holds it: the next sync resyncs the newcomer
         # a holder on the newcomer's node first: the plan then reads shared memory, no socket
@@ -605,6 +620,34 @@ class Failover:
         if newcomer.role == "trainer":
             await self._optimizer_policy(newcomer)
             await self._replay(newcomer)
+        await walk_proven(newcomer.machine, "READY")
+        return True
+
+    async def _adopt_node_copy(self, newcomer: Member, version: int, checksum: str) -> bool:
+        """A rollout newcomer on a node holding the committed version's node copy
+        (``staging: node``) takes it from there: mapped and hashed in place, no transfer (route
+        ``node_copy`` in its ``resync`` record). False when there is none; when the copy turns
+        out gone or not that version, the newcomer is STALE again, ``node_copy_fallback``
+        records why, and the caller resyncs it point to point."""
+        copy = self.node_copies.source_for(newcomer.node_id, version, checksum) if self.node_copies else None
+        if copy is None:
+            return False
+        plan = {"sender": "node copy", "node": copy.node_id[:8], "mode": self.config.shared_memory,
+                "routes": {newcomer.name: "node_copy"}, "segment": copy.name}
+        await newcomer.machine.fire("resync", source="node copy", plan=plan)
+        try:
+            got = await self.calls.call(newcomer.name, newcomer.handle, "adopt_node_copy", copy.name, copy.owner,
+                                        copy.group, version, checksum)
+        except (ManifestError, ChecksumMismatch) as exc:
+            self.audit.record("node_copy_fallback", member=newcomer.name, node=copy.node_id[:8],
+                              reason=f"the node copy could not be adopted: {exc}"[:500])
+            await newcomer.machine.fire("resync_failed", reason="node copy refused; point to point instead")
+            return False
+        if got["checksum"] != checksum:
+            raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got["checksum"],
+                                      expected=checksum, what="after loading it from its node's copy")
+        newcomer.machine.weights_version = version
+        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source="node copy")
         await walk_proven(newcomer.machine, "READY")
         return True
 

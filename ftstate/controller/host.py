@@ -217,13 +217,16 @@ class WorkerHost:
 
     async def send_weights(
         self, weights_version: int, timeout_s: float, same_host: list[int] | None = None, require_shm: bool = False,
-        relays: list[tuple[int, list[int]]] | None = None,
+        relays: list[tuple[int, list[int]]] | None = None, node_copy_owner: int | None = None,
     ) -> dict[str, Any]:
         """Trainer: broadcast the user's ``state_dict()`` to the group as ``weights_version``.
         ``timeout_s`` bounds the transfer (the controller passes what is left of sync_timeout_s).
         ``same_host``: the plan's ranks on this node, which read shared memory
         (:mod:`ftstate.transport.samehost`; ``require_shm``: fail rather than fall back);
         ``relays``: ``(relay rank, its node peers' ranks)`` of the plan's other nodes.
+        ``node_copy_owner`` (``staging: node``): the pid of this node's agent, which owns the node
+        copy the same-host ranks verify in place (:mod:`ftstate.transport.nodecopy`); the result's
+        ``node_copy`` names it once committed.
         A ``state_dict()`` the transport cannot send (not a mapping, empty, a value that is not
         a dense tensor on the backend's device…) raises
         :class:`~ftstate.core.errors.StateDictError` naming this member and the tensor, before
@@ -249,6 +252,7 @@ class WorkerHost:
                         samehost.broadcast, self._sender, comm, state, same_host=same_host or [],
                         relays={r: list(p) for r, p in relays or ()}, require_shm=require_shm,
                         weights_version=weights_version, timeout_s=timeout_s, progress=self._on_bucket,
+                        node_copy_owner=node_copy_owner,
                     )
                 else:
                     report = await asyncio.to_thread(
@@ -263,7 +267,8 @@ class WorkerHost:
         self._tick()
         return {"checksum": report.state_checksum, "nbytes": report.nbytes,
                 "rejected": {int(k): v for k, v in report.rejected.items()},
-                "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback}
+                "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback,
+                "node_copy": report.node_copy}
 
     async def receive_weights(
         self, weights_version: int, src: int, timeout_s: float, planned: bool = False
@@ -473,6 +478,32 @@ class WorkerHost:
         self._tick()
         # The controller compares ``checksum`` (what this member holds) with the sender's.
         return {"checksum": held, "received": staged.state_checksum, "weights_version": weights_version}
+
+    async def adopt_node_copy(self, name: str, owner: int, group: str, weights_version: int,
+                              checksum: str) -> dict[str, Any]:
+        """Rollout newcomer: take the committed version from its node's copy ``name`` (owned by
+        pid ``owner``; :func:`ftstate.transport.nodecopy.adopt`: hashed in place, committed only
+        if it is ``weights_version`` with ``checksum``), then ``load_weights`` it. No transfer:
+        the result's ``route`` says so for the controller's records."""
+        from ftstate.transport import Receiver, nodecopy
+
+        if self._receiver is None:
+            self._receiver = Receiver()
+        self.busy = True
+        try:
+            staged = await asyncio.to_thread(nodecopy.adopt, self._receiver, name, group=group, owner=owner,
+                                             weights_version=weights_version, checksum=checksum)
+        finally:
+            self.busy = False
+        async with self._lock():
+            await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+            held = await self._held_checksum(staged.tensors)
+            self.weights_version = weights_version
+            self.checksum = held
+            self._loaded = staged
+        self._tick()
+        return {"checksum": held, "received": staged.state_checksum, "nbytes": staged.nbytes,
+                "weights_version": weights_version, "route": "node_copy"}
 
     async def discard_weights(self) -> None:
         """Drop a staged version; what the user holds (the previous version) stays current."""

@@ -55,6 +55,7 @@ from ftstate.controller.failover import Failover
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import GROUP, Member, Membership
+from ftstate.controller.nodecopies import NodeCopies
 from ftstate.controller.notices import NoticeMonitor
 from ftstate.controller.progress import Progress
 from ftstate.controller.ranks import ShardedSync, form_trainer_group
@@ -205,6 +206,7 @@ class Runtime:
         # The parts, built at start around one membership (see the package docstring).
         self._membership: Membership | None = None
         self._launcher: ActorLauncher | None = None
+        self._node_copies: NodeCopies | None = None
         self._formation: GroupFormation | None = None
         self._watchdog: Watchdog | None = None
         self._failover: Failover | None = None
@@ -262,14 +264,17 @@ class Runtime:
         self._formation = GroupFormation(config=cfg, audit=self.audit, membership=ms, calls=self._calls, host=node)
         self._watchdog = Watchdog(config=cfg, membership=ms, calls=self._calls)
         trainer_cls = self._classes["trainer"]
+        self._node_copies = NodeCopies(run_id=self.run_id, config=cfg, audit=self.audit, calls=self._calls) \
+            if cfg.staging == "node" and cfg.trainer_workers == 1 else None
         self._failover = Failover(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                                   launcher=self._launcher, formation=self._formation, watchdog=self._watchdog,
                                   trainer_lossy=bool(getattr(trainer_cls, "lossy_state_dict", False)),
                                   trainer_class_name=trainer_cls.__name__,
-                                  rank_local_calls=bool(getattr(trainer_cls, "rank_local_calls", False)))
+                                  rank_local_calls=bool(getattr(trainer_cls, "rank_local_calls", False)),
+                                  node_copies=self._node_copies)
         self._sync = (ShardedSync if cfg.trainer_workers > 1 else WeightSync)(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                                 formation=self._formation, routing_open=self._routing_open,
-                                raise_if_failed=self._raise_if_failed)
+                                raise_if_failed=self._raise_if_failed, node_copies=self._node_copies)
         self._router = Router(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                               routing_open=self._routing_open, recover=self._recover, settle=self._settle,
                               failover_pending=lambda: self._failover is not None and self._failover.pending,
@@ -314,6 +319,8 @@ class Runtime:
             if not machine.terminal and machine.can("stop"):
                 await machine.fire("stop", reason="runtime closed")
             machine.close()
+        if self._node_copies is not None:  # before the members go: nothing is left to adopt them
+            await self._node_copies.close()
         if self._launcher is not None:
             self._launcher.close()
         from ftstate.transport.shm import sweep_orphans

@@ -32,7 +32,8 @@ from typing import Any
 from ftstate.controller.calls import ActorCalls, name_all
 from ftstate.controller.causes import root_cause
 from ftstate.controller.formation import GroupFormation
-from ftstate.controller.membership import Member, Membership, walk_proven
+from ftstate.controller.membership import GROUP, Member, Membership, walk_proven
+from ftstate.controller.nodecopies import NodeCopies
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
@@ -92,8 +93,11 @@ class WeightSync:
         formation: GroupFormation,
         routing_open: asyncio.Event,
         raise_if_failed: Callable[[], None],
+        node_copies: NodeCopies | None = None,
     ) -> None:
         self.config = config
+        #: ``staging: node``: the node agents and each node's committed copy (None: private staging).
+        self.node_copies = node_copies
         self.audit = audit
         self.membership = membership
         self.calls = calls
@@ -118,12 +122,16 @@ class WeightSync:
         rollouts = await self._begin([trainer], target, lambda rs: plan_for(self.config, trainer, rs).record())
         plan = plan_for(self.config, trainer, rollouts)  # pure: the plan sync_start recorded
         timeout = self.config.sync_timeout_s
+        copies = self.node_copies
+        owner: int | None = None
         try:
             async with group.deadline_scope():
+                if copies is not None and plan.same_host_ranks:  # staging: node on the trainer's node
+                    owner = await copies.owner(trainer.node_id)
                 # the same-host route only where the plan has a rollout read shared memory (on the
                 # trainer's node, or from its node's relay)
                 send_shm = (list(plan.same_host_ranks), plan.require_shm,
-                            [(r, list(p)) for r, p in plan.relay_ranks]) if plan.uses_shm else ()
+                            [(r, list(p)) for r, p in plan.relay_ranks], owner) if plan.uses_shm else ()
                 planned = (True,) if plan.uses_shm else ()
                 results = await self._transfer([
                     (trainer, self.calls.call(trainer.name, trainer.handle, "send_weights", target, timeout,
@@ -142,13 +150,19 @@ class WeightSync:
                             f"{n} staged weights version {target} with checksum {staged[n]['checksum']}, "
                             f"the trainer sent {sent['checksum']}") for n in torn}
                 if failures:
+                    if owner is not None:  # nobody loaded it: its node copy goes, the committed one stays
+                        await copies.failed_on(trainer.node_id)  # type: ignore[union-attr]
                     await self._abort(trainer, rollouts, previous, failures)
                     raise next(iter(failures.values()))
                 group.weights_version = target
+                if owner is not None:
+                    await self._keep_node_copy(trainer, sent, target)
                 not_loaded = await self._commit(trainer, rollouts, target, sent["checksum"])
                 self.raise_if_failed()  # a death during the commit with fault tolerance off
         except SyncTimeout:
             group.weights_version = previous
+            if owner is not None:
+                await copies.failed_on(trainer.node_id)  # type: ignore[union-attr]
             raise
         routes = {m.name: sent.get("routes", {}).get(m.rank, COLLECTIVE) for m in rollouts}
         if sent.get("shm_fallback"):
@@ -175,6 +189,19 @@ class WeightSync:
             routes={n: how for n, how in routes.items() if n not in not_loaded},
             shm_fallback=sent.get("shm_fallback"),
         )
+
+    async def _keep_node_copy(self, trainer: Member, sent: Mapping[str, Any], target: int) -> None:
+        """The vote passed: the node copy it went through is the trainer's node's source for
+        newcomers (every other copy there goes), or, when that sync fell back to private
+        staging, the older copy there goes."""
+        copies, node = self.node_copies, trainer.node_id
+        assert copies is not None and node is not None
+        name = sent.get("node_copy")
+        if name:
+            await copies.committed_on(node, name, group=GROUP, weights_version=target, checksum=sent["checksum"])
+            self.audit.record("node_copy_committed", node=node[:8], segment=name, weights_version=target)
+        else:
+            await copies.forget(node)
 
     async def _begin(self, senders: Sequence[Member], target: int,
                      plan: Callable[[list[Member]], dict[str, object]]) -> list[Member]:

@@ -313,6 +313,22 @@ class RuntimeConfig:
         "fails with SharedMemoryUnavailable instead. Its waits are bounded by sync_timeout_s "
         "(failover_timeout_s for a resync).",
     )
+    staging: Literal["private", "node"] = _field(
+        "private",
+        "Where a rollout stages an incoming weights version until the vote commits it. private: "
+        "each rollout copies it into a buffer of its own and keeps it as its committed copy, plus "
+        "a spare buffer for the next sync (about 2x the weights per rollout beyond its engine's, "
+        "on every node). node: on the trainer's node the version lands once in one full-size "
+        "shared-memory node copy (/dev/shm) that every rollout there verifies in place and loads "
+        "from after the vote; the committed copy stays as the source of newcomers on that node "
+        "(resynced by checksum, no transfer). Extra memory: 1x the weights per node at rest, 2x "
+        "during a sync, whatever the number of rollouts; a rollout keeps no private copy. Costs a "
+        "fresh allocation of the weights' size per sync (/dev/shm must hold two copies) and a "
+        "small actor per node that owns the copy. Rollouts on other nodes, and one that cannot get "
+        "a node copy (no room, weights on a GPU, the node's agent unreachable), stage privately "
+        "for that sync and the audit trail records why (shm_fallback, node_copy_fallback). Needs "
+        "shared_memory auto or require.",
+    )
     worker_cpus: float = _field(
         0.01,
         "CPUs each worker reserves in its resource pool (Ray's logical CPUs; the default is a "
@@ -448,6 +464,8 @@ class RuntimeConfig:
                 f"must be greater than heartbeat_interval_s ({self.heartbeat_interval_s:g}), "
                 f"got {self.heartbeat_timeout_s:g}",
             )
+        if self.staging == "node" and self.shared_memory == "off":
+            raise ConfigError("staging", "'node' needs shared_memory auto or require (the node copy is shared memory)")
         ft = self.fault_tolerance
         if ft.min_rollout_workers > self.rollout_workers:
             raise ConfigError(

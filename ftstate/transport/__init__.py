@@ -23,8 +23,9 @@ planning), ``manifest`` (wire messages), ``checksum`` (hashing), ``validate`` (w
 state must be to travel), ``sync`` (the transfer protocol, broadcast and point-to-point),
 ``samehost`` (the same protocol with the buckets through shared memory for receivers on the
 sender's host: ``samehost.broadcast`` / ``send_to`` / ``receive``), ``shm`` (its segments),
-``cudaipc`` (its slots in device memory, CUDA IPC) and ``signals`` (its pyzmq bucket-ready /
-released signals).
+``cudaipc`` (its slots in device memory, CUDA IPC), ``nodecopy`` (``staging: node``: one
+full-size copy per node, verified in place, the source of newcomers there) and ``signals``
+(its pyzmq bucket-ready / released signals).
 Nothing here imports Ray.
 """
 

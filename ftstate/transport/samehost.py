@@ -109,6 +109,7 @@ memory of its own raises it too.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import os
@@ -826,16 +827,12 @@ def broadcast(
     copying it out of two slots; one that cannot be made falls back to the slots (said in
     :attr:`SyncReport.shm_fallback`; with ``require_shm`` it raises). After a vote every rank
     passed, the node copy this sender wrote before is unlinked and this one kept
-    (:func:`node_copy_of`); after any other outcome this one is unlinked."""
+    (:attr:`SyncReport.node_copy` names it); after any other outcome this one is unlinked."""
     route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
     return _send(sender, route, weights, weights_version, progress, same_host=frozenset(same_host),
                  require_shm=require_shm, relays={r: tuple(sorted(p)) for r, p in (relays or {}).items() if p},
                  node_copy_owner=node_copy_owner)
 
-
-def node_copy_of(sender: Sender) -> str | None:
-    """The node copy ``sender`` wrote for its last committed transfer (kept named), if any."""
-    return sender._node_copy
 
 
 def send_to(
@@ -1032,12 +1029,13 @@ def _send(
     finally:
         if chan is not None:
             chan.close()
-    if node is not None:
-        _settle_node_copy(sender, node, committed=all(v == VOTE_COMMIT for v in votes.values()))
-    return sender._report(comm, manifest, state, len(buckets), started, votes, routes, fallback)
+    report = sender._report(comm, manifest, state, len(buckets), started, votes, routes, fallback)
+    if node is not None and _settle_node_copy(sender, node, committed=report.ok):
+        report = dataclasses.replace(report, node_copy=node.name)
+    return report
 
 
-def _settle_node_copy(sender: Sender, node: NodeCopy, *, committed: bool) -> None:
+def _settle_node_copy(sender: Sender, node: NodeCopy, *, committed: bool) -> bool:
     """After the vote: a version every rank committed keeps its node copy (the source of
     newcomers on the node) and the one this sender wrote before goes; any other outcome
     unlinks the new one (the ranks that committed it keep their mappings). The writer's own
@@ -1049,6 +1047,7 @@ def _settle_node_copy(sender: Sender, node: NodeCopy, *, committed: bool) -> Non
     else:
         node.unlink()
     node.close()
+    return committed
 
 
 def _sender_failed(sender: Sender, comm: Communicator, chan: Channel | None, readers: Sequence[int],

@@ -186,6 +186,9 @@ class SyncReport:
     routes: Mapping[int, str] = field(default_factory=dict)
     #: why same-host ranks took the collective instead of shared memory (``shared_memory: auto``).
     shm_fallback: str | None = None
+    #: the node copy this transfer's same-host ranks committed (``staging: node``,
+    #: :mod:`ftstate.transport.nodecopy`), kept named as the source of newcomers; else None.
+    node_copy: str | None = None
 
     @property
     def ok(self) -> bool:

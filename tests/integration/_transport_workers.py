@@ -134,7 +134,7 @@ class _Member:
         return {"committed": list(report.committed), "rejected": dict(report.rejected),
                 "checksum": report.state_checksum, "buckets": report.num_buckets,
                 "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback,
-                "node_copy": samehost.node_copy_of(self.sender)}
+                "node_copy": report.node_copy}
 
     def adopt(self, name: str, owner: int, weights_version: int, checksum: str) -> dict[str, Any]:
         """A newcomer on the node takes the committed node copy ``name`` (ftstate.transport.nodecopy)."""

@@ -1,0 +1,173 @@
+"""The run's node copies: one agent per node owns them, the controller says which one stays.
+
+With ``staging: node`` a weights version lands once per node in a shared-memory *node copy*
+(:mod:`ftstate.transport.nodecopy`) that the rollouts there verify in place and load from.
+The copy of the committed version must outlive every worker on the node (a newcomer there
+resyncs from it after a rollout, or the trainer, was SIGKILLed), so it is owned by neither:
+each node that holds one gets a :class:`NodeAgent`, a Ray actor pinned to the node
+(``NodeAffinitySchedulingStrategy(node_id, soft=False)``, no CPU, no torch: it lists and
+unlinks files), whose pid is in the copies' names. Ownership then follows the process:
+
+* the writer (the trainer) unlinks a copy whose transfer failed or was rejected, and its own
+  previous one once a new one is committed; a reader unlinks the copy of a writer that died;
+* after every sync attempt the controller has the agent keep only the committed copy
+  (:meth:`NodeCopies.committed_on`, :meth:`NodeCopies.failed_on`): whatever a writer that
+  died left (a previous trainer's copy, a failed one) goes there;
+* at the run's end (:meth:`NodeCopies.close`, from ``Runtime.close``) every agent unlinks
+  what it owns and is killed; an agent that could not be reached, or was SIGKILLed, leaves
+  orphans (their owner pid is dead) that :func:`~ftstate.transport.shm.sweep_orphans` removes
+  (every member sweeps when it joins a group version, the controller when the run ends).
+
+A node whose agent cannot be started or reached within its bound (``init_timeout_s`` for the
+start, ``heartbeat_timeout_s`` for a call) gets no node copy: its rollouts stage privately
+for that sync, recorded as ``node_copy_fallback``; never a hang and never silent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any
+
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.errors import FTError
+
+
+class NodeAgent:
+    """Ray actor on one node: owns, by its pid, the node copies made there."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "node_id": self.node_id}
+
+    def settle(self, keep: list[str]) -> list[str]:
+        """Unlink every node copy this agent owns except those named in ``keep``; returns what went."""
+        from ftstate.transport.nodecopy import copies_of, unlink_names
+
+        gone = [n for n in copies_of(os.getpid()) if n not in keep]
+        unlink_names(gone)
+        return gone
+
+    def close(self) -> list[str]:
+        """The run ends: unlink everything this agent owns."""
+        return self.settle([])
+
+
+@dataclasses.dataclass(frozen=True)
+class CommittedCopy:
+    """The node copy of the committed version on one node: what a newcomer there adopts."""
+
+    node_id: str
+    name: str
+    owner: int
+    group: str
+    weights_version: int
+    checksum: str
+
+
+class NodeCopies:
+    """The agents of one run (by node) and the committed node copy of each node."""
+
+    def __init__(self, *, run_id: str, config: RuntimeConfig, audit: AuditTrail, calls: Any) -> None:
+        self.run_id = run_id
+        self.config = config
+        self.audit = audit
+        self.calls = calls
+        self._agents: dict[str, tuple[str, Any, int]] = {}  # node id -> (actor name, handle, pid)
+        self.committed: dict[str, CommittedCopy] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.staging == "node" and self.config.shared_memory != "off"
+
+    async def owner(self, node_id: str | None) -> int | None:
+        """The pid of ``node_id``'s agent (started now if it has none), or None: no node copy
+        there this time (``staging: private``, an unknown node, or an agent that could not be
+        had within ``init_timeout_s``: recorded as ``node_copy_fallback``)."""
+        if not self.enabled or node_id is None:
+            return None
+        known = self._agents.get(node_id)
+        if known is not None:
+            return known[2]
+        name = f"ftstate-{self.run_id}-node-{node_id[:12]}"
+        try:
+            handle = _start_agent(name, node_id)
+            info = await self.calls.call(name, handle, "info", timeout=self.config.init_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - Ray's scheduling errors too: recorded, never fatal
+            self.audit.record("node_copy_fallback", node=node_id[:8],
+                              reason=f"the node agent could not be started: {type(exc).__name__}: {exc}"[:500])
+            return None
+        self._agents[node_id] = (name, handle, int(info["pid"]))
+        self.audit.record("node_agent_started", node=node_id[:8], pid=int(info["pid"]))
+        return int(info["pid"])
+
+    def source_for(self, node_id: str | None, weights_version: int, checksum: str | None) -> CommittedCopy | None:
+        """The committed node copy a newcomer on ``node_id`` may adopt for that version, if any."""
+        copy = self.committed.get(node_id or "")
+        if copy is None or copy.weights_version != weights_version or copy.checksum != checksum:
+            return None
+        return copy
+
+    async def committed_on(self, node_id: str, name: str, *, group: str, weights_version: int,
+                           checksum: str) -> None:
+        """A sync committed ``weights_version`` through node copy ``name`` on ``node_id``: it is
+        that node's source for newcomers, and every other copy the agent owns goes."""
+        agent = self._agents.get(node_id)
+        if agent is None:
+            return
+        self.committed[node_id] = CommittedCopy(node_id, name, agent[2], group, weights_version, checksum)
+        await self._settle(node_id, [name])
+
+    async def failed_on(self, node_id: str | None) -> None:
+        """A sync attempt failed: only the committed copy stays on ``node_id`` (whatever a
+        writer that died could not unlink goes)."""
+        if node_id is None or node_id not in self._agents:
+            return
+        copy = self.committed.get(node_id)
+        await self._settle(node_id, [copy.name] if copy is not None else [])
+
+    async def forget(self, node_id: str | None) -> None:
+        """A sync committed without a node copy on ``node_id`` (a fallback): the one there is
+        of an older version and goes."""
+        if node_id is not None and self.committed.pop(node_id, None) is not None:
+            await self._settle(node_id, [])
+
+    async def _settle(self, node_id: str, keep: list[str]) -> None:
+        name, handle, _ = self._agents[node_id]
+        try:
+            await self.calls.call(name, handle, "settle", keep, timeout=self.config.heartbeat_timeout_s)
+        except FTError as exc:  # what it owns goes with it: orphans, swept (see the module docstring)
+            self.audit.record("node_copy_fallback", node=node_id[:8], reason=f"the node agent did not settle: {exc}")
+            self._agents.pop(node_id, None)
+            self.committed.pop(node_id, None)
+
+    async def close(self) -> None:
+        """The run ends: every agent unlinks what it owns (bounded by ``heartbeat_timeout_s``)
+        and is killed; what an unreachable one owned is swept as orphans."""
+        import ray
+
+        agents, self._agents = self._agents, {}
+        self.committed.clear()
+        for node_id, (name, handle, _) in agents.items():
+            with contextlib.suppress(FTError):
+                await self.calls.call(name, handle, "close", timeout=self.config.heartbeat_timeout_s)
+            with contextlib.suppress(Exception):  # already gone with its node
+                ray.kill(handle, no_restart=True)
+            self.audit.record("node_agent_stopped", node=node_id[:8])
+
+
+def _start_agent(name: str, node_id: str) -> Any:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(NodeAgent).options(
+        name=name, namespace="ftstate", num_cpus=0, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(node_id)
+
+
+__all__ = ["CommittedCopy", "NodeAgent", "NodeCopies"]

@@ -1,0 +1,213 @@
+"""``staging: node`` in the runtime: one node copy per node, atomic, the source of newcomers, cleaned up.
+
+On one local Ray node every member shares the trainer's node, so with ``staging: node`` every
+rollout verifies the incoming version in place in one node copy owned by the node's agent
+(ftstate.controller.nodecopies) and loads from it only after the vote. What is checked: the
+node holds exactly one copy at rest, named in the audit trail, gone when the runtime stops;
+a sync that fails mid-transfer (a damaged bucket, a rollout SIGKILLed mid-read) leaves every
+rollout holding its previous checksum and only the committed copy named; a newcomer on the
+node resyncs from the copy with no transfer (route ``node_copy``), and the copy survives the
+SIGKILL of the rollout it replaces; a runtime abandoned without ``close`` (a failed test)
+leaves nothing once its run is swept; and the resident memory a rollout adds over the syncs
+stays within 0.1x the weights plus two buckets, where private staging adds about 2x.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import ftstate
+from ftstate.core.audit_check import check_trail
+from ftstate.core.errors import ChecksumMismatch, FTError
+from ftstate.transport import nodecopy, shm
+from tests.integration.test_failover import assert_consistent, finish, spares_warm
+from tests.integration.test_failover import config as ft_config
+from tests.integration.test_failover import runtime as ft_runtime
+from tests.integration.test_runtime import config, runtime, wait_until
+from tests.integration.workers import ResidentRollout, TinyTrainer
+
+pytestmark = pytest.mark.ray
+
+MiB = 1 << 20
+
+
+def node_copies() -> list[str]:
+    return [n for n in shm.list_segments() if nodecopy.is_copy(n)]
+
+
+def committed_copies(rt) -> list[str]:
+    return [r["segment"] for r in rt.audit.records if r["event"] == "node_copy_committed"]
+
+
+async def held(rt, member: str) -> str | None:
+    """The checksum ``member`` holds (asked of its actor directly: the run may have failed)."""
+    return await rt.handle(member).call.remote("checksum", (), {})
+
+
+def sweep_run(run_id: str) -> None:
+    """What a test that failed without closing its runtime leaves: its node agents own the
+    node copies, so killing them makes the copies orphans, which the sweep removes."""
+    import ray
+
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(f"ftstate-{run_id}-node-"):
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 10
+    while any(shm.pid_alive(int(shm.parse_name(n)["pid"])) for n in node_copies()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the agents' processes are going
+    shm.sweep_orphans()
+
+
+@pytest.fixture
+def swept():
+    """Sweeps every run a test started, whether it passed or not (kept by the test in the list)."""
+    runs: list[str] = []
+    yield runs
+    for run_id in runs:
+        sweep_run(run_id)
+
+
+class TestOneCopyPerNode:
+    async def test_every_sync_lands_in_one_node_copy_which_is_gone_when_the_runtime_stops(
+            self, ray_cluster, tmp_path, swept):
+        rt = runtime(config(tmp_path, staging="node"))
+        swept.append(rt.run_id)
+        async with rt:
+            for step in range(2):
+                await rt.trainer("train_step")
+                report = await rt.sync()
+                assert await rt.rollout("checksum") == [await rt.trainer("checksum")] * 2 == [report.checksum] * 2
+                assert node_copies() == committed_copies(rt)[-1:], (node_copies(), step)
+            assert report.routes == {"rollout-0": "shm", "rollout-1": "shm"} and report.shm_fallback is None
+            assert len(set(committed_copies(rt))) == 2  # a new copy per version, the older one unlinked
+        assert node_copies() == []
+        assert check_trail(tmp_path / "audit.jsonl") == []
+
+    async def test_a_damaged_bucket_fails_the_sync_and_no_rollout_loads_anything(self, ray_cluster, tmp_path, swept):
+        rt = runtime(config(tmp_path, staging="node"))
+        swept.append(rt.run_id)
+        async with rt:
+            await rt.sync()
+            v1 = await rt.trainer("checksum")
+            kept = node_copies()
+            await rt.trainer("train_step")
+            await rt.handle("rollout-1").chaos_corrupt_next_bucket.remote()
+            with pytest.raises(ChecksumMismatch, match="rollout-1"):
+                await rt.sync()
+            assert rt.weights_version == 1 and await rt.rollout("checksum") == [v1, v1]
+            assert node_copies() == kept  # the rejected version's copy is unlinked
+            report = await rt.sync()
+            assert await rt.rollout("checksum") == [report.checksum] * 2 and node_copies() == committed_copies(rt)[-1:]
+        assert check_trail(tmp_path / "audit.jsonl") == []
+
+    async def test_a_rollout_killed_mid_read_leaves_the_other_on_its_version_and_the_copy_in_place(
+            self, ray_cluster, tmp_path, swept):
+        rt = ftstate.Runtime(config(tmp_path, staging="node"), trainer=TinyTrainer, rollout=ResidentRollout,
+                             trainer_kwargs={"big_floats": 1_000_000})
+        swept.append(rt.run_id)
+        async with rt:
+            await rt.sync()
+            v1 = await rt.trainer("checksum")
+            kept = node_copies()
+            await rt.trainer("train_step")
+            await rt.chaos.kill("rollout", 0, after_progress=3)  # in the middle of its read
+            with pytest.raises(FTError):
+                await rt.sync()
+            assert await held(rt, "rollout-1") == v1
+            assert node_copies() == kept
+        assert node_copies() == []
+
+    async def test_a_runtime_abandoned_by_a_failed_test_leaves_nothing_once_its_run_is_swept(
+            self, ray_cluster, tmp_path, swept):
+        rt = runtime(config(tmp_path, staging="node"))
+        swept.append(rt.run_id)
+        await rt.start()
+        try:
+            await rt.sync()
+            assert len(node_copies()) == 1
+            sweep_run(rt.run_id)  # what the fixture does after a test that never reached close()
+            assert node_copies() == []
+        finally:
+            await rt.close()
+
+
+class TestNewcomer:
+    async def test_a_newcomer_resyncs_from_the_node_copy_which_survives_the_rollout_it_replaces(
+            self, ray_cluster, tmp_path, swept):
+        cfg = ft_config(tmp_path).replace(staging="node")
+        rt = ft_runtime(cfg)
+        swept.append(rt.run_id)
+        await rt.start()
+        try:
+            await spares_warm(rt, 2)
+            await rt.trainer("train_step")
+            await rt.sync()
+            kept = node_copies()
+            victim = await rt.chaos.kill("rollout", 1)
+            await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the failover")
+            record = rt.failovers[0]
+            assert record.lost == victim and record.resynced
+            resync = [r for r in rt.audit.records if r["event"] == "transition" and r.get("trigger") == "resync"
+                      and r.get("member") == record.replacement]
+            assert resync[-1]["plan"]["routes"] == {record.replacement: "node_copy"}, resync
+            assert resync[-1]["source"] == "node copy" and resync[-1]["plan"]["segment"] == kept[0]
+            assert node_copies() == kept
+            await assert_consistent(rt)
+            report = await rt.sync()  # and the next sync goes through every rollout's copy again
+            assert report.routes == {"rollout-0": "shm", record.replacement: "shm"}
+            await assert_consistent(rt)
+        finally:
+            await finish(rt, tmp_path)
+        assert node_copies() == []
+
+
+def smaps(pid: int) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup`` in bytes (Rss, Pss, Private_Dirty, ...)."""
+    out = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
+def private(m: dict[str, int]) -> int:
+    return m["Private_Clean"] + m["Private_Dirty"]
+
+
+async def memory_after_syncs(tmp_path, staging: str, floats: int, syncs: int = 3) -> tuple[list[int], list[int]]:
+    """Each rollout's growth in private and proportional memory from its start (its engine's
+    parameters already resident) to after ``syncs`` syncs."""
+    cfg = config(tmp_path / staging, staging=staging, bucket_size_mb=4)
+    rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=ResidentRollout, trainer_kwargs={"big_floats": floats},
+                         rollout_kwargs={"big_floats": floats})
+    async with rt:
+        pids = [m.pid for m in rt.members() if m.member.startswith("rollout-")]
+        before = [smaps(p) for p in pids]
+        for _ in range(syncs):
+            await rt.trainer("train_step")
+            await rt.sync()
+        after = [smaps(p) for p in pids]
+    return ([private(a) - private(b) for a, b in zip(after, before, strict=True)],
+            [a["Pss"] - b["Pss"] for a, b in zip(after, before, strict=True)])
+
+
+class TestMemory:
+    async def test_a_rollout_adds_no_private_copy_of_the_weights_and_the_node_one(self, ray_cluster, tmp_path):
+        floats = 16 * MiB // 4  # 16 MiB of weights: big enough to tell a copy from noise
+        weights, bucket = 16 * MiB, 4 * MiB
+        slack = 24 * MiB  # the first sync's one-off allocations (threads, sockets, hashing, msgpack)
+        node_private, node_pss = await memory_after_syncs(tmp_path, "node", floats)
+        private_private, _ = await memory_after_syncs(tmp_path, "private", floats)
+        print(f"rollout private growth: node {[p // MiB for p in node_private]} MiB, "
+              f"private {[p // MiB for p in private_private]} MiB; Pss growth node {[p // MiB for p in node_pss]} MiB")
+        for grew in node_private:
+            assert grew <= 0.1 * weights + 2 * bucket + slack, node_private
+        # the node's copy, shared by both rollouts: about 1x the weights in all, not 1x each
+        assert sum(node_pss) <= weights + 2 * slack, node_pss
+        # today's private staging: the committed copy and a spare in every rollout
+        for grew in private_private:
+            assert grew >= 1.5 * weights, private_private
