@@ -1,0 +1,172 @@
+"""The node copy (``staging: node``) against today's same-host route, in one run: time and memory.
+
+One sender and ``--receivers`` receivers as processes on this host (gloo on loopback, as
+``benchmarks/transfer.py``). Every round runs, in turn, a raw gloo broadcast of the same
+bytes (the floor the transport is compared with), the same-host route with private staging
+(``slots``: two recycled bucket slots, each receiver copies and hashes into its own buffer),
+and the node copy (``node``: the sender writes one full-size copy, every receiver hashes it
+in place). Medians over the measured rounds; ``node/slots`` is the median over rounds of the
+slots time over the node-copy time (>= 1: the node copy is no slower).
+
+Memory, per receiver, from ``/proc/self/smaps_rollup`` after the rounds: what holding the
+committed version costs beyond the process itself (``private``: unique to it; ``pss``: its
+share of what it maps with others), for each route alone; and for the node in all (the
+receivers' Pss plus what the node copy holds in ``/dev/shm``), against the weights' size.
+
+    python benchmarks/nodecopy.py [--size 256] [--receivers 1,2,4] [--bucket-mb 64] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MiB = 1024 * 1024
+KINDS = ("raw", "slots", "node")
+
+
+def smaps() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
+def _private(m: dict[str, int]) -> int:
+    return m["Private_Clean"] + m["Private_Dirty"]
+
+
+def _worker(idx: int, store_addr: str, args: dict[str, Any], owner: int, results: Any) -> None:
+    import torch
+
+    from benchmarks.transfer import make_weights
+    from ftstate.transport import Receiver, Sender, create_communicator, samehost
+
+    torch.set_num_threads(1)
+    receivers, size = args["receivers"], args["size"]
+    world = receivers + 1
+    comm = create_communicator("gloo", store_addr=store_addr, group="benchnode", version=1, rank=idx,
+                               world_size=world, timeout_s=60)
+    sender = Sender(bucket_size=int(args["bucket_mb"] * MiB))
+    staged = {"slots": Receiver(), "node": Receiver()}
+    weights = make_weights(size) if idx == 0 else None
+    raw = torch.zeros(size * MiB, dtype=torch.uint8)
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    for rnd in range(args["warmup"] + args["reps"]):
+        for kind in KINDS:
+            comm.barrier(timeout_s=60)
+            t0 = time.perf_counter()
+            if kind == "raw":
+                comm._pg.broadcast(raw, 0).wait()
+            elif idx == 0:
+                report = samehost.broadcast(sender, comm, weights, same_host=range(1, world), require_shm=True,
+                                            weights_version=rnd, timeout_s=300,
+                                            node_copy_owner=owner if kind == "node" else None)
+                assert report.ok and (report.node_copy is not None) == (kind == "node"), report
+            else:
+                got = samehost.receive(staged[kind], comm, 0, timeout_s=300)
+                assert (got._node is not None) == (kind == "node")
+            comm.barrier(timeout_s=60)
+            if rnd >= args["warmup"]:
+                times[kind].append(time.perf_counter() - t0)
+    del raw
+    memory: dict[str, int] = {}
+    if idx > 0:  # what each route's committed state costs this process, alone
+        del staged["slots"]
+        gc.collect()
+        with_node = smaps()
+        del staged["node"]
+        gc.collect()
+        bare = smaps()
+        comm.barrier(timeout_s=60)  # the sender's next transfers: slots only
+        again = Receiver()
+        for _ in range(2):  # a committed buffer and a spare, as after any second sync
+            samehost.receive(again, comm, 0, timeout_s=300)
+        with_slots = smaps()
+        memory = {"node_private": _private(with_node) - _private(bare), "node_pss": with_node["Pss"] - bare["Pss"],
+                  "slots_private": _private(with_slots) - _private(bare),
+                  "slots_pss": with_slots["Pss"] - bare["Pss"]}
+        comm.barrier(timeout_s=60)
+    else:
+        comm.barrier(timeout_s=60)
+        for rnd in range(2):
+            samehost.broadcast(sender, comm, weights, same_host=range(1, world), require_shm=True,
+                               weights_version=100 + rnd, timeout_s=300)
+        comm.barrier(timeout_s=60)
+    results.put((idx, times, memory))
+    comm.close()
+
+
+def run(size: int, receivers: int, args: dict[str, Any]) -> dict[str, Any]:
+    from ftstate.transport import StoreServer, nodecopy
+
+    server = StoreServer("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    cell = {**args, "size": size, "receivers": receivers}
+    procs = [ctx.Process(target=_worker, args=(i, str(server.address), cell, os.getpid(), results), daemon=True)
+             for i in range(receivers + 1)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    try:
+        while len(got) < len(procs):
+            idx, times, memory = results.get(timeout=900)
+            got[idx] = (times, memory)
+        at_rest = sum((nodecopy.SHM_DIR / n).stat().st_size for n in nodecopy.copies_of(os.getpid()))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        nodecopy.unlink_names(nodecopy.copies_of(os.getpid()))
+        server.close()
+    times = got[0][0]
+    mem = [got[i][1] for i in range(1, receivers + 1)]
+    return {"times": times, "memory": mem, "at_rest": at_rest}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=256, help="weights size in MiB")
+    parser.add_argument("--receivers", default="1,2,4", help="receiver counts, comma separated")
+    parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size in MiB (config bucket_size_mb)")
+    parser.add_argument("--reps", type=int, default=3, help="measured rounds")
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted rounds")
+    ns = parser.parse_args(argv)
+    args = {"bucket_mb": ns.bucket_mb, "reps": ns.reps, "warmup": ns.warmup}
+    print(f"{ns.size} MiB of weights, {ns.bucket_mb:g} MiB buckets, {ns.reps} rounds (medians), "
+          f"load {os.getloadavg()[0]:.2f}")
+    print(f"{'recv':>4} | {'raw s':>6} {'slots s':>7} {'node s':>6} | {'node/slots':>10} {'node/raw':>8} | "
+          f"{'slots priv':>10} {'node priv':>9} {'node pss':>8} | {'node at rest':>12} | per receiver, x weights")
+    for receivers in [int(r) for r in ns.receivers.split(",") if r]:
+        out = run(ns.size, receivers, args)
+        t = out["times"]
+        med = {k: statistics.median(v) for k, v in t.items()}
+        ratio = statistics.median(s / n for s, n in zip(t["slots"], t["node"], strict=True))
+        w = ns.size * MiB
+        worst = {k: max(m[k] for m in out["memory"]) / w for k in out["memory"][0]}
+        node_total = (sum(m["node_pss"] for m in out["memory"]) + 0) / w
+        print(f"{receivers:>4} | {med['raw']:>6.3f} {med['slots']:>7.3f} {med['node']:>6.3f} | {ratio:>10.2f} "
+              f"{med['raw'] / med['node']:>8.2f} | {worst['slots_private']:>10.2f} {worst['node_private']:>9.2f} "
+              f"{worst['node_pss']:>8.2f} | {out['at_rest'] / w:>12.2f} | node Pss in all {node_total:.2f}")
+    print("node/slots: slots time / node-copy time per round (>= 1: no slower); node/raw: raw broadcast / node copy. "
+          "priv / pss: a receiver's growth holding the committed version (slots: committed buffer + spare; node: "
+          "views into the node copy), worst receiver; node at rest: the committed node copy in /dev/shm")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
