@@ -34,9 +34,10 @@ MiB = 1024 * 1024
 KINDS = ("raw", "slots", "node")
 
 
-def smaps() -> dict[str, int]:
+def smaps(pid: int | str = "self") -> dict[str, int]:
+    """``/proc/PID/smaps_rollup`` in bytes (Rss, Pss, Private_Dirty, ...)."""
     out = {}
-    with open("/proc/self/smaps_rollup") as f:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
             parts = line.split()
             if len(parts) == 3 and parts[2] == "kB":
@@ -44,7 +45,8 @@ def smaps() -> dict[str, int]:
     return out
 
 
-def _private(m: dict[str, int]) -> int:
+def private(m: dict[str, int]) -> int:
+    """The bytes of a :func:`smaps` reading unique to the process."""
     return m["Private_Clean"] + m["Private_Dirty"]
 
 
@@ -95,8 +97,8 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], owner: int, results
         for _ in range(2):  # a committed buffer and a spare, as after any second sync
             samehost.receive(again, comm, 0, timeout_s=300)
         with_slots = smaps()
-        memory = {"node_private": _private(with_node) - _private(bare), "node_pss": with_node["Pss"] - bare["Pss"],
-                  "slots_private": _private(with_slots) - _private(bare),
+        memory = {"node_private": private(with_node) - private(bare), "node_pss": with_node["Pss"] - bare["Pss"],
+                  "slots_private": private(with_slots) - private(bare),
                   "slots_pss": with_slots["Pss"] - bare["Pss"]}
         comm.barrier(timeout_s=60)
     else:

@@ -484,26 +484,21 @@ class WorkerHost:
         """Rollout newcomer: take the committed version from its node's copy ``name`` (owned by
         pid ``owner``; :func:`ftstate.transport.nodecopy.adopt`: hashed in place, committed only
         if it is ``weights_version`` with ``checksum``), then ``load_weights`` it. No transfer:
-        the result's ``route`` says so for the controller's records."""
+        the result's ``route`` says so for the controller's records. Loaded as a sync's staged
+        version is (:meth:`commit_weights`): it is one, verified against the committed checksum."""
         from ftstate.transport import Receiver, nodecopy
 
         if self._receiver is None:
             self._receiver = Receiver()
+        self._staged = None
         self.busy = True
         try:
             staged = await asyncio.to_thread(nodecopy.adopt, self._receiver, name, group=group, owner=owner,
                                              weights_version=weights_version, checksum=checksum)
         finally:
             self.busy = False
-        async with self._lock():
-            await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
-            held = await self._held_checksum(staged.tensors)
-            self.weights_version = weights_version
-            self.checksum = held
-            self._loaded = staged
-        self._tick()
-        return {"checksum": held, "received": staged.state_checksum, "nbytes": staged.nbytes,
-                "weights_version": weights_version, "route": "node_copy"}
+        self._staged = staged
+        return {**await self.commit_weights(weights_version), "nbytes": staged.nbytes, "route": "node_copy"}
 
     async def discard_weights(self) -> None:
         """Drop a staged version; what the user holds (the previous version) stays current."""

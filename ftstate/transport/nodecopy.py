@@ -44,7 +44,6 @@ hashes what it handed to ``load_weights``, or ``held_weights()``), not by the vo
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import mmap
 import os
@@ -52,11 +51,12 @@ import struct
 import types
 from typing import TYPE_CHECKING
 
-from ftstate.core.errors import ChecksumMismatch, ManifestError, SharedMemoryUnavailable
+from ftstate.core.errors import ChecksumMismatch, ManifestError
 from ftstate.transport.shm import (
     HEADER_BYTES,
     PREFIX,
     SHM_DIR,
+    create_mapped,
     list_segments,
     parse_name,
     safe_group,
@@ -124,28 +124,7 @@ class NodeCopy:
         ``/dev/shm`` fails here with :class:`SharedMemoryUnavailable`, not with a SIGBUS
         mid-bucket), mapped shared and populated, its header and manifest written."""
         name = copy_name(group, group_version, owner, next(_generations))
-        path = SHM_DIR / name
-        size = _data_offset(len(manifest)) + data_bytes
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except OSError as exc:
-            raise SharedMemoryUnavailable(path=str(path), nbytes=size, problem=os.strerror(exc.errno or 0)) from exc
-        try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                st = os.statvfs(SHM_DIR)
-                raise SharedMemoryUnavailable(
-                    path=str(path), nbytes=size,
-                    problem=f"the node copy does not fit: {os.strerror(exc.errno or 0)} "
-                            f"({st.f_bavail * st.f_frsize} bytes free in {SHM_DIR})") from exc
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
+        mm = create_mapped(name, _data_offset(len(manifest)) + data_bytes, populate=True)
         _FIXED.pack_into(mm, 0, _MAGIC, group_version, owner, os.getpid(), weights_version, len(manifest), data_bytes)
         mm[_FIXED.size : _FIXED.size + len(manifest)] = manifest
         return cls(name, mm, group_version=group_version, owner=owner, writer=os.getpid(),

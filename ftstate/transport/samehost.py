@@ -1057,10 +1057,10 @@ def _sender_failed(sender: Sender, comm: Communicator, chan: Channel | None, rea
             # a reader that is gone or never said hello: its pid check or deadline ends it
             with contextlib.suppress(TransportError):
                 chan.send({"kind": "failed", "reason": f"{type(exc).__name__} during {stage}"}, to=r)
-    drop_slots(sender)
     if node is not None:  # a failed version's node copy never stays
         node.unlink()
         node.close()
+    drop_slots(sender)
     comm.abort(f"weight transfer failed during {stage}")
 
 

@@ -129,28 +129,7 @@ class Segment:
         """Create, reserve and map a new segment of ``capacity`` data bytes (the name must be new).
 
         Raises :class:`SharedMemoryUnavailable` when ``/dev/shm`` is missing, full or too small."""
-        path = SHM_DIR / name
-        size = HEADER_BYTES + capacity
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except OSError as exc:
-            raise SharedMemoryUnavailable(path=str(path), nbytes=size, problem=os.strerror(exc.errno or 0)) from exc
-        try:
-            try:
-                os.posix_fallocate(fd, 0, size)  # reserve now: a full tmpfs fails here, not with SIGBUS later
-            except OSError as exc:
-                free = _free_bytes()
-                raise SharedMemoryUnavailable(
-                    path=str(path), nbytes=size,
-                    problem=f"{os.strerror(exc.errno or errno.ENOSPC)} ({free} bytes free in {SHM_DIR})",
-                ) from exc
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            raise
-        os.close(fd)
+        mm = create_mapped(name, HEADER_BYTES + capacity)
         _FIXED.pack_into(mm, 0, _MAGIC, group_version, os.getpid(), slot, capacity)
         return cls(name, mm, capacity)
 
@@ -227,6 +206,36 @@ class Segment:
                 mm.close()
 
 
+def create_mapped(name: str, size: int, *, populate: bool = False) -> mmap.mmap:
+    """Create ``/dev/shm/<name>`` (the name must be new), reserve its ``size`` bytes at once
+    (``posix_fallocate``: a full tmpfs fails here with :class:`SharedMemoryUnavailable`,
+    naming the path, the size and the space left, not later with a SIGBUS in the middle of a
+    bucket) and map it shared (``populate``: its pages mapped now, not at first touch). The
+    file is removed again on any failure."""
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise SharedMemoryUnavailable(path=str(path), nbytes=size, problem=os.strerror(exc.errno or 0)) from exc
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            free = _free_bytes()
+            raise SharedMemoryUnavailable(
+                path=str(path), nbytes=size,
+                problem=f"{os.strerror(exc.errno or errno.ENOSPC)} ({free} bytes free in {SHM_DIR})",
+            ) from exc
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
 def _refuse_version(name: str, group: str, got: int, current: int) -> None:
     if got < current:
         raise StaleGroupVersion(group, got=got, current=current, peer=f"shared-memory segment {name!r}")
@@ -280,6 +289,7 @@ __all__ = [
     "PREFIX",
     "SHM_DIR",
     "Segment",
+    "create_mapped",
     "list_segments",
     "parse_name",
     "pid_alive",

@@ -55,6 +55,18 @@ async def spares_warm(rt, n: int, timeout: float = 30) -> None:
     await wait_until(lambda: sum(m.state == "STANDBY" for m in rt.members()) >= n, timeout, f"{n} warm spares")
 
 
+async def rollout_replaced(rt):
+    """Sync once, SIGKILL rollout-1 and wait until its failover is done; the failover's record."""
+    await spares_warm(rt, 2)
+    await rt.trainer("train_step")
+    await rt.sync()
+    victim = await rt.chaos.kill("rollout", 1)
+    await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the failover")
+    record = rt.failovers[0]
+    assert record.lost == victim and record.resynced
+    return record
+
+
 async def assert_consistent(rt) -> None:
     """Every serving rollout holds the trainer's last committed weights, bit for bit."""
     serving = rt.serving_rollouts()
@@ -104,14 +116,9 @@ class TestRolloutFailover:
         rt = runtime(config(tmp_path))
         await rt.start()
         try:
-            await spares_warm(rt, 2)
-            await rt.trainer("train_step")
-            await rt.sync()
-            victim = await rt.chaos.kill("rollout", 1)
-            await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the failover")
-            record = rt.failovers[0]
-            assert record.lost == victim and record.replacement.startswith("spare-rollout")
-            assert record.resynced and record.group_version == 2
+            record = await rollout_replaced(rt)
+            victim = record.lost
+            assert record.replacement.startswith("spare-rollout") and record.group_version == 2
             members = {m.member: m for m in rt.members()}
             assert members[victim].state == "RETIRED"
             assert members[record.replacement].rank == 2 and members[record.replacement].state == "READY"

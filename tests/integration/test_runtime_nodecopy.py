@@ -19,13 +19,15 @@ import time
 import pytest
 
 import ftstate
+from benchmarks.nodecopy import private, smaps
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import ChecksumMismatch, FTError
 from ftstate.transport import nodecopy, shm
-from tests.integration.test_failover import assert_consistent, finish, spares_warm
+from tests.integration.test_failover import assert_consistent, finish, rollout_replaced
 from tests.integration.test_failover import config as ft_config
 from tests.integration.test_failover import runtime as ft_runtime
-from tests.integration.test_runtime import config, runtime, wait_until
+from tests.integration.test_runtime import config, runtime
+from tests.integration.test_runtime_shm import resyncs
 from tests.integration.workers import ResidentRollout, TinyTrainer
 
 pytestmark = pytest.mark.ray
@@ -62,19 +64,31 @@ def sweep_run(run_id: str) -> None:
 
 @pytest.fixture
 def swept():
-    """Sweeps every run a test started, whether it passed or not (kept by the test in the list)."""
+    """``swept(rt)``: the run of ``rt`` is swept after the test, whether it passed or not."""
     runs: list[str] = []
-    yield runs
+
+    def track(rt):
+        runs.append(rt.run_id)
+        return rt
+
+    yield track
     for run_id in runs:
         sweep_run(run_id)
+
+
+async def synced_once(rt) -> tuple[str, list[str]]:
+    """One committed version (its checksum, and the node copies then), the trainer a step further."""
+    await rt.sync()
+    v1 = await rt.trainer("checksum")
+    kept = node_copies()
+    await rt.trainer("train_step")
+    return v1, kept
 
 
 class TestOneCopyPerNode:
     async def test_every_sync_lands_in_one_node_copy_which_is_gone_when_the_runtime_stops(
             self, ray_cluster, tmp_path, swept):
-        rt = runtime(config(tmp_path, staging="node"))
-        swept.append(rt.run_id)
-        async with rt:
+        async with swept(runtime(config(tmp_path, staging="node"))) as rt:
             for step in range(2):
                 await rt.trainer("train_step")
                 report = await rt.sync()
@@ -86,13 +100,8 @@ class TestOneCopyPerNode:
         assert check_trail(tmp_path / "audit.jsonl") == []
 
     async def test_a_damaged_bucket_fails_the_sync_and_no_rollout_loads_anything(self, ray_cluster, tmp_path, swept):
-        rt = runtime(config(tmp_path, staging="node"))
-        swept.append(rt.run_id)
-        async with rt:
-            await rt.sync()
-            v1 = await rt.trainer("checksum")
-            kept = node_copies()
-            await rt.trainer("train_step")
+        async with swept(runtime(config(tmp_path, staging="node"))) as rt:
+            v1, kept = await synced_once(rt)
             await rt.handle("rollout-1").chaos_corrupt_next_bucket.remote()
             with pytest.raises(ChecksumMismatch, match="rollout-1"):
                 await rt.sync()
@@ -106,12 +115,8 @@ class TestOneCopyPerNode:
             self, ray_cluster, tmp_path, swept):
         rt = ftstate.Runtime(config(tmp_path, staging="node"), trainer=TinyTrainer, rollout=ResidentRollout,
                              trainer_kwargs={"big_floats": 1_000_000})
-        swept.append(rt.run_id)
-        async with rt:
-            await rt.sync()
-            v1 = await rt.trainer("checksum")
-            kept = node_copies()
-            await rt.trainer("train_step")
+        async with swept(rt):
+            v1, kept = await synced_once(rt)
             await rt.chaos.kill("rollout", 0, after_progress=3)  # in the middle of its read
             with pytest.raises(FTError):
                 await rt.sync()
@@ -121,8 +126,7 @@ class TestOneCopyPerNode:
 
     async def test_a_runtime_abandoned_by_a_failed_test_leaves_nothing_once_its_run_is_swept(
             self, ray_cluster, tmp_path, swept):
-        rt = runtime(config(tmp_path, staging="node"))
-        swept.append(rt.run_id)
+        rt = swept(runtime(config(tmp_path, staging="node")))
         await rt.start()
         try:
             await rt.sync()
@@ -136,21 +140,12 @@ class TestOneCopyPerNode:
 class TestNewcomer:
     async def test_a_newcomer_resyncs_from_the_node_copy_which_survives_the_rollout_it_replaces(
             self, ray_cluster, tmp_path, swept):
-        cfg = ft_config(tmp_path).replace(staging="node")
-        rt = ft_runtime(cfg)
-        swept.append(rt.run_id)
+        rt = swept(ft_runtime(ft_config(tmp_path).replace(staging="node")))
         await rt.start()
         try:
-            await spares_warm(rt, 2)
-            await rt.trainer("train_step")
-            await rt.sync()
-            kept = node_copies()
-            victim = await rt.chaos.kill("rollout", 1)
-            await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the failover")
-            record = rt.failovers[0]
-            assert record.lost == victim and record.resynced
-            resync = [r for r in rt.audit.records if r["event"] == "transition" and r.get("trigger") == "resync"
-                      and r.get("member") == record.replacement]
+            record = await rollout_replaced(rt)
+            resync = resyncs(rt, record.replacement)
+            kept = committed_copies(rt)[-1:]
             assert resync[-1]["plan"]["routes"] == {record.replacement: "node_copy"}, resync
             assert resync[-1]["source"] == "node copy" and resync[-1]["plan"]["segment"] == kept[0]
             assert node_copies() == kept
@@ -161,21 +156,6 @@ class TestNewcomer:
         finally:
             await finish(rt, tmp_path)
         assert node_copies() == []
-
-
-def smaps(pid: int) -> dict[str, int]:
-    """``/proc/PID/smaps_rollup`` in bytes (Rss, Pss, Private_Dirty, ...)."""
-    out = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) == 3 and parts[2] == "kB":
-                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
-    return out
-
-
-def private(m: dict[str, int]) -> int:
-    return m["Private_Clean"] + m["Private_Dirty"]
 
 
 async def memory_after_syncs(tmp_path, staging: str, floats: int, syncs: int = 3) -> tuple[list[int], list[int]]:

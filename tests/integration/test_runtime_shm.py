@@ -13,12 +13,18 @@ from __future__ import annotations
 import pytest
 
 from ftstate.core.audit_check import check_trail
-from tests.integration.test_failover import assert_consistent, finish, spares_warm
+from tests.integration.test_failover import assert_consistent, finish, rollout_replaced
 from tests.integration.test_failover import config as ft_config
 from tests.integration.test_failover import runtime as ft_runtime
-from tests.integration.test_runtime import checksums, config, runtime, wait_until
+from tests.integration.test_runtime import checksums, config, runtime
 
 pytestmark = pytest.mark.ray
+
+
+def resyncs(rt, member: str) -> list[dict]:
+    """``member``'s ``resync`` records."""
+    return [r for r in rt.audit.records if r["event"] == "transition" and r.get("trigger") == "resync"
+            and r.get("member") == member]
 
 
 def sync_starts(rt) -> list[dict]:
@@ -54,15 +60,8 @@ class TestFailoverResync:
         rt = ft_runtime(ft_config(tmp_path))
         await rt.start()
         try:
-            await spares_warm(rt, 2)
-            await rt.trainer("train_step")
-            await rt.sync()
-            victim = await rt.chaos.kill("rollout", 1)
-            await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the failover")
-            record = rt.failovers[0]
-            assert record.lost == victim and record.resynced
-            resync = [r for r in rt.audit.records if r["event"] == "transition" and r.get("trigger") == "resync"
-                      and r.get("member") == record.replacement]
+            record = await rollout_replaced(rt)
+            resync = resyncs(rt, record.replacement)
             assert resync and resync[-1]["plan"]["routes"] == {record.replacement: "shm"}, resync
             assert resync[-1]["plan"]["sender"] == resync[-1]["source"]
             await assert_consistent(rt)

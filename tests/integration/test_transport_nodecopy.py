@@ -24,6 +24,7 @@ from tests.integration.test_transport_shm import (
     assert_bit_exact,
     committed_checksum,
     expected_checksum,
+    fresh_group,
 )
 
 OWNER = os.getpid()
@@ -31,10 +32,7 @@ OWNER = os.getpid()
 
 @pytest.fixture
 def group(pool):
-    pool.heal()
-    pool.form()
-    pool.members[0].call("load", seed=1, weights_version=1)
-    yield pool
+    yield fresh_group(pool)
     nodecopy.unlink_names(nodecopy.copies_of(OWNER))  # what a test that failed left
 
 

@@ -24,12 +24,17 @@ SYNC_S = 10.0
 FAST_S = 5.0
 
 
-@pytest.fixture
-def group(pool):
+def fresh_group(pool):
+    """The pool healed, a new group version formed, rank 0 holding seed 1 as weights version 1."""
     pool.heal()
     pool.form()
     pool.members[0].call("load", seed=1, weights_version=1)
     return pool
+
+
+@pytest.fixture
+def group(pool):
+    return fresh_group(pool)
 
 
 def a_readers_damaged_copy_is_its_own(group) -> None:

@@ -173,6 +173,15 @@ MUTATIONS = (
          "test_a_reader_lost_before_it_attached_leaves_no_segment_named_while_the_sender_lives",),
     ),
     Mutation(
+        "rejected node copy kept",
+        "a node copy (staging: node) whose version a reader rejected is unlinked: only a committed one stays",
+        (Edit("ftstate/transport/samehost.py",
+              "        sender._node_copy = node.name\n    else:\n        node.unlink()\n",
+              "        sender._node_copy = node.name\n"),),
+        ("tests/integration/test_transport_nodecopy.py::TestOneCopyPerNode::"
+         "test_a_damaged_bucket_at_one_reader_unlinks_the_new_copy",),
+    ),
+    Mutation(
         "spares on the nodes they cover",
         "a spare keeps off the nodes of the members it covers, where another node can hold it",
         (Edit("ftstate/controller/failover.py",
