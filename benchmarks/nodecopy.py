@@ -9,8 +9,8 @@ in place). Medians over the measured rounds; ``node/slots`` is the median over r
 slots time over the node-copy time (>= 1: the node copy is no slower).
 
 Memory, per receiver, from ``/proc/self/smaps_rollup`` after the rounds: what holding the
-committed version costs beyond the process itself (``private``: unique to it; ``pss``: its
-share of what it maps with others), for each route alone; and for the node in all (the
+committed version costs beyond the process itself (``private``: its own anonymous memory;
+``pss``: its share of what it maps with others), for each route alone; and for the node in all (the
 receivers' Pss plus what the node copy holds in ``/dev/shm``), against the weights' size.
 
     python benchmarks/nodecopy.py [--size 256] [--receivers 1,2,4] [--bucket-mb 64] [--reps 3]
@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MiB = 1024 * 1024
-KINDS = ("raw", "slots", "node")
+KINDS = ("raw", "slots", "node", "spare")
 
 
 def smaps(pid: int | str = "self") -> dict[str, int]:
@@ -46,8 +46,10 @@ def smaps(pid: int | str = "self") -> dict[str, int]:
 
 
 def private(m: dict[str, int]) -> int:
-    """The bytes of a :func:`smaps` reading unique to the process."""
-    return m["Private_Clean"] + m["Private_Dirty"]
+    """The memory of a :func:`smaps` reading that is the process's own: anonymous pages (heap,
+    staging buffers, copy-on-write copies), not the shared-memory pages it maps, which count
+    as private too while it happens to be their only mapper."""
+    return m["Anonymous"]
 
 
 def _worker(idx: int, store_addr: str, args: dict[str, Any], owner: int, results: Any) -> None:
@@ -62,10 +64,11 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], owner: int, results
     comm = create_communicator("gloo", store_addr=store_addr, group="benchnode", version=1, rank=idx,
                                world_size=world, timeout_s=60)
     sender = Sender(bucket_size=int(args["bucket_mb"] * MiB))
-    staged = {"slots": Receiver(), "node": Receiver()}
+    staged = {"slots": Receiver(), "node": Receiver(), "spare": Receiver()}
     weights = make_weights(size) if idx == 0 else None
     raw = torch.zeros(size * MiB, dtype=torch.uint8)
     times: dict[str, list[float]] = {k: [] for k in KINDS}
+    fresh_written = spare_written = None  # the sender's node copies, one set per route
     for rnd in range(args["warmup"] + args["reps"]):
         for kind in KINDS:
             comm.barrier(timeout_s=60)
@@ -75,22 +78,29 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], owner: int, results
             elif idx == 0:
                 report = samehost.broadcast(sender, comm, weights, same_host=range(1, world), require_shm=True,
                                             weights_version=rnd, timeout_s=300,
-                                            node_copy_owner=owner if kind == "node" else None)
-                assert report.ok and (report.node_copy is not None) == (kind == "node"), report
+                                            node_copy_owner=owner if kind != "slots" else None,
+                                            node_copy_spare=kind == "spare")
+                assert report.ok and (report.node_copy is not None) == (kind != "slots"), report
+                if kind == "spare":  # its copies are not the fresh route's: one writer keeps one kind
+                    sender._node_copy, spare_written = fresh_written, sender._node_copy
+                elif kind == "node":
+                    fresh_written, sender._node_copy = sender._node_copy, spare_written
             else:
-                got = samehost.receive(staged[kind], comm, 0, timeout_s=300)
-                assert (got._node is not None) == (kind == "node")
+                assert (samehost.receive(staged[kind], comm, 0, timeout_s=300)._node is not None) == (kind != "slots")
             comm.barrier(timeout_s=60)
             if rnd >= args["warmup"]:
                 times[kind].append(time.perf_counter() - t0)
     del raw
     memory: dict[str, int] = {}
     if idx > 0:  # what each route's committed state costs this process, alone
-        del staged["slots"]
+        del staged["slots"], staged["spare"]
         gc.collect()
+        comm.barrier(timeout_s=60)
         with_node = smaps()
+        comm.barrier(timeout_s=60)  # every receiver read it before any drops its mapping
         del staged["node"]
         gc.collect()
+        comm.barrier(timeout_s=60)
         bare = smaps()
         comm.barrier(timeout_s=60)  # the sender's next transfers: slots only
         again = Receiver()
@@ -102,7 +112,8 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], owner: int, results
                   "slots_pss": with_slots["Pss"] - bare["Pss"]}
         comm.barrier(timeout_s=60)
     else:
-        comm.barrier(timeout_s=60)
+        for _ in range(4):
+            comm.barrier(timeout_s=60)
         for rnd in range(2):
             samehost.broadcast(sender, comm, weights, same_host=range(1, world), require_shm=True,
                                weights_version=100 + rnd, timeout_s=300)
@@ -151,22 +162,27 @@ def main(argv: list[str] | None = None) -> int:
     args = {"bucket_mb": ns.bucket_mb, "reps": ns.reps, "warmup": ns.warmup}
     print(f"{ns.size} MiB of weights, {ns.bucket_mb:g} MiB buckets, {ns.reps} rounds (medians), "
           f"load {os.getloadavg()[0]:.2f}")
-    print(f"{'recv':>4} | {'raw s':>6} {'slots s':>7} {'node s':>6} | {'node/slots':>10} {'node/raw':>8} | "
-          f"{'slots priv':>10} {'node priv':>9} {'node pss':>8} | {'node at rest':>12} | per receiver, x weights")
+    print(f"{'recv':>4} | {'raw s':>6} {'slots s':>7} {'node s':>6} {'spare s':>7} | {'node/slots':>10} "
+          f"{'spare/slots':>11} {'spare/raw':>9} | {'slots priv':>10} {'node priv':>9} {'node pss':>8} | "
+          f"{'at rest':>7} | x weights")
     for receivers in [int(r) for r in ns.receivers.split(",") if r]:
         out = run(ns.size, receivers, args)
         t = out["times"]
         med = {k: statistics.median(v) for k, v in t.items()}
         ratio = statistics.median(s / n for s, n in zip(t["slots"], t["node"], strict=True))
+        spare = statistics.median(s / n for s, n in zip(t["slots"], t["spare"], strict=True))
         w = ns.size * MiB
         worst = {k: max(m[k] for m in out["memory"]) / w for k in out["memory"][0]}
         node_total = (sum(m["node_pss"] for m in out["memory"]) + 0) / w
-        print(f"{receivers:>4} | {med['raw']:>6.3f} {med['slots']:>7.3f} {med['node']:>6.3f} | {ratio:>10.2f} "
-              f"{med['raw'] / med['node']:>8.2f} | {worst['slots_private']:>10.2f} {worst['node_private']:>9.2f} "
-              f"{worst['node_pss']:>8.2f} | {out['at_rest'] / w:>12.2f} | node Pss in all {node_total:.2f}")
-    print("node/slots: slots time / node-copy time per round (>= 1: no slower); node/raw: raw broadcast / node copy. "
-          "priv / pss: a receiver's growth holding the committed version (slots: committed buffer + spare; node: "
-          "views into the node copy), worst receiver; node at rest: the committed node copy in /dev/shm")
+        print(f"{receivers:>4} | {med['raw']:>6.3f} {med['slots']:>7.3f} {med['node']:>6.3f} {med['spare']:>7.3f} | "
+              f"{ratio:>10.2f} {spare:>11.2f} {med['raw'] / med['spare']:>9.2f} | {worst['slots_private']:>10.2f} "
+              f"{worst['node_private']:>9.2f} {worst['node_pss']:>8.2f} | {out['at_rest'] / w:>7.2f} | "
+              f"node Pss of all receivers {node_total:.2f}")
+    print("node: staging node, a new copy per sync; spare: node_copy_spare, the previous copy rewritten. "
+          "x/slots: slots time / x time per round (>= 1: no slower than private staging); spare/raw: raw gloo "
+          "broadcast / spare. priv / pss: a receiver's growth holding the committed version (slots: committed "
+          "buffer + spare buffer; node: views into the node copy), worst receiver; at rest: node copies left in "
+          "/dev/shm after the rounds (the fresh route's committed one and the spare route's two)")
     return 0
 
 

@@ -218,6 +218,7 @@ class WorkerHost:
     async def send_weights(
         self, weights_version: int, timeout_s: float, same_host: list[int] | None = None, require_shm: bool = False,
         relays: list[tuple[int, list[int]]] | None = None, node_copy_owner: int | None = None,
+        node_copy_spare: bool = False,
     ) -> dict[str, Any]:
         """Trainer: broadcast the user's ``state_dict()`` to the group as ``weights_version``.
         ``timeout_s`` bounds the transfer (the controller passes what is left of sync_timeout_s).
@@ -226,7 +227,8 @@ class WorkerHost:
         ``relays``: ``(relay rank, its node peers' ranks)`` of the plan's other nodes.
         ``node_copy_owner`` (``staging: node``): the pid of this node's agent, which owns the node
         copy the same-host ranks verify in place (:mod:`ftstate.transport.nodecopy`); the result's
-        ``node_copy`` names it once committed.
+        ``node_copy`` names it once committed; ``node_copy_spare``: the previous one is kept
+        (``node_spare``) and rewritten as the next.
         A ``state_dict()`` the transport cannot send (not a mapping, empty, a value that is not
         a dense tensor on the backend's device…) raises
         :class:`~ftstate.core.errors.StateDictError` naming this member and the tensor, before
@@ -252,7 +254,7 @@ class WorkerHost:
                         samehost.broadcast, self._sender, comm, state, same_host=same_host or [],
                         relays={r: list(p) for r, p in relays or ()}, require_shm=require_shm,
                         weights_version=weights_version, timeout_s=timeout_s, progress=self._on_bucket,
-                        node_copy_owner=node_copy_owner,
+                        node_copy_owner=node_copy_owner, node_copy_spare=node_copy_spare,
                     )
                 else:
                     report = await asyncio.to_thread(
@@ -268,7 +270,7 @@ class WorkerHost:
         return {"checksum": report.state_checksum, "nbytes": report.nbytes,
                 "rejected": {int(k): v for k, v in report.rejected.items()},
                 "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback,
-                "node_copy": report.node_copy}
+                "node_copy": report.node_copy, "node_spare": report.node_spare}
 
     async def receive_weights(
         self, weights_version: int, src: int, timeout_s: float, planned: bool = False

@@ -67,6 +67,8 @@ class CommittedCopy:
     group: str
     weights_version: int
     checksum: str
+    #: the writer's spare beside it (``node_copy_spare``), kept too
+    spare: str | None = None
 
 
 class NodeCopies:
@@ -113,14 +115,15 @@ class NodeCopies:
         return copy
 
     async def committed_on(self, node_id: str, name: str, *, group: str, weights_version: int,
-                           checksum: str) -> None:
+                           checksum: str, spare: str | None = None) -> None:
         """A sync committed ``weights_version`` through node copy ``name`` on ``node_id``: it is
-        that node's source for newcomers, and every other copy the agent owns goes."""
+        that node's source for newcomers, and every other copy the agent owns goes but the
+        writer's ``spare`` (``node_copy_spare``)."""
         agent = self._agents.get(node_id)
         if agent is None:
             return
-        self.committed[node_id] = CommittedCopy(node_id, name, agent[2], group, weights_version, checksum)
-        await self._settle(node_id, [name])
+        self.committed[node_id] = CommittedCopy(node_id, name, agent[2], group, weights_version, checksum, spare)
+        await self._settle(node_id, [name, *([spare] if spare else [])])
 
     async def failed_on(self, node_id: str | None) -> None:
         """A sync attempt failed: only the committed copy stays on ``node_id`` (whatever a
@@ -128,7 +131,7 @@ class NodeCopies:
         if node_id is None or node_id not in self._agents:
             return
         copy = self.committed.get(node_id)
-        await self._settle(node_id, [copy.name] if copy is not None else [])
+        await self._settle(node_id, [copy.name, *([copy.spare] if copy.spare else [])] if copy is not None else [])
 
     async def forget(self, node_id: str | None) -> None:
         """A sync committed without a node copy on ``node_id`` (a fallback): the one there is

@@ -131,7 +131,8 @@ class WeightSync:
                 # the same-host route only where the plan has a rollout read shared memory (on the
                 # trainer's node, or from its node's relay)
                 send_shm = (list(plan.same_host_ranks), plan.require_shm,
-                            [(r, list(p)) for r, p in plan.relay_ranks], owner) if plan.uses_shm else ()
+                            [(r, list(p)) for r, p in plan.relay_ranks], owner,
+                            self.config.node_copy_spare) if plan.uses_shm else ()
                 planned = (True,) if plan.uses_shm else ()
                 results = await self._transfer([
                     (trainer, self.calls.call(trainer.name, trainer.handle, "send_weights", target, timeout,
@@ -198,7 +199,8 @@ class WeightSync:
         assert copies is not None and node is not None
         name = sent.get("node_copy")
         if name:
-            await copies.committed_on(node, name, group=GROUP, weights_version=target, checksum=sent["checksum"])
+            await copies.committed_on(node, name, group=GROUP, weights_version=target, checksum=sent["checksum"],
+                                      spare=sent.get("node_spare"))
             self.audit.record("node_copy_committed", node=node[:8], segment=name, weights_version=target)
         else:
             await copies.forget(node)

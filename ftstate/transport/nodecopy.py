@@ -44,6 +44,7 @@ hashes what it handed to ``load_weights``, or ``held_weights()``), not by the vo
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -114,6 +115,7 @@ class NodeCopy:
         self.manifest = manifest
         self.data_bytes = data_bytes
         self._mm: mmap.mmap | None = mm
+        self.inode = (0, 0)  # (device, inode) of the file it maps, for a reader's mapping cache
         self.data: torch.Tensor = torch.frombuffer(mm, dtype=torch.uint8, offset=_data_offset(len(manifest)),
                                                    count=data_bytes) if data_bytes else torch.empty(0, dtype=torch.uint8)
 
@@ -130,14 +132,36 @@ class NodeCopy:
         return cls(name, mm, group_version=group_version, owner=owner, writer=os.getpid(),
                    weights_version=weights_version, manifest=manifest, data_bytes=data_bytes)
 
+    def reuse(self, group: str, *, group_version: int, weights_version: int, manifest: bytes,
+              data_bytes: int) -> bool:
+        """The writer's spare (``node_copy_spare``: the copy of the version before the committed
+        one, kept named and mapped) made the next copy: renamed for this group version, its
+        header and manifest rewritten, its pages already allocated and mapped (no allocation,
+        no page fault on the transfer's path). False when the layout does not fit it (another
+        size): the caller makes a new one."""
+        if self._mm is None or data_bytes != self.data_bytes or _data_offset(len(manifest)) != _data_offset(
+                len(self.manifest)):
+            return False
+        name = copy_name(group, group_version, self.owner, next(_generations))
+        try:
+            os.rename(SHM_DIR / self.name, SHM_DIR / name)
+        except OSError:  # unlinked meanwhile (the agent settled): not ours to write any more
+            return False
+        _FIXED.pack_into(self._mm, 0, _MAGIC, group_version, self.owner, os.getpid(), weights_version,
+                         len(manifest), data_bytes)
+        self._mm[_FIXED.size : _FIXED.size + len(manifest)] = manifest
+        self.name, self.group_version, self.weights_version, self.manifest = name, group_version, weights_version, manifest
+        return True
+
     @classmethod
     def attach(cls, name: str, *, group: str, owner: int, group_version: int | None = None,
-               writer: int | None = None) -> NodeCopy:
+               writer: int | None = None, cache: bool = False) -> NodeCopy:
         """Map an existing node copy privately, after checking its name and header against
         what the caller was told (``group``, ``owner``, and when given the ``group_version``
         and the ``writer``'s pid): :class:`ManifestError` (field ``node_copy``) naming the
         segment and what disagrees; one that is gone (unlinked: its sync failed or a later
-        version replaced it) says so."""
+        version replaced it) says so. ``cache`` (its writer recycles its copies): the mapping
+        is kept for the file's next use (see :data:`_READ_MAPS`)."""
         fields = parse_name(name)
         if fields is None or fields["kind"] != "node" or fields["group"] != safe_group(group) \
                 or fields["pid"] != owner or (group_version is not None and fields["version"] != group_version):
@@ -149,10 +173,13 @@ class NodeCopy:
             raise ManifestError(f"node copy {name!r} cannot be opened: {os.strerror(exc.errno or 0)} (unlinked: "
                                 "its sync failed, or a later version replaced it)", field="node_copy") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size, inode = st.st_size, (st.st_dev, st.st_ino)
             if size < HEADER_BYTES:
                 raise ManifestError(f"node copy {name!r} is {size} bytes, shorter than its header", field="node_copy")
-            mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            cached = _READ_MAPS.get(inode) if cache else None
+            mm = cached if cached is not None and len(cached) == size else \
+                mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         magic, gv, own, wpid, wv, mlen, dlen = _FIXED.unpack_from(mm, 0)
@@ -166,11 +193,17 @@ class NodeCopy:
         elif _data_offset(mlen) + dlen > size:
             problem = f"its manifest ({mlen} bytes) and data ({dlen} bytes) exceed its size {size}"
         if problem is not None:
-            mm.close()
+            _READ_MAPS.pop(inode, None)
+            if mm is not cached:
+                mm.close()
             raise ManifestError(f"node copy {name!r}: {problem}", field="node_copy")
         manifest = bytes(mm[_FIXED.size : _FIXED.size + mlen])
-        return cls(name, mm, group_version=gv, owner=own, writer=wpid, weights_version=wv, manifest=manifest,
+        if cache:
+            _READ_MAPS[inode] = mm
+        node = cls(name, mm, group_version=gv, owner=own, writer=wpid, weights_version=wv, manifest=manifest,
                    data_bytes=dlen)
+        node.inode = inode
+        return node
 
     def check_holds(self, manifest: Manifest) -> None:
         """That this copy was made for ``manifest`` (its weights version and its whole layout)."""
@@ -188,6 +221,27 @@ class NodeCopy:
 
         self._mm = None
         self.data = torch.empty(0, dtype=torch.uint8)
+
+
+#: A reader's mappings of node copies, by (device, inode): a copy recycled by its writer
+#: (``node_copy_spare``) is the same file under a new name, read again through the same
+#: mapping, so its pages are not faulted in again at every sync. :func:`forget_mappings`
+#: keeps only those of files still named.
+_READ_MAPS: dict[tuple[int, int], mmap.mmap] = {}
+
+
+def forget_mappings() -> None:
+    """Drop this process's cached mappings of node copies that are no longer named in
+    ``/dev/shm`` (unlinked: failed, replaced, the run ended). A mapping a committed state
+    still views stays mapped through its tensors until they go."""
+    named = set()
+    for n in list_segments():
+        if is_copy(n):
+            with contextlib.suppress(OSError):
+                st = os.stat(SHM_DIR / n)
+                named.add((st.st_dev, st.st_ino))
+    for inode in [i for i in _READ_MAPS if i not in named]:
+        del _READ_MAPS[inode]
 
 
 def tensors_of(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -234,4 +288,4 @@ def adopt(receiver: Receiver, name: str, *, group: str, owner: int, weights_vers
     return new
 
 
-__all__ = ["NodeCopy", "adopt", "copies_of", "copy_name", "is_copy", "tensors_of", "unlink_names"]
+__all__ = ["NodeCopy", "adopt", "copies_of", "copy_name", "forget_mappings", "is_copy", "tensors_of", "unlink_names"]

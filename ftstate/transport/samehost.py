@@ -149,7 +149,7 @@ from ftstate.transport.manifest import (
     encode_seal,
     short,
 )
-from ftstate.transport.nodecopy import NodeCopy, is_copy
+from ftstate.transport.nodecopy import NodeCopy, forget_mappings, is_copy
 from ftstate.transport.shm import SHM_DIR, Segment, pid_alive, segment_name, unlink_names
 from ftstate.transport.signals import Channel
 from ftstate.transport.sync import (
@@ -229,6 +229,9 @@ class Offer:
     #: private staging; :mod:`ftstate.transport.nodecopy`), and the pid of its owner.
     node_copy: str = ""
     owner: int = 0
+    #: the writer keeps the previous copy as the next one's (``node_copy_spare``): a reader
+    #: keeps its mapping of each file for the next time it is used
+    recycled: bool = False
 
 
 def encode_offer(o: Offer) -> bytes:
@@ -237,7 +240,8 @@ def encode_offer(o: Offer) -> bytes:
          "pid": o.pid, "endpoint": o.endpoint, "segments": list(o.segments), "fresh": o.fresh,
          "shm": list(o.shm), "collective": list(o.collective), "fallback": o.fallback,
          "relays": [[r, list(peers)] for r, peers in o.relays], "require": o.require, "chunk": o.chunk,
-         "handles": list(o.handles), "node_copy": o.node_copy, "owner": o.owner},
+         "handles": list(o.handles), "node_copy": o.node_copy, "owner": o.owner,
+         "recycled": o.recycled},
         use_bin_type=True,
     )
 
@@ -325,7 +329,7 @@ def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
                                           "and no slots")
     return Offer(group, gv, pid, endpoint, tuple(segments), need("fresh", bool),
                  shm_ranks, collective, fallback, tuple(relays), need("require", bool), chunk,
-                 tuple(handles), node_copy, owner)
+                 tuple(handles), node_copy, owner, need("recycled", bool))
 
 
 # -- the segments each side keeps ------------------------------------------------------------
@@ -812,6 +816,7 @@ def broadcast(
     timeout_s: float,
     progress: Progress | None = None,
     node_copy_owner: int | None = None,
+    node_copy_spare: bool = False,
 ) -> SyncReport:
     """:meth:`Sender.broadcast` on this route: the ranks in ``same_host`` (on this member's
     host) read every bucket from shared memory; each rank of ``relays`` (relay rank → its
@@ -827,11 +832,13 @@ def broadcast(
     copying it out of two slots; one that cannot be made falls back to the slots (said in
     :attr:`SyncReport.shm_fallback`; with ``require_shm`` it raises). After a vote every rank
     passed, the node copy this sender wrote before is unlinked and this one kept
-    (:attr:`SyncReport.node_copy` names it); after any other outcome this one is unlinked."""
+    (:attr:`SyncReport.node_copy` names it); after any other outcome this one is unlinked.
+    ``node_copy_spare``: the one written before is kept instead (named, mapped; the
+    report's ``node_spare``) and rewritten as the next one, so a sync allocates nothing."""
     route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
     return _send(sender, route, weights, weights_version, progress, same_host=frozenset(same_host),
                  require_shm=require_shm, relays={r: tuple(sorted(p)) for r, p in (relays or {}).items() if p},
-                 node_copy_owner=node_copy_owner)
+                 node_copy_owner=node_copy_owner, node_copy_spare=node_copy_spare)
 
 
 
@@ -879,6 +886,7 @@ def _send(
     require_shm: bool,
     relays: Mapping[int, tuple[int, ...]] | None = None,
     node_copy_owner: int | None = None,
+    node_copy_spare: bool = False,
 ) -> SyncReport:
     """One transfer on the same-host route (see the module docstring)."""
     comm = route.comm
@@ -910,9 +918,7 @@ def _send(
     if readers and node_copy_owner is not None:
         try:
             _require_host_memory(comm, manifest.total_bytes)
-            node = NodeCopy.create(comm.group, group_version=comm.version, owner=node_copy_owner,
-                                   weights_version=weights_version, manifest=encode_manifest(manifest),
-                                   data_bytes=manifest.total_bytes)
+            node = _next_node_copy(sender, comm, manifest, node_copy_owner, node_copy_spare)
         except SharedMemoryUnavailable as exc:
             if require_shm:
                 comm.abort(f"shared memory unavailable: {exc.problem}")
@@ -943,7 +949,8 @@ def _send(
                       tuple(s.name for s in slots.segments) if slots and readers else (), fresh,
                       tuple(readers), tuple(net), fallback, tuple(sorted(relays.items())), require_shm, NET_CHUNK,
                       handles=slots.device.handles if slots and slots.device and readers else (),
-                      node_copy=node.name if node is not None else "", owner=node_copy_owner if node else 0)
+                      node_copy=node.name if node is not None else "", owner=node_copy_owner if node else 0,
+                      recycled=node is not None and node_copy_spare)
         route.send_message(encode_offer(offer), stage)
         if relays:
             stage = "relay offers"
@@ -1030,25 +1037,62 @@ def _send(
         if chan is not None:
             chan.close()
     report = sender._report(comm, manifest, state, len(buckets), started, votes, routes, fallback)
-    if node is not None and _settle_node_copy(sender, node, committed=report.ok):
-        report = dataclasses.replace(report, node_copy=node.name)
+    if node is not None:
+        written = _settle_node_copy(sender, node, committed=report.ok, keep_spare=node_copy_spare)
+        if report.ok:
+            report = dataclasses.replace(report, node_copy=node.name,
+                                         node_spare=written.spare.name if written.spare is not None else None)
     return report
 
 
-def _settle_node_copy(sender: Sender, node: NodeCopy, *, committed: bool) -> bool:
+@dataclass
+class _Written:
+    """The node copies a sender keeps: the committed one's, and (``node_copy_spare``) the one
+    before it, kept named and mapped to be rewritten as the next."""
+
+    committed: NodeCopy | None = None
+    spare: NodeCopy | None = None
+
+
+def _next_node_copy(sender: Sender, comm: Communicator, manifest: Manifest, owner: int, keep_spare: bool) -> NodeCopy:
+    """The node copy this transfer writes: the sender's spare rewritten when it keeps one and
+    it fits, else a new one (a spare that does not fit goes)."""
+    written = sender._node_copy = sender._node_copy or _Written()
+    spare, written.spare = written.spare, None
+    payload = encode_manifest(manifest)
+    if spare is not None and keep_spare and spare.owner == owner and spare.reuse(
+            comm.group, group_version=comm.version, weights_version=manifest.weights_version, manifest=payload,
+            data_bytes=manifest.total_bytes):
+        return spare
+    if spare is not None:
+        spare.unlink()
+        spare.close()
+    return NodeCopy.create(comm.group, group_version=comm.version, owner=owner,
+                           weights_version=manifest.weights_version, manifest=payload,
+                           data_bytes=manifest.total_bytes)
+
+
+def _settle_node_copy(sender: Sender, node: NodeCopy, *, committed: bool, keep_spare: bool) -> _Written:
     """After the vote: a version every rank committed keeps its node copy (the source of
-    newcomers on the node) and the one this sender wrote before goes; any other outcome
-    unlinks the new one (the ranks that committed it keep their mappings). The writer's own
-    mapping goes either way: it never reads the copy again."""
+    newcomers on the node) and the one this sender wrote before goes, or with ``keep_spare``
+    stays, named and mapped, as the next one's; any other outcome unlinks the new one (the
+    ranks that committed it keep their mappings). Without a spare the writer's own mapping
+    goes: it never reads the copy again."""
+    written = sender._node_copy = sender._node_copy or _Written()
     if committed:
-        if sender._node_copy not in (None, node.name):
-            unlink_names([sender._node_copy])
-        sender._node_copy = node.name
+        old, written.committed = written.committed, node
+        if old is not None and old is not node:
+            if keep_spare and old._mm is not None:
+                written.spare = old
+            else:
+                old.unlink()
+                old.close()
+        if not keep_spare:
+            node.close()
     else:
         node.unlink()
-    node.close()
-    return committed
-
+        node.close()
+    return written
 
 def _sender_failed(sender: Sender, comm: Communicator, chan: Channel | None, readers: Sequence[int],
                    stage: str, exc: BaseException, node: NodeCopy | None = None) -> None:
@@ -1226,8 +1270,9 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
 
 
 def _map_node_copy(offer: Offer, comm: Communicator, manifest: Manifest, writer: int) -> NodeCopy:
+    forget_mappings()  # of copies unlinked since (failed, replaced): their memory goes now
     node = NodeCopy.attach(offer.node_copy, group=comm.group, owner=offer.owner, group_version=comm.version,
-                           writer=offer.pid)
+                           writer=offer.pid, cache=offer.recycled)
     try:
         node.check_holds(manifest)
     except BaseException:
@@ -1505,6 +1550,7 @@ def _receiver_failed(comm: Communicator, at: _Receiving, exc: BaseException) -> 
         if not pid_alive(at.node.writer):
             at.node.unlink()  # a failed version's node copy never stays, whoever dies
         at.node.close()
+        forget_mappings()
     drop_mappings(group=comm.group)
     comm.abort(f"weight transfer failed during {at.stage}")
 

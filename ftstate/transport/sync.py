@@ -189,6 +189,8 @@ class SyncReport:
     #: the node copy this transfer's same-host ranks committed (``staging: node``,
     #: :mod:`ftstate.transport.nodecopy`), kept named as the source of newcomers; else None.
     node_copy: str | None = None
+    #: with ``node_copy_spare``: the copy of the version before, kept to be rewritten as the next one.
+    node_spare: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -483,7 +485,7 @@ class Sender:
         self.bucket_size = bucket_size
         self._pack: list[torch.Tensor | None] = [None, None]
         self._samehost: Any = None  # the shared-memory slots of the same-host route (samehost.py)
-        self._node_copy: str | None = None  # the last node copy it wrote that was committed (nodecopy.py)
+        self._node_copy: Any = None  # the node copies it wrote and keeps (samehost._Written, nodecopy.py)
 
     def broadcast(
         self,

@@ -123,18 +123,18 @@ class _Member:
 
     def broadcast_planned(self, timeout_s: float, same_host: list[int], require_shm: bool = False,
                           kill_at: int | None = None, relays: dict[int, list[int]] | None = None,
-                          node_copy_owner: int | None = None) -> dict[str, Any]:
+                          node_copy_owner: int | None = None, node_copy_spare: bool = False) -> dict[str, Any]:
         from ftstate.transport import samehost
 
         report = samehost.broadcast(
             self.sender, self.comm, self.weights, same_host=same_host, relays=relays, require_shm=require_shm,
             weights_version=self.weights_version, timeout_s=timeout_s, progress=self._progress(kill_at),
-            node_copy_owner=node_copy_owner,
+            node_copy_owner=node_copy_owner, node_copy_spare=node_copy_spare,
         )
         return {"committed": list(report.committed), "rejected": dict(report.rejected),
                 "checksum": report.state_checksum, "buckets": report.num_buckets,
                 "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback,
-                "node_copy": report.node_copy}
+                "node_copy": report.node_copy, "node_spare": report.node_spare}
 
     def adopt(self, name: str, owner: int, weights_version: int, checksum: str) -> dict[str, Any]:
         """A newcomer on the node takes the committed node copy ``name`` (ftstate.transport.nodecopy)."""

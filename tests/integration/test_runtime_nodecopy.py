@@ -86,16 +86,19 @@ async def synced_once(rt) -> tuple[str, list[str]]:
 
 
 class TestOneCopyPerNode:
+    @pytest.mark.parametrize("spare", [False, True], ids=["fresh", "spare"])
     async def test_every_sync_lands_in_one_node_copy_which_is_gone_when_the_runtime_stops(
-            self, ray_cluster, tmp_path, swept):
-        async with swept(runtime(config(tmp_path, staging="node"))) as rt:
-            for step in range(2):
+            self, ray_cluster, tmp_path, swept, spare):
+        async with swept(runtime(config(tmp_path, staging="node", node_copy_spare=spare))) as rt:
+            for step in range(3):
                 await rt.trainer("train_step")
                 report = await rt.sync()
                 assert await rt.rollout("checksum") == [await rt.trainer("checksum")] * 2 == [report.checksum] * 2
-                assert node_copies() == committed_copies(rt)[-1:], (node_copies(), step)
+                # the committed copy, and with a spare the one before it, kept to be rewritten
+                at_rest = committed_copies(rt)[-2 if spare else -1:]
+                assert sorted(node_copies()) == sorted(at_rest), (node_copies(), step)
             assert report.routes == {"rollout-0": "shm", "rollout-1": "shm"} and report.shm_fallback is None
-            assert len(set(committed_copies(rt))) == 2  # a new copy per version, the older one unlinked
+            assert len(set(committed_copies(rt))) == 3  # each version under a name of its own
         assert node_copies() == []
         assert check_trail(tmp_path / "audit.jsonl") == []
 
@@ -159,9 +162,9 @@ class TestNewcomer:
 
 
 async def memory_after_syncs(tmp_path, staging: str, floats: int, syncs: int = 3) -> tuple[list[int], list[int]]:
-    """Each rollout's growth in private and proportional memory from its start (its engine's
+    """Each rollout's growth in its own (anonymous) and proportional memory from its start (its engine's
     parameters already resident) to after ``syncs`` syncs."""
-    cfg = config(tmp_path / staging, staging=staging, bucket_size_mb=4)
+    cfg = config(tmp_path / staging, staging=staging, bucket_size_mb=4, heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)
     rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=ResidentRollout, trainer_kwargs={"big_floats": floats},
                          rollout_kwargs={"big_floats": floats})
     async with rt:

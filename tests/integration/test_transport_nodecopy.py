@@ -36,11 +36,12 @@ def group(pool):
     nodecopy.unlink_names(nodecopy.copies_of(OWNER))  # what a test that failed left
 
 
-def in_place(pool, *, members=None, timeout_s: float = SYNC_S) -> dict:
+def in_place(pool, *, members=None, timeout_s: float = SYNC_S, spare: bool = False) -> dict:
     trainer, *rollouts = pool.members if members is None else members
     for r in rollouts:
         r.start("receive_planned", timeout_s=timeout_s)
-    report = trainer.call("broadcast_planned", timeout_s=timeout_s, same_host=[1, 2], node_copy_owner=OWNER)
+    report = trainer.call("broadcast_planned", timeout_s=timeout_s, same_host=[1, 2], node_copy_owner=OWNER,
+                          node_copy_spare=spare)
     for r in rollouts:
         r.result()
     return report
@@ -98,6 +99,51 @@ class TestOneCopyPerNode:
             assert committed_checksum(r) == expected_checksum(1)
         # the committed copy survives its writer; the failed one went with the readers' failure
         assert nodecopy.copies_of(OWNER) == [kept]
+
+
+def inode(name: str) -> int:
+    return os.stat(nodecopy.SHM_DIR / name).st_ino
+
+
+class TestSpare:
+    def test_the_previous_copy_is_kept_and_rewritten_as_the_next_one(self, group):
+        trainer = group.members[0]
+        first = in_place(group, spare=True)
+        assert nodecopy.copies_of(OWNER) == [first["node_copy"]] and first["node_spare"] is None
+        trainer.call("load", seed=2, weights_version=2)
+        second = in_place(group, spare=True)
+        assert second["node_spare"] == first["node_copy"]
+        assert sorted(nodecopy.copies_of(OWNER)) == sorted([first["node_copy"], second["node_copy"]])
+        was = inode(first["node_copy"])
+        trainer.call("load", seed=3, weights_version=3)
+        third = in_place(group, spare=True)
+        assert inode(third["node_copy"]) == was and third["node_spare"] == second["node_copy"]
+        assert sorted(nodecopy.copies_of(OWNER)) == sorted([second["node_copy"], third["node_copy"]])
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 3)
+            assert rollout.call("committed")["node"] == third["node_copy"]
+
+    def test_a_rejected_rewrite_of_the_spare_unlinks_it_and_the_committed_copy_stays(self, group):
+        trainer, damaged, clean = group.members
+        in_place(group, spare=True)
+        trainer.call("load", seed=2, weights_version=2)
+        kept = in_place(group, spare=True)["node_copy"]
+        trainer.call("load", seed=7, weights_version=3)
+        damaged.call("corrupt_next_bucket")
+        damaged.start("receive_planned", timeout_s=SYNC_S)
+        clean.start("receive_planned", timeout_s=SYNC_S)
+        report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2], node_copy_owner=OWNER,
+                              node_copy_spare=True)
+        with pytest.raises(RemoteError):
+            damaged.result()
+        clean.result()
+        assert report["rejected"] == {1: "ChecksumMismatch"} and nodecopy.copies_of(OWNER) == [kept]
+        assert committed_checksum(damaged) == expected_checksum(2)
+        # the next sync makes a new copy (the spare went with the rejected version) and goes through
+        trainer.call("load", seed=4, weights_version=4)
+        assert in_place(group, spare=True)["committed"] == [1, 2]
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 4)
 
 
 class TestNewcomer:
