@@ -56,7 +56,7 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], owner: int, results
     import torch
 
     from benchmarks.transfer import make_weights
-    from ftstate.transport import Receiver, Sender, create_communicator, samehost
+    from ftstate.transport import Receiver, Sender, create_communicator, nodecopy, samehost
 
     torch.set_num_threads(1)
     receivers, size = args["receivers"], args["size"]
@@ -111,7 +111,10 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], owner: int, results
                   "slots_private": private(with_slots) - private(bare),
                   "slots_pss": with_slots["Pss"] - bare["Pss"]}
         comm.barrier(timeout_s=60)
-    else:
+    else:  # what each node-copy route leaves in /dev/shm between syncs
+        sender._node_copy = fresh_written  # (the spare route's is spare_written)
+        memory = {kind: sum((nodecopy.SHM_DIR / c.name).stat().st_size for c in (w.committed, w.spare) if c)
+                  for kind, w in (("node_rest", fresh_written), ("spare_rest", spare_written))}
         for _ in range(4):
             comm.barrier(timeout_s=60)
         for rnd in range(2):
@@ -138,7 +141,6 @@ def run(size: int, receivers: int, args: dict[str, Any]) -> dict[str, Any]:
         while len(got) < len(procs):
             idx, times, memory = results.get(timeout=900)
             got[idx] = (times, memory)
-        at_rest = sum((nodecopy.SHM_DIR / n).stat().st_size for n in nodecopy.copies_of(os.getpid()))
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -148,7 +150,7 @@ def run(size: int, receivers: int, args: dict[str, Any]) -> dict[str, Any]:
         server.close()
     times = got[0][0]
     mem = [got[i][1] for i in range(1, receivers + 1)]
-    return {"times": times, "memory": mem, "at_rest": at_rest}
+    return {"times": times, "memory": mem, "at_rest": got[0][1]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load {os.getloadavg()[0]:.2f}")
     print(f"{'recv':>4} | {'raw s':>6} {'slots s':>7} {'node s':>6} {'spare s':>7} | {'node/slots':>10} "
           f"{'spare/slots':>11} {'spare/raw':>9} | {'slots priv':>10} {'node priv':>9} {'node pss':>8} | "
-          f"{'at rest':>7} | x weights")
+          f"{'rest node':>9} {'rest spare':>10} | x weights")
     for receivers in [int(r) for r in ns.receivers.split(",") if r]:
         out = run(ns.size, receivers, args)
         t = out["times"]
@@ -176,13 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         node_total = (sum(m["node_pss"] for m in out["memory"]) + 0) / w
         print(f"{receivers:>4} | {med['raw']:>6.3f} {med['slots']:>7.3f} {med['node']:>6.3f} {med['spare']:>7.3f} | "
               f"{ratio:>10.2f} {spare:>11.2f} {med['raw'] / med['spare']:>9.2f} | {worst['slots_private']:>10.2f} "
-              f"{worst['node_private']:>9.2f} {worst['node_pss']:>8.2f} | {out['at_rest'] / w:>7.2f} | "
+              f"{worst['node_private']:>9.2f} {worst['node_pss']:>8.2f} | {out['at_rest']['node_rest'] / w:>9.2f} "
+              f"{out['at_rest']['spare_rest'] / w:>10.2f} | "
               f"node Pss of all receivers {node_total:.2f}")
     print("node: staging node, a new copy per sync; spare: node_copy_spare, the previous copy rewritten. "
           "x/slots: slots time / x time per round (>= 1: no slower than private staging); spare/raw: raw gloo "
           "broadcast / spare. priv / pss: a receiver's growth holding the committed version (slots: committed "
-          "buffer + spare buffer; node: views into the node copy), worst receiver; at rest: node copies left in "
-          "/dev/shm after the rounds (the fresh route's committed one and the spare route's two)")
+          "buffer + spare buffer; node: views into the node copy), worst receiver; rest node / rest spare: what "
+          "each node-copy route keeps in /dev/shm between syncs")
     return 0
 
 
