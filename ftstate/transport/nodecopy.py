@@ -28,6 +28,17 @@ one at the controller's word (after a sync or a failed one, at the run's end). A
 rollout or trainer therefore leaves the node copy in place; a SIGKILLed agent leaves an
 orphan (:func:`~ftstate.transport.shm.sweep_orphans` removes it, as for slots).
 
+**Fresh or recycled.** By default every sync makes a new copy and the previous one is
+unlinked once the new one is committed: 1x the weights per node at rest, 2x during a sync,
+but the allocation and the first touch of fresh pages are on the sync's path (on the 2-core
+development VM the kernel's page work costs more than the transfer itself). With
+``node_copy_spare`` the writer keeps the previous copy (named, mapped) as a *spare* and
+rewrites it as the next one (:meth:`NodeCopy.reuse`: renamed for the new group version,
+header and manifest rewritten), and every reader keeps its mapping of each file
+(:data:`_READ_MAPS`, by inode), so a sync allocates nothing and faults nothing in: 2x at rest.
+A rollout holding the spare's version (one whose commit failed, STALE) sees it rewritten
+under it; it does not serve, and is resynced.
+
 **Mappings.** The writer maps it shared and populated; a reader maps it *private*
 (copy-on-write) and only reads it: nothing it or its user code writes into its tensors
 reaches the other rollouts, and pages it only reads stay the node's one copy (they count

@@ -85,6 +85,17 @@ anywhere). A side that fails tells the other side (``failed``), aborts its commu
 unlinks: the sender its own segments, a reader the segments of a sender that died. Nothing
 is committed by anyone before the vote.
 
+**One node copy** (``node_copy_owner``, the runtime's ``staging: node``; see
+:mod:`ftstate.transport.nodecopy`). Instead of two recycled slots, the sender writes every
+bucket once at its place in one full-size segment holding the whole flat layout, and the
+same-host readers hash it *in place* as the writer announces it (same ``ready``/``upto``
+signals, one "slot"), copying nothing: their staging is that segment, and what they commit
+are views into it (``Receiver._conclude(node=...)``, no spare buffer kept). Only after the
+last bucket does a reader say ``released``, so a reader that dies is still named before the
+seal. After a vote every rank passed the copy stays named (the source of newcomers on the
+node); after any other outcome it is unlinked, by the writer, or by a reader that finds the
+writer dead. Receivers on other nodes get their chunks sent from the same copy.
+
 **Device memory.** When the communicator's device has memory other processes on the host
 can map (:func:`~ftstate.transport.cudaipc.device_memory_for`: CUDA IPC for ``cuda``), the
 slots' data lives there instead of in ``/dev/shm``: each slot keeps its segment as a header
