@@ -176,8 +176,8 @@ MUTATIONS = (
         "rejected node copy kept",
         "a node copy (staging: node) whose version a reader rejected is unlinked: only a committed one stays",
         (Edit("ftstate/transport/samehost.py",
-              "        sender._node_copy = node.name\n    else:\n        node.unlink()\n",
-              "        sender._node_copy = node.name\n"),),
+              "            node.close()\n    else:\n        node.unlink()\n        node.close()\n",
+              "            node.close()\n"),),
         ("tests/integration/test_transport_nodecopy.py::TestOneCopyPerNode::"
          "test_a_damaged_bucket_at_one_reader_unlinks_the_new_copy",),
     ),
