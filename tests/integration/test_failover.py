@@ -55,11 +55,13 @@ async def spares_warm(rt, n: int, timeout: float = 30) -> None:
     await wait_until(lambda: sum(m.state == "STANDBY" for m in rt.members()) >= n, timeout, f"{n} warm spares")
 
 
-async def rollout_replaced(rt):
-    """Sync once, SIGKILL rollout-1 and wait until its failover is done; the failover's record."""
+async def rollout_replaced(rt, before_kill=lambda: None):
+    """Sync once, SIGKILL rollout-1 (``before_kill()`` first) and wait until its failover is
+    done; the failover's record."""
     await spares_warm(rt, 2)
     await rt.trainer("train_step")
     await rt.sync()
+    before_kill()
     victim = await rt.chaos.kill("rollout", 1)
     await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the failover")
     record = rt.failovers[0]

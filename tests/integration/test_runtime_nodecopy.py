@@ -161,6 +161,22 @@ class TestNewcomer:
         assert node_copies() == []
 
 
+    async def test_a_node_copy_gone_before_the_newcomer_is_a_recorded_fallback_to_point_to_point(
+            self, ray_cluster, tmp_path, swept):
+        rt = swept(ft_runtime(ft_config(tmp_path).replace(staging="node")))
+        await rt.start()
+        try:
+            # as if someone removed it: the newcomer cannot map it
+            record = await rollout_replaced(rt, before_kill=lambda: shm.unlink_names(node_copies()))
+            fallback = [r for r in rt.audit.records if r["event"] == "node_copy_fallback"]
+            assert fallback and fallback[0]["member"] == record.replacement, fallback
+            assert "cannot be opened" in fallback[0]["reason"], fallback
+            assert resyncs(rt, record.replacement)[-1]["plan"]["routes"] == {record.replacement: "shm"}
+            await assert_consistent(rt)
+        finally:
+            await finish(rt, tmp_path)
+        assert node_copies() == []
+
 async def memory_after_syncs(tmp_path, staging: str, floats: int, syncs: int = 3) -> tuple[list[int], list[int]]:
     """Each rollout's growth in its own (anonymous) and proportional memory from its start (its engine's
     parameters already resident) to after ``syncs`` syncs."""
