@@ -126,6 +126,7 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], owner: int, results
 
 
 def run(size: int, receivers: int, args: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks.transfer import gather
     from ftstate.transport import StoreServer, nodecopy
 
     server = StoreServer("127.0.0.1")
@@ -134,20 +135,13 @@ def run(size: int, receivers: int, args: dict[str, Any]) -> dict[str, Any]:
     cell = {**args, "size": size, "receivers": receivers}
     procs = [ctx.Process(target=_worker, args=(i, str(server.address), cell, os.getpid(), results), daemon=True)
              for i in range(receivers + 1)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
     try:
-        while len(got) < len(procs):
-            idx, times, memory = results.get(timeout=900)
-            got[idx] = (times, memory)
+        got = gather(procs, results, join_s=30)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
         nodecopy.unlink_names(nodecopy.copies_of(os.getpid()))
         server.close()
+    if got is None:
+        raise SystemExit(1)
     times = got[0][0]
     mem = [got[i][1] for i in range(1, receivers + 1)]
     return {"times": times, "memory": mem, "at_rest": got[0][1]}

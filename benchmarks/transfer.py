@@ -281,6 +281,27 @@ def _next_result(results: Any, procs: list[Any]) -> tuple[Any, ...] | None:
                 return None
 
 
+def gather(procs: list[Any], results: Any, *, join_s: float = 10.0) -> dict[int, tuple[Any, ...]] | None:
+    """Start the worker processes ``procs`` and collect one result from each (keyed by its
+    first item, the worker's index; the rest of the item as the value); None when one exited
+    with an error. Every process is joined, or killed after ``join_s``, either way."""
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[Any, ...]] = {}
+    try:
+        while len(got) < len(procs):
+            item = _next_result(results, procs)
+            if item is None:
+                return None
+            got[item[0]] = tuple(item[1:])
+    finally:
+        for p in procs:
+            p.join(timeout=join_s)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
 def senders_main(args: dict[str, Any]) -> int:
     """``--senders``: see the module docstring."""
     from ftstate.transport import StoreServer
@@ -291,22 +312,12 @@ def senders_main(args: dict[str, Any]) -> int:
     nproc = max(args["senders"]) + args["receivers"][0]
     procs = [ctx.Process(target=_senders_worker, args=(i, str(server.address), args, results), daemon=True)
              for i in range(nproc)]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
     try:
-        while len(got) < nproc:
-            item = _next_result(results, procs)
-            if item is None:
-                return 1
-            idx, times, checks = item
-            got[idx] = (times, checks)
+        got = gather(procs, results)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
         server.close()
+    if got is None:
+        return 1
     times = got[0][0]
     rollout_checks = [got[i][1] for i in range(max(args["senders"]), nproc)]
     agree = all(c == rollout_checks[0] for c in rollout_checks) and len(set(rollout_checks[0])) == 1

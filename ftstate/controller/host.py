@@ -273,17 +273,21 @@ class WorkerHost:
                 "node_copy": report.node_copy, "node_spare": report.node_spare}
 
     async def receive_weights(
-        self, weights_version: int, src: int, timeout_s: float, planned: bool = False
+        self, weights_version: int, src: int, timeout_s: float, planned: bool = False,
+        node_copy_owner: int | None = None,
     ) -> dict[str, Any]:
         """Rollout: receive and verify the broadcast of ``weights_version`` from rank ``src``.
         It is staged: the user's ``load_weights`` is not called until :meth:`commit_weights`.
         ``planned``: the sender uses the same-host route (its offer says how this member reads:
-        from the sender's shared memory, over the collective, or from its node's relay, or as the relay)."""
+        from the sender's shared memory, over the collective, or from its node's relay, or as the relay).
+        ``node_copy_owner`` (``staging: node``, this member its node's relay): the pid of its
+        node's agent, owner of the node copy it receives into for its peers; the result's
+        ``node_copy`` names the node copy its staged state is in (its own or one it read)."""
         from ftstate.core.errors import ManifestError
 
         self._staged = None
         if planned:
-            staged = await self._receive("samehost", src, timeout_s=timeout_s)
+            staged = await self._receive("samehost", src, timeout_s=timeout_s, node_copy_owner=node_copy_owner)
         else:
             staged = await self._receive("receive_broadcast", root=src, timeout_s=timeout_s)
         if staged.weights_version != weights_version:
@@ -294,7 +298,8 @@ class WorkerHost:
             )
         self._staged = staged
         self._tick()
-        return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": staged.weights_version}
+        return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": staged.weights_version,
+                "node_copy": staged._node}
 
     # -- several trainer ranks (trainer_workers > 1: ftstate.transport.shards) ---------------
 

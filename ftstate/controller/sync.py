@@ -124,10 +124,11 @@ class WeightSync:
         timeout = self.config.sync_timeout_s
         copies = self.node_copies
         owner: int | None = None
+        relaying: dict[str, int] = {}  # relay name -> its node agent's pid (staging: node)
         try:
             async with group.deadline_scope():
-                if copies is not None and plan.same_host_ranks:  # staging: node on the trainer's node
-                    owner = await copies.owner(trainer.node_id)
+                if copies is not None:  # staging: node, on the trainer's node and every relay's
+                    owner, relaying = await self._node_copy_owners(trainer, rollouts, plan)
                 # the same-host route only where the plan has a rollout read shared memory (on the
                 # trainer's node, or from its node's relay)
                 send_shm = (list(plan.same_host_ranks), plan.require_shm,
@@ -137,7 +138,8 @@ class WeightSync:
                 results = await self._transfer([
                     (trainer, self.calls.call(trainer.name, trainer.handle, "send_weights", target, timeout,
                                               *send_shm)),
-                    *((m, self.calls.call(m.name, m.handle, "receive_weights", target, 0, timeout, *planned))
+                    *((m, self.calls.call(m.name, m.handle, "receive_weights", target, 0, timeout, *planned,
+                                          *((relaying[m.name],) if m.name in relaying else ())))
                       for m in rollouts),
                 ])
                 failures = self._failures([trainer, *rollouts], results)
@@ -151,19 +153,21 @@ class WeightSync:
                             f"{n} staged weights version {target} with checksum {staged[n]['checksum']}, "
                             f"the trainer sent {sent['checksum']}") for n in torn}
                 if failures:
-                    if owner is not None:  # nobody loaded it: its node copy goes, the committed one stays
-                        await copies.failed_on(trainer.node_id)  # type: ignore[union-attr]
+                    # nobody loaded it: its node copies go, the committed ones stay
+                    await self._node_copies_failed(trainer, rollouts, owner, relaying)
                     await self._abort(trainer, rollouts, previous, failures)
                     raise next(iter(failures.values()))
                 group.weights_version = target
                 if owner is not None:
-                    await self._keep_node_copy(trainer, sent, target)
+                    await self._keep_node_copy(trainer.node_id, sent, target, sent["checksum"])
+                for m in rollouts:
+                    if m.name in relaying:
+                        await self._keep_node_copy(m.node_id, staged[m.name], target, sent["checksum"])
                 not_loaded = await self._commit(trainer, rollouts, target, sent["checksum"])
                 self.raise_if_failed()  # a death during the commit with fault tolerance off
         except SyncTimeout:
             group.weights_version = previous
-            if owner is not None:
-                await copies.failed_on(trainer.node_id)  # type: ignore[union-attr]
+            await self._node_copies_failed(trainer, rollouts, owner, relaying)
             raise
         routes = {m.name: sent.get("routes", {}).get(m.rank, COLLECTIVE) for m in rollouts}
         if sent.get("shm_fallback"):
@@ -191,16 +195,42 @@ class WeightSync:
             shm_fallback=sent.get("shm_fallback"),
         )
 
-    async def _keep_node_copy(self, trainer: Member, sent: Mapping[str, Any], target: int) -> None:
-        """The vote passed: the node copy it went through is the trainer's node's source for
-        newcomers (every other copy there goes), or, when that sync fell back to private
-        staging, the older copy there goes."""
-        copies, node = self.node_copies, trainer.node_id
+    async def _node_copy_owners(self, trainer: Member, rollouts: Sequence[Member],
+                                plan: Plan) -> tuple[int | None, dict[str, int]]:
+        """``staging: node``: the pid of the agent owning the trainer's node's copy (None: no
+        rollout reads there, or no agent to be had) and of each relay's node's."""
+        copies = self.node_copies
+        assert copies is not None
+        owner = await copies.owner(trainer.node_id) if plan.same_host_ranks else None
+        relaying: dict[str, int] = {}
+        for m in rollouts:
+            if m.name in plan.relays:
+                pid = await copies.owner(m.node_id)
+                if pid is not None:
+                    relaying[m.name] = pid
+        return owner, relaying
+
+    async def _node_copies_failed(self, trainer: Member, rollouts: Sequence[Member], owner: int | None,
+                                  relaying: Mapping[str, int]) -> None:
+        """A sync attempt failed: on each node that had a node copy made, only the committed one stays."""
+        if self.node_copies is None:
+            return
+        nodes = [trainer.node_id] if owner is not None else []
+        nodes += [m.node_id for m in rollouts if m.name in relaying]
+        for node in dict.fromkeys(nodes):
+            await self.node_copies.failed_on(node)
+
+    async def _keep_node_copy(self, node: str | None, result: Mapping[str, Any], target: int, checksum: str) -> None:
+        """The vote passed: the node copy the version went through on ``node`` (the trainer's, or
+        a relay's: ``result`` is what the writer reported) is that node's source for newcomers
+        (every other copy there goes, but the writer's spare); when that node fell back to
+        private staging, the older copy there goes."""
+        copies = self.node_copies
         assert copies is not None and node is not None
-        name = sent.get("node_copy")
+        name = result.get("node_copy")
         if name:
-            await copies.committed_on(node, name, group=GROUP, weights_version=target, checksum=sent["checksum"],
-                                      spare=sent.get("node_spare"))
+            await copies.committed_on(node, name, group=GROUP, weights_version=target, checksum=checksum,
+                                      spare=result.get("node_spare"))
             self.audit.record("node_copy_committed", node=node[:8], segment=name, weights_version=target)
         else:
             await copies.forget(node)

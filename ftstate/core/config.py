@@ -324,9 +324,11 @@ class RuntimeConfig:
         "(resynced by checksum, no transfer). Extra memory: 1x the weights per node at rest, 2x "
         "during a sync, whatever the number of rollouts; a rollout keeps no private copy. Costs a "
         "fresh allocation of the weights' size per sync (/dev/shm must hold two copies) and a "
-        "small actor per node that owns the copy. Rollouts on other nodes, and one that cannot get "
-        "a node copy (no room, weights on a GPU, the node's agent unreachable), stage privately "
-        "for that sync and the audit trail records why (shm_fallback, node_copy_fallback). Needs "
+        "small actor per node that owns the copy. On another node with several rollouts the relay "
+        "receives the version into that node's copy and its peers verify it in place, the same "
+        "way. A lone rollout on another node, several trainer ranks, and a node that cannot get "
+        "a node copy (no room, weights on a GPU, the node's agent unreachable) stage privately "
+        "(that sync; the audit trail records why: shm_fallback, node_copy_fallback). Needs "
         "shared_memory auto or require.",
     )
     node_copy_spare: bool = _field(

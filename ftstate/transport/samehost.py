@@ -873,17 +873,20 @@ def send_to(
 
 def receive(
     receiver: Receiver, comm: Communicator, src: int, *, point_to_point: bool = False, timeout_s: float,
-    progress: Progress | None = None,
+    progress: Progress | None = None, node_copy_owner: int | None = None,
 ) -> CommittedWeights:
     """Receive what ``src`` sends with :func:`broadcast` (or, with ``point_to_point``,
     :func:`send_to`): from shared memory when the sender's offer says so, else over the
     communicator. Same errors and guarantee as :meth:`Receiver.receive_broadcast`: on any
-    error the receiver's committed weights are what they were."""
+    error the receiver's committed weights are what they were. ``node_copy_owner``: when
+    this member is its node's relay, it receives into a node copy owned by that process
+    (:mod:`ftstate.transport.nodecopy`) which its peers verify in place, instead of slots;
+    the committed state's ``_node`` names it."""
     if point_to_point:
         route: _Route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=src, sending=False)
     else:
         route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=src, sending=False)
-    return _receive(receiver, route, progress)
+    return _receive(receiver, route, progress, node_copy_owner)
 
 
 def _send(
@@ -1209,7 +1212,8 @@ class _Follower:
         self.slot, self.upto = slot, upto
 
 
-def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> CommittedWeights:
+def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
+             node_copy_owner: int | None = None) -> CommittedWeights:
     """One transfer on the same-host route, into ``receiver`` (see the module docstring)."""
     comm = route.comm
     src = _peer_of(route)
@@ -1221,27 +1225,39 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
         manifest = decode_manifest(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
         at.stage = "offer"
         offer = decode_offer(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
-        in_place = comm.rank in offer.shm and bool(offer.node_copy)
-        if in_place:  # nothing private: the node copy is the staging
-            at.node = _map_node_copy(offer, comm, manifest, src)
-            staging = (at.node.data, 0)
-        else:
-            staging = receiver._staging(manifest.total_bytes, comm.device)
-            _zero_padding(staging[0], manifest)
-        flat = staging[0]
         buckets = bucket_segments(manifest.tensors, manifest.buckets)
         hasher = StreamHasher(len(manifest.tensors))
         digests: list[int] = []
         peers = dict(offer.relays).get(comm.rank, ())
         relay = next((r for r, ps in offer.relays if comm.rank in ps), None)
-        if in_place:
-            _verify_in_place(receiver, route, at, offer, src, buckets, flat, hasher, digests, progress)
-        elif comm.rank in offer.shm:
-            _read(receiver, route, at, offer, src, manifest, buckets, flat, hasher, digests, progress)
-        elif relay is not None:
+        theirs: Offer | None = None  # its node relay's offer, for one of its peers
+        if relay is not None and comm.rank not in offer.shm:
             at.stage = "relay offer"
             theirs = decode_offer(_side_route(route, relay, sending=False).recv_message(at.stage),
                                   group=comm.group, group_version=comm.version)
+        if comm.rank in offer.collective and peers:
+            at.relay = _Relay.start(route, at, manifest, buckets, peers, require=offer.require, owner=node_copy_owner)
+        # where its staging is: a node copy it verifies in place (the sender's or its relay's),
+        # the node copy it writes as its node's relay, or a private buffer
+        reading = offer if comm.rank in offer.shm else theirs if theirs is not None and comm.rank in theirs.shm \
+            else None
+        if reading is not None and reading.node_copy:
+            at.node = _map_node_copy(reading, comm, manifest, src if reading is offer else relay)
+            staging = (at.node.data, 0)
+        elif at.relay is not None and at.relay.node is not None:
+            at.node = at.relay.node
+            staging = (at.node.data, 0)
+        else:
+            staging = receiver._staging(manifest.total_bytes, comm.device)
+            _zero_padding(staging[0], manifest)
+        flat = staging[0]
+        if reading is not None and reading.node_copy:
+            _verify_in_place(receiver, route, at, reading, src if reading is offer else relay, buckets, flat,
+                             hasher, digests, progress)
+        elif comm.rank in offer.shm:
+            _read(receiver, route, at, offer, src, manifest, buckets, flat, hasher, digests, progress)
+        elif theirs is not None:
+            assert relay is not None
             if comm.rank in theirs.shm:
                 _read(receiver, route, at, theirs, relay, manifest, buckets, flat, hasher, digests, progress)
             elif offer.require:
@@ -1250,8 +1266,6 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
             else:  # the relay could not make its segments: the sender sends to this rank as well
                 _net(receiver, route, at, src, buckets, flat, hasher, digests, progress, offer.chunk)
         elif comm.rank in offer.collective:
-            if peers:
-                at.relay = _Relay.start(route, at, manifest, buckets, peers, require=offer.require)
             _net(receiver, route, at, src, buckets, flat, hasher, digests, progress, offer.chunk)
         else:
             raise ManifestError(f"malformed offer: rank {comm.rank} is in neither 'shm', 'collective' nor "
@@ -1276,8 +1290,28 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None) -> Co
         raise
     finally:
         at.close()
+    if at.relay is not None and at.relay.node is not None:  # the copy it wrote for its node's peers
+        _relayed(comm.group, at.relay.node, committed=problem is None)
     return receiver._conclude(comm, manifest, seal, staging, kept, problem, own,
                               node=at.node.name if at.node is not None else None)
+
+
+#: The node copy this process last wrote as its node's relay and committed, by group.
+_RELAY_COPIES: dict[str, str] = {}
+
+
+def _relayed(group: str, node: NodeCopy, *, committed: bool) -> None:
+    """After the vote, as its node's relay: a copy it verified itself stays (the node's source
+    for newcomers; the previous one goes), one it rejected goes. Whether its peers committed
+    too is the controller's to settle (the node agent keeps only the committed copy)."""
+    if committed:
+        previous = _RELAY_COPIES.get(group)
+        if previous not in (None, node.name):
+            unlink_names([previous])
+        _RELAY_COPIES[group] = node.name
+    else:
+        node.unlink()
+    node.close()
 
 
 def _map_node_copy(offer: Offer, comm: Communicator, manifest: Manifest, writer: int) -> NodeCopy:
@@ -1450,42 +1484,59 @@ class _Relay:
     peer released bucket k - 2), while the next buckets keep arriving into its own staging
     (:data:`WINDOW` receives posted), so the network leg does not wait for the peers."""
 
-    def __init__(self, route: _Route, peers: tuple[int, ...], slots: _Slots, chan: Channel, fresh: bool,
-                 weights_version: int) -> None:
+    def __init__(self, route: _Route, peers: tuple[int, ...], slots: _Slots | None, chan: Channel, fresh: bool,
+                 weights_version: int, node: NodeCopy | None = None, last: int = -1) -> None:
         self.route = route
         self.peers = peers
         self.slots = slots
         self.chan = chan
         self.fresh = fresh
         self.weights_version = weights_version
-        self.nslots = len(slots.segments)
+        #: ``node_copy_owner``: it receives straight into this node copy, which its peers
+        #: verify in place (nothing is copied, nothing recycled; ``last``: the last bucket)
+        self.node = node
+        self.last = last
+        self.nslots = len(slots.segments) if slots is not None else 1
         self.waiter = _Waiter(route, chan, {}, self.nslots)
         #: the bucket being handed on: its slot, the slot's bytes, and how to tell the peers
         self.filling: tuple[int, torch.Tensor, Callable[[int], None]] | None = None
 
     @classmethod
     def start(cls, route: _Route, at: _Receiving, manifest: Manifest, buckets: Sequence[Bucket],
-              peers: tuple[int, ...], *, require: bool) -> _Relay | None:
-        """Make (or reuse) the slots and offer them to the peers, and tell the sender whether it
-        could (its peers otherwise take the collective, or with ``require`` the transfer fails).
-        None when it relays nothing this time."""
+              peers: tuple[int, ...], *, require: bool, owner: int | None = None) -> _Relay | None:
+        """Make (or reuse) the slots, or with ``owner`` a node copy owned by that process (one
+        that cannot be made: the slots, said in the offer's ``fallback``), and offer them to the
+        peers, and tell the sender whether it could (its peers otherwise take the collective,
+        or with ``require`` the transfer fails). None when it relays nothing this time."""
         comm = route.comm
         at.stage = "relay segments"
         capacity = max([b.nbytes for b in buckets] + [1])
         slots: _Slots | None = None
+        node: NodeCopy | None = None
         fresh = False
         unavailable: SharedMemoryUnavailable | None = None
-        try:
-            _require_host_memory(comm, capacity)
-            slots, fresh = _relay_slots(comm, capacity, min(2, len(buckets)) or 1, set(peers))
-        except SharedMemoryUnavailable as exc:
-            unavailable = exc
-        chan = Channel.bind(group=comm.group, version=comm.version, rank=comm.rank) if slots is not None else None
+        if owner is not None:
+            try:
+                _require_host_memory(comm, manifest.total_bytes)
+                node = NodeCopy.create(comm.group, group_version=comm.version, owner=owner,
+                                       weights_version=manifest.weights_version, manifest=encode_manifest(manifest),
+                                       data_bytes=manifest.total_bytes)
+            except SharedMemoryUnavailable:  # its peers read the slots instead, and stage privately
+                node = None
+        if node is None:
+            try:
+                _require_host_memory(comm, capacity)
+                slots, fresh = _relay_slots(comm, capacity, min(2, len(buckets)) or 1, set(peers))
+            except SharedMemoryUnavailable as exc:
+                unavailable = exc
+        made = slots is not None or node is not None
+        chan = Channel.bind(group=comm.group, version=comm.version, rank=comm.rank) if made else None
         try:
             offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
                           tuple(s.name for s in slots.segments) if slots else (), fresh,
-                          peers if slots else (), () if slots else peers,
-                          str(unavailable) if unavailable else None)
+                          peers if made else (), () if made else peers,
+                          str(unavailable) if unavailable else None,
+                          node_copy=node.name if node is not None else "", owner=owner if node is not None else 0)
             payload = encode_offer(offer)
             at.stage = "relay offer"
             for rank in (_peer_of(route), *peers):  # the sender first: it waits for the answer
@@ -1493,25 +1544,36 @@ class _Relay:
         except BaseException:
             if chan is not None:
                 chan.close()
+            if node is not None:
+                node.unlink()
+                node.close()
             raise
         if unavailable is not None:
             if require:
                 comm.abort(f"shared memory unavailable: {unavailable.problem}")
                 raise unavailable
             return None
-        assert slots is not None and chan is not None
-        return cls(route, peers, slots, chan, fresh, manifest.weights_version)
+        assert chan is not None
+        return cls(route, peers, slots, chan, fresh, manifest.weights_version, node,
+                   buckets[-1].index if buckets else -1)
 
     def attach(self, at: _Receiving) -> None:
         at.stage = "relay attach"
         self.waiter.hellos(self.peers, at.stage)
+        if self.slots is None:  # a node copy keeps its name: a newcomer on the node maps it later
+            return
         if self.fresh:  # every peer mapped them: the names go, the memory stays with the mappings
             unlink_names([s.name for s in self.slots.segments])
         self.slots.attached |= set(self.peers)
 
     def begin(self, b: Bucket, stage: str) -> None:
         """Bucket ``b`` is arriving: take its slot once the peers released the bucket before
-        in it, and mark the slot (before the peers hear of it)."""
+        in it, and mark the slot (before the peers hear of it). In a node copy: where it lands."""
+        if self.node is not None:
+            self.filling = (0, self.node.data[b.start : b.start + b.nbytes],
+                            _announcer(self.chan, self.peers, b.index, 0))
+            return
+        assert self.slots is not None
         slot = b.index % self.nslots
         self.waiter.free(slot, stage)
         self.slots.segments[slot].mark(b.index, self.weights_version, b.nbytes)
@@ -1522,6 +1584,10 @@ class _Relay:
         the slot a :data:`PIECE` at a time (hashed while in cache), then tell the peers."""
         assert self.filling is not None, "hand_on before begin"
         _, out, filled = self.filling
+        if self.node is not None:  # it landed in the node copy itself: hashed, then announced
+            _hash_range(b, data, hasher, lo, hi)
+            filled(hi)
+            return
         for p in range(lo, hi, PIECE):
             q = min(p + PIECE, hi)
             out[p:q].copy_(data[p:q])
@@ -1531,7 +1597,8 @@ class _Relay:
     def end(self, b: Bucket) -> None:
         assert self.filling is not None, "end before begin"
         slot, _, _ = self.filling
-        self.waiter.busy[slot] = (b.index, set(self.peers), [])
+        if self.node is None or b.index == self.last:  # a node copy's readers say when they are through
+            self.waiter.busy[slot] = (b.index, set(self.peers), [])
 
     def finish(self, stage: str) -> None:
         """Wait until every peer released the last buckets (before the seal: a peer that dies
@@ -1544,6 +1611,8 @@ class _Relay:
             with contextlib.suppress(TransportError):  # a peer gone: its own pid check ends it
                 self.chan.send({"kind": "failed", "reason": f"{type(exc).__name__} during {stage}"}, to=p)
         _drop_relay_slots(self.route.comm.group)
+        if self.node is not None:  # a failed version's node copy never stays
+            self.node.unlink()
 
     def close(self) -> None:
         self.chan.close()

@@ -146,13 +146,13 @@ class _Member:
 
 
     def receive_planned(self, timeout_s: float, src: int = 0, point_to_point: bool = False,
-                        kill_at: int | None = None) -> dict[str, Any]:
+                        kill_at: int | None = None, node_copy_owner: int | None = None) -> dict[str, Any]:
         from ftstate.transport import samehost
 
         got = samehost.receive(self.receiver, self.comm, src, point_to_point=point_to_point, timeout_s=timeout_s,
-                                            progress=self._progress(kill_at))
+                               progress=self._progress(kill_at), node_copy_owner=node_copy_owner)
         return {"weights_version": got.weights_version, "checksum": got.state_checksum,
-                "group_version": got.group_version}
+                "group_version": got.group_version, "node": got._node}
 
     def send_to_planned(self, peer: int, timeout_s: float, source: str = "weights") -> dict[str, Any]:
         from ftstate.transport import samehost

@@ -146,6 +146,45 @@ class TestSpare:
             assert_bit_exact(rollout, 4)
 
 
+def relayed(pool, *, kill_at: int | None = None) -> dict:
+    """Rank 1 relays to rank 2 (as if both were on a node of their own) through a node copy."""
+    trainer, relay, peer = pool.members
+    relay.start("receive_planned", timeout_s=SYNC_S, node_copy_owner=OWNER)
+    peer.start("receive_planned", timeout_s=SYNC_S, kill_at=kill_at)
+    return trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays={1: [2]})
+
+
+class TestRelay:
+    def test_the_relay_receives_into_a_node_copy_its_peer_verifies_in_place(self, group):
+        trainer, relay, peer = group.members
+        report = relayed(group)
+        assert report["routes"] == {1: "collective", 2: "relay"} and report["committed"] == [1, 2]
+        got_relay, got_peer = relay.result(), peer.result()
+        assert got_relay["node"] == got_peer["node"] and nodecopy.copies_of(OWNER) == [got_relay["node"]]
+        for rollout in (relay, peer):
+            assert_bit_exact(rollout, 1)
+            assert not rollout.call("committed")["spare"]
+        trainer.call("load", seed=2, weights_version=2)
+        relayed(group)
+        second = relay.result()["node"]
+        assert peer.result()["node"] == second != got_relay["node"] and nodecopy.copies_of(OWNER) == [second]
+        for rollout in (relay, peer):
+            assert_bit_exact(rollout, 2)
+
+    def test_a_peer_killed_mid_read_unlinks_the_relays_new_copy_and_keeps_the_committed_one(self, group):
+        trainer, relay, peer = group.members
+        relayed(group)
+        kept = relay.result()["node"]
+        peer.result()
+        trainer.call("load", seed=3, weights_version=2)
+        with pytest.raises(RemoteError):
+            relayed(group, kill_at=2)
+        assert peer.outcome()[0] == "died"
+        with pytest.raises(RemoteError):
+            relay.result(FAST_S)
+        assert committed_checksum(relay) == expected_checksum(1) and nodecopy.copies_of(OWNER) == [kept]
+
+
 class TestNewcomer:
     def test_a_newcomer_adopts_the_committed_copy_without_a_transfer(self, group):
         report = in_place(group)

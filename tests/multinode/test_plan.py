@@ -6,7 +6,9 @@ from /dev/shm, the lowest rank on ``b`` receives it point to point over gloo and
 holds another rollout, relays it there through ``b``'s shared memory. With all three
 rollouts on ``b``, one copy crosses the network and two read the relay's slots; a relay
 SIGKILLed in the middle of a sync ends the transfer for everyone, nothing is committed,
-nothing is left in /dev/shm, and the sync goes through after the failover. Every rollout ends
+nothing is left in /dev/shm, and the sync goes through after the failover. With ``staging:
+node`` the relay receives into its node's copy (owned by that node's agent) and its peers
+verify it in place. Every rollout ends
 with the trainer's weights (the workers' own checksums), the plan is in the sync's audit
 record and ``SyncReport.routes`` matches the nodes the members report.
 """
@@ -17,7 +19,7 @@ import pytest
 
 import ftstate
 from ftstate.core.audit_check import check_trail
-from ftstate.transport import shm
+from ftstate.transport import nodecopy, shm
 from tests.integration.workers import TinyRollout, TinyTrainer
 from tests.multinode.harness import LABEL, resource
 from tests.multinode.test_node_loss import config, consistent
@@ -103,6 +105,28 @@ async def test_one_copy_crosses_to_a_remote_node_and_its_relay_fans_it_out_there
         assert segments_of([m.pid for m in members.values()]) == []
     finally:
         await rt.close()
+    assert check_trail(tmp_path / "audit.jsonl") == []
+
+
+async def test_with_staging_node_the_relay_receives_into_its_nodes_copy_and_its_peers_verify_it(
+    multinode_cluster, tmp_path
+):
+    cfg = all_on_b(tmp_path, staging="node").replace(**{"fault_tolerance.enable": False})
+    rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout)
+    await rt.start()
+    try:
+        members = {m.member: m for m in rt.members()}
+        b = multinode_cluster.node_id("b")
+        expected = planned_routes(members, members["trainer-0"].node_id)
+        await two_syncs(rt, expected)
+        # one agent, on b: the trainer's node holds no rollout, so no copy is made there
+        assert [r["node"] for r in rt.audit.records if r["event"] == "node_agent_started"] == [b[:8]]
+        committed = [r for r in rt.audit.records if r["event"] == "node_copy_committed"]
+        assert [r["node"] for r in committed] == [b[:8]] * 2
+        assert [n for n in shm.list_segments() if nodecopy.is_copy(n)] == [committed[-1]["segment"]]
+    finally:
+        await rt.close()
+    assert [n for n in shm.list_segments() if nodecopy.is_copy(n)] == []
     assert check_trail(tmp_path / "audit.jsonl") == []
 
 
