@@ -85,6 +85,9 @@ _REJECTED = 1
 _STORES: dict[str, StoreServer] = {}
 _ISSUED: dict[str, int] = {}
 _STORES_LOCK = threading.Lock()
+# The driver's secret per weight group (security.authenticate), made on the first update and
+# handed to the workers with their topology through verl's own Ray calls, never ftstate's sockets.
+_KEYS: dict[str, tuple[str, bytes]] = {}
 
 
 def _ray_node_address() -> str:
@@ -111,6 +114,18 @@ def issue_version(server: StoreServer, group: str) -> int:
         version = max(current, _ISSUED.get(group, 0)) + 1
         _ISSUED[group] = version
         return version
+
+
+def driver_key(group: str) -> tuple[str, bytes]:
+    """The run id and secret of weight group ``group`` in this (driver) process, made on first
+    use (:func:`ftstate.transport.auth.new_secret`) and kept for the life of the process."""
+    from ftstate.transport import auth
+
+    with _STORES_LOCK:
+        key = _KEYS.get(group)
+        if key is None:
+            key = _KEYS[group] = (f"verl-{group}-{os.getpid()}", auth.new_secret())
+        return key
 
 
 def _member_name(role: str, index: int, meta: Mapping[str, Any]) -> str:
@@ -189,7 +204,10 @@ class FTStateCheckpointEngine(CheckpointEngine):
         members = [_member_name("trainer rank", 0, master)] + [
             _member_name("rollout worker", i, m) for i, m in enumerate(metadata[actor_wg_world_size:])
         ]
-        common = {"store": str(store.address), "group": settings.group, "version": version, "members": members}
+        common: dict[str, Any] = {"store": str(store.address), "group": settings.group, "version": version,
+                                  "members": members}
+        if settings.runtime.security.authenticate:
+            common["run"], common["secret"] = driver_key(settings.group)
 
         def each(n: int) -> dict[str, list[Any]]:
             return {k: [v] * n for k, v in {"world_size": world_size, **common}.items()}
@@ -201,10 +219,22 @@ class FTStateCheckpointEngine(CheckpointEngine):
         return actor_kwargs, rollout_kwargs
 
     def init_process_group(
-        self, *, rank: int, world_size: int, store: str, group: str, version: int, members: list[str]
+        self, *, rank: int, world_size: int, store: str, group: str, version: int, members: list[str],
+        run: str = "", secret: bytes | None = None,
     ) -> None:
-        """Join group version ``version`` (bounded by ``init_timeout_s``); rank -1 only records it."""
+        """Join group version ``version`` (bounded by ``init_timeout_s``); rank -1 only records it.
+        ``run`` / ``secret``: the driver's key (``security.authenticate``), installed before
+        anything is sent, so every store value, manifest, seal and vote carries its MAC."""
+        from ftstate.transport import auth, checksum
+
         self._close("a new group version")
+        security = self.settings.runtime.security
+        if security.authenticate:
+            if secret is None:
+                who = members[rank] if 0 <= rank < len(members) else f"rank {rank}"
+                raise TransportError(f"{who}: security.authenticate is on but build_topology handed no secret")
+            auth.install(run, secret)
+        checksum.use_integrity(security.integrity)  # keyed: derived from the secret just installed
         self.rank, self.world_size, self.group_version, self.members = rank, world_size, version, list(members)
         if rank < 0:
             return
@@ -428,9 +458,13 @@ class FTStateCheckpointEngine(CheckpointEngine):
 
     def describe(self) -> dict[str, Any]:
         """Where this engine stands (tests and operators): rank, group version, whether a
-        communicator is held."""
+        communicator is held, and the run whose key signs its messages (None: unauthenticated)."""
+        from ftstate.transport import auth
+
+        key = auth.current()
         return {"rank": self.rank, "group_version": self.group_version, "communicator": self._comm is not None,
-                "updates": self.updates, "commit_mode": self.settings.commit_mode, "pid": os.getpid()}
+                "updates": self.updates, "commit_mode": self.settings.commit_mode, "pid": os.getpid(),
+                "authenticated_run": key.run if key is not None else None}
 
     # -- internals ----------------------------------------------------------------------
 
