@@ -499,6 +499,7 @@ __all__ = [
     "PlacementUnsatisfiable",
     "RankNotRecoverable",
     "RendezvousTimeout",
+    "ReplacementFailed",
     "SharedMemoryUnavailable",
     "SpecError",
     "StaleGroupVersion",
