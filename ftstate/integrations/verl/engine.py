@@ -85,9 +85,6 @@ _REJECTED = 1
 _STORES: dict[str, StoreServer] = {}
 _ISSUED: dict[str, int] = {}
 _STORES_LOCK = threading.Lock()
-# The driver's secret per weight group (security.authenticate), made on the first update and
-# handed to the workers with their topology through verl's own Ray calls, never ftstate's sockets.
-_KEYS: dict[str, tuple[str, bytes]] = {}
 
 
 def _ray_node_address() -> str:
@@ -117,15 +114,20 @@ def issue_version(server: StoreServer, group: str) -> int:
 
 
 def driver_key(group: str) -> tuple[str, bytes]:
-    """The run id and secret of weight group ``group`` in this (driver) process, made on first
-    use (:func:`ftstate.transport.auth.new_secret`) and kept for the life of the process."""
+    """The run id and secret of this (driver) process (``security.authenticate``): made on the
+    first update (:func:`ftstate.transport.auth.new_secret`) and installed here too, since the
+    driver reads the store values the workers sign (the current group version), then handed to
+    the workers with their topology through verl's own Ray calls, never ftstate's sockets. A
+    key already installed in this process is the one used: a process holds one run's key."""
     from ftstate.transport import auth
 
     with _STORES_LOCK:
-        key = _KEYS.get(group)
+        key = auth.current()
         if key is None:
-            key = _KEYS[group] = (f"verl-{group}-{os.getpid()}", auth.new_secret())
-        return key
+            auth.install(f"verl-{group}-{os.getpid()}", auth.new_secret())
+            key = auth.current()
+        assert key is not None
+        return key.run, key.secret
 
 
 def _member_name(role: str, index: int, meta: Mapping[str, Any]) -> str:
@@ -198,6 +200,7 @@ class FTStateCheckpointEngine(CheckpointEngine):
                 "worker must build the engine with is_master=(rank == 0)"
             )
         settings = EngineSettings.from_kwargs(master["settings"])
+        key = driver_key(settings.group) if settings.runtime.security.authenticate else None
         store = driver_store(settings.store_host)
         version = issue_version(store, settings.group)
         world_size = 1 + rollout_world_size
@@ -206,8 +209,8 @@ class FTStateCheckpointEngine(CheckpointEngine):
         ]
         common: dict[str, Any] = {"store": str(store.address), "group": settings.group, "version": version,
                                   "members": members}
-        if settings.runtime.security.authenticate:
-            common["run"], common["secret"] = driver_key(settings.group)
+        if key is not None:
+            common["run"], common["secret"] = key
 
         def each(n: int) -> dict[str, list[Any]]:
             return {k: [v] * n for k, v in {"world_size": world_size, **common}.items()}
