@@ -51,10 +51,12 @@ from ftstate.core.errors import (
     LossyRecoveryRefused,
     ManifestError,
     MemberLost,
+    ReplacementFailed,
     StaleCheckpointRefused,
     TransportError,
     WorkerInitError,
 )
+from ftstate.core.text import bounded, clean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,12 +371,24 @@ class Failover:
                              if lost.role == "trainer" and self.config.trainer_workers > 1
                              and lost.name in replacements and lost.name not in resynced}
                     if ranks:  # several trainer ranks: every rank lost at once in one reconciliation
-                        await self.recover_ranks(list(ranks.values()))
+                        try:
+                            await self.recover_ranks(list(ranks.values()))
+                        except FTError:
+                            raise
+                        except Exception as exc:  # the user's code: ends the run, named
+                            first = next(iter(ranks))
+                            raise replacement_failed(ranks[first], self.membership.find(first) or ranks[first],
+                                                     exc) from exc
                         resynced.update(dict.fromkeys(ranks, True))
                     for lost in losts:  # the trainer first: it sorts first
                         replacement = replacements.get(lost.name)
                         if replacement is not None and lost.name not in resynced:
-                            resynced[lost.name] = await self.resync(replacement)
+                            try:
+                                resynced[lost.name] = await self.resync(replacement)
+                            except FTError:
+                                raise
+                            except Exception as exc:  # the user's code: ends the run, named
+                                raise replacement_failed(replacement, lost, exc) from exc
                 except MemberLost as exc:
                     # A member the re-rendezvous or the transfer found unreachable but that
                     # nobody declared lost (on a node whose raylet just went, or hung), a
@@ -735,6 +749,18 @@ class Failover:
             )
         else:
             await self.calls.call(newcomer.name, newcomer.handle, "call", "reset_optimizer", (), {})
+
+
+def replacement_failed(replacement: Member, lost: Member, exc: Exception) -> ReplacementFailed:
+    """The typed error for a replacement whose own code raised while it was brought up (the
+    host marked which user method and where: :func:`ftstate.controller.host.mark_user_error`)."""
+    text = clean(str(exc)).strip().splitlines()
+    message = text[0] if text else ""
+    prefix = f"{replacement.name}: "
+    return ReplacementFailed(member=replacement.name, replaces=lost.name,
+                             method=getattr(exc, "ftstate_method", None) or "its code", exc_type=type(exc).__name__,
+                             message=bounded(message.removeprefix(prefix), 1000),
+                             where=getattr(exc, "ftstate_where", "") or "")
 
 
 async def _constructor_failed(m: Member, exc: WorkerInitError) -> None:

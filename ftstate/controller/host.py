@@ -94,7 +94,13 @@ class WorkerHost:
         self._sender: Any = None
         self._receiver: Any = None
         self._staged: Any = None
+        # The committed version's tensors as the transport holds them: the source of resyncs and
+        # reverse recovery. None while the engine holds the only copy (``_engine_holds``).
         self._loaded: Any = None
+        # True once ``held_weights()`` gave the committed version back from the user's engine:
+        # the engine's weights are then this rollout's copy, and the transport keeps none (no
+        # second full copy beside the engine's; sends read ``held_weights()`` instead).
+        self._engine_holds = False
         self._corrupt_next = False
         self._signal_at_progress: tuple[int, int] | None = None
         self._user_lock: asyncio.Lock | None = None
@@ -128,8 +134,9 @@ class WorkerHost:
         checksum = self.checksum
         if prove and self.role == "rollout":
             checksum = None
-            if self._loaded is not None and not (self._has_held_hook() and self._lock().locked()):
-                checksum = await self._held_checksum(self._loaded.tensors)
+            holds = self._loaded is not None or self._engine_holds
+            if holds and not (self._has_held_hook() and self._lock().locked()):
+                checksum, _ = await self._held_checksum(self._loaded.tensors if self._loaded is not None else None)
         from ftstate.transport import auth
 
         return {
@@ -298,8 +305,11 @@ class WorkerHost:
             )
         self._staged = staged
         self._tick()
+        # staging_bytes: the most transport memory this rollout held during the transfer (the
+        # new version's staging plus the committed copy it kept meanwhile), for the records;
+        # node_copy: the node copy its staged state is in (staging: node), else None
         return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": staged.weights_version,
-                "node_copy": staged._node}
+                "staging_bytes": self._receiver.peak_bytes, "node_copy": staged._node}
 
     # -- several trainer ranks (trainer_workers > 1: ftstate.transport.shards) ---------------
 
@@ -385,16 +395,15 @@ class WorkerHost:
         from ftstate.transport.shards import part_of
 
         comm = self._require_comm()
-        loaded = self._loaded
-        if loaded is None:
-            raise FTError(f"{self.member}: holds no committed weights to restore trainer rank {trainer_rank} from")
-        part = part_of(Ownership.from_record(ownership), loaded.tensors, trainer_rank)
+        state, version = await self._committed_state()
+        tensors = state.tensors if self._loaded is not None and state is self._loaded else state
+        part = part_of(Ownership.from_record(ownership), tensors, trainer_rank)
         if self._sender is None:
             self._sender = Sender(bucket_size=self.bucket_bytes)
         self.busy = True
         try:
             report = await asyncio.to_thread(self._sender.send_to, comm, peer, part,
-                                             weights_version=loaded.weights_version, timeout_s=timeout_s,
+                                             weights_version=version, timeout_s=timeout_s,
                                              progress=self._on_bucket)
         finally:
             self.busy = False
@@ -402,7 +411,7 @@ class WorkerHost:
             from ftstate.core.errors import ChecksumMismatch
 
             raise ChecksumMismatch(f"{self.member}: rank {peer} rejected its part of weights version "
-                                   f"{loaded.weights_version}: {dict(report.rejected)}")
+                                   f"{version}: {dict(report.rejected)}")
         return {"checksum": report.state_checksum, "nbytes": report.nbytes}
 
     async def receive_part_from(self, src: int, weights_version: int, ownership: dict[str, Any], trainer_rank: int,
@@ -477,14 +486,15 @@ class WorkerHost:
             raise FTError(f"{self.member}: asked to commit weights version {weights_version} but staged {have}")
         async with self._lock():
             await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
-            held = await self._held_checksum(staged.tensors)
+            held, from_engine = await self._held_checksum(staged.tensors)
             self.weights_version = weights_version
             self.checksum = held
-            self._loaded = staged
+            self._adopt(staged, from_engine)
             self._staged = None
         self._tick()
         # The controller compares ``checksum`` (what this member holds) with the sender's.
-        return {"checksum": held, "received": staged.state_checksum, "weights_version": weights_version}
+        return {"checksum": held, "received": staged.state_checksum, "weights_version": weights_version,
+                "held_bytes": self._held_bytes()}
 
     async def adopt_node_copy(self, name: str, owner: int, group: str, weights_version: int,
                               checksum: str) -> dict[str, Any]:
@@ -541,8 +551,7 @@ class WorkerHost:
         from ftstate.transport import Sender
 
         comm = self._require_comm()
-        if self._loaded is None:
-            raise FTError(f"{self.member}: holds no committed weights to send")
+        state, version = await self._committed_state()
         if self._sender is None:
             self._sender = Sender(bucket_size=self.bucket_bytes)
         self.busy = True
@@ -551,12 +560,13 @@ class WorkerHost:
                 from ftstate.transport import samehost
 
                 report = await asyncio.to_thread(
-                    samehost.send_to, self._sender, comm, peer, self._loaded, require_shm=require_shm,
-                    timeout_s=timeout_s, progress=self._on_bucket,
+                    samehost.send_to, self._sender, comm, peer, state, require_shm=require_shm,
+                    weights_version=version, timeout_s=timeout_s, progress=self._on_bucket,
                 )
             else:
                 report = await asyncio.to_thread(
-                    self._sender.send_to, comm, peer, self._loaded, timeout_s=timeout_s, progress=self._on_bucket
+                    self._sender.send_to, comm, peer, state, weights_version=version, timeout_s=timeout_s,
+                    progress=self._on_bucket,
                 )
         finally:
             self.busy = False
@@ -564,9 +574,8 @@ class WorkerHost:
             from ftstate.core.errors import ChecksumMismatch
 
             raise ChecksumMismatch(f"{self.member}: rank {peer} rejected weights version "
-                                   f"{self._loaded.weights_version}: {dict(report.rejected)}")
-        return {"checksum": report.state_checksum, "nbytes": report.nbytes,
-                "weights_version": self._loaded.weights_version}
+                                   f"{version}: {dict(report.rejected)}")
+        return {"checksum": report.state_checksum, "nbytes": report.nbytes, "weights_version": version}
 
     async def receive_weights_from(
         self, src: int, weights_version: int, checksum: str, timeout_s: float, same_host: bool = False
@@ -581,10 +590,10 @@ class WorkerHost:
                 held = await self._trainer_checksum()
             else:
                 await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
-                held = await self._held_checksum(staged.tensors)
+                held, from_engine = await self._held_checksum(staged.tensors)
             self.weights_version = weights_version
             self.checksum = held
-            self._loaded = staged
+            self._adopt(staged, self.role == "rollout" and from_engine)
         self._tick()
         # ``checksum``: what this member holds after loading, for the controller to compare.
         return {"checksum": held, "received": staged.state_checksum, "nbytes": staged.nbytes,
@@ -626,21 +635,64 @@ class WorkerHost:
         fn = getattr(type(self.user), "held_weights", None)
         return fn is not None and fn is not RolloutWorker.held_weights
 
-    async def _held_checksum(self, given: Mapping[str, Any]) -> str:
-        """The whole-state checksum of the bytes this rollout serves from, hashed now: what its
-        ``held_weights()`` returns when the user's engine keeps its own copy, else the tensors
-        handed to ``load_weights`` (a ``load_weights`` that wrote into them shows here). Called
-        with the user lock held or with no user call running."""
+    async def _held_checksum(self, given: Mapping[str, Any] | None) -> tuple[str, bool]:
+        """The whole-state checksum of the bytes this rollout serves from, hashed now, and
+        whether they came from its engine: what its ``held_weights()`` returns when the user's
+        engine keeps its own copy, else the tensors handed to ``load_weights`` (``given``; a
+        ``load_weights`` that wrote into them shows here). Called with the user lock held or
+        with no user call running."""
         from ftstate.transport import state_checksum
+
+        returned = await self._engine_weights()
+        held = returned if returned is not None else given
+        if held is None:
+            raise FTError(f"{self.member}: {type(self.user).__name__}.held_weights() returned None, but the "
+                          "transport kept no copy of the weights it loaded (the engine held them before)")
+        return await asyncio.to_thread(state_checksum, held), returned is not None
+
+    async def _engine_weights(self) -> Mapping[str, Any] | None:
+        """What the user's ``held_weights()`` returns, checked like a state dict; None without
+        the hook or when it returns None."""
         from ftstate.transport.validate import check_state_dict
 
-        held = given
-        if self._has_held_hook():
-            returned = await self._run(self.user.held_weights)
-            if returned is not None:
-                held = check_state_dict(returned, device_type=None, member=self.member, backend=self.backend,
-                                        what="held_weights()")
-        return await asyncio.to_thread(state_checksum, held)
+        if not self._has_held_hook():
+            return None
+        returned = await self._run(self.user.held_weights)
+        if returned is None:
+            return None
+        return check_state_dict(returned, device_type=None, member=self.member, backend=self.backend,
+                                what="held_weights()")
+
+    def _adopt(self, staged: Any, from_engine: bool) -> None:
+        """Make ``staged`` the committed version. When the engine gave it back (``from_engine``)
+        the engine's weights are the copy: the transport lets go of its own (the receiver's
+        buffers, ``_loaded``), so a rollout holds the weights once, not three times."""
+        self._engine_holds = from_engine
+        if from_engine:
+            self._loaded = None
+            if self._receiver is not None:
+                self._receiver.release()
+        else:
+            self._loaded = staged
+
+    def _held_bytes(self) -> int:
+        """Bytes the transport keeps between syncs beside the user's own weights."""
+        return self._receiver.held_bytes if self._receiver is not None else 0
+
+    async def _committed_state(self) -> tuple[Mapping[str, Any] | Any, int]:
+        """The committed version to send (a newcomer's resync, a trainer's reverse recovery):
+        the transport's copy, or read back from the engine when that is the only copy (under
+        the user lock, so no load or generation call changes it while it is read)."""
+        if self._loaded is not None:
+            return self._loaded, self._loaded.weights_version
+        if self._engine_holds:
+            async with self._lock():
+                state = await self._engine_weights()
+            if state is None:
+                raise FTError(f"{self.member}: {type(self.user).__name__}.held_weights() returned None; it held "
+                              f"weights version {self.weights_version} and the transport kept no copy")
+            return state, self.weights_version
+        raise FTError(f"{self.member}: holds no committed weights to send")
 
     async def bench_raw_broadcast(self, nbytes: int, root: int, timeout_s: float) -> float:
         """Benchmarks only: a bare broadcast of ``nbytes`` on the current group version (every

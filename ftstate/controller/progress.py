@@ -3,7 +3,9 @@
 Start-up can take a while (a Ray cluster, then one process per worker importing torch and
 building the user's model: seconds each, more when workers outnumber CPUs), and a run that
 says nothing meanwhile looks hung. The runtime reports each phase here: connecting to the
-cluster, ``starting 24 workers: 7 ready`` as each worker answers, the group formed. Each
+cluster, ``starting 24 workers: 7 ready`` as each worker answers, the group formed; then
+each completed sync (``weights version 3 synced to 2 rollouts in 0.084s``) and each failover
+(who was lost, why, who serves now and after how long). Each
 report is logged through structlog on the standard ``logging`` logger ``ftstate`` (INFO;
 silent unless the application configures logging, as a library's logs should be; a warning
 reaches stderr through logging's last-resort handler) and handed to every listener
@@ -37,7 +39,8 @@ _log = structlog.wrap_logger(
 
 @dataclasses.dataclass(frozen=True)
 class ProgressEvent:
-    """One report: phase (``cluster``, ``workers``, ``group``, ``oversubscribed``), message
+    """One report: phase (``cluster``, ``workers``, ``group``, ``oversubscribed``, ``sync``,
+    ``failover``), message
     (one line for a person), level (``info`` or ``warning``), facts (the numbers in it), and
     when (``time.monotonic()``)."""
 

@@ -481,6 +481,11 @@ class Runtime:
                     continue
                 if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
                     self._spawn(failover.weights_sized(report.nbytes))
+                stale = f", {len(report.stale)} stale" if report.stale else ""
+                self.progress.report("sync", f"weights version {report.weights_version} synced to "
+                                     f"{len(report.rollouts)} rollouts in {report.seconds:.3f}s{stale}",
+                                     weights_version=report.weights_version, rollouts=len(report.rollouts),
+                                     seconds=round(report.seconds, 6), retries=transient)
                 return dataclasses.replace(report, failovers=len(failover.records) - before)
 
     def _unsettled(self, errors: Sequence[BaseException]) -> list[Member]:
@@ -501,6 +506,7 @@ class Runtime:
         self._raise_if_failed()  # a failed run has nothing left to recover into
         failover = self._parts()[4]
         if failover.pending:
+            before = len(failover.records)
             try:
                 await failover.recover()
             except FTError as exc:
@@ -515,6 +521,10 @@ class Runtime:
                 if isinstance(exc, InvalidTransition) and cause is not exc:
                     raise cause from exc  # two paths raced to move one machine: the cause, not the race
                 raise
+            for f in failover.records[before:]:
+                self.progress.report("failover", f"{f.lost} lost ({f.reason}); {f.replacement} serves weights "
+                                     f"version {self._require_membership().weights_version} after {f.total_s:.3f}s",
+                                     lost=f.lost, replacement=f.replacement, seconds=round(f.total_s, 6))
             if self._notices is not None:  # replacements may have landed on nodes not watched yet
                 self._spawn(self._notices.watch_nodes())
         self._raise_if_failed()

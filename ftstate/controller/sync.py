@@ -71,6 +71,25 @@ class SyncReport:
     stale: tuple[str, ...] = ()
     routes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     shm_fallback: str | None = None
+    #: Memory the transport used beside the rollouts' own weights, in bytes (``docs/benchmarks.md``):
+    #: staging_bytes: each rollout's peak during this sync (the staging buffer the version landed
+    #: in plus the committed copy it kept meanwhile); node_staging_bytes: the same summed by node
+    #: (Ray node id); held_bytes: what each rollout keeps after it (0 for a rollout whose engine
+    #: gives its weights back through ``held_weights()``: the engine's copy is the only one).
+    staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    node_staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    held_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+def memory_fields(rollouts: Sequence[Member], staging: Mapping[str, int], held: Mapping[str, int]) -> dict[str, Any]:
+    """The memory fields of a :class:`SyncReport` (and of the group's ``sync_done`` record) from
+    what each rollout reported: peak staging per rollout and per node, and what each keeps."""
+    nodes: dict[str, int] = {}
+    for m in rollouts:
+        if m.name in staging:
+            key = m.node_id or m.node or "?"
+            nodes[key] = nodes.get(key, 0) + staging[m.name]
+    return {"staging_bytes": dict(staging), "node_staging_bytes": nodes, "held_bytes": dict(held)}
 
 
 def plan_for(config: RuntimeConfig, sender: Member, receivers: Sequence[Member]) -> Plan:
@@ -109,6 +128,8 @@ class WeightSync:
         #: The last attempt's failures by member, cause first (what the runtime's retry policy
         #: reads to find members that were unreachable rather than dead).
         self.failures: dict[str, BaseException] = {}
+        #: Bytes each rollout's transport keeps after the last commit (SyncReport.held_bytes).
+        self.held_bytes: dict[str, int] = {}
 
     async def attempt(self) -> SyncReport:
         """One try at the next weights version; see the module docstring."""
@@ -125,6 +146,7 @@ class WeightSync:
         copies = self.node_copies
         owner: int | None = None
         relaying: dict[str, int] = {}  # relay name -> its node agent's pid (staging: node)
+        staging: dict[str, int] = {}
         try:
             async with group.deadline_scope():
                 if copies is not None:  # staging: node, on the trainer's node and every relay's
@@ -147,6 +169,7 @@ class WeightSync:
                 if not failures:
                     sent = results[0]
                     staged = {m.name: r for m, r in zip(rollouts, results[1:], strict=True)}
+                    staging = {n: int(r.get("staging_bytes", 0)) for n, r in staged.items()}
                     torn = [n for n, r in staged.items() if r["checksum"] != sent["checksum"]]
                     if torn:
                         failures = {n: ChecksumMismatch(
@@ -174,7 +197,10 @@ class WeightSync:
             self.audit.record("shm_fallback", reason=sent["shm_fallback"],
                               members=[n for n in plan.routes if routes[n] != plan.routes[n]])
         ms.committed(target, sent["checksum"])
-        await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"])
+        memory = memory_fields([m for m in rollouts if m.name not in not_loaded], staging, self.held_bytes)
+        await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"],
+                         peak_staging_bytes=max(memory["staging_bytes"].values(), default=0),
+                         node_staging_bytes=memory["node_staging_bytes"])
         # A held-weights mismatch is a fault of that rollout's engine, handled here (it is
         # STALE, out of serving, resynced by the next sync) and reported in ``stale``.
         user_errors = {n: e for n, e in not_loaded.items() if not isinstance(e, (MemberLost, HeldWeightsMismatch))}
@@ -193,6 +219,7 @@ class WeightSync:
             stale=tuple(n for n, e in not_loaded.items() if isinstance(e, HeldWeightsMismatch)),
             routes={n: how for n, how in routes.items() if n not in not_loaded},
             shm_fallback=sent.get("shm_fallback"),
+            **memory,
         )
 
     async def _node_copy_owners(self, trainer: Member, rollouts: Sequence[Member],
@@ -231,7 +258,8 @@ class WeightSync:
         if name:
             await copies.committed_on(node, name, group=GROUP, weights_version=target, checksum=checksum,
                                       spare=result.get("node_spare"))
-            self.audit.record("node_copy_committed", node=node[:8], segment=name, weights_version=target)
+            self.audit.record("node_copy_committed", node=node[:8], segment=name, weights_version=target,
+                              nbytes=result.get("nbytes"), spare=result.get("node_spare"))
         else:
             await copies.forget(node)
 
@@ -355,10 +383,12 @@ class WeightSync:
             self.routing_open.set()
         failed = self._failures(rollouts, results)
         held: dict[str, str] = {}
+        self.held_bytes = {}
         for m, r in zip(rollouts, results, strict=True):
             if m.name in failed:
                 continue
             held[m.name] = r["checksum"]
+            self.held_bytes[m.name] = int(r.get("held_bytes", 0))
             if r["checksum"] != checksum:
                 # What it holds after load_weights is not what was verified: never serve it.
                 failed[m.name] = HeldWeightsMismatch(m.name, weights_version=version, held=r["checksum"],

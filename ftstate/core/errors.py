@@ -17,6 +17,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── FailoverBudgetExhausted  max_failovers spent; names the failures it was spent on
     ├── MemberLost               a worker died or was declared lost and nothing replaced it
     ├── WorkerInitError          a worker class's constructor raised (member, class, the user's exception and frame)
+    ├── ReplacementFailed        a replacement's own code raised while it was brought up (not retried: not a fault)
     ├── LossyRecoveryRefused     reverse recovery would rebuild a trainer from lossy weights
     ├── RankNotRecoverable       a trainer rank would have to be restored with no committed version
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
@@ -201,6 +202,30 @@ class WorkerInitError(FTError):
         self.traceback = traceback
         at = f" (at {where})" if where else ""
         super().__init__(f"{member}: {cls}.__init__() raised {exc_type}: {message}{at}")
+
+
+class ReplacementFailed(FTError):
+    """Raised when a replacement's own code raised while it was being brought up, before it
+    ever served: its ``load_weights`` / ``load_state_dict`` on the resync, its optimizer
+    policy, or a replayed trainer call. The run ends with it at once: code that raises for
+    the current weights raises the same way in every further replacement, so spending
+    ``max_failovers`` on it (or waiting out ``failover_timeout_s``) would only bury the cause.
+
+    member: the replacement; replaces: the member it was to replace; method: the user's
+    method that raised (``MyTrainer.load_state_dict()``); exc_type / message: the user's
+    exception; where: its frame in the user's code. The user's exception is ``__cause__``."""
+
+    def __init__(self, *, member: str, replaces: str, method: str, exc_type: str, message: str,
+                 where: str = "") -> None:
+        self.member = member
+        self.replaces = replaces
+        self.method = method
+        self.exc_type = exc_type
+        self.message = message
+        self.where = where
+        at = f" (at {where})" if where else ""
+        super().__init__(f"{member}, replacing {replaces}: {method} raised {exc_type}: {message}{at}; a replacement's "
+                         "own code failing before it served is not a fault to fail over from, so the run ends here")
 
 
 class LossyRecoveryRefused(FTError):
@@ -474,6 +499,7 @@ __all__ = [
     "PlacementUnsatisfiable",
     "RankNotRecoverable",
     "RendezvousTimeout",
+    "ReplacementFailed",
     "SharedMemoryUnavailable",
     "SpecError",
     "StaleGroupVersion",

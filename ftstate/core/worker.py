@@ -98,5 +98,13 @@ class RolloutWorker(Worker):
         ftstate hashes what this returns and admits the worker to serving only if that equals
         the sender's checksum: a copy torn or corrupted inside the engine takes the worker out
         of serving (STALE). The default, None, means "the tensors given to ``load_weights``":
-        those are hashed instead (a ``load_weights`` that wrote into them shows)."""
+        those are hashed instead (a ``load_weights`` that wrote into them shows).
+
+        Memory: once this returns the weights, the engine's copy is the rollout's only one.
+        ftstate then keeps no committed copy and no spare staging buffer of its own after a
+        load (without the hook it keeps both: about 2x the weights per rollout), and reads
+        this hook again, under the same lock as ``load_weights``, to send the committed
+        version to a newcomer or to rebuild a trainer. So what it returns must be the
+        version last loaded, under the names, dtypes and shapes it was given; a copy made
+        for the occasion is fine (it lives only while it is sent)."""
         return None

@@ -60,6 +60,7 @@ class RunKey:
 
 
 _key: RunKey | None = None
+_installs = 0  # how many times a key was installed or removed in this process (see installs())
 _forged: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_FORGED_KEPT)
 _lock = threading.Lock()
 
@@ -71,16 +72,25 @@ def new_secret() -> bytes:
 
 def install(run: str, secret: bytes) -> None:
     """Make ``secret`` this process's key for ``run`` (a member's constructor, the controller's start)."""
-    global _key
+    global _key, _installs
     if not isinstance(secret, bytes) or len(secret) < 16:
         raise ValueError("the run's secret must be at least 16 bytes")
     _key = RunKey(run, secret)
+    _installs += 1
 
 
 def uninstall() -> None:
     """Forget the key (the run closed)."""
-    global _key
+    global _key, _installs
     _key = None
+    _installs += 1
+
+
+def installs() -> int:
+    """A number that changes whenever a key is installed or removed: what this process
+    remembers about one run (e.g. the highest group version it saw) is keyed by it, so a
+    later run in the same process, even one reusing a run name, starts afresh."""
+    return _installs
 
 
 def current() -> RunKey | None:
@@ -159,6 +169,7 @@ __all__ = [
     "drain_forged",
     "enabled",
     "install",
+    "installs",
     "new_secret",
     "record_forged",
     "sign",

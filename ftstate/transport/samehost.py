@@ -1247,6 +1247,8 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
         elif at.relay is not None and at.relay.node is not None:
             at.node = at.relay.node
             staging = (at.node.data, 0)
+        if at.node is not None:  # no staging of its own: its peak is what it already keeps
+            receiver._peak = receiver.held_bytes
         else:
             staging = receiver._staging(manifest.total_bytes, comm.device)
             _zero_padding(staging[0], manifest)

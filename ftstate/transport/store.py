@@ -43,6 +43,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -252,13 +253,45 @@ def _version_of(key: str, raw: bytes) -> int | None:
     return None if payload is None else parse_int(key, payload)
 
 
+# The highest current version this process read or wrote, per (run, store, group): the value
+# only ever rises, so a lower one read later is an older genuine value written back (a replay,
+# which its tag alone cannot tell: it was signed by a member), recorded and not believed.
+_HIGHEST: dict[tuple[int, str, str, int, str], int] = {}
+_HIGHEST_LOCK = threading.Lock()
+
+
+def _seen(store: Store, group: str) -> tuple[int, str, str, int, str] | None:
+    key = auth.current()
+    if key is None:
+        return None  # unauthenticated: nothing here tells a member's write from an outsider's
+    return (auth.installs(), key.run, str(getattr(store, "host", "")), int(getattr(store, "port", 0) or 0), group)
+
+
+def _not_rolled_back(store: Store, group: str, key: str, value: int | None) -> int | None:
+    """``value`` read under ``key``, or the highest this process saw when ``value`` is lower
+    (recorded as a replayed store value)."""
+    where = _seen(store, group)
+    if where is None or value is None:
+        return value
+    with _HIGHEST_LOCK:
+        highest = _HIGHEST.get(where, 0)
+        if value >= highest:
+            _HIGHEST[where] = value
+            return value
+    auth.record_forged("store", "run", key=key, problem=f"replayed: version {value} is below version {highest}, "
+                       "already seen current here")
+    return highest
+
+
 def read_current_version(store: Store, group: str) -> int | None:
     """The group's current version; None when none was set, or when what is there was not
-    written by a member of the run (recorded as forged: it fences nobody)."""
+    written by a member of the run (recorded as forged: it fences nobody). When the run
+    authenticates, a value below one this process already saw there is a replay of an older
+    genuine value: recorded as forged, and the higher one is returned (the fence holds)."""
     key = _current_key(group)
     if not store.check([key]):
         return None
-    return _version_of(key, store.get(key))
+    return _not_rolled_back(store, group, key, _version_of(key, store.get(key)))
 
 
 def raise_current_version(store: Store, group: str, version: int) -> int:
@@ -272,7 +305,7 @@ def raise_current_version(store: Store, group: str, version: int) -> int:
     before = None
     tries = 0
     while current != want:
-        value = _version_of(key, current)
+        value = _not_rolled_back(store, group, key, _version_of(key, current))
         if value is not None and value >= version:
             return value
         if value is not None:
@@ -282,6 +315,7 @@ def raise_current_version(store: Store, group: str, version: int) -> int:
             raise TransportError(f"store key {key!r}: could not raise it to {version} in {MAX_CAS_TRIES} "
                                  "compare-and-sets (someone keeps rewriting it)")
         current = store.compare_set(key, current, want)
+    _not_rolled_back(store, group, key, version)
     if before is not None and before < version:
         # only the versions just superseded (a jump of more than MAX_RELEASED releases the last ones only)
         for superseded in range(max(before, version - MAX_RELEASED), version):

@@ -68,6 +68,7 @@ comparing committed checksums.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import struct
@@ -740,6 +741,7 @@ class Receiver:
         self._committed: CommittedWeights | None = None
         self._spare: tuple[torch.Tensor, int] | None = None
         self._corrupt_next = False
+        self._peak = 0
         if initial is not None:
             if weights_version is None:
                 raise ValueError("weights_version is required with initial weights")
@@ -755,6 +757,41 @@ class Receiver:
     def committed(self) -> CommittedWeights | None:
         """The last complete, verified weights (unchanged by any failed transfer)."""
         return self._committed
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffers this receiver keeps between transfers: the committed version's
+        staging buffer (until :meth:`release`) and the spare kept for the next transfer.
+        What ftstate's fault tolerance costs a rollout in memory beyond its own weights. A
+        committed version in a node copy (``staging: node``) is the node's, counted once per
+        node (the ``node_copy_committed`` record), not here."""
+        seen: set[int] = set()
+        total = 0
+        c = self._committed
+        for buf in (c._flat if c is not None and c._node is None else None,
+                    self._spare[0] if self._spare is not None else None):
+            if buf is not None and buf.data_ptr() not in seen:
+                seen.add(buf.data_ptr())
+                total += buf.numel() * buf.element_size()
+        return total
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes of buffers this receiver held at once during its last transfer: the
+        staging buffer the transfer landed in plus the committed version it kept meanwhile."""
+        return self._peak
+
+    def release(self) -> None:
+        """Let go of the committed version's bytes and of the spare buffer, keeping what the
+        version is (weights version, checksum): the caller's engine holds the weights now and
+        is their only full copy (a rollout with ``held_weights()``). The next transfer then
+        stages into a fresh buffer, paying its page faults (``benchmarks/memory.py``), and a
+        failed transfer still leaves the engine untouched: nothing is loaded before the vote."""
+        c = self._committed
+        if c is not None and c._flat is not None:
+            self._committed = dataclasses.replace(c, tensors=types.MappingProxyType({}), _flat=None, _entries=None,
+                                                  _windows=None, _seal=None, _baseline=0)
+        self._spare = None
 
     def reserve(self, nbytes: int, device: torch.device) -> None:
         """Allocate the next transfer's staging buffer (at least ``nbytes``) now and touch
@@ -804,12 +841,14 @@ class Receiver:
             buf, baseline = spare
             count = _use_count(buf)
             if buf.device == device and buf.numel() >= nbytes and count is not None and count <= baseline:
+                self._peak = self.held_bytes + buf.numel()
                 return buf, baseline
         try:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         except (RuntimeError, MemoryError) as exc:  # the manifest passed its caps, but not this host's memory
             raise TransportError(f"staging for a transfer of {nbytes} bytes cannot be allocated on {device}: "
                                  f"{str(exc)[:200]}") from exc
+        self._peak = self.held_bytes + buf.numel()
         return buf, _use_count(buf) or 0
 
     def _receive(self, route: _Route, progress: Progress | None) -> CommittedWeights:

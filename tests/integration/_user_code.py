@@ -61,3 +61,25 @@ class RolloutCountingShards(TinyRollout):
 
     def boom(self) -> None:
         raise RuntimeError(f"engine crashed in pid {os.getpid()}")
+
+
+class TrainerThatCannotTakeWeightsBack(TinyTrainer):
+    """``load_state_dict`` raises in every process (its model renamed a parameter): every
+    replacement, rebuilt from a rollout, fails the same way."""
+
+    def load_state_dict(self, state) -> None:
+        raise RuntimeError("cannot load: parameter 'layer.weight' was renamed to 'layer.w'")
+
+
+class RolloutWhoseNewcomersCannotLoad(TinyRollout):
+    """``load_weights`` raises in a process constructed while ``marker`` exists: a replacement
+    whose engine rejects the current weights at its resync."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self._refuses = os.path.exists(marker)
+
+    def load_weights(self, state, version: int) -> None:
+        if self._refuses:
+            raise ValueError(f"engine rejects weights version {version}: dtype bfloat16 expected")
+        super().load_weights(state, version)

@@ -73,6 +73,32 @@ async def test_start_up_phases_are_logged_at_info_and_told_to_listeners(ray_clus
     assert told[0].startswith("connecting to Ray")
 
 
+async def test_each_sync_and_each_failover_is_a_progress_line(ray_cluster, tmp_path, caplog):
+    """After start-up the runtime keeps telling: one INFO line per completed sync (version,
+    rollouts, seconds) and one per failover (who was lost and why, who serves, after how long)."""
+    told = []
+    cfg = config(tmp_path, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0,
+                 fault_tolerance={"enable": True, "mode": "cold"})
+    rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=TinyRollout)
+    rt.progress.listen(told.append)
+    with caplog.at_level(logging.INFO, logger="ftstate"):
+        async with rt:
+            await rt.sync()
+            lost = await rt.chaos.kill("rollout", 1)
+            await rt.trainer("train_step")
+            report = await rt.sync()  # waits for the failover, then syncs
+    syncs = [e for e in told if e.phase == "sync"]
+    assert [e.facts["weights_version"] for e in syncs] == [1, 2]
+    assert syncs[-1].message.startswith(f"weights version 2 synced to {len(report.rollouts)} rollouts in ")
+    [failover] = [e for e in told if e.phase == "failover"]
+    assert failover.facts["lost"] == lost and failover.facts["replacement"] == rt.failovers[0].replacement
+    assert failover.message.startswith(f"{lost} lost (process died during ")
+    assert f"{rt.failovers[0].replacement} serves weights version 1 after " in failover.message
+    logged = [r.getMessage() for r in caplog.records if r.name == "ftstate"]
+    assert any("weights version 2 synced to" in m for m in logged), logged
+    assert any(f"{lost} lost (" in m for m in logged), logged
+
+
 async def test_far_more_workers_than_cpus_is_warned_about(ray_cluster, tmp_path, caplog):
     """The session's cluster has 2 CPUs; 8 rollouts and a trainer are 9 processes (> 4 per CPU).
     The warning comes before anything is waited for; the start itself is not the point (with a

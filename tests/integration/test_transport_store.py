@@ -145,3 +145,51 @@ def test_members_that_disagree_on_the_world_size_are_refused_naming_it(server):
     server.fence("g", 6)  # release the first
     first[0].join(timeout=5.0)
     assert isinstance(first[1][0], StaleGroupVersion)
+
+
+REPLAY = r"""
+import sys, datetime
+from torch.distributed import TCPStore
+s = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=datetime.timedelta(seconds=10), use_libuv=True)
+if sys.argv[3] == "read":
+    sys.stdout.write(s.get(sys.argv[4]).hex())
+else:
+    s.set(sys.argv[4], bytes.fromhex(sys.argv[5]))
+"""
+
+
+def _outsider(server, *args: str) -> str:
+    """Another process with no key: reads or writes one store value, as an attacker on the host would."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", REPLAY, server.address.host, str(server.address.port), *args],
+                          check=True, timeout=60, capture_output=True, text=True)
+    return done.stdout
+
+
+def test_an_older_current_version_written_back_does_not_reopen_a_fenced_version(server):
+    """Authenticated: a process outside the run copies the genuine, signed value of
+    ``current_version`` at version 1, waits until the group moved to 2, and writes the old
+    value back (its tag verifies: a member signed it). The store's value only ever rises, so
+    a lower one is a replay: recorded as forged, and version 1 stays fenced (without the check
+    a straggler of version 1 would be let back in)."""
+    from ftstate.transport import auth
+
+    auth.install("replay-test", auth.new_secret())
+    auth.drain_forged()
+    try:
+        server.fence("g", 1)
+        old = _outsider(server, "read", "g/current_version")
+        server.fence("g", 2)
+        _outsider(server, "write", "g/current_version", old)
+        assert server.current_version("g") == 2
+        store = connect_store(server.address, 2.0)
+        with pytest.raises(StaleGroupVersion, match="version 1; current version is 2"):
+            join_version(store, "g", 1, 0, 1, 1.0)
+        forged = auth.drain_forged()
+        assert forged and all(f["channel"] == "store" and f["key"] == "g/current_version" for f in forged)
+        assert "replayed: version 1 is below version 2" in forged[0]["problem"]
+        assert server.fence("g", 3) == 3  # the group moves on past the replayed value
+    finally:
+        auth.uninstall()

@@ -16,11 +16,13 @@ import pytest
 
 import ftstate
 from ftstate.core.audit import read_trail
-from ftstate.core.errors import WorkerInitError
+from ftstate.core.errors import ReplacementFailed, WorkerInitError
 from tests.integration._user_code import (
     RolloutThatFailsToLoad,
+    RolloutWhoseNewcomersCannotLoad,
     RolloutWhoseSparesCannotStart,
     TrainerThatCannotOpenItsModel,
+    TrainerThatCannotTakeWeightsBack,
     TrainerWhoseStateDictRaises,
 )
 from tests.integration.workers import TinyRollout, TinyTrainer
@@ -124,6 +126,50 @@ async def test_a_spare_whose_constructor_raises_is_recorded_with_the_users_error
         await rt.trainer("train_step")
         report = await rt.sync()
         assert set(report.rollouts) == {"rollout-0", "rollout-1"}
+    no_escapes_anywhere(tmp_path)
+
+
+@pytest.mark.parametrize("role", ["trainer", "rollout"])
+async def test_a_replacement_whose_own_code_raises_at_its_resync_ends_the_run_at_once(ray_cluster, tmp_path, role):
+    """Fault tolerance on: a replacement's ``load_state_dict`` (trainer, reverse recovery) or
+    ``load_weights`` (rollout) raises when it is brought up. That is the user's code failing
+    for the current weights, as it would in every further replacement: the run ends at once
+    with a ReplacementFailed naming the replacement, the member it replaces, the user's
+    method, exception and frame, after one failover spent, not at failover_timeout_s."""
+    marker = tmp_path / "newcomers-refuse"
+    # cold: the rollout's replacement is constructed after the marker exists
+    cfg = config(tmp_path, failover_timeout_s=60, heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
+                 fault_tolerance={"enable": True, "mode": "standby" if role == "trainer" else "cold",
+                                  "reverse_weight_sync": True, "max_failovers": 4})
+    if role == "trainer":
+        rt = ftstate.Runtime(cfg, trainer=TrainerThatCannotTakeWeightsBack, rollout=TinyRollout)
+    else:
+        rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=RolloutWhoseNewcomersCannotLoad,
+                             rollout_kwargs={"marker": str(marker)})
+    await rt.start()
+    try:
+        await rt.sync()
+        marker.touch()
+        t0 = time.monotonic()
+        lost = await rt.chaos.kill(role, 0)
+        await wait_for(lambda: rt.state == "FAILED", "the run to fail", timeout=30)
+        took = time.monotonic() - t0
+        with pytest.raises(ReplacementFailed) as info:
+            await rt.sync()
+        err = info.value
+        assert err.replaces == lost and err.member != lost
+        method = ("TrainerThatCannotTakeWeightsBack.load_state_dict()" if role == "trainer"
+                  else "RolloutWhoseNewcomersCannotLoad.load_weights()")
+        assert err.method == method, err
+        assert err.exc_type == ("RuntimeError" if role == "trainer" else "ValueError")
+        assert ("parameter 'layer.weight' was renamed" if role == "trainer" else "engine rejects") in err.message
+        assert USER_FILE in err.where
+        assert took < 20, f"{took:.1f}s: the run waited for a deadline instead of ending with the cause"
+        assert sum(1 for r in rt.audit.records if r["event"] == "budget_spent") == 1
+        failed = [r for r in rt.audit.records if r.get("machine") == "group" and r.get("to") == "FAILED"]
+        assert failed and method in failed[-1]["reason"]
+    finally:
+        await rt.close()
     no_escapes_anywhere(tmp_path)
 
 

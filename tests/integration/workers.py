@@ -170,6 +170,19 @@ class ResidentRollout(TinyRollout):
         self.state, self.version = loaded, version
 
 
+class HeldResidentRollout(ResidentRollout):
+    """A :class:`ResidentRollout` whose parameters are its engine: ``held_weights()`` gives
+    them back, so the transport keeps no copy of its own (the engine's weights are the
+    rollout's copy; sends to a newcomer or a new trainer read them from here)."""
+
+    def held_weights(self):
+        return self.state if self.version else None
+
+    def scribble(self) -> None:
+        """Change the engine's weights behind ftstate's back (one byte)."""
+        next(iter(self.state.values())).view(torch.uint8).view(-1)[0] ^= 0xFF
+
+
 class LossyTrainer(TinyTrainer):
     """Sends bf16 copies of fp32 master weights: a rollout cannot give the masters back."""
 

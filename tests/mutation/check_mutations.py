@@ -211,6 +211,29 @@ MUTATIONS = (
         ("tests/integration/test_runtime.py::TestAtomicSync::"
          "test_a_trainer_whose_state_dict_fails_fails_the_sync_fast_and_the_next_one_works",),
     ),
+    Mutation(
+        "a second copy beside the engine",
+        "a rollout whose engine gives its weights back keeps no copy of its own after a load",
+        (Edit("ftstate/controller/host.py", "        self._engine_holds = from_engine\n        if from_engine:\n",
+              "        self._engine_holds = from_engine\n        if False:\n"),),
+        ("tests/integration/test_memory.py::test_what_a_rollout_keeps_beside_its_own_weights[held_weights]",),
+    ),
+    Mutation(
+        "a deterministic replacement failure waited out",
+        "a replacement whose own code raises while it is brought up ends the run at once with that cause",
+        (Edit("ftstate/controller/failover.py", "                                raise replacement_failed(replacement, lost, exc) from exc\n",
+              "                                raise\n"),),
+        ("tests/integration/test_user_errors.py::"
+         "test_a_replacement_whose_own_code_raises_at_its_resync_ends_the_run_at_once[trainer]",),
+    ),
+    Mutation(
+        "a replayed store version believed",
+        "an older, genuinely signed current_version written back does not reopen a fenced version",
+        (Edit("ftstate/transport/store.py", "    if where is None or value is None:\n        return value\n",
+              "    if True:\n        return value\n"),),
+        ("tests/integration/test_transport_store.py::"
+         "test_an_older_current_version_written_back_does_not_reopen_a_fenced_version",),
+    ),
 )
 
 

@@ -110,6 +110,8 @@ class LiveView:
             progress.listen(self._on_progress)
 
     def _on_progress(self, event: Any) -> None:
+        if event.phase in ("sync", "failover"):
+            return  # the view shows each step and failover its own way (``update``)
         self._startup = event.message
         if self.plain:
             self._say(("warning: " if event.level == "warning" else "") + event.message)

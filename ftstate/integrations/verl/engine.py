@@ -113,6 +113,23 @@ def issue_version(server: StoreServer, group: str) -> int:
         return version
 
 
+def driver_key(group: str) -> tuple[str, bytes]:
+    """The run id and secret of this (driver) process (``security.authenticate``): made on the
+    first update (:func:`ftstate.transport.auth.new_secret`) and installed here too, since the
+    driver reads the store values the workers sign (the current group version), then handed to
+    the workers with their topology through verl's own Ray calls, never ftstate's sockets. A
+    key already installed in this process is the one used: a process holds one run's key."""
+    from ftstate.transport import auth
+
+    with _STORES_LOCK:
+        key = auth.current()
+        if key is None:
+            auth.install(f"verl-{group}-{os.getpid()}", auth.new_secret())
+            key = auth.current()
+        assert key is not None
+        return key.run, key.secret
+
+
 def _member_name(role: str, index: int, meta: Mapping[str, Any]) -> str:
     return f"{role} {index} (pid {meta.get('pid', '?')} on {meta.get('host', '?')})"
 
@@ -183,13 +200,17 @@ class FTStateCheckpointEngine(CheckpointEngine):
                 "worker must build the engine with is_master=(rank == 0)"
             )
         settings = EngineSettings.from_kwargs(master["settings"])
+        key = driver_key(settings.group) if settings.runtime.security.authenticate else None
         store = driver_store(settings.store_host)
         version = issue_version(store, settings.group)
         world_size = 1 + rollout_world_size
         members = [_member_name("trainer rank", 0, master)] + [
             _member_name("rollout worker", i, m) for i, m in enumerate(metadata[actor_wg_world_size:])
         ]
-        common = {"store": str(store.address), "group": settings.group, "version": version, "members": members}
+        common: dict[str, Any] = {"store": str(store.address), "group": settings.group, "version": version,
+                                  "members": members}
+        if key is not None:
+            common["run"], common["secret"] = key
 
         def each(n: int) -> dict[str, list[Any]]:
             return {k: [v] * n for k, v in {"world_size": world_size, **common}.items()}
@@ -201,10 +222,22 @@ class FTStateCheckpointEngine(CheckpointEngine):
         return actor_kwargs, rollout_kwargs
 
     def init_process_group(
-        self, *, rank: int, world_size: int, store: str, group: str, version: int, members: list[str]
+        self, *, rank: int, world_size: int, store: str, group: str, version: int, members: list[str],
+        run: str = "", secret: bytes | None = None,
     ) -> None:
-        """Join group version ``version`` (bounded by ``init_timeout_s``); rank -1 only records it."""
+        """Join group version ``version`` (bounded by ``init_timeout_s``); rank -1 only records it.
+        ``run`` / ``secret``: the driver's key (``security.authenticate``), installed before
+        anything is sent, so every store value, manifest, seal and vote carries its MAC."""
+        from ftstate.transport import auth, checksum
+
         self._close("a new group version")
+        security = self.settings.runtime.security
+        if security.authenticate:
+            if secret is None:
+                who = members[rank] if 0 <= rank < len(members) else f"rank {rank}"
+                raise TransportError(f"{who}: security.authenticate is on but build_topology handed no secret")
+            auth.install(run, secret)
+        checksum.use_integrity(security.integrity)  # keyed: derived from the secret just installed
         self.rank, self.world_size, self.group_version, self.members = rank, world_size, version, list(members)
         if rank < 0:
             return
@@ -428,9 +461,13 @@ class FTStateCheckpointEngine(CheckpointEngine):
 
     def describe(self) -> dict[str, Any]:
         """Where this engine stands (tests and operators): rank, group version, whether a
-        communicator is held."""
+        communicator is held, and the run whose key signs its messages (None: unauthenticated)."""
+        from ftstate.transport import auth
+
+        key = auth.current()
         return {"rank": self.rank, "group_version": self.group_version, "communicator": self._comm is not None,
-                "updates": self.updates, "commit_mode": self.settings.commit_mode, "pid": os.getpid()}
+                "updates": self.updates, "commit_mode": self.settings.commit_mode, "pid": os.getpid(),
+                "authenticated_run": key.run if key is not None else None}
 
     # -- internals ----------------------------------------------------------------------
 

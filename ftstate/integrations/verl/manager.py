@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,8 @@ from verl.checkpoint_engine.base import CheckpointEngineManager, _worker_cls
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 from verl.utils.ray_utils import auto_await
 
+from ftstate.controller import cluster
+from ftstate.controller.runtime import run_facts
 from ftstate.core.audit import AuditTrail
 from ftstate.core.budget import Budget
 from ftstate.core.errors import (
@@ -124,6 +127,10 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         self.settings = EngineSettings.from_kwargs(config.engine_kwargs.get(BACKEND, {}))
         self.cfg = self.settings.runtime
         self.audit = audit if audit is not None else AuditTrail(self.cfg.audit_log)
+        #: Names this manager's run in every record it writes (as a Runtime's run id does).
+        self.run_id = uuid.uuid4().hex[:8]
+        self.audit.begin_run(self.run_id, integration="verl", replicas=len(replicas),
+                             **run_facts(self.cfg, cluster.node_address()))
         self._backstop = self.cfg.replace(init_timeout_s=2 * self.cfg.init_timeout_s,
                                           sync_timeout_s=2 * self.cfg.sync_timeout_s)
         self.budget = Budget(key=BUDGET_KEY, limit=self.cfg.fault_tolerance.max_failovers)

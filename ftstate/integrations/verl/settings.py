@@ -33,7 +33,7 @@ PREFIX = "checkpoint_engine.engine_kwargs.ftstate"
 COMMIT_MODES = ("stream", "staged")
 
 #: RuntimeConfig fields the verl integration uses; other RuntimeConfig keys mean nothing here.
-RUNTIME_KEYS = ("init_timeout_s", "sync_timeout_s", "backend", "fault_tolerance", "audit_log")
+RUNTIME_KEYS = ("init_timeout_s", "sync_timeout_s", "backend", "fault_tolerance", "audit_log", "security")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,8 @@ class EngineSettings:
             "init_timeout_s": self.runtime.init_timeout_s,
             "sync_timeout_s": self.runtime.sync_timeout_s,
             "backend": self.runtime.backend,
+            "security": {"authenticate": self.runtime.security.authenticate,
+                         "integrity": self.runtime.security.integrity},
             "commit_mode": self.commit_mode,
             "group": self.group,
             **({"device_host": self.device_host} if self.device_host else {}),
