@@ -50,7 +50,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from tests.verl.harness import make_tiny_qwen2
+    from tests.tiny_qwen2 import make_tiny_qwen2
 
     return make_tiny_qwen2(str(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2"))
 
