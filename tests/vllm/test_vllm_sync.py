@@ -1,0 +1,120 @@
+"""Real vLLM engines as ftstate's rollouts: syncs reach the engines, proven from their kernels.
+
+Every check reads the engines themselves: the held checksum is computed from what
+``held_weights()`` reads back through each layer's packed kernel, and generation is compared
+with an engine started from a checkpoint of the trainer's weights (no ftstate in between).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import ftstate
+from tests.integration.test_runtime import wait_until
+from tests.vllm.harness import ENGINE_KWARGS, PROMPTS, QwenTrainer
+
+pytestmark = pytest.mark.ray
+
+
+def config(tmp_path, **overrides) -> ftstate.RuntimeConfig:
+    data = {
+        "rollout_workers": 2,
+        "bucket_size_mb": 1,
+        "init_timeout_s": 120,
+        "sync_timeout_s": 60,
+        "failover_timeout_s": 120,
+        "heartbeat_interval_s": 0.25,
+        "heartbeat_timeout_s": 4.0,
+        "audit_log": str(tmp_path / "audit.jsonl"),
+        "fault_tolerance": {"enable": True, "mode": "cold"},
+    }
+    data.update(overrides)
+    return ftstate.RuntimeConfig.from_dict(data, environ={})
+
+
+def runtime(cfg, model: str) -> ftstate.Runtime:
+    from tests.vllm.rollouts import ProbedRollout
+
+    return ftstate.Runtime(cfg, trainer=QwenTrainer, rollout=ProbedRollout, trainer_args=(model,),
+                           rollout_args=(model,), rollout_kwargs={"engine_kwargs": ENGINE_KWARGS})
+
+
+async def reference_generation(ray, rt, tmp_path, name: str) -> list[list[int]]:
+    """Greedy tokens of an engine started from a checkpoint of the trainer's current weights."""
+    from ftstate.integrations.vllm import VLLMRollout
+
+    path = await rt.trainer("save", str(tmp_path / name))
+    engine = ray.remote(VLLMRollout).remote(path, load_format="auto", engine_kwargs=ENGINE_KWARGS)
+    try:
+        out = await engine.generate.remote(PROMPTS, max_tokens=12)
+    finally:
+        ray.kill(engine)
+    return [o["token_ids"] for o in out]
+
+
+async def user_call(rt, member: str, method: str, *args):
+    """A user method of one member only (rt.rollout calls every serving rollout)."""
+    return await rt.handle(member).call.remote(method, args, {})
+
+
+def state_of(rt, member: str) -> str:
+    return next(m.state for m in rt.members() if m.member == member)
+
+
+async def test_each_sync_reaches_every_engine_bit_for_bit_and_it_generates_as_an_engine_started_from_those_weights(
+    ray_cluster, tiny_model, tmp_path
+):
+    async with runtime(config(tmp_path), tiny_model) as rt:
+        for step in range(2):
+            if step:
+                await rt.trainer("train_step")
+            report = await rt.sync()
+            trainer = await rt.trainer("checksum")
+            assert report.checksum == trainer
+            # read back from the engines' kernels, not from what they were handed
+            assert await rt.rollout("held_checksum") == [trainer, trainer]
+            got = await rt.rollout("generate", PROMPTS, max_tokens=12)
+            assert [o["weights_version"] for out in got for o in out] == [report.weights_version] * 6
+            tokens = [[o["token_ids"] for o in out] for out in got]
+            assert tokens[0] == tokens[1] == await reference_generation(ray_cluster, rt, tmp_path, f"v{step}")
+
+
+async def test_weights_changed_inside_an_engine_behind_ftstates_back_take_it_out_of_serving(
+    ray_cluster, tiny_model, tmp_path
+):
+    async with runtime(config(tmp_path), tiny_model) as rt:
+        await rt.sync()
+        good, bad = rt.serving_rollouts()
+
+        # A loader that changes a weight after vLLM's reload returned: caught at the commit.
+        await user_call(rt, bad, "tamper_next_load")
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        assert report.stale == (bad,) and report.rollouts == (good,)
+        assert state_of(rt, bad) == "STALE"
+        trainer = await rt.trainer("checksum")
+        assert await user_call(rt, bad, "held_checksum") != trainer
+        assert await rt.rollout("held_checksum") == [trainer]  # only the good one serves
+        failed = [r for r in rt.audit.records if r.get("member") == bad and r.get("trigger") == "sync_failed"]
+        assert failed[-1]["error"] == "HeldWeightsMismatch"
+
+        # Resynced at the next sync (the tamper was one-shot), it serves again, proven.
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        assert sorted(report.rollouts) == sorted([good, bad])
+        assert await rt.rollout("held_checksum") == [rt.checksum] * 2
+
+        # Changed while it serves, then suspected (stopped, resumed): the fresh proof of what
+        # its kernels hold does not match, so it is not re-admitted.
+        await user_call(rt, bad, "tamper_now")
+        pid = next(m.pid for m in rt.members() if m.member == bad)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await wait_until(lambda: state_of(rt, bad) == "SUSPECT", 20, f"{bad} suspected")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await wait_until(lambda: state_of(rt, bad) == "STALE", 20, f"{bad} stale")
+        assert rt.serving_rollouts() == [good]
