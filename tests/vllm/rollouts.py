@@ -36,7 +36,7 @@ class ProbedRollout(VLLMRollout):
             k = module.input_size_per_partition
             slot = held.Slot(layer, "weight", True, (0, module.output_size_per_partition),
                              (module.output_size_per_partition, k), module.weight.dtype)
-            w = held._whole(module, slot).t().contiguous().clone()
+            w = held._whole(module, slot).contiguous().clone()  # (N, K), as the checkpoint holds it
             w[0, 0] = -w[0, 0] if w[0, 0] != 0 else 1.0
             module.weight = torch.nn.Parameter(w, requires_grad=False)
             dispatch_cpu_unquantized_gemm(module, remove_weight=True)
