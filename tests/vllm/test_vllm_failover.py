@@ -85,7 +85,9 @@ async def test_engines_killed_mid_update_and_stopped_are_replaced_by_prewarmed_e
         await user_call(rt, victim, "kill_during_next_load", 5)
         await rt.trainer("train_step")
         report = await rt.sync()
-        assert report.weights_version == 2 and report.failovers == 1
+        # the sync commits for the survivor; the dead member's replacement follows, resynced
+        assert report.weights_version == 2 and report.rollouts == (survivor,)
+        await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 60, "the failover")
         (record,) = rt.failovers
         assert record.lost == victim and record.replacement.startswith("spare-rollout")
         assert state_of(rt, victim) == "RETIRED"

@@ -79,7 +79,10 @@ async def test_each_sync_reaches_every_engine_bit_for_bit_and_it_generates_as_an
             got = await rt.rollout("generate", PROMPTS, max_tokens=12)
             assert [o["weights_version"] for out in got for o in out] == [report.weights_version] * 6
             tokens = [[o["token_ids"] for o in out] for out in got]
-            assert tokens[0] == tokens[1] == await reference_generation(ray_cluster, rt, tmp_path, f"v{step}")
+            assert tokens[0] == tokens[1]
+        # One reference engine (each costs an import of vLLM and an engine start), for the weights
+        # that came through a sync after a step, not the checkpoint the engines were built from.
+        assert tokens[0] == await reference_generation(ray_cluster, rt, tmp_path, "v2")
 
 
 async def test_weights_changed_inside_an_engine_behind_ftstates_back_take_it_out_of_serving(
