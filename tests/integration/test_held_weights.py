@@ -151,3 +151,46 @@ async def test_a_held_weights_hook_returning_something_unhashable_is_a_typed_err
         with pytest.raises(ftstate.StateDictError, match=r"rollout-\d.*held_weights\(\)"):
             await rt.sync()
         assert rt.serving_rollouts() == []
+
+
+async def test_with_the_proof_at_admission_only_a_load_is_read_back_when_it_admits_the_rollout(ray_cluster, tmp_path):
+    """held_weights_proof: admission (fraction 0): the first load and the re-admission of a
+    SUSPECT rollout read the engine back; a load in between reports what was received, so an
+    engine that corrupts its copy then is caught only at its next admission (the cost traded)."""
+    cfg = config(tmp_path, held_weights_proof="admission", held_weights_proof_fraction=0.0)
+    rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=EngineRollout)
+    async with rt:
+        await rt.sync()  # the first load of each: proven
+        _, bad = rt.serving_rollouts()
+        await user_call(rt, bad, "flip_next_load")
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        assert report.stale == () and bad in report.rollouts  # not read back: not caught here
+        trainer = await rt.trainer("checksum")
+        assert await user_call(rt, bad, "engine_checksum") != trainer
+
+        pid = next(m.pid for m in rt.members() if m.member == bad)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await wait_until(lambda: state_of(rt, bad) == "SUSPECT", 10, f"{bad} suspected")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await wait_until(lambda: state_of(rt, bad) == "STALE", 10, f"{bad} stale")  # re-admission proves
+
+        # Its next load follows a failed proof: it is read back, and it serves again.
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        assert bad in report.rollouts
+        assert await rt.rollout("engine_checksum") == [rt.checksum] * 2
+
+
+async def test_with_the_proof_at_admission_and_a_fraction_of_one_every_load_is_read_back(ray_cluster, tmp_path):
+    cfg = config(tmp_path, held_weights_proof="admission", held_weights_proof_fraction=1.0)
+    rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=EngineRollout)
+    async with rt:
+        await rt.sync()
+        _, bad = rt.serving_rollouts()
+        await user_call(rt, bad, "flip_next_load")
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        assert report.stale == (bad,)
