@@ -3,13 +3,17 @@ tests inject (imported by the Ray workers that host it):
 
 * weights changed inside the engine behind ftstate's back, through a layer's packed kernel (on
   CPU the kernel's copy is the only one), now or right after the next load (a buggy loader);
-* a SIGKILL of its own process part-way through vLLM's loader (a torn engine that dies).
+* a SIGKILL of its own process part-way through vLLM's loader (a torn engine that dies);
+
+and the baseline of ``benchmarks/vllm_update.py``: vLLM's own reload fed in-process from the
+tensors the engine holds, with no ftstate in the way (:meth:`ProbedRollout.native_reload`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -70,3 +74,26 @@ class ProbedRollout(VLLMRollout):
                 yield pair
 
         return killing()
+
+    def native_reload(self, reps: int = 3) -> list[float]:
+        """Seconds of each of ``reps`` reloads by vLLM alone, from tensors already in this
+        process (what the engine holds, read back first): ``reload_weights`` with the same
+        arguments as :meth:`load_weights` and the prefix cache reset, nothing checked or hashed."""
+        state = self.held_weights()
+        assert state is not None, "load weights first"
+        pairs = list(super()._weights(state))
+        times = []
+        with self._lock:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs),
+                                                                  "is_checkpoint_format": True})
+                self.llm.reset_prefix_cache()
+                times.append(time.perf_counter() - t0)
+        return times
+
+    def held_read_seconds(self) -> float:
+        """Seconds of one read-back of what the engine holds (the proof's read, without its hash)."""
+        t0 = time.perf_counter()
+        self.held_weights()
+        return time.perf_counter() - t0
