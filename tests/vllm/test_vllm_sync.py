@@ -7,13 +7,10 @@ with an engine started from a checkpoint of the trainer's weights (no ftstate in
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
 import ftstate
-from tests.integration.test_runtime import wait_until
+from tests.integration.test_held_weights import state_of, suspend_and_resume, user_call
 from tests.vllm.harness import ENGINE_KWARGS, PROMPTS, QwenTrainer
 
 pytestmark = pytest.mark.ray
@@ -53,15 +50,6 @@ async def reference_generation(ray, rt, tmp_path, name: str) -> list[list[int]]:
     finally:
         ray.kill(engine)
     return [o["token_ids"] for o in out]
-
-
-async def user_call(rt, member: str, method: str, *args):
-    """A user method of one member only (rt.rollout calls every serving rollout)."""
-    return await rt.handle(member).call.remote(method, args, {})
-
-
-def state_of(rt, member: str) -> str:
-    return next(m.state for m in rt.members() if m.member == member)
 
 
 async def test_each_sync_reaches_every_engine_bit_for_bit_and_it_generates_as_an_engine_started_from_those_weights(
@@ -113,11 +101,5 @@ async def test_weights_changed_inside_an_engine_behind_ftstates_back_take_it_out
         # Changed while it serves, then suspected (stopped, resumed): the fresh proof of what
         # its kernels hold does not match, so it is not re-admitted.
         await user_call(rt, bad, "tamper_now")
-        pid = next(m.pid for m in rt.members() if m.member == bad)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            await wait_until(lambda: state_of(rt, bad) == "SUSPECT", 20, f"{bad} suspected")
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        await wait_until(lambda: state_of(rt, bad) == "STALE", 20, f"{bad} stale")
+        await suspend_and_resume(rt, bad, "STALE", timeout=20)
         assert rt.serving_rollouts() == [good]
