@@ -8,12 +8,14 @@ with an engine started from a checkpoint of the trainer's weights (no ftstate in
 from __future__ import annotations
 
 import pytest
+import pytest_asyncio
 
 import ftstate
 from tests.integration.test_held_weights import state_of, suspend_and_resume, user_call
 from tests.vllm.harness import ENGINE_KWARGS, PROMPTS, QwenTrainer
 
-pytestmark = pytest.mark.ray
+# One runtime (a trainer, two engines) for the module: an engine start costs an import of vLLM.
+pytestmark = [pytest.mark.ray, pytest.mark.asyncio(loop_scope="module")]
 
 
 def config(tmp_path, **overrides) -> ftstate.RuntimeConfig:
@@ -39,6 +41,12 @@ def runtime(cfg, model: str) -> ftstate.Runtime:
                            rollout_args=(model,), rollout_kwargs={"engine_kwargs": ENGINE_KWARGS})
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def rt(ray_cluster, tiny_model, tmp_path_factory):
+    async with runtime(config(tmp_path_factory.mktemp("vllm-sync")), tiny_model) as rt:
+        yield rt
+
+
 async def reference_generation(ray, rt, tmp_path, name: str) -> list[list[int]]:
     """Greedy tokens of an engine started from a checkpoint of the trainer's current weights."""
     from ftstate.integrations.vllm import VLLMRollout
@@ -53,53 +61,49 @@ async def reference_generation(ray, rt, tmp_path, name: str) -> list[list[int]]:
 
 
 async def test_each_sync_reaches_every_engine_bit_for_bit_and_it_generates_as_an_engine_started_from_those_weights(
-    ray_cluster, tiny_model, tmp_path
+    rt, ray_cluster, tmp_path
 ):
-    async with runtime(config(tmp_path), tiny_model) as rt:
-        for step in range(2):
-            if step:
-                await rt.trainer("train_step")
-            report = await rt.sync()
-            trainer = await rt.trainer("checksum")
-            assert report.checksum == trainer
-            # read back from the engines' kernels, not from what they were handed
-            assert await rt.rollout("held_checksum") == [trainer, trainer]
-            got = await rt.rollout("generate", PROMPTS, max_tokens=12)
-            assert [o["weights_version"] for out in got for o in out] == [report.weights_version] * 6
-            tokens = [[o["token_ids"] for o in out] for out in got]
-            assert tokens[0] == tokens[1]
-        # One reference engine (each costs an import of vLLM and an engine start), for the weights
-        # that came through a sync after a step, not the checkpoint the engines were built from.
-        assert tokens[0] == await reference_generation(ray_cluster, rt, tmp_path, "v2")
-
-
-async def test_weights_changed_inside_an_engine_behind_ftstates_back_take_it_out_of_serving(
-    ray_cluster, tiny_model, tmp_path
-):
-    async with runtime(config(tmp_path), tiny_model) as rt:
-        await rt.sync()
-        good, bad = rt.serving_rollouts()
-
-        # A loader that changes a weight after vLLM's reload returned: caught at the commit.
-        await user_call(rt, bad, "tamper_next_load")
-        await rt.trainer("train_step")
+    for step in range(2):
+        if step:
+            await rt.trainer("train_step")
         report = await rt.sync()
-        assert report.stale == (bad,) and report.rollouts == (good,)
-        assert state_of(rt, bad) == "STALE"
         trainer = await rt.trainer("checksum")
-        assert await user_call(rt, bad, "held_checksum") != trainer
-        assert await rt.rollout("held_checksum") == [trainer]  # only the good one serves
-        failed = [r for r in rt.audit.records if r.get("member") == bad and r.get("trigger") == "sync_failed"]
-        assert failed[-1]["error"] == "HeldWeightsMismatch"
+        assert report.checksum == trainer
+        # read back from the engines' kernels, not from what they were handed
+        assert await rt.rollout("held_checksum") == [trainer, trainer]
+        got = await rt.rollout("generate", PROMPTS, max_tokens=12)
+        assert [o["weights_version"] for out in got for o in out] == [report.weights_version] * 6
+        tokens = [[o["token_ids"] for o in out] for out in got]
+        assert tokens[0] == tokens[1]
+    # One reference engine (each costs an import of vLLM and an engine start), for the weights
+    # that came through a sync after a step, not the checkpoint the engines were built from.
+    assert tokens[0] == await reference_generation(ray_cluster, rt, tmp_path, "v2")
 
-        # Resynced at the next sync (the tamper was one-shot), it serves again, proven.
-        await rt.trainer("train_step")
-        report = await rt.sync()
-        assert sorted(report.rollouts) == sorted([good, bad])
-        assert await rt.rollout("held_checksum") == [rt.checksum] * 2
 
-        # Changed while it serves, then suspected (stopped, resumed): the fresh proof of what
-        # its kernels hold does not match, so it is not re-admitted.
-        await user_call(rt, bad, "tamper_now")
-        await suspend_and_resume(rt, bad, "STALE", timeout=20)
-        assert rt.serving_rollouts() == [good]
+async def test_weights_changed_inside_an_engine_behind_ftstates_back_take_it_out_of_serving(rt):
+    await rt.sync()
+    good, bad = rt.serving_rollouts()
+
+    # A loader that changes a weight after vLLM's reload returned: caught at the commit.
+    await user_call(rt, bad, "tamper_next_load")
+    await rt.trainer("train_step")
+    report = await rt.sync()
+    assert report.stale == (bad,) and report.rollouts == (good,)
+    assert state_of(rt, bad) == "STALE"
+    trainer = await rt.trainer("checksum")
+    assert await user_call(rt, bad, "held_checksum") != trainer
+    assert await rt.rollout("held_checksum") == [trainer]  # only the good one serves
+    failed = [r for r in rt.audit.records if r.get("member") == bad and r.get("trigger") == "sync_failed"]
+    assert failed[-1]["error"] == "HeldWeightsMismatch"
+
+    # Resynced at the next sync (the tamper was one-shot), it serves again, proven.
+    await rt.trainer("train_step")
+    report = await rt.sync()
+    assert sorted(report.rollouts) == sorted([good, bad])
+    assert await rt.rollout("held_checksum") == [rt.checksum] * 2
+
+    # Changed while it serves, then suspected (stopped, resumed): the fresh proof of what
+    # its kernels hold does not match, so it is not re-admitted.
+    await user_call(rt, bad, "tamper_now")
+    await suspend_and_resume(rt, bad, "STALE", timeout=20)
+    assert rt.serving_rollouts() == [good]
