@@ -12,6 +12,7 @@ import pytest_asyncio
 
 import ftstate
 from tests.integration.test_held_weights import state_of, suspend_and_resume, user_call
+from tests.integration.test_runtime import wait_until
 from tests.vllm.harness import ENGINE_KWARGS, PROMPTS, QwenTrainer
 
 # One runtime (a trainer, two engines) for the module: an engine start costs an import of vLLM.
@@ -107,3 +108,16 @@ async def test_weights_changed_inside_an_engine_behind_ftstates_back_take_it_out
     await user_call(rt, bad, "tamper_now")
     await suspend_and_resume(rt, bad, "STALE", timeout=20)
     assert rt.serving_rollouts() == [good]
+
+
+async def test_an_engine_killed_in_cold_mode_is_replaced_by_a_new_engine_holding_the_current_weights(rt):
+    await rt.trainer("train_step")
+    await rt.sync()  # the STALE one of the test before is resynced here
+    assert len(rt.serving_rollouts()) == 2
+    before = len(rt.failovers)
+    victim = await rt.chaos.kill("rollout", 1)
+    # cold: a new actor imports vLLM and starts its engine, then gets the weights from a survivor
+    await wait_until(lambda: len(rt.failovers) > before and rt.state == "READY", 120, "the cold failover")
+    record = rt.failovers[-1]
+    assert record.lost == victim and record.resynced and not record.replacement.startswith("spare")
+    assert await rt.rollout("held_checksum") == [await rt.trainer("checksum")] * 2
