@@ -32,7 +32,7 @@ This module imports torch and vLLM's layer classes; it is loaded only through th
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from vllm.model_executor.layers.linear import LinearBase
@@ -133,8 +133,3 @@ def _as_checkpoint(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     narrow = t.to(dtype)
     return narrow if torch.equal(narrow.to(t.dtype), t) else t
 
-
-def summary(slots: Mapping[str, Slot]) -> dict[str, Any]:
-    """Counts for messages and the audit: tensors, bytes, and how many are read through a kernel."""
-    nbytes = sum(torch.Size(s.shape).numel() * torch.empty((), dtype=s.dtype).element_size() for s in slots.values())
-    return {"tensors": len(slots), "nbytes": nbytes, "kernel": sum(s.kernel for s in slots.values())}
