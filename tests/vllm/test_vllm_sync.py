@@ -7,6 +7,8 @@ with an engine started from a checkpoint of the trainer's weights (no ftstate in
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import pytest_asyncio
 
@@ -79,6 +81,31 @@ async def test_each_sync_reaches_every_engine_bit_for_bit_and_it_generates_as_an
     # One reference engine (each costs an import of vLLM and an engine start), for the weights
     # that came through a sync after a step, not the checkpoint the engines were built from.
     assert tokens[0] == await reference_generation(ray_cluster, rt, tmp_path, "v2")
+
+
+async def test_requests_during_a_sync_are_served_whole_from_one_version_or_the_next(rt):
+    """Generation keeps coming while a sync reloads the engines: every answer is the old
+    version's or the new one's, token for token, never a mix (no request between the first and
+    the last tensor of a load)."""
+    await rt.sync()
+    old = rt.weights_version
+    tokens = {old: [o["token_ids"] for o in (await rt.rollout("generate", PROMPTS, max_tokens=12))[0]]}
+    await rt.trainer("train_step", 0.5)  # a large step: the two versions generate differently
+    sync = asyncio.ensure_future(rt.sync())
+    answers = []
+    while not sync.done():  # a few requests in flight at once, to land inside the commit too
+        for got in await asyncio.gather(*(rt.rollout("generate", PROMPTS, max_tokens=12) for _ in range(3))):
+            answers += got
+    await sync
+    new = rt.weights_version
+    tokens[new] = [o["token_ids"] for o in (await rt.rollout("generate", PROMPTS, max_tokens=12))[0]]
+    assert tokens[old] != tokens[new]
+    print(f"requests during the sync: {len(answers)} answers, versions "
+          f"{sorted({o['weights_version'] for out in answers for o in out})}")
+    assert answers
+    for out in answers:
+        (version,) = {o["weights_version"] for o in out}
+        assert version in tokens and [o["token_ids"] for o in out] == tokens[version]
 
 
 async def test_weights_changed_inside_an_engine_behind_ftstates_back_take_it_out_of_serving(rt):
