@@ -350,7 +350,7 @@ class RuntimeConfig:
         "When the bytes a rollout serves from are proven, for a rollout whose engine keeps its own copy "
         "(a held_weights() hook, e.g. VLLMRollout): what held_weights() returns is hashed and must equal the "
         "sender's checksum, else the rollout goes STALE. Reading an engine back can cost more than the "
-        "transfer (vLLM on CPU: ~0.6 s per 300 MB, docs/benchmarks.md). every_sync: after every load. "
+        "transfer (vLLM on CPU: 0.6-0.9 s per 300 MB, docs/benchmarks.md). every_sync: after every load. "
         "admission: when a rollout is admitted to serving (its process's first load, a resync of a newcomer, "
         "the fresh hash that re-admits a SUSPECT rollout, and the first load after a proof that failed), plus "
         "held_weights_proof_fraction of the other loads; an unproven load reports the checksum of what it "
