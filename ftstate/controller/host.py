@@ -49,7 +49,9 @@ class WorkerHost:
     member: its name (``rollout-1``); role: ``trainer`` or ``rollout``; user_cls, args,
     kwargs: the user's class and constructor arguments; backend: ``gloo`` or ``nccl``;
     bucket_bytes: broadcast bucket size; run, secret: the run's id and secret (installed for the
-    transport's MACs; None: the run does not authenticate); integrity: ``security.integrity``.
+    transport's MACs; None: the run does not authenticate); integrity: ``security.integrity``;
+    held_proof: ``(held_weights_proof, held_weights_proof_fraction)``, when a commit hashes what
+    the rollout's ``held_weights()`` returns (:meth:`_proves`).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class WorkerHost:
         run: str = "",
         secret: bytes | None = None,
         integrity: str = "xxh3",
+        held_proof: tuple[str, float] = ("every_sync", 0.0),
     ) -> None:
         from ftstate.transport import auth, checksum
 
@@ -74,6 +77,9 @@ class WorkerHost:
         checksum.use_integrity(integrity)
         self.member = member
         self.role = role
+        self.run = run
+        self._held_proof = held_proof
+        self._held_mismatch = False  # the last proven load did not hash to what was received
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self._init_error: WorkerInitError | None = None
@@ -101,6 +107,8 @@ class WorkerHost:
         # the engine's weights are then this rollout's copy, and the transport keeps none (no
         # second full copy beside the engine's; sends read ``held_weights()`` instead).
         self._engine_holds = False
+        # the checksum the committed version was received with (what a fresh proof must find)
+        self._received: str | None = None
         self._corrupt_next = False
         self._signal_at_progress: tuple[int, int] | None = None
         self._user_lock: asyncio.Lock | None = None
@@ -137,6 +145,8 @@ class WorkerHost:
             holds = self._loaded is not None or self._engine_holds
             if holds and not (self._has_held_hook() and self._lock().locked()):
                 checksum, _ = await self._held_checksum(self._loaded.tensors if self._loaded is not None else None)
+                # a rollout that fails this proof goes STALE: its next load is proven too (_proves)
+                self._held_mismatch = self._held_mismatch or checksum != self._received
         from ftstate.transport import auth
 
         return {
@@ -486,7 +496,12 @@ class WorkerHost:
             raise FTError(f"{self.member}: asked to commit weights version {weights_version} but staged {have}")
         async with self._lock():
             await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
-            held, from_engine = await self._held_checksum(staged.tensors)
+            if self._proves(weights_version):
+                held, from_engine = await self._held_checksum(staged.tensors)
+                self._held_mismatch = held != staged.state_checksum
+            else:
+                # verified bucket by bucket on receipt; an engine that held its weights still does
+                held, from_engine = staged.state_checksum, self._engine_holds
             self.weights_version = weights_version
             self.checksum = held
             self._adopt(staged, from_engine)
@@ -629,6 +644,21 @@ class WorkerHost:
                                  backend=self.backend)
         return await asyncio.to_thread(state_checksum, state)
 
+    def _proves(self, weights_version: int) -> bool:
+        """Whether the commit of ``weights_version`` hashes what this rollout holds
+        (``held_weights_proof``): always with ``every_sync``, and for a rollout without a
+        ``held_weights()`` hook (hashing the tensors it was given is cheap); with ``admission``,
+        a hook's first load in this process and the first after a proof that failed, else a
+        draw of ``held_weights_proof_fraction`` fixed by the run, member and version. (A
+        resync and a re-admission always prove: :meth:`receive_weights_from`, :meth:`heartbeat`.)"""
+        mode, fraction = self._held_proof
+        loaded_before = self._loaded is not None or self._engine_holds
+        if mode == "every_sync" or not self._has_held_hook() or not loaded_before or self._held_mismatch:
+            return True
+        import random
+
+        return random.Random(f"{self.run}/{self.member}/{weights_version}").random() < fraction
+
     def _has_held_hook(self) -> bool:
         from ftstate.core.worker import RolloutWorker
 
@@ -668,6 +698,7 @@ class WorkerHost:
         the engine's weights are the copy: the transport lets go of its own (the receiver's
         buffers, ``_loaded``), so a rollout holds the weights once, not three times."""
         self._engine_holds = from_engine
+        self._received = staged.state_checksum
         if from_engine:
             self._loaded = None
             if self._receiver is not None:

@@ -141,7 +141,8 @@ class ActorLauncher:
             **resource_pool.options(slot),
         ).remote(name, role, self.classes[role], tuple(args), dict(kwargs), self.config.backend,
                  int(self.config.bucket_size_mb * 2**20), run=self.run_id, secret=self._secret,
-                 integrity=self.config.security.integrity)
+                 integrity=self.config.security.integrity,
+                 held_proof=(self.config.held_weights_proof, self.config.held_weights_proof_fraction))
         member = Member(name, role, rank, machine, handle, self.liveness(), pool=resource_pool.name, slot=slot)
         self.membership.add(member)
         return member

@@ -373,6 +373,24 @@ class RuntimeConfig:
         "error past this bound.",
         ge=0,
     )
+    held_weights_proof: Literal["every_sync", "admission"] = _field(
+        "every_sync",
+        "When the bytes a rollout serves from are proven, for a rollout whose engine keeps its own copy "
+        "(a held_weights() hook, e.g. VLLMRollout): what held_weights() returns is hashed and must equal the "
+        "sender's checksum, else the rollout goes STALE. Reading an engine back can cost more than the "
+        "transfer (vLLM on CPU: 0.6-0.9 s per 300 MB, docs/benchmarks.md). every_sync: after every load. "
+        "admission: when a rollout is admitted to serving (its process's first load, a resync of a newcomer, "
+        "the fresh hash that re-admits a SUSPECT rollout, and the first load after a proof that failed), plus "
+        "held_weights_proof_fraction of the other loads; an unproven load reports the checksum of what it "
+        "received (verified bucket by bucket). A rollout without the hook hashes the tensors it was given "
+        "every time either way (cheap).",
+    )
+    held_weights_proof_fraction: float = _field(
+        0.0,
+        "With held_weights_proof: admission, the fraction (0 to 1) of the other loads proven too, drawn "
+        "per rollout and weights version from the run id (the same draws on a replay of the trail).",
+        ge=0,
+    )
     heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker.", gt=0)
     heartbeat_timeout_s: float = _field(
         10.0,
@@ -470,6 +488,9 @@ class RuntimeConfig:
         if self.security.integrity == "keyed" and not self.security.authenticate:
             raise ConfigError("security.integrity",
                               "'keyed' needs security.authenticate: true (the key is the run's secret)")
+        if self.held_weights_proof_fraction > 1:
+            raise ConfigError("held_weights_proof_fraction",
+                              f"must be <= 1 (a fraction of the loads), got {self.held_weights_proof_fraction:g}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 "heartbeat_timeout_s",

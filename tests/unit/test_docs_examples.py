@@ -20,6 +20,11 @@ Static checks, per block (each failure names the file, the line in it and the wr
   (``rt.trainer("train_step", ...)``); a method named almost like a hook is flagged as a typo.
   Other methods are the user's own and are not constrained.
 
+A block or a reference that imports an integration whose framework is not installed here
+(``ftstate.integrations.vllm`` without vLLM: ``IntegrationUnavailable``) cannot be bound to real
+objects in this venv: the block is skipped naming the extra, and the suite of that extra
+checks it (``tests/vllm/test_vllm_docs.py``, in ``make test-vllm``).
+
 A block that uses no name it does not define and compiles without top-level ``await`` is a
 complete program: it is run for real (on the session's Ray cluster when it uses a Runtime).
 Inline code in the prose naming a module path (``ftstate.core.spec``, ``ftstate/core/config.py``)
@@ -47,6 +52,8 @@ import pytest
 
 import ftstate
 from ftstate.core.config import leaf_paths
+from ftstate.core.errors import IntegrationUnavailable
+from ftstate.core.worker import Worker
 from tests.integration.conftest import ray_cluster  # noqa: F401 - the session's Ray cluster, for runnable blocks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,6 +144,8 @@ class Unknown:
 
 
 UNKNOWN = Unknown()
+#: What an inline reference into an integration whose framework is not installed resolves to.
+NEEDS_EXTRA = Unknown()
 
 
 class Checker:
@@ -214,6 +223,9 @@ class Checker:
     def import_module(self, node: ast.AST, name: str) -> Any:
         try:
             return importlib.import_module(name)
+        except IntegrationUnavailable as exc:
+            pytest.skip(f"{self.block.at(node)} imports {name}, which needs ftstate[{exc.extra}] "
+                        f"(checked in that extra's suite)")
         except ImportError as exc:
             self.problem(node, f"`import {name}`: {exc}")
             return None
@@ -355,11 +367,18 @@ class Checker:
         return False
 
     def methods(self, cls: ast.ClassDef) -> set[str]:
-        """Methods the class defines, with those of its bases defined in the block."""
+        """Methods the class defines, with those of its bases defined in the block and of real
+        bases below ftstate's own (e.g. ``VLLMRollout``, which implements ``load_weights``)."""
         own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
         for b in cls.bases:
             if isinstance(b, ast.Name) and b.id in self.classes:
                 own |= self.methods(self.classes[b.id])
+            real = self.resolve(b)
+            if isinstance(real, type):
+                for klass in real.__mro__:
+                    if klass in (*WORKER_BASES.values(), Worker, object):
+                        break
+                    own |= {n for n, v in vars(klass).items() if callable(v)}
         return own
 
     def check_worker_class(self, cls: ast.ClassDef) -> None:
@@ -478,6 +497,25 @@ def inline_references() -> list[tuple[str, str]]:
     return refs
 
 
+def resolve_reference(ref: str) -> Any:
+    """What a dotted ``ftstate....`` reference names: the longest importable prefix, then
+    attributes (UNKNOWN where one is missing, None where nothing imports; NEEDS_EXTRA inside an
+    integration whose framework is not installed)."""
+    parts = ref.split(".")
+    obj: Any = None
+    for k in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except IntegrationUnavailable:
+            return NEEDS_EXTRA  # its framework is not here: its own suite checks it
+        except ImportError:
+            continue
+        for attr in parts[k:]:
+            obj = getattr(obj, attr, UNKNOWN)
+        break
+    return obj
+
+
 def test_the_docs_name_modules_and_objects_that_exist() -> None:
     refs = inline_references()
     assert refs, "no inline reference found: is the pattern still right?"
@@ -487,16 +525,7 @@ def test_the_docs_name_modules_and_objects_that_exist() -> None:
             if not (ROOT / ref).is_file():
                 problems.append(f"{where}: `{ref}` does not exist")
             continue
-        parts = ref.split(".")
-        obj: Any = None
-        for k in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
-            try:
-                obj = importlib.import_module(".".join(parts[:k]))
-            except ImportError:
-                continue
-            for attr in parts[k:]:
-                obj = getattr(obj, attr, UNKNOWN)
-            break
+        obj = resolve_reference(ref)
         if obj is UNKNOWN or obj is None:
             problems.append(f"{where}: `{ref}` names nothing that exists")
     assert not problems, "\n".join(problems)

@@ -9,29 +9,20 @@ Ray's worker processes, so ``tests.verl.harness`` is always this project's.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path[:1]:
-    sys.path.insert(0, str(ROOT))
+from tests.own_venv import ROOT, root_first, skip_without
 
+root_first()
 HERE = Path(__file__).resolve().parent
-HAS_VERL = importlib.util.find_spec("verl") is not None
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Without verl (the core venv), this folder's tests are skipped, saying where they run."""
-    if HAS_VERL:
-        return
-    skip = pytest.mark.skip(reason="the verl suite runs in its own venv: make test-verl")
-    for item in items:
-        if Path(item.path).resolve().is_relative_to(HERE):
-            item.add_marker(skip)
+    skip_without("verl", HERE, items, suite="verl", target="test-verl")
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +41,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from tests.verl.harness import make_tiny_qwen2
+    from tests.tiny_qwen2 import make_tiny_qwen2
 
     return make_tiny_qwen2(str(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2"))
 

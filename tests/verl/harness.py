@@ -39,26 +39,6 @@ from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutCo
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
 
-def make_tiny_qwen2(path: str, *, vocab: int = 4096, hidden: int = 128, layers: int = 2, seed: int = 0) -> str:
-    """A tiny Qwen2 (about 6 MB of float32) and a WordLevel tokenizer under ``path``; no hub download."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    os.makedirs(path, exist_ok=True)
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)
-    Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    words = {f"w{i}": i for i in range(vocab - 3)} | {"<unk>": vocab - 3, "<pad>": vocab - 2, "<eos>": vocab - 1}
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
-    return path
-
-
 def raw_broadcast(comm, buf: torch.Tensor, bucket: int, window: int = 3) -> float:
     """The baseline of benchmarks/verl_update.py: ``buf`` broadcast from rank 0 in buckets of
     ``bucket`` bytes on a plain gloo group (no manifest, no checksums, no vote), ``window``
