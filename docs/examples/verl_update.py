@@ -31,7 +31,8 @@ def main() -> dict[str, object]:
     from verl.workers.config import CheckpointEngineConfig
 
     from ftstate.integrations.verl import FTStateCheckpointEngineManager
-    from tests.verl.harness import make_tiny_qwen2, release, rollout_replicas, trainer_group
+    from tests.tiny_qwen2 import make_tiny_qwen2
+    from tests.verl.harness import release, rollout_replicas, trainer_group
 
     if not ray.is_initialized():
         ray.init(num_cpus=8, include_dashboard=False, logging_level="ERROR", log_to_driver=False)

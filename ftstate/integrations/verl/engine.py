@@ -113,7 +113,7 @@ def issue_version(server: StoreServer, group: str) -> int:
         return version
 
 
-def driver_key(group: str) -> tuple[str, bytes]:
+def driver_key() -> tuple[str, bytes]:
     """The run id and secret of this (driver) process (``security.authenticate``): made on the
     first update (:func:`ftstate.transport.auth.new_secret`) and installed here too, since the
     driver reads the store values the workers sign (the current group version), then handed to
@@ -124,7 +124,7 @@ def driver_key(group: str) -> tuple[str, bytes]:
     with _STORES_LOCK:
         key = auth.current()
         if key is None:
-            auth.install(f"verl-{group}-{os.getpid()}", auth.new_secret())
+            auth.install(f"verl-{os.getpid()}", auth.new_secret())
             key = auth.current()
         assert key is not None
         return key.run, key.secret
@@ -200,7 +200,7 @@ class FTStateCheckpointEngine(CheckpointEngine):
                 "worker must build the engine with is_master=(rank == 0)"
             )
         settings = EngineSettings.from_kwargs(master["settings"])
-        key = driver_key(settings.group) if settings.runtime.security.authenticate else None
+        key = driver_key() if settings.runtime.security.authenticate else None
         store = driver_store(settings.store_host)
         version = issue_version(store, settings.group)
         world_size = 1 + rollout_world_size
