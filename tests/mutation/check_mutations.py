@@ -214,8 +214,8 @@ MUTATIONS = (
     Mutation(
         "a second copy beside the engine",
         "a rollout whose engine gives its weights back keeps no copy of its own after a load",
-        (Edit("ftstate/controller/host.py", "        self._engine_holds = from_engine\n        if from_engine:\n",
-              "        self._engine_holds = from_engine\n        if False:\n"),),
+        (Edit("ftstate/controller/host.py", "        self._received = staged.state_checksum\n        if from_engine:\n",
+              "        self._received = staged.state_checksum\n        if False:\n"),),
         ("tests/integration/test_memory.py::test_what_a_rollout_keeps_beside_its_own_weights[held_weights]",),
     ),
     Mutation(
