@@ -142,8 +142,7 @@ class WorkerHost:
         checksum = self.checksum
         if prove and self.role == "rollout":
             checksum = None
-            holds = self._loaded is not None or self._engine_holds
-            if holds and not (self._has_held_hook() and self._lock().locked()):
+            if self._holds_committed and not (self._has_held_hook() and self._lock().locked()):
                 checksum, _ = await self._held_checksum(self._loaded.tensors if self._loaded is not None else None)
                 # a rollout that fails this proof goes STALE: its next load is proven too (_proves)
                 self._held_mismatch = self._held_mismatch or checksum != self._received
@@ -406,7 +405,7 @@ class WorkerHost:
 
         comm = self._require_comm()
         state, version = await self._committed_state()
-        tensors = state.tensors if self._loaded is not None and state is self._loaded else state
+        tensors = state.tensors if state is self._loaded else state
         part = part_of(Ownership.from_record(ownership), tensors, trainer_rank)
         if self._sender is None:
             self._sender = Sender(bucket_size=self.bucket_bytes)
@@ -652,8 +651,7 @@ class WorkerHost:
         draw of ``held_weights_proof_fraction`` fixed by the run, member and version. (A
         resync and a re-admission always prove: :meth:`receive_weights_from`, :meth:`heartbeat`.)"""
         mode, fraction = self._held_proof
-        loaded_before = self._loaded is not None or self._engine_holds
-        if mode == "every_sync" or not self._has_held_hook() or not loaded_before or self._held_mismatch:
+        if mode == "every_sync" or not self._has_held_hook() or not self._holds_committed or self._held_mismatch:
             return True
         import random
 
@@ -705,6 +703,11 @@ class WorkerHost:
                 self._receiver.release()
         else:
             self._loaded = staged
+
+    @property
+    def _holds_committed(self) -> bool:
+        """Whether this rollout holds a committed version: in the transport, or in its engine."""
+        return self._loaded is not None or self._engine_holds
 
     def _held_bytes(self) -> int:
         """Bytes the transport keeps between syncs beside the user's own weights."""
