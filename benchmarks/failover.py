@@ -9,8 +9,16 @@ transfer (the current version to the newcomer only, checksum-verified). The tran
 also given as a ratio to a bare broadcast of the same bytes between the same processes,
 measured in the same run. Prewarmed spares (standby mode), heartbeat_interval_s 0.2.
 
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python benchmarks/failover.py [--sizes 64,512] [--kills 20]
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 python benchmarks/failover.py [--sizes 64,512] [--kills 30]
         [--shared-memory auto|off] [--roles rollout,trainer,rank] [--rollout tiny|resident]
+        [--trainer tiny|resident] [--audit-dir DIR]
+
+Tails: each cell is median / p95 / p99 / max, and under each row the slowest kill with its
+stage timings from the ``failover`` audit record (the sender reading and sending its committed
+state; the newcomer receiving into staging, waiting for its user lock, loading, proving what
+it holds) and whether the promoted spare's staging was reserved. A kill waits for a spare that
+is warm for the current size (STANDBY with its staging reserved), as a run that has been up
+for a while has.
 
 Detection rides on the vigil call kept pending on every worker (ftstate.controller.vigil).
 ``--shared-memory``: the config key; with ``auto`` (default) the newcomer, on its source's
@@ -31,12 +39,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ftstate
 from ftstate.controller import cluster
-from tests.integration.workers import PartTrainer, ResidentRollout, TinyRollout, TinyTrainer
+from tests.integration.workers import PartTrainer, ResidentRollout, ResidentTrainer, TinyRollout, TinyTrainer
 
 
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def _stages_text(stages: dict | None) -> str:
+    if not stages:
+        return "no point-to-point resync"
+    parts = [f"from {stages.get('source')} over {stages.get('route')}"]
+    for side in ("sender", "newcomer"):
+        got = stages.get(side) or {}
+        parts.append(f"{side} " + " ".join(f"{k} {v * 1e3:.0f}" for k, v in got.items()))
+    return "; ".join(parts) + " (ms)"
 
 
 def _check(rt: ftstate.Runtime) -> None:
@@ -47,7 +65,7 @@ def _check(rt: ftstate.Runtime) -> None:
 
 
 async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto",
-              rollout: str = "tiny") -> dict[str, list[float]]:
+              rollout: str = "tiny", trainer: str = "tiny", audit_dir: str | None = None) -> dict[str, list]:
     ranks = role == "rank"  # one trainer rank of two
     cfg = ftstate.RuntimeConfig.from_dict({
         "trainer_workers": 2 if ranks else 1,
@@ -55,18 +73,21 @@ async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto",
         "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "bucket_size_mb": 64,
         "shared_memory": "off" if ranks else shared_memory,  # several ranks: the collective only
         "fault_tolerance": {"enable": True, "reverse_weight_sync": True, "max_failovers": kills + 1},
+        "audit_log": f"{audit_dir}/failover-{role}-{size_mb}.jsonl" if audit_dir else None,
     }, environ={})
     floats = size_mb * 2**20 // 4
-    out: dict[str, list[float]] = {k: [] for k in ("detection", "rerendezvous", "transfer", "total", "raw")}
+    out: dict[str, list] = {k: [] for k in ("detection", "rerendezvous", "transfer", "total", "raw", "why")}
     resident = rollout == "resident"
-    async with ftstate.Runtime(cfg, trainer=PartTrainer if ranks else TinyTrainer,
+    trainer_cls = PartTrainer if ranks else ResidentTrainer if trainer == "resident" else TinyTrainer
+    async with ftstate.Runtime(cfg, trainer=trainer_cls,
                                rollout=ResidentRollout if resident else TinyRollout,
                                trainer_kwargs={"big_floats": floats},
                                rollout_kwargs={"big_floats": floats} if resident else None) as rt:
         report = await rt.sync()
         spare_role = "trainer" if ranks else role
         for _ in range(kills):
-            while not any(m.state == "STANDBY" and m.role == spare_role for m in rt.members()):
+            while not any(m.state == "STANDBY" and m.role == spare_role and m.reserved_bytes >= report.nbytes
+                          for m in rt.members()):
                 _check(rt)
                 await asyncio.sleep(0.05)
             before = len(rt.failovers)
@@ -82,6 +103,8 @@ async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto",
             out["rerendezvous"].append(f.rerendezvous_s)
             out["transfer"].append(f.transfer_s)
             out["total"].append(detection + f.total_s)
+            out["why"].append(f"detection {detection * 1e3:.0f}, re-rendezvous {f.rerendezvous_s * 1e3:.0f}, "
+                              f"transfer {f.transfer_s * 1e3:.0f}: {_stages_text(f.stages)}")
             # Baseline: a bare broadcast of the same bytes from the newcomer's source, same processes.
             members = [m for m in rt.members() if m.rank >= 0 and m.state == "READY"]
             if ranks:  # the newcomer got its part only: half the bytes
@@ -99,27 +122,37 @@ async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto",
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64,512")
-    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--kills", type=int, default=30)
     ap.add_argument("--roles", default="rollout,trainer")
     ap.add_argument("--shared-memory", default="auto", choices=("auto", "off"))
     ap.add_argument("--rollout", default="tiny", choices=("tiny", "resident"),
                     help="tiny: load_weights keeps a fresh clone (new memory each load); resident: it copies "
                          "into parameters built with the rollout, as an inference engine does")
+    ap.add_argument("--trainer", default="tiny", choices=("tiny", "resident"),
+                    help="tiny: load_state_dict keeps clones (new memory each load); resident: it copies into "
+                         "the tensors built with the trainer, as torch.nn.Module.load_state_dict does")
+    ap.add_argument("--audit-dir", default=None, help="write each run's audit trail there")
     args = ap.parse_args()
     started = cluster.connect(None, num_cpus=16, log_to_driver=False)
     try:
-        print(f"{'role':>8} {'MB':>5} | {'detection':>15} {'re-rendezvous':>15} {'transfer':>15} "
-              f"{'total':>15} | {'transfer/raw bcast':>18}   (median / p95, ms)")
+        w = 19
+        print(f"{'role':>8} {'MB':>5} | {'detection':>{w}} {'re-rendezvous':>{w}} {'transfer':>{w}} "
+              f"{'total':>{w}} | {'transfer/raw bcast':>18}   (median / p95 / p99 / max, ms)")
         for size in [int(s) for s in args.sizes.split(",")]:
             for role in args.roles.split(","):
-                r = await run(size, role, args.kills, args.shared_memory, args.rollout)
+                r = await run(size, role, args.kills, args.shared_memory, args.rollout, args.trainer,
+                              args.audit_dir)
 
                 def cell(xs: list[float]) -> str:
-                    return f"{statistics.median(xs) * 1e3:7.0f}/{pct(xs, 0.95) * 1e3:<7.0f}"
+                    return "/".join(f"{v * 1e3:.0f}" for v in (statistics.median(xs), pct(xs, 0.95),
+                                                                pct(xs, 0.99), max(xs))).rjust(w)
 
                 ratio = statistics.median(r["transfer"]) / statistics.median(r["raw"])
                 print(f"{role:>8} {size:>5} | {cell(r['detection'])} {cell(r['rerendezvous'])} "
                       f"{cell(r['transfer'])} {cell(r['total'])} | {ratio:>18.2f}", flush=True)
+                slowest = max(range(len(r["total"])), key=r["total"].__getitem__)
+                print(f"{'':>16}slowest: kill {slowest + 1}, {r['total'][slowest] * 1e3:.0f} ms: "
+                      f"{r['why'][slowest]}", flush=True)
     finally:
         if started:
             cluster.shutdown()

@@ -76,6 +76,10 @@ class FailoverRecord:
     total_s: float
     group_version: int
     resynced: bool
+    #: Where the transfer's time went, when it was a point-to-point resync: its source and
+    #: route, the sender's stages (reading its committed state, sending) and the newcomer's
+    #: (receiving into staging, waiting for its user lock, the user's load, the proof), seconds.
+    stages: dict[str, Any] | None = None
 
 
 class Failover:
@@ -116,6 +120,10 @@ class Failover:
         #: ``staging: node``: each node's committed copy, which a rollout newcomer there adopts
         self.node_copies = node_copies
         self.records: list[FailoverRecord] = []
+        self._stages: dict[str, dict[str, Any]] = {}  # newcomer -> its resync's stage timings
+        #: Bytes of the last committed weights version (the runtime sets it at each commit): what
+        #: a resync moves, for its route (``resync_shared_memory_min_mb``).
+        self.weights_bytes = 0
         self._pending: list[tuple[Member, float]] = []
         self._spare_seq = 0
         self._warming: set[asyncio.Task[Any]] = set()
@@ -190,7 +198,9 @@ class Failover:
             info = await self.calls.call(m.name, m.handle, "prewarm")
             if self.staging_bytes and not self._adopts(m.role, info.get("node_id")):
                 # part of warming: a STANDBY spare is ready to receive at full speed
-                await self.calls.call(m.name, m.handle, "reserve_staging", self.staging_bytes)
+                nbytes = self.staging_bytes
+                await self.calls.call(m.name, m.handle, "reserve_staging", nbytes)
+                m.reserved_bytes = max(m.reserved_bytes, nbytes)
         except WorkerInitError as exc:
             await _constructor_failed(m, exc)  # as if it died warming: LOST, then spare_lost
             return
@@ -211,8 +221,11 @@ class Failover:
         self.staging_bytes = nbytes
         spares = [m for role in ("trainer", "rollout") for m in self.membership.spares(role, "STANDBY")
                   if not self._adopts(role, m.node_id)]
-        await asyncio.gather(*(self.calls.call(m.name, m.handle, "reserve_staging", nbytes) for m in spares),
-                             return_exceptions=True)
+        async def reserve(m: Member) -> None:
+            await self.calls.call(m.name, m.handle, "reserve_staging", nbytes)
+            m.reserved_bytes = max(m.reserved_bytes, nbytes)
+
+        await asyncio.gather(*(reserve(m) for m in spares), return_exceptions=True)
 
     def _adopts(self, role: str, node_id: str | None) -> bool:
         """Whether a rollout spare on ``node_id`` would be resynced from its node's copy
@@ -221,7 +234,10 @@ class Failover:
 
     def spare_for(self, role: str, avoid: set[str] | frozenset[str] = frozenset()) -> Member | None:
         spares = [m for m in self.membership.spares(role, "STANDBY") if m.node_id not in avoid]
-        return spares[0] if spares else None
+        # one whose staging is ready for the current size first: a spare still reserving it
+        # would stage into fresh memory (or wait for its reserve), the tail of issue 28
+        ready = [m for m in spares if m.reserved_bytes >= self.staging_bytes or self._adopts(role, m.node_id)]
+        return (ready or spares or [None])[0]
 
     async def close(self) -> None:
         for task in list(self._warming):
@@ -442,12 +458,13 @@ class Failover:
                 lost=lost.name, role=lost.role, replacement=replacement.name, reason=reasons[lost.name],
                 detected_at=detected_at, rerendezvous_s=t_reformed - t0, transfer_s=t_done - t_reformed,
                 total_s=t_done - detected_at, group_version=group.group_version, resynced=resynced[lost.name],
+                stages=self._stages.pop(replacement.name, None),
             ))
             self.audit.record("failover", lost=lost.name, replacement=replacement.name, role=lost.role,
                               rerendezvous_s=round(t_reformed - t0, 6), transfer_s=round(t_done - t_reformed, 6),
                               total_s=round(t_done - detected_at, 6), group_version=group.group_version,
                               weights_version=group.weights_version, resynced=resynced[lost.name],
-                              batch=len(losts))
+                              batch=len(losts), stages=self.records[-1].stages)
         if self.ft.mode == "standby":
             for role in sorted({lost.role for lost in losts}):
                 self.replenish(role)
@@ -516,6 +533,7 @@ class Failover:
                 if warming:
                     spare = await self._await_warming(warming[0])
             if spare is not None:
+                spare.reserved_bytes = 0  # its staging becomes the transfer's: a member reserves none
                 await spare.machine.fire("promote", reason=f"replaces {lost.name}")
                 await spare.machine.fire("join", reason=f"takes rank {lost.rank} of {lost.name}")
                 return spare
@@ -615,11 +633,19 @@ class Failover:
             return False  # no survivor holds it: the next sync resyncs the newcomer
         # a holder on the newcomer's node first: the plan then reads shared memory, no socket
         src = min(sources, key=lambda m: m.node_id is None or m.node_id != newcomer.node_id)
-        plan = plan_for(self.config, src, [newcomer])
-        await newcomer.machine.fire("resync", source=src.name, plan=plan.record())
+        # under the new group version shared memory means new slots, dearer than the collective
+        # for one newcomer below resync_shared_memory_min_mb (measured, docs/benchmarks.md)
+        small = self.config.shared_memory == "auto" \
+            and self.weights_bytes < self.config.resync_shared_memory_min_mb * 2**20
+        plan = plan_for(self.config, src, [newcomer], "off" if small else None)
+        record = plan.record()
+        if small and src.node_id is not None and src.node_id == newcomer.node_id:
+            record["collective"] = (f"{self.weights_bytes} bytes, below resync_shared_memory_min_mb "
+                                    f"({self.config.resync_shared_memory_min_mb:g} MiB)")
+        await newcomer.machine.fire("resync", source=src.name, plan=record)
         timeout = self.config.sync_timeout_s
         shm = plan.uses_shm
-        _, got = await asyncio.gather(
+        sent, got = await asyncio.gather(
             self.calls.call(src.name, src.handle, "send_weights_to", newcomer.rank, timeout, shm, plan.require_shm),
             self.calls.call(newcomer.name, newcomer.handle, "receive_weights_from", src.rank, version, checksum,
                             timeout, shm),
@@ -630,6 +656,8 @@ class Failover:
             raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got["checksum"],
                                       expected=checksum, what=f"after loading it from {src.name}")
         newcomer.machine.weights_version = version
+        self._stages[newcomer.name] = {"source": src.name, "route": "shm" if shm else "gloo",
+                                       "sender": sent.get("stages"), "newcomer": got.get("stages")}
         await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source=src.name)
         if newcomer.role == "trainer":
             await self._optimizer_policy(newcomer)

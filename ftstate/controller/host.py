@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import sysconfig
+import time
 import traceback
 from collections.abc import Mapping
 from typing import Any
@@ -438,7 +439,7 @@ class WorkerHost:
         else:
             staged = await self._receive_proven(src, weights_version, checksum, timeout_s=timeout_s,
                                                 what=f"trainer rank {trainer_rank}'s part")
-            part = {k: v.clone() for k, v in staged.tensors.items()}  # the receiver reuses its buffer
+            part = self._hand_over(staged)
         async with self._lock():
             await self._run(self.user.load_state_dict, part_form(owned, part, trainer_rank))
             self._calls_started = self._calls_done = 0
@@ -565,7 +566,9 @@ class WorkerHost:
         from ftstate.transport import Sender
 
         comm = self._require_comm()
+        t0 = time.perf_counter()
         state, version = await self._committed_state()
+        t_state = time.perf_counter()
         if self._sender is None:
             self._sender = Sender(bucket_size=self.bucket_bytes)
         self.busy = True
@@ -589,7 +592,9 @@ class WorkerHost:
 
             raise ChecksumMismatch(f"{self.member}: rank {peer} rejected weights version "
                                    f"{version}: {dict(report.rejected)}")
-        return {"checksum": report.state_checksum, "nbytes": report.nbytes, "weights_version": version}
+        # ``stages``: where the sender's time went (the failover record's stage timings).
+        return {"checksum": report.state_checksum, "nbytes": report.nbytes, "weights_version": version,
+                "stages": {"state": round(t_state - t0, 6), "send": round(time.perf_counter() - t_state, 6)}}
 
     async def receive_weights_from(
         self, src: int, weights_version: int, checksum: str, timeout_s: float, same_host: bool = False
@@ -597,21 +602,32 @@ class WorkerHost:
         """Point to point: receive the current version from ``src``, prove it is that version
         (``checksum``), and adopt it: a rollout through ``load_weights``, a trainer through
         ``load_state_dict``."""
+        t0 = time.perf_counter()
         staged = await self._receive_proven(src, weights_version, checksum, timeout_s=timeout_s, same_host=same_host)
+        t_received = time.perf_counter()
         async with self._lock():
+            t_locked = time.perf_counter()
             if self.role == "trainer":
-                await self._run(self.user.load_state_dict, {k: v.clone() for k, v in staged.tensors.items()})
+                await self._run(self.user.load_state_dict, self._hand_over(staged))
+                t_loaded = time.perf_counter()
                 held = await self._trainer_checksum()
             else:
                 await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+                t_loaded = time.perf_counter()
                 held, from_engine = await self._held_checksum(staged.tensors)
+            t_proven = time.perf_counter()
             self.weights_version = weights_version
             self.checksum = held
-            self._adopt(staged, self.role == "rollout" and from_engine)
+            if self.role == "rollout":
+                self._adopt(staged, from_engine)
         self._tick()
         # ``checksum``: what this member holds after loading, for the controller to compare.
+        # ``stages``: where the newcomer's time went: the transfer into staging (verified), the
+        # wait for the user lock, the user's load, the proof of what it holds then.
+        stages = {"receive": t_received - t0, "lock": t_locked - t_received, "load": t_loaded - t_locked,
+                  "prove": t_proven - t_loaded}
         return {"checksum": held, "received": staged.state_checksum, "nbytes": staged.nbytes,
-                "weights_version": weights_version}
+                "weights_version": weights_version, "stages": {k: round(v, 6) for k, v in stages.items()}}
 
     async def _receive_proven(self, src: int, weights_version: int, checksum: str, *, timeout_s: float,
                               same_host: bool = False, what: str = "weights") -> Any:
@@ -691,6 +707,16 @@ class WorkerHost:
         return check_state_dict(returned, device_type=None, member=self.member, backend=self.backend,
                                 what="held_weights()")
 
+    def _hand_over(self, staged: Any) -> dict[str, Any]:
+        """A trainer's weights received back: its ``state_dict()`` is the copy that counts, so
+        the receiver lets go of the buffer they landed in (it would stage the next transfer
+        there) and the tensors are the trainer's own, not cloned. A clone here was 512 MiB of
+        fresh memory per 512 MiB trainer failover: 0.7-1.0 s of page faults and copying on the
+        2-core machine, the largest stage of a trainer's failover (issue 28's stage timings)."""
+        if self._receiver is not None:
+            self._receiver.release()
+        return dict(staged.tensors)
+
     def _adopt(self, staged: Any, from_engine: bool) -> None:
         """Make ``staged`` the committed version. When the engine gave it back (``from_engine``)
         the engine's weights are the copy: the transport lets go of its own (the receiver's
@@ -736,11 +762,13 @@ class WorkerHost:
         import torch
 
         comm = self._require_comm()
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        if comm.rank == root:
-            buf.fill_(7)
 
         def run() -> float:
+            # made here, not on the event loop: 512 MiB filled there kept heartbeats from being
+            # answered for longer than heartbeat_interval_s (the benchmark's own members went SUSPECT)
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            if comm.rank == root:
+                buf.fill_(7)
             t0 = time.perf_counter()
             comm.broadcast(buf, root, timeout_s=timeout_s).wait()
             return time.perf_counter() - t0

@@ -67,7 +67,8 @@ async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None
 class Member:
     """One worker actor. rank: its rank in the current group version (-1 for a spare);
     pool / slot: where the launcher placed it; pid / node (address) / node_id (Ray's id of
-    its node: several nodes may share an address): known once it answered."""
+    its node: several nodes may share an address): known once it answered. reserved_bytes: a
+    spare's staging buffer made ready for the next transfer to it (``reserve_staging``)."""
 
     name: str
     role: str
@@ -80,6 +81,7 @@ class Member:
     pid: int | None = None
     node: str | None = None
     node_id: str | None = None
+    reserved_bytes: int = 0
 
     @property
     def gone(self) -> bool:

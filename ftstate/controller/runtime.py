@@ -119,7 +119,9 @@ def cluster_nodes_brief() -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class MemberInfo:
     """One worker as ``rt.members()`` reports it. node: its node's address; node_id: Ray's id
-    of the node (what tells nodes apart when they share an address)."""
+    of the node (what tells nodes apart when they share an address). reserved_bytes: a
+    spare's staging buffer, allocated and touched for the next transfer to it (0: none yet;
+    a spare promoted before it has one stages into fresh memory, the slow path)."""
 
     member: str
     role: str
@@ -130,6 +132,7 @@ class MemberInfo:
     pid: int | None
     node: str | None
     node_id: str | None = None
+    reserved_bytes: int = 0
 
 
 class Runtime:
@@ -479,6 +482,7 @@ class Runtime:
                                       membership_changed=bool(membership_changed), transient_retries=transient,
                                       weights_version=ms.weights_version, group_version=ms.group_version)
                     continue
+                failover.weights_bytes = report.nbytes
                 if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
                     self._spawn(failover.weights_sized(report.nbytes))
                 stale = f", {len(report.stale)} stale" if report.stale else ""
@@ -634,7 +638,7 @@ class Runtime:
         members = list(self._membership) if self._membership is not None else []
         return [
             MemberInfo(m.name, m.role, m.rank, m.machine.state, m.machine.weights_version,
-                       m.machine.group_version, m.pid, m.node, m.node_id)
+                       m.machine.group_version, m.pid, m.node, m.node_id, m.reserved_bytes)
             for m in sorted(members, key=lambda m: (m.rank < 0, m.rank, m.name))
         ]
 

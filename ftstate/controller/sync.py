@@ -43,7 +43,7 @@ from ftstate.core.errors import (
     NoServingWorkers,
     SyncTimeout,
 )
-from ftstate.core.plan import COLLECTIVE, Endpoint, Plan, plan_transfer
+from ftstate.core.plan import COLLECTIVE, Endpoint, Plan, SharedMemoryMode, plan_transfer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +92,13 @@ def memory_fields(rollouts: Sequence[Member], staging: Mapping[str, int], held: 
     return {"staging_bytes": dict(staging), "node_staging_bytes": nodes, "held_bytes": dict(held)}
 
 
-def plan_for(config: RuntimeConfig, sender: Member, receivers: Sequence[Member]) -> Plan:
-    """The route plan of a transfer from ``sender`` to ``receivers`` (by the nodes they run on)."""
+def plan_for(config: RuntimeConfig, sender: Member, receivers: Sequence[Member],
+             shared_memory: SharedMemoryMode | None = None) -> Plan:
+    """The route plan of a transfer from ``sender`` to ``receivers`` (by the nodes they run on),
+    under ``shared_memory`` (default: the config's)."""
     return plan_transfer(Endpoint(sender.name, sender.rank, sender.node_id),
-                         [Endpoint(m.name, m.rank, m.node_id) for m in receivers], config.shared_memory)
+                         [Endpoint(m.name, m.rank, m.node_id) for m in receivers],
+                         shared_memory or config.shared_memory)
 
 
 class WeightSync:

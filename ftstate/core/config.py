@@ -341,6 +341,18 @@ class RuntimeConfig:
         "by the trainer and every rollout (2x the weights per node at rest, whatever the number of "
         "rollouts; no faster way exists to move a version within a node: the rollouts only hash).",
     )
+    resync_shared_memory_min_mb: float = _field(
+        1024.0,
+        "A failover's point-to-point resync of a newcomer on its source's node goes through "
+        "shared memory only for weights of at least this many MiB; smaller ones take the "
+        "collective (point to point over loopback, into the newcomer's reserved staging). Every "
+        "resync runs under a new group version, so shared memory means new slots, whose pages "
+        "both processes pay for: measured on the 2-core dev machine, ~100 ms more per resync than "
+        "the collective at 64 MiB, still more at 512 MiB, even at about 1 GiB "
+        "(docs/benchmarks.md, 'Failover tails'). 0: always shared memory (shared_memory auto); "
+        "shared_memory require ignores it. A sync to several rollouts always uses shared memory.",
+        ge=0,
+    )
     worker_cpus: float = _field(
         0.01,
         "CPUs each worker reserves in its resource pool (Ray's logical CPUs; the default is a "

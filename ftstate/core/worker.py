@@ -64,7 +64,8 @@ class TrainerWorker(Worker):
         """Take weights back (recovery of a replaced trainer from a rollout or a checkpoint).
         With ``trainer_workers > 1``: this rank's part of the last committed version, in the
         form its ``state_dict()`` returned it (``{}`` if it owned nothing); called on the ranks
-        being restored only, so it must not be collective."""
+        being restored only, so it must not be collective. The tensors are the trainer's to
+        keep or copy from: ftstate holds no reference to them after the call."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_state_dict()")
 
     def reset_optimizer(self) -> None:

@@ -1250,7 +1250,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
         if at.node is not None:  # no staging of its own: its peak is what it already keeps
             receiver._peak = receiver.held_bytes
         else:
-            staging = receiver._staging(manifest.total_bytes, comm.device)
+            staging = receiver._staging(manifest.total_bytes, comm.device, route.deadline - time.monotonic())
             _zero_padding(staging[0], manifest)
         flat = staging[0]
         if reading is not None and reading.node_copy:

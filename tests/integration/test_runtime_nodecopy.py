@@ -163,7 +163,7 @@ class TestNewcomer:
 
     async def test_a_node_copy_gone_before_the_newcomer_is_a_recorded_fallback_to_point_to_point(
             self, ray_cluster, tmp_path, swept):
-        rt = swept(ft_runtime(ft_config(tmp_path).replace(staging="node")))
+        rt = swept(ft_runtime(ft_config(tmp_path).replace(staging="node", resync_shared_memory_min_mb=0)))
         await rt.start()
         try:
             # as if someone removed it: the newcomer cannot map it

@@ -5,7 +5,8 @@ On one local Ray node every member shares the trainer's node, so with the defaul
 all on the collective. Either way every rollout holds the trainer's weights (checksum),
 the sync's audit record carries the plan, and ``SyncReport.routes`` says who got what how.
 A failover's point-to-point resync from a rollout on the newcomer's node takes the same
-route. (Mixed nodes: tests/multinode/test_plan.py.)
+route from ``resync_shared_memory_min_mb`` up, and the collective below it, with the reason on
+its record. (Mixed nodes: tests/multinode/test_plan.py.)
 """
 
 from __future__ import annotations
@@ -57,13 +58,27 @@ class TestPlan:
 
 class TestFailoverResync:
     async def test_a_newcomer_on_the_sources_node_is_resynced_through_shared_memory(self, ray_cluster, tmp_path):
-        rt = ft_runtime(ft_config(tmp_path))
+        rt = ft_runtime(ft_config(tmp_path).replace(resync_shared_memory_min_mb=0))
         await rt.start()
         try:
             record = await rollout_replaced(rt)
             resync = resyncs(rt, record.replacement)
             assert resync and resync[-1]["plan"]["routes"] == {record.replacement: "shm"}, resync
             assert resync[-1]["plan"]["sender"] == resync[-1]["source"]
+            assert "collective" not in resync[-1]["plan"]
+            await assert_consistent(rt)
+        finally:
+            await finish(rt, tmp_path)
+
+    async def test_weights_below_the_resync_threshold_go_over_the_collective_and_the_record_says_why(
+            self, ray_cluster, tmp_path):
+        rt = ft_runtime(ft_config(tmp_path))  # the default threshold, 1 GiB, and tiny weights
+        await rt.start()
+        try:
+            record = await rollout_replaced(rt)
+            plan = resyncs(rt, record.replacement)[-1]["plan"]
+            assert plan["routes"] == {record.replacement: "collective"}, plan
+            assert "below resync_shared_memory_min_mb (1024 MiB)" in plan["collective"], plan
             await assert_consistent(rt)
         finally:
             await finish(rt, tmp_path)

@@ -102,6 +102,21 @@ class TinyTrainer(TrainerWorker):
         self.momentum = torch.zeros(32, 16)
 
 
+class ResidentTrainer(TinyTrainer):
+    """Loads like ``torch.nn.Module.load_state_dict``: copies into the tensors it was built
+    with (resident since its construction) instead of keeping new ones
+    (benchmarks/failover.py --trainer resident)."""
+
+    def load_state_dict(self, state) -> None:
+        with torch.no_grad():
+            for k, v in state.items():
+                t = self.state.get(k)
+                if t is not None and t.shape == v.shape and t.dtype == v.dtype:
+                    t.copy_(v)
+                else:
+                    self.state[k] = v.clone()
+
+
 class TinyRollout(RolloutWorker):
     """Keeps the weights it was given; ``generate`` answers with the version it serves.
 
