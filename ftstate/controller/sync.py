@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -135,7 +134,7 @@ class WeightSync:
         """One try at the next weights version; see the module docstring."""
         ms = self.membership
         group = ms.group
-        t0 = time.perf_counter()
+        t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
         previous = group.weights_version
         target = previous + 1
         self.failures = {}
@@ -212,7 +211,7 @@ class WeightSync:
             weights_version=target,
             checksum=sent["checksum"],
             nbytes=sent["nbytes"],
-            seconds=time.perf_counter() - t0,
+            seconds=asyncio.get_running_loop().time() - t0,
             failovers=0,
             group_version=group.group_version,
             rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),

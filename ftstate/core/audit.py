@@ -88,7 +88,9 @@ class AuditTrail:
 
     path: the file; its parent folders are created. keep: also keep every record in
     ``self.records`` (the runtime's report and the tests read them). clock: a monotonic
-    clock in seconds for the ``t`` field (injected by tests).
+    clock in seconds for the ``t`` field (injected by tests). wall_clock: epoch seconds for
+    the ``ts`` field (default: the real wall clock; a simulation passes its virtual one, so a
+    seeded run writes the same trail byte for byte).
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class AuditTrail:
         *,
         keep: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self.path = Path(path) if path is not None else None
         self.records: list[dict[str, Any]] = []
@@ -109,10 +112,9 @@ class AuditTrail:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
-        processors: list[Any] = [
-            structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
-            self._keep_record,
-        ]
+        stamp: Any = (structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts") if wall_clock is None
+                      else _Stamp(wall_clock))
+        processors: list[Any] = [stamp, self._keep_record]
         if self._file is not None:
             processors.append(structlog.processors.JSONRenderer(serializer=_dumps))
             logger: Any = structlog.WriteLogger(self._file)
@@ -157,6 +159,20 @@ class AuditTrail:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Stamp:
+    """The ``ts`` field from a given epoch clock, in structlog's ISO form (``...Z``)."""
+
+    def __init__(self, wall_clock: Callable[[], float]) -> None:
+        self._wall_clock = wall_clock
+
+    def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        import datetime
+
+        when = datetime.datetime.fromtimestamp(self._wall_clock(), tz=datetime.UTC)
+        event_dict["ts"] = when.isoformat().replace("+00:00", "Z")
+        return event_dict
 
 
 def _cleaned(value: Any, depth: int = 0) -> Any:
