@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import random
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -39,15 +40,18 @@ def node_name(index: int) -> str:
 
 
 class SimulatedCluster(ClusterBackend):
-    """``nodes`` simulated nodes (see the module docstring); costs: what each step costs."""
+    """``nodes`` simulated nodes (see the module docstring); costs: what each step costs;
+    seed: the seed of the answer times' jitter."""
 
     def __init__(self, nodes: int, *, cpus_per_node: float = 8.0, gpus_per_node: float = 0.0,
-                 costs: Costs | None = None, labels: Mapping[str, str] | None = None) -> None:
+                 costs: Costs | None = None, labels: Mapping[str, str] | None = None, seed: int = 0) -> None:
         if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
             raise ConfigError("nodes", f"{nodes!r}: expected an integer >= 1")
         if not isinstance(cpus_per_node, (int, float)) or cpus_per_node <= 0:
             raise ConfigError("cpus_per_node", f"{cpus_per_node!r}: expected a number > 0")
         self.costs = costs if costs is not None else Costs()
+        #: The cluster's one source of chance (answer times): a run is a function of its seed.
+        self.rng = random.Random(seed)
         resources = {"CPU": float(cpus_per_node), **({"GPU": float(gpus_per_node)} if gpus_per_node else {})}
         self._nodes: dict[str, dict[str, Any]] = {}
         for i in range(nodes):

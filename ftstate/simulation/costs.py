@@ -26,7 +26,8 @@ class Costs:
     doubling of the group. load_Bps: a rollout's ``load_weights`` of the staged version
     (memory copy). weights_bytes: the model's weights. train_step_s: one trainer step (a user
     call between syncs). bucket_bytes: the transport's bucket (its progress counter moves
-    once a bucket).
+    once a bucket). jitter: each answer's time is stretched by a seeded draw in
+    ``[0, jitter)`` of itself (answers of many members trickle in, as real ones do).
     """
 
     call_s: float = 0.003
@@ -39,6 +40,7 @@ class Costs:
     weights_bytes: int = 256 * 2**20
     train_step_s: float = 10.0
     bucket_bytes: int = 64 * 2**20
+    jitter: float = 0.5
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -72,7 +72,7 @@ class Collective:
             self.loop.call_at(self.loop.time() + self.detect_s, _fail, fut, self._peer_lost(member, self.broken))
             return
         self.arrivals[rank] = (member, fut, outcome)
-        member.collectives.add(self)
+        member.collectives[self] = None
         fut.add_done_callback(lambda f, m=member: self._left(m, f))
         if len(self.arrivals) == self.expected:
             self.started_at = self.loop.time()
@@ -84,12 +84,12 @@ class Collective:
         if self.on_finish is not None:
             self.on_finish()
         for member, fut, outcome in list(self.arrivals.values()):
-            member.collectives.discard(self)
-            _settle(fut, outcome)
+            member.collectives.pop(self, None)
+            member.answer_later(fut, outcome)
 
     def _left(self, member: SimulatedMember, fut: asyncio.Future[Any]) -> None:
         # A participant's call ended: normal at the finish; before it, the collective breaks.
-        member.collectives.discard(self)
+        member.collectives.pop(self, None)
         if self.broken is not None or (self.started_at is not None and self.loop.time() >= self.started_at + self.cost_s):
             return
         self.broken = f"{member.name} left {self.what}"
@@ -125,8 +125,10 @@ class SimulatedMember:
         self.alive = True
         self.hung = False
         self.death: str | None = None
-        self._pending: set[asyncio.Future[Any]] = set()
-        self.collectives: set[Collective] = set()
+        # Dicts, not sets: a set of futures iterates in the order of their addresses, and the
+        # order deaths are reported in must be the same in every run of a seed.
+        self._pending: dict[asyncio.Future[Any], None] = {}
+        self.collectives: dict[Collective, None] = {}
         self.progress = 0
         self.weights_version = 0
         self.checksum: str | None = None
@@ -145,8 +147,8 @@ class SimulatedMember:
         if not self.alive:
             loop.call_at(now + self.cluster.costs.death_detect_s, _fail, fut, ActorDied(self.death or "dead"))
             return fut
-        self._pending.add(fut)
-        fut.add_done_callback(self._pending.discard)
+        self._pending[fut] = None
+        fut.add_done_callback(self._forget)
         if timeout is not None:
             timer = loop.call_at(now + timeout, _fail, fut, CallTimedOut(f"no answer within {timeout:g}s"))
             fut.add_done_callback(lambda _f: timer.cancel())
@@ -160,9 +162,20 @@ class SimulatedMember:
             handler(fut, *args)
         return fut
 
+    def _forget(self, fut: asyncio.Future[Any]) -> None:
+        self._pending.pop(fut, None)
+
     def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Callable[[], Any]) -> None:
+        # Each answer takes its cost stretched by up to Costs.jitter (the cluster's seeded
+        # draw): real answers trickle in, and code that is cheap only when they all arrive at
+        # once (one wake-up for a whole batch) must not look cheap here.
         loop = self.cluster.loop
+        seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
         loop.call_at(max(loop.time(), self.up_at) + seconds, _settle, fut, outcome)
+
+    def answer_later(self, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+        """Settle ``fut`` one call's time from now (a collective finished: its answer travels back)."""
+        self._after(fut, self.cluster.costs.call_s, outcome)
 
     def _reply(self, fut: asyncio.Future[Any], value: Any = None, seconds: float | None = None) -> None:
         self._after(fut, self.cluster.costs.call_s if seconds is None else seconds, lambda: value)
@@ -358,7 +371,7 @@ class SimulatedStore:
             rendezvous = self._versions[key] = Collective(loop, f"the rendezvous of {group} v{version}", world_size,
                                                           self.cluster.costs.group_form_s, 0.0)
         rendezvous.arrive(rank, member, fut, lambda: member.joined(version, rank, world_size))
-        member.collectives.discard(rendezvous)  # waiting in a rendezvous is not being busy in a transfer
+        member.collectives.pop(rendezvous, None)  # waiting in a rendezvous is not being busy in a transfer
         timeout = RendezvousTimeout(f"rendezvous of group {group!r} version {version}", key="init_timeout_s",
                                     seconds=timeout_s, member=member.name, group_version=version)
         timer = loop.call_at(loop.time() + timeout_s, _fail, fut, RemoteError(timeout, str(timeout)))

@@ -94,13 +94,13 @@ def config_for(shape: Shape, overrides: Mapping[str, Any] | None = None) -> Runt
 
 def simulated_runtime(shape: Shape, *, costs: Costs | None = None, overrides: Mapping[str, Any] | None = None,
                       audit_path: str | None = None, keep_records: bool = True,
-                      run_id: str = "sim") -> tuple[Runtime, SimulatedCluster]:
+                      run_id: str = "sim", seed: int = 0) -> tuple[Runtime, SimulatedCluster]:
     """The real runtime on a simulated cluster of ``shape`` (start it inside a
     :class:`~ftstate.simulation.clock.VirtualTimeLoop`)."""
     import asyncio
 
     loop = asyncio.get_running_loop()
-    cluster = SimulatedCluster(shape.nodes, cpus_per_node=shape.cpus_per_node, costs=costs)
+    cluster = SimulatedCluster(shape.nodes, cpus_per_node=shape.cpus_per_node, costs=costs, seed=seed)
     audit = AuditTrail(audit_path, keep=keep_records, clock=loop.time, wall_clock=lambda: EPOCH + loop.time())
     rt = Runtime(config_for(shape, overrides), trainer=SimulatedTrainer, rollout=SimulatedRollout,
                  run_id=run_id, audit=audit, backend=cluster)
