@@ -20,7 +20,12 @@ import pytest
 
 from ftstate.controller.backend import ActorDied, CallTimedOut, RemoteError
 from ftstate.core.config import RolePlacement
-from ftstate.core.errors import ConfigError, FailoverBudgetExhausted, PlacementUnsatisfiable, StaleGroupVersion
+from ftstate.core.errors import (
+    ConfigError,
+    FailoverBudgetExhausted,
+    PlacementUnsatisfiable,
+    StaleGroupVersion,
+)
 from ftstate.simulation import clock
 from ftstate.simulation.cluster import SimulatedCluster
 from ftstate.simulation.costs import Costs
@@ -160,7 +165,7 @@ class TestSimulatedPlacement:
     def test_bad_shapes_are_refused_naming_the_field(self):
         with pytest.raises(ConfigError, match="nodes"):
             SimulatedCluster(0)
-        with pytest.raises(ConfigError, match="costs.bandwidth_Bps"):
+        with pytest.raises(ConfigError, match=r"costs\.bandwidth_Bps"):
             Costs(bandwidth_Bps=0)
         with pytest.raises(ConfigError, match="rollouts"):
             Shape(rollouts=0)
