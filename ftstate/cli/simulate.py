@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from ftstate.core.errors import FTError
 from ftstate.simulation import clock
 from ftstate.simulation.costs import Costs
 from ftstate.simulation.goodput import Result, StatusQuo, replay_ftstate, status_quo
@@ -88,11 +89,11 @@ def _figures(r: Result) -> dict[str, Any]:
 
 def plot_goodput(ours: Result, theirs: Result, seconds: float, out: str | os.PathLike[str]) -> Path:
     """Progress against time, ftstate and the status quo, a mark at each failure (PNG)."""
-    from ftstate.cli.plot import require_matplotlib
-
-    require_matplotlib()
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise FTError(f"the goodput picture needs matplotlib ({exc}): pip install 'ftstate[plot]'") from None
 
     fig = Figure(figsize=(10, 4.5))
     FigureCanvasAgg(fig)
