@@ -11,8 +11,11 @@ no state of the cluster could hold is refused at once with the same
 :class:`~ftstate.core.errors.PlacementUnsatisfiable` (:func:`~ftstate.controller.placement.check_feasible`).
 A spare's slot goes to the node with the most room outside the nodes it must avoid.
 
-A lost node takes every member on it: each dies, and the controller learns it as from Ray,
-by the failure of their pending calls. Everything runs on the running event loop's clock.
+A lost node takes every member on it, as a real one does on Ray (measured, docs/benchmarks.md
+"Node loss"): its actors are not reported dead at once; calls to them get no answer (new ones
+fail as unreachable after ``Costs.unreachable_s``), so the controller finds them by their
+heartbeats, until Ray's health check declares the node dead (``Costs.node_dead_s``) and their
+calls fail as dead. Everything runs on the running event loop's clock.
 """
 
 from __future__ import annotations
@@ -176,7 +179,8 @@ class SimulatedCluster(ClusterBackend):
         self.member(name).hang()
 
     def lose_node(self, node_id: str, reason: str = "node lost") -> list[str]:
-        """The node goes, with every process on it; returns the members that died."""
+        """The node goes, with every process on it (see the module docstring); returns the
+        members it took."""
         if not self.alive(node_id):
             raise FTError(f"no live simulated node {node_id!r}")
         self.lost_nodes.append(node_id)
@@ -184,8 +188,14 @@ class SimulatedCluster(ClusterBackend):
         self._alive_list = None
         gone = [m for m in self._by_node[node_id].values() if m.alive]
         for m in gone:
-            m.die(f"{reason} ({node_id})")
+            m.lose_node()
+        self.loop.call_at(self.loop.time() + self.costs.node_dead_s, self._declared_dead, gone,
+                          f"{reason} ({node_id})")
         return [m.name for m in gone]
+
+    def _declared_dead(self, members: list[SimulatedMember], reason: str) -> None:
+        for m in members:
+            m.die(reason)
 
     def on_node(self, node_id: str) -> list[str]:
         """The live members on a node."""

@@ -26,7 +26,10 @@ class Costs:
     doubling of the group. load_Bps: a rollout's ``load_weights`` of the staged version
     (memory copy). weights_bytes: the model's weights. train_step_s: one trainer step (a user
     call between syncs). bucket_bytes: the transport's bucket (its progress counter moves
-    once a bucket). jitter: each answer's time is stretched by a seeded draw in
+    once a bucket). unreachable_s: a call to an actor on a lost node fails as unreachable after this
+(Ray: 1-2 s with ``ActorUnavailableError``; the calls already pending stay pending); node_dead_s:
+when Ray declares the lost node dead and its actors' calls fail as dead (its health check:
+~15 s). jitter: each answer's time is stretched by a seeded draw in
     ``[0, jitter)`` of itself (answers of many members trickle in, as real ones do).
     """
 
@@ -41,6 +44,8 @@ class Costs:
     train_step_s: float = 10.0
     bucket_bytes: int = 64 * 2**20
     jitter: float = 0.5
+    unreachable_s: float = 1.5
+    node_dead_s: float = 15.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -15,7 +15,10 @@ returns a future that the member settles at a time of the virtual clock (one tim
   does); ``send_weights_to`` / ``receive_weights_from`` one of two;
 - a member that dies fails its pending calls with ``ActorDied`` after ``Costs.death_detect_s``,
   and every collective it was in with ``PeerLost`` for the others; a hung member answers
-  nothing (calls with a ``timeout`` end in ``CallTimedOut``), a vigil stays pending until death.
+  nothing (calls with a ``timeout`` end in ``CallTimedOut``), a vigil stays pending until death;
+  a member whose node was lost answers nothing either, and new calls to it fail as unreachable,
+  until Ray would declare the node dead (then it dies), as measured on a real 3-node cluster
+  (docs/benchmarks.md, "Node loss").
 
 Checksums are names of versions (``sim-v7``): what the controller compares is only whether two
 members hold the same version, and that is what they say.
@@ -27,7 +30,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ftstate.controller.backend import ActorDied, CallTimedOut, RemoteError
+from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, RemoteError
 from ftstate.core.errors import CommunicatorAborted, FTError, PeerLost, RendezvousTimeout, StaleGroupVersion
 
 
@@ -124,6 +127,7 @@ class SimulatedMember:
         self.up_at = up_at
         self.alive = True
         self.hung = False
+        self.cut_off = False
         self.death: str | None = None
         # Dicts, not sets: a set of futures iterates in the order of their addresses, and the
         # order deaths are reported in must be the same in every run of a seed.
@@ -153,6 +157,10 @@ class SimulatedMember:
             timer = loop.call_at(now + timeout, _fail, fut, CallTimedOut(f"no answer within {timeout:g}s"))
             fut.add_done_callback(lambda _f: timer.cancel())
         if self.hung:
+            return fut
+        if self.cut_off:  # its node is gone and Ray does not know it yet: no answer, then unreachable
+            loop.call_at(now + self.cluster.costs.unreachable_s, _fail, fut,
+                         ActorUnreachable("the actor is temporarily unavailable (its node does not answer)"))
             return fut
         handler = getattr(self, f"_on_{method}", None)
         if handler is None:
@@ -197,6 +205,12 @@ class SimulatedMember:
     def hang(self) -> None:
         """The process stays up and answers nothing from now on."""
         self.hung = True
+
+    def lose_node(self) -> None:
+        """Its node is gone: the process is, but until Ray declares the node dead
+        (``Costs.node_dead_s``, the cluster's to say) its calls get no answer: those pending
+        stay pending, new ones fail as unreachable after ``Costs.unreachable_s``."""
+        self.cut_off = True
 
     # -- what the controller calls (WorkerHost's methods) -----------------------------------
 

@@ -24,7 +24,8 @@ def test_ten_thousand_members_survive_a_node_loss_and_a_drain():
 
     async def main():
         rt, cluster = simulated_runtime(shape, keep_records=True,
-                                        overrides={"fault_tolerance": {"max_failovers": 100}})
+                                        overrides={"heartbeat_timeout_s": 3.0,
+                                                   "fault_tolerance": {"max_failovers": 100}})
         await rt.start()
         first = await rt.sync()
         assert len(first.rollouts) == shape.rollouts
@@ -32,7 +33,7 @@ def test_ten_thousand_members_survive_a_node_loss_and_a_drain():
 
         lost_node = next(m.node_id for m in rt.members() if m.member == "rollout-17")
         lost = [n for n in cluster.lose_node(lost_node) if not n.startswith("spare")]
-        await asyncio.sleep(5)
+        await asyncio.sleep(8)  # its members found by their heartbeats (heartbeat_timeout_s 3), replaced
         after_loss = await rt.sync()
         assert sorted(f.lost for f in rt.failovers) == sorted(lost) and len(lost) >= 7
         assert {f.group_version for f in rt.failovers} == {version + 1}  # one round for the node
