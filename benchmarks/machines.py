@@ -6,8 +6,8 @@ For n = 1, 100, 1,000 and 10,000 worker machines it measures
 - transitions per second, driving every machine READY -> SYNCING -> READY,
 - memory per machine (tracemalloc, bytes allocated per model),
 and prints each ftstate figure as a ratio to the baseline. The audit trail is kept in memory
-with ``keep=False`` (records rendered and dropped) so file I/O does not dominate; the
-structlog processing is still paid on every transition.
+with ``keep=False`` (records made and dropped) so file I/O does not dominate; building
+each record is still paid on every transition.
 
     python benchmarks/machines.py [--sizes 1,100,1000,10000] [--rounds 3]
 """

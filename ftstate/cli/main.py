@@ -1,10 +1,11 @@
-"""The ``ftstate`` command: diagrams, audit trails, configuration and the demo.
+"""The ``ftstate`` command: diagrams, audit trails, configuration, the demo and the simulation.
 
     ftstate diagram [--machine NAME] [--format mermaid|dot]
     ftstate audit FILE [--check] [--summary/--no-summary] [--timeline/--no-timeline]
     ftstate config [FILE]
     ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--trainers N] [--address auto|HOST:PORT]
                  [--maintenance]
+    ftstate simulate [--members N] [--nodes N] [--days D] [--mix llama3] [--seed N] [--plot PNG] ...
 
 Errors ftstate knows about (any :class:`~ftstate.core.errors.FTError`, a missing or unreadable
 file) end the command with one line ``error: ...`` on stderr and exit status 2; ``--debug``
@@ -407,6 +408,68 @@ def demo(
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
                               pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live,
                               address=address, maintenance=maintenance, trainers=trainers))
+
+
+# -- simulate ----------------------------------------------------------------------------
+
+
+@app.command(cls=_Command)
+@_handled
+def simulate(
+    members: Annotated[int, typer.Option("--members", min=4, help="Members in all: one trainer, rollouts and "
+                                         "one spare per role per 200 members.")] = 1000,
+    nodes: Annotated[int | None, typer.Option("--nodes", min=1, help="Nodes (default: 8 members a node).",
+                                              show_default=False)] = None,
+    days: Annotated[float, typer.Option("--days", min=0.0, help="The job's length.")] = 7.0,
+    mix: Annotated[str, typer.Option("--mix", help="The failure mix: llama3 (Llama 3's 54 days on 16,384 "
+                                     "GPUs; docs/simulation.md).")] = "llama3",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the failure schedule and the answer times.")] = 1,
+    gpus_per_member: Annotated[float, typer.Option("--gpus-per-member", min=0.001, help="GPUs each member holds "
+                                                   "(a member fails that many times as often).")] = 1.0,
+    max_failovers: Annotated[int | None, typer.Option("--max-failovers", min=0, help="Failover budget of the "
+                                                      "run (default: the config's, 5).", show_default=False)] = None,
+    start_s: Annotated[float, typer.Option("--start-s", min=0.0, help="A new worker process up (cold start).")] = 3.0,
+    detect_s: Annotated[float, typer.Option("--detect-s", min=0.0, help="A death to its detection.")] = 0.015,
+    bandwidth_gbps: Annotated[float, typer.Option("--bandwidth-gbps", min=0.001, help="Weights transfer rate, "
+                                                  "GB/s.")] = 2.0,
+    weights_gb: Annotated[float, typer.Option("--weights-gb", min=0.0, help="The model's weights, GB.")] = 0.25,
+    step_s: Annotated[float, typer.Option("--step-s", min=0.001, help="One trainer step between syncs.")] = 10.0,
+    checkpoint_interval_s: Annotated[float, typer.Option("--checkpoint-interval-s", min=1.0, help="Status quo: "
+                                                         "progress between checkpoints.")] = 3600.0,
+    restart_s: Annotated[float, typer.Option("--restart-s", min=0.0, help="Status quo: a failure to training "
+                                             "again (this project's measurement for a small job).")] = 14.4,
+    plot: Annotated[str | None, typer.Option("--plot", help="Write the picture here (PNG; needs matplotlib: pip "
+                                             "install 'ftstate[plot]').", show_default=False)] = None,
+    json_path: Annotated[str | None, typer.Option("--json", help="Write the figures here.", show_default=False)] = None,
+    audit: Annotated[str | None, typer.Option("--audit", help="Write the replay's audit trail here.",
+                                              show_default=False)] = None,
+) -> None:
+    """The goodput of a job under a published failure mix: ftstate against restarting from the
+    last checkpoint.
+
+    Draws a seeded failure schedule from the mix for the job's GPUs and days, replays every
+    failure through the real controller on a simulated cluster (virtual time: no Ray, no
+    GPUs), and costs the same schedule for the status quo. Maintenance notices drain their
+    node; a failure that exhausts max_failovers ends the run as it would for real.
+    """
+    from ftstate.cli.simulate import SimulateOptions
+    from ftstate.cli.simulate import simulate as run_simulation
+    from ftstate.simulation.costs import Costs
+    from ftstate.simulation.goodput import StatusQuo
+
+    if plot is not None:
+        from ftstate.cli.plot import require_matplotlib
+
+        require_matplotlib()  # before the work the picture is for
+    costs = Costs(start_s=start_s, death_detect_s=detect_s, bandwidth_Bps=bandwidth_gbps * 1e9,
+                  weights_bytes=int(weights_gb * 1e9) or 1, train_step_s=step_s)
+    lines, _ = run_simulation(SimulateOptions(
+        members=members, nodes=nodes, days=days, mix=mix, seed=seed, gpus_per_member=gpus_per_member,
+        max_failovers=max_failovers, costs=costs,
+        status_quo=StatusQuo(checkpoint_interval_s=checkpoint_interval_s, restart_s=restart_s),
+        plot=plot, json_path=json_path, audit=audit))
+    for line in lines:
+        typer.echo(line)
 
 
 def main() -> None:

@@ -1,12 +1,15 @@
 """Actor calls: the one place every call from the controller to a worker goes through.
 
-Ray reports a worker's failure as an exception on whatever call was pending when it
+The cluster reports a worker's failure as an exception on whatever call was pending when it
 happened. Letting each call site catch its own subset would lose some of them, so every
-call goes through :meth:`ActorCalls.call`, which turns
+call goes through :meth:`ActorCalls.call`, which asks the cluster's backend
+(:mod:`~ftstate.controller.backend`: Ray, or the simulation) and turns what it reports
 
-- ``ActorDiedError`` (the process is gone: SIGKILL, OOM, node lost) into a ``died`` event on
-  the worker's machine and a :class:`~ftstate.core.errors.MemberLost` for the caller;
-- ``ActorUnavailableError`` (unreachable for now) and an expired ``timeout`` into
+- :class:`~ftstate.controller.backend.ActorDied` (the process is gone: SIGKILL, OOM, node
+  lost) into a ``died`` event on the worker's machine and a
+  :class:`~ftstate.core.errors.MemberLost` for the caller;
+- :class:`~ftstate.controller.backend.ActorUnreachable` (unreachable for now) and an expired
+  ``timeout`` into
   :class:`~ftstate.core.errors.MemberLost` without a state change: the heartbeat watchdog decides
   whether an unreachable worker is suspect or lost, from repeated evidence;
 - an ftstate error raised inside the worker (``PeerLost``, ``ChecksumMismatch``…) back into
@@ -33,6 +36,7 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, ClusterBackend, RemoteError
 from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
 from ftstate.core.text import bounded, clean
 
@@ -40,44 +44,36 @@ from ftstate.core.text import bounded, clean
 class ActorCalls:
     """Routes calls to worker actors and reports deaths.
 
-    on_died: called once per member with (member, reason) when Ray says its process is gone;
+    backend: the cluster the actors run on (:mod:`~ftstate.controller.backend`); on_died:
+    called once per member with (member, reason) when the backend says its process is gone;
     the runtime fires the worker's ``died`` event from it.
     """
 
-    def __init__(self, on_died: Callable[[str, str], Any]) -> None:
+    def __init__(self, on_died: Callable[[str, str], Any], backend: ClusterBackend) -> None:
         self._on_died = on_died
+        self._backend = backend
         self._reported: set[str] = set()
 
     async def call(self, member: str, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Call ``method`` on the actor; ``timeout`` (seconds) bounds only this call (heartbeat
         polls use it; everything else is bounded by its state's deadline)."""
-        import ray.exceptions as rex
-
-        ref = getattr(handle, method).remote(*args)
         try:
-            if timeout is None:
-                return await ref
-            return await asyncio.wait_for(_as_future(ref), timeout)
-        except rex.ActorDiedError as exc:
+            return await self._backend.call(handle, method, args, timeout)
+        except ActorDied as exc:
             reason = f"process died during {method}(): {_first_line(exc)}"
             await self._report(member, reason)
             raise MemberLost(member, reason) from exc
-        except rex.ActorUnavailableError as exc:
+        except ActorUnreachable as exc:
             raise MemberLost(member, f"unreachable during {method}(): {_first_line(exc)}") from exc
-        except rex.RayTaskError as exc:
-            # Before TimeoutError: Ray's wrapper also derives from the cause's class, and a
-            # worker's SyncTimeout is a TimeoutError that is not this call's own timeout.
-            cause = getattr(exc, "cause", None)
+        except RemoteError as exc:
+            cause = exc.cause
             if isinstance(cause, FTError):
                 raise _naming(member, cause) from exc
-            if isinstance(cause, Exception):
-                named = _worker_exception(member, method, args, cause)
-                with contextlib.suppress(AttributeError, TypeError):
-                    named.remote_traceback = bounded(clean(str(exc)), 20000)  # type: ignore[attr-defined]
-                raise named from None
-            raise
-        except TimeoutError as exc:
-            ray_cancel(ref)
+            named = _worker_exception(member, method, args, cause)  # type: ignore[arg-type]
+            with contextlib.suppress(AttributeError, TypeError):
+                named.remote_traceback = bounded(clean(exc.text), 20000)  # type: ignore[attr-defined]
+            raise named from None
+        except CallTimedOut as exc:
             raise MemberLost(member, f"no answer to {method}() within {timeout:g}s") from exc
 
     async def _report(self, member: str, reason: str) -> None:
@@ -135,17 +131,6 @@ def name_all(errors: Sequence[BaseException], members: Sequence[str]) -> BaseExc
             first.args = (f"{first.args[0]} (also raised by {', '.join(members[1:])})",)
     first.add_note("the others that raised: " + "; ".join(others))
     return first
-
-
-def _as_future(ref: Any) -> asyncio.Future[Any]:
-    return asyncio.wrap_future(ref.future())
-
-
-def ray_cancel(ref: Any) -> None:
-    import ray
-
-    with contextlib.suppress(Exception):  # best effort: the actor may already be gone
-        ray.cancel(ref)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -96,7 +96,7 @@ class Drainer:
         """Drain ``node`` (Ray's node id); the caller holds the membership lock. ``deadline``:
         wall-clock epoch seconds by which the node goes (None: unknown; the DRAINING state's
         own ``failover_timeout_s`` bounds it)."""
-        t0 = time.monotonic()
+        t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
         self._withdrawn.discard(node)
         group = self.membership.group
         members = [m for m in self.membership.group_members() if m.node_id == node and m.machine.state == "READY"]
@@ -229,7 +229,7 @@ class Drainer:
             self.failover.lost_nodes.add(node)
         group = self.membership.group
         record = DrainRecord(node=node, source=source, kind=kind, reason=reason, outcome=outcome, moved=moved,
-                             seconds=time.monotonic() - t0, group_version=group.group_version)
+                             seconds=asyncio.get_running_loop().time() - t0, group_version=group.group_version)
         self.records.append(record)
         self.audit.record(f"drain_{outcome}", node=node, source=source, kind=kind, reason=reason, moved=moved,
                           seconds=round(record.seconds, 6), drains=len(self.records),

@@ -34,18 +34,23 @@ from ftstate.core.config import RuntimeConfig
 
 
 class GroupFormation:
-    """Forms group versions. host: the address the store binds (this node's)."""
+    """Forms group versions. host: the address the store binds (this node's); store: the
+    rendezvous store to form them on (the cluster backend's; default: a
+    :class:`~ftstate.transport.StoreServer` bound to ``host``)."""
 
     def __init__(
-        self, *, config: RuntimeConfig, audit: AuditTrail, membership: Membership, calls: ActorCalls, host: str
+        self, *, config: RuntimeConfig, audit: AuditTrail, membership: Membership, calls: ActorCalls, host: str,
+        store: Any = None,
     ) -> None:
-        from ftstate.transport import StoreServer
+        if store is None:
+            from ftstate.transport import StoreServer
 
+            store = StoreServer(host=host)
         self.config = config
         self.audit = audit
         self.membership = membership
         self.calls = calls
-        self.store: Any = StoreServer(host=host)
+        self.store: Any = store
         #: The highest group version every member joined (0: none yet).
         self.formed = 0
         # Why the formed version can no longer carry a transfer (its communicators were

@@ -1,24 +1,20 @@
 """The launcher: starting and killing the run's worker actors, in the run's resource pools.
 
-It owns the placement (one :class:`~ftstate.controller.placement.ResourcePool` per role plus
-the standby pool), the user's classes and constructor arguments, and the naming of actors
-(``ftstate-{run_id}-{member}`` in the ``ftstate`` namespace). Each actor it starts comes
-with its worker machine, added to the :class:`~ftstate.controller.membership.Membership`;
-the caller decides what to do with it (join a group, warm up as a spare).
-
-Killing is immediate on this node: a hung process must not linger holding its group
-sockets (its peers would block on it), and ``ray.kill`` of a stopped process waits for a
-graceful exit that never comes, so it gets SIGKILL; elsewhere ``ray.kill``.
+It owns the placement (one resource pool per role plus the standby pool, made by the
+cluster's backend: :mod:`~ftstate.controller.backend`), the user's classes and constructor
+arguments. Each actor it starts comes with its worker machine, added to the
+:class:`~ftstate.controller.membership.Membership`; the caller decides what to do with it
+(join a group, warm up as a spare). How an actor is started, placed and killed is the
+backend's (Ray's: :mod:`~ftstate.controller.ray_backend`; kills are immediate).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+from ftstate.controller.backend import ClusterBackend, Pool
 from ftstate.controller.membership import Member, Membership
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
@@ -31,8 +27,7 @@ class ActorLauncher:
     """Starts worker actors for one run.
 
     classes / args: the user's worker class and ``(args, kwargs)`` per role. on_transition:
-    listener attached to every worker machine. node: this controller's node address (a
-    member on it is killed with SIGKILL).
+    listener attached to every worker machine. backend: the cluster the actors run on.
     """
 
     def __init__(
@@ -45,7 +40,7 @@ class ActorLauncher:
         classes: Mapping[str, type],
         args: Mapping[str, tuple[Sequence[Any], Mapping[str, Any]]],
         on_transition: Callable[[StateMachine, str, str, str], None],
-        node: str | None,
+        backend: ClusterBackend,
     ) -> None:
         self.run_id = run_id
         self.config = config
@@ -53,9 +48,9 @@ class ActorLauncher:
         self.membership = membership
         self.classes = dict(classes)
         self.args = dict(args)
-        self.node = node
+        self.backend = backend
         self._on_transition = on_transition
-        self.pools: dict[str, Any] = {}
+        self.pools: dict[str, Pool] = {}
         # The run's secret (security.authenticate), made here, at start(): installed in this
         # process (the store it hosts) and handed to every member as a constructor argument,
         # i.e. over Ray's channel, never over ftstate's own sockets (ftstate.transport.auth).
@@ -71,8 +66,6 @@ class ActorLauncher:
         """One placement group per role, plus the standby pool (fault tolerance on): a slot per
         spare of each role (:meth:`RuntimeConfig.spares`) and one per member (replacements
         kept off a lost node, or a spare started while another is promoted out of its slot)."""
-        from ftstate.controller.placement import ResourcePool, SparePool
-
         cfg, ft = self.config, self.config.fault_tolerance
         sizes = {"trainer": (cfg.trainer_workers, cfg.placement.trainer),
                  "rollout": (cfg.rollout_workers, cfg.placement.rollout)}
@@ -83,7 +76,7 @@ class ActorLauncher:
             sizes[ft.standby_resource_pool] = (spares + cfg.trainer_workers + cfg.rollout_workers,
                                                cfg.placement.standby)
         for name, (slots, placement) in sizes.items():
-            kind = SparePool if name == ft.standby_resource_pool else ResourcePool
+            kind = self.backend.spare_pool if name == ft.standby_resource_pool else self.backend.resource_pool
             self.pools[name] = kind(self.run_id, name, slots, cpus=cfg.worker_cpus, gpus=cfg.worker_gpus,
                                     placement=placement)
 
@@ -92,7 +85,7 @@ class ActorLauncher:
         from ftstate.controller.placement import describe_cluster
 
         asked = "; ".join(pool.describe() for pool in self.pools.values())
-        return f"placement of {asked}; the cluster has {describe_cluster()}"
+        return f"placement of {asked}; the cluster has {describe_cluster(self.backend.nodes())}"
 
     def unplaced(self) -> list[str]:
         """The pools Ray has not placed yet."""
@@ -122,27 +115,18 @@ class ActorLauncher:
         """Start an actor for ``role`` in a free slot of ``pool`` (default: the role's own),
         on a node outside ``avoid_nodes`` when the pool has a free slot there (``strict``: or
         not at all, FTError); its machine starts in INIT. The actor constructs the user's class in its process."""
-        import ray
-
-        from ftstate.controller.host import WorkerHost
-
         resource_pool = self.pools[pool or role]
         slot = resource_pool.take(avoid_nodes, strict=strict)  # first: a refusal leaves nothing behind
         machine = StateMachine(get_spec("worker"), member=name, role=role, rank=rank, config=self.config,
                                audit=self.audit)
         machine.listen(self._on_transition)
         args, kwargs = self.args[role]
-        actor_cls = ray.remote(WorkerHost)
-        handle = actor_cls.options(
-            name=f"ftstate-{self.run_id}-{name}",
-            namespace="ftstate",
-            max_restarts=0,
-            max_concurrency=64,
-            **resource_pool.options(slot),
-        ).remote(name, role, self.classes[role], tuple(args), dict(kwargs), self.config.backend,
-                 int(self.config.bucket_size_mb * 2**20), run=self.run_id, secret=self._secret,
-                 integrity=self.config.security.integrity,
-                 held_proof=(self.config.held_weights_proof, self.config.held_weights_proof_fraction))
+        handle = self.backend.start_actor(
+            name=name, run_id=self.run_id, pool=resource_pool, slot=slot, role=role, user_class=self.classes[role],
+            args=args, kwargs=kwargs,
+            host={"backend": self.config.backend, "bucket_bytes": int(self.config.bucket_size_mb * 2**20),
+                  "secret": self._secret, "integrity": self.config.security.integrity,
+                  "held_proof": (self.config.held_weights_proof, self.config.held_weights_proof_fraction)})
         member = Member(name, role, rank, machine, handle, self.liveness(), pool=resource_pool.name, slot=slot)
         self.membership.add(member)
         return member
@@ -159,9 +143,7 @@ class ActorLauncher:
 
     def alive_nodes(self) -> set[str]:
         """Ray ids of the nodes Ray counts alive."""
-        from ftstate.controller.placement import cluster_nodes
-
-        return {n["node_id"] for n in cluster_nodes()}
+        return {n["node_id"] for n in self.backend.nodes()}
 
     def has_free_slot(self, pool: str) -> bool:
         return self.pools[pool].has_free_slot()
@@ -172,13 +154,7 @@ class ActorLauncher:
 
     def kill(self, member: Member) -> None:
         """Kill a member's process now (see the module docstring)."""
-        import ray
-
-        if member.pid and member.node == self.node and member.pid != os.getpid():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(member.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(member.handle, no_restart=True)
+        self.backend.kill(member.handle, pid=member.pid, node=member.node)
 
     def kill_all(self) -> None:
         for member in self.membership:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -199,7 +198,7 @@ class ShardedSync(WeightSync):
     async def attempt(self) -> SyncReport:
         ms = self.membership
         group = ms.group
-        t0 = time.perf_counter()
+        t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
         previous = group.weights_version
         target = previous + 1
         self.failures = {}
@@ -259,7 +258,7 @@ class ShardedSync(WeightSync):
             raise user_errors[0]
         return SyncReport(
             weights_version=target, checksum=sent["checksum"], nbytes=sent["nbytes"],
-            seconds=time.perf_counter() - t0, failovers=0, group_version=group.group_version,
+            seconds=asyncio.get_running_loop().time() - t0, failovers=0, group_version=group.group_version,
             rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
             stale=tuple(n for n, e in not_loaded.items() if isinstance(e, HeldWeightsMismatch)),
             routes={m.name: "collective" for m in rollouts if m.name not in not_loaded},

@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ftstate.controller import cluster
+from ftstate.controller.backend import ClusterBackend
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.chaos import Chaos
 from ftstate.controller.drain import Drainer, DrainRecord
@@ -79,39 +79,39 @@ from ftstate.core.worker import RolloutWorker, TrainerWorker
 __all__ = ["GROUP", "MemberInfo", "Runtime", "SyncReport", "run_facts"]
 
 
-def run_facts(cfg: RuntimeConfig, node: str | None) -> dict[str, Any]:
+def run_facts(cfg: RuntimeConfig, node: str | None, backend: ClusterBackend | None = None) -> dict[str, Any]:
     """What a run's ``run_start`` record says started: the config's digest (sha256 of its
     canonical JSON, so two runs of one config compare equal), the workers asked for, the
-    versions of ftstate, Ray, torch and Python, and where the controller runs."""
+    versions of ftstate, Python and what the backend runs on (Ray, torch; default: Ray's),
+    and where the controller runs."""
     import hashlib
     import json
     import platform
     import socket
 
-    import ray
-    import torch
-
     import ftstate
+
+    if backend is None:
+        from ftstate.controller.ray_backend import RayBackend
+
+        backend = RayBackend()
 
     canonical = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
     return {
         "config_digest": hashlib.sha256(canonical.encode()).hexdigest()[:16],
         "trainer_workers": cfg.trainer_workers, "rollout_workers": cfg.rollout_workers,
         "fault_tolerance": cfg.fault_tolerance.enable,
-        "versions": {"ftstate": ftstate.__version__, "ray": ray.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
+        "versions": {"ftstate": ftstate.__version__, **backend.versions(), "python": platform.python_version()},
         "controller": {"host": socket.gethostname(), "node": node, "pid": os.getpid()},
-        "nodes": cluster_nodes_brief(),
+        "nodes": cluster_nodes_brief(backend),
     }
 
 
-def cluster_nodes_brief() -> list[str]:
-    """The alive nodes, ``id@address CPU=n`` each (a run_start fact; empty if Ray cannot say)."""
+def cluster_nodes_brief(backend: ClusterBackend) -> list[str]:
+    """The alive nodes, ``id@address CPU=n`` each (a run_start fact; empty if the cluster cannot say)."""
     try:
-        from ftstate.controller.placement import cluster_nodes
-
         return sorted(f"{n['node_id'][:8]}@{n['address']} CPU={float(n['resources'].get('CPU', 0)):g}"
-                      for n in cluster_nodes())
+                      for n in backend.nodes())
     except Exception:  # noqa: BLE001 - a fact for the trail, never a reason to fail start()
         return []
 
@@ -141,7 +141,11 @@ class Runtime:
     config: the run's :class:`~ftstate.core.config.RuntimeConfig`. trainer / rollout: the user's
     worker classes; *_args / *_kwargs: their constructor arguments. run_id: names the
     run's actors (``ftstate-{run_id}-{member}``); a random one by default. audit: a trail to
-    write to (default: one at ``config.audit_log``, or in memory).
+    write to (default: one at ``config.audit_log``, or in memory). backend: the cluster the
+    workers run on (:mod:`~ftstate.controller.backend`; default: Ray's,
+    :class:`~ftstate.controller.ray_backend.RayBackend`; a
+    :class:`~ftstate.simulation.cluster.SimulatedCluster` runs the same controller against
+    simulated members).
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class Runtime:
         rollout_kwargs: Mapping[str, Any] | None = None,
         run_id: str | None = None,
         audit: AuditTrail | None = None,
+        backend: ClusterBackend | None = None,
     ) -> None:
         if not isinstance(config, RuntimeConfig):
             raise TypeError(f"config must be a ftstate.RuntimeConfig (RuntimeConfig.from_dict / from_yaml), "
@@ -174,6 +179,8 @@ class Runtime:
             raise TypeError(f"run_id must be a non-empty str, got {run_id!r}")
         if audit is not None and not isinstance(audit, AuditTrail):
             raise TypeError(f"audit must be a ftstate.AuditTrail, got {type(audit).__name__}")
+        if backend is not None and not isinstance(backend, ClusterBackend):
+            raise TypeError(f"backend must be a ftstate ClusterBackend, got {type(backend).__name__}")
         if config.trainer_workers > 1:
             # Several trainer ranks (ftstate.controller.ranks): the same-host route and NCCL are
             # not there yet, and a replaced rank gets its part back from a rollout only;
@@ -195,7 +202,12 @@ class Runtime:
         self._classes: dict[str, type] = {"trainer": trainer, "rollout": rollout}
         self._args = {"trainer": (tuple(trainer_args), dict(trainer_kwargs or {})),
                       "rollout": (tuple(rollout_args), dict(rollout_kwargs or {}))}
-        self._calls = ActorCalls(self._on_died)
+        if backend is None:
+            from ftstate.controller.ray_backend import RayBackend
+
+            backend = RayBackend()
+        self.backend = backend
+        self._calls = ActorCalls(self._on_died, backend)
         self._started_ray = False
         self._watch_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -244,9 +256,9 @@ class Runtime:
     async def _start(self) -> None:
         cfg = self.config
         self.progress.report("cluster", f"connecting to Ray ({cfg.address or 'a local cluster of its own'})")
-        self._started_ray = cluster.connect(cfg.address)
-        node = cluster.node_address()
-        facts = run_facts(cfg, node)
+        self._started_ray = self.backend.connect(cfg.address)
+        node = self.backend.node_address()
+        facts = run_facts(cfg, node, self.backend)
         self.audit.begin_run(self.run_id, **facts)
         cpus = sum(float(n.rsplit("CPU=", 1)[1]) for n in facts["nodes"] if "CPU=" in n)
         self.progress.report("cluster", f"Ray cluster: {len(facts['nodes'])} node(s), {cpus:g} CPUs",
@@ -259,12 +271,13 @@ class Runtime:
                               reason=self.progress.last.message if self.progress.last else "")
         self.group = StateMachine(get_spec("group"), member="group", config=cfg, audit=self.audit)
         self.group.listen(self._on_group_transition)
-        self.group.bind(node=node, node_id=cluster.node_id())  # the group's records: the controller's node
+        self.group.bind(node=node, node_id=self.backend.node_id())  # the group's records: the controller's node
         ms = self._membership = Membership(self.group)
         self._launcher = ActorLauncher(run_id=self.run_id, config=cfg, audit=self.audit, membership=ms,
                                        classes=self._classes, args=self._args,
-                                       on_transition=self._on_worker_transition, node=node)
-        self._formation = GroupFormation(config=cfg, audit=self.audit, membership=ms, calls=self._calls, host=node)
+                                       on_transition=self._on_worker_transition, backend=self.backend)
+        self._formation = GroupFormation(config=cfg, audit=self.audit, membership=ms, calls=self._calls, host=node,
+                                         store=self.backend.rendezvous_store(node))
         self._watchdog = Watchdog(config=cfg, membership=ms, calls=self._calls)
         trainer_cls = self._classes["trainer"]
         self._node_copies = NodeCopies(run_id=self.run_id, config=cfg, audit=self.audit, calls=self._calls) \
@@ -335,7 +348,7 @@ class Runtime:
             self._formation.close()
         self.audit.close()
         if self._started_ray:
-            cluster.shutdown()
+            self.backend.shutdown()
 
     # -- the first group version ---------------------------------------------------------
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -138,7 +137,7 @@ class WeightSync:
         """One try at the next weights version; see the module docstring."""
         ms = self.membership
         group = ms.group
-        t0 = time.perf_counter()
+        t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
         previous = group.weights_version
         target = previous + 1
         self.failures = {}
@@ -215,7 +214,7 @@ class WeightSync:
             weights_version=target,
             checksum=sent["checksum"],
             nbytes=sent["nbytes"],
-            seconds=time.perf_counter() - t0,
+            seconds=asyncio.get_running_loop().time() - t0,
             failovers=0,
             group_version=group.group_version,
             rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
@@ -299,30 +298,47 @@ class WeightSync:
 
         As soon as one fails (other than by a checksum mismatch, which the protocol itself
         reports after the vote), the others are told to abandon the transfer. The abandoned
-        group version is replaced by the caller (failover or :meth:`_abort`)."""
+        group version is replaced by the caller (failover or :meth:`_abort`).
+
+        Each call reports its own end (a done callback), in the order they end: waiting again
+        on every call still pending after each end (``asyncio.wait`` in a loop) would cost
+        O(n) an end, O(n²) a transfer to n rollouts whose answers trickle in."""
+        loop = asyncio.get_running_loop()
         tasks = [asyncio.ensure_future(call) for _, call in calls]
         members = [m for m, _ in calls]
-        waiting = set(tasks)
-        abandoned = False
+        index = {t: i for i, t in enumerate(tasks)}
+        first_failure: asyncio.Future[asyncio.Future[Any]] = loop.create_future()
         self._arrival = []
+
+        def ended(t: asyncio.Future[Any]) -> None:
+            if t.cancelled() or t.exception() is None:
+                return
+            self._arrival.append(members[index[t]].name)
+            if not isinstance(t.exception(), ChecksumMismatch) and not first_failure.done():
+                first_failure.set_result(t)
+
+        for t in tasks:
+            t.add_done_callback(ended)
+        every = asyncio.gather(*tasks, return_exceptions=True)
         try:
-            while waiting:
-                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                self._arrival += [members[tasks.index(t)].name for t in done if t.exception() is not None]
-                failed = [t for t in done if t.exception() is not None
-                          and not isinstance(t.exception(), ChecksumMismatch)]
-                if failed and waiting and not abandoned:
-                    abandoned = True
-                    culprit = members[tasks.index(failed[0])].name
-                    reason = f"{culprit} failed: {type(failed[0].exception()).__name__}"
-                    others = [m for m, t in zip(members, tasks, strict=True) if t in waiting]
-                    self.audit.record("transfer_abandoned", reason=reason, members=[m.name for m in others])
-                    await asyncio.gather(*(self.calls.call(m.name, m.handle, "abandon_transfer", reason)
-                                           for m in others), return_exceptions=True)
+            await asyncio.wait([every, first_failure], return_when=asyncio.FIRST_COMPLETED)
+            if first_failure.done() and not every.done():
+                failed = first_failure.result()
+                culprit = members[index[failed]].name
+                reason = f"{culprit} failed: {type(failed.exception()).__name__}"
+                others = [m for m, t in zip(members, tasks, strict=True) if not t.done()]
+                self.audit.record("transfer_abandoned", reason=reason, members=[m.name for m in others])
+                await asyncio.gather(*(self.calls.call(m.name, m.handle, "abandon_transfer", reason)
+                                       for m in others), return_exceptions=True)
+            await every
         except asyncio.CancelledError:  # the state's deadline: the calls go with it
             for t in tasks:
                 t.cancel()
+            every.cancel()
             raise
+        finally:
+            if not first_failure.done():
+                first_failure.cancel()
         return [t.exception() or t.result() for t in tasks]
 
     def _failures(self, members: Sequence[Member], results: Sequence[Any]) -> dict[str, BaseException]:

@@ -2,8 +2,10 @@
 
 :class:`StateMachine` is the only place a group's or worker's state changes. It takes
 events (``await machine.fire("member_lost", reason=...)``), checks them against the spec,
-moves the model through a shared ``transitions`` ``AsyncMachine`` built once per spec,
-and then carries out the three effects every transition has:
+sets the model's state through a shared ``transitions`` ``AsyncMachine`` built once per spec
+(it has no callbacks: its async ``trigger`` would only spend ~70 µs reaching the same state,
+so the model is not even added to it), and then carries out the three effects every
+transition has:
 
 1. the deadline of the state left is disarmed and that of the state entered is armed
    (:mod:`ftstate.core.deadline`); on expiry the spec's ``on_expiry`` trigger is fired and a
@@ -20,9 +22,9 @@ would cancel a model's in-flight callbacks on a new trigger; it never sees two a
 A deadline expiry queued behind an event that has already left the state is discarded:
 leaving the state disarmed it.
 
-``transitions`` keeps its models in a list and ``add_model`` scans it, so adding n models
-costs O(n²); :class:`_SpecMachine` keeps an identity set beside the list so 10,000 worker
-machines cost linear time.
+``transitions`` keeps its models in a list and ``add_model`` / ``remove_model`` scan it, so
+adding or removing n models costs O(n²); :class:`_SpecMachine` keeps an identity set beside
+the list so 10,000 worker machines cost linear time.
 
 This module imports neither Ray nor torch: the runtime drives it, tests drive it with a
 :class:`~ftstate.core.deadline.ManualClock` and no sleeps.
@@ -71,9 +73,17 @@ class _SpecMachine(AsyncMachine):
             self._model_ids.add(id(mod))
 
     def remove_model(self, model: Any) -> None:
-        for mod in model if isinstance(model, list) else [model]:
-            self._model_ids.discard(id(mod))
-        super().remove_model(model)
+        # transitions' own removes each model by a scan of the list (O(n) a model: closing a
+        # run of 10,000 members was O(n²)); here removed models leave the list in one pass
+        # once half of it is gone, so n removals cost O(n).
+        gone = {id(mod) for mod in (model if isinstance(model, list) else [model])} & self._model_ids
+        if not gone:
+            return
+        self._model_ids -= gone
+        self._removed = getattr(self, "_removed", 0) + len(gone)  # set on the first removal (the base __init__ runs first)
+        if 2 * self._removed >= len(self.models):
+            self.models[:] = [m for m in self.models if id(m) in self._model_ids]
+            self._removed = 0
 
 
 def _bound(fn: Any, model: Any) -> Any:
@@ -156,7 +166,11 @@ class StateMachine:
         self._expired: dict[int, errors.DeadlineExceeded] = {}
         self._listeners: list[Callable[[StateMachine, str, str, str], None]] = []
         self._model = _Model()
-        compile_spec(spec).add_model(self._model)
+        # Not added to the shared machine (add_model): that hangs a bound trigger per event on
+        # every model (~40 objects a machine, 400,000 for 10,000 members, which the garbage
+        # collector then walks on every full collection), and the triggers are never called:
+        # the state is set through the shared machine (_fire).
+        compile_spec(spec).set_state(spec.initial, model=self._model)
         self._arm(spec.initial)
 
     # -- reading -----------------------------------------------------------------------
@@ -239,7 +253,10 @@ class StateMachine:
         budget_spec = self.spec.states[dest].budget
         if budget_spec is not None and dest != src and self._budget(budget_spec.key).remaining < max(1, len(spend_on)):
             return await self._exhausted(dest, trigger)
-        await self._model.trigger(trigger)  # transitions checks the edge and moves the model
+        # The edge was checked against the spec above; the shared machine sets the model's state
+        # (its compiled machine has no callbacks or conditions, so its async ``trigger`` would
+        # do the same after ~70 µs of event plumbing, a third of a transition's cost).
+        compile_spec(self.spec).set_state(dest, model=self._model)
         self._transition(src, dest, trigger, reason, error, fields)
         if budget_spec is not None and dest != src:
             self._spend(dest, spend_on or (reason or trigger,))
@@ -457,13 +474,12 @@ class StateMachine:
             await asyncio.gather(*list(self._expiries), return_exceptions=True)
 
     def close(self) -> None:
-        """Disarm the deadline and detach from the shared machine."""
+        """Disarm the deadline and cancel expiries under way."""
         if self.deadline is not None:
             self.deadline.disarm()
             self.deadline = None
         for task in list(self._expiries):
             task.cancel()
-        compile_spec(self.spec).remove_model(self._model)
 
     def __repr__(self) -> str:
         return f"<StateMachine {self.spec.name} {self.member} {self.state}>"

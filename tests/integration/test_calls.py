@@ -10,6 +10,7 @@ import signal
 import pytest
 
 from ftstate.controller.calls import ActorCalls
+from ftstate.controller.ray_backend import RayBackend
 from ftstate.core.errors import CommunicatorAborted, MemberLost, PeerLost, StaleGroupVersion, SyncTimeout
 
 pytestmark = pytest.mark.ray
@@ -32,7 +33,7 @@ class Raiser:
 async def test_worker_errors_come_back_typed_with_their_fields(ray_cluster):
     ray = ray_cluster
     died: list[tuple[str, str]] = []
-    calls = ActorCalls(lambda member, reason: died.append((member, reason)))
+    calls = ActorCalls(lambda member, reason: died.append((member, reason)), RayBackend())
     handle = ray.remote(Raiser).options(num_cpus=0).remote()
     try:
         with pytest.raises(StaleGroupVersion) as stale:

@@ -18,7 +18,7 @@ from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import ConfigError
 
 runner = CliRunner()
-COMMANDS = ["diagram", "audit", "config", "demo"]
+COMMANDS = ["diagram", "audit", "config", "demo", "simulate"]
 
 
 def invoke(*args: str):

@@ -1,0 +1,157 @@
+"""Benchmark: the real controller's CPU as the job grows, against simulated members.
+
+For N = 10, 100, 1,000 and 10,000 members (one trainer, rollouts, a spare per role per 200
+members, 8 members a node: 2 to 1,250 nodes), the real :class:`~ftstate.controller.runtime.Runtime`
+drives a :class:`~ftstate.simulation.cluster.SimulatedCluster` in virtual time, and this
+measures the process's CPU seconds (``time.process_time``: real CPU, not virtual time) for
+
+- start: every actor started, group version 1 formed;
+- sync: one ``await rt.sync()`` (mean of ``--syncs``), and the audit trail's bytes it wrote;
+- heartbeat interval: one ``heartbeat_interval_s`` with nothing happening but the watchdog
+  (mean of ``--intervals``), and the same with the garbage collector off (what the Python
+  collector costs of it: its full collections walk every live object);
+- failover of one member: a rollout SIGKILLed, until its replacement serves;
+- failover of one node: a node's 8 members lost at once, until all are replaced (one round);
+  each also net of the heartbeats that ran meanwhile (its virtual duration times the
+  watchdog's CPU per second), which is the round's own cost;
+
+The CPU is the whole process's: the controller's and the simulated members' own (a member's
+answer is one future and one timer, a fraction of the controller's work for it), so it is an
+upper bound on the controller's. Each figure of N is also given as a ratio to the figure of
+N/10 (linear: 10). ``--gc-threshold 50000`` runs it with a larger first threshold of the
+collector (its young collections scan every call in flight: 10,000 pending calls are scanned
+again every 700 allocations). ``--loop looptime`` runs the same on the ``looptime`` library's loop
+instead of :class:`~ftstate.simulation.clock.VirtualTimeLoop` (if installed).
+
+    python benchmarks/controller_scale.py [--sizes 10,100,1000,10000] [--syncs 3] [--intervals 3]
+        [--loop virtual|looptime] [--gc-threshold N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ftstate.simulation.clock import VirtualTimeLoop
+from ftstate.simulation.scenario import Shape, simulated_runtime
+
+#: Enough failovers for every fault this benchmark injects (the default 5 would end the run).
+OVERRIDES = {"fault_tolerance": {"max_failovers": 1_000_000}}
+
+
+async def _until(done: Callable[[], bool], step: float = 0.01, limit: float = 600.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit
+    while not done():
+        if loop.time() > end:
+            raise TimeoutError("the simulated failover did not finish")
+        await asyncio.sleep(step)
+
+
+async def _failover_round(rt: Any) -> None:
+    """Until the group has noticed the loss and is READY again (the round is over)."""
+    await _until(lambda: rt.state != "READY")
+    await _until(lambda: rt.state == "READY")
+
+
+async def measure(members: int, syncs: int, intervals: int, trail: str) -> dict[str, Any]:
+    shape = Shape.of(members)
+    rt, cluster = simulated_runtime(shape, keep_records=False, audit_path=trail, overrides=OVERRIDES)
+    out: dict[str, Any] = {"members": shape.members, "nodes": shape.nodes, "rollouts": shape.rollouts}
+    cpu = time.process_time
+    t = cpu()
+    await rt.start()
+    out["start_s"] = cpu() - t
+    await rt.sync()  # the first sync resyncs the constructed rollouts: not the steady state
+    size = os.path.getsize(trail)
+    t = cpu()
+    for _ in range(syncs):
+        await rt.sync()
+    out["sync_s"] = (cpu() - t) / syncs
+    out["audit_bytes_per_sync"] = (os.path.getsize(trail) - size) / syncs
+    interval = rt.config.heartbeat_interval_s
+    t = cpu()
+    await asyncio.sleep(intervals * interval)
+    out["heartbeat_interval_s"] = (cpu() - t) / intervals
+    gc.disable()
+    try:
+        t = cpu()
+        await asyncio.sleep(intervals * interval)
+        out["heartbeat_interval_gc_off_s"] = (cpu() - t) / intervals
+    finally:
+        gc.enable()
+    loop = asyncio.get_running_loop()
+    hb = out["heartbeat_interval_s"] / interval  # the watchdog's CPU per second of virtual time
+    t, v = cpu(), loop.time()
+    cluster.kill_member("rollout-1")
+    await _failover_round(rt)
+    out["failover_member_s"] = cpu() - t
+    out["failover_member_virtual_s"] = loop.time() - v
+    out["failover_member_net_s"] = out["failover_member_s"] - hb * out["failover_member_virtual_s"]
+    node = next(m.node_id for m in rt.members() if m.member == "rollout-2")
+    assert node is not None
+    t, v = cpu(), loop.time()
+    out["node_members"] = len(cluster.lose_node(node))
+    await _failover_round(rt)
+    out["failover_node_s"] = cpu() - t
+    out["failover_node_virtual_s"] = loop.time() - v
+    out["failover_node_net_s"] = out["failover_node_s"] - hb * out["failover_node_virtual_s"]
+    await rt.close()
+    return out
+
+
+def run_one(members: int, syncs: int, intervals: int, loop_kind: str) -> dict[str, Any]:
+    def factory() -> asyncio.AbstractEventLoop:
+        if loop_kind == "looptime":
+            import looptime
+
+            return looptime.new_event_loop(start=0.0)
+        return VirtualTimeLoop()
+
+    with tempfile.TemporaryDirectory() as tmp, asyncio.Runner(loop_factory=factory) as runner:
+        gc.collect()
+        return runner.run(measure(members, syncs, intervals, os.path.join(tmp, "audit.jsonl")))
+
+
+FIGURES = ("start_s", "sync_s", "heartbeat_interval_s", "heartbeat_interval_gc_off_s", "failover_member_s",
+           "failover_member_net_s", "failover_node_s", "failover_node_net_s", "audit_bytes_per_sync")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="10,100,1000,10000")
+    ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--intervals", type=int, default=3)
+    ap.add_argument("--loop", choices=("virtual", "looptime"), default="virtual")
+    ap.add_argument("--json", default=None, help="write the figures here too")
+    ap.add_argument("--gc-threshold", type=int, default=None,
+                    help="the collector's first threshold for the run (gc.set_threshold; default: Python's 700)")
+    args = ap.parse_args()
+    if args.gc_threshold is not None:
+        gc.set_threshold(args.gc_threshold, 20, 10)
+    rows = []
+    for n in (int(s) for s in args.sizes.split(",")):
+        row = run_one(n, args.syncs, args.intervals, args.loop)
+        rows.append(row)
+        print(f"N={row['members']:>6} nodes={row['nodes']:>5}  " + "  ".join(
+            f"{k}={row[k]:.4g}" for k in FIGURES), flush=True)
+    print("\nratio to N/10 (linear: 10):")
+    for small, large in itertools.pairwise(rows):
+        print(f"N={large['members']:>6}/{small['members']:<5} " + "  ".join(
+            f"{k}={large[k] / small[k]:.1f}" for k in FIGURES if small[k]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"loop": args.loop, "rows": rows, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Goodput: the fraction of a job's time that made progress, with ftstate and with the status
+quo it replaces (``ftstate simulate``).
+
+**ftstate** is measured, not modelled: every failure of the schedule is replayed through the
+real controller (:class:`~ftstate.controller.runtime.Runtime` on a
+:class:`~ftstate.simulation.cluster.SimulatedCluster`) while a trainer loop runs
+(``train_step`` then ``sync()``): the fault is injected at a drawn moment of a step, and the
+failure's downtime is how much longer the next ``cycles`` steps took than they take
+undisturbed. The run carries its state from failure to failure (spares spent and replaced,
+``max_failovers`` spent): a failure that exhausts the budget ends the job there, as it would
+for real, and the rest of its time makes no progress. The quiet time between failures is not
+replayed step by step (a simulated week would be 600,000 heartbeat intervals): the spares get
+``settle_s`` to warm up again, and the job's clock jumps to the next failure.
+
+**The status quo**: one failure kills the job, which restarts from its last checkpoint
+(``checkpoint_interval_s`` of progress apart): each failure loses the progress since that
+checkpoint plus ``restart_s``; a maintenance notice gives time to checkpoint first, so it loses
+only the restart. Both are on the same steady state (a step plus a sync is progress), so the
+figures compare what failures cost, not how fast a step is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ftstate.core.errors import ConfigError, FTError
+from ftstate.simulation.costs import Costs
+from ftstate.simulation.mix import Failure
+from ftstate.simulation.scenario import Shape, simulated_runtime
+
+#: Worker states that are not a process to hit (gone already).
+_GONE = frozenset({"LOST", "RETIRED", "FAILED", "STOPPED"})
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusQuo:
+    """The job without ftstate. checkpoint_interval_s: progress between checkpoints;
+    restart_s: from the failure to training again (this project's measurement of restarting
+    the whole Ray job from a checkpoint: 10.9-11.7 s plus ~3.5 s for a fresh driver,
+    DESIGN.md; minutes on a large job)."""
+
+    checkpoint_interval_s: float = 3600.0
+    restart_s: float = 14.4
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_interval_s <= 0:
+            raise ConfigError("checkpoint_interval_s", f"{self.checkpoint_interval_s!r}: expected a number > 0")
+        if self.restart_s < 0:
+            raise ConfigError("restart_s", f"{self.restart_s!r}: expected a number >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One failure's cost to a job: what hit it, when, and the seconds of progress it took."""
+
+    at: float
+    cause: str
+    effect: str
+    target: str
+    downtime_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """A job's goodput (progress / time) and each failure's cost; ended_at: when a failure
+    ended the job (ftstate: ``max_failovers`` exhausted, or the run failed), else None."""
+
+    goodput: float
+    outcomes: tuple[Outcome, ...]
+    ended_at: float | None = None
+    error: str | None = None
+
+    def progress_curve(self, seconds: float) -> list[tuple[float, float]]:
+        """(time, progress so far) at each failure and at the end, for the plot."""
+        points, lost = [(0.0, 0.0)], 0.0
+        for o in self.outcomes:
+            points.append((o.at, o.at - lost))
+            lost += o.downtime_s
+            points.append((o.at + o.downtime_s, o.at - lost + o.downtime_s))
+        end = self.ended_at if self.ended_at is not None else seconds
+        points.append((end, end - lost))
+        if self.ended_at is not None:
+            points.append((seconds, end - lost))
+        return points
+
+
+def status_quo(schedule: Sequence[Failure], seconds: float, sq: StatusQuo) -> Result:
+    """The status quo's goodput on ``schedule`` (see the module docstring)."""
+    progress = t = 0.0
+    outcomes = []
+    for f in schedule:
+        if f.at < t:
+            continue  # while it restarts there is nothing left to kill
+        progress += f.at - t
+        checkpointed = progress if f.effect == "maintenance" else (progress // sq.checkpoint_interval_s
+                                                                    * sq.checkpoint_interval_s)
+        outcomes.append(Outcome(f.at, f.cause, f.effect, "the job", progress - checkpointed + sq.restart_s))
+        progress = checkpointed
+        t = f.at + sq.restart_s
+    progress += max(0.0, seconds - t)
+    return Result(goodput=progress / seconds if seconds else 1.0, outcomes=tuple(outcomes))
+
+
+async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: Shape, costs: Costs,
+                         overrides: Mapping[str, Any] | None = None, seed: int = 0, cycles: int = 2,
+                         settle_s: float | None = None, audit_path: str | None = None) -> Result:
+    """ftstate's goodput on ``schedule``, measured on the real controller (run it in a
+    :class:`~ftstate.simulation.clock.VirtualTimeLoop`; see the module docstring)."""
+    loop = asyncio.get_running_loop()
+    rt, cluster = simulated_runtime(shape, costs=costs, overrides=overrides, seed=seed, audit_path=audit_path,
+                                    keep_records=False)
+    settle = settle_s if settle_s is not None else 2 * costs.start_s
+    rng = cluster.rng
+
+    async def cycle() -> None:
+        await rt.trainer("train_step")
+        await rt.sync()
+
+    outcomes: list[Outcome] = []
+    ended_at: float | None = None
+    error: str | None = None
+    started = False
+    try:
+        await rt.start()
+        await rt.sync()
+        t0 = loop.time()
+        await cycle()
+        steady = loop.time() - t0
+        started = True
+        for f in schedule:
+            await asyncio.sleep(settle)  # the quiet time before it: spares warm again
+            target = await _inject_during_a_step(rt, cluster, f, rng.random() * costs.train_step_s, cycle,
+                                                 cycles)
+            took = target[1]
+            outcomes.append(Outcome(f.at, f.cause, f.effect, target[0], max(0.0, took - cycles * steady)))
+    except FTError as exc:  # the job ends at the failure it could not survive (or at its start)
+        ended_at = schedule[len(outcomes)].at if started and len(outcomes) < len(schedule) else 0.0
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        await rt.close()
+    lost = sum(o.downtime_s for o in outcomes)
+    made = (ended_at if ended_at is not None else seconds) - lost
+    return Result(goodput=max(0.0, made) / seconds if seconds else 1.0, outcomes=tuple(outcomes),
+                  ended_at=ended_at, error=error)
+
+
+async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: float, cycle: Any,
+                                cycles: int) -> tuple[str, float]:
+    """Run ``cycles`` steps with ``f`` injected ``after_s`` into the first; returns what it hit
+    and how long the steps took."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    first = asyncio.ensure_future(cycle())
+    await asyncio.sleep(after_s)
+    target, drain = _hit(rt, cluster, f)
+    await first
+    for _ in range(cycles - 1):
+        await cycle()
+    if drain is not None:
+        await drain
+    return target, loop.time() - t0
+
+
+def _hit(rt: Any, cluster: Any, f: Failure) -> tuple[str, asyncio.Future[Any] | None]:
+    members = [m for m in rt.members() if m.state not in _GONE and m.state != "INIT"]
+    if f.effect in ("member", "hang"):
+        m = members[int(f.pick * len(members))]
+        (cluster.kill_member if f.effect == "member" else cluster.hang_member)(m.member)
+        return m.member, None
+    nodes = sorted({m.node_id for m in members if m.node_id is not None})
+    node = nodes[int(f.pick * len(nodes))]
+    if f.effect == "node":
+        cluster.lose_node(node)
+        return node, None
+
+    async def maintenance() -> None:  # notice, drain, then the node goes for its maintenance
+        await rt.drain(node, reason=f.cause, source="simulation", kind="maintenance")
+        cluster.lose_node(node, reason="host maintenance")
+
+    return node, asyncio.ensure_future(maintenance())
+
+
+__all__ = ["Outcome", "Result", "StatusQuo", "replay_ftstate", "status_quo"]

@@ -1,0 +1,418 @@
+"""Simulated worker hosts: the calls the controller makes of a
+:class:`~ftstate.controller.host.WorkerHost`, answered after their modelled cost.
+
+A :class:`SimulatedMember` keeps what a real host keeps that the controller can see: the
+weights version and checksum it holds committed, a staged version, the group version and rank
+it joined, a progress counter that moves while it transfers, whether it is busy. Each call
+returns a future that the member settles at a time of the virtual clock (one timer per call:
+10,000 members cost 10,000 timers an interval, no task each):
+
+- ``info`` / ``prewarm`` answer once the process is up (``Costs.start_s`` after its start);
+- ``join`` waits in the rendezvous store until every rank of the version registered (or the
+  version is fenced: ``StaleGroupVersion``, as the real store says), then ``Costs.group_form_s``;
+- ``send_weights`` / ``receive_weights`` are one :class:`Collective` of every rank of the group
+  version (a rank that never calls, because it hangs, blocks the others, as a real broadcast
+  does); ``send_weights_to`` / ``receive_weights_from`` one of two;
+- a member that dies fails its pending calls with ``ActorDied`` after ``Costs.death_detect_s``,
+  and every collective it was in with ``PeerLost`` for the others; a hung member answers
+  nothing (calls with a ``timeout`` end in ``CallTimedOut``), a vigil stays pending until death;
+  a member whose node was lost answers nothing either, and new calls to it fail as unreachable,
+  until Ray would declare the node dead (then it dies), as measured on a real 3-node cluster
+  (docs/benchmarks.md, "Node loss").
+
+Checksums are names of versions (``sim-v7``): what the controller compares is only whether two
+members hold the same version, and that is what they say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, RemoteError
+from ftstate.core.errors import CommunicatorAborted, FTError, PeerLost, RendezvousTimeout, StaleGroupVersion
+
+
+def checksum_of(weights_version: int) -> str:
+    """The checksum a simulated member reports for ``weights_version``."""
+    return f"sim-v{weights_version}"
+
+
+def _settle(fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+    if fut.done():
+        return
+    try:
+        fut.set_result(outcome())
+    except Exception as exc:  # noqa: BLE001 - the outcome is the call's answer: an error is one too
+        fut.set_exception(exc)
+
+
+def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+class Collective:
+    """One collective of ``expected`` participants (a broadcast, a point-to-point transfer, a
+    rendezvous): it starts when all arrived and ends ``cost_s`` later; one that leaves first
+    (died, abandoned, cancelled) breaks it and the others fail with ``PeerLost``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, what: str, expected: int, cost_s: float,
+                 detect_s: float, on_finish: Callable[[], None] | None = None) -> None:
+        self.loop = loop
+        self.on_finish = on_finish
+        self.what = what
+        self.expected = expected
+        self.cost_s = cost_s
+        self.detect_s = detect_s
+        self.arrivals: dict[int, tuple[SimulatedMember, asyncio.Future[Any], Callable[[], Any]]] = {}
+        self.started_at: float | None = None
+        self.broken: str | None = None
+
+    def arrive(self, rank: int, member: SimulatedMember, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+        if self.broken is not None:
+            self.loop.call_at(self.loop.time() + self.detect_s, _fail, fut, self._peer_lost(member, self.broken))
+            return
+        self.arrivals[rank] = (member, fut, outcome)
+        member.collectives[self] = None
+        fut.add_done_callback(lambda f, m=member: self._left(m, f))
+        if len(self.arrivals) == self.expected:
+            self.started_at = self.loop.time()
+            self.loop.call_at(self.started_at + self.cost_s, self._finish)
+
+    def _finish(self) -> None:
+        if self.broken is not None:
+            return
+        if self.on_finish is not None:
+            self.on_finish()
+        for member, fut, outcome in list(self.arrivals.values()):
+            member.collectives.pop(self, None)
+            member.answer_later(fut, outcome)
+
+    def _left(self, member: SimulatedMember, fut: asyncio.Future[Any]) -> None:
+        # A participant's call ended: normal at the finish; before it, the collective breaks.
+        member.collectives.pop(self, None)
+        if self.broken is not None or (self.started_at is not None and self.loop.time() >= self.started_at + self.cost_s):
+            return
+        self.broken = f"{member.name} left {self.what}"
+        when = self.loop.time() + self.detect_s
+        for other, other_fut, _ in self.arrivals.values():
+            if other is not member and not other_fut.done():
+                self.loop.call_at(when, _fail, other_fut, self._peer_lost(other, self.broken))
+
+    def _peer_lost(self, member: SimulatedMember, why: str) -> RemoteError:
+        exc = PeerLost(f"rank {member.rank}: a peer was lost during {self.what} ({why})", group="weights",
+                       group_version=member.group_version, rank=member.rank, op=self.what)
+        return RemoteError(exc, str(exc))
+
+    def progressing(self, now: float) -> bool:
+        return self.started_at is not None and now >= self.started_at
+
+
+class SimulatedMember:
+    """One simulated worker process (the handle the controller calls). cluster: the
+    :class:`~ftstate.simulation.cluster.SimulatedCluster` it runs in (untyped here: the cluster
+    imports this module); node: the node's id and address; pid: a number unique in the
+    cluster; up_at: when its process is up."""
+
+    def __init__(self, cluster: Any, name: str, role: str, node_id: str, address: str, pid: int,
+                 up_at: float) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.role = role
+        self.node_id = node_id
+        self.address = address
+        self.pid = pid
+        self.up_at = up_at
+        self.alive = True
+        self.hung = False
+        self.cut_off = False
+        self.death: str | None = None
+        # Dicts, not sets: a set of futures iterates in the order of their addresses, and the
+        # order deaths are reported in must be the same in every run of a seed.
+        self._pending: dict[asyncio.Future[Any], None] = {}
+        self.collectives: dict[Collective, None] = {}
+        self.progress = 0
+        self.weights_version = 0
+        self.checksum: str | None = None
+        self.staged: int | None = None
+        self.group_version = 0
+        self.rank = -1
+        self.world = 0
+
+    # -- calls ---------------------------------------------------------------------------
+
+    def answer(self, method: str, args: tuple[Any, ...], timeout: float | None) -> asyncio.Future[Any]:
+        """The future of ``method(*args)``, settled at its modelled time (see the module docstring)."""
+        loop = self.cluster.loop
+        fut: asyncio.Future[Any] = loop.create_future()
+        now = loop.time()
+        if not self.alive:
+            loop.call_at(now + self.cluster.costs.death_detect_s, _fail, fut, ActorDied(self.death or "dead"))
+            return fut
+        self._pending[fut] = None
+        fut.add_done_callback(self._forget)
+        if timeout is not None:
+            timer = loop.call_at(now + timeout, _fail, fut, CallTimedOut(f"no answer within {timeout:g}s"))
+            fut.add_done_callback(lambda _f: timer.cancel())
+        if self.hung:
+            return fut
+        if self.cut_off:  # its node is gone and Ray does not know it yet: no answer, then unreachable
+            loop.call_at(now + self.cluster.costs.unreachable_s, _fail, fut,
+                         ActorUnreachable("the actor is temporarily unavailable (its node does not answer)"))
+            return fut
+        handler = getattr(self, f"_on_{method}", None)
+        if handler is None:
+            exc = FTError(f"{self.name}: the simulated member has no method {method}()")
+            self._after(fut, self.cluster.costs.call_s, _raiser(RemoteError(exc, str(exc))))
+        else:
+            handler(fut, *args)
+        return fut
+
+    def _forget(self, fut: asyncio.Future[Any]) -> None:
+        self._pending.pop(fut, None)
+
+    def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Callable[[], Any]) -> None:
+        # Each answer takes its cost stretched by up to Costs.jitter (the cluster's seeded
+        # draw): real answers trickle in, and code that is cheap only when they all arrive at
+        # once (one wake-up for a whole batch) must not look cheap here.
+        loop = self.cluster.loop
+        seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
+        loop.call_at(max(loop.time(), self.up_at) + seconds, _settle, fut, outcome)
+
+    def answer_later(self, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+        """Settle ``fut`` one call's time from now (a collective finished: its answer travels back)."""
+        self._after(fut, self.cluster.costs.call_s, outcome)
+
+    def _reply(self, fut: asyncio.Future[Any], value: Any = None, seconds: float | None = None) -> None:
+        self._after(fut, self.cluster.costs.call_s if seconds is None else seconds, lambda: value)
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def die(self, reason: str) -> None:
+        """The process is gone: pending calls fail with ActorDied once the death is detected."""
+        if not self.alive:
+            return
+        self.alive = False
+        self.death = reason
+        loop = self.cluster.loop
+        when = loop.time() + self.cluster.costs.death_detect_s
+        for fut in list(self._pending):
+            loop.call_at(when, _fail, fut, ActorDied(reason))
+        self._pending.clear()
+
+    def hang(self) -> None:
+        """The process stays up and answers nothing from now on."""
+        self.hung = True
+
+    def lose_node(self) -> None:
+        """Its node is gone: the process is, but until Ray declares the node dead
+        (``Costs.node_dead_s``, the cluster's to say) its calls get no answer: those pending
+        stay pending, new ones fail as unreachable after ``Costs.unreachable_s``."""
+        self.cut_off = True
+
+    # -- what the controller calls (WorkerHost's methods) -----------------------------------
+
+    def _where(self) -> dict[str, Any]:
+        return {"pid": self.pid, "node": self.address, "node_id": self.node_id, "member": self.name, "role": self.role}
+
+    def _on_info(self, fut: asyncio.Future[Any]) -> None:
+        self._after(fut, self.cluster.costs.call_s, self._where)
+
+    def _on_prewarm(self, fut: asyncio.Future[Any]) -> None:
+        self._after(fut, self.cluster.costs.call_s, self._where)
+
+    def _on_heartbeat(self, fut: asyncio.Future[Any], prove: bool = False, forged: bool = False) -> None:
+        self._after(fut, self.cluster.costs.call_s, lambda: self._beat(forged))
+
+    def _beat(self, forged: bool) -> dict[str, Any]:
+        now = self.cluster.loop.time()
+        busy = bool(self.collectives)
+        progress = self.progress
+        for c in self.collectives:
+            if c.progressing(now):
+                progress += int((now - c.started_at) / self.cluster.costs.bucket_s())  # type: ignore[operator]
+        beat = {"progress": progress, "busy": busy, "weights_version": self.weights_version,
+                "checksum": self.checksum, "pid": self.pid}
+        if forged:
+            beat["forged"] = []
+        return beat
+
+    def _on_vigil(self, fut: asyncio.Future[Any]) -> None:
+        return None  # pending until the process dies
+
+    def _on_join(self, fut: asyncio.Future[Any], host: str, port: int, group: str, version: int, rank: int,
+                 world_size: int, timeout_s: float) -> None:
+        self._leave("left the group version")
+        store = self.cluster.store_at(port)
+        store.register(group, version, rank, world_size, self, fut, timeout_s)
+
+    def joined(self, version: int, rank: int, world_size: int) -> dict[str, Any]:
+        """The rendezvous of ``version`` completed (the store calls it)."""
+        self.group_version, self.rank, self.world = version, rank, world_size
+        self.progress += 1
+        return {"group_version": version, "rank": rank}
+
+    def _leave(self, reason: str) -> None:
+        for c in list(self.collectives):
+            for rank, (member, fut, _) in c.arrivals.items():
+                if member is self and not fut.done():
+                    exc = CommunicatorAborted("weights", self.group_version, rank, reason)
+                    fut.set_exception(RemoteError(exc, str(exc)))
+
+    def _on_abandon_transfer(self, fut: asyncio.Future[Any], reason: str) -> None:
+        self._leave(reason)
+        self._reply(fut)
+
+    def _broadcast(self, weights_version: int) -> Collective:
+        return self.cluster.collective(("broadcast", self.group_version, weights_version),
+                                       f"the broadcast of weights version {weights_version}", self.world,
+                                       self.cluster.costs.transfer_s(self.world))
+
+    def _on_send_weights(self, fut: asyncio.Future[Any], weights_version: int, timeout_s: float,
+                         *same_host: Any) -> None:
+        nbytes = self.cluster.costs.weights_bytes
+
+        def sent() -> dict[str, Any]:
+            self.weights_version, self.checksum = weights_version, checksum_of(weights_version)
+            self.progress += 1
+            return {"checksum": self.checksum, "nbytes": nbytes, "rejected": {}, "routes": {}, "shm_fallback": None,
+                    "node_copy": None, "node_spare": None}
+
+        self._broadcast(weights_version).arrive(self.rank, self, fut, sent)
+
+    def _on_receive_weights(self, fut: asyncio.Future[Any], weights_version: int, src: int, timeout_s: float,
+                            *planned: Any) -> None:
+        nbytes = self.cluster.costs.weights_bytes
+
+        def staged() -> dict[str, Any]:
+            self.staged = weights_version
+            self.progress += 1
+            return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version,
+                    "staging_bytes": nbytes, "node_copy": None}
+
+        self._broadcast(weights_version).arrive(self.rank, self, fut, staged)
+
+    def _on_commit_weights(self, fut: asyncio.Future[Any], weights_version: int) -> None:
+        def committed() -> dict[str, Any]:
+            if self.staged != weights_version:
+                exc = FTError(f"{self.name}: asked to commit weights version {weights_version} but staged "
+                              f"{'nothing' if self.staged is None else f'version {self.staged}'}")
+                raise RemoteError(exc, str(exc))
+            self.weights_version, self.checksum, self.staged = weights_version, checksum_of(weights_version), None
+            self.progress += 1
+            return {"checksum": self.checksum, "received": self.checksum, "weights_version": weights_version,
+                    "held_bytes": 0}
+
+        self._after(fut, self.cluster.costs.call_s + self.cluster.costs.load_s(), committed)
+
+    def _on_discard_weights(self, fut: asyncio.Future[Any]) -> None:
+        self.staged = None
+        self._reply(fut)
+
+    def _on_reserve_staging(self, fut: asyncio.Future[Any], nbytes: int) -> None:
+        self._reply(fut)
+
+    def _point_to_point(self, src: int, dst: int) -> Collective:
+        return self.cluster.collective(("p2p", self.group_version, src, dst), "a point-to-point transfer", 2,
+                                       self.cluster.costs.transfer_s(2))
+
+    def _on_send_weights_to(self, fut: asyncio.Future[Any], peer: int, timeout_s: float, *same_host: Any) -> None:
+        version, checksum, nbytes = self.weights_version, self.checksum, self.cluster.costs.weights_bytes
+
+        def sent() -> dict[str, Any]:
+            self.progress += 1
+            return {"checksum": checksum, "nbytes": nbytes, "weights_version": version}
+
+        self._point_to_point(self.rank, peer).arrive(self.rank, self, fut, sent)
+
+    def _on_receive_weights_from(self, fut: asyncio.Future[Any], src: int, weights_version: int, checksum: str,
+                                 timeout_s: float, *same_host: Any) -> None:
+        nbytes = self.cluster.costs.weights_bytes
+
+        def received() -> dict[str, Any]:
+            self.weights_version, self.checksum = weights_version, checksum
+            self.progress += 1
+            return {"checksum": checksum, "received": checksum, "nbytes": nbytes, "weights_version": weights_version}
+
+        self._point_to_point(src, self.rank).arrive(self.rank, self, fut, received)
+
+    def _on_trainer_checksum(self, fut: asyncio.Future[Any]) -> None:
+        self._reply(fut, self.checksum)
+
+    def _on_call(self, fut: asyncio.Future[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 logged: bool = False) -> None:
+        costs = self.cluster.costs
+        seconds = costs.call_s + (costs.train_step_s if self.role == "trainer" and method == "train_step" else 0.0)
+
+        def done() -> None:
+            self.progress += 1
+
+        self._after(fut, seconds, done)
+
+
+def _raiser(exc: BaseException) -> Callable[[], Any]:
+    def outcome() -> Any:
+        raise exc
+
+    return outcome
+
+
+class SimulatedStore:
+    """The rendezvous store of a simulated cluster: who registered for which group version,
+    and which versions are fenced (superseded: their waiters get ``StaleGroupVersion``)."""
+
+    def __init__(self, cluster: Any, host: str, port: int) -> None:
+        from ftstate.transport.store import StoreAddress
+
+        self.cluster = cluster
+        self.address = StoreAddress(host, port)
+        self._current: dict[str, int] = {}
+        self._versions: dict[tuple[str, int], Collective] = {}
+
+    def register(self, group: str, version: int, rank: int, world_size: int, member: SimulatedMember,
+                 fut: asyncio.Future[Any], timeout_s: float) -> None:
+        loop = self.cluster.loop
+        current = self._current.get(group, 0)
+        if current > version:
+            exc = StaleGroupVersion(group, got=version, current=current, peer=member.name)
+            loop.call_at(loop.time() + self.cluster.costs.call_s, _fail, fut, RemoteError(exc, str(exc)))
+            return
+        key = (group, version)
+        rendezvous = self._versions.get(key)
+        if rendezvous is None:
+            rendezvous = self._versions[key] = Collective(loop, f"the rendezvous of {group} v{version}", world_size,
+                                                          self.cluster.costs.group_form_s, 0.0)
+        rendezvous.arrive(rank, member, fut, lambda: member.joined(version, rank, world_size))
+        member.collectives.pop(rendezvous, None)  # waiting in a rendezvous is not being busy in a transfer
+        timeout = RendezvousTimeout(f"rendezvous of group {group!r} version {version}", key="init_timeout_s",
+                                    seconds=timeout_s, member=member.name, group_version=version)
+        timer = loop.call_at(loop.time() + timeout_s, _fail, fut, RemoteError(timeout, str(timeout)))
+        fut.add_done_callback(lambda _f: timer.cancel())
+
+    def arrived(self, group: str, version: int) -> list[int]:
+        rendezvous = self._versions.get((group, version))
+        return sorted(rendezvous.arrivals) if rendezvous is not None else []
+
+    def fence(self, group: str, version: int) -> int:
+        current = max(self._current.get(group, 0), version)
+        self._current[group] = current
+        loop = self.cluster.loop
+        for (g, v), rendezvous in list(self._versions.items()):
+            if g != group or v >= current:
+                continue
+            del self._versions[(g, v)]
+            if rendezvous.started_at is not None:
+                continue
+            rendezvous.broken = f"version {v} fenced"
+            for member, fut, _ in rendezvous.arrivals.values():
+                exc = StaleGroupVersion(group, got=v, current=current, peer=member.name)
+                loop.call_at(loop.time(), _fail, fut, RemoteError(exc, str(exc)))
+        return current
+
+    def close(self) -> None:
+        self._versions.clear()
+
+
+__all__ = ["Collective", "SimulatedMember", "SimulatedStore", "checksum_of"]

@@ -1,0 +1,128 @@
+"""Failure mixes (what fails, how often, with what effect on a job) and the schedules drawn
+from them.
+
+The default mix is Llama 3's: 54 days of pre-training on 16,384 H100 GPUs had 466 job
+interruptions, 419 of them unexpected, by root cause (Dubey et al., *The Llama 3 Herd of
+Models*, arXiv:2407.21783, 2024, section 3.3.4 and Table 5). Each cause is given the effect it
+has on an ftstate job:
+
+- ``member``: the process on a GPU dies (a faulty GPU, its HBM3 or SRAM, its system
+  processor, a software bug, silent data corruption that a checksum or the job catches…);
+- ``node``: the whole node goes (its network switch or cable, its NIC, power, chassis, CPU,
+  system memory, disk);
+- ``hang``: the process stops answering but stays up (an NCCL watchdog timeout);
+- ``maintenance``: the node is taken for host maintenance with notice: ftstate drains it
+  (``detect_node_maintenance``), the status quo loses its work since the last checkpoint.
+
+Rates are per GPU-day (Llama 3's: 419 / (54 × 16,384) ≈ 4.7e-4, one interruption every ~3
+hours for the whole job); a member holding ``gpus_per_member`` GPUs fails that many times as
+often. A schedule is a seeded Poisson process over the job's duration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping
+
+from ftstate.core.errors import ConfigError
+
+EFFECTS = ("member", "node", "hang", "maintenance")
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureMix:
+    """A named mix: counts of interruptions by cause (cause → (count, effect)) observed over
+    ``gpu_days`` GPU-days; source: where the figures come from."""
+
+    name: str
+    causes: Mapping[str, tuple[int, str]]
+    gpu_days: float
+    source: str
+
+    def __post_init__(self) -> None:
+        for cause, (count, effect) in self.causes.items():
+            if effect not in EFFECTS:
+                raise ConfigError(f"mix.{cause}", f"effect {effect!r}: expected one of {', '.join(EFFECTS)}")
+            if not isinstance(count, int) or count < 0:
+                raise ConfigError(f"mix.{cause}", f"count {count!r}: expected an integer >= 0")
+
+    @property
+    def total(self) -> int:
+        return sum(c for c, _ in self.causes.values())
+
+    @property
+    def per_gpu_day(self) -> float:
+        """Interruptions per GPU-day, all causes."""
+        return self.total / self.gpu_days
+
+
+LLAMA3 = FailureMix(
+    name="llama3",
+    causes={
+        "faulty GPU": (148, "member"),
+        "GPU HBM3 memory": (72, "member"),
+        "software bug": (54, "member"),
+        "network switch/cable": (35, "node"),
+        "host maintenance": (32, "maintenance"),
+        "GPU SRAM memory": (19, "member"),
+        "GPU system processor": (17, "member"),
+        "NIC": (7, "node"),
+        "NCCL watchdog timeout": (7, "hang"),
+        "silent data corruption": (6, "member"),
+        "GPU thermal interface and sensor": (6, "member"),
+        "SSD": (3, "node"),
+        "power supply": (3, "node"),
+        "server chassis": (2, "node"),
+        "IO expansion board": (2, "node"),
+        "dependency": (2, "member"),
+        "CPU": (2, "node"),
+        "system memory": (2, "node"),
+    },
+    gpu_days=54 * 16384,
+    source="Dubey et al., The Llama 3 Herd of Models, arXiv:2407.21783 (2024), Table 5: 419 unexpected "
+           "interruptions in 54 days on 16,384 H100 GPUs",
+)
+
+#: The mixes ``ftstate simulate --mix`` knows, by name.
+MIXES = {LLAMA3.name: LLAMA3}
+
+
+def get_mix(name: str) -> FailureMix:
+    try:
+        return MIXES[name]
+    except KeyError:
+        raise ConfigError("mix", f"{name!r}: expected one of {', '.join(sorted(MIXES))}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """One failure of a schedule: at ``at`` seconds, ``cause`` with its ``effect``; ``pick``: a
+    draw in [0, 1) that chooses which member or node it hits."""
+
+    at: float
+    cause: str
+    effect: str
+    pick: float
+
+
+def draw_schedule(mix: FailureMix, *, gpus: float, seconds: float, seed: int) -> list[Failure]:
+    """A seeded Poisson schedule of failures of ``mix`` on a job of ``gpus`` GPUs over ``seconds``."""
+    if gpus <= 0 or seconds < 0:
+        raise ConfigError("gpus" if gpus <= 0 else "seconds", "expected a positive number")
+    rng = random.Random(seed)
+    rate = mix.per_gpu_day * gpus / 86400.0  # failures per second
+    causes = list(mix.causes)
+    weights = [mix.causes[c][0] for c in causes]
+    out: list[Failure] = []
+    t = 0.0
+    while rate > 0:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            break
+        cause = rng.choices(causes, weights)[0]
+        out.append(Failure(at=t, cause=cause, effect=mix.causes[cause][1], pick=rng.random()))
+    return out
+
+
+__all__ = ["EFFECTS", "LLAMA3", "MIXES", "Failure", "FailureMix", "draw_schedule", "get_mix"]

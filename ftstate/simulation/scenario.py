@@ -1,0 +1,110 @@
+"""A run of the real controller on a simulated cluster: the shape of the job, its config, and
+the faults to inject at given virtual times.
+
+:func:`simulated_runtime` builds the :class:`~ftstate.controller.runtime.Runtime` exactly as a
+user would (a :class:`~ftstate.core.config.RuntimeConfig`, worker classes), handing it a
+:class:`~ftstate.simulation.cluster.SimulatedCluster` as its backend and an audit trail on the
+loop's virtual clock (``ts`` too: a seeded run writes the same bytes). The worker classes are
+never constructed: a simulated member only models what the controller sees of them.
+
+:class:`Shape` is the job: trainer ranks (one: several ranks' sharded sync is not simulated
+yet), rollouts, spares per role, nodes and what each holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ftstate.controller.runtime import Runtime
+from ftstate.core.audit import AuditTrail
+from ftstate.core.config import RuntimeConfig
+from ftstate.core.errors import ConfigError
+from ftstate.core.worker import RolloutWorker, TrainerWorker
+from ftstate.simulation.cluster import SimulatedCluster
+from ftstate.simulation.costs import Costs
+
+#: Where the virtual clock's epoch lies (the trail's ``ts`` of virtual time 0): fixed, so that
+#: two runs of one seed write the same bytes.
+EPOCH = 1_767_225_600.0  # 2026-01-01T00:00:00Z
+
+
+class SimulatedTrainer(TrainerWorker):
+    """The trainer class a simulated run names (never constructed: see the module docstring)."""
+
+
+class SimulatedRollout(RolloutWorker):
+    """The rollout class a simulated run names (never constructed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The job: ``rollouts`` rollout engines and one trainer, ``spares`` prewarmed spares per
+    role (standby mode; 0: cold mode), on ``nodes`` nodes. Each node gets the CPUs its share
+    of members needs plus ``headroom`` (room for spares and replacements)."""
+
+    rollouts: int
+    nodes: int = 1
+    spares: int = 1
+    headroom: int = 1
+
+    def __post_init__(self) -> None:
+        for name, low in (("rollouts", 1), ("nodes", 1), ("spares", 0), ("headroom", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(name, f"{value!r}: expected an integer >= {low}")
+
+    @classmethod
+    def of(cls, members: int, nodes: int | None = None) -> Shape:
+        """A job of ``members`` members in all (the trainer, the rollouts and one spare per role
+        per 100 members), 8 members a node unless ``nodes`` is given."""
+        if not isinstance(members, int) or isinstance(members, bool) or members < 4:
+            raise ConfigError("members", f"{members!r}: expected an integer >= 4")
+        spares = max(1, members // 200)
+        nodes = nodes if nodes is not None else max(1, math.ceil(members / 8))
+        return cls(rollouts=members - 1 - 2 * spares, nodes=nodes, spares=spares)
+
+    @property
+    def members(self) -> int:
+        return 1 + self.rollouts + 2 * self.spares
+
+    @property
+    def cpus_per_node(self) -> int:
+        return math.ceil(self.members / self.nodes) + self.headroom
+
+
+def config_for(shape: Shape, overrides: Mapping[str, Any] | None = None) -> RuntimeConfig:
+    """The run's config: fault tolerance on (standby when there are spares), the rest the
+    defaults, then ``overrides`` (a nested dict, as ``RuntimeConfig.from_dict`` takes)."""
+    base: dict[str, Any] = {
+        "trainer_workers": 1,
+        "rollout_workers": shape.rollouts,
+        "fault_tolerance": {"enable": True, "mode": "standby" if shape.spares else "cold",
+                            "standby_workers": max(shape.spares, 1), "reverse_weight_sync": True},
+    }
+    for key, value in (overrides or {}).items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return RuntimeConfig.from_dict(base, environ={})
+
+
+def simulated_runtime(shape: Shape, *, costs: Costs | None = None, overrides: Mapping[str, Any] | None = None,
+                      audit_path: str | None = None, keep_records: bool = True,
+                      run_id: str = "sim", seed: int = 0) -> tuple[Runtime, SimulatedCluster]:
+    """The real runtime on a simulated cluster of ``shape`` (start it inside a
+    :class:`~ftstate.simulation.clock.VirtualTimeLoop`)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    cluster = SimulatedCluster(shape.nodes, cpus_per_node=shape.cpus_per_node, costs=costs, seed=seed)
+    audit = AuditTrail(audit_path, keep=keep_records, clock=loop.time, wall_clock=lambda: EPOCH + loop.time())
+    rt = Runtime(config_for(shape, overrides), trainer=SimulatedTrainer, rollout=SimulatedRollout,
+                 run_id=run_id, audit=audit, backend=cluster)
+    return rt, cluster
+
+
+__all__ = ["EPOCH", "Shape", "SimulatedRollout", "SimulatedTrainer", "config_for", "simulated_runtime"]

@@ -1,0 +1,55 @@
+"""The real controller at 10,000 simulated members: a node lost and a node drained (issue 27).
+
+One run, in virtual time on one core (~30 s here): 10,000 members (one trainer, 9,899 rollouts,
+50 spares per role) on 1,250 nodes; a sync, a whole node lost (its 8 members replaced in one
+failover round), a sync, a node drained for maintenance (its members moved, no failover
+spent), a sync. What it holds is behaviour at scale: every rollout serving the current
+version after each step, one group version per round, the budget spent once per lost member.
+The CPU figures are ``benchmarks/controller_scale.py``'s (docs/benchmarks.md), not this test's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ftstate.simulation import clock
+from ftstate.simulation.scenario import Shape, simulated_runtime
+
+MEMBERS = 10_000
+
+
+def test_ten_thousand_members_survive_a_node_loss_and_a_drain():
+    shape = Shape.of(MEMBERS)
+    assert (shape.members, shape.nodes) == (MEMBERS, 1250)
+
+    async def main():
+        rt, cluster = simulated_runtime(shape, keep_records=True,
+                                        overrides={"heartbeat_timeout_s": 3.0,
+                                                   "fault_tolerance": {"max_failovers": 100}})
+        await rt.start()
+        first = await rt.sync()
+        assert len(first.rollouts) == shape.rollouts
+        version = rt.group_version
+
+        lost_node = next(m.node_id for m in rt.members() if m.member == "rollout-17")
+        lost = [n for n in cluster.lose_node(lost_node) if not n.startswith("spare")]
+        await asyncio.sleep(8)  # its members found by their heartbeats (heartbeat_timeout_s 3), replaced
+        after_loss = await rt.sync()
+        assert sorted(f.lost for f in rt.failovers) == sorted(lost) and len(lost) >= 7
+        assert {f.group_version for f in rt.failovers} == {version + 1}  # one round for the node
+        assert len(after_loss.rollouts) == shape.rollouts and not set(lost) & set(after_loss.rollouts)
+
+        drained_node = next(m.node_id for m in rt.members() if m.member == "rollout-42")
+        record = await rt.drain(drained_node, reason="host maintenance", source="simulation", kind="maintenance")
+        assert record.outcome == "drained" and len(record.moved) >= 7
+        after_drain = await rt.sync()
+        assert len(after_drain.rollouts) == shape.rollouts
+        assert not set(record.moved) & set(after_drain.rollouts)
+        on_node = [m.member for m in rt.members() if m.node_id == drained_node and m.rank >= 0
+                   and m.state not in ("RETIRED", "LOST")]
+        assert on_node == []
+        spent = [r for r in rt.audit.records if r["event"] == "budget_spent"]
+        assert len(spent) == len(lost)  # the drain spent nothing
+        await rt.close()
+
+    clock.run(main())

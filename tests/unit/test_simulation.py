@@ -1,0 +1,304 @@
+"""The simulated cluster and the real controller on it, in virtual time (issue 27; no Ray).
+
+The first classes hold the simulated cluster to what the controller relies on of Ray: a
+member answers once its process is up, a death fails the calls pending on it, a hung member
+answers nothing, a node loss takes every process on it, placement keeps to its strategy. The
+later ones run the real :class:`~ftstate.controller.runtime.Runtime` on it: a sync, a failover,
+a node loss as one round, a drain, an exhausted budget, and a seed that gives the same trail
+byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, RemoteError
+from ftstate.core.config import RolePlacement
+from ftstate.core.errors import (
+    ConfigError,
+    FailoverBudgetExhausted,
+    PlacementUnsatisfiable,
+    StaleGroupVersion,
+)
+from ftstate.simulation import clock
+from ftstate.simulation.cluster import SimulatedCluster
+from ftstate.simulation.costs import Costs
+from ftstate.simulation.scenario import Shape, simulated_runtime
+
+QUIET = Costs(jitter=0.0)
+
+
+def run(coro):
+    return clock.run(coro)
+
+
+def spread(**kw) -> RolePlacement:
+    return RolePlacement(**{"strategy": "SPREAD", **kw})
+
+
+def started(cluster: SimulatedCluster, name: str, pool=None, slot: int = 0):
+    pool = pool or cluster.resource_pool("r", name, 1, cpus=1, gpus=0, placement=spread())
+    return cluster.start_actor(name=name, run_id="r", pool=pool, slot=slot, role="rollout", user_class=object,
+                               args=(), kwargs={}, host={})
+
+
+class TestVirtualTime:
+    def test_an_hour_of_sleeping_costs_no_real_time(self):
+        async def main():
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(3600)
+            return loop.time()
+
+        t0 = time.perf_counter()
+        assert run(main()) == pytest.approx(3600)
+        assert time.perf_counter() - t0 < 1.0
+
+    def test_timers_fire_in_order_of_their_virtual_times(self):
+        async def main():
+            order = []
+
+            async def after(s, tag):
+                await asyncio.sleep(s)
+                order.append((asyncio.get_running_loop().time(), tag))
+
+            await asyncio.gather(after(2.0, "b"), after(0.5, "a"), after(7.0, "c"))
+            return order
+
+        assert run(main()) == [(0.5, "a"), (2.0, "b"), (7.0, "c")]
+
+
+class TestSimulatedMembers:
+    def test_a_member_answers_once_its_process_is_up(self):
+        async def main():
+            cluster = SimulatedCluster(2, costs=QUIET)
+            m = started(cluster, "rollout-0")
+            info = await cluster.call(m, "info", (), None)
+            return asyncio.get_running_loop().time(), info
+
+        t, info = run(main())
+        assert t == pytest.approx(QUIET.start_s + QUIET.call_s)
+        assert info["member"] == "rollout-0" and info["node_id"] == "n0000000"
+
+    def test_a_death_fails_the_pending_call_after_the_detection_latency(self):
+        async def main():
+            cluster = SimulatedCluster(1, costs=QUIET)
+            m = started(cluster, "rollout-0")
+            await cluster.call(m, "info", (), None)
+            loop = asyncio.get_running_loop()
+            vigil = asyncio.ensure_future(cluster.call(m, "vigil", (), None))
+            await asyncio.sleep(5)
+            assert not vigil.done()  # a vigil stays pending while the process lives
+            t0 = loop.time()
+            cluster.kill_member("rollout-0")
+            with pytest.raises(ActorDied, match="SIGKILL"):
+                await vigil
+            return loop.time() - t0
+
+        assert run(main()) == pytest.approx(QUIET.death_detect_s)
+
+    def test_a_hung_member_answers_nothing_and_a_bounded_call_times_out(self):
+        async def main():
+            cluster = SimulatedCluster(1, costs=QUIET)
+            m = started(cluster, "rollout-0")
+            await cluster.call(m, "info", (), None)
+            cluster.hang_member("rollout-0")
+            with pytest.raises(CallTimedOut):
+                await cluster.call(m, "heartbeat", (), 1.0)
+
+        run(main())
+
+    def test_a_lost_node_goes_silent_then_unreachable_then_dead_as_on_ray(self):
+        async def main():
+            cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
+            pool = cluster.resource_pool("r", "rollout", 4, cpus=1, gpus=0, placement=RolePlacement(strategy="PACK"))
+            ms = [started(cluster, f"rollout-{i}", pool, i) for i in range(4)]
+            await asyncio.gather(*(cluster.call(m, "info", (), None) for m in ms))
+            loop = asyncio.get_running_loop()
+            vigil = asyncio.ensure_future(cluster.call(ms[0], "vigil", (), None))
+            await asyncio.sleep(0)
+            t0 = loop.time()
+            assert cluster.lose_node("n0000000") == [f"rollout-{i}" for i in range(4)]
+            assert [n["node_id"] for n in cluster.nodes()] == ["n0000001"]
+            with pytest.raises(CallTimedOut):  # a heartbeat gets no answer
+                await cluster.call(ms[1], "heartbeat", (), 1.0)
+            with pytest.raises(ActorUnreachable):  # an unbounded call: unreachable after a while
+                await cluster.call(ms[1], "info", (), None)
+            assert loop.time() - t0 == pytest.approx(1.0 + QUIET.unreachable_s)
+            assert not vigil.done()  # nobody said it died: Ray's health check has not given up yet
+            with pytest.raises(ActorDied, match="node lost"):
+                await vigil
+            return loop.time() - t0
+
+        assert run(main()) == pytest.approx(QUIET.node_dead_s + QUIET.death_detect_s)
+
+    def test_a_fenced_version_releases_its_waiters_as_stale(self):
+        async def main():
+            cluster = SimulatedCluster(1, costs=QUIET)
+            store = cluster.rendezvous_store("10.0.0.1")
+            m = started(cluster, "rollout-0")
+            join = asyncio.ensure_future(cluster.call(
+                m, "join", (store.address.host, store.address.port, "weights", 1, 0, 2, 600.0), None))
+            await asyncio.sleep(4)
+            assert store.arrived("weights", 1) == [0] and not join.done()  # waiting for rank 1
+            store.fence("weights", 2)
+            with pytest.raises(RemoteError) as info:
+                await join
+            return info.value.cause
+
+        assert isinstance(run(main()), StaleGroupVersion)
+
+
+class TestSimulatedPlacement:
+    def test_spread_deals_the_slots_round_the_nodes(self):
+        cluster = SimulatedCluster(3, cpus_per_node=4)
+        pool = cluster.resource_pool("r", "rollout", 6, cpus=1, gpus=0, placement=spread())
+        assert list(pool.slot_nodes().values()) == ["n0000000", "n0000001", "n0000002"] * 2
+
+    def test_a_pool_no_state_of_the_cluster_could_hold_is_refused_naming_it(self):
+        cluster = SimulatedCluster(2, cpus_per_node=2)
+        with pytest.raises(PlacementUnsatisfiable, match="rollout"):
+            cluster.resource_pool("r", "rollout", 5, cpus=1, gpus=0, placement=spread())
+
+    def test_a_spare_goes_off_the_nodes_it_must_avoid(self):
+        cluster = SimulatedCluster(3, cpus_per_node=4)
+        pool = cluster.spare_pool("r", "standby", 3, cpus=1, gpus=0, placement=spread())
+        slot = pool.take({"n0000000", "n0000001"})
+        assert pool.slot_nodes()[slot] == "n0000002"
+        with pytest.raises(PlacementUnsatisfiable):
+            pool.take({"n0000000", "n0000001", "n0000002"}, strict=True)
+
+    def test_bad_shapes_are_refused_naming_the_field(self):
+        with pytest.raises(ConfigError, match="nodes"):
+            SimulatedCluster(0)
+        with pytest.raises(ConfigError, match=r"costs\.bandwidth_Bps"):
+            Costs(bandwidth_Bps=0)
+        with pytest.raises(ConfigError, match="rollouts"):
+            Shape(rollouts=0)
+
+
+def transitions(rt, member: str) -> list[tuple[str, str, str]]:
+    return [(r["from"], r["to"], r["trigger"]) for r in rt.audit.records
+            if r["event"] == "transition" and r.get("member") == member]
+
+
+class TestTheControllerOnASimulatedCluster:
+    def test_a_sync_reaches_every_rollout_and_a_killed_one_is_replaced_by_its_spare(self):
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=3, nodes=3, spares=1), costs=QUIET)
+            await rt.start()
+            report = await rt.sync()
+            assert report.rollouts == ("rollout-0", "rollout-1", "rollout-2")
+            cluster.kill_member("rollout-1")
+            await asyncio.sleep(1)
+            report = await rt.sync()
+            await rt.close()
+            return rt, report
+
+        rt, report = run(main())
+        assert report.weights_version == 2 and "spare-rollout-1" in report.rollouts
+        assert [f.lost for f in rt.failovers] == ["rollout-1"] and rt.failovers[0].replacement == "spare-rollout-1"
+        assert transitions(rt, "rollout-1")[-2:] == [("READY", "LOST", "died"), ("LOST", "RETIRED", "retire")]
+
+    def test_a_lost_node_is_one_failover_round_under_one_group_version(self):
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=8, nodes=4, spares=2), costs=QUIET,
+                                            overrides={"fault_tolerance": {"max_failovers": 10}})
+            await rt.start()
+            await rt.sync()
+            version = rt.group_version
+            node = next(m.node_id for m in rt.members() if m.member == "rollout-1")
+            lost = [n for n in cluster.lose_node(node) if not n.startswith("spare")]
+            await asyncio.sleep(20)  # found by heartbeats (heartbeat_timeout_s 10), then replaced
+            await rt.sync()
+            await rt.close()
+            return rt, lost, version
+
+        rt, lost, version = run(main())
+        assert len(lost) >= 2 and sorted(f.lost for f in rt.failovers) == sorted(lost)
+        assert {f.group_version for f in rt.failovers} == {version + 1}  # one round
+        assert any(r["event"] == "node_lost" for r in rt.audit.records)
+
+    def test_a_drain_moves_the_members_off_the_node_and_spends_no_failover(self):
+        async def main():
+            rt, _ = simulated_runtime(Shape(rollouts=4, nodes=3, spares=1, headroom=4), costs=QUIET)
+            await rt.start()
+            await rt.sync()
+            node = next(m.node_id for m in rt.members() if m.member == "rollout-1")
+            record = await rt.drain(node, reason="host maintenance", source="simulation", kind="maintenance")
+            await rt.sync()
+            left = [m.member for m in rt.members() if m.node_id == node and m.state not in ("RETIRED", "LOST")]
+            await rt.close()
+            return rt, record, left
+
+        rt, record, left = run(main())
+        assert record.outcome == "drained" and "rollout-1" in record.moved
+        assert left == [] and rt.failovers == []
+
+    def test_a_loss_past_max_failovers_ends_the_run_with_the_budget_error(self):
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=4, nodes=1, spares=1, headroom=4), costs=QUIET,
+                                            overrides={"fault_tolerance": {"max_failovers": 1}})
+            await rt.start()
+            await rt.sync()
+            cluster.kill_member("rollout-0")
+            await rt.sync()
+            cluster.kill_member("rollout-1")
+            await asyncio.sleep(1)
+            state = rt.state
+            with pytest.raises(FailoverBudgetExhausted, match="max_failovers=1"):
+                await rt.sync()
+            await rt.close()
+            return state
+
+        assert run(main()) == "FAILED"
+
+    def test_no_ray_and_no_torch_are_imported_by_a_simulated_run(self):
+        code = ("import sys, asyncio\n"
+                "from ftstate.simulation import clock\n"
+                "from ftstate.simulation.scenario import Shape, simulated_runtime\n"
+                "async def main():\n"
+                "    rt, cluster = simulated_runtime(Shape(rollouts=2))\n"
+                "    await rt.start(); await rt.sync(); cluster.kill_member('rollout-0')\n"
+                "    await asyncio.sleep(1); await rt.sync(); await rt.close()\n"
+                "clock.run(main())\n"
+                "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        assert out.strip() == "[]"
+
+
+def seeded_trail(tmp_path, seed: int, name: str) -> bytes:
+    async def main():
+        path = tmp_path / name
+        rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=3, spares=1), audit_path=str(path), seed=seed,
+                                        overrides={"fault_tolerance": {"max_failovers": 10}})
+        await rt.start()
+        await rt.sync()
+        cluster.kill_member("rollout-2")
+        await rt.sync()
+        cluster.kill_member("trainer-0")
+        await asyncio.sleep(1)
+        await rt.sync()
+        cluster.lose_node(next(m.node_id for m in rt.members() if m.member == "rollout-4"))
+        await asyncio.sleep(20)
+        await rt.sync()
+        await rt.close()
+        return path.read_bytes()
+
+    return run(main())
+
+
+class TestReproducible:
+    def test_a_seed_gives_the_same_trail_byte_for_byte(self, tmp_path):
+        first, second = seeded_trail(tmp_path, 7, "a.jsonl"), seeded_trail(tmp_path, 7, "b.jsonl")
+        assert first == second
+        events = [json.loads(line)["event"] for line in first.splitlines()]
+        assert events.count("failover") >= 3  # the faults happened: it is not an empty run twice
+
+    def test_another_seed_gives_other_timings(self, tmp_path):
+        assert seeded_trail(tmp_path, 7, "a.jsonl") != seeded_trail(tmp_path, 8, "b.jsonl")
