@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -123,6 +124,59 @@ def test_a_reserved_staging_buffer_is_the_one_the_next_transfer_fills(server):
     _, got = sync(comms, sender, small, state(2), 2)
     assert got._flat.untyped_storage().data_ptr() != too_small
     assert state_checksum(got.tensors) == state_checksum(state(2))
+
+
+class _SlowReserve:
+    """The receiver's reserve lock, held 0.5 s longer than the allocation takes (a reserve of a
+    large buffer, page-faulting on a busy machine): what the transfer meets right after it."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.lock, self.receiver, self.reserved = threading.Lock(), receiver, None
+
+    def __enter__(self):
+        self.lock.acquire()
+        time.sleep(0.5)
+
+    def __exit__(self, *exc):
+        if self.receiver._spare is not None:
+            self.reserved = self.receiver._spare[0].untyped_storage().data_ptr()
+        self.lock.release()
+
+    def acquire(self, timeout: float = -1) -> bool:
+        return self.lock.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def test_a_transfer_that_arrives_during_its_reserve_fills_the_reserved_buffer(server):
+    """A spare promoted while it still reserves its staging buffer: the transfer waits for that
+    buffer instead of allocating a second one beside it (both page-faulted at once made the
+    first failover after a sync 3-5x slower, issue 28), and lands in it bit-exact."""
+    comms = form(server, 2)
+    sender, receiver = Sender(bucket_size=BUCKET), Receiver()
+    slow = receiver._reserving = _SlowReserve(receiver)
+    nbytes = sum(t.numel() * t.element_size() for t in state(1).values())
+    reserving = threading.Thread(target=receiver.reserve, args=(nbytes + 4096, torch.device("cpu")))
+    reserving.start()
+    deadline = time.monotonic() + 5
+    while not slow.lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _, got = sync(comms, sender, receiver, state(1), 1)
+    reserving.join(timeout=5)
+    assert slow.reserved is not None and got._flat.untyped_storage().data_ptr() == slow.reserved
+    assert state_checksum(got.tensors) == state_checksum(state(1))
+
+
+def test_a_reserve_that_never_ends_is_waited_for_only_until_the_bound(server):
+    receiver = Receiver()
+    receiver._reserving.acquire()  # a reserve stuck (as if its thread never came back)
+    try:
+        t0 = time.monotonic()
+        buf, _ = receiver._staging(4096, torch.device("cpu"), wait_s=0.2)
+        assert 0.15 < time.monotonic() - t0 < 2 and buf.numel() >= 4096  # its own buffer, after the bound
+    finally:
+        receiver._reserving.release()
 
 
 def test_initial_weights_are_committed_and_kept_on_a_rejected_update(server):
