@@ -126,6 +126,28 @@ async def test_a_newcomer_and_a_new_trainer_are_rebuilt_from_an_engines_own_weig
         await finish(rt, tmp_path)
 
 
+async def test_a_trainer_rebuilt_from_a_rollout_keeps_no_copy_beside_its_own_state(ray_cluster, tmp_path):
+    """Reverse recovery hands the received tensors to ``load_state_dict`` and the transport
+    lets go of them: the new trainer holds what its ``state_dict()`` holds and nothing more
+    (it used to keep the received version and hand over a clone of it: 2x its weights, and
+    the clone's page faults the largest stage of a 512 MB trainer failover, issue 28)."""
+    rt = runtime(tmp_path, ResidentRollout)
+    await rt.start()
+    try:
+        report = await two_syncs(rt)
+        [old] = [m.pid for m in rt.members() if m.role == "trainer"]
+        before = rss(old)
+        await rt.chaos.kill("trainer", 0)
+        await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the trainer failover")
+        assert rt.failovers[0].role == "trainer" and rt.failovers[0].resynced
+        assert await rt.trainer("checksum") == report.checksum
+        [new] = [m.pid for m in rt.members() if m.role == "trainer" and m.state == "READY"]
+        assert rss(new) <= before + 0.5 * WEIGHTS, (rss(new) - before) / WEIGHTS
+        await assert_consistent(rt)
+    finally:
+        await finish(rt, tmp_path)
+
+
 async def test_a_failed_sync_leaves_the_engine_untouched_and_a_scribbled_engine_fails_its_proof(ray_cluster,
                                                                                                 tmp_path):
     rt = runtime(tmp_path, HeldResidentRollout, enable=False)  # no retry: the failed sync surfaces
