@@ -90,7 +90,7 @@ class Collective:
             member.collectives.pop(self, None)
             member.answer_later(fut, outcome)
 
-    def _left(self, member: SimulatedMember, fut: asyncio.Future[Any]) -> None:
+    def _left(self, member: SimulatedMember, fut: asyncio.Future[Any] | None) -> None:
         # A participant's call ended: normal at the finish; before it, the collective breaks.
         member.collectives.pop(self, None)
         if self.broken is not None or (self.started_at is not None and self.loop.time() >= self.started_at + self.cost_s):
@@ -211,6 +211,11 @@ class SimulatedMember:
         (``Costs.node_dead_s``, the cluster's to say) its calls get no answer: those pending
         stay pending, new ones fail as unreachable after ``Costs.unreachable_s``."""
         self.cut_off = True
+        # Its process died with the node: its sockets closed, so its peers in a collective hear
+        # it at once (a real gloo peer raises as soon as the connection resets), while the
+        # controller's own calls to it go unanswered.
+        for c in list(self.collectives):
+            c._left(self, None)
 
     # -- what the controller calls (WorkerHost's methods) -----------------------------------
 
