@@ -10,8 +10,10 @@ measures the process's CPU seconds (``time.process_time``: real CPU, not virtual
 - heartbeat interval: one ``heartbeat_interval_s`` with nothing happening but the watchdog
   (mean of ``--intervals``), and the same with the garbage collector off (what the Python
   collector costs of it: its full collections walk every live object);
-- failover of one member: a rollout SIGKILLed, until its replacement serves;
-- failover of one node: a node's 8 members lost at once, until all are replaced (one round);
+- failover of one member: a rollout SIGKILLed, from the loss noticed (the group leaves READY)
+  until its replacement serves and the group is READY;
+- failover of one node: a node's 8 members lost at once (found by their heartbeats, as on
+  Ray), from the loss noticed until all are replaced (one round);
   each also net of the heartbeats that ran meanwhile (its virtual duration times the
   watchdog's CPU per second), which is the round's own cost;
 
@@ -56,10 +58,14 @@ async def _until(done: Callable[[], bool], step: float = 0.01, limit: float = 60
         await asyncio.sleep(step)
 
 
-async def _failover_round(rt: Any) -> None:
-    """Until the group has noticed the loss and is READY again (the round is over)."""
-    await _until(lambda: rt.state != "READY")
-    await _until(lambda: rt.state == "READY")
+async def _failover_round(rt: Any) -> tuple[float, float]:
+    """Wait until the group has noticed the loss (left READY: detection, the heartbeats' work)
+    and is READY again; returns the CPU and the virtual seconds of that round."""
+    loop = asyncio.get_running_loop()
+    await _until(lambda: rt.state != "READY", step=0.005)
+    t, v = time.process_time(), loop.time()
+    await _until(lambda: rt.state == "READY", step=0.005)
+    return time.process_time() - t, loop.time() - v
 
 
 async def measure(members: int, syncs: int, intervals: int, trail: str) -> dict[str, Any]:
@@ -88,21 +94,14 @@ async def measure(members: int, syncs: int, intervals: int, trail: str) -> dict[
         out["heartbeat_interval_gc_off_s"] = (cpu() - t) / intervals
     finally:
         gc.enable()
-    loop = asyncio.get_running_loop()
     hb = out["heartbeat_interval_s"] / interval  # the watchdog's CPU per second of virtual time
-    t, v = cpu(), loop.time()
     cluster.kill_member("rollout-1")
-    await _failover_round(rt)
-    out["failover_member_s"] = cpu() - t
-    out["failover_member_virtual_s"] = loop.time() - v
+    out["failover_member_s"], out["failover_member_virtual_s"] = await _failover_round(rt)
     out["failover_member_net_s"] = out["failover_member_s"] - hb * out["failover_member_virtual_s"]
     node = next(m.node_id for m in rt.members() if m.member == "rollout-2")
     assert node is not None
-    t, v = cpu(), loop.time()
     out["node_members"] = len(cluster.lose_node(node))
-    await _failover_round(rt)
-    out["failover_node_s"] = cpu() - t
-    out["failover_node_virtual_s"] = loop.time() - v
+    out["failover_node_s"], out["failover_node_virtual_s"] = await _failover_round(rt)
     out["failover_node_net_s"] = out["failover_node_s"] - hb * out["failover_node_virtual_s"]
     await rt.close()
     return out

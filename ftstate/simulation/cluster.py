@@ -66,6 +66,8 @@ class SimulatedCluster(ClusterBackend):
         self.members: dict[str, SimulatedMember] = {}
         self._by_node: dict[str, dict[str, SimulatedMember]] = {nid: {} for nid in self._nodes}
         self._collectives: dict[tuple[Any, ...], Collective] = {}
+        #: Ranks of each group version whose process went with its node (their collectives fail).
+        self.gone_ranks: dict[int, set[int]] = {}
         self._stores: dict[int, SimulatedStore] = {}
         self._pids = itertools.count(1000)
         #: Nodes lost so far, in order.

@@ -90,7 +90,7 @@ class Collective:
             member.collectives.pop(self, None)
             member.answer_later(fut, outcome)
 
-    def _left(self, member: SimulatedMember, fut: asyncio.Future[Any]) -> None:
+    def _left(self, member: SimulatedMember, fut: asyncio.Future[Any] | None) -> None:
         # A participant's call ended: normal at the finish; before it, the collective breaks.
         member.collectives.pop(self, None)
         if self.broken is not None or (self.started_at is not None and self.loop.time() >= self.started_at + self.cost_s):
@@ -211,6 +211,13 @@ class SimulatedMember:
         (``Costs.node_dead_s``, the cluster's to say) its calls get no answer: those pending
         stay pending, new ones fail as unreachable after ``Costs.unreachable_s``."""
         self.cut_off = True
+        # Its process died with the node: its sockets closed, so its peers in a collective hear
+        # it at once (a real gloo peer raises as soon as the connection resets), while the
+        # controller's own calls to it go unanswered.
+        for c in list(self.collectives):
+            c._left(self, None)
+        if self.rank >= 0:  # and a collective of its group version started later fails at once too
+            self.cluster.gone_ranks.setdefault(self.group_version, set()).add(self.rank)
 
     # -- what the controller calls (WorkerHost's methods) -----------------------------------
 
@@ -266,9 +273,17 @@ class SimulatedMember:
         self._reply(fut)
 
     def _broadcast(self, weights_version: int) -> Collective:
-        return self.cluster.collective(("broadcast", self.group_version, weights_version),
-                                       f"the broadcast of weights version {weights_version}", self.world,
-                                       self.cluster.costs.transfer_s(self.world))
+        c = self.cluster.collective(("broadcast", self.group_version, weights_version),
+                                    f"the broadcast of weights version {weights_version}", self.world,
+                                    self.cluster.costs.transfer_s(self.world))
+        return self._unless_a_rank_is_gone(c, self.cluster.gone_ranks.get(self.group_version))
+
+    def _unless_a_rank_is_gone(self, c: Collective, gone: Any) -> Collective:
+        # A rank of this group version died with its node: its sockets are closed, so a
+        # collective with it fails at once for the others (as gloo's does on a reset).
+        if gone and c.broken is None:
+            c.broken = f"rank {min(gone)} of group version {self.group_version} is gone"
+        return c
 
     def _on_send_weights(self, fut: asyncio.Future[Any], weights_version: int, timeout_s: float,
                          *same_host: Any) -> None:
@@ -315,8 +330,10 @@ class SimulatedMember:
         self._reply(fut)
 
     def _point_to_point(self, src: int, dst: int) -> Collective:
-        return self.cluster.collective(("p2p", self.group_version, src, dst), "a point-to-point transfer", 2,
-                                       self.cluster.costs.transfer_s(2))
+        c = self.cluster.collective(("p2p", self.group_version, src, dst), "a point-to-point transfer", 2,
+                                    self.cluster.costs.transfer_s(2))
+        gone = self.cluster.gone_ranks.get(self.group_version, set()) & {src, dst}
+        return self._unless_a_rank_is_gone(c, gone)
 
     def _on_send_weights_to(self, fut: asyncio.Future[Any], peer: int, timeout_s: float, *same_host: Any) -> None:
         version, checksum, nbytes = self.weights_version, self.checksum, self.cluster.costs.weights_bytes
