@@ -198,9 +198,7 @@ class Failover:
             info = await self.calls.call(m.name, m.handle, "prewarm")
             if self.staging_bytes and not self._adopts(m.role, info.get("node_id")):
                 # part of warming: a STANDBY spare is ready to receive at full speed
-                nbytes = self.staging_bytes
-                await self.calls.call(m.name, m.handle, "reserve_staging", nbytes)
-                m.reserved_bytes = max(m.reserved_bytes, nbytes)
+                await self._reserve(m, self.staging_bytes)
         except WorkerInitError as exc:
             await _constructor_failed(m, exc)  # as if it died warming: LOST, then spare_lost
             return
@@ -221,11 +219,12 @@ class Failover:
         self.staging_bytes = nbytes
         spares = [m for role in ("trainer", "rollout") for m in self.membership.spares(role, "STANDBY")
                   if not self._adopts(role, m.node_id)]
-        async def reserve(m: Member) -> None:
-            await self.calls.call(m.name, m.handle, "reserve_staging", nbytes)
-            m.reserved_bytes = max(m.reserved_bytes, nbytes)
+        await asyncio.gather(*(self._reserve(m, nbytes) for m in spares), return_exceptions=True)
 
-        await asyncio.gather(*(reserve(m) for m in spares), return_exceptions=True)
+    async def _reserve(self, m: Member, nbytes: int) -> None:
+        """Have spare ``m`` reserve a staging buffer of ``nbytes`` and record that it has one."""
+        await self.calls.call(m.name, m.handle, "reserve_staging", nbytes)
+        m.reserved_bytes = max(m.reserved_bytes, nbytes)
 
     def _adopts(self, role: str, node_id: str | None) -> bool:
         """Whether a rollout spare on ``node_id`` would be resynced from its node's copy
