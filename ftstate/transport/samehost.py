@@ -391,10 +391,11 @@ class _Device:
             self.memory.release(t)
 
 
-#: This process's mappings, by group and writer pid (a new Receiver in the same process keeps
-#: using them; one per writer, so a member that reads the sender's slots in one transfer and
-#: its node relay's in another keeps both).
-_MAPPED: dict[tuple[str, int], _Mapped] = {}
+#: This process's mappings, by group, writer pid and whether that writer relays (a new Receiver
+#: in the same process keeps using them; one per writer and kind, so a member that reads the
+#: sender's slots in one transfer and its node relay's in another keeps both, and so does one
+#: whose relay sent it a newcomer's weights point to point in between).
+_MAPPED: dict[tuple[str, int, bool], _Mapped] = {}
 
 #: The slots this process writes as its node's relay, by group (kept between transfers, like
 #: a sender's, so its peers keep their mappings).
@@ -416,8 +417,9 @@ def drop_slots(sender: Sender) -> None:
     _drop(slots)
 
 
-def _unmap(group: str | None, writer: int | None = None) -> None:
-    for key in [k for k in _MAPPED if (group is None or k[0] == group) and (writer is None or k[1] == writer)]:
+def _unmap(group: str | None, writer: int | None = None, relayed: bool | None = None) -> None:
+    for key in [k for k in _MAPPED if (group is None or k[0] == group) and (writer is None or k[1] == writer)
+                and (relayed is None or k[2] == relayed)]:
         m = _MAPPED.pop(key)
         for s in m.segments:
             s.close()
@@ -518,12 +520,17 @@ def _new_slots(comm: Communicator, capacity: int, count: int, memory: DeviceMemo
     return _Slots(comm.group, comm.version, capacity, made, device=device)
 
 
-def _mappings(offer: Offer, comm: Communicator) -> _Mapped:
-    m = _MAPPED.get((comm.group, offer.pid))
+def _mappings(offer: Offer, comm: Communicator, *, relayed: bool) -> _Mapped:
+    """The writer's slots that ``offer`` names, mapped (kept from its last transfer when they
+    are the same). ``relayed``: the writer is this node's relay, not the transfer's sender. One
+    process can write both kinds (a rollout that sent a newcomer its weights point to point,
+    then relays the next sync), and each kind keeps its own slots, so each gets its own entry."""
+    key = (comm.group, offer.pid, relayed)
+    m = _MAPPED.get(key)
     if m is not None and m.names == offer.segments and m.version == comm.version \
             and (m.device.handles if m.device is not None else ()) == offer.handles:
         return m
-    _unmap(comm.group, offer.pid)
+    _unmap(comm.group, offer.pid, relayed)
     if not offer.fresh:
         raise ManifestError(f"rank {comm.rank}: the offer names segments {list(offer.segments)} this member "
                             "never mapped and that are gone", field="segments")
@@ -551,7 +558,7 @@ def _mappings(offer: Offer, comm: Communicator) -> _Mapped:
         if device is not None:
             device.release()
         raise
-    m = _MAPPED[(comm.group, offer.pid)] = _Mapped(comm.group, comm.version, offer.segments, segs, device)
+    m = _MAPPED[key] = _Mapped(comm.group, comm.version, offer.segments, segs, device)
     return m
 
 
@@ -1377,11 +1384,16 @@ def _read(
     n = len(buckets)
     at.stage = "attach"
     at.read = offer
-    mapped = _mappings(offer, comm)
+    try:
+        mapped = _mappings(offer, comm, relayed=writer != _peer_of(route))
+    finally:
+        # hello even when the slots could not be mapped: the writer hears only ranks that said
+        # hello, so the "failed" that follows (_receiver_failed) ends its wait at once instead
+        # of at the sync deadline
+        at.chan = chan = Channel.connect(offer.endpoint, comm.rank, group=comm.group, version=comm.version,
+                                         writer=writer)
+        chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
     segs = mapped.segments
-    at.chan = chan = Channel.connect(offer.endpoint, comm.rank, group=comm.group, version=comm.version,
-                                     writer=writer)
-    chan.send({"kind": "hello", "rank": comm.rank, "pid": os.getpid()})
     pids = {writer: offer.pid}
     follow = _Follower(chan, route, pids, len(segs))
     for b in buckets:

@@ -312,6 +312,13 @@ class _Member:
     def corrupt_next_bucket(self) -> None:
         self.receiver.corrupt_next_bucket()
 
+    def forget_slot_mappings(self) -> None:
+        """Unmap every writer's slots this process mapped (as one that lost them would: the
+        writer's next offer then names slots it never mapped)."""
+        from ftstate.transport import samehost
+
+        samehost._unmap(None)
+
     def reset_receiver(self) -> None:
         """Forget the committed weights, as a newcomer holds none."""
         from ftstate.transport import Receiver

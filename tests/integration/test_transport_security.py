@@ -83,10 +83,6 @@ class TestAuthenticated:
         for keyed in ("xxh3", "keyed"):
             for w in secured.members:
                 w.call("secure", secret=SECRET, integrity=keyed)
-            # a version of its own each time: in one group version, a relay transfer from rank 1 to
-            # rank 2 right after rank 1 sent to rank 2 point to point hangs with or without
-            # authentication (a separate defect of the same-host route, reported, not fixed here)
-            secured.form()
             secured.members[0].call("load", seed=3, weights_version=2)
             report = planned(secured, [], relays={1: [2]})
             assert report["routes"] == {1: "collective", 2: "relay"} and report["committed"] == [1, 2]

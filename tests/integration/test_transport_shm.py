@@ -396,6 +396,41 @@ class TestRelay:
             assert committed_checksum(group.members[2]) == expected_checksum(seed)
         assert our_segments(group) == []
 
+    def test_a_relay_that_sent_its_peer_point_to_point_in_the_same_group_version_still_relays(self, group):
+        """One process writes slots of two kinds: as its node's relay, and as the sender of a
+        newcomer's resync. Its peer keeps a mapping of each; it once kept one per process, so the
+        relay's next offer named slots the peer no longer had and the sync hung to its deadline."""
+        trainer, relay, peer = group.members
+        trainer.call("load", seed=3, weights_version=2)
+        assert planned(group, [], relays={1: [2]})["committed"] == [1, 2]
+        peer.call("reset_receiver")
+        peer.start("receive_planned", timeout_s=SYNC_S, src=1, point_to_point=True)
+        assert relay.call("send_to_planned", peer=2, timeout_s=SYNC_S, source="committed")["routes"] == {2: "shm"}
+        assert peer.result()["checksum"] == expected_checksum(3)
+        trainer.call("load", seed=4, weights_version=3)
+        report = planned(group, [], relays={1: [2]})
+        assert report["routes"] == {1: "collective", 2: "relay"} and report["committed"] == [1, 2]
+        for r in (relay, peer):
+            assert_bit_exact(r, 4)
+
+    def test_a_peer_that_cannot_map_the_relays_slots_ends_the_transfer_at_once(self, group):
+        """A peer that fails before it reads (here: the relay's kept slots are unknown to it)
+        still says so to the relay, so nobody waits for the sync deadline."""
+        trainer, relay, peer = group.members
+        assert planned(group, [], relays={1: [2]})["committed"] == [1, 2]
+        peer.call("forget_slot_mappings")
+        trainer.call("load", seed=5, weights_version=2)
+        t0 = time.monotonic()
+        for r in (relay, peer):
+            r.start("receive_planned", timeout_s=SYNC_S)
+        trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays={1: [2]})
+        outcomes = [w.outcome(SYNC_S + 5) for w in (trainer, relay, peer)]
+        assert time.monotonic() - t0 < SYNC_S / 2, outcomes
+        kind, err = outcomes[2]
+        assert kind == "err" and err.isinstance("ManifestError") and err.info["field"] == "segments", outcomes
+        assert not any(k == "err" and e.isinstance("SyncTimeout") for k, e in outcomes), outcomes
+        assert committed_checksum(peer) == expected_checksum(1)
+
     def test_a_peer_verifies_against_the_senders_seal_not_the_relay(self, group):
         planned(group, [], relays={1: [2]})
         group.members[0].call("load", seed=2, weights_version=2)
