@@ -44,14 +44,20 @@ def node_name(index: int) -> str:
 
 class SimulatedCluster(ClusterBackend):
     """``nodes`` simulated nodes (see the module docstring); costs: what each step costs;
-    seed: the seed of the answer times' jitter."""
+    seed: the seed of the answer times' jitter. per_node: for node i, the custom resources and
+    labels it has besides the common ones (``{"resources": {...}, "labels": {...}}``), so that
+    a placement aimed at one node (a real cluster's ``node_b`` resource) lands the same here."""
 
     def __init__(self, nodes: int, *, cpus_per_node: float = 8.0, gpus_per_node: float = 0.0,
-                 costs: Costs | None = None, labels: Mapping[str, str] | None = None, seed: int = 0) -> None:
+                 costs: Costs | None = None, labels: Mapping[str, str] | None = None, seed: int = 0,
+                 per_node: Sequence[Mapping[str, Any]] = ()) -> None:
         if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
             raise ConfigError("nodes", f"{nodes!r}: expected an integer >= 1")
         if not isinstance(cpus_per_node, (int, float)) or cpus_per_node <= 0:
             raise ConfigError("cpus_per_node", f"{cpus_per_node!r}: expected a number > 0")
+        if len(per_node) > nodes or any(set(extra) - {"resources", "labels"} for extra in per_node):
+            raise ConfigError("per_node", f"{list(per_node)!r}: expected at most {nodes} mappings of "
+                              "'resources' and 'labels'")
         self.costs = costs if costs is not None else Costs()
         #: The cluster's one source of chance (answer times): a run is a function of its seed.
         self.rng = random.Random(seed)
@@ -59,9 +65,11 @@ class SimulatedCluster(ClusterBackend):
         self._nodes: dict[str, dict[str, Any]] = {}
         for i in range(nodes):
             nid = node_name(i)
+            extra = per_node[i] if i < len(per_node) else {}
             self._nodes[nid] = {"node_id": nid, "address": f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}",
-                                "resources": dict(resources), "labels": dict(labels or {})}
-        self._room: dict[str, dict[str, float]] = {nid: dict(resources) for nid in self._nodes}
+                                "resources": {**resources, **extra.get("resources", {})},
+                                "labels": {**(labels or {}), **extra.get("labels", {})}}
+        self._room: dict[str, dict[str, float]] = {nid: dict(n["resources"]) for nid, n in self._nodes.items()}
         self._alive_list: list[dict[str, Any]] | None = None
         self.members: dict[str, SimulatedMember] = {}
         self._by_node: dict[str, dict[str, SimulatedMember]] = {nid: {} for nid in self._nodes}

@@ -97,14 +97,22 @@ def simulated_runtime(shape: Shape, *, costs: Costs | None = None, overrides: Ma
                       run_id: str = "sim", seed: int = 0) -> tuple[Runtime, SimulatedCluster]:
     """The real runtime on a simulated cluster of ``shape`` (start it inside a
     :class:`~ftstate.simulation.clock.VirtualTimeLoop`)."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
     cluster = SimulatedCluster(shape.nodes, cpus_per_node=shape.cpus_per_node, costs=costs, seed=seed)
-    audit = AuditTrail(audit_path, keep=keep_records, clock=loop.time, wall_clock=lambda: EPOCH + loop.time())
-    rt = Runtime(config_for(shape, overrides), trainer=SimulatedTrainer, rollout=SimulatedRollout,
-                 run_id=run_id, audit=audit, backend=cluster)
+    rt = runtime_on(cluster, config_for(shape, overrides), audit_path=audit_path, keep_records=keep_records,
+                    run_id=run_id)
     return rt, cluster
 
 
-__all__ = ["EPOCH", "Shape", "SimulatedRollout", "SimulatedTrainer", "config_for", "simulated_runtime"]
+def runtime_on(cluster: SimulatedCluster, config: RuntimeConfig, *, audit_path: str | None = None,
+               keep_records: bool = True, run_id: str = "sim") -> Runtime:
+    """The real runtime with ``config`` on ``cluster`` (a config the caller built, e.g. the very
+    one a real run used), its audit trail on the loop's virtual clock."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    audit = AuditTrail(audit_path, keep=keep_records, clock=loop.time, wall_clock=lambda: EPOCH + loop.time())
+    return Runtime(config, trainer=SimulatedTrainer, rollout=SimulatedRollout, run_id=run_id, audit=audit,
+                   backend=cluster)
+
+
+__all__ = ["EPOCH", "Shape", "SimulatedRollout", "SimulatedTrainer", "config_for", "runtime_on", "simulated_runtime"]

@@ -173,6 +173,23 @@ class TestSimulatedPlacement:
         with pytest.raises(PlacementUnsatisfiable):
             pool.take({"n0000000", "n0000001", "n0000002"}, strict=True)
 
+    def test_a_pool_aimed_at_one_nodes_resource_or_label_lands_there(self):
+        per_node = [{"resources": {"node_a": 4}, "labels": {"n": "a"}}, {"labels": {"n": "b"}}, {"labels": {"n": "c"}}]
+        cluster = SimulatedCluster(3, cpus_per_node=4, per_node=per_node)
+        pinned = cluster.resource_pool("r", "trainer", 2, cpus=1, gpus=0, placement=spread(resources={"node_a": 1}))
+        assert set(pinned.slot_nodes().values()) == {"n0000000"}
+        labelled = cluster.resource_pool("r", "rollout", 3, cpus=1, gpus=0,
+                                         placement=RolePlacement(strategy="PACK", labels={"n": "in(b,c)"}))
+        assert list(labelled.slot_nodes().values()) == ["n0000001"] * 3
+        with pytest.raises(PlacementUnsatisfiable, match="trainer"):
+            cluster.resource_pool("r", "trainer", 5, cpus=0.1, gpus=0, placement=spread(resources={"node_a": 1}))
+        with pytest.raises(ConfigError, match="per_node"):
+            SimulatedCluster(1, per_node=[{"cpus": 3}])
+
+    def test_a_transfers_fixed_cost_is_paid_per_receiver(self):
+        costs = Costs(receiver_s=0.01, weights_bytes=2 * 10**9, bandwidth_Bps=2e9, hop_s=0.0)
+        assert costs.transfer_s(2) == pytest.approx(1.01) and costs.transfer_s(4) == pytest.approx(1.03)
+
     def test_bad_shapes_are_refused_naming_the_field(self):
         with pytest.raises(ConfigError, match="nodes"):
             SimulatedCluster(0)
