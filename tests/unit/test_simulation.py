@@ -319,3 +319,51 @@ class TestReproducible:
 
     def test_another_seed_gives_other_timings(self, tmp_path):
         assert seeded_trail(tmp_path, 7, "a.jsonl") != seeded_trail(tmp_path, 8, "b.jsonl")
+
+
+class TestSeveralTrainerRanks:
+    """The sharded sync and a rank's recovery (ftstate.controller.ranks) on simulated ranks."""
+
+    @staticmethod
+    def three_ranks(main):
+        async def run_it():
+            rt, cluster = simulated_runtime(Shape(rollouts=4, nodes=3, spares=1, trainers=3, headroom=3), costs=QUIET,
+                                            overrides={"fault_tolerance": {"max_failovers": 10}})
+            await rt.start()
+            try:
+                return rt, await main(rt, cluster)
+            finally:
+                await rt.close()
+
+        return run(run_it())
+
+    def test_every_rank_sends_its_part_and_every_rollout_commits_the_whole(self):
+        async def main(rt, cluster):
+            return await rt.sync()
+
+        rt, report = self.three_ranks(main)
+        assert report.checksum == "sim-v1" and len(report.rollouts) == 4
+        [begun] = [r for r in rt.audit.records if r["event"] == "transition" and r.get("trigger") == "sync_start"]
+        assert begun["plan"]["senders"] == ["trainer-0", "trainer-1", "trainer-2"]
+        assert all(("SYNCING", "READY", "committed") in transitions(rt, f"trainer-{i}") for i in range(3))
+        assert {m.weights_version for m in rt.members() if m.rank >= 0} == {1}
+
+    def test_a_lost_rank_is_replaced_its_part_restored_and_the_calls_since_replayed(self):
+        async def main(rt, cluster):
+            await rt.sync()
+            pids = {m.member: m.pid for m in rt.members()}
+            await rt.trainer("train_step")
+            cluster.kill_member("trainer-1")
+            await asyncio.sleep(1)
+            await rt.trainer("train_step")
+            report = await rt.sync()
+            return pids, report
+
+        rt, (pids, report) = self.three_ranks(main)
+        assert [(f.lost, f.replacement) for f in rt.failovers] == [("trainer-1", "spare-trainer-0")]
+        [recovered] = [r for r in rt.audit.records if r["event"] == "trainer_ranks_recovered"]
+        assert recovered["newcomers"] == ["spare-trainer-0"] and recovered["replayed"] == ["train_step"]
+        assert sorted(recovered["restored"]) == ["spare-trainer-0", "trainer-0", "trainer-2"]
+        after = {m.member: m for m in rt.members()}
+        assert after["spare-trainer-0"].rank == 1 and after["trainer-0"].pid == pids["trainer-0"]
+        assert report.weights_version == 2 and len(report.rollouts) == 4
