@@ -32,7 +32,7 @@ from ftstate.controller.placement import check_feasible, label_matches
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import ConfigError, FTError, PlacementUnsatisfiable
 from ftstate.simulation.costs import Costs
-from ftstate.simulation.members import Collective, SimulatedMember, SimulatedStore
+from ftstate.simulation.members import Collective, SimulatedMember, SimulatedNodeWatcher, SimulatedStore
 
 #: The controller's node (it holds no worker).
 HEAD = {"node_id": "head0000", "address": "10.255.255.254"}
@@ -81,6 +81,8 @@ class SimulatedCluster(ClusterBackend):
         #: Nodes lost so far, in order.
         self.lost_nodes: list[str] = []
         self._lost: set[str] = set()
+        #: Nodes being drained (:meth:`drain_node`), with their deadlines in epoch ms (0: none).
+        self.draining: dict[str, int] = {}
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -155,6 +157,16 @@ class SimulatedCluster(ClusterBackend):
         if isinstance(handle, SimulatedMember):
             handle.die("killed by the controller")
 
+    def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
+        # A watcher is a light process (no torch): modelled as up at once. It runs no source
+        # of its own (no metadata server here); notices come from drain_node() (the ``ray`` source).
+        node = self._nodes.get(node_id, HEAD)
+        return SimulatedNodeWatcher(self, f"watcher-{node_id}", "watcher", node_id, node["address"],
+                                    next(self._pids), self.loop.time())
+
+    async def draining_nodes(self, timeout: float) -> Mapping[str, int]:
+        return {n: d for n, d in self.draining.items() if self.alive(n)}
+
     def rendezvous_store(self, host: str) -> Any:
         port = 29500 + len(self._stores)
         store = self._stores[port] = SimulatedStore(self, host, port)
@@ -187,6 +199,14 @@ class SimulatedCluster(ClusterBackend):
     def hang_member(self, name: str) -> None:
         """The member's process stays up and stops answering."""
         self.member(name).hang()
+
+    def drain_node(self, node_id: str, deadline_ms: int = 0) -> None:
+        """The cluster starts draining the node (as Ray's ``DrainNode``: the ``ray`` maintenance
+        source reports it at its next poll, and nothing new is placed on it); ``deadline_ms``:
+        epoch milliseconds, 0 for none."""
+        if not self.alive(node_id):
+            raise FTError(f"no live simulated node {node_id!r}")
+        self.draining[node_id] = int(deadline_ms)
 
     def lose_node(self, node_id: str, reason: str = "node lost") -> list[str]:
         """The node goes, with every process on it (see the module docstring); returns the
@@ -228,8 +248,9 @@ class _SimulatedPool:
         check_feasible(self, cluster.nodes())  # type: ignore[arg-type]
 
     def _candidates(self) -> list[str]:
-        return [n["node_id"] for n in self.cluster.nodes()
-                if all(label_matches(n["labels"], k, v) for k, v in self.placement.labels.items())]
+        # A draining node takes no new work (Ray's scheduler skips it), though it is still alive.
+        return [n["node_id"] for n in self.cluster.nodes() if n["node_id"] not in self.cluster.draining
+                and all(label_matches(n["labels"], k, v) for k, v in self.placement.labels.items())]
 
     def _bundle_text(self) -> str:
         bundle = ", ".join(f"{k}={v:g}" for k, v in self.bundle.items())

@@ -480,6 +480,17 @@ class SimulatedMember:
             self._point_to_point(src, self.rank).arrive(self.rank, self, fut, restored)
 
 
+class SimulatedNodeWatcher(SimulatedMember):
+    """A node's maintenance watcher (:class:`~ftstate.controller.maintenance.node_actor.NodeWatcherActor`
+    as the controller sees it): it finds no metadata server on its node, so it runs no source."""
+
+    def _on_describe(self, fut: asyncio.Future[Any]) -> None:
+        from ftstate.controller.maintenance.detect import Detection
+
+        detection = Detection((), None, False, "a simulated node has no metadata server")
+        self._reply(fut, {"node_id": self.node_id, "detection": detection, "bounds": {}})
+
+
 def _raiser(exc: BaseException) -> Callable[[], Any]:
     def outcome() -> Any:
         raise exc
@@ -543,4 +554,4 @@ class SimulatedStore:
         self._versions.clear()
 
 
-__all__ = ["Collective", "SimulatedMember", "SimulatedStore", "checksum_of"]
+__all__ = ["Collective", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]

@@ -257,6 +257,29 @@ class TestTheControllerOnASimulatedCluster:
         assert record.outcome == "drained" and "rollout-1" in record.moved
         assert left == [] and rt.failovers == []
 
+    def test_a_node_the_cluster_drains_is_drained_through_the_maintenance_watchers(self):
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=4, nodes=3, spares=1, headroom=4), costs=QUIET,
+                                            overrides={"fault_tolerance": {"detect_node_maintenance": True,
+                                                                           "maintenance_sources": ["ray"],
+                                                                           "maintenance_check_interval": 1.0}})
+            await rt.start()
+            await rt.sync()
+            node = next(m.node_id for m in rt.members() if m.member == "rollout-1")
+            cluster.drain_node(node)
+            await asyncio.sleep(10)  # the next poll reports it, the drain moves the members
+            await rt.sync()
+            left = [m.member for m in rt.members() if m.node_id == node and m.state not in ("RETIRED", "LOST")]
+            await rt.close()
+            return rt, node, left
+
+        rt, node, left = run(main())
+        [notice] = [r for r in rt.audit.records if r["event"] == "maintenance_notice"]
+        assert (notice["source"], notice["kind"], notice["node_id"], notice["action"]) == ("ray", "drain", node, "drain")
+        places = [r["place"] for r in rt.audit.records if r["event"] == "maintenance_sources"]
+        assert places[0] == "controller" and places.count("node") == 3  # a watcher on each node with members
+        assert left == [] and rt.failovers == []
+
     def test_a_loss_past_max_failovers_ends_the_run_with_the_budget_error(self):
         async def main():
             rt, cluster = simulated_runtime(Shape(rollouts=4, nodes=1, spares=1, headroom=4), costs=QUIET,
