@@ -1,7 +1,8 @@
 """Benchmark: the real controller's CPU as the job grows, against simulated members.
 
-For N = 10, 100, 1,000 and 10,000 members (one trainer, rollouts, a spare per role per 200
-members, 8 members a node: 2 to 1,250 nodes), the real :class:`~ftstate.controller.runtime.Runtime`
+For N = 10, 100, 1,000 and 10,000 members (one trainer rank per 8 members: 1 to 1,250 ranks,
+sending their parts in the sharded sync; rollouts; a spare per role per 200 members; 8 members
+a node: 2 to 1,250 nodes), the real :class:`~ftstate.controller.runtime.Runtime`
 drives a :class:`~ftstate.simulation.cluster.SimulatedCluster` in virtual time, and this
 measures the process's CPU seconds (``time.process_time``: real CPU, not virtual time) for
 
@@ -12,6 +13,8 @@ measures the process's CPU seconds (``time.process_time``: real CPU, not virtual
   collector costs of it: its full collections walk every live object);
 - failover of one member: a rollout SIGKILLed, from the loss noticed (the group leaves READY)
   until its replacement serves and the group is READY;
+- failover of one trainer rank (with several): rank 1 SIGKILLed, replaced by a spare, its
+  part of the last sync restored from a rollout (:mod:`ftstate.controller.ranks`);
 - failover of one node: a node's 8 members lost at once (found by their heartbeats, as on
   Ray), from the loss noticed until all are replaced (one round);
   each also net of the heartbeats that ran meanwhile (its virtual duration times the
@@ -71,7 +74,8 @@ async def _failover_round(rt: Any) -> tuple[float, float]:
 async def measure(members: int, syncs: int, intervals: int, trail: str) -> dict[str, Any]:
     shape = Shape.of(members)
     rt, cluster = simulated_runtime(shape, keep_records=False, audit_path=trail, overrides=OVERRIDES)
-    out: dict[str, Any] = {"members": shape.members, "nodes": shape.nodes, "rollouts": shape.rollouts}
+    out: dict[str, Any] = {"members": shape.members, "nodes": shape.nodes, "rollouts": shape.rollouts,
+                           "trainers": shape.trainers}
     cpu = time.process_time
     t = cpu()
     await rt.start()
@@ -98,6 +102,10 @@ async def measure(members: int, syncs: int, intervals: int, trail: str) -> dict[
     cluster.kill_member("rollout-1")
     out["failover_member_s"], out["failover_member_virtual_s"] = await _failover_round(rt)
     out["failover_member_net_s"] = out["failover_member_s"] - hb * out["failover_member_virtual_s"]
+    if shape.trainers > 1:
+        cluster.kill_member("trainer-1")
+        out["failover_rank_s"], out["failover_rank_virtual_s"] = await _failover_round(rt)
+        out["failover_rank_net_s"] = out["failover_rank_s"] - hb * out["failover_rank_virtual_s"]
     node = next(m.node_id for m in rt.members() if m.member == "rollout-2")
     assert node is not None
     out["node_members"] = len(cluster.lose_node(node))
@@ -121,7 +129,7 @@ def run_one(members: int, syncs: int, intervals: int, loop_kind: str) -> dict[st
 
 
 FIGURES = ("start_s", "sync_s", "heartbeat_interval_s", "heartbeat_interval_gc_off_s", "failover_member_s",
-           "failover_member_net_s", "failover_node_s", "failover_node_net_s", "audit_bytes_per_sync")
+           "failover_member_net_s", "failover_rank_s", "failover_rank_net_s", "failover_node_s", "failover_node_net_s", "audit_bytes_per_sync")
 
 
 def main() -> None:
@@ -140,12 +148,12 @@ def main() -> None:
     for n in (int(s) for s in args.sizes.split(",")):
         row = run_one(n, args.syncs, args.intervals, args.loop)
         rows.append(row)
-        print(f"N={row['members']:>6} nodes={row['nodes']:>5}  " + "  ".join(
-            f"{k}={row[k]:.4g}" for k in FIGURES), flush=True)
+        print(f"N={row['members']:>6} nodes={row['nodes']:>5} trainers={row['trainers']:>5}  " + "  ".join(
+            f"{k}={row[k]:.4g}" for k in FIGURES if k in row), flush=True)
     print("\nratio to N/10 (linear: 10):")
     for small, large in itertools.pairwise(rows):
         print(f"N={large['members']:>6}/{small['members']:<5} " + "  ".join(
-            f"{k}={large[k] / small[k]:.1f}" for k in FIGURES if small[k]))
+            f"{k}={large[k] / small[k]:.1f}" for k in FIGURES if small.get(k) and k in large))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"loop": args.loop, "rows": rows, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},

@@ -58,7 +58,7 @@ def simulate(opts: SimulateOptions) -> tuple[list[str], dict[str, Any]]:
 
     budget = config_for(shape, overrides).fault_tolerance.max_failovers
     lines = [
-        f"job: {shape.members} members ({shape.rollouts} rollouts, 1 trainer, {shape.spares} spare(s) per role) on "
+        f"job: {shape.members} members ({shape.rollouts} rollouts, {shape.trainers} trainer rank(s), {shape.spares} spare(s) per role) on "
         f"{shape.nodes} nodes, {opts.days:g} days; mix {mix.name} ({mix.source})",
         f"failures drawn (seed {opts.seed}): {len(schedule)} "
         f"({', '.join(f'{n} {e}' for e, n in sorted(effects.items())) or 'none'})",

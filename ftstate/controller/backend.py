@@ -19,6 +19,10 @@ the worker: the worker's own exception and its traceback as text); :class:`CallT
 (the call's own ``timeout`` passed). :mod:`~ftstate.controller.calls` turns these into
 ftstate's errors and the members' ``died`` events, in one place for both backends.
 
+The maintenance watchers reach the cluster here too: a watcher actor per node
+(:meth:`ClusterBackend.start_node_watcher`) and the nodes the cluster is draining
+(:meth:`ClusterBackend.draining_nodes`), so a simulated cluster can serve notices.
+
 A resource pool (:meth:`ClusterBackend.resource_pool`, :meth:`ClusterBackend.spare_pool`)
 is what the launcher takes worker slots from; its interface is :class:`Pool`.
 """
@@ -134,6 +138,19 @@ class ClusterBackend(abc.ABC):
     @abc.abstractmethod
     def kill(self, handle: Any, *, pid: int | None, node: str | None) -> None:
         """Kill the actor now (``pid`` / ``node``: where it said it runs)."""
+
+    # -- maintenance ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
+        """Start a :class:`~ftstate.controller.maintenance.node_actor.NodeWatcherActor` pinned to
+        node ``node_id``, asking for no CPU (``options``: its constructor's keyword arguments).
+        Returns a handle for :meth:`call` (``describe``, ``poll``, ``acknowledge``) and :meth:`kill`."""
+
+    @abc.abstractmethod
+    async def draining_nodes(self, timeout: float) -> Mapping[str, int]:
+        """The nodes the cluster is draining, ``{node_id: deadline_ms}`` (0: no deadline), asked
+        once within ``timeout`` seconds (the ``ray`` maintenance source); raises on failure."""
 
     # -- the rendezvous store --------------------------------------------------------------
 

@@ -22,15 +22,24 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ftstate.controller.backend import ClusterBackend
 from ftstate.controller.maintenance import MaintenanceWatcher, Notice, PollProblem, watchers_for
 from ftstate.controller.membership import Membership
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 
 
+def watcher_call_s(config: RuntimeConfig) -> float:
+    """The bound of one call to a node watcher: a metadata request's, plus the call's."""
+    from ftstate.controller.maintenance.node_actor import ACTOR_CALL_S
+
+    return config.fault_tolerance.maintenance_request_timeout_s + ACTOR_CALL_S
+
+
 class NoticeMonitor:
     """Maintenance watching for one runtime. drain(node_id, notice): drains a node (returns
-    True when the node was drained); withdraw(node_id): undoes a drain still running."""
+    True when the node was drained); withdraw(node_id): undoes a drain still running;
+    backend: the cluster the watchers are started on and ask (the runtime's)."""
 
     def __init__(
         self,
@@ -40,8 +49,10 @@ class NoticeMonitor:
         membership: Membership,
         drain: Callable[[str, Notice], Awaitable[bool]],
         withdraw: Callable[[str], None],
+        backend: ClusterBackend,
     ) -> None:
         self.config = config
+        self.backend = backend
         self.audit = audit
         self.membership = membership
         self._drain = drain
@@ -54,7 +65,8 @@ class NoticeMonitor:
 
     async def start(self) -> None:
         ft = self.config.fault_tolerance
-        detection, watchers = watchers_for(ft, include=("ray",))  # the rest run on each node
+        detection, watchers = watchers_for(ft, include=("ray",),  # the rest run on each node
+                                           ray_draining=self.backend.draining_nodes)
         self.audit.record("maintenance_sources", place="controller", **detection.fields())
         self._runner = MaintenanceWatcher(watchers, interval=ft.maintenance_check_interval,
                                           on_notice=self._on_notice, on_withdrawn=self._on_withdrawn,
@@ -66,19 +78,15 @@ class NoticeMonitor:
         """Start a node watcher on every node that hosts members and has none yet."""
         if self._runner is None:
             return
-        from ftstate.controller.maintenance.node_actor import (
-            NodeWatcherActor,
-            actor_watchers,
-            start_node_watcher,
-        )
+        from ftstate.controller.maintenance.node_actor import NodeWatcherActor, actor_watchers
 
         ft = self.config.fault_tolerance
         nodes = {m.node_id for m in self.membership if not m.gone and m.node_id} - set(self._actors)
         for node in sorted(nodes):
-            handle = start_node_watcher(node, **NodeWatcherActor.options_from(ft))
+            handle = self.backend.start_node_watcher(node, NodeWatcherActor.options_from(ft))
             self._actors[node] = handle
             try:
-                detection, watchers = await asyncio.wait_for(actor_watchers(handle), self.config.init_timeout_s)
+                detection, watchers = await actor_watchers(self.backend, handle, self.config.init_timeout_s)
             except Exception as exc:  # noqa: BLE001 - a node watcher that cannot start is a warning, not a crash
                 self.audit.record("maintenance_problem", node=node, reason=f"node watcher did not start: "
                                   f"{type(exc).__name__}: {exc}")
@@ -116,7 +124,8 @@ class NoticeMonitor:
         finally:
             self._draining.discard(node)
         if drained and notice.source == "azure" and notice.event_id and node in self._actors:
-            problem = await self._actors[node].acknowledge.remote(notice.event_id)
+            problem = await self.backend.call(self._actors[node], "acknowledge", (notice.event_id,),
+                                              watcher_call_s(self.config))
             self.audit.record("maintenance_acknowledged", node=node, event_id=notice.event_id,
                               problem=problem.message if isinstance(problem, PollProblem) else None)
 
@@ -141,9 +150,6 @@ class NoticeMonitor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._runner is not None:
             self._runner.close()
-        if self._actors:
-            import ray
-
-            for handle in self._actors.values():
-                with contextlib.suppress(Exception):  # already gone with its node
-                    ray.kill(handle)
+        for handle in self._actors.values():
+            with contextlib.suppress(Exception):  # already gone with its node
+                self.backend.kill(handle, pid=None, node=None)

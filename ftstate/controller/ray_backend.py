@@ -125,6 +125,29 @@ class RayBackend(ClusterBackend):
         with contextlib.suppress(Exception):  # already gone
             ray.kill(handle, no_restart=True)
 
+    def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from ftstate.controller.maintenance.node_actor import NODE_SOURCES, NodeWatcherActor
+
+        return (
+            ray.remote(NodeWatcherActor)
+            .options(num_cpus=0, max_concurrency=len(NODE_SOURCES) + 2,
+                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+            .remote(node_id=node_id, **options)
+        )
+
+    async def draining_nodes(self, timeout: float) -> Mapping[str, int]:
+        # The GCS's view (ftstate/controller/maintenance/ray_drain.py says what Ray exposes); a
+        # blocking RPC bounded by timeout, so off the loop.
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not initialised in this process")
+        gcs = ray._private.worker.global_worker.gcs_client
+        return await asyncio.to_thread(gcs.get_draining_nodes, timeout=timeout)
+
     def rendezvous_store(self, host: str) -> Any:
         from ftstate.transport import StoreServer
 

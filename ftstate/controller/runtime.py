@@ -311,7 +311,8 @@ class Runtime:
         self._watch_task = asyncio.get_running_loop().create_task(self._watchdog.run())
         if cfg.fault_tolerance.detect_node_maintenance:
             self._notices = NoticeMonitor(config=cfg, audit=self.audit, membership=ms,
-                                          drain=self._drain_for_notice, withdraw=self._drainer.withdraw)
+                                          drain=self._drain_for_notice, withdraw=self._drainer.withdraw,
+                                          backend=self.backend)
             await self._notices.start()
 
     async def close(self) -> None:

@@ -32,7 +32,7 @@ from ftstate.controller.placement import check_feasible, label_matches
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import ConfigError, FTError, PlacementUnsatisfiable
 from ftstate.simulation.costs import Costs
-from ftstate.simulation.members import Collective, SimulatedMember, SimulatedStore
+from ftstate.simulation.members import Collective, SimulatedMember, SimulatedNodeWatcher, SimulatedStore
 
 #: The controller's node (it holds no worker).
 HEAD = {"node_id": "head0000", "address": "10.255.255.254"}
@@ -44,14 +44,20 @@ def node_name(index: int) -> str:
 
 class SimulatedCluster(ClusterBackend):
     """``nodes`` simulated nodes (see the module docstring); costs: what each step costs;
-    seed: the seed of the answer times' jitter."""
+    seed: the seed of the answer times' jitter. per_node: for node i, the custom resources and
+    labels it has besides the common ones (``{"resources": {...}, "labels": {...}}``), so that
+    a placement aimed at one node (a real cluster's ``node_b`` resource) lands the same here."""
 
     def __init__(self, nodes: int, *, cpus_per_node: float = 8.0, gpus_per_node: float = 0.0,
-                 costs: Costs | None = None, labels: Mapping[str, str] | None = None, seed: int = 0) -> None:
+                 costs: Costs | None = None, labels: Mapping[str, str] | None = None, seed: int = 0,
+                 per_node: Sequence[Mapping[str, Any]] = ()) -> None:
         if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
             raise ConfigError("nodes", f"{nodes!r}: expected an integer >= 1")
         if not isinstance(cpus_per_node, (int, float)) or cpus_per_node <= 0:
             raise ConfigError("cpus_per_node", f"{cpus_per_node!r}: expected a number > 0")
+        if len(per_node) > nodes or any(set(extra) - {"resources", "labels"} for extra in per_node):
+            raise ConfigError("per_node", f"{list(per_node)!r}: expected at most {nodes} mappings of "
+                              "'resources' and 'labels'")
         self.costs = costs if costs is not None else Costs()
         #: The cluster's one source of chance (answer times): a run is a function of its seed.
         self.rng = random.Random(seed)
@@ -59,9 +65,11 @@ class SimulatedCluster(ClusterBackend):
         self._nodes: dict[str, dict[str, Any]] = {}
         for i in range(nodes):
             nid = node_name(i)
+            extra = per_node[i] if i < len(per_node) else {}
             self._nodes[nid] = {"node_id": nid, "address": f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}",
-                                "resources": dict(resources), "labels": dict(labels or {})}
-        self._room: dict[str, dict[str, float]] = {nid: dict(resources) for nid in self._nodes}
+                                "resources": {**resources, **extra.get("resources", {})},
+                                "labels": {**(labels or {}), **extra.get("labels", {})}}
+        self._room: dict[str, dict[str, float]] = {nid: dict(n["resources"]) for nid, n in self._nodes.items()}
         self._alive_list: list[dict[str, Any]] | None = None
         self.members: dict[str, SimulatedMember] = {}
         self._by_node: dict[str, dict[str, SimulatedMember]] = {nid: {} for nid in self._nodes}
@@ -73,6 +81,8 @@ class SimulatedCluster(ClusterBackend):
         #: Nodes lost so far, in order.
         self.lost_nodes: list[str] = []
         self._lost: set[str] = set()
+        #: Nodes being drained (:meth:`drain_node`), with their deadlines in epoch ms (0: none).
+        self.draining: dict[str, int] = {}
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -147,6 +157,16 @@ class SimulatedCluster(ClusterBackend):
         if isinstance(handle, SimulatedMember):
             handle.die("killed by the controller")
 
+    def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
+        # A watcher is a light process (no torch): modelled as up at once. It runs no source
+        # of its own (no metadata server here); notices come from drain_node() (the ``ray`` source).
+        node = self._nodes.get(node_id, HEAD)
+        return SimulatedNodeWatcher(self, f"watcher-{node_id}", "watcher", node_id, node["address"],
+                                    next(self._pids), self.loop.time())
+
+    async def draining_nodes(self, timeout: float) -> Mapping[str, int]:
+        return {n: d for n, d in self.draining.items() if self.alive(n)}
+
     def rendezvous_store(self, host: str) -> Any:
         port = 29500 + len(self._stores)
         store = self._stores[port] = SimulatedStore(self, host, port)
@@ -179,6 +199,14 @@ class SimulatedCluster(ClusterBackend):
     def hang_member(self, name: str) -> None:
         """The member's process stays up and stops answering."""
         self.member(name).hang()
+
+    def drain_node(self, node_id: str, deadline_ms: int = 0) -> None:
+        """The cluster starts draining the node (as Ray's ``DrainNode``: the ``ray`` maintenance
+        source reports it at its next poll, and nothing new is placed on it); ``deadline_ms``:
+        epoch milliseconds, 0 for none."""
+        if not self.alive(node_id):
+            raise FTError(f"no live simulated node {node_id!r}")
+        self.draining[node_id] = int(deadline_ms)
 
     def lose_node(self, node_id: str, reason: str = "node lost") -> list[str]:
         """The node goes, with every process on it (see the module docstring); returns the
@@ -220,8 +248,9 @@ class _SimulatedPool:
         check_feasible(self, cluster.nodes())  # type: ignore[arg-type]
 
     def _candidates(self) -> list[str]:
-        return [n["node_id"] for n in self.cluster.nodes()
-                if all(label_matches(n["labels"], k, v) for k, v in self.placement.labels.items())]
+        # A draining node takes no new work (Ray's scheduler skips it), though it is still alive.
+        return [n["node_id"] for n in self.cluster.nodes() if n["node_id"] not in self.cluster.draining
+                and all(label_matches(n["labels"], k, v) for k, v in self.placement.labels.items())]
 
     def _bundle_text(self) -> str:
         bundle = ", ".join(f"{k}={v:g}" for k, v in self.bundle.items())

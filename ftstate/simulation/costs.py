@@ -23,7 +23,10 @@ class Costs:
     first answer). group_form_s: a new group version formed once every rank joined (gloo:
     0.02-0.03 s). bandwidth_Bps: a weights transfer's rate (gloo broadcast of 256 MB at world
     2: ~2 GB/s); a broadcast takes ``weights_bytes / bandwidth_Bps`` plus ``hop_s`` per
-    doubling of the group. load_Bps: a rollout's ``load_weights`` of the staged version
+    doubling of the group and ``receiver_s`` per receiver (a transfer's fixed cost whatever its
+    size, per receiver: the sender's buckets, manifest and checksums for each, each receiver's
+    proof, on CPUs they share; 0 by default, where the bytes dominate; the agreement test fits
+    it to a real run of tiny weights, where it is all there is). load_Bps: a rollout's ``load_weights`` of the staged version
     (memory copy). weights_bytes: the model's weights. train_step_s: one trainer step (a user
     call between syncs). bucket_bytes: the transport's bucket (its progress counter moves
     once a bucket). unreachable_s: a call to an actor on a lost node fails as unreachable after this
@@ -39,6 +42,7 @@ when Ray declares the lost node dead and its actors' calls fail as dead (its hea
     group_form_s: float = 0.025
     bandwidth_Bps: float = 2e9
     hop_s: float = 0.001
+    receiver_s: float = 0.0
     load_Bps: float = 10e9
     weights_bytes: int = 256 * 2**20
     train_step_s: float = 10.0
@@ -58,7 +62,8 @@ when Ray declares the lost node dead and its actors' calls fail as dead (its hea
 
     def transfer_s(self, world: int = 2) -> float:
         """One transfer of the weights to a group of ``world`` ranks (point to point: 2)."""
-        return self.weights_bytes / self.bandwidth_Bps + self.hop_s * max(1, (max(world, 2) - 1).bit_length())
+        return (self.receiver_s * (max(world, 2) - 1) + self.weights_bytes / self.bandwidth_Bps
+                + self.hop_s * max(1, (max(world, 2) - 1).bit_length()))
 
     def load_s(self) -> float:
         return self.weights_bytes / self.load_Bps

@@ -140,6 +140,11 @@ class SimulatedMember:
         self.group_version = 0
         self.rank = -1
         self.world = 0
+        # Several trainer ranks: the trainer group's size, the logged calls since this rank's
+        # part was committed (started, done) and whether it prepared its part of a sync.
+        self.trainer_world = 1
+        self.calls_started = self.calls_done = 0
+        self.prepared = False
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -362,11 +367,128 @@ class SimulatedMember:
                  logged: bool = False) -> None:
         costs = self.cluster.costs
         seconds = costs.call_s + (costs.train_step_s if self.role == "trainer" and method == "train_step" else 0.0)
+        self.calls_started += logged
 
         def done() -> None:
             self.progress += 1
+            self.calls_done += logged
 
         self._after(fut, seconds, done)
+
+    # -- several trainer ranks (WorkerHost's sharded methods; ftstate.controller.ranks) ----
+    # The weights are one tensor ``w`` of weights_bytes / 4 float32 elements, split along its
+    # first dim over the trainer ranks (rank i owns slice i of trainer_world, torch's chunk
+    # rule), so the controller's ownership check runs on real pieces. A part's checksum names
+    # the version, the rank and the logged calls made on it since (``sim-v7-r3+2``).
+
+    def _elements(self) -> int:
+        return max(1, self.cluster.costs.weights_bytes // 4)
+
+    def part_checksum_of(self, weights_version: int, trainer_rank: int, calls: int = 0) -> str:
+        return f"{checksum_of(weights_version)}-r{trainer_rank}" + (f"+{calls}" if calls else "")
+
+    def _part_bytes(self) -> int:
+        return max(1, self.cluster.costs.weights_bytes // max(1, self.trainer_world))
+
+    def _on_setup_trainer_group(self, fut: asyncio.Future[Any], store_host: str, store_port: int, group: str,
+                                version: int, rank: int, world_size: int, timeout_s: float) -> None:
+        # Not a rendezvous of its own: the ranks were just formed together in the weights group.
+        self.trainer_world = world_size
+        self._reply(fut, {"group_version": version, "rank": rank}, self.cluster.costs.group_form_s)
+
+    def _on_prepare_shards(self, fut: asyncio.Future[Any], trainer_rank: int) -> None:
+        self.prepared = True
+        piece = ["w", trainer_rank, "float32", [self._elements()], 0, trainer_rank, self.trainer_world]
+        self._reply(fut, {"pieces": [piece], "nbytes": self._part_bytes()})
+
+    def _on_discard_shards(self, fut: asyncio.Future[Any]) -> None:
+        self.prepared = False
+        self._reply(fut)
+
+    def _shards(self, weights_version: int) -> Collective:
+        # Every owner sends its part to every rollout at once: a sender's link carries its part
+        # once per rollout, a rollout's the whole weights once.
+        rollouts = max(1, self.world - self.trainer_world)
+        cost = self._part_bytes() * rollouts / self.cluster.costs.bandwidth_Bps + self.cluster.costs.transfer_s(2)
+        c = self.cluster.collective(("shards", self.group_version, weights_version),
+                                    f"the sharded send of weights version {weights_version}", self.world, cost)
+        return self._unless_a_rank_is_gone(c, self.cluster.gone_ranks.get(self.group_version))
+
+    def _on_send_shards(self, fut: asyncio.Future[Any], weights_version: int, peers: list[int],
+                        timeout_s: float) -> None:
+        if not self.prepared:
+            exc = FTError(f"{self.name}: asked to send its part of weights version {weights_version} "
+                          "but prepared none")
+            self._after(fut, self.cluster.costs.call_s, _raiser(RemoteError(exc, str(exc))))
+            return
+        self.prepared = False
+        rank = self.rank
+
+        def sent() -> dict[str, Any]:
+            self.progress += 1
+            return {"checksum": self.part_checksum_of(weights_version, rank), "nbytes": self._part_bytes()}
+
+        self._shards(weights_version).arrive(self.rank, self, fut, sent)
+
+    def _on_receive_shards(self, fut: asyncio.Future[Any], weights_version: int, ownership: dict[str, Any],
+                           timeout_s: float) -> None:
+        nbytes = self.cluster.costs.weights_bytes
+
+        def staged() -> dict[str, Any]:
+            self.staged = weights_version
+            self.progress += 1
+            return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version}
+
+        self._shards(weights_version).arrive(self.rank, self, fut, staged)
+
+    def _on_note_weights(self, fut: asyncio.Future[Any], weights_version: int, checksum: str) -> None:
+        self.weights_version, self.checksum = weights_version, checksum
+        self.calls_started = self.calls_done = 0
+        self._reply(fut)
+
+    def _on_calls_since_commit(self, fut: asyncio.Future[Any]) -> None:
+        self._reply(fut, {"started": self.calls_started, "done": self.calls_done})
+
+    def _on_part_checksum(self, fut: asyncio.Future[Any], trainer_rank: int) -> None:
+        self._reply(fut, {"checksum": self.part_checksum_of(self.weights_version, trainer_rank, self.calls_done),
+                          "pieces": 1})
+
+    def _on_send_part_to(self, fut: asyncio.Future[Any], peer: int, ownership: dict[str, Any], trainer_rank: int,
+                         timeout_s: float) -> None:
+        version = self.weights_version
+        owners = len(ownership["w"][3]) if "w" in ownership else 1  # name -> [dtype, shape, dim, parts]
+        nbytes = max(1, self.cluster.costs.weights_bytes // max(1, owners))
+
+        def sent() -> dict[str, Any]:
+            self.progress += 1
+            return {"checksum": self.part_checksum_of(version, trainer_rank), "nbytes": nbytes}
+
+        self._point_to_point(self.rank, peer).arrive(self.rank, self, fut, sent)
+
+    def _on_receive_part_from(self, fut: asyncio.Future[Any], src: int, weights_version: int,
+                              ownership: dict[str, Any], trainer_rank: int, checksum: str | None,
+                              timeout_s: float) -> None:
+        def restored() -> dict[str, Any]:
+            self.weights_version = weights_version
+            self.calls_started = self.calls_done = 0
+            self.progress += 1
+            return {"received": checksum, "tensors": 0 if checksum is None else 1}
+
+        if checksum is None:
+            self._after(fut, self.cluster.costs.call_s, restored)
+        else:
+            self._point_to_point(src, self.rank).arrive(self.rank, self, fut, restored)
+
+
+class SimulatedNodeWatcher(SimulatedMember):
+    """A node's maintenance watcher (:class:`~ftstate.controller.maintenance.node_actor.NodeWatcherActor`
+    as the controller sees it): it finds no metadata server on its node, so it runs no source."""
+
+    def _on_describe(self, fut: asyncio.Future[Any]) -> None:
+        from ftstate.controller.maintenance.detect import Detection
+
+        detection = Detection((), None, False, "a simulated node has no metadata server")
+        self._reply(fut, {"node_id": self.node_id, "detection": detection, "bounds": {}})
 
 
 def _raiser(exc: BaseException) -> Callable[[], Any]:
@@ -432,4 +554,4 @@ class SimulatedStore:
         self._versions.clear()
 
 
-__all__ = ["Collective", "SimulatedMember", "SimulatedStore", "checksum_of"]
+__all__ = ["Collective", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]

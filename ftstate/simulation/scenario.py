@@ -7,8 +7,8 @@ user would (a :class:`~ftstate.core.config.RuntimeConfig`, worker classes), hand
 loop's virtual clock (``ts`` too: a seeded run writes the same bytes). The worker classes are
 never constructed: a simulated member only models what the controller sees of them.
 
-:class:`Shape` is the job: trainer ranks (one: several ranks' sharded sync is not simulated
-yet), rollouts, spares per role, nodes and what each holds.
+:class:`Shape` is the job: trainer ranks (several: the sharded sync and a rank's recovery of
+:mod:`ftstate.controller.ranks`), rollouts, spares per role, nodes and what each holds.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from ftstate.simulation.costs import Costs
 #: Where the virtual clock's epoch lies (the trail's ``ts`` of virtual time 0): fixed, so that
 #: two runs of one seed write the same bytes.
 EPOCH = 1_767_225_600.0  # 2026-01-01T00:00:00Z
+#: The ratio :meth:`Shape.of` builds: one trainer rank (one GPU) for every 8 members, so 1/8 of
+#: the GPUs train and 7/8 generate (disaggregated RL is rollout-heavy: generation takes most
+#: of a step's GPU time), e.g. 1,250 trainer ranks among 10,000 members.
+MEMBERS_PER_TRAINER_RANK = 8
 
 
 class SimulatedTrainer(TrainerWorker):
@@ -41,34 +45,39 @@ class SimulatedRollout(RolloutWorker):
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The job: ``rollouts`` rollout engines and one trainer, ``spares`` prewarmed spares per
-    role (standby mode; 0: cold mode), on ``nodes`` nodes. Each node gets the CPUs its share
-    of members needs plus ``headroom`` (room for spares and replacements)."""
+    """The job: ``rollouts`` rollout engines and ``trainers`` trainer ranks, ``spares``
+    prewarmed spares per role (standby mode; 0: cold mode; ``trainer_ranks_per_spare`` is set
+    to the ranks' number, so the trainer ranks share ``spares`` spares), on ``nodes``
+    nodes. Each node gets the CPUs its share of members needs plus ``headroom`` (room for
+    spares and replacements)."""
 
     rollouts: int
     nodes: int = 1
     spares: int = 1
     headroom: int = 1
+    trainers: int = 1
 
     def __post_init__(self) -> None:
-        for name, low in (("rollouts", 1), ("nodes", 1), ("spares", 0), ("headroom", 0)):
+        for name, low in (("rollouts", 1), ("nodes", 1), ("spares", 0), ("headroom", 0), ("trainers", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(name, f"{value!r}: expected an integer >= {low}")
 
     @classmethod
     def of(cls, members: int, nodes: int | None = None) -> Shape:
-        """A job of ``members`` members in all (the trainer, the rollouts and one spare per role
-        per 100 members), 8 members a node unless ``nodes`` is given."""
+        """A job of ``members`` members in all, 8 members (GPUs) a node unless ``nodes`` is given:
+        one trainer rank per :data:`MEMBERS_PER_TRAINER_RANK` members, one spare per role per 200
+        members, the rest rollouts."""
         if not isinstance(members, int) or isinstance(members, bool) or members < 4:
             raise ConfigError("members", f"{members!r}: expected an integer >= 4")
         spares = max(1, members // 200)
+        trainers = max(1, members // MEMBERS_PER_TRAINER_RANK)
         nodes = nodes if nodes is not None else max(1, math.ceil(members / 8))
-        return cls(rollouts=members - 1 - 2 * spares, nodes=nodes, spares=spares)
+        return cls(rollouts=members - trainers - 2 * spares, nodes=nodes, spares=spares, trainers=trainers)
 
     @property
     def members(self) -> int:
-        return 1 + self.rollouts + 2 * self.spares
+        return self.trainers + self.rollouts + 2 * self.spares
 
     @property
     def cpus_per_node(self) -> int:
@@ -79,10 +88,11 @@ def config_for(shape: Shape, overrides: Mapping[str, Any] | None = None) -> Runt
     """The run's config: fault tolerance on (standby when there are spares), the rest the
     defaults, then ``overrides`` (a nested dict, as ``RuntimeConfig.from_dict`` takes)."""
     base: dict[str, Any] = {
-        "trainer_workers": 1,
+        "trainer_workers": shape.trainers,
         "rollout_workers": shape.rollouts,
         "fault_tolerance": {"enable": True, "mode": "standby" if shape.spares else "cold",
-                            "standby_workers": max(shape.spares, 1), "reverse_weight_sync": True},
+                            "standby_workers": max(shape.spares, 1), "reverse_weight_sync": True,
+                            "trainer_ranks_per_spare": shape.trainers},
     }
     for key, value in (overrides or {}).items():
         if isinstance(value, Mapping) and isinstance(base.get(key), dict):
@@ -97,14 +107,22 @@ def simulated_runtime(shape: Shape, *, costs: Costs | None = None, overrides: Ma
                       run_id: str = "sim", seed: int = 0) -> tuple[Runtime, SimulatedCluster]:
     """The real runtime on a simulated cluster of ``shape`` (start it inside a
     :class:`~ftstate.simulation.clock.VirtualTimeLoop`)."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
     cluster = SimulatedCluster(shape.nodes, cpus_per_node=shape.cpus_per_node, costs=costs, seed=seed)
-    audit = AuditTrail(audit_path, keep=keep_records, clock=loop.time, wall_clock=lambda: EPOCH + loop.time())
-    rt = Runtime(config_for(shape, overrides), trainer=SimulatedTrainer, rollout=SimulatedRollout,
-                 run_id=run_id, audit=audit, backend=cluster)
+    rt = runtime_on(cluster, config_for(shape, overrides), audit_path=audit_path, keep_records=keep_records,
+                    run_id=run_id)
     return rt, cluster
 
 
-__all__ = ["EPOCH", "Shape", "SimulatedRollout", "SimulatedTrainer", "config_for", "simulated_runtime"]
+def runtime_on(cluster: SimulatedCluster, config: RuntimeConfig, *, audit_path: str | None = None,
+               keep_records: bool = True, run_id: str = "sim") -> Runtime:
+    """The real runtime with ``config`` on ``cluster`` (a config the caller built, e.g. the very
+    one a real run used), its audit trail on the loop's virtual clock."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    audit = AuditTrail(audit_path, keep=keep_records, clock=loop.time, wall_clock=lambda: EPOCH + loop.time())
+    return Runtime(config, trainer=SimulatedTrainer, rollout=SimulatedRollout, run_id=run_id, audit=audit,
+                   backend=cluster)
+
+
+__all__ = ["EPOCH", "MEMBERS_PER_TRAINER_RANK", "Shape", "SimulatedRollout", "SimulatedTrainer", "config_for", "runtime_on", "simulated_runtime"]

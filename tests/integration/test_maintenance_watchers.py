@@ -388,7 +388,8 @@ def test_a_provider_variable_on_the_node_points_auto_at_its_server():
 
 @pytest.mark.ray
 def test_the_node_watcher_actor_reads_its_nodes_server_and_stamps_its_node(ray_cluster):
-    from ftstate.controller.maintenance.node_actor import NodeWatcherActor, actor_watchers, start_node_watcher
+    from ftstate.controller.maintenance.node_actor import NodeWatcherActor, actor_watchers
+    from ftstate.controller.ray_backend import RayBackend
 
     ray = ray_cluster
     node_id = ray.get_runtime_context().get_node_id()
@@ -397,11 +398,12 @@ def test_the_node_watcher_actor_reads_its_nodes_server_and_stamps_its_node(ray_c
         cfg = RuntimeConfig.from_dict({"fault_tolerance": {"maintenance_sources": ["gce"],
                                                             "maintenance_endpoints": {"gce": srv.url},
                                                             "maintenance_request_timeout_s": TIMEOUT}}, environ={})
-        handle = start_node_watcher(node_id, **NodeWatcherActor.options_from(cfg.fault_tolerance))
+        backend = RayBackend()
+        handle = backend.start_node_watcher(node_id, NodeWatcherActor.options_from(cfg.fault_tolerance))
         rec = Recorder()
 
         async def scenario():
-            detection, watchers = await actor_watchers(handle)
+            detection, watchers = await actor_watchers(backend, handle, 60.0)
             runner = rec.runner(watchers)
             await runner.poll_once()
             srv.state["maintenance-event"] = "NONE"

@@ -8,7 +8,8 @@ import asyncio
 import time
 
 from ftstate.controller.maintenance import MaintenanceWatcher
-from ftstate.controller.maintenance.ray_drain import RayDrainWatcher
+from ftstate.controller.maintenance.ray_drain import AsyncRayDrainWatcher
+from ftstate.controller.ray_backend import RayBackend
 from tests.multinode.harness import resource
 
 
@@ -27,7 +28,7 @@ def test_a_drained_node_is_a_drain_notice_until_it_is_gone(multinode_cluster, re
     assert ray.get(busy.ping.remote(), timeout=30) == "pong"
 
     notices, withdrawn, problems = [], [], []
-    runner = MaintenanceWatcher([RayDrainWatcher(timeout=2.0)], interval=0.05, on_notice=notices.append,
+    runner = MaintenanceWatcher([AsyncRayDrainWatcher(timeout=2.0, draining=RayBackend().draining_nodes)], interval=0.05, on_notice=notices.append,
                                 on_withdrawn=withdrawn.append, on_problem=problems.append)
     gcs = ray._private.worker.global_worker.gcs_client
     deadline_ms = int(time.time() * 1000) + 120_000

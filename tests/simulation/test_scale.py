@@ -1,7 +1,7 @@
 """The real controller at 10,000 simulated members: a node lost and a node drained (issue 27).
 
-One run, in virtual time on one core (~30 s here): 10,000 members (one trainer, 9,899 rollouts,
-50 spares per role) on 1,250 nodes; a sync, a whole node lost (its 8 members replaced in one
+One run, in virtual time on one core (~30 s here): 10,000 members (1,250 trainer ranks, 8,650
+rollouts, 50 spares per role) on 1,250 nodes; a sync, a whole node lost (its 8 members replaced in one
 failover round), a sync, a node drained for maintenance (its members moved, no failover
 spent), a sync. What it holds is behaviour at scale: every rollout serving the current
 version after each step, one group version per round, the budget spent once per lost member.

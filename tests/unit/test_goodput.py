@@ -85,7 +85,8 @@ class TestTheCommand:
         assert result.exit_code == 0, result.output
         assert "ftstate goodput:" in result.output and "status quo goodput:" in result.output
         figures = json.loads(out.read_text())
-        assert figures["mix"] == "llama3" and figures["shape"]["rollouts"] == 17
+        assert figures["mix"] == "llama3" and figures["shape"]["rollouts"] == 16
+        assert figures["shape"]["trainers"] == 2  # one trainer rank per 8 members
         assert figures["ftstate"]["goodput"] >= figures["status_quo"]["goodput"]
 
     def test_a_bad_mix_is_one_line_naming_the_field(self):

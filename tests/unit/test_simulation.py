@@ -173,6 +173,23 @@ class TestSimulatedPlacement:
         with pytest.raises(PlacementUnsatisfiable):
             pool.take({"n0000000", "n0000001", "n0000002"}, strict=True)
 
+    def test_a_pool_aimed_at_one_nodes_resource_or_label_lands_there(self):
+        per_node = [{"resources": {"node_a": 4}, "labels": {"n": "a"}}, {"labels": {"n": "b"}}, {"labels": {"n": "c"}}]
+        cluster = SimulatedCluster(3, cpus_per_node=4, per_node=per_node)
+        pinned = cluster.resource_pool("r", "trainer", 2, cpus=1, gpus=0, placement=spread(resources={"node_a": 1}))
+        assert set(pinned.slot_nodes().values()) == {"n0000000"}
+        labelled = cluster.resource_pool("r", "rollout", 3, cpus=1, gpus=0,
+                                         placement=RolePlacement(strategy="PACK", labels={"n": "in(b,c)"}))
+        assert list(labelled.slot_nodes().values()) == ["n0000001"] * 3
+        with pytest.raises(PlacementUnsatisfiable, match="trainer"):
+            cluster.resource_pool("r", "trainer", 5, cpus=0.1, gpus=0, placement=spread(resources={"node_a": 1}))
+        with pytest.raises(ConfigError, match="per_node"):
+            SimulatedCluster(1, per_node=[{"cpus": 3}])
+
+    def test_a_transfers_fixed_cost_is_paid_per_receiver(self):
+        costs = Costs(receiver_s=0.01, weights_bytes=2 * 10**9, bandwidth_Bps=2e9, hop_s=0.0)
+        assert costs.transfer_s(2) == pytest.approx(1.01) and costs.transfer_s(4) == pytest.approx(1.03)
+
     def test_bad_shapes_are_refused_naming_the_field(self):
         with pytest.raises(ConfigError, match="nodes"):
             SimulatedCluster(0)
@@ -240,6 +257,29 @@ class TestTheControllerOnASimulatedCluster:
         assert record.outcome == "drained" and "rollout-1" in record.moved
         assert left == [] and rt.failovers == []
 
+    def test_a_node_the_cluster_drains_is_drained_through_the_maintenance_watchers(self):
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=4, nodes=3, spares=1, headroom=4), costs=QUIET,
+                                            overrides={"fault_tolerance": {"detect_node_maintenance": True,
+                                                                           "maintenance_sources": ["ray"],
+                                                                           "maintenance_check_interval": 1.0}})
+            await rt.start()
+            await rt.sync()
+            node = next(m.node_id for m in rt.members() if m.member == "rollout-1")
+            cluster.drain_node(node)
+            await asyncio.sleep(10)  # the next poll reports it, the drain moves the members
+            await rt.sync()
+            left = [m.member for m in rt.members() if m.node_id == node and m.state not in ("RETIRED", "LOST")]
+            await rt.close()
+            return rt, node, left
+
+        rt, node, left = run(main())
+        [notice] = [r for r in rt.audit.records if r["event"] == "maintenance_notice"]
+        assert (notice["source"], notice["kind"], notice["node_id"], notice["action"]) == ("ray", "drain", node, "drain")
+        places = [r["place"] for r in rt.audit.records if r["event"] == "maintenance_sources"]
+        assert places[0] == "controller" and places.count("node") == 3  # a watcher on each node with members
+        assert left == [] and rt.failovers == []
+
     def test_a_loss_past_max_failovers_ends_the_run_with_the_budget_error(self):
         async def main():
             rt, cluster = simulated_runtime(Shape(rollouts=4, nodes=1, spares=1, headroom=4), costs=QUIET,
@@ -302,3 +342,51 @@ class TestReproducible:
 
     def test_another_seed_gives_other_timings(self, tmp_path):
         assert seeded_trail(tmp_path, 7, "a.jsonl") != seeded_trail(tmp_path, 8, "b.jsonl")
+
+
+class TestSeveralTrainerRanks:
+    """The sharded sync and a rank's recovery (ftstate.controller.ranks) on simulated ranks."""
+
+    @staticmethod
+    def three_ranks(main):
+        async def run_it():
+            rt, cluster = simulated_runtime(Shape(rollouts=4, nodes=3, spares=1, trainers=3, headroom=3), costs=QUIET,
+                                            overrides={"fault_tolerance": {"max_failovers": 10}})
+            await rt.start()
+            try:
+                return rt, await main(rt, cluster)
+            finally:
+                await rt.close()
+
+        return run(run_it())
+
+    def test_every_rank_sends_its_part_and_every_rollout_commits_the_whole(self):
+        async def main(rt, cluster):
+            return await rt.sync()
+
+        rt, report = self.three_ranks(main)
+        assert report.checksum == "sim-v1" and len(report.rollouts) == 4
+        [begun] = [r for r in rt.audit.records if r["event"] == "transition" and r.get("trigger") == "sync_start"]
+        assert begun["plan"]["senders"] == ["trainer-0", "trainer-1", "trainer-2"]
+        assert all(("SYNCING", "READY", "committed") in transitions(rt, f"trainer-{i}") for i in range(3))
+        assert {m.weights_version for m in rt.members() if m.rank >= 0} == {1}
+
+    def test_a_lost_rank_is_replaced_its_part_restored_and_the_calls_since_replayed(self):
+        async def main(rt, cluster):
+            await rt.sync()
+            pids = {m.member: m.pid for m in rt.members()}
+            await rt.trainer("train_step")
+            cluster.kill_member("trainer-1")
+            await asyncio.sleep(1)
+            await rt.trainer("train_step")
+            report = await rt.sync()
+            return pids, report
+
+        rt, (pids, report) = self.three_ranks(main)
+        assert [(f.lost, f.replacement) for f in rt.failovers] == [("trainer-1", "spare-trainer-0")]
+        [recovered] = [r for r in rt.audit.records if r["event"] == "trainer_ranks_recovered"]
+        assert recovered["newcomers"] == ["spare-trainer-0"] and recovered["replayed"] == ["train_step"]
+        assert sorted(recovered["restored"]) == ["spare-trainer-0", "trainer-0", "trainer-2"]
+        after = {m.member: m for m in rt.members()}
+        assert after["spare-trainer-0"].rank == 1 and after["trainer-0"].pid == pids["trainer-0"]
+        assert report.weights_version == 2 and len(report.rollouts) == 4

@@ -2,8 +2,10 @@
 
 A metadata server answers only the VM it runs on, so the cloud watchers (and a node-local
 notice file) must run on each node that hosts members. :class:`NodeWatcherActor` is a plain
-class made a Ray actor by :func:`start_node_watcher` (Ray imported there, lazily), pinned to
-its node with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, asking for no CPU. On
+class the controller's backend starts on a node
+(:meth:`~ftstate.controller.backend.ClusterBackend.start_node_watcher`: on Ray an actor
+pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, asking for no CPU) and
+calls through the same backend (:func:`actor_watchers`), so it imports no Ray itself. On
 its node it detects the sources (its own DMI identity and environment: a node's
 ``GCE_METADATA_HOST`` is honoured there), builds their watchers, and polls one source per
 call, stamping its node id on notices that name no node. It runs no loop of its own: the
@@ -40,12 +42,8 @@ class NodeWatcherActor:
         maintenance_file: str | None = None,
         include: Sequence[str] = NODE_SOURCES,
         dmi_dir: str | os.PathLike[str] = DMI_DIR,
-        node_id: str | None = None,
+        node_id: str,
     ) -> None:
-        if node_id is None:
-            import ray
-
-            node_id = ray.get_runtime_context().get_node_id()
         self.node_id = node_id
         self.detection = detect_sources(sources, endpoints=endpoints, maintenance_file=maintenance_file,
                                         dmi_dir=dmi_dir)
@@ -82,9 +80,11 @@ class NodeWatcherActor:
 
 
 class ActorWatcher:
-    """One source of a :class:`NodeWatcherActor`, as a watcher the runner can poll."""
+    """One source of a :class:`NodeWatcherActor`, as a watcher the runner can poll (through
+    the controller's backend)."""
 
-    def __init__(self, handle: Any, node_id: str, source: str, bound_s: float) -> None:
+    def __init__(self, backend: Any, handle: Any, node_id: str, source: str, bound_s: float) -> None:
+        self.backend = backend
         self.handle = handle
         self.node_id = node_id
         self.source = source
@@ -96,29 +96,14 @@ class ActorWatcher:
         return self._bound_s
 
     async def apoll(self) -> PollResult:
-        return await self.handle.poll.remote(self.source)
+        return await self.backend.call(self.handle, "poll", (self.source,), self._bound_s)
 
     def poll(self) -> PollResult:  # pragma: no cover - the runner awaits apoll()
-        import ray
-
-        return ray.get(self.handle.poll.remote(self.source), timeout=self._bound_s)
+        raise TypeError(f"{self.label}: a node watcher is polled by apoll(), on the controller's loop")
 
 
-def start_node_watcher(node_id: str, **kwargs: Any) -> Any:
-    """A :class:`NodeWatcherActor` on node ``node_id`` (hex), pinned there, asking for no CPU.
-    ``kwargs`` go to its constructor (e.g. ``**NodeWatcherActor.options_from(cfg.fault_tolerance)``)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return (
-        ray.remote(NodeWatcherActor)
-        .options(num_cpus=0, max_concurrency=len(NODE_SOURCES) + 2,
-                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-        .remote(node_id=node_id, **kwargs)
-    )
-
-
-async def actor_watchers(handle: Any) -> tuple[Any, list[ActorWatcher]]:
-    """The node's detection and one :class:`ActorWatcher` per source it runs."""
-    info = await handle.describe.remote()
-    return info["detection"], [ActorWatcher(handle, info["node_id"], s, b) for s, b in info["bounds"].items()]
+async def actor_watchers(backend: Any, handle: Any, timeout: float | None = None) -> tuple[Any, list[ActorWatcher]]:
+    """The node's detection and one :class:`ActorWatcher` per source it runs (``backend``: the
+    :class:`~ftstate.controller.backend.ClusterBackend` that started ``handle``)."""
+    info = await backend.call(handle, "describe", (), timeout)
+    return info["detection"], [ActorWatcher(backend, handle, info["node_id"], s, b) for s, b in info["bounds"].items()]

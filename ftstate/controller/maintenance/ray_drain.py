@@ -21,15 +21,18 @@ What Ray 2.60 exposes (read in its source and measured on a ``ray.cluster_utils.
   the deadline, when whoever asked for the drain (autoscaler, KubeRay) kills it.
 
 So this watcher runs on the driver (the controller), asks the GCS for its draining nodes
-with a bounded RPC, and reports each as a ``drain`` notice on that node id with the drain's
+with a bounded RPC (through the controller's
+:meth:`~ftstate.controller.backend.ClusterBackend.draining_nodes`: a simulated cluster answers
+it too), and reports each as a ``drain`` notice on that node id with the drain's
 deadline. The reason is not exposed by that call and is not reported. A node that died
 leaves the list: its notice is withdrawn, and its loss is the failover's business.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from ftstate.controller.maintenance.base import Notice, PollProblem, PollResult
 
@@ -49,26 +52,21 @@ def parse_draining(draining: object, *, where: str = "gcs.get_draining_nodes") -
     return notices
 
 
-def gcs_draining_nodes(timeout: float) -> Mapping[str, int]:
-    """The connected driver's view of the draining nodes (Ray imported here, on first use)."""
-    import ray
-
-    if not ray.is_initialized():
-        raise RuntimeError("Ray is not initialised in this process")
-    gcs = ray._private.worker.global_worker.gcs_client
-    return gcs.get_draining_nodes(timeout=timeout)
+def _no_cluster(timeout: float) -> Mapping[str, int]:
+    raise RuntimeError("no cluster to ask for its draining nodes (RayDrainWatcher built without draining=)")
 
 
 class RayDrainWatcher:
     """Polls the GCS for draining nodes, one RPC bounded by ``timeout``.
 
-    draining: how to ask (default :func:`gcs_draining_nodes`; injected in tests)."""
+    draining: how to ask (the runtime's ``backend.draining_nodes``; None: no cluster to ask,
+    every poll a problem that says so)."""
 
     source = "ray"
 
     def __init__(self, *, timeout: float, draining: DrainingNodes | None = None) -> None:
         self.timeout = timeout
-        self.draining = draining or gcs_draining_nodes
+        self.draining = draining if draining is not None else _no_cluster
 
     @property
     def bound_s(self) -> float:
@@ -76,15 +74,37 @@ class RayDrainWatcher:
 
     def poll(self) -> PollResult:
         t0 = time.monotonic()
-        where = "gcs.get_draining_nodes"
         try:
             answer = self.draining(self.timeout)
         except Exception as exc:  # noqa: BLE001 - an RPC error, a lost GCS: a warning, never a crash
-            took = round(time.monotonic() - t0, 3)
+            return self._result(None, exc, round(time.monotonic() - t0, 3))
+        return self._result(answer, None, round(time.monotonic() - t0, 3))
+
+    @staticmethod
+    def _result(answer: object, exc: BaseException | None, took: float) -> PollResult:
+        where = "gcs.get_draining_nodes"
+        if exc is not None:
             kind = "timeout" if "timeout" in type(exc).__name__.lower() or "timed out" in str(exc).lower() else "error"
             return PollResult("ray", (), (PollProblem("ray", where, kind, f"{type(exc).__name__}: {exc}", took),), took)
-        took = round(time.monotonic() - t0, 3)
         parsed = parse_draining(answer, where=where)
         if isinstance(parsed, PollProblem):
             return PollResult("ray", (), (parsed.took(took),), took)
         return PollResult("ray", tuple(parsed), (), took)
+
+
+class AsyncRayDrainWatcher(RayDrainWatcher):
+    """The same, asking with a coroutine (the controller's backend): awaited on the controller's
+    loop, timed by the loop's clock (virtual in a simulation), no thread."""
+
+    def __init__(self, *, timeout: float, draining: Callable[[float], Awaitable[Mapping[str, int]]]) -> None:
+        super().__init__(timeout=timeout)
+        self.adraining = draining
+
+    async def apoll(self) -> PollResult:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            answer = await self.adraining(self.timeout)
+        except Exception as exc:  # noqa: BLE001 - as poll()
+            return self._result(None, exc, round(loop.time() - t0, 3))
+        return self._result(answer, None, round(loop.time() - t0, 3))

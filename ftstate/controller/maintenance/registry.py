@@ -8,6 +8,7 @@ metadata sources and ``file``).
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from ftstate.controller.maintenance import aws, azure, gce
 from ftstate.controller.maintenance.base import SOURCES, Watcher
 from ftstate.controller.maintenance.detect import DMI_DIR, Detection, detect_sources
 from ftstate.controller.maintenance.notice_file import NoticeFileWatcher
-from ftstate.controller.maintenance.ray_drain import DrainingNodes, RayDrainWatcher
+from ftstate.controller.maintenance.ray_drain import AsyncRayDrainWatcher, DrainingNodes, RayDrainWatcher
 from ftstate.core.config import FaultToleranceConfig
 
 Factory = Callable[..., Watcher]
@@ -35,6 +36,8 @@ def _azure(*, endpoints: Mapping[str, str], environ: Mapping[str, str], timeout:
 
 
 def _ray(*, timeout: float, ray_draining: DrainingNodes | None = None, **_: Any) -> Watcher:
+    if inspect.iscoroutinefunction(ray_draining):  # the controller's backend: awaited on its loop
+        return AsyncRayDrainWatcher(timeout=timeout, draining=ray_draining)
     return RayDrainWatcher(timeout=timeout, draining=ray_draining)
 
 
