@@ -116,6 +116,7 @@ async def main(opts: Any, console: Any) -> int:
     killed: list[dict[str, Any]] = []
     error: FTError | None = None
     final_checksum, serving = None, []
+    first_members: list[Any] = []
     view = LiveView(rt, opts.steps, console, enabled=opts.live)
 
     async def sync_and_prove(step: int | None) -> None:
@@ -156,7 +157,6 @@ async def main(opts: Any, console: Any) -> int:
     except FTError as exc:
         error = exc
         final_checksum, serving = None, []
-        first_members = locals().get("first_members", [])
     finally:
         members = rt.members() if rt.group is not None else []
         failovers = rt.failovers
@@ -171,8 +171,7 @@ async def main(opts: Any, console: Any) -> int:
 
     reference = None
     if error is None:
-        view_note = "the fault-free reference run (the trainer and one engine in this process)"
-        console.print(f"[dim]{view_note}[/]")
+        console.print("[dim]the fault-free reference run (the trainer and one engine in this process)[/]")
         reference = reference_run(model, opts.seed, opts.steps, opts.batch_size, opts.rollouts)
     engine = {
         "engine": "vllm",
