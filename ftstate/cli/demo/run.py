@@ -70,7 +70,9 @@ class DemoOptions:
     (0 makes the first fault fatal); live: draw the live view; address: a running Ray
     cluster to join (``auto``, ``host:port``), none starts a local one; maintenance: the
     maintenance scenario (a local 3-node cluster, a GCE notice, a drain); trainers: trainer
-    ranks (``trainer_workers``; more than 1 shards the policy over them)."""
+    ranks (``trainer_workers``; more than 1 shards the policy over them); engine: the policy and
+    its rollouts, ``policy`` (a dict of tensors) or ``vllm`` (a tiny Qwen2 served by vLLM
+    engines: :mod:`ftstate.cli.demo.engine_run`)."""
 
     out: str = "ftstate-demo"
     steps: int = 24
@@ -84,8 +86,11 @@ class DemoOptions:
     address: str | None = None
     maintenance: bool = False
     trainers: int = 1
+    engine: str = "policy"
 
 
+#: The demo's engines (``--engine``): the dict-of-tensors policy, or a causal LM served by vLLM.
+ENGINES = ("policy", "vllm")
 #: The maintenance scenario's nodes (the first is the head, the driver's).
 NODES = ("a", "b", "c")
 #: Seconds from the announcement to the start of the maintenance window (the notice's deadline).
@@ -117,6 +122,15 @@ def trainer_to_kill(trainers: int) -> int:
 
 def check_options(opts: DemoOptions) -> None:
     """Refuse options that cannot make a run, naming the option (ConfigError)."""
+    if opts.engine not in ENGINES:
+        raise ConfigError("engine", f"must be one of {', '.join(ENGINES)}, got {opts.engine!r}")
+    if opts.engine == "vllm":
+        for name, value, default in (("trainers", opts.trainers, 1), ("maintenance", opts.maintenance, False),
+                                     ("address", opts.address, None)):
+            if value != default:
+                raise ConfigError(name, f"--engine vllm runs one trainer and its engines on a local cluster "
+                                  f"(the model is written to --out on this machine): {name} must be {default!r}, "
+                                  f"got {value!r}")
     if isinstance(opts.trainers, bool) or not isinstance(opts.trainers, int) or opts.trainers < 1:
         raise ConfigError("trainers", f"must be an int >= 1 (trainer ranks), got {opts.trainers!r}")
     if opts.trainers > opts.batch_size:
@@ -130,16 +144,34 @@ def check_options(opts: DemoOptions) -> None:
 
 def run_demo(out: str = "ftstate-demo", steps: int = 0, faults: bool | None = None, **options: Any) -> int:
     """Run the demo; returns the exit code (0: it survived and matched the fault-free run).
-    faults: None injects the kills except in the maintenance scenario."""
+    faults: None injects the kills except in the maintenance scenario. The dict-of-tensors
+    policy only: ``ftstate.cli.demo.run_demo`` also runs ``engine="vllm"``."""
+    return run_options(demo_options(out, steps, faults, options), _main)
+
+
+def demo_options(out: str, steps: int, faults: bool | None, options: dict[str, Any]) -> DemoOptions:
+    """The :class:`DemoOptions` of a call (steps 0: the default; faults None: on, except in
+    the maintenance scenario)."""
     if faults is None:
         faults = not options.get("maintenance", False)
-    opts = DemoOptions(out=out, steps=steps or DemoOptions.steps, faults=faults, **options)
+    return DemoOptions(out=out, steps=steps or DemoOptions.steps, faults=faults, **options)
+
+
+def run_options(opts: DemoOptions, main: Any, *, engine: str = "policy", before: Any = None) -> int:
+    """Check ``opts``, call ``before()`` (a check of what the run needs), then run
+    ``main(opts, console)``; returns its exit code, or 2 with one line for an FTError.
+    engine: the engine ``main`` runs (``opts.engine`` must be it)."""
     from rich.console import Console
 
     console = Console()
     try:
         check_options(opts)
-        return asyncio.run(_main(opts, console))
+        if opts.engine != engine:
+            raise ConfigError("engine", f"this entry point runs engine {engine!r}, got {opts.engine!r} "
+                              "(ftstate.cli.demo.run_demo runs every engine)")
+        if before is not None:
+            before()
+        return asyncio.run(main(opts, console))
     except FTError as exc:
         from rich.markup import escape
 
@@ -456,7 +488,11 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
             failovers: list[Any], injected: list[tuple[float, str, str]], members: list[Any],
             final_checksum: str | None, serving: list[str], reference: dict[str, Any] | None,
             error: FTError | None, seconds: float, cfg: RuntimeConfig, nodes: dict[str, Any] | None = None,
-            maintenance: dict[str, Any] | None = None, trainer_ranks: list[dict[str, Any]] | None = None) -> int:
+            maintenance: dict[str, Any] | None = None, trainer_ranks: list[dict[str, Any]] | None = None,
+            engine: dict[str, Any] | None = None) -> int:
+    """Write report.json and print the report; the exit code. engine: the engine demo's proof
+    (``held_after_sync``: each sync's trainer checksum beside every serving engine's held one;
+    ``held_all_equal``), in the report under ``engine`` and part of the verdict."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -547,6 +583,7 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         "nodes": nodes["count"],
         "cluster_nodes": nodes["cluster_nodes"],
         "members": [{**dataclasses.asdict(m), "node_id": nodes["by_member"].get(m.member)} for m in members],
+        "engine": engine,
     }
     (folder / "report.json").write_text(json.dumps(summary, indent=2, default=str))
 
@@ -589,6 +626,12 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         table.add_row("nodes", f"{nodes['count']}{where} ({place})")
     table.add_row("budget left", f"{summary['budget_left']} of {cfg.fault_tolerance.max_failovers}")
     table.add_row("audit --check", "passed" if not violations else f"{len(violations)} violations")
+    held_ok = engine is None or engine["held_all_equal"]
+    if engine is not None:
+        proofs = engine["held_after_sync"]
+        bad = sum(1 for h in proofs if not h["equal"])
+        table.add_row("engines' held weights", ("[green]equal to the trainer's[/]" if held_ok else f"[red]{bad} syncs "
+                      "DIFFERENT[/]") + f" after every one of {len(proofs)} syncs (read back from each vLLM engine)")
     if error is not None:
         table.add_row("error", f"[red]{escape(summary['error'])}[/]")
     else:
@@ -606,4 +649,4 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         for v in violations:
             console.print(f"[red]audit violation[/] line {v.line}: {escape(v.problem)}")
         return 1
-    return 0 if identical else 1
+    return 0 if identical and held_ok else 1

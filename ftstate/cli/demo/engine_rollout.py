@@ -1,0 +1,69 @@
+"""The rollout of ``ftstate demo --engine vllm``: a real vLLM engine answering the demo's task.
+
+:class:`EngineRollout` is :class:`~ftstate.integrations.vllm.VLLMRollout` as it is (its engine in
+the actor's process, weights reloaded in place, ``held_weights()`` read from the engine's
+kernels) plus what the demo needs of it: :meth:`EngineRollout.sample` answers a shard of a step's
+prompts with seeded sampling (one seed per (run, step, prompt), so a prompt re-dealt to another
+engine after a failover samples the same answer), and :meth:`EngineRollout.kill_during_next_load`
+arms the "engine killed mid-update" fault: a SIGKILL of this process from inside vLLM's own
+loader, part-way through the tensors of the next version.
+
+Imports vLLM (through the integration): loaded only in the demo's rollout actors and, for the
+fault-free reference, in the driver of an ``--engine vllm`` run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from ftstate.cli.demo import llm
+from ftstate.integrations.vllm import VLLMRollout
+
+#: Engine arguments for the demo's tiny model: a small KV cache, no graph capture.
+ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 64, "kv_cache_memory_bytes": 16 << 20}
+
+
+class EngineRollout(VLLMRollout):
+    """model: the policy's folder; seed: the run's seed (sampling seeds derive from it)."""
+
+    def __init__(self, model: str, seed: int) -> None:
+        super().__init__(model, dtype="bfloat16", seed=seed, engine_kwargs=ENGINE_KWARGS)
+        self.run_seed = seed
+        self._kill_after: int | None = None
+
+    def sample(self, step: int, shard: Sequence[tuple[int, Sequence[int]]]) -> list[tuple[int, list[int], float]]:
+        """Answer and score one shard: ``[(prompt_id, answer, reward)]`` in shard order."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(max_tokens=llm.ANSWER_TOKENS, temperature=1.0, ignore_eos=True,
+                                 seed=llm.sample_seed(self.run_seed, step, pid)) for pid, _ in shard]
+        inputs = [{"prompt_token_ids": [int(t) for t in tokens]} for _, tokens in shard]
+        with self._lock:
+            if self._torn is not None:
+                raise self._torn
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        answers = [list(o.outputs[0].token_ids) for o in outputs]
+        return [(pid, a, llm.reward(a)) for (pid, _), a in zip(shard, answers, strict=True)]
+
+    def kill_during_next_load(self, after: int) -> int:
+        """SIGKILL this process once ``after`` tensors of the next load reached vLLM's loader;
+        returns this process's pid (what the fault kills)."""
+        self._kill_after = after
+        return os.getpid()
+
+    def _weights(self, state: Mapping[str, Any]) -> Iterable[tuple[str, Any]]:
+        pairs = super()._weights(state)
+        if self._kill_after is None:
+            return pairs
+        after, self._kill_after = self._kill_after, None
+
+        def killing() -> Iterable[tuple[str, Any]]:
+            for i, pair in enumerate(pairs):
+                if i == after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield pair
+
+        return killing()

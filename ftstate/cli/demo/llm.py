@@ -1,0 +1,148 @@
+"""The causal LM of ``ftstate demo --engine vllm``: a tiny Qwen2, its task, and its trainer.
+
+The policy is a real Hugging Face causal LM (``Qwen2ForCausalLM``), written to disk without
+the hub (:func:`write_tiny_qwen2`: a random init from a ``Qwen2Config`` and a WordLevel
+tokenizer; ``HF_HUB_OFFLINE=1`` holds), so a vLLM engine can start from the same folder. The
+task: given a prompt of :data:`PROMPT_TOKENS` tokens, answer with :data:`ANSWER_TOKENS`
+tokens; each answer token in :data:`TARGET` scores (:func:`reward`). A random init hits the
+target about ``len(TARGET) / VOCAB`` of the time, and REINFORCE raises it within a few steps.
+
+:class:`LLMTrainer` trains it in transformers, in bf16, the dtype the engines compute in: the
+trainer's ``state_dict()`` is then exactly what an engine holds (the held-weights proof compares
+bytes), and a replaced trainer that gets the last sync back from a rollout has lost nothing (no
+fp32 master to miss). The update is stateless (``w -= lr * sign(grad)``), so there is no
+optimizer state to lose either; every step runs on one intra-op thread, which makes it the same
+bits in an actor and in the fault-free reference run in the driver.
+
+Imports torch and transformers inside functions only: this module is loaded by the demo's
+workers and by :mod:`ftstate.cli.demo.engine_run`, never by the core.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ftstate.cli.demo.task import derive_seed
+from ftstate.core.worker import TrainerWorker
+
+#: The model's vocabulary (a multiple of 64: vLLM pads the embedding to that, keeping it exact).
+VOCAB = 64
+#: Tokens of a prompt, drawn from the first half of the vocabulary.
+PROMPT_TOKENS = 4
+#: Tokens of an answer (generated to that length: the end-of-sequence token is ignored).
+ANSWER_TOKENS = 4
+#: The answer tokens that score.
+TARGET = frozenset(range(8))
+#: The model's size: about 0.9 MB of bf16.
+MODEL_SIZE = {"vocab": VOCAB, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2}
+
+
+def write_tiny_qwen2(path: str, *, vocab: int = 4096, hidden: int = 128, layers: int = 2, intermediate: int = 0,
+                     heads: int = 4, kv_heads: int = 2, dtype: str = "float32", seed: int = 0) -> str:
+    """A Qwen2 of ``layers`` layers and its tokenizer under ``path``; a folder that already holds
+    one is reused. intermediate: the MLP's width (default ``2 * hidden``); dtype: the dtype the
+    weights are saved in. The same arguments give the same bytes."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+    words = {f"w{i}": i for i in range(vocab - 3)} | {"<unk>": vocab - 3, "<pad>": vocab - 2, "<eos>": vocab - 1}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    return path
+
+
+def write_policy(path: str, seed: int) -> str:
+    """The demo's initial policy (bf16, seeded by the run's seed) under ``path``."""
+    return write_tiny_qwen2(path, dtype="bfloat16", seed=seed, **MODEL_SIZE)
+
+
+def make_prompts(step: int, batch_size: int, seed: int) -> list[tuple[int, list[int]]]:
+    """One step's prompts, ``(prompt_id, tokens)``, a function of (seed, step) only."""
+    import random
+
+    out = []
+    for i in range(batch_size):
+        pid = step * batch_size + i
+        rng = random.Random(derive_seed("llm-prompt", seed, pid))
+        out.append((pid, [rng.randrange(VOCAB // 2) for _ in range(PROMPT_TOKENS)]))
+    return out
+
+
+def sample_seed(seed: int, step: int, prompt_id: int) -> int:
+    """The engine's sampling seed for one prompt: a function of the run, the step and the prompt,
+    never of the engine that serves it (a prompt re-dealt after a failover samples the same)."""
+    return derive_seed("llm-sample", seed, step, prompt_id) % (2**31)
+
+
+def reward(answer: Sequence[int]) -> float:
+    """The fraction of the answer's tokens in :data:`TARGET`."""
+    return sum(1 for t in answer if t in TARGET) / max(1, len(answer))
+
+
+def reinforce_step(model: Any, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                   rewards: Sequence[float], lr: float) -> float:
+    """One REINFORCE step on ``model`` in place (advantage: reward minus the batch mean; update:
+    ``lr * sign(grad)``), on one intra-op thread; returns the loss."""
+    import torch
+
+    from ftstate.cli.demo.policy import single_thread
+
+    with single_thread():
+        model.zero_grad(set_to_none=True)
+        ids = torch.tensor([list(p) + list(a) for p, a in zip(prompts, answers, strict=True)], dtype=torch.long)
+        adv = torch.tensor(list(rewards), dtype=torch.float32)
+        adv = adv - adv.mean()
+        logits = model(ids).logits[:, PROMPT_TOKENS - 1:-1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, PROMPT_TOKENS:, None])[..., 0].sum(-1)
+        loss = -(adv * logp).mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.sub_(torch.sign(p.grad) * lr)
+    return float(loss.detach())
+
+
+class LLMTrainer(TrainerWorker):
+    """The demo's trainer: the Qwen2 at ``model`` (a folder) in transformers, bf16.
+
+    model: the policy's folder (:func:`write_policy`); lr: the sign-SGD step."""
+
+    def __init__(self, model: str, lr: float) -> None:
+        import torch
+        from transformers import Qwen2ForCausalLM
+
+        self.lr = lr
+        self.model = Qwen2ForCausalLM.from_pretrained(model, torch_dtype=torch.bfloat16)
+        self.model.train()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.model.load_state_dict(dict(state))
+
+    def train(self, prompt_ids: Sequence[int], prompts: Sequence[Sequence[int]],
+              answers: Sequence[Sequence[int]], rewards: Sequence[float]) -> dict[str, float]:
+        """One step over the whole batch, in prompt-id order (whatever order the shards came in)."""
+        order = sorted(range(len(prompt_ids)), key=lambda i: prompt_ids[i])
+        loss = reinforce_step(self.model, [prompts[i] for i in order], [answers[i] for i in order],
+                              [rewards[i] for i in order], self.lr)
+        return {"reward": sum(rewards) / max(1, len(rewards)), "loss": loss}
+
+    def checksum(self) -> str:
+        from ftstate.transport import state_checksum
+
+        return state_checksum(self.state_dict())
