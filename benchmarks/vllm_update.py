@@ -60,14 +60,15 @@ def build(name: str, root: Path) -> tuple[str, int]:
     return path, (Path(path) / "model.safetensors").stat().st_size
 
 
-def config(engines: int, *, proof: bool = False, mode: str = "cold", audit: str | None = None):
+def config(engines: int, *, proof: bool = False, mode: str = "cold", audit: str | None = None,
+           staging: str = "private"):
     import ftstate
 
     return ftstate.RuntimeConfig.from_dict({
         "rollout_workers": engines, "bucket_size_mb": 64, "init_timeout_s": 600, "sync_timeout_s": 600,
         "failover_timeout_s": 600, "heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 10.0,
         "held_weights_proof": "every_sync" if proof else "admission", "held_weights_proof_fraction": 0.0,
-        "audit_log": audit,
+        "audit_log": audit, "staging": staging.removesuffix("-spare"), "node_copy_spare": staging == "node-spare",
         "fault_tolerance": {"enable": True, "mode": mode, "standby_workers": 1},
     }, environ={})
 
@@ -80,10 +81,12 @@ def runtime(cfg, model: str):
                            rollout_args=(model,), rollout_kwargs={"engine_kwargs": ENGINE_KWARGS})
 
 
-async def updates(model: str, engines: int, proof: bool, reps: int) -> dict[str, float]:
-    """Median update seconds, median native reload seconds, median per-round ratio, read-back."""
+async def updates(model: str, engines: int, proof: bool, reps: int, staging: str = "private") -> dict[str, float]:
+    """Median update seconds, median native reload seconds, median per-round ratio, read-back.
+    staging: where each rollout stages the incoming version (``private``, or ``node``: the one
+    node copy the engines load from after the vote; ``node-spare``: that copy recycled)."""
     rounds = []
-    async with runtime(config(engines, proof=proof), model) as rt:
+    async with runtime(config(engines, proof=proof, staging=staging), model) as rt:
         await rt.sync()  # first load: an admission, proven either way
         for _ in range(reps):
             await rt.trainer("train_step")
@@ -106,7 +109,7 @@ async def failover(model: str, mode: str) -> dict[str, float]:
     await rt.start()
     await rt.sync()
     try:
-        while mode == "standby" and not any(m.state == "STANDBY" for m in rt.members()):
+        while mode == "standby" and not any(m.state == "STANDBY" and m.role == "rollout" for m in rt.members()):
             await asyncio.sleep(0.05)
         restart = time.perf_counter() - t0
         await rt.chaos.kill("rollout", 1)
@@ -130,6 +133,9 @@ async def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--failover", default="300mb", help="the model the failover figures use")
     ap.add_argument("--skip-failover", action="store_true")
+    ap.add_argument("--staging", default="private",
+                    help="comma-separated staging modes for the update rounds: private, node (the node copy), "
+                         "node-spare (the node copy with node_copy_spare)")
     ap.add_argument("--models-dir", default=os.path.join(tempfile.gettempdir(), "ftstate-vllm-bench"))
     args = ap.parse_args()
     import ray
@@ -137,15 +143,15 @@ async def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     root = Path(args.models_dir)
     try:
-        print("| model | engines | native reload | update, proof off | ratio | update, proof on | ratio | "
+        print("| model | engines | staging | native reload | update, proof off | ratio | update, proof on | ratio | "
               "read-back of one engine |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for name in filter(None, args.models.split(",")):
             model, nbytes = build(name, root)
-            for engines in (int(e) for e in args.engines.split(",")):
-                off = await updates(model, engines, False, args.reps)
-                on = await updates(model, engines, True, args.reps)
-                print(f"| {name} ({nbytes / 1e6:.1f} MB) | {engines} | {off['native'] * 1e3:.0f} ms | "
+            for engines, staging in ((int(e), s) for e in args.engines.split(",") for s in args.staging.split(",")):
+                off = await updates(model, engines, False, args.reps, staging)
+                on = await updates(model, engines, True, args.reps, staging)
+                print(f"| {name} ({nbytes / 1e6:.1f} MB) | {engines} | {staging} | {off['native'] * 1e3:.0f} ms | "
                       f"{off['update'] * 1e3:.0f} ms | {off['ratio']:.2f}x | {on['update'] * 1e3:.0f} ms | "
                       f"{on['ratio']:.2f}x | {on['read'] * 1e3:.0f} ms |", flush=True)
         if not args.skip_failover:

@@ -88,7 +88,8 @@ async def test_engines_killed_mid_update_and_stopped_are_replaced_by_prewarmed_e
     await rt.start()
     stopped = None
     try:
-        await wait_until(lambda: any(m.state == "STANDBY" for m in rt.members()), 120, "a warm spare")
+        await wait_until(lambda: any(m.state == "STANDBY" and m.role == "rollout" for m in rt.members()), 120,
+                         "a warm rollout spare")
         await rt.sync()
         started = {m.member: m.pid for m in rt.members()}
         assert all(children(pid) == [] for pid in started.values()), "an in-process engine starts no process"
@@ -112,7 +113,8 @@ async def test_engines_killed_mid_update_and_stopped_are_replaced_by_prewarmed_e
         print(f"vLLM spare promoted: transfer {record.transfer_s:.3f}s, total {record.total_s:.3f}s")
 
         # SIGSTOP (an engine wedged with its actor): LOST within the heartbeat deadline, replaced.
-        await wait_until(lambda: any(m.state == "STANDBY" for m in rt.members()), 120, "the next warm spare")
+        await wait_until(lambda: any(m.state == "STANDBY" and m.role == "rollout" for m in rt.members()), 120,
+                         "the next warm rollout spare")
         wedged = rt.serving_rollouts()[0]
         stopped = next(m.pid for m in rt.members() if m.member == wedged)
         t0 = time.monotonic()
