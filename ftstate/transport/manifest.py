@@ -8,6 +8,11 @@ peer sends), both stamped with the group and the group version:
 * the **seal**, sent after the last bucket: the checksum of every bucket, of every
   tensor and of the whole state.
 
+Each transfer has a random 64-bit id (``transfer``, :func:`new_transfer_id`), chosen by the
+sender and carried by its manifest and its seal, and bound into the tags of the votes
+(:mod:`ftstate.transport.sync`): within one group version a seal or a vote of another transfer
+(a recorded one, played back) is refused, even where it is of the same weights version.
+
 The checksums travel in the seal rather than in the manifest because the sender
 computes them *while* the buckets are on the wire (hashing bucket k+1 while bucket k is
 being sent). Putting them in the first message would mean one full pass of xxh3 over the
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import reprlib
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +41,9 @@ import msgpack
 from ftstate.core.errors import ManifestError, StaleGroupVersion
 from ftstate.transport.buckets import DTYPE_ITEMSIZE, MIN_BUCKET_SIZE, TensorEntry
 
-#: Version of the wire format; bumped on any incompatible change of either message.
-WIRE_FORMAT = 1
+#: Version of the wire format; bumped on any incompatible change of either message
+#: (2: the transfer id).
+WIRE_FORMAT = 2
 
 #: Upper bound on an encoded manifest or seal (a sanity bound against garbage lengths).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -80,6 +87,8 @@ class Manifest:
     total_bytes: int
     tensors: tuple[TensorEntry, ...]
     buckets: tuple[tuple[int, int], ...]
+    #: The transfer's id (:func:`new_transfer_id`; 0 where nothing is sent, e.g. in tests).
+    transfer: int = 0
 
     @property
     def num_buckets(self) -> int:
@@ -101,6 +110,13 @@ class Seal:
     bucket_checksums: tuple[int, ...]
     tensor_checksums: tuple[int, ...]
     state_checksum: int
+    #: The id of the transfer it closes (its manifest's).
+    transfer: int = 0
+
+
+def new_transfer_id() -> int:
+    """A fresh transfer id: 64 random bits, so no two transfers of a run share one."""
+    return secrets.randbits(64)
 
 
 # -- encoding ------------------------------------------------------------------------
@@ -118,6 +134,7 @@ def encode_manifest(m: Manifest) -> bytes:
             "total_bytes": m.total_bytes,
             "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in m.tensors],
             "buckets": [[s, e] for s, e in m.buckets],
+            "transfer": m.transfer,
         },
         use_bin_type=True,
     )
@@ -134,6 +151,7 @@ def encode_seal(s: Seal) -> bytes:
             "bucket_checksums": list(s.bucket_checksums),
             "tensor_checksums": list(s.tensor_checksums),
             "state_checksum": s.state_checksum,
+            "transfer": s.transfer,
         },
         use_bin_type=True,
     )
@@ -302,7 +320,8 @@ def decode_manifest(
             if k == len(windows) or windows[k][0] > pos:
                 raise _fail("buckets", f"byte {pos} of tensor {short(name)} is in no bucket")
             pos = windows[k][1]
-    return Manifest(g, gv, weights_version, bucket_size, total, tuple(entries), tuple(windows))
+    return Manifest(g, gv, weights_version, bucket_size, total, tuple(entries), tuple(windows),
+                    _int(obj, "transfer"))
 
 
 def decode_seal(data: bytes | bytearray | memoryview, manifest: Manifest) -> Seal:
@@ -315,10 +334,14 @@ def decode_seal(data: bytes | bytearray | memoryview, manifest: Manifest) -> Sea
             "weights_version",
             f"seal is for weights version {weights_version}, manifest announced {manifest.weights_version}",
         )
+    transfer = _int(obj, "transfer")
+    if transfer != manifest.transfer:
+        raise _fail("transfer", f"seal closes transfer {transfer:016x}, the manifest announced transfer "
+                                f"{manifest.transfer:016x}: a seal of another transfer (played back?)")
     buckets = _checksums(obj, "bucket_checksums", manifest.num_buckets)
     tensors = _checksums(obj, "tensor_checksums", len(manifest.tensors))
     state = _int(obj, "state_checksum")
-    return Seal(g, gv, weights_version, buckets, tensors, state)
+    return Seal(g, gv, weights_version, buckets, tensors, state, transfer)
 
 
 def _checksums(obj: Mapping[str, Any], field: str, count: int) -> tuple[int, ...]:
@@ -360,5 +383,6 @@ __all__ = [
     "encode_manifest",
     "encode_seal",
     "manifest_for",
+    "new_transfer_id",
     "short",
 ]

@@ -158,6 +158,7 @@ from ftstate.transport.manifest import (
     decode_seal,
     encode_manifest,
     encode_seal,
+    new_transfer_id,
     short,
 )
 from ftstate.transport.nodecopy import NodeCopy, forget_mappings, is_copy
@@ -920,7 +921,8 @@ def _send(
         ((n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names), sender.bucket_size
     )
     buckets = bucket_segments(entries, windows)
-    manifest = Manifest(comm.group, comm.version, weights_version, sender.bucket_size, total, entries, windows)
+    manifest = Manifest(comm.group, comm.version, weights_version, sender.bucket_size, total, entries, windows,
+                        new_transfer_id())
     # Resending a committed state cut into the same buckets (a failover's resync): its verified
     # checksums go out again instead of hashing here; the receiver hashes what it reads.
     known = committed._seal if committed is not None and committed._entries == entries \
@@ -965,6 +967,7 @@ def _send(
     stage = "manifest"
     try:
         route.send_message(encode_manifest(manifest), stage)
+        route.transfer = manifest.transfer
         stage = "offer"
         offer = Offer(comm.group, comm.version, os.getpid(), chan.endpoint if chan else "",
                       tuple(s.name for s in slots.segments) if slots and readers else (), fresh,
@@ -1041,7 +1044,8 @@ def _send(
         tensor_sums = hasher.tensor_digests() if hasher is not None else list(known.tensor_checksums)
         state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(entries, tensor_sums, strict=True))
         stage = "seal"
-        seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state)
+        seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state,
+                    manifest.transfer)
         route.send_message(encode_seal(seal), stage)
         stage = "commit vote"
         votes = route.vote(VOTE_COMMIT, stage)
@@ -1230,6 +1234,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
     comm.check_usable()
     try:
         manifest = decode_manifest(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
+        route.transfer = manifest.transfer
         at.stage = "offer"
         offer = decode_offer(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
         buckets = bucket_segments(manifest.tensors, manifest.buckets)

@@ -114,6 +114,7 @@ from ftstate.transport.manifest import (
     decode_seal,
     encode_manifest,
     encode_seal,
+    new_transfer_id,
 )
 from ftstate.transport.validate import check_state_dict
 
@@ -213,6 +214,8 @@ class _Route:
         self.comm = comm
         self.deadline = deadline
         self.timeout_s = timeout_s
+        #: The transfer's id, once its manifest is sent or read: bound into the votes' tags.
+        self.transfer = 0
 
     def remaining(self, stage: str) -> float:
         left = self.deadline - time.monotonic()
@@ -305,9 +308,9 @@ class _BroadcastRoute(_Route):
         return self.root
 
     def vote(self, value: int, stage: str) -> dict[int, int]:
-        mine = _signed_vote(self.comm, self.comm.rank, value)
+        mine = _signed_vote(self.comm, self.comm.rank, value, self.transfer)
         votes = self.comm.allgather(mine, timeout_s=self.remaining(stage))
-        return {r: _vote_value(self.comm, r, v) for r, v in enumerate(votes) if r != self.root}
+        return {r: _vote_value(self.comm, r, v, self.transfer) for r, v in enumerate(votes) if r != self.root}
 
 
 class _PeerRoute(_Route):
@@ -330,12 +333,12 @@ class _PeerRoute(_Route):
         return self.peer
 
     def vote(self, value: int, stage: str) -> dict[int, int]:
-        box = _signed_vote(self.comm, self.comm.rank, value).to(self.comm.device)
+        box = _signed_vote(self.comm, self.comm.rank, value, self.transfer).to(self.comm.device)
         tag, self.seq = self.seq, self.seq + 1
         t = self.remaining(stage)
         if self.sending:  # the sender collects the receiver's vote
             self.comm.recv(box, self.peer, tag=tag, timeout_s=t).wait()
-            return {self.peer: _vote_value(self.comm, self.peer, box.cpu())}
+            return {self.peer: _vote_value(self.comm, self.peer, box.cpu(), self.transfer)}
         self.comm.send(box, self.peer, tag=tag, timeout_s=t).wait()
         return {}
 
@@ -345,21 +348,27 @@ class _PeerRoute(_Route):
 VOTE_FORGED = -1
 
 
-def _signed_vote(comm: Communicator, rank: int, value: int) -> torch.Tensor:
+def _vote_payload(value: int, transfer: int) -> bytes:
+    """What a vote's tag covers: its value and the transfer it is about (a vote recorded in
+    another transfer of the same group version does not verify)."""
+    return value.to_bytes(8, "little", signed=True) + transfer.to_bytes(8, "little")
+
+
+def _signed_vote(comm: Communicator, rank: int, value: int, transfer: int) -> torch.Tensor:
     """A vote as int64 words: the value, then its tag when the run authenticates."""
     if not auth.enabled():
         return torch.tensor([value], dtype=torch.int64)
-    t = auth.tag("vote", comm.group, comm.version, rank, value.to_bytes(8, "little", signed=True))
+    t = auth.tag("vote", comm.group, comm.version, rank, _vote_payload(value, transfer))
     return torch.tensor([value, *struct.unpack("<2q", t)], dtype=torch.int64)
 
 
-def _vote_value(comm: Communicator, rank: int, words: torch.Tensor) -> int:
-    """The vote of ``rank``, or :data:`VOTE_FORGED` when its tag does not verify."""
+def _vote_value(comm: Communicator, rank: int, words: torch.Tensor, transfer: int) -> int:
+    """The vote of ``rank`` in transfer ``transfer``, or :data:`VOTE_FORGED` when its tag does not verify."""
     vals = [int(v) for v in words.reshape(-1).tolist()]
     if not auth.enabled():
         return vals[0]
-    payload = vals[0].to_bytes(8, "little", signed=True)
-    if auth.verify("vote", comm.group, comm.version, rank, payload + struct.pack("<2q", *vals[1:3])) is None:
+    signed = _vote_payload(vals[0], transfer) + struct.pack("<2q", *vals[1:3])
+    if auth.verify("vote", comm.group, comm.version, rank, signed) is None:
         return VOTE_FORGED
     return vals[0]
 
@@ -617,7 +626,8 @@ class Sender:
                 # caught by the receiver, which hashes what arrives.
                 known = committed._seal
         buckets = bucket_segments(entries, windows)
-        manifest = Manifest(comm.group, comm.version, weights_version, self.bucket_size, total, entries, windows)
+        manifest = Manifest(comm.group, comm.version, weights_version, self.bucket_size, total, entries, windows,
+                            new_transfer_id())
         hashing = _Hashing(len(entries)) if known is None else None
         device = comm.device
         stage = "manifest"
@@ -656,6 +666,7 @@ class Sender:
 
         try:
             route.send_message(encode_manifest(manifest), stage)
+            route.transfer = manifest.transfer
             n = len(buckets)
             inflight: deque[Pending] = deque()  # at most WINDOW buckets on the wire
             done = 0
@@ -688,7 +699,8 @@ class Sender:
                 assert known is not None
                 digests, tensor_sums = list(known.bucket_checksums), list(known.tensor_checksums)
             state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(entries, tensor_sums, strict=True))
-            seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state)
+            seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state,
+                        manifest.transfer)
             stage = "seal"
             route.send_message(encode_seal(seal), stage)
             stage = "commit vote"
@@ -872,6 +884,7 @@ class Receiver:
         comm.check_usable()
         try:
             manifest = decode_manifest(route.recv_message(stage), group=comm.group, group_version=comm.version)
+            route.transfer = manifest.transfer
             staging = self._staging(manifest.total_bytes, comm.device, route.deadline - time.monotonic())
             flat = staging[0]
             _zero_padding(flat, manifest)

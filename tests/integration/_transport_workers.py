@@ -312,6 +312,27 @@ class _Member:
     def corrupt_next_bucket(self) -> None:
         self.receiver.corrupt_next_bucket()
 
+    def replay_seal_next(self) -> None:
+        """As a recording attacker in the stream would: the next same-host transfer this process
+        sends closes with the seal of the transfer it sent before (the same bytes and tag, as
+        recorded), not its own. The transfer before must be of the same weights and layout, so
+        only the transfer id tells the two seals apart."""
+        import dataclasses
+
+        from ftstate.transport import manifest, samehost
+
+        recorded: list[Any] = []
+
+        def encode(seal: Any) -> bytes:
+            if not recorded:
+                recorded.append(seal)
+                return manifest.encode_seal(seal)
+            samehost.encode_seal = manifest.encode_seal  # once
+            assert dataclasses.replace(recorded[0], transfer=seal.transfer) == seal, "not the same weights"
+            return manifest.encode_seal(recorded[0])
+
+        samehost.encode_seal = encode
+
     def forget_slot_mappings(self) -> None:
         """Unmap every writer's slots this process mapped (as one that lost them would: the
         writer's next offer then names slots it never mapped)."""

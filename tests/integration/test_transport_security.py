@@ -118,6 +118,27 @@ class TestAuthenticated:
         secured.form()
         next_sync_is_whole(secured, 6, 3)
 
+    def test_a_recorded_seal_played_back_in_a_later_transfer_of_the_group_version_is_refused(self, secured):
+        """Two transfers of the same weights in one group version; the second closes with the
+        first one's seal, byte for byte (its tag verifies: it is genuine). Its transfer id is not
+        the manifest's, so every reader refuses it and keeps what it held."""
+        trainer, *readers = secured.members
+        trainer.call("load", seed=9, weights_version=2)
+        trainer.call("replay_seal_next")
+        assert planned(secured, [1, 2])["committed"] == [1, 2]  # the transfer it records
+        for r in readers:
+            r.call("reset_receiver")
+            r.start("receive_planned", timeout_s=SYNC_S)
+        trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
+        for r in readers:
+            with pytest.raises(RemoteError) as info:
+                r.result()
+            assert info.value.isinstance("ManifestError") and info.value.info["field"] == "transfer", info.value.info
+            assert r.call("committed") is None  # nothing staged was committed
+        trainer.outcome(SYNC_S + 5)  # its transfer ends when the readers abort
+        secured.form()
+        next_sync_is_whole(secured, 10, 3)
+
     def test_signals_from_a_process_outside_the_run_are_dropped_and_recorded(self, secured):
         trainer = secured.members[0]
         planned(secured, [1, 2])

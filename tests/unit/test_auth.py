@@ -70,13 +70,27 @@ class TestVotes:
         from ftstate.transport.sync import VOTE_COMMIT, VOTE_FORGED, _signed_vote, _vote_value
 
         comm = types.SimpleNamespace(group="weights", version=2)
-        good = _signed_vote(comm, 1, VOTE_COMMIT)
-        assert _vote_value(comm, 1, good) == VOTE_COMMIT
-        assert _vote_value(comm, 2, good) == VOTE_FORGED  # rank 1's vote presented as rank 2's
+        good = _signed_vote(comm, 1, VOTE_COMMIT, 7)
+        assert _vote_value(comm, 1, good, 7) == VOTE_COMMIT
+        assert _vote_value(comm, 2, good, 7) == VOTE_FORGED  # rank 1's vote presented as rank 2's
         forged = good.clone()
         forged[1] ^= 1
-        assert _vote_value(comm, 1, forged) == VOTE_FORGED
+        assert _vote_value(comm, 1, forged, 7) == VOTE_FORGED
         assert [f["channel"] for f in auth.drain_forged()] == ["vote", "vote"]
+
+    def test_a_vote_of_another_transfer_in_the_same_group_version_counts_as_forged(self, key):
+        """A commit recorded in one transfer and played back in the next one of the same group
+        version (same ranks, same weights version even) is not that transfer's commit."""
+        import types
+
+        from ftstate.transport.sync import VOTE_COMMIT, VOTE_FORGED, _signed_vote, _vote_value
+
+        comm = types.SimpleNamespace(group="weights", version=2)
+        recorded = _signed_vote(comm, 1, VOTE_COMMIT, transfer=0x1111)
+        assert _vote_value(comm, 1, recorded, 0x1111) == VOTE_COMMIT
+        assert _vote_value(comm, 1, recorded, 0x2222) == VOTE_FORGED
+        [record] = auth.drain_forged()
+        assert record["channel"] == "vote" and record["claimed_sender"] == "1"
 
 
 class TestSignals:

@@ -117,6 +117,19 @@ class TestValidationNamesTheField:
         with pytest.raises(ManifestError, match="'bucket_checksums'"):
             decode_seal(encode_seal(bad), m)
 
+    def test_a_seal_of_another_transfer_is_refused_even_for_the_same_weights_version(self):
+        """Within one group version the transfer id tells transfers apart: a genuine seal
+        recorded in one transfer cannot close another (its checksums would bless other bytes)."""
+        import dataclasses
+
+        m = dataclasses.replace(make_manifest(), transfer=0xABCD)
+        decoded = decode_manifest(encode_manifest(m), group="weights", group_version=3)
+        assert decoded.transfer == 0xABCD
+        recorded = Seal("weights", 3, 12, (0,) * m.num_buckets, (1, 2, 3), 4, transfer=0x1234)
+        with pytest.raises(ManifestError, match="'transfer'"):
+            decode_seal(encode_seal(recorded), decoded)
+        assert decode_seal(encode_seal(dataclasses.replace(recorded, transfer=0xABCD)), decoded).transfer == 0xABCD
+
     def test_seal_for_another_weights_version(self):
         m = make_manifest()
         bad = Seal("weights", 3, 13, (0,) * m.num_buckets, (1, 2, 3), 4)
