@@ -106,9 +106,10 @@ async def next_spare_hangs(rt, hang) -> int:
     hang.touch()
     spare = next(m.member for m in rt.members() if m.state == "STANDBY" and m.role == "rollout")
     await rt.chaos.kill(spare)
+    # the file's name is its pid: its content may not be written yet when it is first seen
     await wait_until(lambda: list(hang.parent.glob(f"{hang.name}.*.pid")), 60, "the next spare to hang")
     [pidfile] = hang.parent.glob(f"{hang.name}.*.pid")
-    return int(pidfile.read_text())
+    return int(pidfile.name.removeprefix(f"{hang.name}.").removesuffix(".pid"))
 
 
 class TestRolloutFailover:
