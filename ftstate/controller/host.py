@@ -518,19 +518,40 @@ class WorkerHost:
         if it is ``weights_version`` with ``checksum``), then ``load_weights`` it. No transfer:
         the result's ``route`` says so for the controller's records. Loaded as a sync's staged
         version is (:meth:`commit_weights`): it is one, verified against the committed checksum."""
-        from ftstate.transport import Receiver, nodecopy
+        from ftstate.transport import nodecopy
+
+        return await self._load_node_copy("node_copy", nodecopy.adopt, name, group=group, owner=owner,
+                                          weights_version=weights_version, checksum=checksum)
+
+    async def fetch_node_copy(self, served: dict[str, Any], name: str, owner: int, group: str,
+                              weights_version: int, checksum: str, timeout_s: float) -> dict[str, Any]:
+        """Rollout newcomer on a node without the committed node copy: receive another node's
+        copy ``name`` point to point from the agent serving it (``served``;
+        :func:`ftstate.transport.nodecopy.fetch`, proven by ``checksum``), then load it as
+        :meth:`adopt_node_copy` does."""
+        from ftstate.transport import nodecopy
+
+        return await self._load_node_copy("node_copy_p2p", nodecopy.fetch, served, name=name, group=group,
+                                          owner=owner, weights_version=weights_version, checksum=checksum,
+                                          timeout_s=timeout_s)
+
+    async def _load_node_copy(self, route: str, take: Any, *args: Any, weights_version: int,
+                              **kwargs: Any) -> dict[str, Any]:
+        """``take`` (a node copy's :func:`~ftstate.transport.nodecopy.adopt` or ``fetch``) the
+        committed version into this rollout's receiver, in a thread, then load it as a sync's
+        staged version is (:meth:`commit_weights`): it is one, proven by the committed checksum."""
+        from ftstate.transport import Receiver
 
         if self._receiver is None:
             self._receiver = Receiver()
         self._staged = None
         self.busy = True
         try:
-            staged = await asyncio.to_thread(nodecopy.adopt, self._receiver, name, group=group, owner=owner,
-                                             weights_version=weights_version, checksum=checksum)
+            staged = await asyncio.to_thread(take, self._receiver, *args, weights_version=weights_version, **kwargs)
         finally:
             self.busy = False
         self._staged = staged
-        return {**await self.commit_weights(weights_version), "nbytes": staged.nbytes, "route": "node_copy"}
+        return {**await self.commit_weights(weights_version), "nbytes": staged.nbytes, "route": route}
 
     async def discard_weights(self) -> None:
         """Drop a staged version; what the user holds (the previous version) stays current."""
