@@ -287,7 +287,8 @@ class WorkerHost:
         return {"checksum": report.state_checksum, "nbytes": report.nbytes,
                 "rejected": {int(k): v for k, v in report.rejected.items()},
                 "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback,
-                "node_copy": report.node_copy, "node_spare": report.node_spare}
+                "node_copy": report.node_copy, "node_spare": report.node_spare,
+                **_node_copy_size(report.node_copy, recycled=report.node_copy_recycled)}
 
     async def receive_weights(
         self, weights_version: int, src: int, timeout_s: float, planned: bool = False,
@@ -319,7 +320,8 @@ class WorkerHost:
         # new version's staging plus the committed copy it kept meanwhile), for the records;
         # node_copy: the node copy its staged state is in (staging: node), else None
         return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": staged.weights_version,
-                "staging_bytes": self._receiver.peak_bytes, "node_copy": staged._node}
+                "staging_bytes": self._receiver.peak_bytes, "node_copy": staged._node,
+                **_node_copy_size(staged._node, recycled=False)}  # a relay never recycles its node's copy
 
     # -- several trainer ranks (trainer_workers > 1: ftstate.transport.shards) ---------------
 
@@ -926,3 +928,13 @@ def _where() -> tuple[str, str | None]:
 def _device_host(store_host: str) -> str:
     node, node_id = _where()
     return node if node_id is not None else store_host  # outside Ray: where the store is
+
+
+def _node_copy_size(name: str | None, *, recycled: bool) -> dict[str, Any]:
+    """For the records: the bytes of node copy ``name`` (read on its node: the controller may run
+    on another) and whether it was the writer's spare rewritten."""
+    if not name:
+        return {}
+    from ftstate.transport import nodecopy
+
+    return {"node_copy_bytes": nodecopy.segment_bytes(name), "node_copy_recycled": recycled}

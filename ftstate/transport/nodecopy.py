@@ -103,6 +103,14 @@ def copies_of(owner: int) -> list[str]:
     return [n for n in list_segments() if is_copy(n) and parse_name(n)["pid"] == owner]  # type: ignore[index]
 
 
+def segment_bytes(name: str) -> int:
+    """The size of node copy ``name`` in ``/dev/shm`` (header page, manifest, data); 0 when gone."""
+    try:
+        return os.stat(SHM_DIR / name).st_size
+    except OSError:
+        return 0
+
+
 def _data_offset(manifest_bytes: int) -> int:
     return -(-(_FIXED.size + manifest_bytes) // HEADER_BYTES) * HEADER_BYTES
 
@@ -154,6 +162,8 @@ class NodeCopy:
         self.weights_version = weights_version
         self.manifest = manifest
         self.data_bytes = data_bytes
+        #: this mapping's last use was a rewrite of the writer's spare (:meth:`reuse`), not a new file
+        self.recycled = False
         self._mm: mmap.mmap | None = mm
         self.inode = (0, 0)  # (device, inode) of the file it maps, for a reader's mapping cache
         self.data: torch.Tensor = torch.frombuffer(mm, dtype=torch.uint8, offset=_data_offset(len(manifest)),
@@ -191,6 +201,7 @@ class NodeCopy:
                          len(manifest), data_bytes)
         self._mm[_FIXED.size : _FIXED.size + len(manifest)] = manifest
         self.name, self.group_version, self.weights_version, self.manifest = name, group_version, weights_version, manifest
+        self.recycled = True
         return True
 
     @classmethod
@@ -442,4 +453,4 @@ def _recv_exact(conn: object, n: int) -> bytes:
     return bytes(out)
 
 
-__all__ = ["NodeCopy", "adopt", "copies_of", "copy_name", "fetch", "forget_mappings", "is_copy", "serve", "tensors_of", "unlink_names"]
+__all__ = ["NodeCopy", "adopt", "copies_of", "copy_name", "fetch", "forget_mappings", "is_copy", "segment_bytes", "serve", "tensors_of", "unlink_names"]

@@ -97,6 +97,13 @@ class TestOneCopyPerNode:
                 # the committed copy, and with a spare the one before it, kept to be rewritten
                 at_rest = committed_copies(rt)[-2 if spare else -1:]
                 assert sorted(node_copies()) == sorted(at_rest), (node_copies(), step)
+                # the report says which copy the node holds, its size, and whether it was made
+                # fresh or is the spare rewritten (with a spare, the third sync's is the first's)
+                [(node, copy)] = report.node_copies.items()
+                assert node == {m.member: m for m in rt.members()}["trainer-0"].node_id
+                assert copy["segment"] == at_rest[-1]
+                assert copy["nbytes"] == (shm.SHM_DIR / at_rest[-1]).stat().st_size >= report.nbytes
+                assert copy["recycled"] is (spare and step == 2), (step, copy)
             assert report.routes == {"rollout-0": "shm", "rollout-1": "shm"} and report.shm_fallback is None
             assert len(set(committed_copies(rt))) == 3  # each version under a name of its own
         assert node_copies() == []
