@@ -497,7 +497,7 @@ class WorkerHost:
             have = "nothing" if staged is None else f"version {staged.weights_version}"
             raise FTError(f"{self.member}: asked to commit weights version {weights_version} but staged {have}")
         async with self._lock():
-            await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+            device_bytes = await self._load_weights(staged.tensors, weights_version)
             if self._proves(weights_version):
                 held, from_engine = await self._held_checksum(staged.tensors)
                 self._held_mismatch = held != staged.state_checksum
@@ -510,8 +510,35 @@ class WorkerHost:
             self._staged = None
         self._tick()
         # The controller compares ``checksum`` (what this member holds) with the sender's.
+        # device_bytes: the device buckets a load by parts used (weights_device()), else absent
         return {"checksum": held, "received": staged.state_checksum, "weights_version": weights_version,
-                "held_bytes": self._held_bytes()}
+                "held_bytes": self._held_bytes(), **({"device_bytes": device_bytes} if device_bytes is not None else {})}
+
+    async def _load_weights(self, tensors: Mapping[str, Any], weights_version: int) -> int | None:
+        """Hand a verified version to the user: whole to ``load_weights``, or, for an engine on
+        a device (``weights_device()`` and ``load_weights_part``), part by part through two device
+        buckets (:func:`ftstate.transport.devicebuckets.load_by_buckets`); returns the device
+        bytes that took (None: a whole load)."""
+        from ftstate.core.worker import RolloutWorker
+
+        part_hook = getattr(type(self.user), "load_weights_part", None)
+        device = await self._run(self.user.weights_device) \
+            if part_hook not in (None, RolloutWorker.load_weights_part) else None
+        if device is None:
+            await self._run(self.user.load_weights, dict(tensors), weights_version)
+            return None
+        import torch
+
+        from ftstate.transport import devicebuckets
+
+        def part(state: dict[str, Any], first: bool, last: bool) -> None:
+            self.user.load_weights_part(state, weights_version, first=first, last=last)
+
+        def load_weights_part() -> dict[str, Any]:  # named so a user error names the hook
+            return devicebuckets.load_by_buckets(tensors, device=torch.device(device), bucket_bytes=self.bucket_bytes,
+                                                 load=part)
+
+        return int((await self._run(load_weights_part))["device_bytes"])
 
     async def adopt_node_copy(self, name: str, owner: int, group: str, weights_version: int,
                               checksum: str) -> dict[str, Any]:
@@ -635,7 +662,7 @@ class WorkerHost:
                 t_loaded = time.perf_counter()
                 held = await self._trainer_checksum()
             else:
-                await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+                await self._load_weights(staged.tensors, weights_version)
                 t_loaded = time.perf_counter()
                 held, from_engine = await self._held_checksum(staged.tensors)
             t_proven = time.perf_counter()
