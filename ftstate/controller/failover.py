@@ -46,6 +46,7 @@ from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
     ChecksumMismatch,
+    DeadlineExceeded,
     FTError,
     HeldWeightsMismatch,
     LossyRecoveryRefused,
@@ -626,7 +627,8 @@ class Failover:
                 err = MemberLost(newcomer.name, "no rollout holds the current weights version to rebuild the trainer")
                 await group.fire("fail", reason=str(err), error=err)
                 raise err
-        elif await self._adopt_node_copy(newcomer, version, checksum):
+        elif await self._adopt_node_copy(newcomer, version, checksum) or await self._fetch_node_copy(
+                newcomer, version, checksum, sources):
             return True
         elif not sources:
             return False  # no survivor holds it: the next sync resyncs the newcomer
@@ -673,22 +675,60 @@ class Failover:
         copy = self.node_copies.source_for(newcomer.node_id, version, checksum) if self.node_copies else None
         if copy is None:
             return False
-        plan = {"sender": "node copy", "node": copy.node_id[:8], "mode": self.config.shared_memory,
-                "routes": {newcomer.name: "node_copy"}, "segment": copy.name}
-        await newcomer.machine.fire("resync", source="node copy", plan=plan)
+        return await self._from_node_copy(
+            newcomer, copy, version, checksum, source="node copy", route="node_copy", errors=(ManifestError,
+            ChecksumMismatch), refused="the node copy could not be adopted", instead="point to point",
+            load=lambda: self.calls.call(newcomer.name, newcomer.handle, "adopt_node_copy", copy.name, copy.owner,
+                                         copy.group, version, checksum))
+
+    async def _fetch_node_copy(self, newcomer: Member, version: int, checksum: str,
+                               holders: list[Member]) -> bool:
+        """A rollout newcomer on a node with neither the committed node copy nor a holder (``holders``) is
+        served point to point by another node's agent from that node's copy (checkpoint-engine's
+        P2P mode: no rollout engine and no trainer sends; ``resync`` record source ``node copy
+        on <node>``, route ``node_copy_p2p``), proving it by checksum. False when no node holds
+        one; when serving or receiving fails, the newcomer is STALE again, ``node_copy_fallback``
+        records why, and the caller resyncs it from a holder."""
+        if any(m.node_id is not None and m.node_id == newcomer.node_id for m in holders):
+            return False  # a holder beside it: shared memory, no network
+        copy = self.node_copies.remote_source(newcomer.node_id, version, checksum) if self.node_copies else None
+        if copy is None:
+            return False
+        async def load() -> dict[str, Any]:
+            served = await self.node_copies.serve(copy)
+            # bounded inside the newcomer by sync_timeout_s, and by the failover's deadline here
+            return await self.calls.call(newcomer.name, newcomer.handle, "fetch_node_copy", served, copy.name,
+                                         copy.owner, copy.group, version, checksum, self.config.sync_timeout_s)
+
+        # MemberLost: the serving agent gone (the newcomer's own death is re-raised)
+        return await self._from_node_copy(
+            newcomer, copy, version, checksum, source=f"node copy on {copy.node_id[:8]}", route="node_copy_p2p",
+            errors=(ManifestError, ChecksumMismatch, TransportError, DeadlineExceeded, MemberLost),
+            refused="the node copy could not be served point to point", instead="from a holder", load=load)
+
+    async def _from_node_copy(self, newcomer: Member, copy: Any, version: int, checksum: str, *, source: str,
+                              route: str, errors: tuple[type[Exception], ...], refused: str, instead: str,
+                              load: Any) -> bool:
+        """Resync ``newcomer`` from node copy ``copy`` through ``load()`` (its ``resync`` record:
+        ``source``, route ``route``); one of ``errors`` makes it STALE again with a
+        ``node_copy_fallback`` record (False: the caller tries the next source)."""
+        plan = {"sender": source, "node": copy.node_id[:8], "mode": self.config.shared_memory,
+                "routes": {newcomer.name: route}, "segment": copy.name}
+        await newcomer.machine.fire("resync", source=source, plan=plan)
         try:
-            got = await self.calls.call(newcomer.name, newcomer.handle, "adopt_node_copy", copy.name, copy.owner,
-                                        copy.group, version, checksum)
-        except (ManifestError, ChecksumMismatch) as exc:
+            got = await load()
+        except errors as exc:
+            if isinstance(exc, MemberLost) and exc.member == newcomer.name:
+                raise  # the newcomer itself died: the failover handles that
             self.audit.record("node_copy_fallback", member=newcomer.name, node=copy.node_id[:8],
-                              reason=f"the node copy could not be adopted: {exc}"[:500])
-            await newcomer.machine.fire("resync_failed", reason="node copy refused; point to point instead")
+                              reason=f"{refused}: {exc}"[:500])
+            await newcomer.machine.fire("resync_failed", reason=f"node copy refused; {instead} instead")
             return False
         if got["checksum"] != checksum:
             raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got["checksum"],
-                                      expected=checksum, what="after loading it from its node's copy")
+                                      expected=checksum, what=f"after loading it from the {source}")
         newcomer.machine.weights_version = version
-        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source="node copy")
+        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source=source)
         await walk_proven(newcomer.machine, "READY")
         return True
 

@@ -287,7 +287,8 @@ class WorkerHost:
         return {"checksum": report.state_checksum, "nbytes": report.nbytes,
                 "rejected": {int(k): v for k, v in report.rejected.items()},
                 "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback,
-                "node_copy": report.node_copy, "node_spare": report.node_spare}
+                "node_copy": report.node_copy, "node_spare": report.node_spare,
+                **_node_copy_size(report.node_copy, recycled=report.node_copy_recycled)}
 
     async def receive_weights(
         self, weights_version: int, src: int, timeout_s: float, planned: bool = False,
@@ -319,7 +320,8 @@ class WorkerHost:
         # new version's staging plus the committed copy it kept meanwhile), for the records;
         # node_copy: the node copy its staged state is in (staging: node), else None
         return {"checksum": staged.state_checksum, "nbytes": staged.nbytes, "weights_version": staged.weights_version,
-                "staging_bytes": self._receiver.peak_bytes, "node_copy": staged._node}
+                "staging_bytes": self._receiver.peak_bytes, "node_copy": staged._node,
+                **_node_copy_size(staged._node, recycled=False)}  # a relay never recycles its node's copy
 
     # -- several trainer ranks (trainer_workers > 1: ftstate.transport.shards) ---------------
 
@@ -495,7 +497,7 @@ class WorkerHost:
             have = "nothing" if staged is None else f"version {staged.weights_version}"
             raise FTError(f"{self.member}: asked to commit weights version {weights_version} but staged {have}")
         async with self._lock():
-            await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+            device_bytes = await self._load_weights(staged.tensors, weights_version)
             if self._proves(weights_version):
                 held, from_engine = await self._held_checksum(staged.tensors)
                 self._held_mismatch = held != staged.state_checksum
@@ -508,8 +510,35 @@ class WorkerHost:
             self._staged = None
         self._tick()
         # The controller compares ``checksum`` (what this member holds) with the sender's.
+        # device_bytes: the device buckets a load by parts used (weights_device()), else absent
         return {"checksum": held, "received": staged.state_checksum, "weights_version": weights_version,
-                "held_bytes": self._held_bytes()}
+                "held_bytes": self._held_bytes(), **({"device_bytes": device_bytes} if device_bytes is not None else {})}
+
+    async def _load_weights(self, tensors: Mapping[str, Any], weights_version: int) -> int | None:
+        """Hand a verified version to the user: whole to ``load_weights``, or, for an engine on
+        a device (``weights_device()`` and ``load_weights_part``), part by part through two device
+        buckets (:func:`ftstate.transport.devicebuckets.load_by_buckets`); returns the device
+        bytes that took (None: a whole load)."""
+        from ftstate.core.worker import RolloutWorker
+
+        part_hook = getattr(type(self.user), "load_weights_part", None)
+        device = await self._run(self.user.weights_device) \
+            if part_hook not in (None, RolloutWorker.load_weights_part) else None
+        if device is None:
+            await self._run(self.user.load_weights, dict(tensors), weights_version)
+            return None
+        import torch
+
+        from ftstate.transport import devicebuckets
+
+        def part(state: dict[str, Any], first: bool, last: bool) -> None:
+            self.user.load_weights_part(state, weights_version, first=first, last=last)
+
+        def load_weights_part() -> dict[str, Any]:  # named so a user error names the hook
+            return devicebuckets.load_by_buckets(tensors, device=torch.device(device), bucket_bytes=self.bucket_bytes,
+                                                 load=part)
+
+        return int((await self._run(load_weights_part))["device_bytes"])
 
     async def adopt_node_copy(self, name: str, owner: int, group: str, weights_version: int,
                               checksum: str) -> dict[str, Any]:
@@ -518,19 +547,40 @@ class WorkerHost:
         if it is ``weights_version`` with ``checksum``), then ``load_weights`` it. No transfer:
         the result's ``route`` says so for the controller's records. Loaded as a sync's staged
         version is (:meth:`commit_weights`): it is one, verified against the committed checksum."""
-        from ftstate.transport import Receiver, nodecopy
+        from ftstate.transport import nodecopy
+
+        return await self._load_node_copy("node_copy", nodecopy.adopt, name, group=group, owner=owner,
+                                          weights_version=weights_version, checksum=checksum)
+
+    async def fetch_node_copy(self, served: dict[str, Any], name: str, owner: int, group: str,
+                              weights_version: int, checksum: str, timeout_s: float) -> dict[str, Any]:
+        """Rollout newcomer on a node without the committed node copy: receive another node's
+        copy ``name`` point to point from the agent serving it (``served``;
+        :func:`ftstate.transport.nodecopy.fetch`, proven by ``checksum``), then load it as
+        :meth:`adopt_node_copy` does."""
+        from ftstate.transport import nodecopy
+
+        return await self._load_node_copy("node_copy_p2p", nodecopy.fetch, served, name=name, group=group,
+                                          owner=owner, weights_version=weights_version, checksum=checksum,
+                                          timeout_s=timeout_s)
+
+    async def _load_node_copy(self, route: str, take: Any, *args: Any, weights_version: int,
+                              **kwargs: Any) -> dict[str, Any]:
+        """``take`` (a node copy's :func:`~ftstate.transport.nodecopy.adopt` or ``fetch``) the
+        committed version into this rollout's receiver, in a thread, then load it as a sync's
+        staged version is (:meth:`commit_weights`): it is one, proven by the committed checksum."""
+        from ftstate.transport import Receiver
 
         if self._receiver is None:
             self._receiver = Receiver()
         self._staged = None
         self.busy = True
         try:
-            staged = await asyncio.to_thread(nodecopy.adopt, self._receiver, name, group=group, owner=owner,
-                                             weights_version=weights_version, checksum=checksum)
+            staged = await asyncio.to_thread(take, self._receiver, *args, weights_version=weights_version, **kwargs)
         finally:
             self.busy = False
         self._staged = staged
-        return {**await self.commit_weights(weights_version), "nbytes": staged.nbytes, "route": "node_copy"}
+        return {**await self.commit_weights(weights_version), "nbytes": staged.nbytes, "route": route}
 
     async def discard_weights(self) -> None:
         """Drop a staged version; what the user holds (the previous version) stays current."""
@@ -612,7 +662,7 @@ class WorkerHost:
                 t_loaded = time.perf_counter()
                 held = await self._trainer_checksum()
             else:
-                await self._run(self.user.load_weights, dict(staged.tensors), weights_version)
+                await self._load_weights(staged.tensors, weights_version)
                 t_loaded = time.perf_counter()
                 held, from_engine = await self._held_checksum(staged.tensors)
             t_proven = time.perf_counter()
@@ -905,3 +955,13 @@ def _where() -> tuple[str, str | None]:
 def _device_host(store_host: str) -> str:
     node, node_id = _where()
     return node if node_id is not None else store_host  # outside Ray: where the store is
+
+
+def _node_copy_size(name: str | None, *, recycled: bool) -> dict[str, Any]:
+    """For the records: the bytes of node copy ``name`` (read on its node: the controller may run
+    on another) and whether it was the writer's spare rewritten."""
+    if not name:
+        return {}
+    from ftstate.transport import nodecopy
+
+    return {"node_copy_bytes": nodecopy.segment_bytes(name), "node_copy_recycled": recycled}

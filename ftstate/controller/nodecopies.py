@@ -56,6 +56,15 @@ class NodeAgent:
         """The run ends: unlink everything this agent owns."""
         return self.settle([])
 
+    def serve(self, name: str, timeout_s: float) -> dict[str, Any]:
+        """Serve node copy ``name`` once, point to point, to a newcomer on another node
+        (:func:`ftstate.transport.nodecopy.serve`), on this node's address."""
+        import ray
+
+        from ftstate.transport.nodecopy import serve
+
+        return serve(name, host=ray.util.get_node_ip_address(), timeout_s=timeout_s)
+
 
 @dataclasses.dataclass(frozen=True)
 class CommittedCopy:
@@ -113,6 +122,21 @@ class NodeCopies:
         if copy is None or copy.weights_version != weights_version or copy.checksum != checksum:
             return None
         return copy
+
+    def remote_source(self, node_id: str | None, weights_version: int, checksum: str | None) -> CommittedCopy | None:
+        """For a newcomer on ``node_id`` with no committed node copy there: another node's copy
+        of that version to serve it point to point (checkpoint-engine's P2P mode), if any."""
+        for other, copy in sorted(self.committed.items()):
+            if other != node_id and self.source_for(other, weights_version, checksum) is not None:
+                return copy
+        return None
+
+    async def serve(self, copy: CommittedCopy) -> dict[str, Any]:
+        """Have ``copy``'s agent serve it once (within ``sync_timeout_s``); its address and
+        one-time token for the newcomer. Bounded by ``heartbeat_timeout_s``; raises FTError."""
+        name, handle, _ = self._agents[copy.node_id]
+        return await self.calls.call(name, handle, "serve", copy.name, self.config.sync_timeout_s,
+                                     timeout=self.config.heartbeat_timeout_s)
 
     async def committed_on(self, node_id: str, name: str, *, group: str, weights_version: int,
                            checksum: str, spare: str | None = None) -> None:

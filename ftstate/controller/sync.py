@@ -78,6 +78,12 @@ class SyncReport:
     staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     node_staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     held_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: ``staging: node``: the node copy this sync committed on each node (Ray node id), which the
+    #: node holds beside its engines (counted once there, not per rollout): ``segment`` (its
+    #: name in /dev/shm), ``nbytes`` (its size: header page, manifest, the flat layout) and
+    #: ``recycled`` (the writer's spare rewritten, ``node_copy_spare``: nothing allocated by this
+    #: sync; false: a fresh copy). Empty with ``staging: private``.
+    node_copies: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def memory_fields(rollouts: Sequence[Member], staging: Mapping[str, int], held: Mapping[str, int]) -> dict[str, Any]:
@@ -149,6 +155,7 @@ class WeightSync:
         owner: int | None = None
         relaying: dict[str, int] = {}  # relay name -> its node agent's pid (staging: node)
         staging: dict[str, int] = {}
+        node_copies: dict[str, dict[str, Any]] = {}
         try:
             async with group.deadline_scope():
                 if copies is not None:  # staging: node, on the trainer's node and every relay's
@@ -184,10 +191,10 @@ class WeightSync:
                     raise next(iter(failures.values()))
                 group.weights_version = target
                 if owner is not None:
-                    await self._keep_node_copy(trainer.node_id, sent, target, sent["checksum"])
+                    await self._keep_node_copy(trainer.node_id, sent, target, sent["checksum"], node_copies)
                 for m in rollouts:
                     if m.name in relaying:
-                        await self._keep_node_copy(m.node_id, staged[m.name], target, sent["checksum"])
+                        await self._keep_node_copy(m.node_id, staged[m.name], target, sent["checksum"], node_copies)
                 not_loaded = await self._commit(trainer, rollouts, target, sent["checksum"])
                 self.raise_if_failed()  # a death during the commit with fault tolerance off
         except SyncTimeout:
@@ -202,7 +209,9 @@ class WeightSync:
         memory = memory_fields([m for m in rollouts if m.name not in not_loaded], staging, self.held_bytes)
         await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"],
                          peak_staging_bytes=max(memory["staging_bytes"].values(), default=0),
-                         node_staging_bytes=memory["node_staging_bytes"])
+                         node_staging_bytes=memory["node_staging_bytes"],
+                         **({"node_copy_bytes": {n[:8]: c["nbytes"] for n, c in node_copies.items()}}
+                            if node_copies else {}))
         # A held-weights mismatch is a fault of that rollout's engine, handled here (it is
         # STALE, out of serving, resynced by the next sync) and reported in ``stale``.
         user_errors = {n: e for n, e in not_loaded.items() if not isinstance(e, (MemberLost, HeldWeightsMismatch))}
@@ -221,6 +230,7 @@ class WeightSync:
             stale=tuple(n for n, e in not_loaded.items() if isinstance(e, HeldWeightsMismatch)),
             routes={n: how for n, how in routes.items() if n not in not_loaded},
             shm_fallback=sent.get("shm_fallback"),
+            node_copies=node_copies,
             **memory,
         )
 
@@ -249,19 +259,24 @@ class WeightSync:
         for node in dict.fromkeys(nodes):
             await self.node_copies.failed_on(node)
 
-    async def _keep_node_copy(self, node: str | None, result: Mapping[str, Any], target: int, checksum: str) -> None:
+    async def _keep_node_copy(self, node: str | None, result: Mapping[str, Any], target: int, checksum: str,
+                              kept: dict[str, dict[str, Any]]) -> None:
         """The vote passed: the node copy the version went through on ``node`` (the trainer's, or
         a relay's: ``result`` is what the writer reported) is that node's source for newcomers
-        (every other copy there goes, but the writer's spare); when that node fell back to
-        private staging, the older copy there goes."""
+        (every other copy there goes, but the writer's spare) and goes into ``kept`` (by node,
+        for :attr:`SyncReport.node_copies`); when that node fell back to private staging, the
+        older copy there goes."""
         copies = self.node_copies
         assert copies is not None and node is not None
         name = result.get("node_copy")
         if name:
             await copies.committed_on(node, name, group=GROUP, weights_version=target, checksum=checksum,
                                       spare=result.get("node_spare"))
+            kept[node] = {"segment": name, "nbytes": int(result.get("node_copy_bytes", 0)),
+                          "recycled": bool(result.get("node_copy_recycled", False))}
             self.audit.record("node_copy_committed", node=node[:8], segment=name, weights_version=target,
-                              nbytes=result.get("nbytes"), spare=result.get("node_spare"))
+                              nbytes=result.get("nbytes"), spare=result.get("node_spare"),
+                              copy_bytes=kept[node]["nbytes"], recycled=kept[node]["recycled"])
         else:
             await copies.forget(node)
 

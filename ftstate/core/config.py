@@ -298,7 +298,12 @@ class RuntimeConfig:
         "gloo", "Collective backend: gloo (CPU, torch) or nccl (GPU, through cupy; extra ftstate[gpu])."
     )
     bucket_size_mb: float = _field(
-        256.0, "Size of one broadcast bucket in MiB; larger tensors are chunked across buckets.", gt=0
+        256.0, "Size of one broadcast bucket in MiB; larger tensors are chunked across buckets. Also the "
+        "part size of a device engine's load from the host (a rollout with weights_device() and "
+        "load_weights_part): it takes at most 2 x bucket_size_mb of device memory beyond its weights (the larger of "
+        "the bucket and its largest tensor), none after the load and none for a warm spare. Trade-off: smaller "
+        "bounds the device memory (and the staging) tighter but costs more copies and more calls into the engine "
+        "per sync; larger is faster and asks more memory next to the KV cache.", gt=0
     )
     shared_memory: Literal["auto", "off", "require"] = _field(
         "auto",

@@ -92,6 +92,24 @@ class RolloutWorker(Worker):
         """Adopt a complete, verified set of weights; ``version`` is the weights version."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_weights()")
 
+    def weights_device(self) -> Any | None:
+        """The device its engine's weights live on (``"cuda:0"``, a ``torch.device``) when it
+        loads a version part by part through :meth:`load_weights_part`; None (the default):
+        :meth:`load_weights` gets the whole version on the host. With a device, a committed
+        version is moved from the host (its node's copy, ``staging: node``) to the device in
+        parts of at most ``bucket_size_mb`` through two device buffers
+        (:mod:`ftstate.transport.devicebuckets`): at most two buckets of device memory beyond
+        the engine's weights while it loads, none after, and none reserved by a warm spare."""
+        return None
+
+    def load_weights_part(self, state: Mapping[str, Any], version: int, *, first: bool, last: bool) -> None:
+        """One part of a verified version, on :meth:`weights_device` (used when both are
+        defined): copy ``state``'s tensors into the engine's weights before returning (they are
+        views into a device bucket that is reused two parts later). ``first`` / ``last``: the
+        first and the last part of ``version`` (an engine that must finish a reload, e.g.
+        re-pack its kernels, does so at ``last``)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement load_weights_part() to load by parts")
+
     def held_weights(self) -> Mapping[str, Any] | None:
         """The named tensors this worker serves from, read back, when its engine keeps its own
         copy of what :meth:`load_weights` was given (``{name: tensor}`` with the names, dtypes

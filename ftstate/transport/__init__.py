@@ -24,8 +24,10 @@ state must be to travel), ``sync`` (the transfer protocol, broadcast and point-t
 ``samehost`` (the same protocol with the buckets through shared memory for receivers on the
 sender's host: ``samehost.broadcast`` / ``send_to`` / ``receive``), ``shm`` (its segments),
 ``cudaipc`` (its slots in device memory, CUDA IPC), ``nodecopy`` (``staging: node``: one
-full-size copy per node, verified in place, the source of newcomers there) and ``signals``
-(its pyzmq bucket-ready / released signals).
+full-size copy per node, verified in place, the source of newcomers there and, served by its
+agent, of newcomers on other nodes), ``devicebuckets`` (a device engine's load from the host
+copy through two buckets of device memory) and ``signals`` (its pyzmq bucket-ready / released
+signals).
 Nothing here imports Ray.
 """
 

@@ -103,8 +103,45 @@ def copies_of(owner: int) -> list[str]:
     return [n for n in list_segments() if is_copy(n) and parse_name(n)["pid"] == owner]  # type: ignore[index]
 
 
+def segment_bytes(name: str) -> int:
+    """The size of node copy ``name`` in ``/dev/shm`` (header page, manifest, data); 0 when gone."""
+    try:
+        return os.stat(SHM_DIR / name).st_size
+    except OSError:
+        return 0
+
+
 def _data_offset(manifest_bytes: int) -> int:
     return -(-(_FIXED.size + manifest_bytes) // HEADER_BYTES) * HEADER_BYTES
+
+
+def _named(name: str, *, group: str, owner: int, group_version: int | None = None) -> dict:
+    """The fields of node copy ``name``, checked against what the caller was told."""
+    fields = parse_name(name)
+    if fields is None or fields["kind"] != "node" or fields["group"] != safe_group(group) \
+            or fields["pid"] != owner or (group_version is not None and fields["version"] != group_version):
+        raise ManifestError(f"node copy {name!r} is not one of group {group!r} v{group_version} owned by "
+                            f"pid {owner}", field="node_copy")
+    return fields
+
+
+def _read_header(buf: mmap.mmap | bytearray, name: str, size: int, *, version: int, owner: int,
+                 writer: int | None) -> tuple[int, int, int, int, int, int]:
+    """A node copy's header (mapped, or received whole from another node), checked against its
+    name: (group version, owner, writer, weights version, manifest bytes, data bytes)."""
+    magic, gv, own, wpid, wv, mlen, dlen = _FIXED.unpack_from(buf, 0)
+    problem = None
+    if magic != _MAGIC:
+        problem = f"bad magic {magic:#x}"
+    elif gv != version or own != owner:
+        problem = f"its header says group version {gv} and owner {own}, its name v{version} and {owner}"
+    elif writer is not None and wpid != writer:
+        problem = f"written by pid {wpid}, not the sender's {writer}"
+    elif _data_offset(mlen) + dlen > size:
+        problem = f"its manifest ({mlen} bytes) and data ({dlen} bytes) exceed its size {size}"
+    if problem is not None:
+        raise ManifestError(f"node copy {name!r}: {problem}", field="node_copy")
+    return gv, own, wpid, wv, mlen, dlen
 
 
 class NodeCopy:
@@ -125,6 +162,8 @@ class NodeCopy:
         self.weights_version = weights_version
         self.manifest = manifest
         self.data_bytes = data_bytes
+        #: this mapping's last use was a rewrite of the writer's spare (:meth:`reuse`), not a new file
+        self.recycled = False
         self._mm: mmap.mmap | None = mm
         self.inode = (0, 0)  # (device, inode) of the file it maps, for a reader's mapping cache
         self.data: torch.Tensor = torch.frombuffer(mm, dtype=torch.uint8, offset=_data_offset(len(manifest)),
@@ -162,6 +201,7 @@ class NodeCopy:
                          len(manifest), data_bytes)
         self._mm[_FIXED.size : _FIXED.size + len(manifest)] = manifest
         self.name, self.group_version, self.weights_version, self.manifest = name, group_version, weights_version, manifest
+        self.recycled = True
         return True
 
     @classmethod
@@ -173,11 +213,7 @@ class NodeCopy:
         segment and what disagrees; one that is gone (unlinked: its sync failed or a later
         version replaced it) says so. ``cache`` (its writer recycles its copies): the mapping
         is kept for the file's next use (see :data:`_READ_MAPS`)."""
-        fields = parse_name(name)
-        if fields is None or fields["kind"] != "node" or fields["group"] != safe_group(group) \
-                or fields["pid"] != owner or (group_version is not None and fields["version"] != group_version):
-            raise ManifestError(f"node copy {name!r} is not one of group {group!r} v{group_version} owned by "
-                                f"pid {owner}", field="node_copy")
+        fields = _named(name, group=group, owner=owner, group_version=group_version)
         try:
             fd = os.open(SHM_DIR / name, os.O_RDONLY)
         except OSError as exc:
@@ -193,21 +229,14 @@ class NodeCopy:
                 mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        magic, gv, own, wpid, wv, mlen, dlen = _FIXED.unpack_from(mm, 0)
-        problem = None
-        if magic != _MAGIC:
-            problem = f"bad magic {magic:#x}"
-        elif gv != fields["version"] or own != owner:
-            problem = f"its header says group version {gv} and owner {own}, its name v{fields['version']} and {owner}"
-        elif writer is not None and wpid != writer:
-            problem = f"written by pid {wpid}, not the sender's {writer}"
-        elif _data_offset(mlen) + dlen > size:
-            problem = f"its manifest ({mlen} bytes) and data ({dlen} bytes) exceed its size {size}"
-        if problem is not None:
+        try:
+            gv, own, wpid, wv, mlen, dlen = _read_header(mm, name, size, version=fields["version"], owner=owner,
+                                                         writer=writer)
+        except ManifestError:
             _READ_MAPS.pop(inode, None)
             if mm is not cached:
                 mm.close()
-            raise ManifestError(f"node copy {name!r}: {problem}", field="node_copy")
+            raise
         manifest = bytes(mm[_FIXED.size : _FIXED.size + mlen])
         if cache:
             _READ_MAPS[inode] = mm
@@ -271,32 +300,157 @@ def adopt(receiver: Receiver, name: str, *, group: str, owner: int, weights_vers
     read of the node's memory, bounded by its size. Raises :class:`ManifestError` (the copy is
     gone or not that version) or :class:`ChecksumMismatch` (its bytes are not that version);
     either way ``receiver`` keeps what it held."""
+    node = NodeCopy.attach(name, group=group, owner=owner)
+    try:
+        return _commit_proven(receiver, name, node.manifest, node.data, group=group, group_version=node.group_version,
+                              weights_version=weights_version, checksum=checksum, mapped=True)
+    finally:
+        node.close()
+
+
+def _commit_proven(receiver: Receiver, name: str, manifest_bytes: bytes, flat: torch.Tensor, *, group: str,
+                   group_version: int, weights_version: int, checksum: str, mapped: bool) -> CommittedWeights:
+    """Commit node copy ``name``'s layout (``flat``: mapped in place, or ``mapped`` false: a
+    private buffer it was received into) into ``receiver`` only if its tensors hash to
+    ``checksum`` as ``weights_version``; else raise and keep what ``receiver`` held."""
     from ftstate.transport.checksum import state_checksum
     from ftstate.transport.manifest import decode_manifest
     from ftstate.transport.sync import CommittedWeights
 
-    node = NodeCopy.attach(name, group=group, owner=owner)
-    try:
-        manifest = decode_manifest(node.manifest, group=group, group_version=node.group_version)
-        node.check_holds(manifest)
-        if manifest.weights_version != weights_version:
-            raise ManifestError(f"node copy {name!r} holds weights version {manifest.weights_version}, expected "
-                                f"{weights_version}", field="node_copy")
-        flat = node.data
-        tensors = tensors_of(flat, manifest)
-        held = state_checksum(tensors)
-        if held != checksum:
-            raise ChecksumMismatch(f"node copy {name!r} of weights version {weights_version} hashes to {held}, "
-                                   f"expected the committed {checksum}; kept what this member held")
-    finally:
-        node.close()
+    manifest = decode_manifest(manifest_bytes, group=group, group_version=group_version)
+    if manifest.weights_version != weights_version:
+        raise ManifestError(f"node copy {name!r} holds weights version {manifest.weights_version}, expected "
+                            f"{weights_version}", field="node_copy")
+    if flat.numel() < manifest.total_bytes:
+        raise ManifestError(f"node copy {name!r} holds {flat.numel()} bytes of data, its manifest lays out "
+                            f"{manifest.total_bytes}", field="node_copy")
+    tensors = tensors_of(flat, manifest)
+    held = state_checksum(tensors)
+    if held != checksum:
+        raise ChecksumMismatch(f"node copy {name!r} of weights version {weights_version} hashes to {held}, "
+                               f"expected the committed {checksum}; kept what this member held")
     new = CommittedWeights(
         tensors=types.MappingProxyType(tensors), weights_version=weights_version, state_checksum=held, group=group,
         group_version=manifest.group_version, nbytes=manifest.payload_bytes, _flat=flat, _entries=manifest.tensors,
-        _windows=manifest.buckets, _node=name)
+        _windows=manifest.buckets, _node=name if mapped else None)
     receiver._committed = new
-    receiver._spare = None  # the node copy is its staging now: no private copy kept beside it
+    receiver._spare = None  # the node copy (or the buffer it came in) is its staging: nothing beside it
     return new
 
 
-__all__ = ["NodeCopy", "adopt", "copies_of", "copy_name", "forget_mappings", "is_copy", "tensors_of", "unlink_names"]
+#: One served copy's handshake: the one-time token (hex) the newcomer sends first, then the
+#: copy's size the agent answers with, before the bytes of the whole segment.
+_TOKEN_BYTES = 32
+_SIZE = struct.Struct("<Q")
+
+
+def serve(name: str, *, host: str, timeout_s: float) -> dict[str, object]:
+    """The node's agent serves its committed node copy ``name`` point to point, once: a
+    listening socket on ``host`` (the node's address; 127.0.0.1 on a local cluster) whose one
+    connection, within ``timeout_s``, must open with the one-time token returned here, and
+    then gets the whole segment (header, manifest, data) by ``sendfile`` straight from
+    ``/dev/shm``: no torch, no copy in the agent. The file is opened now, so a later unlink (a
+    newer version committed meanwhile) does not cut the transfer short; the receiver proves
+    the version by checksum whatever it gets (:func:`fetch`). Raises :class:`ManifestError`
+    when the copy is gone."""
+    import secrets
+    import socket
+    import threading
+    import time
+
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDONLY)
+    except OSError as exc:
+        raise ManifestError(f"node copy {name!r} cannot be served: {os.strerror(exc.errno or 0)} (unlinked: a "
+                            "later version replaced it)", field="node_copy") from exc
+    size = os.fstat(fd).st_size
+    token = secrets.token_hex(_TOKEN_BYTES // 2)
+    listener = socket.create_server((host, 0))
+    deadline = time.monotonic() + timeout_s
+
+    def send() -> None:
+        try:
+            listener.settimeout(timeout_s)
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                got = _recv_exact(conn, _TOKEN_BYTES)
+                if not secrets.compare_digest(got, token.encode()):
+                    return  # not the newcomer it was served for: it gets nothing
+                conn.sendall(_SIZE.pack(size))
+                sent = 0
+                while sent < size:
+                    conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                    n = os.sendfile(conn.fileno(), fd, sent, size - sent)
+                    if n == 0:
+                        return
+                    sent += n
+        except OSError:
+            return  # the newcomer went or timed out: it says so itself (fetch raises)
+        finally:
+            listener.close()
+            os.close(fd)
+
+    threading.Thread(target=send, name=f"ftstate-serve-{name}", daemon=True).start()
+    return {"host": host, "port": listener.getsockname()[1], "token": token, "nbytes": size}
+
+
+def fetch(receiver: Receiver, served: dict, *, name: str, group: str, owner: int, weights_version: int,
+          checksum: str, timeout_s: float) -> CommittedWeights:
+    """A newcomer on a node without the committed node copy: receive node copy ``name`` from
+    the agent that :func:`serve` d it (``served``: its address and token) into a private
+    buffer, then commit it into ``receiver`` only if it is ``weights_version`` with checksum
+    ``checksum``, as :func:`adopt` does. The whole transfer is bounded by ``timeout_s``
+    (``sync_timeout_s``): :class:`SyncTimeout` past it, :class:`TransportError` when the
+    connection fails or ends early, :class:`ManifestError` / :class:`ChecksumMismatch` for
+    bytes that are not that version; on any of them ``receiver`` keeps what it held."""
+    import socket
+    import time
+
+    import torch
+
+    from ftstate.core.errors import SyncTimeout, TransportError
+
+    fields = _named(name, group=group, owner=owner)
+    expected = int(served["nbytes"])
+    deadline = time.monotonic() + timeout_s
+    what = f"point-to-point resync from node copy {name!r} at {served['host']}:{served['port']}"
+    try:
+        with socket.create_connection((str(served["host"]), int(served["port"])), timeout=timeout_s) as conn:
+            conn.sendall(str(served["token"]).encode())
+            (size,) = _SIZE.unpack(_recv_exact(conn, _SIZE.size))
+            if size != expected or size < HEADER_BYTES:
+                raise ManifestError(f"{what}: the agent sends {size} bytes, it announced {expected}",
+                                    field="node_copy")
+            buf = bytearray(size)
+            view, got = memoryview(buf), 0
+            while got < size:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    raise TransportError(f"{what}: the connection ended after {got} of {size} bytes")
+                got += n
+    except TimeoutError as exc:
+        raise SyncTimeout(what, key="sync_timeout_s", seconds=timeout_s) from exc
+    except OSError as exc:
+        raise TransportError(f"{what}: {exc}") from exc
+    gv, _own, _wpid, _wv, mlen, dlen = _read_header(buf, name, size, version=fields["version"], owner=owner,
+                                                     writer=None)
+    manifest = bytes(buf[_FIXED.size : _FIXED.size + mlen])
+    flat = torch.frombuffer(buf, dtype=torch.uint8, offset=_data_offset(mlen), count=dlen) if dlen else \
+        torch.empty(0, dtype=torch.uint8)
+    return _commit_proven(receiver, name, manifest, flat, group=group, group_version=gv,
+                          weights_version=weights_version, checksum=checksum, mapped=False)
+
+
+def _recv_exact(conn: object, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = conn.recv(n - len(out))  # type: ignore[attr-defined]
+        if not chunk:
+            raise ConnectionError(f"the peer closed after {len(out)} of {n} bytes")
+        out += chunk
+    return bytes(out)
+
+
+__all__ = ["NodeCopy", "adopt", "copies_of", "copy_name", "fetch", "forget_mappings", "is_copy", "segment_bytes", "serve", "tensors_of", "unlink_names"]

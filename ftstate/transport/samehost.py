@@ -1065,7 +1065,7 @@ def _send(
     if node is not None:
         written = _settle_node_copy(sender, node, committed=report.ok, keep_spare=node_copy_spare)
         if report.ok:
-            report = dataclasses.replace(report, node_copy=node.name,
+            report = dataclasses.replace(report, node_copy=node.name, node_copy_recycled=node.recycled,
                                          node_spare=written.spare.name if written.spare is not None else None)
     return report
 

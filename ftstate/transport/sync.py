@@ -193,6 +193,8 @@ class SyncReport:
     node_copy: str | None = None
     #: with ``node_copy_spare``: the copy of the version before, kept to be rewritten as the next one.
     node_spare: str | None = None
+    #: ``node_copy`` is that spare rewritten (nothing allocated by this sync), not a fresh one.
+    node_copy_recycled: bool = False
 
     @property
     def ok(self) -> bool:

@@ -144,6 +144,15 @@ class _Member:
                              checksum=checksum)
         return {"weights_version": got.weights_version, "checksum": got.state_checksum, "node": got._node}
 
+    def fetch(self, served: dict[str, Any], name: str, owner: int, weights_version: int, checksum: str,
+              timeout_s: float) -> dict[str, Any]:
+        """A newcomer on another node receives node copy ``name`` point to point from its agent."""
+        from ftstate.transport import nodecopy
+
+        got = nodecopy.fetch(self.receiver, served, name=name, group=GROUP, owner=owner,
+                             weights_version=weights_version, checksum=checksum, timeout_s=timeout_s)
+        return {"weights_version": got.weights_version, "checksum": got.state_checksum, "node": got._node}
+
 
     def receive_planned(self, timeout_s: float, src: int = 0, point_to_point: bool = False,
                         kill_at: int | None = None, node_copy_owner: int | None = None) -> dict[str, Any]:

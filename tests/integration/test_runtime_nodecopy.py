@@ -28,7 +28,7 @@ from tests.integration.test_failover import config as ft_config
 from tests.integration.test_failover import runtime as ft_runtime
 from tests.integration.test_runtime import config, runtime
 from tests.integration.test_runtime_shm import resyncs
-from tests.integration.workers import ResidentRollout, TinyTrainer
+from tests.integration.workers import PartsRollout, ResidentRollout, TinyTrainer, tiny_state
 
 pytestmark = pytest.mark.ray
 
@@ -97,6 +97,13 @@ class TestOneCopyPerNode:
                 # the committed copy, and with a spare the one before it, kept to be rewritten
                 at_rest = committed_copies(rt)[-2 if spare else -1:]
                 assert sorted(node_copies()) == sorted(at_rest), (node_copies(), step)
+                # the report says which copy the node holds, its size, and whether it was made
+                # fresh or is the spare rewritten (with a spare, the third sync's is the first's)
+                [(node, copy)] = report.node_copies.items()
+                assert node == {m.member: m for m in rt.members()}["trainer-0"].node_id
+                assert copy["segment"] == at_rest[-1]
+                assert copy["nbytes"] == (shm.SHM_DIR / at_rest[-1]).stat().st_size >= report.nbytes
+                assert copy["recycled"] is (spare and step == 2), (step, copy)
             assert report.routes == {"rollout-0": "shm", "rollout-1": "shm"} and report.shm_fallback is None
             assert len(set(committed_copies(rt))) == 3  # each version under a name of its own
         assert node_copies() == []
@@ -210,3 +217,26 @@ class TestMemory:
         # today's private staging: the committed copy and a spare in every rollout
         for grew in private_private:
             assert grew >= 1.5 * weights, private_private
+
+
+class TestDeviceParts:
+    async def test_an_engine_on_a_device_loads_each_version_from_the_node_copy_in_parts_of_one_bucket(
+            self, ray_cluster, tmp_path, swept):
+        """The GPU is mocked (the rollout's device is its CPU; tests/gpu/test_device_buckets.py
+        measures a real one): what it is handed comes from the node copy in parts no larger than a
+        bucket (bar a tensor larger than one), and it ends holding the trainer's weights."""
+        cfg = config(tmp_path, staging="node")
+        bucket = int(cfg.bucket_size_mb * MiB)
+        rt = swept(ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=PartsRollout,
+                                   trainer_kwargs={"big_floats": 3 * bucket // 4}))  # 3 buckets of float32
+        async with rt:
+            for _ in range(2):
+                await rt.trainer("train_step")
+                report = await rt.sync()
+                assert await rt.rollout("checksum") == [await rt.trainer("checksum")] * 2 == [report.checksum] * 2
+                assert report.held_bytes == {"rollout-0": 0, "rollout-1": 0}  # the engine's copy is the only one
+                for parts in await rt.rollout("parts"):
+                    assert len(parts) >= 2 and parts[0][2] and parts[-1][3], parts
+                    # a part is one bucket at most, or a single tensor larger than one
+                    assert all(nbytes <= bucket or count == 1 for nbytes, count, _, _ in parts), parts
+                    assert sum(count for _, count, _, _ in parts) == len(tiny_state(0, 3 * bucket // 4))

@@ -212,3 +212,50 @@ class TestNewcomer:
             newcomer.call("adopt", name=report["node_copy"], owner=OWNER, weights_version=1,
                           checksum=expected_checksum(1))
         assert newcomer.call("committed") is None
+
+
+class TestPointToPoint:
+    """Another node's newcomer: the copy's owner (this process, as a node agent) serves it once
+    over a socket on loopback; the newcomer proves it by checksum like any transfer."""
+
+    def test_a_newcomer_elsewhere_receives_the_committed_copy_from_its_owner_and_proves_it(self, group):
+        report = in_place(group)
+        newcomer = group.members[2]
+        newcomer.call("reset_receiver")
+        served = nodecopy.serve(report["node_copy"], host="127.0.0.1", timeout_s=SYNC_S)
+        got = newcomer.call("fetch", served=served, name=report["node_copy"], owner=OWNER, weights_version=1,
+                            checksum=expected_checksum(1), timeout_s=SYNC_S)
+        # its own buffer (the copy stays on its node), hashed by the newcomer itself
+        assert got == {"weights_version": 1, "checksum": expected_checksum(1), "node": None}
+        assert_bit_exact(newcomer, 1)
+
+    def test_bytes_that_are_not_the_committed_version_or_a_wrong_token_commit_nothing(self, group):
+        report = in_place(group)
+        newcomer = group.members[2]
+        newcomer.call("reset_receiver")
+        served = nodecopy.serve(report["node_copy"], host="127.0.0.1", timeout_s=SYNC_S)
+        with pytest.raises(RemoteError, match="expected the committed") as info:
+            newcomer.call("fetch", served=served, name=report["node_copy"], owner=OWNER, weights_version=1,
+                          checksum=expected_checksum(2), timeout_s=SYNC_S)
+        assert info.value.isinstance("ChecksumMismatch")
+        served = nodecopy.serve(report["node_copy"], host="127.0.0.1", timeout_s=SYNC_S)
+        with pytest.raises(RemoteError, match="peer closed after 0 of 8 bytes") as info:
+            newcomer.call("fetch", served={**served, "token": "0" * 32}, name=report["node_copy"], owner=OWNER,
+                          weights_version=1, checksum=expected_checksum(1), timeout_s=SYNC_S)
+        assert info.value.isinstance("TransportError")
+        assert newcomer.call("committed") is None
+
+    def test_an_agent_that_never_sends_is_a_sync_timeout_within_its_bound(self, group):
+        import socket
+        import time
+
+        report = in_place(group)
+        newcomer = group.members[2]
+        with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts (the kernel does), never sends
+            served = {"host": "127.0.0.1", "port": mute.getsockname()[1], "token": "0" * 32, "nbytes": 1 << 20}
+            t0 = time.monotonic()
+            with pytest.raises(RemoteError, match=r"timed out after 0.5s \(sync_timeout_s\)") as info:
+                newcomer.call("fetch", served=served, name=report["node_copy"], owner=OWNER, weights_version=1,
+                              checksum=expected_checksum(1), timeout_s=0.5)
+            assert time.monotonic() - t0 < FAST_S
+        assert info.value.isinstance("SyncTimeout")

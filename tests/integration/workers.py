@@ -198,6 +198,33 @@ class HeldResidentRollout(ResidentRollout):
         next(iter(self.state.values())).view(torch.uint8).view(-1)[0] ^= 0xFF
 
 
+class PartsRollout(HeldResidentRollout):
+    """An engine on a device that loads a version part by part (``weights_device()`` +
+    ``load_weights_part``). The "device" is this process's CPU (no GPU here: the GPU is
+    mocked); each part is copied into the engine's weights, built at the first load, and what
+    each part was is recorded (``parts()``) so a test sees the bucket bound from outside."""
+
+    def weights_device(self):
+        return "cpu"
+
+    def load_weights_part(self, state, version: int, *, first: bool, last: bool) -> None:
+        if first:
+            self._parts = []
+        self._parts.append((sum(t.numel() * t.element_size() for t in state.values()), len(state), first, last))
+        with torch.no_grad():
+            for k, v in state.items():
+                t = self.state.get(k)
+                self.state[k] = t.copy_(v) if t is not None and t.shape == v.shape and t.dtype == v.dtype else v.clone()
+        if last:
+            self.version = version
+
+    def load_weights(self, state, version: int) -> None:
+        raise AssertionError("a rollout with a device loads by parts")
+
+    def parts(self) -> list:
+        return list(getattr(self, "_parts", []))
+
+
 class LossyTrainer(TinyTrainer):
     """Sends bf16 copies of fp32 master weights: a rollout cannot give the masters back."""
 

@@ -1,0 +1,46 @@
+"""Host to device bucket by bucket on a real CUDA device, measured by torch's own allocator.
+
+Skipped where ``torch.cuda.is_available()`` is false (this project's CPU machines: there
+tests/integration/test_device_buckets.py runs the same load with the GPU mocked by a counting
+stand-in). Here the engine's weights are allocated on ``cuda:0`` first; the load from the host
+version (as a node copy holds it) may then raise ``torch.cuda.max_memory_allocated`` by at most
+two buckets (the larger of the bucket and the largest tensor; plus the allocator's 512-byte
+rounding), leaves ``memory_allocated`` where it was, and the engine ends bit-equal to the host.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftstate.transport import state_checksum
+from ftstate.transport.devicebuckets import load_by_buckets
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (none on this machine): the CPU stand-in test runs instead")
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("bucket_mb", [1, 4, 16])
+def test_a_load_raises_device_memory_by_two_buckets_at_most_and_frees_them(bucket_mb):
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(bucket_mb)
+    host = {f"layer.{i}.w": torch.randn(MiB // 2, generator=g).to(torch.bfloat16) for i in range(24)}  # 24 MiB
+    host["embed"] = torch.randn(3 * MiB // 4, generator=g)  # 3 MiB: larger than the 1 MiB bucket
+    weights = {n: torch.zeros_like(t, device=dev) for n, t in host.items()}
+
+    def load(part, first, last):
+        for n, t in part.items():
+            weights[n].copy_(t)
+
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    got = load_by_buckets(host, device=dev, bucket_bytes=bucket_mb * MiB, load=load)
+    torch.cuda.synchronize(dev)
+    largest = max(t.numel() * t.element_size() for t in host.values())
+    assert torch.cuda.max_memory_allocated(dev) - base <= 2 * max(bucket_mb * MiB, largest) + 2 * 512
+    assert got["device_bytes"] <= 2 * max(bucket_mb * MiB, largest)
+    assert torch.cuda.memory_allocated(dev) == base
+    assert state_checksum({n: t.cpu() for n, t in weights.items()}) == state_checksum(host)
