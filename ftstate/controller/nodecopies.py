@@ -18,6 +18,12 @@ unlinks files), whose pid is in the copies' names. Ownership then follows the pr
   orphans (their owner pid is dead) that :func:`~ftstate.transport.shm.sweep_orphans` removes
   (every member sweeps when it joins a group version, the controller when the run ends).
 
+The agent is also the committed copy's sender for newcomers on *other* nodes (a node with
+neither a copy nor a holder): :meth:`NodeCopies.serve` has it serve the copy once, point to
+point (:func:`ftstate.transport.nodecopy.serve`: a one-time token, ``sendfile`` from
+``/dev/shm``, bounded by ``sync_timeout_s``), and the newcomer proves what it got by checksum
+(checkpoint-engine's P2P mode; ``resync`` source ``node copy on <node>``).
+
 A node whose agent cannot be started or reached within its bound (``init_timeout_s`` for the
 start, ``heartbeat_timeout_s`` for a call) gets no node copy: its rollouts stage privately
 for that sync, recorded as ``node_copy_fallback``; never a hang and never silent.

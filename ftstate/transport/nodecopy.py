@@ -342,6 +342,7 @@ def _commit_proven(receiver: Receiver, name: str, manifest_bytes: bytes, flat: t
 #: copy's size the agent answers with, before the bytes of the whole segment.
 _TOKEN_BYTES = 32
 _SIZE = struct.Struct("<Q")
+_SLICE = 64 << 20  # bytes sent per socket.sendfile call (the deadline is checked between them)
 
 
 def serve(name: str, *, host: str, timeout_s: float) -> dict[str, object]:
@@ -359,11 +360,11 @@ def serve(name: str, *, host: str, timeout_s: float) -> dict[str, object]:
     import time
 
     try:
-        fd = os.open(SHM_DIR / name, os.O_RDONLY)
+        file = open(SHM_DIR / name, "rb")  # noqa: SIM115 - closed by the sending thread
     except OSError as exc:
         raise ManifestError(f"node copy {name!r} cannot be served: {os.strerror(exc.errno or 0)} (unlinked: a "
                             "later version replaced it)", field="node_copy") from exc
-    size = os.fstat(fd).st_size
+    size = os.fstat(file.fileno()).st_size
     token = secrets.token_hex(_TOKEN_BYTES // 2)
     listener = socket.create_server((host, 0))
     deadline = time.monotonic() + timeout_s
@@ -378,18 +379,17 @@ def serve(name: str, *, host: str, timeout_s: float) -> dict[str, object]:
                 if not secrets.compare_digest(got, token.encode()):
                     return  # not the newcomer it was served for: it gets nothing
                 conn.sendall(_SIZE.pack(size))
-                sent = 0
-                while sent < size:
+                # socket.sendfile, not os.sendfile: a socket with a timeout is non-blocking
+                # underneath (os.sendfile would stop at the first full send buffer); in slices so
+                # the whole send, not each wait, is bounded by the deadline
+                for offset in range(0, size, _SLICE):
                     conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                    n = os.sendfile(conn.fileno(), fd, sent, size - sent)
-                    if n == 0:
-                        return
-                    sent += n
+                    conn.sendfile(file, offset, min(_SLICE, size - offset))
         except OSError:
             return  # the newcomer went or timed out: it says so itself (fetch raises)
         finally:
             listener.close()
-            os.close(fd)
+            file.close()
 
     threading.Thread(target=send, name=f"ftstate-serve-{name}", daemon=True).start()
     return {"host": host, "port": listener.getsockname()[1], "token": token, "nbytes": size}

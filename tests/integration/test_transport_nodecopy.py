@@ -259,3 +259,24 @@ class TestPointToPoint:
                               checksum=expected_checksum(1), timeout_s=0.5)
             assert time.monotonic() - t0 < FAST_S
         assert info.value.isinstance("SyncTimeout")
+
+    def test_a_copy_larger_than_the_sockets_buffers_arrives_whole(self):
+        """Tens of MiB: far beyond what the kernel buffers, so the agent's send waits on the
+        newcomer many times over (a send that gave up at the first full buffer was caught here)."""
+        import torch
+
+        from benchmarks.nodecopy_p2p import _node_copy
+        from ftstate.transport import Receiver, state_checksum
+
+        g = torch.Generator().manual_seed(7)
+        weights = {"a": torch.randn(6 << 20, generator=g), "b": torch.randn(1000, generator=g).to(torch.bfloat16)}
+        node = _node_copy(weights, 4 << 20)  # 24 MiB, owned by this process
+        try:
+            served = nodecopy.serve(node.name, host="127.0.0.1", timeout_s=SYNC_S)
+            got = nodecopy.fetch(Receiver(), served, name=node.name, group="bench-p2p", owner=OWNER,
+                                 weights_version=1, checksum=state_checksum(weights), timeout_s=SYNC_S)
+            assert got.state_checksum == state_checksum(weights) and got._node is None
+            assert all(torch.equal(got.tensors[k], v) for k, v in weights.items())
+        finally:
+            node.unlink()
+            node.close()
