@@ -519,11 +519,7 @@ class WorkerHost:
         a device (``weights_device()`` and ``load_weights_part``), part by part through two device
         buckets (:func:`ftstate.transport.devicebuckets.load_by_buckets`); returns the device
         bytes that took (None: a whole load)."""
-        from ftstate.core.worker import RolloutWorker
-
-        part_hook = getattr(type(self.user), "load_weights_part", None)
-        device = await self._run(self.user.weights_device) \
-            if part_hook not in (None, RolloutWorker.load_weights_part) else None
+        device = await self._run(self.user.weights_device) if _overrides(self.user, "load_weights_part") else None
         if device is None:
             await self._run(self.user.load_weights, dict(tensors), weights_version)
             return None
@@ -724,10 +720,7 @@ class WorkerHost:
         return random.Random(f"{self.run}/{self.member}/{weights_version}").random() < fraction
 
     def _has_held_hook(self) -> bool:
-        from ftstate.core.worker import RolloutWorker
-
-        fn = getattr(type(self.user), "held_weights", None)
-        return fn is not None and fn is not RolloutWorker.held_weights
+        return _overrides(self.user, "held_weights")
 
     async def _held_checksum(self, given: Mapping[str, Any] | None) -> tuple[str, bool]:
         """The whole-state checksum of the bytes this rollout serves from, hashed now, and
@@ -965,3 +958,14 @@ def _node_copy_size(name: str | None, *, recycled: bool) -> dict[str, Any]:
     from ftstate.transport import nodecopy
 
     return {"node_copy_bytes": nodecopy.segment_bytes(name), "node_copy_recycled": recycled}
+
+
+def _overrides(user: Any, hook: str) -> bool:
+    """Whether the user's class defines ``hook`` itself rather than inheriting the base
+    worker's default (which says "not provided"): the optional hooks (``held_weights``,
+    ``load_weights_part``) change what the host does, so only a real override counts."""
+    from ftstate.core import worker
+
+    fn = getattr(type(user), hook, None)
+    defaults = (getattr(worker.RolloutWorker, hook, None), getattr(worker.TrainerWorker, hook, None))
+    return fn is not None and fn not in defaults

@@ -92,7 +92,7 @@ from ftstate.core.errors import (
     SyncTimeout,
     TransportError,
 )
-from ftstate.transport import auth
+from ftstate.transport import auth, hostmem
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.buckets import Bucket, TensorEntry, bucket_segments, plan_layout
 from ftstate.transport.checksum import (
@@ -726,6 +726,15 @@ class Sender:
 # -- receiver ------------------------------------------------------------------------------
 
 
+def _fresh(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A staging buffer of ``nbytes`` never touched: on the host, on huge pages
+    (:mod:`ftstate.transport.hostmem`: a fresh staging buffer's page faults are a sizeable
+    part of a sync whose receiver keeps no spare)."""
+    if device.type == "cpu":
+        return hostmem.empty_host(nbytes)
+    return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+
+
 def _use_count(t: torch.Tensor) -> int | None:
     """How many references hold ``t``'s storage (None when torch does not tell)."""
     counter = getattr(torch._C, "_storage_Use_Count", None)
@@ -820,7 +829,7 @@ class Receiver:
         with self._reserving:
             if self._spare is not None and self._spare[0].device == device and self._spare[0].numel() >= nbytes:
                 return
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            buf = _fresh(nbytes, device)
             buf.zero_()
             self._spare = (buf, _use_count(buf) or 0)
 
@@ -869,8 +878,8 @@ class Receiver:
                 self._peak = self.held_bytes + buf.numel()
                 return buf, baseline
         try:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-        except (RuntimeError, MemoryError) as exc:  # the manifest passed its caps, but not this host's memory
+            buf = _fresh(nbytes, device)
+        except (RuntimeError, MemoryError, OSError) as exc:  # the manifest passed its caps, not this host's memory
             raise TransportError(f"staging for a transfer of {nbytes} bytes cannot be allocated on {device}: "
                                  f"{str(exc)[:200]}") from exc
         self._peak = self.held_bytes + buf.numel()
