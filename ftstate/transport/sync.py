@@ -429,8 +429,8 @@ class _Hashing:
     inline measured alike within noise; on larger machines the overlap is real.
     """
 
-    def __init__(self, count: int) -> None:
-        self.hasher = StreamHasher(count)
+    def __init__(self, count: int, *, receiving: bool = False) -> None:
+        self.hasher = StreamHasher(count, receiving=receiving)
         self.digests: list[int] = []
         self._queue: queue.SimpleQueue[tuple[Bucket, torch.Tensor] | None] = queue.SimpleQueue()
         self._done = threading.Condition()
@@ -891,7 +891,7 @@ class Receiver:
             flat = staging[0]
             _zero_padding(flat, manifest)
             buckets = bucket_segments(manifest.tensors, manifest.buckets)
-            hashing = _Hashing(len(manifest.tensors))
+            hashing = _Hashing(len(manifest.tensors), receiving=True)
             n = len(buckets)
             posted: deque[Pending] = deque()
             for b in buckets[:WINDOW]:
@@ -914,7 +914,7 @@ class Receiver:
             seal = decode_seal(route.recv_message(stage), manifest)
             stage = "checksums"
             digests = hashing.finish()
-            tensor_sums = hashing.hasher.tensor_digests()
+            tensor_sums = hashing.hasher.tensor_digests(seal.tensor_checksums)
             own = _own_state_checksum(manifest, tensor_sums)
             problem = _verify(manifest, seal, digests, tensor_sums, own)
             stage = "commit vote"
