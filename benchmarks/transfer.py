@@ -10,6 +10,10 @@ against a raw ``ProcessGroupGloo.broadcast`` of the same bytes between the same 
 key (``open``), the run's key with xxh3 bucket digests (``auth``) and keyed BLAKE3 bucket
 digests (``keyed``), on the same-host route (``shm``) and on the cross-node leg (``xnode``:
 every receiver over gloo); ratios are per-round medians of time / the ``open`` round's time.
+Beside them, the CPU seconds of one sync (every process together, all threads), whose ratio is
+what the time's ratio tends to where the processes outnumber the free cores, and the CPU cost
+of one copy, one xxh3 pass and one keyed BLAKE3 pass of the same bytes on one core, measured
+first in the driver.
 
 ``--senders``: several trainer ranks (``trainer_workers``), each sending the part it owns
 straight to every rollout at once (:mod:`ftstate.transport.shards`), the same total bytes
@@ -354,6 +358,7 @@ def _security_worker(idx: int, store_addr: str, args: dict[str, Any], results: A
     weights = make_weights(size) if idx == 0 else None
     kinds = [(route, mode) for route in SECURITY_ROUTES for mode in SECURITY_MODES]
     times: dict[str, list[float]] = {f"{r}-{m}": [] for r, m in kinds}
+    cpu: dict[str, list[float]] = {f"{r}-{m}": [] for r, m in kinds}  # this process's CPU seconds, all threads
     checks = []
     for rnd in range(args["warmup"] + args["reps"]):
         for route, mode in kinds:
@@ -369,7 +374,7 @@ def _security_worker(idx: int, store_addr: str, args: dict[str, Any], results: A
                 comm._store.set("benchsec/current_version", store._signed("benchsec/current_version", b"1"))
             same_host = range(1, world) if route == "shm" else ()
             comm.barrier(timeout_s=60)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if idx == 0:
                 report = samehost.broadcast(sender, comm, weights, same_host=same_host, require_shm=route == "shm",
                                             weights_version=rnd, timeout_s=120)
@@ -377,18 +382,63 @@ def _security_worker(idx: int, store_addr: str, args: dict[str, Any], results: A
                 checks.append(report.state_checksum)
             else:
                 checks.append(samehost.receive(receiver, comm, 0, timeout_s=120).state_checksum)
+            spent = time.process_time() - c0
             comm.barrier(timeout_s=60)
             if rnd >= args["warmup"]:
                 times[f"{route}-{mode}"].append(time.perf_counter() - t0)
+                cpu[f"{route}-{mode}"].append(spent)
     forged = auth.drain_forged()
     assert not forged, forged  # every round's messages verified: the figures are of the happy path
-    results.put((idx, times, checks))
+    results.put((idx, times, checks, cpu))
     comm.close()
+
+
+def _passes(nbytes: int, reps: int = 5) -> dict[str, float]:
+    """CPU seconds (median of ``reps``) of one pass over ``nbytes`` on one core, in the pieces the
+    same-host route uses: a copy, xxh3 of the copy, keyed BLAKE3 of the copy (what a keyed sync
+    does instead of, or beside, xxh3 on every side)."""
+    import blake3
+    import torch
+    import xxhash
+
+    from ftstate.transport.samehost import PIECE
+
+    torch.set_num_threads(1)  # as in the workers: one core, no idle OpenMP threads counted as CPU
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.full((nbytes,), 1, dtype=torch.uint8)  # written: no page faults in the timed copies
+    view = memoryview(dst.numpy()).cast("B")
+    key = os.urandom(32)
+
+    def copy() -> None:
+        for lo in range(0, nbytes, PIECE):
+            dst[lo : lo + PIECE].copy_(src[lo : lo + PIECE])
+
+    def xxh3() -> None:
+        h = xxhash.xxh3_64()
+        for lo in range(0, nbytes, PIECE):
+            h.update(view[lo : lo + PIECE])
+
+    def keyed() -> None:
+        h = blake3.blake3(key=key)
+        for lo in range(0, nbytes, PIECE):
+            h.update(view[lo : lo + PIECE])
+
+    out = {}
+    for name, f in (("copy", copy), ("xxh3", xxh3), ("keyed", keyed)):
+        took = []
+        for _ in range(reps):
+            c0 = time.process_time()
+            f()
+            took.append(time.process_time() - c0)
+        out[name] = statistics.median(took)
+    return out
 
 
 def security_main(args: dict[str, Any]) -> int:
     """The cost of authentication and keyed integrity, in the same run (see the module docstring)."""
     from ftstate.transport import StoreServer
+
+    passes = _passes(args["sizes"][0] * MiB)  # before the workers start: one core, nothing of ours beside it
 
     server = StoreServer("127.0.0.1")
     ctx = mp.get_context("spawn")
@@ -411,21 +461,35 @@ def security_main(args: dict[str, Any]) -> int:
             if p.is_alive():
                 p.kill()
         server.close()
-    times, sender_checks = per_rank[0]
+    times, sender_checks, _ = per_rank[0]
     agree = all(per_rank[r][1] == sender_checks for r in per_rank)
+    # CPU seconds of one sync, every process together, round by round: on a host with fewer free
+    # cores than busy processes the sync's time tends to this total over the cores, so its ratio
+    # is what a loaded machine's noisy wall-clock ratio converges to
+    cpu = {k: [sum(per_rank[r][2][k][i] for r in per_rank) for i in range(len(times[k]))] for k in times}
     size = args["sizes"][0]
     print(f"{size} MiB, {args['receivers']} receivers, bucket {args['bucket_mb']:g} MiB, {args['reps']} measured "
           f"rounds ({args['warmup']} warm-up), load average before {args['load']:.2f}; seconds are medians, "
           "ratios the per-round median of time / the open round's time")
     print(f"{'route':>6} | {'open s':>7} | {'auth s':>7} {'auth/open':>9} | {'keyed s':>7} {'keyed/open':>10} "
-          f"{'keyed/auth':>10} | checksums")
+          f"{'keyed/auth':>10} | {'cpu s open':>10} {'auth':>5} {'keyed':>5} {'keyed/auth':>10} | checksums")
     for route in SECURITY_ROUTES:
         o, a, k = (times[f"{route}-{m}"] for m in SECURITY_MODES)
         ra = statistics.median(x / y for x, y in zip(a, o, strict=True))
         rk = statistics.median(x / y for x, y in zip(k, o, strict=True))
         rka = statistics.median(x / y for x, y in zip(k, a, strict=True))
+        co, ca, ck = (cpu[f"{route}-{m}"] for m in SECURITY_MODES)
+        cka = statistics.median(x / y for x, y in zip(ck, ca, strict=True))
         print(f"{route:>6} | {statistics.median(o):>7.3f} | {statistics.median(a):>7.3f} {ra:>9.3f} | "
-              f"{statistics.median(k):>7.3f} {rk:>10.3f} {rka:>10.3f} | {'match' if agree else 'MISMATCH'}")
+              f"{statistics.median(k):>7.3f} {rk:>10.3f} {rka:>10.3f} | {statistics.median(co):>10.3f} "
+              f"{statistics.median(ca):>5.3f} {statistics.median(ck):>5.3f} {cka:>10.3f} | "
+              f"{'match' if agree else 'MISMATCH'}")
+    r = args["receivers"]
+    extra = (1 + r) * passes["keyed"] - r * passes["xxh3"]
+    print(f"one pass of {size} MiB on one core, CPU s: copy {passes['copy']:.3f}, xxh3 {passes['xxh3']:.3f} "
+          f"({size * MiB / passes['xxh3'] / 1e9:.1f} GB/s), keyed BLAKE3 {passes['keyed']:.3f} "
+          f"({size * MiB / passes['keyed'] / 1e9:.1f} GB/s); a keyed sync hashes {1 + r} keyed passes for {r} xxh3 "
+          f"passes: {extra:.3f} CPU s more")
     print("goal (issue 25): auth/open < 1.03, keyed/open < 1.15 at 256 MiB")
     return 0 if agree else 1
 

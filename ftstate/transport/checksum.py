@@ -15,7 +15,8 @@ as its bytes viewed as uint8), so two states are equal exactly when their checks
   their tensors' hashers after the bucket, so each byte is hashed once per side and
   the final per-tensor digests give the whole-state checksum without a second pass.
   With ``security.integrity: keyed`` (:func:`use_integrity`) a bucket's checksum is instead
-  BLAKE3, keyed with the run's secret, over the bucket's bytes and positions.
+  BLAKE3, keyed with the run's secret, over the bucket's bytes and positions, and a receiver
+  then hashes each byte once (keyed only; the per-tensor checksums come from the verified seal).
 """
 
 from __future__ import annotations
@@ -111,17 +112,27 @@ def use_integrity(mode: str) -> None:
 
 class StreamHasher:
     """Per-tensor streaming hashers for one transfer of ``count`` tensors (and, with
-    ``integrity: keyed``, one keyed hasher for the bucket being fed)."""
+    ``integrity: keyed``, one keyed hasher for the bucket being fed).
 
-    __slots__ = ("_bucket", "_hashers", "_key")
+    ``receiving``: the hasher of a member that verifies what arrives. With ``integrity: keyed``
+    it keeps no per-tensor xxh3 hashes, so a receiver makes one pass over the bytes, not two.
+    That is sound because its every bucket's keyed digest, over the bucket's bytes and
+    positions, is compared with the sealed one before anything commits, and a match proves
+    that the bytes are the ones the sender hashed its per-tensor checksums from; so the seal's
+    per-tensor checksums are this member's too (:meth:`tensor_digests`). A sender, and every
+    hasher with xxh3 digests, keeps them (they are what the seal carries)."""
 
-    def __init__(self, count: int) -> None:
-        self._hashers = [xxhash.xxh3_64() for _ in range(count)]
+    __slots__ = ("_bucket", "_hashers", "_key", "_sealed_sums")
+
+    def __init__(self, count: int, *, receiving: bool = False) -> None:
         self._key = _bucket_key
+        self._sealed_sums = receiving and self._key is not None
+        self._hashers = [] if self._sealed_sums else [xxhash.xxh3_64() for _ in range(count)]
         self._bucket: Any = None
 
     def feed(self, tensor: int, data: memoryview) -> None:
-        self._hashers[tensor].update(data)
+        if not self._sealed_sums:
+            self._hashers[tensor].update(data)
         if self._key is not None:
             if self._bucket is None:
                 import blake3
@@ -132,20 +143,30 @@ class StreamHasher:
     def bucket_digest(self, bucket: Bucket) -> int:
         """The bucket's checksum; call once its segments have all been fed (a bucket's
         segments are fed before the next bucket's, on every path)."""
-        words: list[int] = []
-        for s in bucket.segments:
-            words += (s.tensor, s.start, s.length, self._hashers[s.tensor].intdigest())
-        header = struct.pack(f"<QQ{len(words)}Q", bucket.start, bucket.stop, *words)
         if self._key is None:
+            words: list[int] = []
+            for s in bucket.segments:
+                words += (s.tensor, s.start, s.length, self._hashers[s.tensor].intdigest())
+            header = struct.pack(f"<QQ{len(words)}Q", bucket.start, bucket.stop, *words)
             return xxhash.xxh3_64_intdigest(header)
         import blake3
 
+        # keyed: the bytes and their positions only (the same bytes elsewhere do not match); the
+        # per-tensor xxh3 state is left out, so a receiver that keeps none computes the same digest
+        words = [w for s in bucket.segments for w in (s.tensor, s.start, s.length)]
         h, self._bucket = self._bucket or blake3.blake3(key=self._key), None
-        h.update(header)  # the positions too: the same bytes elsewhere do not match
+        h.update(struct.pack(f"<QQ{len(words)}Q", bucket.start, bucket.stop, *words))
         return int.from_bytes(h.digest(8), "little")
 
-    def tensor_digests(self) -> list[int]:
-        return [h.intdigest() for h in self._hashers]
+    def tensor_digests(self, sealed: Sequence[int] | None = None) -> list[int]:
+        """Every tensor's xxh3 digest. A keyed receiver (see the class) hashed none: it returns
+        ``sealed``, the seal's, which it may only use once every bucket's keyed digest matched
+        the seal's (``_verify`` checks the buckets first, and a mismatch commits nothing)."""
+        if not self._sealed_sums:
+            return [h.intdigest() for h in self._hashers]
+        if sealed is None:
+            raise ValueError("a keyed receiver keeps no per-tensor digests: pass the seal's")
+        return list(sealed)
 
 
 __all__ = [

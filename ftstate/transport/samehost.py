@@ -577,8 +577,9 @@ def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torc
                awaiting: Callable[[int], None] | None = None, damage: bool = False,
                hash_source: bool = False) -> None:
     """Copy bucket ``b``'s segments into ``dst`` (a view of the bucket's bytes) from ``src(s)``
-    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece right after it
-    was copied, while it is in cache. No hasher: copy only.
+    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece while it is in
+    cache: a reader right after copying it, a writer right after telling its readers of it
+    (below). No hasher: copy only.
 
     What is hashed: a reader hashes ``dst``, its own private copy (what it will commit). A
     writer into a shared slot passes ``hash_source``: it hashes the piece of *its source* it
@@ -591,6 +592,13 @@ def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torc
     ``awaiting(n)`` returns once the writer has filled the first ``n`` bytes. ``damage``
     (chaos) flips the first byte copied before it is hashed, as a damaged segment would."""
     told = 0
+    unhashed: list[tuple[int, memoryview]] = []  # a writer's pieces copied since it last told
+
+    def hash_pieces() -> None:
+        for tensor, piece in unhashed:
+            hasher.feed(tensor, piece)  # type: ignore[union-attr]
+        unhashed.clear()
+
     for s in b.segments:
         out = dst[s.bucket_offset : s.bucket_offset + s.length]
         into = src(s)
@@ -606,12 +614,20 @@ def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torc
                 out[lo : lo + 1].bitwise_xor_(0xFF)
                 damage = False
             if mv is not None:
-                hasher.feed(s.tensor, mv[lo:hi])  # type: ignore[union-attr]
+                unhashed.append((s.tensor, mv[lo:hi]))
             if filled is not None and s.bucket_offset + hi - told >= STREAM:
                 told = s.bucket_offset + hi
                 filled(told)
+            # A writer tells first and hashes after, so the readers copy (or gloo sends) these
+            # bytes while it hashes them: its hashing (a keyed pass above all) is then off their
+            # path. It hashes what it hashed before (its source, or its private buffer, which
+            # nobody else writes), so the order changes no digest. A reader (no ``filled``)
+            # hashes each piece right after copying it, while it is in cache.
+            if filled is None or told == s.bucket_offset + hi:
+                hash_pieces()
     if filled is not None and told < b.nbytes:
         filled(b.nbytes)
+    hash_pieces()
 
 
 def _device_copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torch.Tensor],
@@ -1238,7 +1254,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
         at.stage = "offer"
         offer = decode_offer(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
         buckets = bucket_segments(manifest.tensors, manifest.buckets)
-        hasher = StreamHasher(len(manifest.tensors))
+        hasher = StreamHasher(len(manifest.tensors), receiving=True)
         digests: list[int] = []
         peers = dict(offer.relays).get(comm.rank, ())
         relay = next((r for r, ps in offer.relays if comm.rank in ps), None)
@@ -1287,7 +1303,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
         at.stage = "seal"
         seal = decode_seal(route.recv_message(at.stage), manifest)
         at.stage = "checksums"
-        tensor_sums = hasher.tensor_digests()
+        tensor_sums = hasher.tensor_digests(seal.tensor_checksums)
         own = _own_state_checksum(manifest, tensor_sums)
         problem = _verify(manifest, seal, digests, tensor_sums, own)
         at.stage = "commit vote"

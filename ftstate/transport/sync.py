@@ -429,8 +429,8 @@ class _Hashing:
     inline measured alike within noise; on larger machines the overlap is real.
     """
 
-    def __init__(self, count: int) -> None:
-        self.hasher = StreamHasher(count)
+    def __init__(self, count: int, *, receiving: bool = False) -> None:
+        self.hasher = StreamHasher(count, receiving=receiving)
         self.digests: list[int] = []
         self._queue: queue.SimpleQueue[tuple[Bucket, torch.Tensor] | None] = queue.SimpleQueue()
         self._done = threading.Condition()
@@ -900,7 +900,7 @@ class Receiver:
             flat = staging[0]
             _zero_padding(flat, manifest)
             buckets = bucket_segments(manifest.tensors, manifest.buckets)
-            hashing = _Hashing(len(manifest.tensors))
+            hashing = _Hashing(len(manifest.tensors), receiving=True)
             n = len(buckets)
             posted: deque[Pending] = deque()
             for b in buckets[:WINDOW]:
@@ -923,7 +923,7 @@ class Receiver:
             seal = decode_seal(route.recv_message(stage), manifest)
             stage = "checksums"
             digests = hashing.finish()
-            tensor_sums = hashing.hasher.tensor_digests()
+            tensor_sums = hashing.hasher.tensor_digests(seal.tensor_checksums)
             own = _own_state_checksum(manifest, tensor_sums)
             problem = _verify(manifest, seal, digests, tensor_sums, own)
             stage = "commit vote"
@@ -949,7 +949,9 @@ class Receiver:
         """After the vote: raise :class:`ChecksumMismatch` for ``problem`` (keeping what was
         committed), else commit the staged state (one reference assignment). ``own``: this
         member's whole-state checksum of the bytes it received (:func:`_own_state_checksum`),
-        what it reports as holding, never the seal's. ``node``: ``staging`` is a mapping of
+        what it reports as holding: never the seal's, except that with ``integrity: keyed`` its
+        per-tensor digests are the seal's, taken only because every bucket's keyed digest of
+        its own bytes matched (``problem`` is None; see ``StreamHasher``). ``node``: ``staging`` is a mapping of
         that node copy (:mod:`ftstate.transport.nodecopy`), never a buffer to recycle, and
         once it is committed no private copy is kept beside it."""
         kept_version = kept.weights_version if kept is not None else None
@@ -1011,7 +1013,8 @@ def _zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
 
 
 def _own_state_checksum(manifest: Manifest, tensor_sums: list[int]) -> int:
-    """The whole-state checksum of what this member received, from its own per-tensor digests."""
+    """The whole-state checksum of what this member received, from its per-tensor digests (its
+    own; with ``integrity: keyed`` the seal's, proven by its keyed bucket digests)."""
     return combine((e.name, e.dtype, e.shape, h) for e, h in zip(manifest.tensors, tensor_sums, strict=True))
 
 

@@ -21,6 +21,7 @@ from tests.integration.test_transport_shm import (
     SYNC_S,
     assert_bit_exact,
     committed_checksum,
+    every_reader_refuses_bucket_1,
     expected_checksum,
     planned,
 )
@@ -152,6 +153,29 @@ class TestAuthenticated:
         assert records and all(r["channel"] == "signal" for r in records), records
         assert {"1", "2"} <= {r["claimed_sender"] for r in records}, records
         next_sync_is_whole(secured, 8, 3)
+
+    def test_a_keyed_reader_refuses_one_damaged_byte_from_its_slot_and_from_gloo(self, secured):
+        """A keyed receiver hashes each byte once, keyed only, and takes its per-tensor checksums
+        from the seal: the keyed bucket digest alone stands between a damaged byte and a commit.
+        One byte flipped in what a reader copies from its slot (rank 1) or in what reaches it over
+        gloo (rank 2) is refused, the version before is kept, and the next sync is whole."""
+        for w in secured.members:
+            w.call("secure", secret=SECRET, integrity="keyed")
+        try:
+            planned(secured, [1])
+            trainer, *readers = secured.members
+            trainer.call("load", seed=12, weights_version=2)
+            for r in readers:
+                r.call("corrupt_next_bucket")
+                r.start("receive_planned", timeout_s=SYNC_S)
+            report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1])
+            assert report["routes"] == {1: "shm", 2: "collective"}, report
+            every_reader_refuses_bucket_1(readers)
+            assert report["committed"] == []
+            next_sync_is_whole(secured, 13, 3)
+        finally:
+            for w in secured.members:
+                w.call("secure", secret=SECRET)
 
     def test_keyed_integrity_moves_the_bytes_and_refuses_a_tampered_slot(self, secured):
         for w in secured.members:

@@ -79,6 +79,17 @@ def committed_checksum(worker) -> str | None:
     return info["checksum"]
 
 
+def every_reader_refuses_bucket_1(readers, kept_seed: int = 1) -> None:
+    """Each of ``readers`` (started) fails with ChecksumMismatch in bucket 1 and still holds the
+    weights of ``kept_seed``."""
+    for r in readers:
+        with pytest.raises(RemoteError) as info:
+            r.result()
+        assert info.value.isinstance("ChecksumMismatch"), info.value.info
+        assert "bucket 1/" in info.value.info["message"], info.value.info
+        assert committed_checksum(r) == expected_checksum(kept_seed)
+
+
 def assert_bit_exact(worker, seed: int) -> None:
     from ftstate.transport.checksum import byte_view, dtype_name
 

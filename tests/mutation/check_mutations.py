@@ -87,6 +87,28 @@ MUTATIONS = (
          "test_a_slot_tampered_right_after_the_writers_copy_is_refused_and_the_next_sync_succeeds",),
     ),
     Mutation(
+        "keyed digests with a key anyone has",
+        "with integrity: keyed, bytes injected by anyone without the run's secret cannot match their bucket's "
+        "digest (the digest's key is derived from the secret)",
+        (Edit("ftstate/transport/checksum.py",
+              'key.secret, digest_size=32, person=b"ftstate-bucket"',
+              'b"", digest_size=32, person=b"ftstate-bucket"'),),
+        ("tests/unit/test_integrity.py::TestAnOutsiderCannotMatchAKeyedDigest",),
+    ),
+    Mutation(
+        "keyed receiver trusts the seal's tensor sums unchecked",
+        "a keyed receiver, which takes its per-tensor checksums from the seal, commits nothing whose bucket "
+        "digests do not match",
+        (Edit("ftstate/transport/sync.py",
+              "    for k, (got, want) in enumerate(zip(digests, seal.bucket_checksums, strict=True)):\n"
+              "        if got != want:",
+              "    for k, (got, want) in enumerate(zip(digests, seal.bucket_checksums, strict=True)):\n"
+              "        if got != want and __import__('ftstate.transport.checksum', fromlist=['_']).INTEGRITY != 'keyed':"),),
+        ("tests/unit/test_integrity.py::TestAKeyedReceiverHashesOnceAndTrustsOnlyAVerifiedSeal",
+         "tests/integration/test_transport_security.py::TestAuthenticated::"
+         "test_a_keyed_reader_refuses_one_damaged_byte_from_its_slot_and_from_gloo"),
+    ),
+    Mutation(
         "tags not checked",
         "a message whose MAC does not verify (store value, zmq signal, gloo message, vote) is never acted on",
         (Edit("ftstate/transport/auth.py", "    if problem is not None:\n        record_forged(",
