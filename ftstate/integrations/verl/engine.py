@@ -489,6 +489,8 @@ class FTStateCheckpointEngine(CheckpointEngine):
             if stage is not None and stage.get("followers") else None
         self._writer = writer
         self._chunks_in = 0
+        # the writer's chunks land in the node's copy, not in this engine's own staging
+        receiver = nodestage.NodeReceiver(writer) if writer is not None else self._receiver
 
         def left(stage: str) -> float:
             remaining = deadline - time.monotonic()
@@ -508,15 +510,15 @@ class FTStateCheckpointEngine(CheckpointEngine):
                 return None
             if self._corrupt_at == seq:
                 self._corrupt_at = None
-                self._receiver.corrupt_next_bucket()
+                receiver.corrupt_next_bucket()
             try:
-                got = self._receiver.receive_broadcast(comm, root=0, timeout_s=left(f"chunk {seq + 1}"))
+                got = receiver.receive_broadcast(comm, root=0, timeout_s=left(f"chunk {seq + 1}"))
             except ChecksumMismatch as exc:
                 return exc
             self._chunks_in = seq + 1
             self._hold(seq + 1, left)
             if writer is not None:
-                writer.add(got)  # the chunk is in the node's copy: its receive buffer is free again
+                writer.add(got)  # the chunk stays in the node's copy, where it landed
                 return True
             return got
 

@@ -6,15 +6,16 @@ that is one full copy of the weights per rollout worker beside its engine's own.
 holds it once: ``build_topology`` (in the driver, which knows every worker's node) makes the
 first rollout of each node its **writer** and the others its **followers**.
 
-* **The writer** is the only one of its node in the broadcast group. Each chunk it receives and
-  verifies (one ftstate transfer each: the chunks arrive lazily, so no layout is known up
-  front) is copied into a segment of its own in ``/dev/shm`` (a
-  :class:`~ftstate.transport.nodecopy.NodeCopy`: 0600, space reserved at creation, its header
-  carrying the chunk's tensor layout and whole-chunk checksum), and its receive buffer is
-  recycled for the next chunk. After the final vote it **publishes the outcome**: a small
-  record listing the chunk segments (``ok``) or saying why the update failed (``rejected`` /
-  ``failed``), written under a temporary name and renamed into place, so a follower sees a
-  whole record or none.
+* **The writer** is the only one of its node in the broadcast group. Each chunk (one ftstate
+  transfer each: the chunks arrive lazily, so no layout is known up front) is received
+  straight into a segment of its own in ``/dev/shm`` (:class:`NodeReceiver`: a
+  :class:`~ftstate.transport.sync.Receiver` whose staging for each transfer is a new
+  :class:`~ftstate.transport.nodecopy.NodeCopy`, 0600, space reserved at creation) and
+  verified there: the writer keeps no private copy. After the final vote it **publishes the
+  outcome**: a small record listing the chunk segments with each chunk's tensor layout and
+  the whole-chunk checksum it verified (``ok``), or saying why the update failed
+  (``rejected`` / ``failed``), written under a temporary name and renamed into place, so a
+  follower sees a whole record or none.
 * **A follower** stays out of the gloo group and waits for that record, bounded by the
   update's ``sync_timeout_s``; it polls the writer's pid too (same host), so a writer that died
   (SIGKILL) ends its wait at once with :class:`~ftstate.core.errors.PeerLost` naming it, and
@@ -32,8 +33,9 @@ outlive the names), at the next update's ``prepare``, and on every failure path.
 writer leaves orphans (its pid is dead): the manager removes the failed update's segments by
 name (:func:`remove_update`) and every writer sweeps orphans when it joins the next update.
 
-Memory: the writer's private staging is one chunk (its receive buffer, reused) and the node's
-shared one is the update, once, while it is in flight.
+Memory: the node holds the update once, shared, while it is in flight; no rollout holds a
+private copy of it (on a device transport the writer receives into device staging and copies
+each verified chunk into the segment: one chunk of device staging).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ftstate.core.errors import ChecksumMismatch, ManifestError, PeerLost, SyncT
 from ftstate.transport.buckets import TensorEntry
 from ftstate.transport.nodecopy import NodeCopy, copy_name, tensors_of
 from ftstate.transport.shm import SHM_DIR, list_segments, parse_name, pid_alive, safe_group, unlink_names
+from ftstate.transport.sync import Receiver, _use_count
 
 if TYPE_CHECKING:
     import torch
@@ -96,23 +99,18 @@ def remove_update(group: str, group_version: int) -> list[str]:
     return names
 
 
-def _layout(entries: tuple[TensorEntry, ...], checksum: str) -> bytes:
-    return msgpack.packb({"checksum": checksum, "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes]
-                                                            for e in entries]})
+def _layout(name: str, entries: tuple[TensorEntry, ...], checksum: str) -> list:
+    return [name, checksum, [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]]
 
 
-def _entries(node: NodeCopy) -> tuple[str, tuple[TensorEntry, ...]]:
+def _entries(row: object) -> tuple[str, str, tuple[TensorEntry, ...]]:
     try:
-        data = msgpack.unpackb(node.manifest)
+        name, checksum, tensors = row  # type: ignore[misc]
         entries = tuple(TensorEntry(str(n), str(d), tuple(int(s) for s in shape), int(o), int(b))
-                        for n, d, shape, o, b in data["tensors"])
-        checksum = str(data["checksum"])
-    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-        raise ManifestError(f"staged segment {node.name!r}: malformed layout: {exc}", field="layout") from exc
-    if any(e.end > node.data_bytes for e in entries):
-        raise ManifestError(f"staged segment {node.name!r}: its layout exceeds its {node.data_bytes} bytes",
-                            field="layout")
-    return checksum, entries
+                        for n, d, shape, o, b in tensors)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ManifestError(f"staged outcome: malformed chunk layout: {exc}", field="layout") from exc
+    return str(name), str(checksum), entries
 
 
 @dataclass
@@ -129,32 +127,43 @@ class StageWriter:
         self.group = group
         self.group_version = group_version
         self.nbytes = 0
-        self._chunks: list[tuple[NodeCopy, tuple[TensorEntry, ...]]] = []
+        self._chunks: list[tuple[NodeCopy, tuple[TensorEntry, ...], str]] = []
+        self._fresh: NodeCopy | None = None  # the segment the transfer in progress lands in
         self._names: list[str] = []
         self._published = False
 
+    def segment(self, nbytes: int) -> torch.Tensor:
+        """A new segment of ``nbytes`` for the next chunk to land in (:class:`NodeReceiver`)."""
+        node = NodeCopy.create(stage_group(self.group), group_version=self.group_version, owner=os.getpid(),
+                               weights_version=0, manifest=b"", data_bytes=nbytes)
+        self._names.append(node.name)  # named at once: unlinked on every path out, even a failed chunk
+        self._fresh = node
+        self.nbytes += nbytes
+        return node.data
+
     def add(self, chunk: CommittedWeights) -> None:
-        """Copy one verified chunk into a new segment (its receive buffer is then free again)."""
-        entries = chunk._entries
-        flat = chunk._flat
+        """One verified chunk: kept where it landed (its segment), or copied into a new one
+        when it landed elsewhere (a device transport's staging)."""
+        entries, flat = chunk._entries, chunk._flat
         if entries is None or flat is None:
             raise TransportError("staged node copy: a received chunk has no flat layout")
-        size = max((e.end for e in entries), default=0)
-        node = NodeCopy.create(stage_group(self.group), group_version=self.group_version, owner=os.getpid(),
-                               weights_version=chunk.weights_version,
-                               manifest=_layout(entries, chunk.state_checksum), data_bytes=size)
-        self._names.append(node.name)  # named first: unlinked on every path out, even a failed copy
-        if size:
-            node.data.copy_(flat[:size])
-        self._chunks.append((node, entries))
-        self.nbytes += size
+        node, self._fresh = self._fresh, None
+        if node is None or flat.numel() == 0 or flat.data_ptr() != node.data.data_ptr():
+            size = max((e.end for e in entries), default=0)
+            data = self.segment(size)
+            node, self._fresh = self._fresh, None
+            if size:
+                data.copy_(flat[:size])
+        assert node is not None
+        self._chunks.append((node, entries, chunk.state_checksum))
 
     def publish(self, status: str, reason: str = "") -> None:
         """The outcome record, atomically (a temporary name renamed into place); once."""
         if self._published:
             return
         self._published = True
-        record = msgpack.packb({"status": status, "reason": reason, "chunks": self._names})
+        record = msgpack.packb({"status": status, "reason": reason,
+                                "chunks": [_layout(n.name, e, c) for n, e, c in self._chunks]})
         tmp = NodeCopy.create(stage_group(self.group), group_version=self.group_version, owner=os.getpid(),
                               weights_version=0, manifest=record, data_bytes=0)
         final = outcome_name(self.group, self.group_version, os.getpid())
@@ -169,14 +178,33 @@ class StageWriter:
 
     def tensors(self) -> list[dict[str, torch.Tensor]]:
         """The writer's own views of the update, chunk by chunk."""
-        return [tensors_of(node.data, _Layout(entries)) for node, entries in self._chunks]
+        return [tensors_of(node.data, _Layout(entries)) for node, entries, _ in self._chunks]
 
     def close(self) -> None:
         """Unlink every name of this update (mappings, and tensors viewing them, live on)."""
         unlink_names(self._names)
-        for node, _ in self._chunks:
+        for node, _, _ in self._chunks:
             node.close()
-        self._names, self._chunks = [], []
+        self._names, self._chunks, self._fresh = [], [], None
+
+
+class NodeReceiver(Receiver):
+    """A :class:`~ftstate.transport.sync.Receiver` for the writer of a staged update: each
+    transfer on the host lands in a new segment of the node's copy (:meth:`StageWriter.segment`)
+    instead of a private buffer, and is verified there; nothing is recycled (each chunk's
+    segment is the node's until the update ends). A device transport keeps device staging."""
+
+    def __init__(self, writer: StageWriter) -> None:
+        super().__init__()
+        self._writer = writer
+
+    def _staging(self, nbytes: int, device: torch.device, wait_s: float = 0.0) -> tuple[torch.Tensor, int]:
+        if device.type != "cpu":
+            return super()._staging(nbytes, device, wait_s)
+        self._spare = None  # the last chunk's segment stays the node's, never this receiver's spare
+        buf = self._writer.segment(nbytes)
+        self._peak = buf.numel()
+        return buf, _use_count(buf) or 0
 
 
 def wait_and_map(group: str, group_version: int, *, writer_pid: int, writer: str, me: str, deadline: float,
@@ -209,7 +237,7 @@ def wait_and_map(group: str, group_version: int, *, writer_pid: int, writer: str
                                   writer=writer_pid)
     try:
         record = msgpack.unpackb(record_copy.manifest)
-        status, reason, chunks = str(record["status"]), str(record["reason"]), [str(n) for n in record["chunks"]]
+        status, reason, chunks = str(record["status"]), str(record["reason"]), list(record["chunks"])
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
         raise ManifestError(f"{me}: staged outcome {name!r} is malformed: {exc}", field="outcome") from exc
     finally:
@@ -219,10 +247,18 @@ def wait_and_map(group: str, group_version: int, *, writer_pid: int, writer: str
     if status != OK:
         raise TransportError(f"{me}: staged update not applied: {writer} reports {reason}; nothing was yielded")
     out: list[Mapping[str, torch.Tensor]] = []
-    for chunk in chunks:
-        node = NodeCopy.attach(chunk, group=sgroup, owner=writer_pid, group_version=group_version, writer=writer_pid)
+    for row in chunks:
+        chunk, checksum, entries = _entries(row)
         try:
-            checksum, entries = _entries(node)
+            node = NodeCopy.attach(chunk, group=sgroup, owner=writer_pid, group_version=group_version,
+                                   writer=writer_pid)
+        except ManifestError as exc:
+            raise ManifestError(f"{me}: {exc}; the update's segments on this node now: "
+                                f"{segments_of(group, group_version)}", field="node_copy") from exc
+        try:
+            if any(e.end > node.data_bytes for e in entries):
+                raise ManifestError(f"{me}: staged chunk {chunk!r}: its layout exceeds its {node.data_bytes} bytes",
+                                    field="layout")
             tensors = tensors_of(node.data, _Layout(entries))
         finally:
             node.close()  # the tensors keep the mapping
@@ -240,4 +276,4 @@ def sweep(group: str) -> None:
         unlink_names([n for n in segments_of(group) if not pid_alive(int(parse_name(n)["pid"]))])  # type: ignore[index]
 
 
-__all__ = ["StageWriter", "remove_update", "segments_of", "stage_group", "sweep", "wait_and_map"]
+__all__ = ["NodeReceiver", "StageWriter", "remove_update", "segments_of", "stage_group", "sweep", "wait_and_map"]
