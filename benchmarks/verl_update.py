@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     from tests.verl.harness import checkpoint_engine_config, release, rollout_replicas, trainer_group
 
     if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        # a cluster of its own: never join one another job started on this machine
+        ray.init(address="local", num_cpus=16, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     config = checkpoint_engine_config(bucket_mb=args.bucket_mb, init_timeout_s=120, sync_timeout_s=600)
     model = make_tiny_qwen2(os.path.join(tempfile.mkdtemp(), "tiny-qwen2"))
     if args.modes:
