@@ -33,8 +33,9 @@ rollout worker iterates ``receive_weights()`` → ``finalize()`` everywhere. Her
   stays aligned, then raises). ``staged``: a rollout yields nothing until the final vote says
   every chunk verified on every rollout, and the update is held **once per node** meanwhile
   (:mod:`ftstate.integrations.verl.nodestage`): ``build_topology`` makes the first rollout of
-  each node (by Ray node id) its writer, the only one of the node in the group; it copies each
-  verified chunk into a segment in ``/dev/shm`` and publishes the vote's outcome; the node's
+  each node (by Ray node id) its writer, the only one of the node in the group; it receives each
+  chunk straight into a segment in ``/dev/shm``, verifies it there, and publishes the vote's
+  outcome; the node's
   other rollouts (rank -1, out of the group) wait for it, bounded by ``sync_timeout_s``, map
   the segments read-only, re-verify them, and yield views of them. A failed update (a chunk
   rejected anywhere, a member dead) leaves every rollout having yielded nothing. A rollout alone
@@ -228,6 +229,8 @@ class FTStateCheckpointEngine(CheckpointEngine):
         self._receiver = Receiver()
         self._corrupt_at: int | None = None
         self._stall: tuple[int, threading.Event] | None = None
+        self._stall_go = threading.Event()
+        self._stall_s = 0.0
         self._stalled = False
         self._chunks_in = 0
         #: staged mode: this rollout's role on its node (build_topology's), and the writer's copy
@@ -597,12 +600,12 @@ class FTStateCheckpointEngine(CheckpointEngine):
         """Test hook: in the next update, after receiving ``chunks`` chunks, hold the receive
         for up to ``seconds`` (never past the sync deadline) with :meth:`describe` saying
         ``stalled``, so a test can act on a member mid-update; :meth:`unstall` ends it."""
-        self._stall = (chunks, threading.Event())
+        self._stall_go = threading.Event()
+        self._stall = (chunks, self._stall_go)
         self._stall_s = seconds
 
     def unstall(self) -> None:
-        if self._stall is not None:
-            self._stall[1].set()
+        self._stall_go.set()
 
     def abandon(self, reason: str) -> None:
         """Give up this update's group version from another call while a transfer may be
