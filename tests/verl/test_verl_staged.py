@@ -127,9 +127,15 @@ def test_a_rollout_sigkilled_mid_staged_update_fails_it_naming_it_and_no_rollout
                               "the writer holding part of the update")
         assert progress["node_role"] == "writer" and progress["staged_bytes"] > 0  # chunks in /dev/shm
         assert staged_bytes()[0] > 0
-        os.kill(ray.get(victim.progress.remote())["pid"], signal.SIGKILL)
+        victim_pid = ray.get(victim.progress.remote())["pid"]
+        os.kill(victim_pid, signal.SIGKILL)
         if victim_index == 1:
-            ray.get(writer.execute_checkpoint_engine.remote("unstall"))  # on to the vote
+            # on to the vote once the follower is gone (a death after the writer's check is a
+            # rollout dying after the vote: the others may have applied the update)
+            from ftstate.transport.shm import pid_alive
+
+            wait_until(lambda: not pid_alive(victim_pid), "the follower to be dead")
+            ray.get(writer.execute_checkpoint_engine.remote("unstall"))
         thread.join(timeout=60)
         assert not thread.is_alive()
         error = result.get("error")

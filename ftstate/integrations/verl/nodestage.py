@@ -24,6 +24,10 @@ first rollout of each node its **writer** and the others its **followers**.
   the writer verified, and only when all match yields views of them: nothing is yielded
   before the whole update is proven, so a failed update leaves every rollout having yielded
   nothing.
+* **A follower that dies** before the vote makes its writer vote the update down (it checks
+  its followers' pids just before voting), so a staged update reaches every rollout or none,
+  as when a member of the group dies. One that dies after that check is a rollout dying after
+  the vote: the others may have applied the update; the manager still hears of its death.
 
 **Names and lifetime.** ``ftstate-<group>.staged-v<group version>-p<writer pid>-g<n>-n0``
 (``g0``: the outcome record; ``g1``...: chunks), so an update's segments are found by name.
