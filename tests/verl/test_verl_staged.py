@@ -150,3 +150,41 @@ def test_a_rollout_sigkilled_mid_staged_update_fails_it_naming_it_and_no_rollout
     finally:
         manager.close()
         kill_group(ray_cluster, wg)
+
+
+class TestTheTopologyNamesOneWriterPerNode:
+    """``build_topology``'s node roles, from the workers' metadata alone (no Ray, no processes)."""
+
+    @staticmethod
+    def meta(pid: int, node: str, mode: str = "staged") -> dict:
+        return {"pid": pid, "host": "10.0.0.1", "node": node, "commit_mode": mode}
+
+    def test_the_first_staged_rollout_of_each_node_writes_and_the_others_follow_it(self) -> None:
+        from ftstate.integrations.verl.engine import _stages
+
+        ranks, stages = _stages([self.meta(11, "a"), self.meta(12, "b"), self.meta(13, "a"), self.meta(14, "a")])
+        assert ranks == [1, 2, -1, -1]  # one group rank per node, the followers out of the group
+        assert [s["role"] for s in stages] == ["writer", "writer", "follower", "follower"]
+        assert [f["pid"] for f in stages[0]["followers"]] == [13, 14] and stages[1]["followers"] == []
+        assert {s["writer_pid"] for s in stages[2:]} == {11}
+        assert stages[2]["writer"] == "rollout worker 0 (pid 11 on 10.0.0.1)"
+
+    def test_a_stream_rollout_keeps_its_own_rank_and_no_node_role(self) -> None:
+        from ftstate.integrations.verl.engine import _stages
+
+        ranks, stages = _stages([self.meta(11, "a", "stream"), self.meta(12, "a"), self.meta(13, "a")])
+        assert ranks == [1, 2, -1] and stages[0] is None
+        assert stages[1]["role"] == "writer" and stages[2]["writer_pid"] == 12
+
+    def test_build_topology_sizes_the_group_to_the_trainer_and_the_writers(self) -> None:
+        from ftstate.integrations.verl import FTStateCheckpointEngine
+
+        trainer = {"pid": 1, "host": "10.0.0.1", "is_master": True, "commit_mode": "staged",
+                   "settings": {"commit_mode": "staged", "group": "topology-only",
+                                "security": {"authenticate": False, "integrity": "xxh3"}}}
+        actor, rollout = FTStateCheckpointEngine.build_topology(
+            1, 3, [trainer, self.meta(11, "a"), self.meta(12, "a"), self.meta(13, "b")])
+        assert rollout["rank"] == [1, -1, 2] and rollout["world_size"] == [3, 3, 3]
+        assert rollout["members"][0] == ["trainer rank 0 (pid 1 on 10.0.0.1)", "rollout worker 0 (pid 11 on 10.0.0.1)",
+                                         "rollout worker 2 (pid 13 on 10.0.0.1)"]
+        assert actor["rank"] == [0]
