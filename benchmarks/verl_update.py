@@ -23,6 +23,14 @@ raw broadcast right before the update so a shared machine's drift largely cancel
 * ``generator``: the trainer walking its generator alone (the all-gathers, nothing sent),
   which the raw baseline does not do: ``(generator + raw) / raw`` is what a transport with no
   protocol of its own and no overlap of generator and wire would cost.
+
+``--modes`` instead compares the commit modes on the synthetic payload, each with its own two
+rollout workers on the one node: ``update_weights`` wall time (median) and the **peak extra
+memory of the node's rollouts** over every update, sampled every 10 ms as the sum of the
+rollout processes' Pss (``/proc/PID/smaps_rollup``: a page shared by both, such as the staged
+node copy in ``/dev/shm``, counts once) minus that sum before their first update. The
+adapter copies nothing (recording off), so this is the transport's staging alone, beside the
+engine's own copy; ratios are ``staged / stream`` in the same run.
 """
 
 from __future__ import annotations
@@ -83,11 +91,82 @@ def bench(name: str, trainer, rollout, replicas, config, bucket: int, reps: int)
     return row
 
 
+def _pss(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def bench_modes(trainer, model: str, bucket_mb: int, reps: int) -> list[dict[str, float]]:
+    """stream vs staged on the same trainer, each with two fresh rollout workers on this node."""
+    import threading
+
+    import ray
+
+    from ftstate.integrations.verl import FTStateCheckpointEngineManager
+    from tests.verl.harness import checkpoint_engine_config, release, rollout_replicas
+
+    nbytes = trainer.gather_full()[0]
+    rows = []
+    for mode in ("stream", "staged"):
+        config = checkpoint_engine_config(bucket_mb=bucket_mb, init_timeout_s=120, sync_timeout_s=600,
+                                          commit_mode=mode)
+        rollout, replicas = rollout_replicas(model, config, prefix=f"bench-{mode}")
+        try:
+            ray.get([w.set_recording.remote(False) for w in rollout.workers])
+            pids = [ray.get(w.progress.remote())["pid"] for w in rollout.workers]
+            base = _pss(pids)
+            peak = [base]
+            stop = threading.Event()
+
+            def sample(pids=pids, peak=peak, stop=stop) -> None:
+                while not stop.is_set():
+                    peak[0] = max(peak[0], _pss(pids))
+                    stop.wait(0.01)
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            manager = FTStateCheckpointEngineManager(config=config, actor_wg=trainer, replicas=list(replicas))
+            times = []
+            try:
+                for rep in range(reps + 1):
+                    started = time.perf_counter()
+                    manager.update_weights(global_steps=rep + 1)
+                    if rep:  # the first one allocates the receive buffers
+                        times.append(time.perf_counter() - started)
+            finally:
+                manager.close()
+                stop.set()
+                sampler.join()
+            rows.append({"mode": mode, "update_weights_s": statistics.median(times), "extra_bytes": peak[0] - base})
+        finally:
+            release(rollout)
+    stream = rows[0]
+    print(f"synthetic {nbytes / MiB:.0f} MiB, bucket {bucket_mb} MiB, 2 trainer ranks -> 2 rollout workers on one "
+          f"node, median of {reps} updates")
+    print("| commit_mode | update_weights s | peak extra memory of the node's rollouts MiB | x payload "
+          "| time / stream | memory / stream |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['mode']} | {r['update_weights_s']:.3f} | {r['extra_bytes'] / MiB:.0f} | "
+              f"{r['extra_bytes'] / nbytes:.2f} | {r['update_weights_s'] / stream['update_weights_s']:.2f} | "
+              f"{r['extra_bytes'] / max(stream['extra_bytes'], 1):.2f} |", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--synthetic-mb", type=int, default=256)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--modes", action="store_true", help="compare commit_mode stream and staged instead")
     args = parser.parse_args(argv)
 
     import ray
@@ -96,9 +175,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     from tests.verl.harness import checkpoint_engine_config, release, rollout_replicas, trainer_group
 
     if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        # a cluster of its own: never join one another job started on this machine
+        ray.init(address="local", num_cpus=16, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     config = checkpoint_engine_config(bucket_mb=args.bucket_mb, init_timeout_s=120, sync_timeout_s=600)
     model = make_tiny_qwen2(os.path.join(tempfile.mkdtemp(), "tiny-qwen2"))
+    if args.modes:
+        trainer = trainer_group(model, config, synthetic_mb=args.synthetic_mb)
+        try:
+            return bench_modes(trainer, model, args.bucket_mb, args.reps)
+        finally:
+            release(trainer)
     rollout, replicas = rollout_replicas(model, config)
     groups = [("tiny Qwen2", trainer_group(model, config)),
               (f"synthetic {args.synthetic_mb} MiB", trainer_group(model, config, synthetic_mb=args.synthetic_mb))]

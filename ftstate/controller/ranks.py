@@ -252,7 +252,9 @@ class ShardedSync(WeightSync):
             raise
         ms.committed(target, sent["checksum"])
         ms.parts = CommittedParts(ownership_rec, part_checksums)
-        await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"])
+        device = {n: b for n, b in self.device_bytes.items() if n not in not_loaded}
+        await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"],
+                         **({"peak_device_bytes": max(device.values()), "device_bytes": device} if device else {}))
         user_errors = [e for e in not_loaded.values() if not isinstance(e, (MemberLost, HeldWeightsMismatch))]
         if user_errors:
             raise user_errors[0]
@@ -262,6 +264,7 @@ class ShardedSync(WeightSync):
             rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
             stale=tuple(n for n, e in not_loaded.items() if isinstance(e, HeldWeightsMismatch)),
             routes={m.name: "collective" for m in rollouts if m.name not in not_loaded},
+            device_bytes=device,
         )
 
     async def _prepare(self, trainers: list[Member], rollouts: list[Member], previous: int) -> dict[str, Any]:

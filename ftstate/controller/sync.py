@@ -78,6 +78,11 @@ class SyncReport:
     staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     node_staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     held_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: device_bytes: each rollout whose engine loads by parts (``weights_device()`` and
+    #: ``load_weights_part``): the device memory its two buckets took during the load
+    #: (:func:`~ftstate.transport.devicebuckets.load_by_buckets`: at most two of the larger of a
+    #: bucket and the largest tensor), freed when the load ends. A rollout loaded whole is absent.
+    device_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: ``staging: node``: the node copy this sync committed on each node (Ray node id), which the
     #: node holds beside its engines (counted once there, not per rollout): ``segment`` (its
     #: name in /dev/shm), ``nbytes`` (its size: header page, manifest, the flat layout) and
@@ -86,15 +91,27 @@ class SyncReport:
     node_copies: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
 
-def memory_fields(rollouts: Sequence[Member], staging: Mapping[str, int], held: Mapping[str, int]) -> dict[str, Any]:
+def memory_fields(rollouts: Sequence[Member], staging: Mapping[str, int], held: Mapping[str, int],
+                  device: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The memory fields of a :class:`SyncReport` (and of the group's ``sync_done`` record) from
-    what each rollout reported: peak staging per rollout and per node, and what each keeps."""
+    what each rollout reported: peak staging per rollout and per node, what each keeps, and the
+    device bytes of each one that loaded by parts (only the ``rollouts`` given: those that loaded)."""
     nodes: dict[str, int] = {}
     for m in rollouts:
         if m.name in staging:
             key = m.node_id or m.node or "?"
             nodes[key] = nodes.get(key, 0) + staging[m.name]
-    return {"staging_bytes": dict(staging), "node_staging_bytes": nodes, "held_bytes": dict(held)}
+    loaded = {m.name for m in rollouts}
+    return {"staging_bytes": dict(staging), "node_staging_bytes": nodes, "held_bytes": dict(held),
+            "device_bytes": {n: b for n, b in (device or {}).items() if n in loaded}}
+
+
+def memory_record(memory: Mapping[str, Any]) -> dict[str, Any]:
+    """The memory fields of the group's ``sync_done`` record, from :func:`memory_fields`'s."""
+    device = memory["device_bytes"]
+    return {"peak_staging_bytes": max(memory["staging_bytes"].values(), default=0),
+            "node_staging_bytes": memory["node_staging_bytes"],
+            **({"peak_device_bytes": max(device.values()), "device_bytes": dict(device)} if device else {})}
 
 
 def plan_for(config: RuntimeConfig, sender: Member, receivers: Sequence[Member],
@@ -138,6 +155,8 @@ class WeightSync:
         self.failures: dict[str, BaseException] = {}
         #: Bytes each rollout's transport keeps after the last commit (SyncReport.held_bytes).
         self.held_bytes: dict[str, int] = {}
+        #: Device bytes of each rollout's last load by parts (SyncReport.device_bytes).
+        self.device_bytes: dict[str, int] = {}
 
     async def attempt(self) -> SyncReport:
         """One try at the next weights version; see the module docstring."""
@@ -206,10 +225,9 @@ class WeightSync:
             self.audit.record("shm_fallback", reason=sent["shm_fallback"],
                               members=[n for n in plan.routes if routes[n] != plan.routes[n]])
         ms.committed(target, sent["checksum"])
-        memory = memory_fields([m for m in rollouts if m.name not in not_loaded], staging, self.held_bytes)
-        await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"],
-                         peak_staging_bytes=max(memory["staging_bytes"].values(), default=0),
-                         node_staging_bytes=memory["node_staging_bytes"],
+        memory = memory_fields([m for m in rollouts if m.name not in not_loaded], staging, self.held_bytes,
+                               self.device_bytes)
+        await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"], **memory_record(memory),
                          **({"node_copy_bytes": {n[:8]: c["nbytes"] for n, c in node_copies.items()}}
                             if node_copies else {}))
         # A held-weights mismatch is a fault of that rollout's engine, handled here (it is
@@ -417,12 +435,14 @@ class WeightSync:
             self.routing_open.set()
         failed = self._failures(rollouts, results)
         held: dict[str, str] = {}
-        self.held_bytes = {}
+        self.held_bytes, self.device_bytes = {}, {}
         for m, r in zip(rollouts, results, strict=True):
             if m.name in failed:
                 continue
             held[m.name] = r["checksum"]
             self.held_bytes[m.name] = int(r.get("held_bytes", 0))
+            if "device_bytes" in r:  # loaded by parts through device buckets
+                self.device_bytes[m.name] = int(r["device_bytes"])
             if r["checksum"] != checksum:
                 # What it holds after load_weights is not what was verified: never serve it.
                 failed[m.name] = HeldWeightsMismatch(m.name, weights_version=version, held=r["checksum"],

@@ -124,3 +124,43 @@ class TestParts:
     def test_a_bucket_of_no_size_is_a_typed_error_naming_the_field(self):
         with pytest.raises(ManifestError, match="field 'bucket_bytes': expected a positive size, got 0"):
             parts_of(version(5), 0)
+
+
+class TestTheDeviceBytesAreReported:
+    """What a load by parts took on the device reaches ``SyncReport.device_bytes`` and the
+    group's ``sync_done`` record, per rollout (the host returns it from its commit)."""
+
+    @staticmethod
+    def rollouts(*names: str) -> list:
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(name=n, node_id="node-a", node="10.0.0.1") for n in names]
+
+    def test_each_rollout_that_loaded_by_parts_reports_its_peak_device_bytes(self):
+        from ftstate.controller.sync import memory_fields, memory_record
+
+        host = version(5)
+        loads = {}
+        for name, bucket_kib in (("rollout-0", 16), ("rollout-1", 64)):
+            memory = CountingMemory()
+            got = load_by_buckets(host, device=torch.device("cpu"), bucket_bytes=bucket_kib * KiB,
+                                  load=Engine(host).load, memory=memory)
+            assert got["device_bytes"] == memory.peak  # what the device held at its peak
+            loads[name] = got["device_bytes"]
+        fields = memory_fields(self.rollouts("rollout-0", "rollout-1"), {"rollout-0": 10, "rollout-1": 20},
+                               {"rollout-0": 0, "rollout-1": 0}, loads)
+        assert fields["device_bytes"] == loads
+        record = memory_record(fields)
+        assert record["device_bytes"] == loads and record["peak_device_bytes"] == max(loads.values())
+        assert record["peak_staging_bytes"] == 20 and record["node_staging_bytes"] == {"node-a": 30}
+
+    def test_a_rollout_whose_load_failed_or_that_loaded_whole_reports_no_device_bytes(self):
+        from ftstate.controller.sync import memory_fields, memory_record
+
+        # rollout-1's commit failed: it is not among those that loaded, so its figure goes
+        fields = memory_fields(self.rollouts("rollout-0"), {"rollout-0": 10}, {"rollout-0": 0},
+                               {"rollout-0": 4 * KiB, "rollout-1": 8 * KiB})
+        assert fields["device_bytes"] == {"rollout-0": 4 * KiB}
+        # whole loads (no weights_device()): the record carries no device fields at all
+        record = memory_record(memory_fields(self.rollouts("rollout-0"), {"rollout-0": 10}, {"rollout-0": 0}))
+        assert "device_bytes" not in record and "peak_device_bytes" not in record

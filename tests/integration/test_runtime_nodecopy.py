@@ -235,6 +235,15 @@ class TestDeviceParts:
                 report = await rt.sync()
                 assert await rt.rollout("checksum") == [await rt.trainer("checksum")] * 2 == [report.checksum] * 2
                 assert report.held_bytes == {"rollout-0": 0, "rollout-1": 0}  # the engine's copy is the only one
+                # each rollout's two device buffers, reported by the host: at most two of the larger
+                # of a bucket and the largest tensor (here ``big``, three buckets)
+                largest = max(t.numel() * t.element_size() for t in tiny_state(0, 3 * bucket // 4).values())
+                assert set(report.device_bytes) == {"rollout-0", "rollout-1"}, report.device_bytes
+                assert all(0 < b <= 2 * max(bucket, largest) for b in report.device_bytes.values()), \
+                    report.device_bytes
+                done = [r for r in rt.audit.records if r.get("machine") == "group" and r.get("trigger") == "sync_done"]
+                assert done[-1]["device_bytes"] == dict(report.device_bytes)
+                assert done[-1]["peak_device_bytes"] == max(report.device_bytes.values())
                 for parts in await rt.rollout("parts"):
                     assert len(parts) >= 2 and parts[0][2] and parts[-1][3], parts
                     # a part is one bucket at most, or a single tensor larger than one

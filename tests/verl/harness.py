@@ -135,6 +135,13 @@ class HFTrainerWorker(Worker):
         return {name: digest(t) for name, t in self.per_tensor_param()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def state_checksum(self) -> str:
+        """ftstate's whole-state checksum of the full weights (a collective, as above)."""
+        from ftstate.transport.checksum import state_checksum
+
+        return state_checksum(dict(self.per_tensor_param()))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def gather_full(self) -> int:
         """Rank 0 keeps the full weights as one byte buffer (for the raw baseline); every rank
         takes part in the gathers. Returns the byte count."""
@@ -214,6 +221,13 @@ class RolloutWorker(CheckpointEngineWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def digests(self) -> dict[str, str]:
         return {name: digest(t) for name, t in self.server_adapter.received.items()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def state_checksum(self) -> str:
+        """ftstate's whole-state checksum of what the adapter was given."""
+        from ftstate.transport.checksum import state_checksum
+
+        return state_checksum(self.server_adapter.received)
 
     def progress(self) -> dict[str, Any]:
         a = self.server_adapter

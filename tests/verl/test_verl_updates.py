@@ -149,6 +149,12 @@ def test_staged_mode_yields_nothing_anywhere_until_every_rollout_verified_everyt
             manager.update_weights(global_steps=32)
         assert [ray.get(w.yielded.remote()) for w in wg.workers] == [[], []]
         assert wg.digests() == [before, before]  # both still hold the previous update, whole
+        # the node's copy (one writer, one follower) is gone with the failed update
+        from ftstate.integrations.verl import nodestage
+
+        assert nodestage.segments_of("verl-weights") == []
+        roles = [ray.get(w.progress.remote())["node_role"] for w in wg.workers]
+        assert roles == ["writer", "follower"], roles
         assert set(manager.states().values()) == {"READY"}  # all-or-nothing: both serve the previous one
         manager.update_weights(global_steps=33)
         assert_every_rollout_holds(trainer, wg)

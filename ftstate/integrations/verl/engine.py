@@ -31,10 +31,18 @@ rollout worker iterates ``receive_weights()`` → ``finalize()`` everywhere. Her
   once that chunk verified, as verl's engines stream buckets; a chunk that fails its checksum
   is never yielded, and nothing after it is (the rollout keeps draining the stream so the group
   stays aligned, then raises). ``staged``: a rollout yields nothing until the final vote says
-  every chunk verified on every rollout; it holds the whole update in staging meanwhile (one
-  copy of the weights per rollout worker).
+  every chunk verified on every rollout, and the update is held **once per node** meanwhile
+  (:mod:`ftstate.integrations.verl.nodestage`): ``build_topology`` makes the first rollout of
+  each node (by Ray node id) its writer, the only one of the node in the group; it receives each
+  chunk straight into a segment in ``/dev/shm``, verifies it there, and publishes the vote's
+  outcome; the node's
+  other rollouts (rank -1, out of the group) wait for it, bounded by ``sync_timeout_s``, map
+  the segments read-only, re-verify them, and yield views of them. A failed update (a chunk
+  rejected anywhere, a member dead) leaves every rollout having yielded nothing. A rollout alone
+  on its node holds the update in its own staging, as before (one copy, on that node).
 
-The yielded tensors are views into the receiver's staging buffer; a buffer is reused only
+The yielded tensors are views into the receiver's staging buffer (``staged`` with followers:
+into the node's segments, mapped privately; the mapping outlives the names); a buffer is reused only
 once nothing outside the receiver references it, so a server adapter may keep them.
 Tensors from the generator are sent from their own memory where a chunk is one tensor
 (not copied); the generator must not overwrite a tensor it already yielded during the update
@@ -44,6 +52,7 @@ Tensors from the generator are sent from their own memory where a chunk is one t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -56,15 +65,19 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from ftstate.core.errors import (
     ChecksumMismatch,
+    ConfigError,
     FTError,
     ManifestError,
+    PeerLost,
     RendezvousTimeout,
     SyncTimeout,
     TransportError,
 )
+from ftstate.integrations.verl import nodestage
 from ftstate.integrations.verl.settings import EngineSettings
 from ftstate.transport import Receiver, Sender, StoreServer, create_communicator
 from ftstate.transport.base import Communicator
+from ftstate.transport.shm import pid_alive
 
 log = logging.getLogger("ftstate.integrations.verl")
 
@@ -76,9 +89,11 @@ FRAME_MAGIC = 0x66747666
 FRAME_CHUNK = 1
 FRAME_END = 2
 
-#: Final vote values.
+#: Final vote values (``_LOST``: a node writer whose follower died before the vote, so the
+#: update cannot reach every rollout and none applies it, as when a rollout in the group dies).
 _OK = 0
 _REJECTED = 1
+_LOST = 2
 
 # -- the driver's store -----------------------------------------------------------------------
 
@@ -134,6 +149,51 @@ def _member_name(role: str, index: int, meta: Mapping[str, Any]) -> str:
     return f"{role} {index} (pid {meta.get('pid', '?')} on {meta.get('host', '?')})"
 
 
+def _node_id() -> str:
+    """This process's node: its Ray node id (several Ray nodes may share an address), else the
+    host name (no Ray: the engine built in a plain process)."""
+    import socket
+
+    import ray
+
+    if ray.is_initialized():
+        return str(ray.get_runtime_context().get_node_id())
+    return socket.gethostname()
+
+
+def _stages(rollouts: list[Mapping[str, Any]]) -> tuple[list[int], list[dict[str, Any] | None]]:
+    """The group rank and the node role of each rollout. A ``staged`` rollout (its own
+    ``commit_mode``: it decides how it yields) that is the first staged one of its node writes
+    the node's copy (a group rank); the node's other staged ones follow it (rank -1). A
+    ``stream`` rollout has a group rank and no node role."""
+    writers: dict[str, tuple[int, str, int]] = {}
+    ranks: list[int] = []
+    stages: list[dict[str, Any] | None] = []
+    followers: dict[str, list[dict[str, Any]]] = {}
+    next_rank = 1
+    for i, meta in enumerate(rollouts):
+        node = str(meta.get("node") or meta.get("host") or "?")
+        name = _member_name("rollout worker", i, meta)
+        if meta.get("commit_mode") != "staged":
+            ranks.append(next_rank)
+            stages.append(None)
+            next_rank += 1
+        elif node not in writers:
+            writers[node] = (next_rank, name, int(meta.get("pid", 0)))
+            ranks.append(next_rank)
+            next_rank += 1
+            stages.append({"role": "writer", "name": name, "node": node})
+        else:
+            followers.setdefault(node, []).append({"name": name, "pid": int(meta.get("pid", 0))})
+            _, writer, pid = writers[node]
+            ranks.append(-1)
+            stages.append({"role": "follower", "name": name, "node": node, "writer": writer, "writer_pid": pid})
+    for stage in stages:
+        if stage is not None and stage["role"] == "writer":
+            stage["followers"] = followers.get(stage["node"], [])
+    return ranks, stages
+
+
 async def _aiter(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
     if hasattr(weights, "__aiter__"):
         async for item in weights:
@@ -168,6 +228,15 @@ class FTStateCheckpointEngine(CheckpointEngine):
         self._sender = Sender(bucket_size=bucket_size) if is_master else None
         self._receiver = Receiver()
         self._corrupt_at: int | None = None
+        self._stall: tuple[int, threading.Event] | None = None
+        self._stall_go = threading.Event()
+        self._stall_s = 0.0
+        self._stalled = False
+        self._chunks_in = 0
+        #: staged mode: this rollout's role on its node (build_topology's), and the writer's copy
+        self._stage: dict[str, Any] | None = None
+        self._writer: nodestage.StageWriter | None = None
+        self._abandoned: str | None = None
 
     # -- verl's protocol ----------------------------------------------------------------
 
@@ -178,6 +247,8 @@ class FTStateCheckpointEngine(CheckpointEngine):
         return {
             "pid": os.getpid(),
             "host": self.settings.device_host or _ray_node_address(),
+            "node": _node_id(),
+            "commit_mode": self.settings.commit_mode,
             "is_master": self.is_master,
             "settings": self.settings.to_kwargs() if self.is_master else None,
         }
@@ -187,7 +258,9 @@ class FTStateCheckpointEngine(CheckpointEngine):
         cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """Run in the driver: start its store if needed, issue the next group version, and
-        give each worker its rank (trainer 0 → 0, other trainer ranks → -1, rollouts → 1..R)."""
+        give each worker its rank (trainer 0 → 0, other trainer ranks → -1, rollouts → 1..R;
+        ``staged``: each node's first rollout → 1..N, its other rollouts → -1 with their
+        writer named in ``stage``)."""
         if len(metadata) != actor_wg_world_size + rollout_world_size:
             raise TransportError(
                 f"build_topology: field 'metadata': {len(metadata)} entries, expected "
@@ -203,9 +276,12 @@ class FTStateCheckpointEngine(CheckpointEngine):
         key = driver_key() if settings.runtime.security.authenticate else None
         store = driver_store(settings.store_host)
         version = issue_version(store, settings.group)
-        world_size = 1 + rollout_world_size
+        rollouts = metadata[actor_wg_world_size:]
+        ranks, stages = _stages(rollouts)
+        in_group = [i for i, r in enumerate(ranks) if r > 0]
+        world_size = 1 + len(in_group)
         members = [_member_name("trainer rank", 0, master)] + [
-            _member_name("rollout worker", i, m) for i, m in enumerate(metadata[actor_wg_world_size:])
+            _member_name("rollout worker", i, rollouts[i]) for i in in_group
         ]
         common: dict[str, Any] = {"store": str(store.address), "group": settings.group, "version": version,
                                   "members": members}
@@ -216,18 +292,20 @@ class FTStateCheckpointEngine(CheckpointEngine):
             return {k: [v] * n for k, v in {"world_size": world_size, **common}.items()}
 
         actor_kwargs = {"rank": [0] + [-1] * (actor_wg_world_size - 1), **each(actor_wg_world_size)}
-        rollout_kwargs = {"rank": list(range(1, world_size)), **each(rollout_world_size)}
+        rollout_kwargs = {"rank": ranks, **each(rollout_world_size), "stage": stages}
         log.info("verl topology", extra={"group": settings.group, "group_version": version,
-                                         "world_size": world_size, "trainer_ranks": actor_wg_world_size})
+                                         "world_size": world_size, "trainer_ranks": actor_wg_world_size,
+                                         "node_followers": rollout_world_size - len(in_group)})
         return actor_kwargs, rollout_kwargs
 
     def init_process_group(
         self, *, rank: int, world_size: int, store: str, group: str, version: int, members: list[str],
-        run: str = "", secret: bytes | None = None,
+        run: str = "", secret: bytes | None = None, stage: dict[str, Any] | None = None,
     ) -> None:
         """Join group version ``version`` (bounded by ``init_timeout_s``); rank -1 only records it.
         ``run`` / ``secret``: the driver's key (``security.authenticate``), installed before
-        anything is sent, so every store value, manifest, seal and vote carries its MAC."""
+        anything is sent, so every store value, manifest, seal and vote carries its MAC.
+        ``stage``: ``staged`` mode, this rollout's role on its node (writer or follower)."""
         from ftstate.transport import auth, checksum
 
         self._close("a new group version")
@@ -239,6 +317,12 @@ class FTStateCheckpointEngine(CheckpointEngine):
             auth.install(run, secret)
         checksum.use_integrity(security.integrity)  # keyed: derived from the secret just installed
         self.rank, self.world_size, self.group_version, self.members = rank, world_size, version, list(members)
+        self._stage, self._abandoned = stage, None
+        if stage is not None:
+            if self.settings.commit_mode != "staged":
+                raise ConfigError(f"{self.settings.group}.commit_mode", f"{stage['name']} was given a node role by "
+                                  f"build_topology but its commit_mode is {self.settings.commit_mode!r}")
+            nodestage.sweep(self.settings.group)  # a SIGKILLed writer's segments of an earlier update
         if rank < 0:
             return
         timeout_s = self.settings.runtime.init_timeout_s
@@ -294,6 +378,7 @@ class FTStateCheckpointEngine(CheckpointEngine):
         started = time.monotonic()
         failure: BaseException | None = None
         rejected: dict[int, str] = {}
+        lost: list[int] = []
         in_flight: asyncio.Future[Any] | None = None
         chunks = tensors = nbytes = 0
         chunk: dict[str, torch.Tensor] = {}
@@ -353,7 +438,9 @@ class FTStateCheckpointEngine(CheckpointEngine):
             failure = failure or await settle()
             if failure is None:
                 votes = await asyncio.to_thread(self._close_update, comm, chunks, _OK, left)
-                rejected.update({r: rejected.get(r, "rejected the update") for r, v in votes.items() if v != _OK})
+                lost = sorted(r for r, v in votes.items() if v == _LOST)
+                rejected.update({r: rejected.get(r, "rejected the update") for r, v in votes.items()
+                                 if v == _REJECTED})
         except BaseException as exc:  # noqa: BLE001 - the group is aborted below, then it is raised
             failure = failure or exc
         if failure is not None:
@@ -365,6 +452,12 @@ class FTStateCheckpointEngine(CheckpointEngine):
         seconds = time.monotonic() - started
         self.last_report = {"weights_version": wv, "chunks": chunks, "tensors": tensors, "bytes": nbytes,
                             "seconds": seconds, "group_version": self.group_version}
+        if lost:
+            raise PeerLost(
+                f"verl weight update {wv} (group version {self.group_version}): "
+                f"{', '.join(self.members[r] for r in lost)} lost a node follower before the vote; no rollout "
+                "applied the update", group=self.settings.group, group_version=self.group_version, rank=0,
+                op="final vote")
         if rejected:
             names = "; ".join(f"{self.members[r]}: {why}" for r, why in sorted(rejected.items()))
             raise ChecksumMismatch(
@@ -378,11 +471,29 @@ class FTStateCheckpointEngine(CheckpointEngine):
         """Yield ``(name, tensor)`` of verified chunks (``stream``) or of the whole verified
         update (``staged``); see the module docstring. A chunk whose checksum failed is never
         yielded: this raises :class:`~ftstate.core.errors.ChecksumMismatch` at the end."""
-        comm = self._require_comm("receive_weights")
-        staged = self.settings.commit_mode == "staged"
         timeout_s = self.settings.runtime.sync_timeout_s
         deadline = time.monotonic() + timeout_s
+        stage = self._stage
+        if stage is not None and stage["role"] == "follower":
+            chunks = await asyncio.to_thread(
+                nodestage.wait_and_map, self.settings.group, self._version(), writer_pid=int(stage["writer_pid"]),
+                writer=stage["writer"], me=stage["name"], deadline=deadline, timeout_s=timeout_s,
+                abandoned=lambda: self._abandoned)
+            self._chunks_in = len(chunks)
+            for tensors in chunks:
+                for name, tensor in tensors.items():
+                    yield name, tensor
+            return
+        comm = self._require_comm("receive_weights")
+        staged = self.settings.commit_mode == "staged"
         me = self.members[comm.rank]
+        # staged with followers on this node: the update goes into the node's copy, once
+        writer = nodestage.StageWriter(self.settings.group, self._version()) \
+            if stage is not None and stage.get("followers") else None
+        self._writer = writer
+        self._chunks_in = 0
+        # the writer's chunks land in the node's copy, not in this engine's own staging
+        receiver = nodestage.NodeReceiver(writer) if writer is not None else self._receiver
 
         def left(stage: str) -> float:
             remaining = deadline - time.monotonic()
@@ -402,11 +513,17 @@ class FTStateCheckpointEngine(CheckpointEngine):
                 return None
             if self._corrupt_at == seq:
                 self._corrupt_at = None
-                self._receiver.corrupt_next_bucket()
+                receiver.corrupt_next_bucket()
             try:
-                return self._receiver.receive_broadcast(comm, root=0, timeout_s=left(f"chunk {seq + 1}"))
+                got = receiver.receive_broadcast(comm, root=0, timeout_s=left(f"chunk {seq + 1}"))
             except ChecksumMismatch as exc:
                 return exc
+            self._chunks_in = seq + 1
+            self._hold(seq + 1, left)
+            if writer is not None:
+                writer.add(got)  # the chunk stays in the node's copy, where it landed
+                return True
+            return got
 
         held: list[Mapping[str, torch.Tensor]] = []
         problem: ChecksumMismatch | None = None
@@ -422,24 +539,51 @@ class FTStateCheckpointEngine(CheckpointEngine):
                     continue
                 if problem is not None:
                     continue  # drained, never yielded: the update is already torn for this rollout
+                if got is True:
+                    continue  # in the node's copy
                 if staged:
                     held.append(got.tensors)
                     continue
                 for name, tensor in got.tensors.items():
                     yield name, tensor
             status = _OK if problem is None else _REJECTED
+            dead = [f["name"] for f in (stage or {}).get("followers", []) if not pid_alive(int(f["pid"]))] \
+                if writer is not None and status == _OK else []
+            if dead:
+                status = _LOST  # a staged update reaches every rollout or none
             votes = await asyncio.to_thread(self._close_update, comm, seq, status, left)
-        except BaseException:
+        except BaseException as exc:
             comm.abort("receive failed")
+            if writer is not None:
+                # the followers stop waiting at once, never yielding anything
+                with contextlib.suppress(OSError, FTError):
+                    writer.publish(nodestage.FAILED, f"{type(exc).__name__}: {exc}")
             raise
+        if dead:
+            if writer is not None:
+                writer.publish(nodestage.FAILED, f"{', '.join(dead)} died before the vote")
+            raise PeerLost(f"{me}: node follower {', '.join(dead)} died before the vote; nothing was yielded",
+                           group=self.settings.group, group_version=self.group_version, rank=comm.rank,
+                           op="final vote")
         if problem is not None:
+            if writer is not None:
+                writer.publish(nodestage.REJECTED, f"{me} rejected a chunk: {problem}")
             raise ChecksumMismatch(f"{me}: {problem}; this chunk and every later one were not yielded") from problem
         others = sorted(r for r, v in votes.items() if v != _OK)
         if staged and others:
-            raise ChecksumMismatch(
-                f"{me}: staged update not applied: {', '.join(self.members[r] for r in others)} rejected a "
-                "chunk; nothing was yielded"
-            )
+            why = "; ".join(f"{self.members[r]} " + ("lost a node follower" if votes[r] == _LOST else "rejected a chunk")
+                            for r in others)
+            rejected_any = any(votes[r] == _REJECTED for r in others)
+            if writer is not None:
+                writer.publish(nodestage.REJECTED if rejected_any else nodestage.FAILED, why)
+            if not rejected_any:
+                raise PeerLost(f"{me}: staged update not applied: {why}; nothing was yielded",
+                               group=self.settings.group, group_version=self.group_version, rank=comm.rank,
+                               op="final vote")
+            raise ChecksumMismatch(f"{me}: staged update not applied: {why}; nothing was yielded")
+        if writer is not None:
+            writer.publish(nodestage.OK)
+            held = writer.tensors()
         for tensors in held:
             for name, tensor in tensors.items():
                 yield name, tensor
@@ -452,10 +596,24 @@ class FTStateCheckpointEngine(CheckpointEngine):
         fails its checksum."""
         self._corrupt_at = skip_chunks
 
+    def stall_after_chunks(self, chunks: int, seconds: float) -> None:
+        """Test hook: in the next update, after receiving ``chunks`` chunks, hold the receive
+        for up to ``seconds`` (never past the sync deadline) with :meth:`describe` saying
+        ``stalled``, so a test can act on a member mid-update; :meth:`unstall` ends it."""
+        self._stall_go = threading.Event()
+        self._stall = (chunks, self._stall_go)
+        self._stall_s = seconds
+
+    def unstall(self) -> None:
+        self._stall_go.set()
+
     def abandon(self, reason: str) -> None:
         """Give up this update's group version from another call while a transfer may be
         blocked in it (the manager, once a member died): the transfer ends within the
-        transport's poll slice with :class:`~ftstate.core.errors.CommunicatorAborted`."""
+        transport's poll slice with :class:`~ftstate.core.errors.CommunicatorAborted`; a
+        node follower waiting for its writer's outcome ends within a poll
+        (:data:`~ftstate.integrations.verl.nodestage.POLL_S`)."""
+        self._abandoned = reason
         if self._comm is not None:
             self._comm.abandon(reason)
 
@@ -465,9 +623,13 @@ class FTStateCheckpointEngine(CheckpointEngine):
         from ftstate.transport import auth
 
         key = auth.current()
+        stage = self._stage
         return {"rank": self.rank, "group_version": self.group_version, "communicator": self._comm is not None,
                 "updates": self.updates, "commit_mode": self.settings.commit_mode, "pid": os.getpid(),
-                "authenticated_run": key.run if key is not None else None}
+                "authenticated_run": key.run if key is not None else None,
+                "node_role": stage["role"] if stage is not None else None, "chunks_in": self._chunks_in,
+                "stalled": self._stalled,
+                "staged_bytes": self._writer.nbytes if self._writer is not None else 0}
 
     # -- internals ----------------------------------------------------------------------
 
@@ -489,6 +651,27 @@ class FTStateCheckpointEngine(CheckpointEngine):
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.abort(reason)
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            # every follower mapped the node's copy by now (verl finalizes once every rollout's
+            # update_weights returned), or the update is over: the names go, the mappings stay
+            writer.close()
+
+    def _version(self) -> int:
+        if self.group_version is None:
+            raise TransportError("receive_weights called before init_process_group")
+        return self.group_version
+
+    def _hold(self, chunks: int, left: Any) -> None:
+        """The test hook of :meth:`stall_after_chunks`, bounded by the sync deadline."""
+        stall = self._stall
+        if stall is None or stall[0] != chunks:
+            return
+        self._stall, self._stalled = None, True
+        try:
+            stall[1].wait(min(self._stall_s, left(f"test stall after chunk {chunks}")))
+        finally:
+            self._stalled = False
 
     @staticmethod
     def _frame(comm: Communicator, kind: int, seq: int, timeout_s: float) -> None:

@@ -25,6 +25,9 @@ send/receive → finalize → resume) and adds, in the driver:
   once it verified a complete update.
 * **a dead trainer rank**: :class:`~ftstate.core.errors.MemberLost` naming it (verl cannot
   replace a trainer rank), never a hang.
+* **staged updates** (``commit_mode: staged``): the engine holds each update once per node
+  (:mod:`ftstate.integrations.verl.nodestage`); after a failed attempt the manager removes
+  that update's segments from the driver's node by name, since a SIGKILLed writer cannot.
 * **errors.** Worker errors reach the caller as ftstate's typed errors (the
   ``RayTaskError`` wrapper removed), never a bare ``RayTaskError``.
 
@@ -67,6 +70,7 @@ from ftstate.core.errors import (
 )
 from ftstate.core.machine import StateMachine
 from ftstate.core.spec import get_spec
+from ftstate.integrations.verl import nodestage
 from ftstate.integrations.verl.engine import BACKEND, driver_store
 from ftstate.integrations.verl.settings import EngineSettings
 
@@ -349,6 +353,10 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
             driver_store(self.settings.store_host).fence(self.settings.group, version + 1)
         answering = [m for m in members if m.machine.state != "LOST" and m.name not in pending]
         await self._finalize(answering, rollout_wg, quiet=True)
+        if version is not None and self.settings.commit_mode == "staged":
+            # a SIGKILLed writer cannot unlink its node's copy: the driver's node by name here,
+            # the other nodes when their next writer joins (nodestage.sweep)
+            nodestage.remove_update(self.settings.group, version)
         why = f"update abandoned: {type(exc).__name__}"
         for m in members:
             state = m.machine.state

@@ -9,8 +9,8 @@ there, with the ``FTSTATE_INIT_TIMEOUT_S`` override); four keys belong to the in
 ``commit_mode``  ``stream`` (default): a rollout yields each bucket's tensors as soon as that
                  bucket verified, as verl's own engines do. ``staged``: a rollout yields nothing
                  until every bucket of the update verified on *every* rollout (one vote after
-                 the last bucket); it holds the whole update in staging memory meanwhile (one
-                 copy of the weights per rollout worker, on the transport's device).
+                 the last bucket); the update is held meanwhile once per node, in ``/dev/shm``
+                 (:mod:`ftstate.integrations.verl.nodestage`), not once per rollout worker.
 ``group``        the name of the weight group in the store (default ``verl-weights``).
 ``device_host``  the address a member's gloo device binds (default: the node's Ray address).
 ``store_host``   the address the driver's store listens on (default: the driver's Ray address).
