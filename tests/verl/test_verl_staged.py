@@ -188,3 +188,82 @@ class TestTheTopologyNamesOneWriterPerNode:
         assert rollout["members"][0] == ["trainer rank 0 (pid 1 on 10.0.0.1)", "rollout worker 0 (pid 11 on 10.0.0.1)",
                                          "rollout worker 2 (pid 13 on 10.0.0.1)"]
         assert actor["rank"] == [0]
+
+
+
+class TestTheOutcomeRecordIsTheWritersOwn:
+    """A follower believes the node's outcome record only when it carries the run key's tag for
+    its writer: anyone who can write ``/dev/shm`` could otherwise plant a record naming chunks
+    and checksums of their choosing (docs/security.md). In one process: this test is both the
+    writer (a chunk landed in a real segment, as :class:`NodeReceiver` lands it) and the follower."""
+
+    GROUP = "outcome-auth"
+
+    @pytest.fixture(autouse=True)
+    def run_key(self):
+        from ftstate.integrations.verl import nodestage
+        from ftstate.transport import auth
+
+        self.writers = []
+        auth.install("outcome-auth-run", auth.new_secret())
+        yield
+        auth.uninstall()
+        for w in self.writers:
+            w.close()
+        assert nodestage.segments_of(self.GROUP) == []
+
+    def publish(self, version: int) -> None:
+        import types
+
+        import torch
+
+        from ftstate.integrations.verl import nodestage
+        from ftstate.transport import state_checksum
+        from ftstate.transport.buckets import plan_layout
+
+        weights = {"w": torch.arange(1024, dtype=torch.float32)}
+        entries, _, total = plan_layout([("w", "float32", (1024,))], 1 << 20)
+        writer = nodestage.StageWriter(self.GROUP, version)
+        self.writers.append(writer)
+        landed = writer.segment(total)
+        landed.copy_(weights["w"].view(torch.uint8))
+        writer.add(types.SimpleNamespace(_entries=entries, _flat=landed, state_checksum=state_checksum(weights)))
+        writer.publish(nodestage.OK)
+
+    def follow(self, version: int) -> list:
+        import time
+
+        from ftstate.integrations.verl import nodestage
+
+        return nodestage.wait_and_map(self.GROUP, version, writer_pid=os.getpid(), writer="the writer", me="follower",
+                                      deadline=time.monotonic() + 5, timeout_s=5, abandoned=lambda: None)
+
+    def test_the_writers_signed_record_is_followed(self) -> None:
+        self.publish(1)
+        (tensors,) = self.follow(1)
+        assert tensors["w"].tolist() == list(range(1024))
+
+    def test_a_record_planted_without_the_key_is_refused_and_recorded(self) -> None:
+        import msgpack
+
+        from ftstate.core.errors import ManifestError
+        from ftstate.integrations.verl import nodestage
+        from ftstate.transport import auth
+        from ftstate.transport.nodecopy import NodeCopy
+        from ftstate.transport.shm import SHM_DIR
+
+        self.publish(2)
+        name = nodestage.outcome_name(self.GROUP, 2, os.getpid())
+        genuine = NodeCopy.attach(name, group=nodestage.stage_group(self.GROUP), owner=os.getpid(), group_version=2,
+                                  writer=os.getpid())
+        body = msgpack.unpackb(bytes(genuine.manifest)[:-auth.TAG_BYTES])  # the same record, its tag dropped
+        genuine.close()
+        planted = NodeCopy.create(nodestage.stage_group(self.GROUP), group_version=2, owner=os.getpid(),
+                                  weights_version=0, manifest=msgpack.packb(body), data_bytes=0)
+        os.rename(SHM_DIR / planted.name, SHM_DIR / name)  # over the genuine one, as an attacker would
+        planted.close()
+        auth.drain_forged()
+        with pytest.raises(ManifestError, match="does not authenticate") as info:
+            self.follow(2)
+        assert info.value.field == "outcome"
+        assert [f["channel"] for f in auth.drain_forged()] == [nodestage.OUTCOME_CHANNEL]

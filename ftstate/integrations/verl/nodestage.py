@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from ftstate.core.errors import ChecksumMismatch, ManifestError, PeerLost, SyncTimeout, TransportError
+from ftstate.transport import auth
 from ftstate.transport.buckets import TensorEntry
 from ftstate.transport.nodecopy import NodeCopy, copy_name, tensors_of
 from ftstate.transport.shm import SHM_DIR, list_segments, parse_name, pid_alive, safe_group, unlink_names
@@ -63,6 +64,9 @@ if TYPE_CHECKING:
     import torch
 
     from ftstate.transport.sync import CommittedWeights
+
+#: The channel the outcome record's tag is bound to (:func:`ftstate.transport.auth.sign`).
+OUTCOME_CHANNEL = "verl_staged_outcome"
 
 #: Appended to the weight group's name in every staged segment's name.
 SUFFIX = ".staged"
@@ -166,8 +170,8 @@ class StageWriter:
         if self._published:
             return
         self._published = True
-        record = msgpack.packb({"status": status, "reason": reason,
-                                "chunks": [_layout(n.name, e, c) for n, e, c in self._chunks]})
+        record = auth.sign(OUTCOME_CHANNEL, self.group, self.group_version, os.getpid(), msgpack.packb(
+            {"status": status, "reason": reason, "chunks": [_layout(n.name, e, c) for n, e, c in self._chunks]}))
         tmp = NodeCopy.create(stage_group(self.group), group_version=self.group_version, owner=os.getpid(),
                               weights_version=0, manifest=record, data_bytes=0)
         final = outcome_name(self.group, self.group_version, os.getpid())
@@ -240,7 +244,14 @@ def wait_and_map(group: str, group_version: int, *, writer_pid: int, writer: str
     record_copy = NodeCopy.attach(name, group=sgroup, owner=writer_pid, group_version=group_version,
                                   writer=writer_pid)
     try:
-        record = msgpack.unpackb(record_copy.manifest)
+        # signed by the writer with the run's key (when the run authenticates): a record planted
+        # by anyone else who can write /dev/shm names chunks and checksums of their choosing
+        payload = auth.verify(OUTCOME_CHANNEL, group, group_version, writer_pid, bytes(record_copy.manifest),
+                              peer=writer)
+        if payload is None:
+            raise ManifestError(f"{me}: staged outcome {name!r} does not authenticate as {writer}'s; "
+                                "nothing was yielded", field="outcome")
+        record = msgpack.unpackb(payload)
         status, reason, chunks = str(record["status"]), str(record["reason"]), list(record["chunks"])
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
         raise ManifestError(f"{me}: staged outcome {name!r} is malformed: {exc}", field="outcome") from exc
