@@ -348,6 +348,7 @@ class Runtime:
         if self._formation is not None:
             self._formation.close()
         self.audit.close()
+        self.backend.close()  # the node agents it started for the heartbeats
         if self._started_ray:
             self.backend.shutdown()
 
