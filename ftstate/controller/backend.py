@@ -150,7 +150,8 @@ class ClusterBackend(abc.ABC):
     async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
                          timeout: float) -> list[Any]:
         """One ``heartbeat(*args[i])`` of each of ``handles`` (actors on node ``node_id``), asked
-        in one call of that node's agent (started on first use), which calls them there and
+        in one call of that node's agent (started on first use; until it is up this raises
+        :class:`CallTimedOut` at once, never waiting for it), which calls them there and
         answers for all: entry i is member i's answer, or the exception its own :meth:`call`
         would have raised (:class:`ActorDied`, :class:`ActorUnreachable`, :class:`RemoteError`,
         :class:`CallTimedOut` after ``timeout``). The agent's own reply is bounded by two
@@ -162,6 +163,14 @@ class ClusterBackend(abc.ABC):
     def close(self) -> None:
         """The run ends: what the backend started for it besides the members (the node agents
         of :meth:`heartbeats`) goes."""
+
+    @abc.abstractmethod
+    def start_node_agent(self, name: str, node_id: str) -> Any:
+        """Start the node-copy agent of node ``node_id`` (a
+        :class:`~ftstate.controller.nodecopies.NodeAgent` given the node's address), named
+        ``name``, pinned there and asking for no CPU. Returns a handle for :meth:`call` and
+        :meth:`kill`; raises when the cluster cannot have one there (the caller falls back to
+        private staging)."""
 
     # -- maintenance ------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from ftstate.controller.backend import (
     RemoteError,
 )
 from ftstate.core.config import RolePlacement
+from ftstate.core.errors import FTError
 
 
 class RayBackend(ClusterBackend):
@@ -44,7 +45,8 @@ class RayBackend(ClusterBackend):
 
     def __init__(self) -> None:
         self._node: str | None = None
-        self._agents: dict[str, Any] = {}  # node id -> its LivenessAgent (heartbeats)
+        # node id -> its LivenessAgent (heartbeats) and the call that says it is up
+        self._agents: dict[str, tuple[Any, asyncio.Future[Any]]] = {}
 
     def connect(self, address: str | None) -> bool:
         started = cluster.connect(address)
@@ -104,10 +106,18 @@ class RayBackend(ClusterBackend):
 
     async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
                          timeout: float) -> list[Any]:
-        agent = self._agents.get(node_id)
-        if agent is None:
-            agent = self._agents[node_id] = _start_liveness_agent(node_id)
+        known = self._agents.get(node_id)
+        if known is None:
+            agent = _start_liveness_agent(node_id)
+            known = self._agents[node_id] = (agent, asyncio.ensure_future(ray_call(agent, "ready", (), None)))
+        agent, up = known
+        if not up.done():
+            # Never waited on: a round that waited for an agent's start would sample its members'
+            # progress an interval late (a busy member would look stalled); they are asked directly.
+            raise CallTimedOut(f"the liveness agent of node {node_id[:8]} is still starting")
         try:
+            if up.exception() is not None:
+                raise ActorDied(f"the liveness agent of node {node_id[:8]} did not start: {up.exception()}")
             answers = await ray_call(agent, "heartbeats", (list(handles), [list(a) for a in args], timeout),
                                      2 * timeout)
         except ActorDied:
@@ -121,7 +131,8 @@ class RayBackend(ClusterBackend):
             return
         import ray
 
-        for agent in agents.values():
+        for agent, up in agents.values():
+            up.cancel()
             with contextlib.suppress(Exception):  # already gone with its node
                 ray.kill(agent, no_restart=True)
 
@@ -133,6 +144,20 @@ class RayBackend(ClusterBackend):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):  # already gone
             ray.kill(handle, no_restart=True)
+
+    def start_node_agent(self, name: str, node_id: str) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from ftstate.controller.nodecopies import NodeAgent
+
+        address = next((n["address"] for n in self.nodes() if n["node_id"] == node_id), None)
+        if address is None:
+            raise FTError(f"no alive node {node_id[:8]} to start a node agent on")
+        return ray.remote(NodeAgent).options(
+            name=name, namespace="ftstate", num_cpus=0, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(node_id, address)
 
     def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
         import ray
@@ -192,6 +217,10 @@ class LivenessAgent:
     for their heartbeats, each bounded by the watchdog's ``timeout``, and answers for all of
     them in one reply (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`): one call
     a node and interval from the controller instead of one a member."""
+
+    async def ready(self) -> bool:
+        """Answers once the agent is up (the backend asks its members directly until then)."""
+        return True
 
     async def heartbeats(self, handles: list[Any], args: list[list[Any]], timeout: float) -> list[Any]:
         """Each member's answer, or its outcome as ``(kind, message)`` / ``("remote", cause, text)``

@@ -182,6 +182,11 @@ class SimulatedCluster(ClusterBackend):
             agent.die("the run ended")
         self._agents.clear()
 
+    def start_node_agent(self, name: str, node_id: str) -> Any:
+        # node-local staging is Ray-only (docs/simulation.md): the controller falls back to
+        # private staging, recorded as node_copy_fallback
+        raise FTError(f"a simulated node has no node copies (node {node_id[:8]}): staging: node is Ray-only")
+
     def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
         # A watcher is a light process (no torch): modelled as up at once. It runs no source
         # of its own (no metadata server here); notices come from drain_node() (the ``ray`` source).

@@ -88,9 +88,11 @@ async def test_a_nodes_agent_answers_for_each_worker_there_as_its_own_call_would
     node = ray.get_runtime_context().get_node_id()
     try:
         pids = [await calls.call(n, h, "pid") for n, h in members]
-        # the first call may wait for the agent's start (then None: ask directly); it is kept
-        answers = None
-        for _ in range(20):
+        # while the agent starts, None at once (ask directly): never a wait for its start
+        answers = await calls.heartbeats(node, members, [(False, True)] * 3, timeout=5.0)
+        assert answers is None
+        for _ in range(60):
+            await asyncio.sleep(0.5)
             answers = await calls.heartbeats(node, members, [(False, True), (True, True), (False, False)], timeout=5.0)
             if answers is not None:
                 break
