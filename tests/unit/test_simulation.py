@@ -48,6 +48,14 @@ def started(cluster: SimulatedCluster, name: str, pool=None, slot: int = 0):
                                args=(), kwargs={}, host={})
 
 
+async def packed(cluster: SimulatedCluster, n: int) -> list:
+    """``n`` rollouts packed on the first node, up (their ``info`` answered)."""
+    pool = cluster.resource_pool("r", "rollout", n, cpus=1, gpus=0, placement=RolePlacement(strategy="PACK"))
+    ms = [started(cluster, f"rollout-{i}", pool, i) for i in range(n)]
+    await asyncio.gather(*(cluster.call(m, "info", (), None) for m in ms))
+    return ms
+
+
 class TestVirtualTime:
     def test_an_hour_of_sleeping_costs_no_real_time(self):
         async def main():
@@ -116,9 +124,7 @@ class TestSimulatedMembers:
     def test_a_lost_node_goes_silent_then_unreachable_then_dead_as_on_ray(self):
         async def main():
             cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
-            pool = cluster.resource_pool("r", "rollout", 4, cpus=1, gpus=0, placement=RolePlacement(strategy="PACK"))
-            ms = [started(cluster, f"rollout-{i}", pool, i) for i in range(4)]
-            await asyncio.gather(*(cluster.call(m, "info", (), None) for m in ms))
+            ms = await packed(cluster, 4)
             loop = asyncio.get_running_loop()
             vigil = asyncio.ensure_future(cluster.call(ms[0], "vigil", (), None))
             await asyncio.sleep(0)
@@ -399,9 +405,7 @@ class TestHeartbeatsPerNode:
     def test_the_agent_answers_for_each_member_as_its_own_call_would_have_ended(self):
         async def main():
             cluster = SimulatedCluster(1, cpus_per_node=4, costs=QUIET)
-            pool = cluster.resource_pool("r", "rollout", 3, cpus=1, gpus=0, placement=RolePlacement(strategy="PACK"))
-            ms = [started(cluster, f"rollout-{i}", pool, i) for i in range(3)]
-            await asyncio.gather(*(cluster.call(m, "info", (), None) for m in ms))
+            ms = await packed(cluster, 3)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             beats = await cluster.heartbeats("n0000000", ms, [(False, True)] * 3, 1.0)
@@ -419,9 +423,7 @@ class TestHeartbeatsPerNode:
     def test_a_lost_nodes_agent_is_unreachable_and_then_dead_with_it(self):
         async def main():
             cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
-            pool = cluster.resource_pool("r", "rollout", 2, cpus=1, gpus=0, placement=RolePlacement(strategy="PACK"))
-            ms = [started(cluster, f"rollout-{i}", pool, i) for i in range(2)]
-            await asyncio.gather(*(cluster.call(m, "info", (), None) for m in ms))
+            ms = await packed(cluster, 2)
             await cluster.heartbeats("n0000000", ms, [(False, True)] * 2, 1.0)
             assert cluster.lose_node("n0000000") == ["rollout-0", "rollout-1"]  # the agent is no member
             with pytest.raises(ActorUnreachable):
