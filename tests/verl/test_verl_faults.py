@@ -27,6 +27,22 @@ def wait_until(probe, what: str, timeout_s: float = 60.0, every_s: float = 0.05)
     raise AssertionError(f"{what}: not within {timeout_s}s")
 
 
+def update_in_thread(manager, global_steps: int) -> tuple[threading.Thread, dict[str, object]]:
+    """``manager.update_weights(global_steps=...)`` started in a thread, so a test can act on a
+    worker mid-update; the result dict gets ``metrics`` or ``error`` once the thread ends."""
+    result: dict[str, object] = {}
+
+    def update() -> None:
+        try:
+            result["metrics"] = manager.update_weights(global_steps=global_steps)
+        except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
+            result["error"] = exc
+
+    thread = threading.Thread(target=update)
+    thread.start()
+    return thread, result
+
+
 def test_init_names_the_member_that_never_joined_within_init_timeout_s(ray_cluster) -> None:
     """The engine alone (no manager): rank 0 and rollout 0 join, rollout 1 never does."""
     from ftstate.core.errors import RendezvousTimeout
@@ -133,16 +149,7 @@ def test_a_replica_sigkilled_mid_update_is_removed_and_the_update_completes_for_
         victim, survivor = wg.workers[1], wg.workers[0]
         ray.get(victim.pause_after.remote(5))
         trainer.train_step(52)
-        result: dict[str, object] = {}
-
-        def update() -> None:
-            try:
-                result["metrics"] = manager.update_weights(global_steps=52)
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                result["error"] = exc
-
-        thread = threading.Thread(target=update)
-        thread.start()
+        thread, result = update_in_thread(manager, 52)
         progress = wait_until(lambda: (p := ray.get(victim.progress.remote()))["paused"] and p, "the victim mid-update")
         assert progress["in_update"] == 5  # it holds part of the update
         os.kill(progress["pid"], signal.SIGKILL)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 
-from tests.verl.test_verl_faults import wait_until
+from tests.verl.test_verl_faults import update_in_thread, wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -54,16 +53,7 @@ def test_two_rollouts_on_one_node_get_bit_identical_weights_from_one_node_copy(r
         # complete and voted on, and no one has finalized yet
         ray.get(wg.workers[1].pause_after.remote(3))
         trainer.train_step(82)
-        result: dict[str, object] = {}
-
-        def update() -> None:
-            try:
-                result["metrics"] = manager.update_weights(global_steps=82)
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                result["error"] = exc
-
-        thread = threading.Thread(target=update)
-        thread.start()
+        thread, result = update_in_thread(manager, 82)
         try:
             wait_until(lambda: ray.get(wg.workers[1].progress.remote())["paused"], "the follower mid-update")
             held, writers = staged_bytes()
@@ -113,16 +103,7 @@ def test_a_rollout_sigkilled_mid_staged_update_fails_it_naming_it_and_no_rollout
         victim, survivor = wg.workers[victim_index], wg.workers[1 - victim_index]
         ray.get(writer.execute_checkpoint_engine.remote("stall_after_chunks", 2, 30.0))
         trainer.train_step(92)
-        result: dict[str, object] = {}
-
-        def update() -> None:
-            try:
-                result["metrics"] = manager.update_weights(global_steps=92)
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                result["error"] = exc
-
-        thread = threading.Thread(target=update)
-        thread.start()
+        thread, result = update_in_thread(manager, 92)
         progress = wait_until(lambda: (p := ray.get(writer.progress.remote()))["stalled"] and p,
                               "the writer holding part of the update")
         assert progress["node_role"] == "writer" and progress["staged_bytes"] > 0  # chunks in /dev/shm
