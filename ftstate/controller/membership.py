@@ -144,11 +144,20 @@ class Membership:
     def changed(self) -> None:
         self.epoch += 1
 
+    def current(self, weights_version: int, checksum: str | None) -> None:
+        """Make ``weights_version`` with ``checksum`` the current version: the two change
+        together, never one alone, because a suspect's heartbeat is judged against the pair
+        (:mod:`ftstate.core.liveness`). The vote makes a version current before the rollouts'
+        loads end: a trainer suspected meanwhile answers with the new version and its checksum,
+        and judged against the new version with the old checksum it went STALE (the run then
+        failed at its next ``train_step``)."""
+        self.group.weights_version = weights_version
+        self.checksum = checksum
+
     def committed(self, weights_version: int, checksum: str) -> None:
         """A sync committed ``weights_version``: it is current, and the trainer's work up to
         here is in it (nothing left to replay)."""
-        self.group.weights_version = weights_version
-        self.checksum = checksum
+        self.current(weights_version, checksum)
         self.versions_by_checksum[checksum] = weights_version
         self.trainer_calls.clear()
 

@@ -199,7 +199,7 @@ class ShardedSync(WeightSync):
         ms = self.membership
         group = ms.group
         t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
-        previous = group.weights_version
+        previous, previous_checksum = group.weights_version, ms.checksum
         target = previous + 1
         self.failures = {}
         trainers = ms.trainer_ranks(self.config.trainer_workers, "every rank sends its part")
@@ -236,7 +236,7 @@ class ShardedSync(WeightSync):
                 if failures:
                     await self._abort_all(trainers, rollouts, previous, failures)
                     raise next(iter(failures.values()))
-                group.weights_version = target
+                ms.current(target, sent["checksum"])  # the vote (see Membership.current)
                 not_loaded = await self._commit(trainers[0], rollouts, target, sent["checksum"])
                 for t in trainers[1:]:
                     t.machine.weights_version = target
@@ -248,7 +248,7 @@ class ShardedSync(WeightSync):
                                        for t in trainers if not t.gone))
                 self.raise_if_failed()
         except SyncTimeout:
-            group.weights_version = previous
+            ms.current(previous, previous_checksum)
             raise
         ms.committed(target, sent["checksum"])
         ms.parts = CommittedParts(ownership_rec, part_checksums)

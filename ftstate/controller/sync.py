@@ -163,7 +163,7 @@ class WeightSync:
         ms = self.membership
         group = ms.group
         t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
-        previous = group.weights_version
+        previous, previous_checksum = group.weights_version, ms.checksum
         target = previous + 1
         self.failures = {}
         trainer = ms.trainer()
@@ -208,7 +208,7 @@ class WeightSync:
                     await self._node_copies_failed(trainer, rollouts, owner, relaying)
                     await self._abort(trainer, rollouts, previous, failures)
                     raise next(iter(failures.values()))
-                group.weights_version = target
+                ms.current(target, sent["checksum"])  # the vote: current from here on
                 if owner is not None:
                     await self._keep_node_copy(trainer.node_id, sent, target, sent["checksum"], node_copies)
                 for m in rollouts:
@@ -217,7 +217,7 @@ class WeightSync:
                 not_loaded = await self._commit(trainer, rollouts, target, sent["checksum"])
                 self.raise_if_failed()  # a death during the commit with fault tolerance off
         except SyncTimeout:
-            group.weights_version = previous
+            ms.current(previous, previous_checksum)
             await self._node_copies_failed(trainer, rollouts, owner, relaying)
             raise
         routes = {m.name: sent.get("routes", {}).get(m.rank, COLLECTIVE) for m in rollouts}

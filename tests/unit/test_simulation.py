@@ -19,6 +19,7 @@ import time
 import pytest
 
 from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, RemoteError
+from ftstate.core.audit_check import check_trail
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import (
     ConfigError,
@@ -221,6 +222,44 @@ class TestTheControllerOnASimulatedCluster:
         assert report.weights_version == 2 and "spare-rollout-1" in report.rollouts
         assert [f.lost for f in rt.failovers] == ["rollout-1"] and rt.failovers[0].replacement == "spare-rollout-1"
         assert transitions(rt, "rollout-1")[-2:] == [("READY", "LOST", "died"), ("LOST", "RETIRED", "retire")]
+
+    def test_a_trainer_suspected_during_the_commit_is_re_admitted_not_made_stale(self, tmp_path):
+        """The vote makes the new version current before the rollouts' loads end; a trainer
+        whose heartbeats stall meanwhile (a loaded host) and then answer shows that version and
+        its checksum, which is the current pair: it is verified and serves on. (Found in the
+        vLLM benchmark: the group's version was the new one and its checksum the old one during
+        the commit, so such a trainer went STALE and the next ``train_step`` failed.)"""
+        slow_load = Costs(jitter=0.0, load_Bps=25e6)  # 256 MiB: a commit of ~10 s
+
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=2, nodes=1, spares=0), costs=slow_load,
+                                            overrides={"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 60.0},
+                                            audit_path=str(tmp_path / "audit.jsonl"))
+            await rt.start()
+            await rt.sync()
+            await rt.trainer("train_step")
+            trainer = cluster.member("trainer-0")
+            real_call = cluster.call
+
+            async def call(handle, method, args, timeout):
+                if method == "commit_weights" and not trainer.hung:
+                    trainer.hang()  # silent for three intervals, in the middle of the commit
+                    cluster.loop.call_later(3.5, setattr, trainer, "hung", False)
+                return await real_call(handle, method, args, timeout)
+
+            cluster.call = call
+            report = await rt.sync()
+            await rt.trainer("train_step")  # the trainer still serves
+            await rt.close()
+            return rt, report
+
+        rt, report = run(main())
+        assert report.weights_version == 2
+        seen = transitions(rt, "trainer-0")
+        assert ("SYNCING", "SUSPECT", "heartbeat_missed") in seen, seen  # the stall was seen
+        assert not any(to == "STALE" for _, to, _ in seen), seen
+        assert ("SUSPECT", "RESYNCED", "verified") in seen, seen
+        assert check_trail(tmp_path / "audit.jsonl") == []
 
     def test_a_lost_node_is_one_failover_round_under_one_group_version(self):
         async def main():
