@@ -69,6 +69,7 @@ def config(engines: int, *, proof: bool = False, mode: str = "cold", audit: str 
         "failover_timeout_s": 600, "heartbeat_interval_s": 0.25, "heartbeat_timeout_s": 10.0,
         "held_weights_proof": "every_sync" if proof else "admission", "held_weights_proof_fraction": 0.0,
         "audit_log": audit, "staging": staging.removesuffix("-spare"), "node_copy_spare": staging == "node-spare",
+        "staging_spare": staging == "private-spare",
         "fault_tolerance": {"enable": True, "mode": mode, "standby_workers": 1},
     }, environ={})
 
@@ -83,10 +84,13 @@ def runtime(cfg, model: str):
 
 async def updates(model: str, engines: int, proof: bool, reps: int, staging: str = "private") -> dict[str, float]:
     """Median update seconds, median native reload seconds, median per-round ratio, read-back.
-    staging: where each rollout stages the incoming version (``private``, or ``node``: the one
+    staging: where each rollout stages the incoming version (``private``; ``private-spare``: with
+    ``staging_spare``, its buffer kept for the next sync; or ``node``: the one
     node copy the engines load from after the vote; ``node-spare``: that copy recycled)."""
     rounds = []
-    async with runtime(config(engines, proof=proof, staging=staging), model) as rt:
+    trail = Path(tempfile.gettempdir()) / f"ftstate-vllm-update-{engines}-{staging}-{'on' if proof else 'off'}.jsonl"
+    trail.unlink(missing_ok=True)  # each cell's trail, kept for a round that fails
+    async with runtime(config(engines, proof=proof, staging=staging, audit=str(trail)), model) as rt:
         await rt.sync()  # first load: an admission, proven either way
         for _ in range(reps):
             await rt.trainer("train_step")
@@ -134,7 +138,7 @@ async def main() -> None:
     ap.add_argument("--failover", default="300mb", help="the model the failover figures use")
     ap.add_argument("--skip-failover", action="store_true")
     ap.add_argument("--staging", default="private",
-                    help="comma-separated staging modes for the update rounds: private, node (the node copy), "
+                    help="comma-separated staging modes for the update rounds: private, private-spare (staging_spare), node (the node copy), "
                          "node-spare (the node copy with node_copy_spare)")
     ap.add_argument("--models-dir", default=os.path.join(tempfile.gettempdir(), "ftstate-vllm-bench"))
     args = ap.parse_args()

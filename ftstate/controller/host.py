@@ -52,7 +52,8 @@ class WorkerHost:
     bucket_bytes: broadcast bucket size; run, secret: the run's id and secret (installed for the
     transport's MACs; None: the run does not authenticate); integrity: ``security.integrity``;
     held_proof: ``(held_weights_proof, held_weights_proof_fraction)``, when a commit hashes what
-    the rollout's ``held_weights()`` returns (:meth:`_proves`).
+    the rollout's ``held_weights()`` returns (:meth:`_proves`); staging_spare: a rollout
+    whose engine holds its weights keeps its staging buffer for the next sync (:meth:`_adopt`).
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class WorkerHost:
         secret: bytes | None = None,
         integrity: str = "xxh3",
         held_proof: tuple[str, float] = ("every_sync", 0.0),
+        staging_spare: bool = False,
     ) -> None:
         from ftstate.transport import auth, checksum
 
@@ -80,6 +82,7 @@ class WorkerHost:
         self.role = role
         self.run = run
         self._held_proof = held_proof
+        self._staging_spare = staging_spare
         self._held_mismatch = False  # the last proven load did not hash to what was received
         self.backend = backend
         self.bucket_bytes = bucket_bytes
@@ -763,13 +766,14 @@ class WorkerHost:
     def _adopt(self, staged: Any, from_engine: bool) -> None:
         """Make ``staged`` the committed version. When the engine gave it back (``from_engine``)
         the engine's weights are the copy: the transport lets go of its own (the receiver's
-        buffers, ``_loaded``), so a rollout holds the weights once, not three times."""
+        buffers, ``_loaded``), so a rollout holds the weights once, not three times; with
+        ``staging_spare`` it keeps the buffer, as the next sync's staging (twice, not three times)."""
         self._engine_holds = from_engine
         self._received = staged.state_checksum
         if from_engine:
             self._loaded = None
             if self._receiver is not None:
-                self._receiver.release()
+                self._receiver.release(keep_spare=self._staging_spare)
         else:
             self._loaded = staged
 

@@ -126,7 +126,8 @@ class ActorLauncher:
             args=args, kwargs=kwargs,
             host={"backend": self.config.backend, "bucket_bytes": int(self.config.bucket_size_mb * 2**20),
                   "secret": self._secret, "integrity": self.config.security.integrity,
-                  "held_proof": (self.config.held_weights_proof, self.config.held_weights_proof_fraction)})
+                  "held_proof": (self.config.held_weights_proof, self.config.held_weights_proof_fraction),
+                  "staging_spare": self.config.staging_spare})
         member = Member(name, role, rank, machine, handle, self.liveness(), pool=resource_pool.name, slot=slot)
         self.membership.add(member)
         return member

@@ -93,7 +93,8 @@ class RayBackend(ClusterBackend):
             max_concurrency=64,
             **pool.options(slot),  # type: ignore[attr-defined]
         ).remote(name, role, user_class, tuple(args), dict(kwargs), host["backend"], host["bucket_bytes"],
-                 run=run_id, secret=host["secret"], integrity=host["integrity"], held_proof=host["held_proof"])
+                 run=run_id, secret=host["secret"], integrity=host["integrity"], held_proof=host["held_proof"],
+                 staging_spare=host.get("staging_spare", False))
 
     async def call(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
         import ray.exceptions as rex

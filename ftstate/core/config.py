@@ -348,6 +348,17 @@ class RuntimeConfig:
         "by the trainer and every rollout (2x the weights per node at rest, whatever the number of "
         "rollouts; no faster way exists to move a version within a node: the rollouts only hash).",
     )
+    staging_spare: bool = _field(
+        False,
+        "A rollout that stages privately and whose engine holds its weights (held_weights()): "
+        "false: the staging buffer is let go once the engine loaded the version (no full copy "
+        "beside the engine's at rest), so every sync stages into fresh memory and pays its first "
+        "touch. true: the buffer is kept as the next sync's staging, its pages already mapped "
+        "(1x the weights per rollout at rest). Choose true on a host that returns freed memory to "
+        "its hypervisor (free page reporting, e.g. Firecracker VMs): there re-touching it cost up "
+        "to 1 s per 311 MB between syncs seconds apart, 3x vLLM's own reload (docs/benchmarks.md). "
+        "A rollout without held_weights() always keeps its buffers (its committed copy and a spare).",
+    )
     resync_shared_memory_min_mb: float = _field(
         1024.0,
         "A failover's point-to-point resync of a newcomer on its source's node goes through "

@@ -149,6 +149,7 @@ from ftstate.transport.buckets import Bucket, bucket_segments, plan_layout
 from ftstate.transport.buckets import Segment as BucketSegment
 from ftstate.transport.checksum import StreamHasher, byte_view, combine, dtype_name, host_bytes
 from ftstate.transport.cudaipc import DeviceMemory, device_memory_for
+from ftstate.transport.hostmem import copy_bytes
 from ftstate.transport.manifest import (
     MAX_BUCKET_SIZE,
     WIRE_FORMAT,
@@ -607,7 +608,7 @@ def _copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torc
             hi = min(lo + PIECE, s.length)
             if awaiting is not None:
                 awaiting(s.bucket_offset + hi)
-            out[lo:hi].copy_(into[lo:hi])
+            copy_bytes(out[lo:hi], into[lo:hi])
             if after_slot_copy is not None:
                 after_slot_copy(out[lo:hi])
             if damage:
@@ -1625,7 +1626,7 @@ class _Relay:
             return
         for p in range(lo, hi, PIECE):
             q = min(p + PIECE, hi)
-            out[p:q].copy_(data[p:q])
+            copy_bytes(out[p:q], data[p:q])
             _hash_range(b, data, hasher, p, q)
         filled(hi)
 

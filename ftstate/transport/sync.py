@@ -660,9 +660,8 @@ class Sender:
             for s in b.segments:
                 if s.bucket_offset > cursor:
                     data[cursor : s.bucket_offset].zero_()
-                data[s.bucket_offset : s.bucket_offset + s.length].copy_(
-                    sources[s.tensor][s.start : s.start + s.length]
-                )
+                hostmem.copy_bytes(data[s.bucket_offset : s.bucket_offset + s.length],
+                                   sources[s.tensor][s.start : s.start + s.length])
                 cursor = s.bucket_offset + s.length
             return data, slot
 
@@ -809,17 +808,22 @@ class Receiver:
         staging buffer the transfer landed in plus the committed version it kept meanwhile."""
         return self._peak
 
-    def release(self) -> None:
+    def release(self, keep_spare: bool = False) -> None:
         """Let go of the committed version's bytes and of the spare buffer, keeping what the
         version is (weights version, checksum): the caller's engine holds the weights now and
         is their only full copy (a rollout with ``held_weights()``). The next transfer then
         stages into a fresh buffer, paying its page faults (``benchmarks/memory.py``), and a
-        failed transfer still leaves the engine untouched: nothing is loaded before the vote."""
+        failed transfer still leaves the engine untouched: nothing is loaded before the vote.
+        ``keep_spare`` (``staging_spare``): the committed version's buffer becomes the spare
+        instead, reused by the next transfer only if nothing else holds a view of it then
+        (an engine that kept the tensors it was handed gets a fresh buffer, as without)."""
         c = self._committed
+        spare = (c._flat, c._baseline) if keep_spare and c is not None and c._flat is not None \
+            and c._node is None else None
         if c is not None and c._flat is not None:
             self._committed = dataclasses.replace(c, tensors=types.MappingProxyType({}), _flat=None, _entries=None,
                                                   _windows=None, _seal=None, _baseline=0)
-        self._spare = None
+        self._spare = spare
 
     def reserve(self, nbytes: int, device: torch.device) -> None:
         """Allocate the next transfer's staging buffer (at least ``nbytes``) now and touch

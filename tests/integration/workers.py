@@ -198,6 +198,15 @@ class HeldResidentRollout(ResidentRollout):
         next(iter(self.state.values())).view(torch.uint8).view(-1)[0] ^= 0xFF
 
 
+class ViewHoldingRollout(HeldResidentRollout):
+    """An engine that serves from the very tensors ``load_weights`` was handed (views into
+    the transport's staging buffer), keeping no copy: what a careless engine does, and what
+    ``staging_spare`` must never write into."""
+
+    def load_weights(self, state, version: int) -> None:
+        self.state, self.version = dict(state), version
+
+
 class PartsRollout(HeldResidentRollout):
     """An engine on a device that loads a version part by part (``weights_device()`` +
     ``load_weights_part``). The "device" is this process's CPU (no GPU here: the GPU is

@@ -87,6 +87,15 @@ MUTATIONS = (
          "test_a_slot_tampered_right_after_the_writers_copy_is_refused_and_the_next_sync_succeeds",),
     ),
     Mutation(
+        "a kept staging buffer reused under an engine's views",
+        "with staging_spare, the next transfer never lands in a buffer the engine still serves from "
+        "(a failed vote would leave that engine holding the rejected bytes)",
+        (Edit("ftstate/transport/sync.py",
+              "if buf.device == device and buf.numel() >= nbytes and count is not None and count <= baseline:",
+              "if buf.device == device and buf.numel() >= nbytes:"),),
+        ("tests/integration/test_memory.py::test_a_kept_buffer_is_never_rewritten_under_an_engine_that_serves_from_it",),
+    ),
+    Mutation(
         "keyed digests with a key anyone has",
         "with integrity: keyed, bytes injected by anyone without the run's secret cannot match their bucket's "
         "digest (the digest's key is derived from the secret)",

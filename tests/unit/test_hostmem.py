@@ -47,3 +47,25 @@ def test_a_small_buffer_is_plain_memory():
     buf = hostmem.empty_host(hostmem.HUGE_PAGE_BYTES - 1)
     assert buf.numel() == hostmem.HUGE_PAGE_BYTES - 1
     assert hostmem.empty_host(0).numel() == 1  # never an empty storage to write into
+
+
+def test_copy_bytes_copies_host_bytes_exactly_and_leaves_the_rest_to_torch():
+    src = torch.arange(5 << 20, dtype=torch.int32).view(torch.uint8)
+    dst = hostmem.empty_host(src.numel())
+    hostmem.copy_bytes(dst, src)
+    assert torch.equal(dst, src)
+    part = torch.zeros(10, dtype=torch.uint8)
+    hostmem.copy_bytes(part[2:7], src[100:105])  # a window of each: only those bytes
+    assert part.tolist() == [0, 0, *src[100:105].tolist(), 0, 0, 0]
+    # what memmove cannot do goes to copy_: a strided source, a conversion, a broadcast
+    grid = torch.arange(12, dtype=torch.float32).view(3, 4)
+    out = torch.empty(4, 3)
+    hostmem.copy_bytes(out, grid.t())
+    assert torch.equal(out, grid.t())
+    half = torch.empty(3, 4, dtype=torch.bfloat16)
+    hostmem.copy_bytes(half, grid)
+    assert torch.equal(half, grid.to(torch.bfloat16))
+    row = torch.empty(3, 4)
+    hostmem.copy_bytes(row, torch.arange(4, dtype=torch.float32))
+    assert torch.equal(row, torch.arange(4, dtype=torch.float32).expand(3, 4))
+    hostmem.copy_bytes(torch.empty(0), torch.empty(0))  # nothing to copy, no error

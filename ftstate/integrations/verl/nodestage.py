@@ -56,6 +56,7 @@ import msgpack
 from ftstate.core.errors import ChecksumMismatch, ManifestError, PeerLost, SyncTimeout, TransportError
 from ftstate.transport import auth
 from ftstate.transport.buckets import TensorEntry
+from ftstate.transport.hostmem import copy_bytes
 from ftstate.transport.nodecopy import NodeCopy, copy_name, tensors_of
 from ftstate.transport.shm import SHM_DIR, list_segments, parse_name, pid_alive, safe_group, unlink_names
 from ftstate.transport.sync import Receiver, _use_count
@@ -161,7 +162,7 @@ class StageWriter:
             data = self.segment(size)
             node, self._fresh = self._fresh, None
             if size:
-                data.copy_(flat[:size])
+                copy_bytes(data, flat[:size])
         assert node is not None
         self._chunks.append((node, entries, chunk.state_checksum))
 
