@@ -410,7 +410,8 @@ class RuntimeConfig:
         "per rollout and weights version from the run id (the same draws on a replay of the trail).",
         ge=0,
     )
-    heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker.", gt=0)
+    heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker; bounds each heartbeat call "
+                                         "(a node agent's reply for its members: two intervals).", gt=0)
     heartbeat_timeout_s: float = _field(
         10.0,
         "A worker with no heartbeat showing progress for this long is declared lost "
