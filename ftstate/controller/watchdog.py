@@ -1,10 +1,13 @@
 """The watchdog: heartbeats into liveness events on the worker machines.
 
 Every ``heartbeat_interval_s`` each member that is not gone (and not still constructing) is
-polled with a ``heartbeat`` call bounded by one interval, asked of its node's agent together
-with the node's other members (one call a node, not one a member:
+polled with a ``heartbeat`` call bounded by one interval. On a node with at least
+``heartbeat_agent_min_members`` members it is asked of the node's agent together with the
+node's other members (one call a node, not one a member:
 :meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`; the agent's reply bounded by
-two intervals, after which each member is asked directly, within one more); the answer, or its absence, goes to
+two intervals, after which each member is asked directly, within one more); on a smaller node
+each member is asked directly (an agent is one more process on the node, and for two or three
+members it saves the controller next to nothing). The answer, or its absence, goes to
 the member's :class:`~ftstate.core.liveness.Liveness`, whose trigger (if any) is fired on
 its machine. The rules are the core's; this module only carries them out. A process that
 *died* is reported by the failing call (:mod:`~ftstate.controller.calls`), not here: every
@@ -61,8 +64,10 @@ class Watchdog:
     async def poll_node(self, node_id: str | None, members: list[Member], now: float) -> None:
         """One heartbeat of each of ``members`` (all on ``node_id``) in one call of the node's
         agent, and the events they imply; members of a node the agent could not answer for
-        (and a lone member, or one whose node is unknown) are polled directly."""
-        if node_id is None or len(members) == 1:
+        (and those of a node with fewer than ``heartbeat_agent_min_members``, or whose node is
+        unknown) are polled directly."""
+        if node_id is None or len(members) < max(self.config.heartbeat_agent_min_members, 2) \
+                or self.config.heartbeat_agent_min_members == 0:
             await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
             return
         args = [(m.machine.state == "SUSPECT", True) for m in members]

@@ -464,6 +464,42 @@ class TestHeartbeatsPerNode:
         for other in ("rollout-0", "rollout-1", "rollout-3"):
             assert not any(to == "SUSPECT" for _, to, _ in transitions(rt, other))
 
+    @pytest.mark.parametrize("least", [100, 0])
+    def test_a_node_below_heartbeat_agent_min_members_is_asked_member_by_member(self, least):
+        """4-5 members a node: with ``heartbeat_agent_min_members`` 100 (or 0: never an agent) no
+        agent is asked or started, each member is heard directly, and nobody is suspected."""
+        agent_calls: list[str] = []
+        direct: list[str] = []
+
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET,
+                                            overrides={"heartbeat_agent_min_members": least})
+            real_agent, real_call = cluster.heartbeats, cluster.call
+
+            async def via_agent(node_id, handles, args, timeout):
+                agent_calls.append(node_id)
+                return await real_agent(node_id, handles, args, timeout)
+
+            async def call(handle, method, args, timeout):
+                if method == "heartbeat":
+                    direct.append(handle.name)
+                return await real_call(handle, method, args, timeout)
+
+            cluster.heartbeats, cluster.call = via_agent, call
+            await rt.start()
+            await rt.sync()
+            direct.clear()
+            await asyncio.sleep(2 * rt.config.heartbeat_interval_s)
+            up = {m.member for m in rt.members() if m.state != "INIT"}
+            agents = dict(cluster._agents)
+            await rt.close()
+            return rt, up, agents
+
+        rt, up, agents = run(main())
+        assert agent_calls == [] and agents == {}
+        assert set(direct) == up  # every member heard directly
+        assert not any(r["event"] == "transition" and r["to"] == "SUSPECT" for r in rt.audit.records)
+
     def test_members_whose_agent_died_are_asked_directly_and_nobody_is_suspected(self):
         async def main():
             rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET)
