@@ -26,10 +26,13 @@ upper bound on the controller's. Each figure of N is also given as a ratio to th
 N/10 (linear: 10). ``--gc-threshold 50000`` runs it with a larger first threshold of the
 collector (its young collections scan every call in flight: 10,000 pending calls are scanned
 again every 700 allocations). ``--loop looptime`` runs the same on the ``looptime`` library's loop
-instead of :class:`~ftstate.simulation.clock.VirtualTimeLoop` (if installed).
+instead of :class:`~ftstate.simulation.clock.VirtualTimeLoop` (if installed). ``--gc-freeze``
+calls ``gc.freeze()`` once the runtime has started: the run's members and machines, which live as
+long as it does, are then never walked again by the collector's full collections (at 10,000
+members those are half of a sync's CPU).
 
     python benchmarks/controller_scale.py [--sizes 10,100,1000,10000] [--syncs 3] [--intervals 3]
-        [--loop virtual|looptime] [--gc-threshold N] [--json out.json]
+        [--loop virtual|looptime] [--gc-threshold N] [--gc-freeze] [--json out.json]
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ async def _failover_round(rt: Any) -> tuple[float, float]:
     return time.process_time() - t, loop.time() - v
 
 
-async def measure(members: int, syncs: int, intervals: int, trail: str) -> dict[str, Any]:
+async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: bool = False) -> dict[str, Any]:
     shape = Shape.of(members)
     rt, cluster = simulated_runtime(shape, keep_records=False, audit_path=trail, overrides=OVERRIDES)
     out: dict[str, Any] = {"members": shape.members, "nodes": shape.nodes, "rollouts": shape.rollouts,
@@ -80,6 +83,8 @@ async def measure(members: int, syncs: int, intervals: int, trail: str) -> dict[
     t = cpu()
     await rt.start()
     out["start_s"] = cpu() - t
+    if freeze:  # the run's long-lived objects (members, machines) out of the collector's scans
+        gc.freeze()
     await rt.sync()  # the first sync resyncs the constructed rollouts: not the steady state
     size = os.path.getsize(trail)
     t = cpu()
@@ -115,7 +120,7 @@ async def measure(members: int, syncs: int, intervals: int, trail: str) -> dict[
     return out
 
 
-def run_one(members: int, syncs: int, intervals: int, loop_kind: str) -> dict[str, Any]:
+def run_one(members: int, syncs: int, intervals: int, loop_kind: str, freeze: bool = False) -> dict[str, Any]:
     def factory() -> asyncio.AbstractEventLoop:
         if loop_kind == "looptime":
             import looptime
@@ -125,7 +130,10 @@ def run_one(members: int, syncs: int, intervals: int, loop_kind: str) -> dict[st
 
     with tempfile.TemporaryDirectory() as tmp, asyncio.Runner(loop_factory=factory) as runner:
         gc.collect()
-        return runner.run(measure(members, syncs, intervals, os.path.join(tmp, "audit.jsonl")))
+        try:
+            return runner.run(measure(members, syncs, intervals, os.path.join(tmp, "audit.jsonl"), freeze))
+        finally:
+            gc.unfreeze()
 
 
 FIGURES = ("start_s", "sync_s", "heartbeat_interval_s", "heartbeat_interval_gc_off_s", "failover_member_s",
@@ -141,12 +149,14 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here too")
     ap.add_argument("--gc-threshold", type=int, default=None,
                     help="the collector's first threshold for the run (gc.set_threshold; default: Python's 700)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() once the runtime has started: what exists then is never scanned again")
     args = ap.parse_args()
     if args.gc_threshold is not None:
         gc.set_threshold(args.gc_threshold, 20, 10)
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
-        row = run_one(n, args.syncs, args.intervals, args.loop)
+        row = run_one(n, args.syncs, args.intervals, args.loop, args.gc_freeze)
         rows.append(row)
         print(f"N={row['members']:>6} nodes={row['nodes']:>5} trainers={row['trainers']:>5}  " + "  ".join(
             f"{k}={row[k]:.4g}" for k in FIGURES if k in row), flush=True)

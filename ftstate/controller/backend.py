@@ -19,6 +19,13 @@ the worker: the worker's own exception and its traceback as text); :class:`CallT
 (the call's own ``timeout`` passed). :mod:`~ftstate.controller.calls` turns these into
 ftstate's errors and the members' ``died`` events, in one place for both backends.
 
+Heartbeats are asked per node (:meth:`ClusterBackend.heartbeats`): the node's agent calls the
+worker hosts where they run and answers for all of them in one reply, each member's answer or
+the outcome its own call would have had; one call per node and interval instead of one per
+member is what keeps a watchdog round cheap at thousands of members (docs/benchmarks.md,
+"Controller at scale"). The agent is an accelerator: when it cannot answer, the watchdog asks
+each member directly.
+
 The maintenance watchers reach the cluster here too: a watcher actor per node
 (:meth:`ClusterBackend.start_node_watcher`) and the nodes the cluster is draining
 (:meth:`ClusterBackend.draining_nodes`), so a simulated cluster can serve notices.
@@ -138,6 +145,32 @@ class ClusterBackend(abc.ABC):
     @abc.abstractmethod
     def kill(self, handle: Any, *, pid: int | None, node: str | None) -> None:
         """Kill the actor now (``pid`` / ``node``: where it said it runs)."""
+
+    @abc.abstractmethod
+    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+                         timeout: float) -> list[Any]:
+        """One ``heartbeat(*args[i])`` of each of ``handles`` (actors on node ``node_id``), asked
+        in one call of that node's agent (started on first use; until it is up this raises
+        :class:`CallTimedOut` at once, never waiting for it), which calls them there and
+        answers for all: entry i is member i's answer, or the exception its own :meth:`call`
+        would have raised (:class:`ActorDied`, :class:`ActorUnreachable`, :class:`RemoteError`,
+        :class:`CallTimedOut` after ``timeout``). The agent's own reply is bounded by two
+        ``timeout``: one for the members' answers, one for its round trip; when it does not
+        come (the agent is starting, gone, or its node unreachable) this raises one of the
+        module's exceptions, and the caller asks each member directly."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """The run ends: what the backend started for it besides the members (the node agents
+        of :meth:`heartbeats`) goes."""
+
+    @abc.abstractmethod
+    def start_node_agent(self, name: str, node_id: str) -> Any:
+        """Start the node-copy agent of node ``node_id`` (a
+        :class:`~ftstate.controller.nodecopies.NodeAgent` given the node's address), named
+        ``name``, pinned there and asking for no CPU. Returns a handle for :meth:`call` and
+        :meth:`kill`; raises when the cluster cannot have one there (the caller falls back to
+        private staging)."""
 
     # -- maintenance ------------------------------------------------------------------------
 

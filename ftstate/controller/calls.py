@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, ClusterBackend, RemoteError
 from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
@@ -59,13 +59,44 @@ class ActorCalls:
         polls use it; everything else is bounded by its state's deadline)."""
         try:
             return await self._backend.call(handle, method, args, timeout)
-        except ActorDied as exc:
+        except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
+            await self._raise_for(member, method, args, exc, timeout)
+
+    async def heartbeats(self, node_id: str, members: Sequence[tuple[str, Any]], args: Sequence[tuple[Any, ...]],
+                         timeout: float) -> list[Any] | None:
+        """One heartbeat of each of ``members`` (``(name, handle)``, all on node ``node_id``)
+        through the node's agent (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`):
+        each member's answer, or the error :meth:`call` would have raised for it (a death
+        reported as there). An unreachable agent means its node does not answer: every member
+        there is unreachable for now (the watchdog judges from repeated evidence, as for a
+        direct call). None when the agent could not answer otherwise (gone, starting, a bug):
+        ask each member directly."""
+        try:
+            outcomes: list[Any] = await self._backend.heartbeats(node_id, [h for _, h in members], args, timeout)
+        except ActorUnreachable as exc:
+            outcomes = [exc] * len(members)
+        except (ActorDied, RemoteError, CallTimedOut):
+            return None
+        out: list[Any] = []
+        for (member, _), a, outcome in zip(members, args, outcomes, strict=True):
+            if isinstance(outcome, (ActorDied, ActorUnreachable, RemoteError, CallTimedOut)):
+                try:
+                    await self._raise_for(member, "heartbeat", a, outcome, timeout)
+                except Exception as exc:  # noqa: BLE001 - the member's own outcome, handed back
+                    outcome = exc
+            out.append(outcome)
+        return out
+
+    async def _raise_for(self, member: str, method: str, args: tuple[Any, ...], exc: Exception,
+                         timeout: float | None) -> NoReturn:
+        """Raise what the backend's outcome ``exc`` of ``method`` on ``member`` means (the module docstring)."""
+        if isinstance(exc, ActorDied):
             reason = f"process died during {method}(): {_first_line(exc)}"
             await self._report(member, reason)
             raise MemberLost(member, reason) from exc
-        except ActorUnreachable as exc:
+        if isinstance(exc, ActorUnreachable):
             raise MemberLost(member, f"unreachable during {method}(): {_first_line(exc)}") from exc
-        except RemoteError as exc:
+        if isinstance(exc, RemoteError):
             cause = exc.cause
             if isinstance(cause, FTError):
                 raise _naming(member, cause) from exc
@@ -73,8 +104,7 @@ class ActorCalls:
             with contextlib.suppress(AttributeError, TypeError):
                 named.remote_traceback = bounded(clean(exc.text), 20000)  # type: ignore[attr-defined]
             raise named from None
-        except CallTimedOut as exc:
-            raise MemberLost(member, f"no answer to {method}() within {timeout:g}s") from exc
+        raise MemberLost(member, f"no answer to {method}() within {timeout:g}s") from exc
 
     async def _report(self, member: str, reason: str) -> None:
         if member in self._reported:

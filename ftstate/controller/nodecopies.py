@@ -4,8 +4,9 @@ With ``staging: node`` a weights version lands once per node in a shared-memory 
 (:mod:`ftstate.transport.nodecopy`) that the rollouts there verify in place and load from.
 The copy of the committed version must outlive every worker on the node (a newcomer there
 resyncs from it after a rollout, or the trainer, was SIGKILLed), so it is owned by neither:
-each node that holds one gets a :class:`NodeAgent`, a Ray actor pinned to the node
-(``NodeAffinitySchedulingStrategy(node_id, soft=False)``, no CPU, no torch: it lists and
+each node that holds one gets a :class:`NodeAgent`, an actor pinned to the node (started
+through the cluster's backend, :meth:`~ftstate.controller.backend.ClusterBackend.start_node_agent`;
+on Ray ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, no CPU, no torch: it lists and
 unlinks files), whose pid is in the copies' names. Ownership then follows the process:
 
 * the writer (the trainer) unlinks a copy whose transfer failed or was rejected, and its own
@@ -36,16 +37,19 @@ import dataclasses
 import os
 from typing import Any
 
+from ftstate.controller.backend import ClusterBackend
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import FTError
 
 
 class NodeAgent:
-    """Ray actor on one node: owns, by its pid, the node copies made there."""
+    """Actor on one node: owns, by its pid, the node copies made there. address: the node's
+    address (where :meth:`serve` listens)."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, address: str) -> None:
         self.node_id = node_id
+        self.address = address
 
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node_id": self.node_id}
@@ -65,11 +69,9 @@ class NodeAgent:
     def serve(self, name: str, timeout_s: float) -> dict[str, Any]:
         """Serve node copy ``name`` once, point to point, to a newcomer on another node
         (:func:`ftstate.transport.nodecopy.serve`), on this node's address."""
-        import ray
-
         from ftstate.transport.nodecopy import serve
 
-        return serve(name, host=ray.util.get_node_ip_address(), timeout_s=timeout_s)
+        return serve(name, host=self.address, timeout_s=timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +91,10 @@ class CommittedCopy:
 class NodeCopies:
     """The agents of one run (by node) and the committed node copy of each node."""
 
-    def __init__(self, *, run_id: str, config: RuntimeConfig, audit: AuditTrail, calls: Any) -> None:
+    def __init__(self, *, run_id: str, config: RuntimeConfig, audit: AuditTrail, calls: Any,
+                 backend: ClusterBackend) -> None:
         self.run_id = run_id
+        self.backend = backend
         self.config = config
         self.audit = audit
         self.calls = calls
@@ -112,7 +116,7 @@ class NodeCopies:
             return known[2]
         name = f"ftstate-{self.run_id}-node-{node_id[:12]}"
         try:
-            handle = _start_agent(name, node_id)
+            handle = self.backend.start_node_agent(name, node_id)
             info = await self.calls.call(name, handle, "info", timeout=self.config.init_timeout_s)
         except Exception as exc:  # noqa: BLE001 - Ray's scheduling errors too: recorded, never fatal
             self.audit.record("node_copy_fallback", node=node_id[:8],
@@ -181,26 +185,14 @@ class NodeCopies:
     async def close(self) -> None:
         """The run ends: every agent unlinks what it owns (bounded by ``heartbeat_timeout_s``)
         and is killed; what an unreachable one owned is swept as orphans."""
-        import ray
-
         agents, self._agents = self._agents, {}
         self.committed.clear()
         for node_id, (name, handle, _) in agents.items():
             with contextlib.suppress(FTError):
                 await self.calls.call(name, handle, "close", timeout=self.config.heartbeat_timeout_s)
             with contextlib.suppress(Exception):  # already gone with its node
-                ray.kill(handle, no_restart=True)
+                self.backend.kill(handle, pid=None, node=None)
             self.audit.record("node_agent_stopped", node=node_id[:8])
-
-
-def _start_agent(name: str, node_id: str) -> Any:
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return ray.remote(NodeAgent).options(
-        name=name, namespace="ftstate", num_cpus=0, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(node_id)
 
 
 __all__ = ["CommittedCopy", "NodeAgent", "NodeCopies"]

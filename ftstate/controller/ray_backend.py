@@ -10,6 +10,9 @@ into :class:`~ftstate.controller.backend.ActorDied`, ``ActorUnavailableError`` i
 wrapper also derives from the cause's class, so it is caught before ``TimeoutError``: a
 worker's ``SyncTimeout`` is not this call's own timeout).
 
+Heartbeats go through one :class:`LivenessAgent` per node (started on first use, killed at
+:meth:`RayBackend.close`), which calls the worker hosts there and answers for all of them.
+
 Killing is immediate on the controller's node: a hung process must not linger holding its
 group sockets (its peers would block on it), and ``ray.kill`` of a stopped process waits for
 a graceful exit that never comes, so it gets SIGKILL; elsewhere ``ray.kill``.
@@ -34,6 +37,7 @@ from ftstate.controller.backend import (
     RemoteError,
 )
 from ftstate.core.config import RolePlacement
+from ftstate.core.errors import FTError
 
 
 class RayBackend(ClusterBackend):
@@ -41,6 +45,8 @@ class RayBackend(ClusterBackend):
 
     def __init__(self) -> None:
         self._node: str | None = None
+        # node id -> its LivenessAgent (heartbeats) and the call that says it is up
+        self._agents: dict[str, tuple[Any, asyncio.Future[Any]]] = {}
 
     def connect(self, address: str | None) -> bool:
         started = cluster.connect(address)
@@ -97,25 +103,39 @@ class RayBackend(ClusterBackend):
                  staging_spare=host.get("staging_spare", False))
 
     async def call(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
-        import ray.exceptions as rex
+        return await ray_call(handle, method, args, timeout)
 
-        ref = getattr(handle, method).remote(*args)
+    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+                         timeout: float) -> list[Any]:
+        known = self._agents.get(node_id)
+        if known is None:
+            agent = _start_liveness_agent(node_id)
+            known = self._agents[node_id] = (agent, asyncio.ensure_future(ray_call(agent, "ready", (), None)))
+        agent, up = known
+        if not up.done():
+            # Never waited on: a round that waited for an agent's start would sample its members'
+            # progress an interval late (a busy member would look stalled); they are asked directly.
+            raise CallTimedOut(f"the liveness agent of node {node_id[:8]} is still starting")
         try:
-            if timeout is None:
-                return await ref
-            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
-        except rex.ActorDiedError as exc:
-            raise ActorDied(str(exc)) from exc
-        except rex.ActorUnavailableError as exc:
-            raise ActorUnreachable(str(exc)) from exc
-        except rex.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, Exception):
-                raise RemoteError(cause, str(exc)) from exc
+            if up.exception() is not None:
+                raise ActorDied(f"the liveness agent of node {node_id[:8]} did not start: {up.exception()}")
+            answers = await ray_call(agent, "heartbeats", (list(handles), [list(a) for a in args], timeout),
+                                     2 * timeout)
+        except ActorDied:
+            self._agents.pop(node_id, None)  # started afresh at the next interval
             raise
-        except TimeoutError as exc:
-            ray_cancel(ref)
-            raise CallTimedOut(f"no answer within {timeout:g}s") from exc
+        return [_decoded(a) for a in answers]
+
+    def close(self) -> None:
+        agents, self._agents = self._agents, {}
+        if not agents:
+            return
+        import ray
+
+        for agent, up in agents.values():
+            up.cancel()
+            with contextlib.suppress(Exception):  # already gone with its node
+                ray.kill(agent, no_restart=True)
 
     def kill(self, handle: Any, *, pid: int | None, node: str | None) -> None:
         import ray
@@ -125,6 +145,20 @@ class RayBackend(ClusterBackend):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):  # already gone
             ray.kill(handle, no_restart=True)
+
+    def start_node_agent(self, name: str, node_id: str) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from ftstate.controller.nodecopies import NodeAgent
+
+        address = next((n["address"] for n in self.nodes() if n["node_id"] == node_id), None)
+        if address is None:
+            raise FTError(f"no alive node {node_id[:8]} to start a node agent on")
+        return ray.remote(NodeAgent).options(
+            name=name, namespace="ftstate", num_cpus=0, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(node_id, address)
 
     def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
         import ray
@@ -155,6 +189,80 @@ class RayBackend(ClusterBackend):
         return StoreServer(host=host)
 
 
+async def ray_call(handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
+    """``method(*args)`` on the Ray actor ``handle``, Ray's outcomes turned into the seam's (the
+    module docstring); in the controller, and in a node's :class:`LivenessAgent`."""
+    import ray.exceptions as rex
+
+    ref = getattr(handle, method).remote(*args)
+    try:
+        if timeout is None:
+            return await ref
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+    except rex.ActorDiedError as exc:
+        raise ActorDied(str(exc)) from exc
+    except rex.ActorUnavailableError as exc:
+        raise ActorUnreachable(str(exc)) from exc
+    except rex.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception):
+            raise RemoteError(cause, str(exc)) from exc
+        raise
+    except TimeoutError as exc:
+        ray_cancel(ref)
+        raise CallTimedOut(f"no answer within {timeout:g}s") from exc
+
+
+class LivenessAgent:
+    """Ray actor on one node (pinned there, no CPU, no torch): asks the worker hosts on its node
+    for their heartbeats, each bounded by the watchdog's ``timeout``, and answers for all of
+    them in one reply (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`): one call
+    a node and interval from the controller instead of one a member."""
+
+    async def ready(self) -> bool:
+        """Answers once the agent is up (the backend asks its members directly until then)."""
+        return True
+
+    async def heartbeats(self, handles: list[Any], args: list[list[Any]], timeout: float) -> list[Any]:
+        """Each member's answer, or its outcome as ``(kind, message)`` / ``("remote", cause, text)``
+        (the seam's exceptions do not all survive pickling: :class:`RemoteError` takes two arguments)."""
+        async def one(handle: Any, a: list[Any]) -> Any:
+            try:
+                return await ray_call(handle, "heartbeat", a, timeout)
+            except ActorDied as exc:
+                return ("died", str(exc))
+            except ActorUnreachable as exc:
+                return ("unreachable", str(exc))
+            except CallTimedOut as exc:
+                return ("timeout", str(exc))
+            except RemoteError as exc:
+                return ("remote", exc.cause, exc.text)
+
+        return list(await asyncio.gather(*(one(h, a) for h, a in zip(handles, args, strict=True))))
+
+
+#: A member's outcome as a node's agent reports it (not a heartbeat's dict), by kind.
+_OUTCOMES = {"died": ActorDied, "unreachable": ActorUnreachable, "timeout": CallTimedOut}
+
+
+def _decoded(answer: Any) -> Any:
+    if isinstance(answer, tuple) and answer and answer[0] == "remote":
+        return RemoteError(answer[1], answer[2])
+    if isinstance(answer, tuple) and len(answer) == 2 and answer[0] in _OUTCOMES:
+        return _OUTCOMES[answer[0]](answer[1])
+    return answer
+
+
+def _start_liveness_agent(node_id: str) -> Any:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(LivenessAgent).options(
+        num_cpus=0, max_restarts=0, namespace="ftstate",
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote()
+
+
 def ray_cancel(ref: Any) -> None:
     import ray
 
@@ -162,4 +270,4 @@ def ray_cancel(ref: Any) -> None:
         ray.cancel(ref)
 
 
-__all__ = ["RayBackend", "ray_cancel"]
+__all__ = ["LivenessAgent", "RayBackend", "ray_call", "ray_cancel"]

@@ -280,7 +280,8 @@ class Runtime:
                                          store=self.backend.rendezvous_store(node))
         self._watchdog = Watchdog(config=cfg, membership=ms, calls=self._calls)
         trainer_cls = self._classes["trainer"]
-        self._node_copies = NodeCopies(run_id=self.run_id, config=cfg, audit=self.audit, calls=self._calls) \
+        self._node_copies = NodeCopies(run_id=self.run_id, config=cfg, audit=self.audit, calls=self._calls,
+                                        backend=self.backend) \
             if cfg.staging == "node" and cfg.trainer_workers == 1 else None
         self._failover = Failover(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                                   launcher=self._launcher, formation=self._formation, watchdog=self._watchdog,
@@ -348,6 +349,7 @@ class Runtime:
         if self._formation is not None:
             self._formation.close()
         self.audit.close()
+        self.backend.close()  # the node agents it started for the heartbeats
         if self._started_ray:
             self.backend.shutdown()
 

@@ -1,7 +1,13 @@
 """The watchdog: heartbeats into liveness events on the worker machines.
 
 Every ``heartbeat_interval_s`` each member that is not gone (and not still constructing) is
-polled with a ``heartbeat`` call bounded by one interval; the answer, or its absence, goes to
+polled with a ``heartbeat`` call bounded by one interval. On a node with at least
+``heartbeat_agent_min_members`` members it is asked of the node's agent together with the
+node's other members (one call a node, not one a member:
+:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`; the agent's reply bounded by
+two intervals, after which each member is asked directly, within one more); on a smaller node
+each member is asked directly (an agent is one more process on the node, and for two or three
+members it saves the controller next to nothing). The answer, or its absence, goes to
 the member's :class:`~ftstate.core.liveness.Liveness`, whose trigger (if any) is fired on
 its machine. The rules are the core's; this module only carries them out. A process that
 *died* is reported by the failing call (:mod:`~ftstate.controller.calls`), not here: every
@@ -16,6 +22,7 @@ interval: by then the SUSPECT state's own deadline has declared a silent one LOS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -44,10 +51,37 @@ class Watchdog:
             while True:
                 self.vigils.keep(self.membership)
                 await asyncio.sleep(interval)
-                members = [m for m in self.membership if not m.gone and m.machine.state != "INIT"]
-                await asyncio.gather(*(self.poll(m, loop.time()) for m in members), return_exceptions=True)
+                by_node: dict[str | None, list[Member]] = {}
+                for m in self.membership:
+                    if not m.gone and m.machine.state != "INIT":
+                        by_node.setdefault(m.node_id, []).append(m)
+                now = loop.time()
+                await asyncio.gather(*(self.poll_node(node, ms, now) for node, ms in by_node.items()),
+                                     return_exceptions=True)
         finally:
             await self.vigils.close()
+
+    async def poll_node(self, node_id: str | None, members: list[Member], now: float) -> None:
+        """One heartbeat of each of ``members`` (all on ``node_id``) in one call of the node's
+        agent, and the events they imply; members of a node the agent could not answer for
+        (and those of a node with fewer than ``heartbeat_agent_min_members``, or whose node is
+        unknown) are polled directly."""
+        if node_id is None or len(members) < max(self.config.heartbeat_agent_min_members, 2) \
+                or self.config.heartbeat_agent_min_members == 0:
+            await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
+            return
+        args = [(m.machine.state == "SUSPECT", True) for m in members]
+        answers = await self.calls.heartbeats(node_id, [(m.name, m.handle) for m in members], args,
+                                              timeout=self.config.heartbeat_interval_s)
+        if answers is None:
+            await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
+            return
+        for m, answer in zip(members, answers, strict=True):
+            if isinstance(answer, BaseException) and not isinstance(answer, MemberLost):
+                continue  # a bug in the member's heartbeat: as a direct poll, no verdict from it
+            # one member's bad answer is no verdict on the others (as a direct poll's, in its own task)
+            with contextlib.suppress(Exception):
+                await self.observe(m, now, None if isinstance(answer, MemberLost) else answer)
 
     async def poll(self, m: Member, now: float) -> bool:
         """One heartbeat of ``m`` and the event it implies; returns whether it answered."""
@@ -56,10 +90,17 @@ class Watchdog:
             prove = m.machine.state == "SUSPECT"
             raw = await self.calls.call(m.name, m.handle, "heartbeat", prove, True,
                                         timeout=self.config.heartbeat_interval_s)
-            record_forged(m, raw.pop("forged", ()), self.membership)
-            beat: Heartbeat | None = Heartbeat(**raw)
         except MemberLost:
-            beat = None
+            raw = None
+        return await self.observe(m, now, raw)
+
+    async def observe(self, m: Member, now: float, raw: dict[str, Any] | None) -> bool:
+        """The event ``m``'s heartbeat answer ``raw`` (None: none came) implies, fired on its
+        machine; returns whether it answered."""
+        beat: Heartbeat | None = None
+        if raw is not None:
+            record_forged(m, raw.pop("forged", ()), self.membership)
+            beat = Heartbeat(**raw)
         if m.gone:
             return False
         trigger = m.liveness.observe(

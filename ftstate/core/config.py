@@ -421,7 +421,18 @@ class RuntimeConfig:
         "per rollout and weights version from the run id (the same draws on a replay of the trail).",
         ge=0,
     )
-    heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker.", gt=0)
+    heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker; bounds each heartbeat call "
+                                         "(a node agent's reply for its members: two intervals).", gt=0)
+    heartbeat_agent_min_members: int = _field(
+        4,
+        "A node with at least this many members (a lone member excepted) has their heartbeats asked "
+        "in one call of its liveness agent (a small Ray actor per node, no CPU; docs/operations.md); "
+        "a node with fewer has each member asked directly. 0: never an agent. One call a node is "
+        "what keeps the controller's heartbeat round cheap at thousands of members "
+        "(docs/benchmarks.md, 'Controller at scale'); for two or three members the agent's "
+        "process costs the node more than it saves the controller.",
+        ge=0,
+    )
     heartbeat_timeout_s: float = _field(
         10.0,
         "A worker with no heartbeat showing progress for this long is declared lost "

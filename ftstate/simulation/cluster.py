@@ -32,7 +32,13 @@ from ftstate.controller.placement import check_feasible, label_matches
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import ConfigError, FTError, PlacementUnsatisfiable
 from ftstate.simulation.costs import Costs
-from ftstate.simulation.members import Collective, SimulatedMember, SimulatedNodeWatcher, SimulatedStore
+from ftstate.simulation.members import (
+    Collective,
+    SimulatedLivenessAgent,
+    SimulatedMember,
+    SimulatedNodeWatcher,
+    SimulatedStore,
+)
 
 #: The controller's node (it holds no worker).
 HEAD = {"node_id": "head0000", "address": "10.255.255.254"}
@@ -73,6 +79,8 @@ class SimulatedCluster(ClusterBackend):
         self._alive_list: list[dict[str, Any]] | None = None
         self.members: dict[str, SimulatedMember] = {}
         self._by_node: dict[str, dict[str, SimulatedMember]] = {nid: {} for nid in self._nodes}
+        #: Each node's agent (:meth:`heartbeats`), started on first use.
+        self._agents: dict[str, SimulatedLivenessAgent] = {}
         self._collectives: dict[tuple[Any, ...], Collective] = {}
         #: Ranks of each group version whose process went with its node (their collectives fail).
         self.gone_ranks: dict[int, set[int]] = {}
@@ -157,6 +165,28 @@ class SimulatedCluster(ClusterBackend):
         if isinstance(handle, SimulatedMember):
             handle.die("killed by the controller")
 
+    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+                         timeout: float) -> list[Any]:
+        agent = self._agents.get(node_id)
+        if agent is None or (not agent.alive and self.alive(node_id)):
+            # a light process (no torch), modelled as up at once, as the watchers are
+            node = self._nodes.get(node_id, HEAD)
+            agent = self._agents[node_id] = SimulatedLivenessAgent(
+                self, f"agent-{node_id}", "agent", node_id, node["address"], next(self._pids), self.loop.time())
+            if node_id in self._lost:
+                agent.lose_node()
+        return await agent.answer("heartbeats", (list(handles), [tuple(a) for a in args], timeout), 2 * timeout)
+
+    def close(self) -> None:
+        for agent in self._agents.values():
+            agent.die("the run ended")
+        self._agents.clear()
+
+    def start_node_agent(self, name: str, node_id: str) -> Any:
+        # node-local staging is Ray-only (docs/simulation.md): the controller falls back to
+        # private staging, recorded as node_copy_fallback
+        raise FTError(f"a simulated node has no node copies (node {node_id[:8]}): staging: node is Ray-only")
+
     def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
         # A watcher is a light process (no torch): modelled as up at once. It runs no source
         # of its own (no metadata server here); notices come from drain_node() (the ``ray`` source).
@@ -217,9 +247,11 @@ class SimulatedCluster(ClusterBackend):
         self._lost.add(node_id)
         self._alive_list = None
         gone = [m for m in self._by_node[node_id].values() if m.alive]
-        for m in gone:
+        agent = self._agents.get(node_id)
+        processes = [*gone, *([agent] if agent is not None else [])]  # its agent goes with it
+        for m in processes:
             m.lose_node()
-        self.loop.call_at(self.loop.time() + self.costs.node_dead_s, self._declared_dead, gone,
+        self.loop.call_at(self.loop.time() + self.costs.node_dead_s, self._declared_dead, processes,
                           f"{reason} ({node_id})")
         return [m.name for m in gone]
 

@@ -238,6 +238,15 @@ class SimulatedMember:
     def _on_heartbeat(self, fut: asyncio.Future[Any], prove: bool = False, forged: bool = False) -> None:
         self._after(fut, self.cluster.costs.call_s, lambda: self._beat(forged))
 
+    def local_heartbeat(self, args: tuple[Any, ...], now: float, timeout: float) -> Any:
+        """What this member's heartbeat, asked by its node's agent, ended in by ``now``: its
+        answer, or the exception its call had (dead; no answer within ``timeout``)."""
+        if not self.alive:
+            return ActorDied(self.death or "dead")
+        if self.hung or self.cut_off or self.up_at > now:
+            return CallTimedOut(f"no answer within {timeout:g}s")
+        return self._beat(bool(args[1]) if len(args) > 1 else False)
+
     def _beat(self, forged: bool) -> dict[str, Any]:
         now = self.cluster.loop.time()
         busy = bool(self.collectives)
@@ -489,6 +498,28 @@ class SimulatedNodeWatcher(SimulatedMember):
 
         detection = Detection((), None, False, "a simulated node has no metadata server")
         self._reply(fut, {"node_id": self.node_id, "detection": detection, "bounds": {}})
+
+
+class SimulatedLivenessAgent(SimulatedMember):
+    """A node's agent as the controller sees it (:class:`~ftstate.controller.ray_backend.LivenessAgent`):
+    a light process on the node (up at once, lost with it) that asks the members there for their
+    heartbeats and answers for all of them in one reply."""
+
+    def _on_heartbeats(self, fut: asyncio.Future[Any], handles: list[SimulatedMember], args: list[tuple[Any, ...]],
+                       timeout: float) -> None:
+        # One round trip of the controller's, the members' local calls inside it; a member
+        # that does not answer (hung) holds the reply until its own call's timeout, as the
+        # real agent's gather does. Each answer is what the member is at the reply's time.
+        loop = self.cluster.loop
+
+        def answers() -> list[Any]:
+            now = loop.time()
+            return [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
+
+        if any(h.alive and (h.hung or h.cut_off) for h in handles):
+            loop.call_at(loop.time() + timeout, _settle, fut, answers)
+        else:
+            self._after(fut, self.cluster.costs.call_s, answers)
 
 
 def _raiser(exc: BaseException) -> Callable[[], Any]:

@@ -1,9 +1,11 @@
 """ActorCalls on a real Ray actor: an ftstate error raised inside a worker reaches the
 controller as the same class with its fields (not as Ray's wrapper), named after the worker;
-a SIGKILLed worker becomes MemberLost and one `died` report."""
+a SIGKILLed worker becomes MemberLost and one `died` report; a node's agent answers the
+heartbeats of the workers on its node in one call, each as its own call would have ended."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -58,3 +60,52 @@ async def test_worker_errors_come_back_typed_with_their_fields(ray_cluster):
         assert [m for m, _ in died] == ["rollout-1"]
     finally:
         ray.kill(handle)
+
+
+class Beater:
+    def __init__(self) -> None:
+        self.hung = False
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def hang(self) -> None:
+        self.hung = True
+
+    async def heartbeat(self, prove: bool = False, forged: bool = False) -> dict:
+        if self.hung:
+            await asyncio.Event().wait()
+        return {"pid": os.getpid(), "prove": prove, **({"forged": []} if forged else {})}
+
+
+async def test_a_nodes_agent_answers_for_each_worker_there_as_its_own_call_would_have_ended(ray_cluster):
+    ray = ray_cluster
+    died: list[str] = []
+    backend = RayBackend()
+    calls = ActorCalls(lambda member, reason: died.append(member), backend)
+    handles = [ray.remote(Beater).options(num_cpus=0, max_concurrency=4).remote() for _ in range(3)]
+    members = [(f"rollout-{i}", h) for i, h in enumerate(handles)]
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        pids = [await calls.call(n, h, "pid") for n, h in members]
+        # while the agent starts, None at once (ask directly): never a wait for its start
+        answers = await calls.heartbeats(node, members, [(False, True)] * 3, timeout=5.0)
+        assert answers is None
+        for _ in range(60):
+            await asyncio.sleep(0.5)
+            answers = await calls.heartbeats(node, members, [(False, True), (True, True), (False, False)], timeout=5.0)
+            if answers is not None:
+                break
+        assert answers is not None
+        assert [a["pid"] for a in answers] == pids and [a["prove"] for a in answers] == [False, True, False]
+        assert "forged" in answers[0] and "forged" not in answers[2]
+        os.kill(pids[0], signal.SIGKILL)
+        await calls.call("rollout-1", handles[1], "hang")
+        dead, hung, alive = await calls.heartbeats(node, members, [(False, True)] * 3, timeout=1.0)
+        assert isinstance(dead, MemberLost) and died == ["rollout-0"]
+        assert isinstance(hung, MemberLost) and "within 1s" in str(hung)
+        assert alive["pid"] == pids[2]
+    finally:
+        for h in handles:
+            ray.kill(h)
+        backend.close()

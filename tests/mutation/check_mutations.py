@@ -189,8 +189,14 @@ MUTATIONS = (
     Mutation(
         "slow detection",
         "a hung worker is SUSPECT within an interval or two and LOST heartbeat_timeout_s later, no later",
-        (Edit("ftstate/controller/watchdog.py", "                                        timeout=self.config.heartbeat_interval_s)",
-              "                                        timeout=self.config.heartbeat_timeout_s)"),),
+        (Edit("ftstate/controller/watchdog.py", '"heartbeat", prove, True,\n'
+              "                                        timeout=self.config.heartbeat_interval_s)",
+              '"heartbeat", prove, True,\n'
+              "                                        timeout=self.config.heartbeat_timeout_s)"),
+         Edit("ftstate/controller/watchdog.py", "args,\n"
+              "                                              timeout=self.config.heartbeat_interval_s)",
+              "args,\n"
+              "                                              timeout=self.config.heartbeat_timeout_s)")),
         ("tests/integration/test_failover.py::TestRolloutFailover::"
          "test_a_hung_rollout_is_declared_lost_within_the_heartbeat_timeout_plus_an_interval",),
     ),

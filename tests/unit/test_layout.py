@@ -153,9 +153,9 @@ def test_the_core_imports_neither_ray_nor_torch() -> None:
 
 #: The controller's modules that may import Ray: its backend (and the Ray parts it is made of:
 #: joining the cluster, placement groups), the worker host (it runs inside the Ray actor, not
-#: in the controller), and nodecopies (still to move behind the backend; being changed).
+#: in the controller).
 RAY_MODULES = {"ftstate.controller.ray_backend", "ftstate.controller.cluster", "ftstate.controller.placement",
-               "ftstate.controller.host", "ftstate.controller.nodecopies"}
+               "ftstate.controller.host"}
 
 
 def ray_importers() -> list[str]:

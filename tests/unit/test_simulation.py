@@ -49,6 +49,14 @@ def started(cluster: SimulatedCluster, name: str, pool=None, slot: int = 0):
                                args=(), kwargs={}, host={})
 
 
+async def packed(cluster: SimulatedCluster, n: int) -> list:
+    """``n`` rollouts packed on the first node, up (their ``info`` answered)."""
+    pool = cluster.resource_pool("r", "rollout", n, cpus=1, gpus=0, placement=RolePlacement(strategy="PACK"))
+    ms = [started(cluster, f"rollout-{i}", pool, i) for i in range(n)]
+    await asyncio.gather(*(cluster.call(m, "info", (), None) for m in ms))
+    return ms
+
+
 class TestVirtualTime:
     def test_an_hour_of_sleeping_costs_no_real_time(self):
         async def main():
@@ -117,9 +125,7 @@ class TestSimulatedMembers:
     def test_a_lost_node_goes_silent_then_unreachable_then_dead_as_on_ray(self):
         async def main():
             cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
-            pool = cluster.resource_pool("r", "rollout", 4, cpus=1, gpus=0, placement=RolePlacement(strategy="PACK"))
-            ms = [started(cluster, f"rollout-{i}", pool, i) for i in range(4)]
-            await asyncio.gather(*(cluster.call(m, "info", (), None) for m in ms))
+            ms = await packed(cluster, 4)
             loop = asyncio.get_running_loop()
             vigil = asyncio.ensure_future(cluster.call(ms[0], "vigil", (), None))
             await asyncio.sleep(0)
@@ -429,3 +435,125 @@ class TestSeveralTrainerRanks:
         after = {m.member: m for m in rt.members()}
         assert after["spare-trainer-0"].rank == 1 and after["trainer-0"].pid == pids["trainer-0"]
         assert report.weights_version == 2 and len(report.rollouts) == 4
+
+
+class TestHeartbeatsPerNode:
+    """The watchdog asks each node's agent for its members' heartbeats in one call; the agent
+    answers for each as its own call would have ended, and is never the only way to be heard."""
+
+    def test_the_agent_answers_for_each_member_as_its_own_call_would_have_ended(self):
+        async def main():
+            cluster = SimulatedCluster(1, cpus_per_node=4, costs=QUIET)
+            ms = await packed(cluster, 3)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            beats = await cluster.heartbeats("n0000000", ms, [(False, True)] * 3, 1.0)
+            assert loop.time() - t0 == pytest.approx(QUIET.call_s)  # one round trip for all
+            assert all(b["pid"] == m.pid and b["forged"] == [] for b, m in zip(beats, ms, strict=True))
+            cluster.kill_member("rollout-0")
+            cluster.hang_member("rollout-1")
+            t0 = loop.time()
+            dead, hung, alive = await cluster.heartbeats("n0000000", ms, [(False, True)] * 3, 1.0)
+            assert loop.time() - t0 == pytest.approx(1.0)  # the hung one holds the reply to its own bound
+            assert isinstance(dead, ActorDied) and isinstance(hung, CallTimedOut) and alive["pid"] == ms[2].pid
+
+        run(main())
+
+    def test_a_lost_nodes_agent_is_unreachable_and_then_dead_with_it(self):
+        async def main():
+            cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
+            ms = await packed(cluster, 2)
+            await cluster.heartbeats("n0000000", ms, [(False, True)] * 2, 1.0)
+            assert cluster.lose_node("n0000000") == ["rollout-0", "rollout-1"]  # the agent is no member
+            with pytest.raises(ActorUnreachable):
+                await cluster.heartbeats("n0000000", ms, [(False, True)] * 2, 2.0)
+            await asyncio.sleep(QUIET.node_dead_s)
+            with pytest.raises(ActorDied):
+                await cluster.heartbeats("n0000000", ms, [(False, True)] * 2, 2.0)
+
+        run(main())
+
+    def test_the_watchdog_makes_one_call_a_node_and_a_hung_member_alone_is_suspected_then_lost(self):
+        calls: list[str] = []
+
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET)
+            real = cluster.heartbeats
+
+            async def counted(node_id, handles, args, timeout):
+                calls.append(node_id)
+                return await real(node_id, handles, args, timeout)
+
+            cluster.heartbeats = counted
+            await rt.start()
+            await rt.sync()
+            calls.clear()
+            await asyncio.sleep(rt.config.heartbeat_interval_s)
+            nodes = {m.node_id for m in rt.members() if m.state != "INIT"}
+            per_interval = sorted(calls)
+            cluster.hang_member("rollout-2")
+            await asyncio.sleep(rt.config.heartbeat_timeout_s + 5 * rt.config.heartbeat_interval_s)
+            await rt.close()
+            return rt, nodes, per_interval
+
+        rt, nodes, per_interval = run(main())
+        assert per_interval == sorted(nodes)  # one call per node and interval, none per member
+        assert ("READY", "SUSPECT", "heartbeat_missed") in transitions(rt, "rollout-2")
+        assert ("SUSPECT", "LOST") in [(a, b) for a, b, _ in transitions(rt, "rollout-2")]
+        for other in ("rollout-0", "rollout-1", "rollout-3"):
+            assert not any(to == "SUSPECT" for _, to, _ in transitions(rt, other))
+
+    @pytest.mark.parametrize("least", [100, 0])
+    def test_a_node_below_heartbeat_agent_min_members_is_asked_member_by_member(self, least):
+        """4-5 members a node: with ``heartbeat_agent_min_members`` 100 (or 0: never an agent) no
+        agent is asked or started, each member is heard directly, and nobody is suspected."""
+        agent_calls: list[str] = []
+        direct: list[str] = []
+
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET,
+                                            overrides={"heartbeat_agent_min_members": least})
+            real_agent, real_call = cluster.heartbeats, cluster.call
+
+            async def via_agent(node_id, handles, args, timeout):
+                agent_calls.append(node_id)
+                return await real_agent(node_id, handles, args, timeout)
+
+            async def call(handle, method, args, timeout):
+                if method == "heartbeat":
+                    direct.append(handle.name)
+                return await real_call(handle, method, args, timeout)
+
+            cluster.heartbeats, cluster.call = via_agent, call
+            await rt.start()
+            await rt.sync()
+            direct.clear()
+            await asyncio.sleep(2 * rt.config.heartbeat_interval_s)
+            up = {m.member for m in rt.members() if m.state != "INIT"}
+            agents = dict(cluster._agents)
+            await rt.close()
+            return rt, up, agents
+
+        rt, up, agents = run(main())
+        assert agent_calls == [] and agents == {}
+        assert set(direct) == up  # every member heard directly
+        assert not any(r["event"] == "transition" and r["to"] == "SUSPECT" for r in rt.audit.records)
+
+    def test_members_whose_agent_died_are_asked_directly_and_nobody_is_suspected(self):
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET)
+            await rt.start()
+            await rt.sync()
+            await asyncio.sleep(rt.config.heartbeat_interval_s)
+            agents = dict(cluster._agents)
+            for agent in agents.values():
+                agent.die("SIGKILL")
+            await asyncio.sleep(3 * rt.config.heartbeat_interval_s)
+            restarted = {n: a is not agents.get(n) and a.alive for n, a in cluster._agents.items()}
+            await rt.close()
+            return rt, agents, restarted
+
+        rt, agents, restarted = run(main())
+        assert agents and all(restarted.values())
+        assert not any(r["event"] == "transition" and r["to"] == "SUSPECT" for r in rt.audit.records)
+        assert not rt.failovers
