@@ -42,14 +42,22 @@ HUGE_PAGE_BYTES = 2 << 20
 def empty_host(nbytes: int) -> torch.Tensor:
     """An uninitialised ``uint8`` host tensor of ``nbytes`` (at least 1), on huge pages when it
     is at least :data:`HUGE_PAGE_BYTES` long and the platform offers them."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_PAGE_BYTES or advice is None:
+    if nbytes < HUGE_PAGE_BYTES or getattr(mmap, "MADV_HUGEPAGE", None) is None:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError):  # transparent huge pages compiled out: plain pages, same behaviour
-        mapping.madvise(advice)
-    # frombuffer keeps ``mapping`` alive for as long as the tensor's storage lives
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+    # frombuffer keeps the mapping alive for as long as the tensor's storage lives
+    return torch.frombuffer(host_buffer(nbytes), dtype=torch.uint8)
+
+
+def host_buffer(nbytes: int) -> mmap.mmap:
+    """A writable buffer of ``nbytes`` (at least 1) of fresh anonymous memory, advised huge pages
+    where the platform offers them: for bytes that arrive by ``recv_into`` rather than a copy (a
+    ``bytearray`` would first zero every page, a fault each, for nothing)."""
+    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and nbytes >= HUGE_PAGE_BYTES:
+        with contextlib.suppress(OSError):  # transparent huge pages compiled out: plain pages, same behaviour
+            mapping.madvise(advice)
+    return mapping
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

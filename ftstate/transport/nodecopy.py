@@ -125,7 +125,7 @@ def _named(name: str, *, group: str, owner: int, group_version: int | None = Non
     return fields
 
 
-def _read_header(buf: mmap.mmap | bytearray, name: str, size: int, *, version: int, owner: int,
+def _read_header(buf: mmap.mmap, name: str, size: int, *, version: int, owner: int,
                  writer: int | None) -> tuple[int, int, int, int, int, int]:
     """A node copy's header (mapped, or received whole from another node), checked against its
     name: (group version, owner, writer, weights version, manifest bytes, data bytes)."""
@@ -410,6 +410,7 @@ def fetch(receiver: Receiver, served: dict, *, name: str, group: str, owner: int
     import torch
 
     from ftstate.core.errors import SyncTimeout, TransportError
+    from ftstate.transport.hostmem import host_buffer
 
     fields = _named(name, group=group, owner=owner)
     expected = int(served["nbytes"])
@@ -422,7 +423,7 @@ def fetch(receiver: Receiver, served: dict, *, name: str, group: str, owner: int
             if size != expected or size < HEADER_BYTES:
                 raise ManifestError(f"{what}: the agent sends {size} bytes, it announced {expected}",
                                     field="node_copy")
-            buf = bytearray(size)
+            buf = host_buffer(size)  # huge pages, not zeroed first (a bytearray faults and zeroes each page)
             view, got = memoryview(buf), 0
             while got < size:
                 conn.settimeout(max(deadline - time.monotonic(), 0.001))
