@@ -100,7 +100,7 @@ class RayBackend(ClusterBackend):
             **pool.options(slot),  # type: ignore[attr-defined]
         ).remote(name, role, user_class, tuple(args), dict(kwargs), host["backend"], host["bucket_bytes"],
                  run=run_id, secret=host["secret"], integrity=host["integrity"], held_proof=host["held_proof"],
-                 staging_spare=host.get("staging_spare", False))
+                 staging_spare=host["staging_spare"])
 
     async def call(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
         return await ray_call(handle, method, args, timeout)
