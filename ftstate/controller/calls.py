@@ -62,9 +62,9 @@ class ActorCalls:
         except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
             await self._raise_for(member, method, args, exc, timeout)
 
-    async def heartbeats(self, node_id: str, members: Sequence[tuple[str, Any]], args: Sequence[tuple[Any, ...]],
-                         timeout: float) -> list[Any] | None:
-        """One heartbeat of each of ``members`` (``(name, handle)``, all on node ``node_id``)
+    async def heartbeats(self, node_id: str, members: Sequence[str], handles: Sequence[Any],
+                         args: Sequence[tuple[Any, ...]], timeout: float) -> list[Any] | None:
+        """One heartbeat of each of ``members`` (names; their ``handles``, all on node ``node_id``)
         through the node's agent (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`):
         each member's answer, or the error :meth:`call` would have raised for it (a death
         reported as there). An unreachable agent means its node does not answer: every member
@@ -72,13 +72,13 @@ class ActorCalls:
         direct call). None when the agent could not answer otherwise (gone, starting, a bug):
         ask each member directly."""
         try:
-            outcomes: list[Any] = await self._backend.heartbeats(node_id, [h for _, h in members], args, timeout)
+            outcomes: list[Any] = await self._backend.heartbeats(node_id, handles, args, timeout)
         except ActorUnreachable as exc:
             outcomes = [exc] * len(members)
         except (ActorDied, RemoteError, CallTimedOut):
             return None
         out: list[Any] = []
-        for (member, _), a, outcome in zip(members, args, outcomes, strict=True):
+        for member, a, outcome in zip(members, args, outcomes, strict=True):
             if isinstance(outcome, (ActorDied, ActorUnreachable, RemoteError, CallTimedOut)):
                 try:
                     await self._raise_for(member, "heartbeat", a, outcome, timeout)

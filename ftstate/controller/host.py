@@ -159,8 +159,9 @@ class WorkerHost:
             "checksum": checksum,
             "pid": os.getpid(),
             # ``forged`` (the watchdog asks): the messages this member dropped as forged since it
-            # last asked, handed over once, for the audit trail
-            **({"forged": auth.drain_forged()} if forged else {}),
+            # last asked, handed over once, for the audit trail; left out when there are none (an
+            # answer of plain values is not tracked by the controller's collector)
+            **({"forged": dropped} if forged and (dropped := auth.drain_forged()) else {}),
         }
 
     async def vigil(self) -> None:

@@ -60,7 +60,9 @@ class Liveness:
     def __init__(self, stall_s: float, timeout_s: float) -> None:
         self.stall_s = stall_s
         self.timeout_s = timeout_s
-        self.last: Heartbeat | None = None
+        #: The progress counter of the last answer (not the answer itself: kept for an interval,
+        #: an object a member would be promoted and scanned by every full collection).
+        self.last_progress: int | None = None
         self.last_progress_at: float | None = None
         self.last_answer_at: float | None = None
         self.missed = 0
@@ -84,9 +86,8 @@ class Liveness:
             return "heartbeat_missed" if state in WATCHED else None
         self.missed = 0
         self.last_answer_at = now
-        previous = self.last
-        self.last = heartbeat
-        if previous is None or heartbeat.progress != previous.progress or not heartbeat.busy:
+        previous, self.last_progress = self.last_progress, heartbeat.progress
+        if previous is None or heartbeat.progress != previous or not heartbeat.busy:
             self.last_progress_at = now
         stalled = (
             heartbeat.busy

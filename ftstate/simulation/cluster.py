@@ -21,6 +21,7 @@ calls fail as dead. Everything runs on the running event loop's clock.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import itertools
 import random
@@ -67,6 +68,9 @@ class SimulatedCluster(ClusterBackend):
         self.costs = costs if costs is not None else Costs()
         #: The cluster's one source of chance (answer times): a run is a function of its seed.
         self.rng = random.Random(seed)
+        #: The context every modelled answer runs in (they read no context variable): one for
+        #: all, where ``call_at`` would copy the caller's for each of thousands of calls in flight.
+        self.context = contextvars.Context()
         resources = {"CPU": float(cpus_per_node), **({"GPU": float(gpus_per_node)} if gpus_per_node else {})}
         self._nodes: dict[str, dict[str, Any]] = {}
         for i in range(nodes):
@@ -175,7 +179,7 @@ class SimulatedCluster(ClusterBackend):
                 self, f"agent-{node_id}", "agent", node_id, node["address"], next(self._pids), self.loop.time())
             if node_id in self._lost:
                 agent.lose_node()
-        return await agent.answer("heartbeats", (list(handles), [tuple(a) for a in args], timeout), 2 * timeout)
+        return await agent.answer("heartbeats", (handles, args, timeout), 2 * timeout)
 
     def close(self) -> None:
         for agent in self._agents.values():

@@ -27,6 +27,7 @@ members hold the same version, and that is what they say.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,11 @@ def _settle(fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
 def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def _time_out(fut: asyncio.Future[Any], timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(CallTimedOut(f"no answer within {timeout:g}s"))
 
 
 class Collective:
@@ -159,8 +165,11 @@ class SimulatedMember:
         self._pending[fut] = None
         fut.add_done_callback(self._forget)
         if timeout is not None:
-            timer = loop.call_at(now + timeout, _fail, fut, CallTimedOut(f"no answer within {timeout:g}s"))
-            fut.add_done_callback(lambda _f: timer.cancel())
+            # The timer is left to fire on a call that was answered (it finds the future done):
+            # cancelling it on the answer would keep a callback per call besides, and making
+            # its error only when it fires keeps an exception per call in flight out of the
+            # collector's scans (the heartbeats' calls in flight at 10,000 members).
+            loop.call_at(now + timeout, _time_out, fut, timeout, context=self.cluster.context)
         if self.hung:
             return fut
         if self.cut_off:  # its node is gone and Ray does not know it yet: no answer, then unreachable
@@ -184,7 +193,7 @@ class SimulatedMember:
         # once (one wake-up for a whole batch) must not look cheap here.
         loop = self.cluster.loop
         seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
-        loop.call_at(max(loop.time(), self.up_at) + seconds, _settle, fut, outcome)
+        loop.call_at(max(loop.time(), self.up_at) + seconds, _settle, fut, outcome, context=self.cluster.context)
 
     def answer_later(self, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
         """Settle ``fut`` one call's time from now (a collective finished: its answer travels back)."""
@@ -254,11 +263,9 @@ class SimulatedMember:
         for c in self.collectives:
             if c.progressing(now):
                 progress += int((now - c.started_at) / self.cluster.costs.bucket_s())  # type: ignore[operator]
-        beat = {"progress": progress, "busy": busy, "weights_version": self.weights_version,
+        # as a real member's, ``forged`` is left out when it dropped nothing (it never does here)
+        return {"progress": progress, "busy": busy, "weights_version": self.weights_version,
                 "checksum": self.checksum, "pid": self.pid}
-        if forged:
-            beat["forged"] = []
-        return beat
 
     def _on_vigil(self, fut: asyncio.Future[Any]) -> None:
         return None  # pending until the process dies
@@ -511,15 +518,15 @@ class SimulatedLivenessAgent(SimulatedMember):
         # that does not answer (hung) holds the reply until its own call's timeout, as the
         # real agent's gather does. Each answer is what the member is at the reply's time.
         loop = self.cluster.loop
-
-        def answers() -> list[Any]:
-            now = loop.time()
-            return [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
-
+        answers = functools.partial(self._answers, handles, args, timeout)
         if any(h.alive and (h.hung or h.cut_off) for h in handles):
-            loop.call_at(loop.time() + timeout, _settle, fut, answers)
+            loop.call_at(loop.time() + timeout, _settle, fut, answers, context=self.cluster.context)
         else:
             self._after(fut, self.cluster.costs.call_s, answers)
+
+    def _answers(self, handles: list[SimulatedMember], args: list[tuple[Any, ...]], timeout: float) -> list[Any]:
+        now = self.cluster.loop.time()
+        return [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
 
 
 def _raiser(exc: BaseException) -> Callable[[], Any]:

@@ -85,15 +85,16 @@ async def test_a_nodes_agent_answers_for_each_worker_there_as_its_own_call_would
     calls = ActorCalls(lambda member, reason: died.append(member), backend)
     handles = [ray.remote(Beater).options(num_cpus=0, max_concurrency=4).remote() for _ in range(3)]
     members = [(f"rollout-{i}", h) for i, h in enumerate(handles)]
+    names = [n for n, _ in members]
     node = ray.get_runtime_context().get_node_id()
     try:
         pids = [await calls.call(n, h, "pid") for n, h in members]
         # while the agent starts, None at once (ask directly): never a wait for its start
-        answers = await calls.heartbeats(node, members, [(False, True)] * 3, timeout=5.0)
+        answers = await calls.heartbeats(node, names, handles, [(False, True)] * 3, timeout=5.0)
         assert answers is None
         for _ in range(60):
             await asyncio.sleep(0.5)
-            answers = await calls.heartbeats(node, members, [(False, True), (True, True), (False, False)], timeout=5.0)
+            answers = await calls.heartbeats(node, names, handles, [(False, True), (True, True), (False, False)], timeout=5.0)
             if answers is not None:
                 break
         assert answers is not None
@@ -101,7 +102,7 @@ async def test_a_nodes_agent_answers_for_each_worker_there_as_its_own_call_would
         assert "forged" in answers[0] and "forged" not in answers[2]
         os.kill(pids[0], signal.SIGKILL)
         await calls.call("rollout-1", handles[1], "hang")
-        dead, hung, alive = await calls.heartbeats(node, members, [(False, True)] * 3, timeout=1.0)
+        dead, hung, alive = await calls.heartbeats(node, names, handles, [(False, True)] * 3, timeout=1.0)
         assert isinstance(dead, MemberLost) and died == ["rollout-0"]
         assert isinstance(hung, MemberLost) and "within 1s" in str(hung)
         assert alive["pid"] == pids[2]
