@@ -163,7 +163,7 @@ class SimulatedMember:
             loop.call_at(now + self.cluster.costs.death_detect_s, _fail, fut, ActorDied(self.death or "dead"))
             return fut
         self._pending[fut] = None
-        fut.add_done_callback(self._forget)
+        fut.add_done_callback(self._forget, context=self.cluster.context)
         if timeout is not None:
             # The timer is left to fire on a call that was answered (it finds the future done):
             # cancelling it on the answer would keep a callback per call besides, and making
