@@ -11,6 +11,9 @@ measures the process's CPU seconds (``time.process_time``: real CPU, not virtual
 - heartbeat interval: one ``heartbeat_interval_s`` with nothing happening but the watchdog
   (mean of ``--intervals``), and the same with the garbage collector off (what the Python
   collector costs of it: its full collections walk every live object);
+- the collector's full collections per sync and per heartbeat interval (counted: the CPU
+  figures at 10,000 members swing by whether one lands in a short measurement, the count does
+  not; use ``--intervals 12`` or more for a steady interval figure);
 - failover of one member: a rollout SIGKILLed, from the loss noticed (the group leaves READY)
   until its replacement serves and the group is READY;
 - failover of one trainer rank (with several): rank 1 SIGKILLed, replaced by a spare, its
@@ -87,15 +90,21 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
         gc.freeze()
     await rt.sync()  # the first sync resyncs the constructed rollouts: not the steady state
     size = os.path.getsize(trail)
+    full = _FullCollections()
     t = cpu()
-    for _ in range(syncs):
-        await rt.sync()
+    with full:
+        for _ in range(syncs):
+            await rt.sync()
     out["sync_s"] = (cpu() - t) / syncs
+    out["sync_full_gcs"] = full.count / syncs
     out["audit_bytes_per_sync"] = (os.path.getsize(trail) - size) / syncs
     interval = rt.config.heartbeat_interval_s
+    full = _FullCollections()
     t = cpu()
-    await asyncio.sleep(intervals * interval)
+    with full:
+        await asyncio.sleep(intervals * interval)
     out["heartbeat_interval_s"] = (cpu() - t) / intervals
+    out["heartbeat_full_gcs"] = full.count / intervals
     gc.disable()
     try:
         t = cpu()
@@ -120,6 +129,26 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     return out
 
 
+class _FullCollections:
+    """Counts the collector's full collections while entered (``gc.callbacks``): at 10,000
+    members each walks every live object (~0.3 s), so whether one lands in a short measurement
+    is most of its spread; their rate (a count, the same run to run) is what changes with code."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            self.count += 1
+
+    def __enter__(self) -> _FullCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def run_one(members: int, syncs: int, intervals: int, loop_kind: str, freeze: bool = False) -> dict[str, Any]:
     def factory() -> asyncio.AbstractEventLoop:
         if loop_kind == "looptime":
@@ -136,7 +165,8 @@ def run_one(members: int, syncs: int, intervals: int, loop_kind: str, freeze: bo
             gc.unfreeze()
 
 
-FIGURES = ("start_s", "sync_s", "heartbeat_interval_s", "heartbeat_interval_gc_off_s", "failover_member_s",
+FIGURES = ("start_s", "sync_s", "sync_full_gcs", "heartbeat_interval_s", "heartbeat_full_gcs",
+           "heartbeat_interval_gc_off_s", "failover_member_s",
            "failover_member_net_s", "failover_rank_s", "failover_rank_net_s", "failover_node_s", "failover_node_net_s", "audit_bytes_per_sync")
 
 
