@@ -22,7 +22,6 @@ interval: by then the SUSPECT state's own deadline has declared a silent one LOS
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -88,9 +87,14 @@ class Watchdog:
         for m, answer in zip(members, answers, strict=True):
             if isinstance(answer, BaseException) and not isinstance(answer, MemberLost):
                 continue  # a bug in the member's heartbeat: as a direct poll, no verdict from it
-            # one member's bad answer is no verdict on the others (as a direct poll's, in its own task)
-            with contextlib.suppress(Exception):
-                await self.observe(m, now, None if isinstance(answer, MemberLost) else answer)
+            # one member's bad answer is no verdict on the others (as a direct poll's, in its own
+            # task); judged in place, a coroutine only for the few with an event to fire
+            try:
+                _, trigger, beat = self._judge(m, now, None if isinstance(answer, MemberLost) else answer)
+                if trigger is not None:
+                    await self._fire(m, trigger, beat)
+            except Exception:  # noqa: BLE001 - as above
+                continue
 
     async def poll(self, m: Member, now: float) -> bool:
         """One heartbeat of ``m`` and the event it implies; returns whether it answered."""
@@ -106,6 +110,14 @@ class Watchdog:
     async def observe(self, m: Member, now: float, raw: dict[str, Any] | None) -> bool:
         """The event ``m``'s heartbeat answer ``raw`` (None: none came) implies, fired on its
         machine; returns whether it answered."""
+        answered, trigger, beat = self._judge(m, now, raw)
+        if trigger is not None:
+            await self._fire(m, trigger, beat)
+        return answered
+
+    def _judge(self, m: Member, now: float, raw: dict[str, Any] | None) -> tuple[bool, str | None, Heartbeat | None]:
+        """``m``'s answer ``raw`` handed to its liveness: whether it answered, the trigger to
+        fire on its machine (None: nothing to do) and the heartbeat."""
         beat: Heartbeat | None = None
         if raw is not None:
             forged = raw.pop("forged", None)  # left out by a member that dropped nothing
@@ -113,19 +125,21 @@ class Watchdog:
                 record_forged(m, forged)
             beat = Heartbeat(**raw)
         if m.gone:
-            return False
+            return False, None, beat
         trigger = m.liveness.observe(
             now, beat, state=m.machine.state, current_version=self.membership.weights_version,
             current_checksum=self.membership.checksum,
         )
         if trigger is None or not m.machine.can(trigger):
-            return beat is not None
+            return beat is not None, None, beat
+        return beat is not None, trigger, beat
+
+    async def _fire(self, m: Member, trigger: str, beat: Heartbeat | None) -> None:
         reason = "no heartbeat within the interval" if beat is None else f"progress {beat.progress}, busy={beat.busy}"
         shown = {"checksum": beat.checksum} if beat is not None and trigger in ("verified", "alive_stale") else {}
         await m.machine.fire(trigger, reason=reason, **shown)
         if trigger == "verified":
             await m.machine.fire("admit")
-        return beat is not None
 
     async def verdict(self, members: list[Member]) -> None:
         """Wait for the watchdog's verdict on ``members``, which a call just found lost (dead or
