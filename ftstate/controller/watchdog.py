@@ -46,6 +46,7 @@ class Watchdog:
         self.membership = membership
         self.calls = calls
         self.vigils = Vigils(calls)
+        self._rounds = NodeRounds()
 
     async def run(self) -> None:
         """Poll forever (the runtime cancels it at close)."""
@@ -55,31 +56,31 @@ class Watchdog:
             while True:
                 self.vigils.keep(self.membership)
                 await asyncio.sleep(interval)
-                by_node: dict[str | None, list[Member]] = {}
-                for m in self.membership:
-                    if not m.gone and m.machine.state != "INIT":
-                        by_node.setdefault(m.node_id, []).append(m)
                 now = loop.time()
-                await asyncio.gather(*(self.poll_node(node, ms, now) for node, ms in by_node.items()),
+                await asyncio.gather(*(self.poll_node(node, now) for node in self._rounds.of(self.membership)),
                                      return_exceptions=True)
                 record_controller_forged(self.membership)
         finally:
             await self.vigils.close()
 
-    async def poll_node(self, node_id: str | None, members: list[Member], now: float) -> None:
-        """One heartbeat of each of ``members`` (all on ``node_id``) in one call of the node's
-        agent, and the events they imply; members of a node the agent could not answer for
+    async def poll_node(self, node: NodeRound, now: float) -> None:
+        """One heartbeat of each of ``node.members`` (all on ``node.node_id``) in one call of the
+        node's agent, and the events they imply; members of a node the agent could not answer for
         (and those of a node with fewer than ``heartbeat_agent_min_members``, or whose node is
         unknown) are polled directly."""
+        node_id, members = node.node_id, node.members
         if node_id is None or len(members) < max(self.config.heartbeat_agent_min_members, 2) \
                 or self.config.heartbeat_agent_min_members == 0:
             await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
             return
         # What stays alive while the node's answer is awaited is scanned by the collector at
-        # every collection meanwhile (for 10,000 members, ~1,250 calls in flight at once): a list
-        # of names and one of handles, not a tuple a member; the arguments are shared tuples.
-        args = [_PROVE if m.machine.state == "SUSPECT" else _ASK for m in members]
-        answers = await self.calls.heartbeats(node_id, [m.name for m in members], [m.handle for m in members], args,
+        # every collection meanwhile (for 10,000 members, ~1,250 calls in flight at once): the
+        # round's lists are the node's, kept from round to round (NodeRounds), and the
+        # arguments shared tuples; only a round with a suspect makes a list of its own.
+        args = node.ask
+        if any(m.machine.state == "SUSPECT" for m in members):
+            args = [_PROVE if m.machine.state == "SUSPECT" else _ASK for m in members]
+        answers = await self.calls.heartbeats(node_id, node.names, node.handles, args,
                                               timeout=self.config.heartbeat_interval_s)
         if answers is None:
             await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
@@ -179,6 +180,56 @@ class Watchdog:
             if done() or loop.time() > until:
                 return
             await asyncio.sleep(interval)
+
+
+class NodeRound:
+    """What one round asks of one node: its polled members in order, their names and handles,
+    and the arguments when none of them is suspect (read-only: the backend is handed them)."""
+
+    __slots__ = ("ask", "handles", "members", "names", "node_id")
+
+    def __init__(self, node_id: str | None, members: list[Member]) -> None:
+        self.node_id = node_id
+        self.members = members
+        self.names = [m.name for m in members]
+        self.handles = [m.handle for m in members]
+        self.ask = [_ASK] * len(members)
+
+
+class NodeRounds:
+    """The rounds' per-node lists, kept while the members to poll stay the same: each round
+    checks, without allocating, that the members it would poll (not gone, constructed) are the
+    same objects in the same order on the same nodes, and builds the lists again otherwise. So a
+    member that joins, leaves, finishes starting or is located on a node is in the very round
+    that first sees it, as if nothing were kept; while nothing changes, a round makes no new
+    list that its calls in flight would keep alive."""
+
+    def __init__(self) -> None:
+        self._polled: list[Member] = []
+        self._nodes: list[str | None] = []
+        self._rounds: list[NodeRound] = []
+
+    def of(self, members: Any) -> list[NodeRound]:
+        """The rounds for ``members`` (an iterable of :class:`Member`), by node."""
+        polled, nodes, i, n = self._polled, self._nodes, 0, len(self._polled)
+        for m in members:
+            if m.gone or m.machine.state == "INIT":
+                continue
+            if i >= n or polled[i] is not m or nodes[i] != m.node_id:
+                return self._build(members)
+            i += 1
+        return self._rounds if i == n else self._build(members)
+
+    def _build(self, members: Any) -> list[NodeRound]:
+        by_node: dict[str | None, list[Member]] = {}
+        self._polled, self._nodes = [], []
+        for m in members:
+            if not m.gone and m.machine.state != "INIT":
+                by_node.setdefault(m.node_id, []).append(m)
+                self._polled.append(m)
+                self._nodes.append(m.node_id)
+        self._rounds = [NodeRound(node, ms) for node, ms in by_node.items()]
+        return self._rounds
 
 
 def record_forged(m: Member, forged: Any) -> None:
