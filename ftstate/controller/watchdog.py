@@ -131,8 +131,8 @@ class Watchdog:
             now, beat, state=m.machine.state, current_version=self.membership.weights_version,
             current_checksum=self.membership.checksum,
         )
-        if trigger is None or not m.machine.can(trigger):
-            return beat is not None, None, beat
+        if trigger is not None and not m.machine.can(trigger):
+            trigger = None
         return beat is not None, trigger, beat
 
     async def _fire(self, m: Member, trigger: str, beat: Heartbeat | None) -> None:
