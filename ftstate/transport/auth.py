@@ -124,10 +124,11 @@ def sign(channel: str, group: str, version: int, sender: int | str, payload: byt
 
 
 def verify(channel: str, group: str, version: int, sender: int | str, data: bytes, *,
-           record_as: str | None = None, **fields: Any) -> bytes | None:
+           record_as: str | None = None, record: bool = True, **fields: Any) -> bytes | None:
     """The payload of ``data`` (what :func:`sign` made) when its tag verifies for ``sender``,
     else None, and the forgery is recorded (as channel ``record_as``, default ``channel``,
-    with ``fields``). No key installed: ``data`` as it is."""
+    with ``fields``; not when ``record`` is false: one already recorded, read again). No key
+    installed: ``data`` as it is."""
     if _key is None:
         return data
     problem = None
@@ -138,7 +139,8 @@ def verify(channel: str, group: str, version: int, sender: int | str, data: byte
         if not hmac.compare_digest(got, tag(channel, group, version, sender, payload)):
             problem = "tag does not verify"
     if problem is not None:
-        record_forged(record_as or channel, sender, group=group, version=version, problem=problem, **fields)
+        if record:
+            record_forged(record_as or channel, sender, group=group, version=version, problem=problem, **fields)
         return None
     return payload
 

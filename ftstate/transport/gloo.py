@@ -1,7 +1,8 @@
 """The gloo backend: a torch ``ProcessGroupGloo`` per group version, with no default process group.
 
 ``ProcessGroupGloo(PrefixStore(f"{group}/v{version}/gloo", store), rank, world, opts)``
-with ``opts._timeout`` (bounds the backend's own rendezvous) and ``opts._devices`` bound
+(``store`` wrapped in :class:`~ftstate.transport.signedstore.SignedStore` when the run
+authenticates, so gloo's own rendezvous values are tagged too) with ``opts._timeout`` (bounds the backend's own rendezvous) and ``opts._devices`` bound
 to one address (127.0.0.1 here). No ``init_process_group``: the process-wide default
 group is what makes ``ray.util.collective`` unfit for re-rendezvous (DESIGN.md), and
 without it any number of versions can be formed and abandoned in one process.
@@ -33,7 +34,9 @@ from ftstate.core.errors import (
     StaleGroupVersion,
     TransportError,
 )
+from ftstate.transport import auth
 from ftstate.transport.base import Communicator, Pending
+from ftstate.transport.signedstore import SignedStore
 from ftstate.transport.store import (
     StoreAddress,
     connect_store,
@@ -124,6 +127,7 @@ class GlooCommunicator(Communicator):
         super().__init__()
         self._pg: dist.ProcessGroupGloo | None = pg
         self._store = store
+        self._backend_store: Store = store
         self.group = group
         self.version = version
         self.rank = rank
@@ -155,10 +159,16 @@ class GlooCommunicator(Communicator):
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = _delta(remaining)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
+        # gloo's own rendezvous values (each rank's address) tagged like ftstate's: no rank connects
+        # to an address someone outside the run planted (ftstate.transport.signedstore)
+        backend_store = SignedStore(store, deadline=deadline, what=f"gloo rendezvous of group {group!r} version "
+                                    f"{version}, rank {rank}", init_timeout_s=timeout_s) if auth.enabled() else store
         try:
             pg = dist.ProcessGroupGloo(
-                dist.PrefixStore(f"{prefix}/gloo", store), rank, world_size, opts
+                dist.PrefixStore(f"{prefix}/gloo", backend_store), rank, world_size, opts
             )
+        except RendezvousTimeout:
+            raise
         except RuntimeError as exc:
             raise RendezvousTimeout(
                 f"connecting the gloo mesh of group {group!r} version {version} "
@@ -173,6 +183,7 @@ class GlooCommunicator(Communicator):
         comm = cls(
             pg=pg, store=store, group=group, version=version, rank=rank, world_size=world_size, timeout_s=timeout_s
         )
+        comm._backend_store = backend_store  # the Python store gloo calls into lives as long as its group
         remaining = deadline - time.monotonic()
         try:
             comm.barrier(timeout_s=max(remaining, 0.001))

@@ -34,8 +34,9 @@ does not verify was planted by someone who reached the store without the run's s
 recorded as forged and treated as absent -- a planted ``current_version`` fences nobody and is
 replaced, a planted ``world_size`` or ``joined`` registration (an identity squat) is replaced
 by the genuine member's, a planted roster entry is left out. The gloo backend's own keys
-(``gloo/...``) are written by torch and carry no tag: what travels over the connections they
-set up is tagged instead (:mod:`ftstate.transport.sync`).
+(``gloo/...``: each rank's listening address) are written and read by torch through
+:class:`~ftstate.transport.signedstore.SignedStore`, which tags them the same way, so no rank
+connects to an address planted there.
 """
 
 from __future__ import annotations
@@ -236,20 +237,21 @@ def connect_store(address: StoreAddress | str | tuple[str, int], timeout_s: floa
         ) from exc
 
 
-def _signed(key: str, payload: bytes) -> bytes:
+def signed(key: str, payload: bytes) -> bytes:
     """What ftstate writes under ``key``: the payload, tagged for the key when the run
     authenticates (:mod:`ftstate.transport.auth`; the key names the group, version and rank)."""
     return auth.sign(f"store {key}", "", 0, "run", payload)
 
 
-def _opened(key: str, raw: bytes) -> bytes | None:
+def opened(key: str, raw: bytes, *, record: bool = True) -> bytes | None:
     """The payload of a value read under ``key``, or None when its tag does not verify (a value
-    planted by someone outside the run: recorded as forged, then treated as absent)."""
-    return auth.verify(f"store {key}", "", 0, "run", raw, record_as="store", key=key)
+    planted by someone outside the run: recorded as forged unless ``record`` is false, e.g. a
+    value already recorded, then treated as absent)."""
+    return auth.verify(f"store {key}", "", 0, "run", raw, record_as="store", record=record, key=key)
 
 
 def _version_of(key: str, raw: bytes) -> int | None:
-    payload = _opened(key, raw)
+    payload = opened(key, raw)
     return None if payload is None else parse_int(key, payload)
 
 
@@ -300,7 +302,7 @@ def raise_current_version(store: Store, group: str, version: int) -> int:
     replaced (at most :data:`MAX_CAS_TRIES` compare-and-sets, else TransportError)."""
     check_group_name(group)
     key = _current_key(group)
-    want = _signed(key, str(version).encode())
+    want = signed(key, str(version).encode())
     current = store.compare_set(key, "", want)
     before = None
     tries = 0
@@ -332,12 +334,12 @@ def _release_waiters(store: Store, group: str, version: int) -> None:
     size_key = f"{prefix}/world_size"
     if not store.check([size_key]):
         return  # nobody registered in that version: nobody waits
-    payload = _opened(size_key, store.get(size_key))
+    payload = opened(size_key, store.get(size_key))
     if payload is None:
         return  # planted: no member registered a size there
     for rank in range(parse_int(size_key, payload, hi=MAX_WORLD_SIZE)):
         key = f"{prefix}/joined/{rank}"
-        store.compare_set(key, "", _signed(key, FENCED))
+        store.compare_set(key, "", signed(key, FENCED))
 
 
 def roster(store: Store, group: str, version: int) -> list[int]:
@@ -374,7 +376,7 @@ def _forged_joined(store: Store, keys: list[str]) -> list[str]:
     """The ``joined`` keys among ``keys`` whose value no member wrote (recorded as forged)."""
     if not auth.enabled():
         return []
-    return [k for k in keys if store.check([k]) and _opened(k, store.get(k)) is None]
+    return [k for k in keys if store.check([k]) and opened(k, store.get(k)) is None]
 
 
 def wait_for_ranks(
@@ -446,31 +448,31 @@ def join_version(
         raise StaleGroupVersion(group, got=version, current=current, peer=f"rank {rank}")
     prefix = version_prefix(group, version)
     size_key = f"{prefix}/world_size"
-    size = _signed(size_key, str(world_size).encode())
+    size = signed(size_key, str(world_size).encode())
     agreed = store.compare_set(size_key, "", size)
     for _ in range(MAX_CAS_TRIES):
-        if agreed == size or _opened(size_key, agreed) is not None:
+        if agreed == size or opened(size_key, agreed) is not None:
             break
         agreed = store.compare_set(size_key, agreed, size)  # planted by an outsider (recorded): replaced
     if agreed != size:
-        shown = _opened(size_key, agreed) or b"?"
+        shown = opened(size_key, agreed) or b"?"
         raise TransportError(
             f"rank {rank} of group {group!r} version {version}: field 'world_size': {world_size}, but the "
             f"members already registered agreed on {shown[:24].decode(errors='replace')}"
         )
     key = f"{prefix}/joined/{rank}"
-    me = _signed(key, msgpack.packb({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}))
-    fenced = _signed(key, FENCED)
+    me = signed(key, msgpack.packb({"pid": os.getpid(), "host": socket.gethostname(), "t": time.time()}))
+    fenced = signed(key, FENCED)
     held = store.compare_set(key, "", me)
     for _ in range(MAX_CAS_TRIES):
-        if held in (me, fenced) or _opened(key, held) is not None:
+        if held in (me, fenced) or opened(key, held) is not None:
             break
         held = store.compare_set(key, held, me)  # an identity squat by an outsider (recorded): taken back
     if held == fenced:
         raise StaleGroupVersion(group, got=version, current=read_current_version(store, group) or version,
                                 peer=f"rank {rank}")
     if held != me:
-        payload = _opened(key, held)
+        payload = opened(key, held)
         other = parse_registration(key, payload) if payload else {}
         raise TransportError(
             f"rank {rank} of group {group!r} version {version} is already held by pid "
@@ -491,11 +493,13 @@ __all__ = [
     "check_group_name",
     "connect_store",
     "join_version",
+    "opened",
     "parse_int",
     "parse_registration",
     "raise_current_version",
     "read_current_version",
     "roster",
+    "signed",
     "version_prefix",
     "wait_for_ranks",
 ]
