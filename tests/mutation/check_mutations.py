@@ -96,6 +96,18 @@ MUTATIONS = (
         ("tests/integration/test_memory.py::test_a_kept_buffer_is_never_rewritten_under_an_engine_that_serves_from_it",),
     ),
     Mutation(
+        "gloo's rendezvous values untagged",
+        "with the run authenticated, torch's gloo backend writes and reads its rendezvous values (each "
+        "member's address) through the tagged store, and a planted value is never handed to it",
+        (Edit("ftstate/transport/signedstore.py",
+              "            if payload is not None:\n                return payload",
+              "            return raw"),
+         Edit("ftstate/transport/gloo.py",
+              "init_timeout_s=timeout_s) if auth.enabled() else store",
+              "init_timeout_s=timeout_s) if False else store")),
+        ("tests/integration/test_gloo_rendezvous_security.py",),
+    ),
+    Mutation(
         "keyed digests with a key anyone has",
         "with integrity: keyed, bytes injected by anyone without the run's secret cannot match their bucket's "
         "digest (the digest's key is derived from the secret)",
