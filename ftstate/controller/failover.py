@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from ftstate.controller.calls import ActorCalls
@@ -40,7 +41,7 @@ from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import Member, Membership, walk_proven
 from ftstate.controller.nodecopies import NodeCopies
 from ftstate.controller.ranks import recover_ranks
-from ftstate.controller.sync import plan_for
+from ftstate.controller.sync import device_field, plan_for
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
@@ -81,6 +82,11 @@ class FailoverRecord:
     #: route, the sender's stages (reading its committed state, sending) and the newcomer's
     #: (receiving into staging, waiting for its user lock, the user's load, the proof), seconds.
     stages: dict[str, Any] | None = None
+    #: A rollout newcomer whose engine loads by parts (``weights_device()`` and
+    #: ``load_weights_part``): the device memory its two buckets took during the resync's load,
+    #: whatever it came by (point to point, the node copy adopted or fetched), as
+    #: ``SyncReport.device_bytes``; None for a load whole (or no load: nothing to resync).
+    device_bytes: int | None = None
 
 
 class Failover:
@@ -122,6 +128,7 @@ class Failover:
         self.node_copies = node_copies
         self.records: list[FailoverRecord] = []
         self._stages: dict[str, dict[str, Any]] = {}  # newcomer -> its resync's stage timings
+        self._device: dict[str, int] = {}  # newcomer -> the device bytes of its resync's load by parts
         #: Bytes of the last committed weights version (the runtime sets it at each commit): what
         #: a resync moves, for its route (``resync_shared_memory_min_mb``).
         self.weights_bytes = 0
@@ -458,13 +465,14 @@ class Failover:
                 lost=lost.name, role=lost.role, replacement=replacement.name, reason=reasons[lost.name],
                 detected_at=detected_at, rerendezvous_s=t_reformed - t0, transfer_s=t_done - t_reformed,
                 total_s=t_done - detected_at, group_version=group.group_version, resynced=resynced[lost.name],
-                stages=self._stages.pop(replacement.name, None),
+                stages=self._stages.pop(replacement.name, None), device_bytes=self._device.pop(replacement.name, None),
             ))
             self.audit.record("failover", lost=lost.name, replacement=replacement.name, role=lost.role,
                               rerendezvous_s=round(t_reformed - t0, 6), transfer_s=round(t_done - t_reformed, 6),
                               total_s=round(t_done - detected_at, 6), group_version=group.group_version,
                               weights_version=group.weights_version, resynced=resynced[lost.name],
-                              batch=len(losts), stages=self.records[-1].stages)
+                              batch=len(losts), stages=self.records[-1].stages,
+                              **device_field(self.records[-1].device_bytes))
         if self.ft.mode == "standby":
             for role in sorted({lost.role for lost in losts}):
                 self.replenish(role)
@@ -659,7 +667,8 @@ class Failover:
         newcomer.machine.weights_version = version
         self._stages[newcomer.name] = {"source": src.name, "route": "shm" if shm else "gloo",
                                        "sender": sent.get("stages"), "newcomer": got.get("stages")}
-        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source=src.name)
+        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source=src.name,
+                          **self._loaded_by_parts(newcomer, got))
         if newcomer.role == "trainer":
             await self._optimizer_policy(newcomer)
             await self._replay(newcomer)
@@ -728,9 +737,20 @@ class Failover:
             raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got["checksum"],
                                       expected=checksum, what=f"after loading it from the {source}")
         newcomer.machine.weights_version = version
-        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source=source)
+        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source=source,
+                          **self._loaded_by_parts(newcomer, got))
         await walk_proven(newcomer.machine, "READY")
         return True
+
+    def _loaded_by_parts(self, newcomer: Member, got: Mapping[str, Any]) -> dict[str, int]:
+        """The ``device_bytes`` of a newcomer's resync that loaded by parts (``got``: its host's
+        answer), kept for its :class:`FailoverRecord`, as fields for the record of the edge that
+        says it holds the weights; empty for a load whole."""
+        device = got.get("device_bytes")
+        if device is None:
+            return {}
+        self._device[newcomer.name] = int(device)
+        return device_field(int(device))
 
     async def _refuse_lossy(self, newcomer: Member) -> None:
         """Fail the run rather than rebuild a trainer from a lossy copy (unless allowed)."""

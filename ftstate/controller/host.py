@@ -655,6 +655,7 @@ class WorkerHost:
         t0 = time.perf_counter()
         staged = await self._receive_proven(src, weights_version, checksum, timeout_s=timeout_s, same_host=same_host)
         t_received = time.perf_counter()
+        device_bytes = None
         async with self._lock():
             t_locked = time.perf_counter()
             if self.role == "trainer":
@@ -662,7 +663,7 @@ class WorkerHost:
                 t_loaded = time.perf_counter()
                 held = await self._trainer_checksum()
             else:
-                await self._load_weights(staged.tensors, weights_version)
+                device_bytes = await self._load_weights(staged.tensors, weights_version)
                 t_loaded = time.perf_counter()
                 held, from_engine = await self._held_checksum(staged.tensors)
             t_proven = time.perf_counter()
@@ -674,10 +675,12 @@ class WorkerHost:
         # ``checksum``: what this member holds after loading, for the controller to compare.
         # ``stages``: where the newcomer's time went: the transfer into staging (verified), the
         # wait for the user lock, the user's load, the proof of what it holds then.
+        # ``device_bytes``: the device buckets a load by parts used, as at a commit, else absent.
         stages = {"receive": t_received - t0, "lock": t_locked - t_received, "load": t_loaded - t_locked,
                   "prove": t_proven - t_loaded}
         return {"checksum": held, "received": staged.state_checksum, "nbytes": staged.nbytes,
-                "weights_version": weights_version, "stages": {k: round(v, 6) for k, v in stages.items()}}
+                "weights_version": weights_version, "stages": {k: round(v, 6) for k, v in stages.items()},
+                **({"device_bytes": device_bytes} if device_bytes is not None else {})}
 
     async def _receive_proven(self, src: int, weights_version: int, checksum: str, *, timeout_s: float,
                               same_host: bool = False, what: str = "weights") -> Any:

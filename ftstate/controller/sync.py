@@ -114,6 +114,13 @@ def memory_record(memory: Mapping[str, Any]) -> dict[str, Any]:
             **({"peak_device_bytes": max(device.values()), "device_bytes": dict(device)} if device else {})}
 
 
+def device_field(nbytes: int | None) -> dict[str, int]:
+    """The ``device_bytes`` field of a member's record that says it holds a version it loaded
+    by parts (its ``committed`` edge, a resync's ``verified``): the device memory that load's
+    two buckets took; nothing for a load whole (None)."""
+    return {} if nbytes is None else {"device_bytes": int(nbytes)}
+
+
 def plan_for(config: RuntimeConfig, sender: Member, receivers: Sequence[Member],
              shared_memory: SharedMemoryMode | None = None) -> Plan:
     """The route plan of a transfer from ``sender`` to ``receivers`` (by the nodes they run on),
@@ -458,18 +465,20 @@ class WeightSync:
                 await m.machine.fire(trigger, reason=f"commit of weights version {version} failed: {err}", **extra)
                 continue
             m.machine.weights_version = version
-            # Each member's own checksum (hashed from what it holds) goes on its record.
+            # Each member's own checksum (hashed from what it holds) goes on its record, and
+            # the device bytes of a load by parts, whichever edge says it holds the version.
+            device = device_field(self.device_bytes.get(m.name))
             if m.machine.state == "SYNCING":
-                await m.machine.fire("committed", checksum=held[m.name])
+                await m.machine.fire("committed", checksum=held[m.name], **device)
             elif m.machine.serving:
                 # Suspected and re-admitted by the watchdog during the sync on the version it
                 # held before: no edge to fire, but the trail must show what it holds now.
-                m.machine.record("weights_loaded", checksum=held[m.name])
+                m.machine.record("weights_loaded", checksum=held[m.name], **device)
             else:
                 # A STALE rollout brought up to date (RESYNCING), or one the watchdog moved
                 # meanwhile (suspected while busy, then re-admitted on the version it held):
                 # its load is proven all the same, so it is walked to READY by legal edges.
-                await walk_proven(m.machine, "READY", checksum=held[m.name])
+                await walk_proven(m.machine, "READY", checksum=held[m.name], **device)
         trainer.machine.weights_version = version
         if trainer.machine.state == "SYNCING":
             await trainer.machine.fire("committed", checksum=checksum)

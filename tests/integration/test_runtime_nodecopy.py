@@ -28,7 +28,7 @@ from tests.integration.test_failover import config as ft_config
 from tests.integration.test_failover import runtime as ft_runtime
 from tests.integration.test_runtime import config, runtime
 from tests.integration.test_runtime_shm import resyncs
-from tests.integration.workers import PartsRollout, ResidentRollout, TinyTrainer, tiny_state
+from tests.integration.workers import LayeredTrainer, PartsRollout, ResidentRollout, TinyTrainer, tiny_state
 
 pytestmark = pytest.mark.ray
 
@@ -37,6 +37,13 @@ MiB = 1 << 20
 
 def node_copies() -> list[str]:
     return [n for n in shm.list_segments() if nodecopy.is_copy(n)]
+
+
+def holding_records(rt, member: str) -> list[dict]:
+    """``member``'s records that say which version it holds (they carry its checksum): a
+    sync's ``committed``, the ``verified`` and ``admit`` of a STALE rollout brought up to date."""
+    return [r for r in rt.audit.records if r.get("member") == member and "checksum" in r
+            and r["event"] in ("transition", "weights_loaded")]
 
 
 def committed_copies(rt) -> list[str]:
@@ -244,8 +251,50 @@ class TestDeviceParts:
                 done = [r for r in rt.audit.records if r.get("machine") == "group" and r.get("trigger") == "sync_done"]
                 assert done[-1]["device_bytes"] == dict(report.device_bytes)
                 assert done[-1]["peak_device_bytes"] == max(report.device_bytes.values())
+                # and each rollout's own record of holding the version says what its load took
+                # (first sync: STALE brought up to date; then the committed edge)
+                for name, nbytes in report.device_bytes.items():
+                    assert holding_records(rt, name)[-1]["device_bytes"] == nbytes, holding_records(rt, name)[-1]
                 for parts in await rt.rollout("parts"):
                     assert len(parts) >= 2 and parts[0][2] and parts[-1][3], parts
                     # a part is one bucket at most, or a single tensor larger than one
                     assert all(nbytes <= bucket or count == 1 for nbytes, count, _, _ in parts), parts
                     assert sum(count for _, count, _, _ in parts) == len(tiny_state(0, 3 * bucket // 4))
+
+    @pytest.mark.parametrize("staging", ["node", "private"])
+    async def test_a_newcomer_loaded_by_parts_records_its_device_memory_whichever_way_it_was_resynced(
+            self, ray_cluster, tmp_path, swept, staging):
+        """The GPU is mocked as above. rollout-1 is SIGKILLed and its spare promoted: with
+        ``staging: node`` the newcomer adopts the node copy, with private staging it is sent the
+        weights point to point by a holder; either way its engine loads by parts, and the record
+        that says it holds the weights (its RESYNCED edge), the failover's record and its
+        FailoverRecord carry the device memory of that load: at most two of the larger of a
+        bucket and the largest tensor, which here is half the weights, so a load whole fails."""
+        cfg = ft_config(tmp_path).replace(staging=staging)
+        bucket = int(cfg.bucket_size_mb * MiB)
+        shape = {"layers": 16, "layer_floats": bucket // 16}  # 16 tensors of a quarter bucket: 4 buckets
+        state = LayeredTrainer(**shape).state
+        weights = sum(t.numel() * t.element_size() for t in state.values())
+        bound = 2 * max(bucket, max(t.numel() * t.element_size() for t in state.values()))
+        assert bound <= weights / 2, (bound, weights)
+        rt = swept(ftstate.Runtime(cfg, trainer=LayeredTrainer, rollout=PartsRollout, trainer_kwargs=shape))
+        await rt.start()
+        try:
+            record = await rollout_replaced(rt)
+            new = record.replacement
+            routes = resyncs(rt, new)[-1]["plan"]["routes"]
+            assert (routes == {new: "node_copy"}) is (staging == "node"), routes
+            [proven] = [r for r in rt.audit.records if r["event"] == "transition" and r.get("member") == new
+                        and r.get("to") == "RESYNCED"]
+            assert 0 < proven["device_bytes"] <= bound, (proven, bound, weights)
+            assert record.device_bytes == proven["device_bytes"], record
+            [failover] = [r for r in rt.audit.records if r["event"] == "failover"]
+            assert failover["device_bytes"] == proven["device_bytes"], failover
+            # what the newcomer's engine was handed, seen from outside: parts of a bucket at most
+            parts = await rt.handle(new).call.remote("parts", (), {})
+            assert len(parts) >= 4 and parts[0][2] and parts[-1][3], parts
+            assert all(nbytes <= bucket for nbytes, _, _, _ in parts), parts
+            await assert_consistent(rt)
+        finally:
+            await finish(rt, tmp_path)
+        assert node_copies() == []

@@ -234,6 +234,18 @@ class PartsRollout(HeldResidentRollout):
         return list(getattr(self, "_parts", []))
 
 
+class LayeredTrainer(TinyTrainer):
+    """A :class:`TinyTrainer` with ``layers`` tensors of ``layer_floats`` float32 each beside its
+    few small ones, as a model's layers: its largest tensor is a small part of the whole, so a
+    bound of a few buckets on a load tells a load by parts from a load whole."""
+
+    def __init__(self, layers: int = 0, layer_floats: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        g = torch.Generator().manual_seed(7)
+        for i in range(layers):
+            self.state[f"layers.{i}.weight"] = torch.randn(layer_floats, generator=g)
+
+
 class LossyTrainer(TinyTrainer):
     """Sends bf16 copies of fp32 master weights: a rollout cannot give the masters back."""
 
