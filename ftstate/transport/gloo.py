@@ -2,8 +2,8 @@
 
 ``ProcessGroupGloo(PrefixStore(f"{group}/v{version}/gloo", store), rank, world, opts)``
 (``store`` wrapped in :class:`~ftstate.transport.signedstore.SignedStore` when the run
-authenticates, so gloo's own rendezvous values are tagged too) with ``opts._timeout`` (bounds the backend's own rendezvous) and ``opts._devices`` bound
-to one address (127.0.0.1 here). No ``init_process_group``: the process-wide default
+authenticates, so gloo's own rendezvous values are tagged too) with ``opts._timeout``
+(bounds the backend's own rendezvous) and ``opts._devices`` bound to one address (127.0.0.1 here). No ``init_process_group``: the process-wide default
 group is what makes ``ray.util.collective`` unfit for re-rendezvous (DESIGN.md), and
 without it any number of versions can be formed and abandoned in one process.
 
@@ -167,8 +167,6 @@ class GlooCommunicator(Communicator):
             pg = dist.ProcessGroupGloo(
                 dist.PrefixStore(f"{prefix}/gloo", backend_store), rank, world_size, opts
             )
-        except RendezvousTimeout:
-            raise
         except RuntimeError as exc:
             raise RendezvousTimeout(
                 f"connecting the gloo mesh of group {group!r} version {version} "

@@ -18,7 +18,10 @@ genuine member's value, which overwrites a value planted before it. A value plan
 the genuine one replaced it for good; the wait then ends at the rendezvous deadline
 (``init_timeout_s``) with an error naming the key, and the runtime forms a new group version.
 So a planter can still deny service (as by deleting keys), but no rank ever connects to an
-address that a member of the run did not write.
+address that a member of the run did not write. What this does not stop: gloo's listeners take
+the first connection that names the right pair, and a listener's address is readable here, so an
+outsider can still connect to a member first and take a peer's place (docs/security.md, threat
+model: the genuine peer's rendezvous then fails and no transfer runs on that version).
 
 Without a key installed (``authenticate: false``) the wrapper is not used: the backend gets
 the store itself, as before.
