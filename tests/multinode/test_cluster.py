@@ -73,7 +73,10 @@ def test_a_node_loss_kills_every_process_of_the_node(restore_nodes):
     time.sleep(0.2)  # the call is running on node b
 
     killed = mn.kill("b")
-    assert killed.node_id == node_b.node_id and set(tree) <= set(killed.pids)
+    assert killed.node_id == node_b.node_id and set(pids) <= set(killed.pids)
+    # The tree read before the kill may hold a short-lived process (an idle worker Ray reaps,
+    # a helper) that exited on its own before the kill read the tree again: seen once in CI.
+    assert not [p for p in set(tree) - set(killed.pids) if pid_alive(p)]
     assert not [p for p in killed.pids if pid_alive(p)], "a process of the lost node survived"
     # Calls to the lost node's actors fail within seconds, long before Ray's health check
     # declares the node dead (~15 s). Measured: as ActorUnavailableError after 1-2 s, the
