@@ -124,21 +124,32 @@ class AuditTrail:
         """Write one record. ``fields`` may use ``from``/``to`` via ``**{"from": ...}``.
         A multi-line ``reason`` or ``message`` keeps its first line; the rest goes to ``detail``.
         Strings are cleaned of terminal escapes and control characters."""
-        fields = {k: _cleaned(v) for k, v in fields.items()}
-        if self.run is not None:
-            fields.setdefault("run", self.run)
+        # One dict, built in the order the line is written (time, event and who first), with
+        # each value cleaned as it goes in: a 10,000-member sync writes 20,000 of these, and
+        # every intermediate dict or call per field was a measurable part of its CPU.
+        rec: dict[str, Any] = {"ts": _iso(self._wall_clock()), "t": round(self._clock() - self._t0, 6),
+                               "event": event}
+        for key in _FRONT_FIELDS:
+            if key in fields:
+                value = fields[key]
+                rec[key] = value if type(value) in _PLAIN or (type(value) is str and _printable(value)) \
+                    else _cleaned(value)
+        for key, value in fields.items():
+            if key not in rec or key == "t":
+                rec[key] = value if type(value) in _PLAIN or (type(value) is str and _printable(value)) \
+                    else _cleaned(value)
+        if self.run is not None and "run" not in rec:
+            rec["run"] = self.run
         for key in ONE_LINE_FIELDS:
-            value = fields.get(key)
-            if isinstance(value, str) and "\n" in value.strip():
+            value = rec.get(key)
+            if type(value) is str and "\n" in value.strip():
                 first, _, rest = value.strip().partition("\n")
-                fields[key] = first.strip()
-                fields.setdefault("detail", rest.strip())
-        rec = {"event": event, "t": round(self._clock() - self._t0, 6), **fields}
-        rec["ts"] = _iso(self._wall_clock())
+                rec[key] = first.strip()
+                rec.setdefault("detail", rest.strip())
         if self._keep:
             self.records.append(rec)
         if self._file is not None:
-            self._file.write(_dumps(rec) + "\n")
+            self._file.write(_ENCODER.encode(rec) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -153,12 +164,25 @@ class AuditTrail:
         self.close()
 
 
+_ISO_SECOND: list[Any] = [None, ""]  # the last whole second formatted, and its text
+
+
 def _iso(epoch: float) -> str:
-    """``epoch`` as ISO 8601 UTC with a ``Z`` (the form structlog's ``TimeStamper`` wrote)."""
-    return datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC).isoformat().replace("+00:00", "Z")
+    """``epoch`` as ISO 8601 UTC with a ``Z`` (the form structlog's ``TimeStamper`` wrote:
+    microseconds, omitted when 0). The whole second's text is kept from the last call (records
+    come thousands a second)."""
+    second = int(epoch // 1)
+    micro = round((epoch - second) * 1e6)
+    if micro >= 1_000_000:
+        second, micro = second + 1, micro - 1_000_000
+    if _ISO_SECOND[0] != second:
+        _ISO_SECOND[0] = second
+        _ISO_SECOND[1] = datetime.datetime.fromtimestamp(second, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{_ISO_SECOND[1]}.{micro:06d}Z" if micro else f"{_ISO_SECOND[1]}Z"
 
 
 _PLAIN = frozenset({int, float, bool, type(None)})
+_printable = str.isprintable  # printable text has no control character, so no escape either
 
 
 def _cleaned(value: Any, depth: int = 0) -> Any:
@@ -176,14 +200,9 @@ def _cleaned(value: Any, depth: int = 0) -> Any:
 #: One encoder for every record: ``json.dumps`` with any argument (``default``) builds a new
 #: one per call, a fifth of a record's cost when 10,000 members change state in one sync.
 _ENCODER = json.JSONEncoder(default=str)
-_FRONT = ("ts", "t", "event", "machine", "member", "from", "to", "trigger")
-
-
-def _dumps(obj: Any) -> str:
-    # Order the keys so a human reading the raw file sees time, event and who first.
-    ordered = {k: obj[k] for k in _FRONT if k in obj}
-    ordered.update((k, v) for k, v in obj.items() if k not in ordered)
-    return _ENCODER.encode(ordered)
+#: The fields written first after ``ts``, ``t`` and ``event``, so a human reading the raw file
+#: sees time, event and who first.
+_FRONT_FIELDS = ("machine", "member", "from", "to", "trigger")
 
 
 def as_records(trail: Any) -> list[dict[str, Any]]:

@@ -148,6 +148,7 @@ class StateMachine:
         self.audit = audit if audit is not None else AuditTrail()
         self.clock = clock if clock is not None else LoopClock()
         self.identity: dict[str, Any] = {"member": member, "role": role, "rank": rank, **identity}
+        self._recorded = {k: v for k, v in self.identity.items() if v is not None}  # what every record carries
         self.budgets = budgets if budgets is not None else {}
         #: The membership version the machine's records are stamped with (set by the runtime).
         self.group_version = 0
@@ -200,6 +201,7 @@ class StateMachine:
     def bind(self, **identity: Any) -> None:
         """Add identity fields to every later record (``pid``, ``node`` once known)."""
         self.identity.update(identity)
+        self._recorded = {k: v for k, v in self.identity.items() if v is not None}
 
     def listen(self, callback: Callable[[StateMachine, str, str, str], None]) -> None:
         """Call ``callback(machine, src, dest, trigger)`` after every transition (the runtime
@@ -391,7 +393,7 @@ class StateMachine:
         self.audit.record(
             event,
             machine=self.spec.name,
-            **{k: v for k, v in self.identity.items() if v is not None},
+            **self._recorded,
             group_version=self.group_version,
             weights_version=self.weights_version,
             **fields,
