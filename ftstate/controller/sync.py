@@ -73,7 +73,9 @@ class SyncReport:
     #: Memory the transport used beside the rollouts' own weights, in bytes (``docs/benchmarks.md``):
     #: staging_bytes: each rollout's peak during this sync (the staging buffer the version landed
     #: in plus the committed copy it kept meanwhile); node_staging_bytes: the same summed by node
-    #: (Ray node id); held_bytes: what each rollout keeps after it (0 for a rollout whose engine
+    #: (Ray node id), plus, with ``staging: node``, that node's copies during the sync (the
+    #: incoming version's, and the committed one it kept meanwhile where the node had one: 2x
+    #: the weights, counted once per node whatever the number of rollouts); held_bytes: what each rollout keeps after it (0 for a rollout whose engine
     #: gives its weights back through ``held_weights()``: the engine's copy is the only one).
     staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     node_staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -92,11 +94,14 @@ class SyncReport:
 
 
 def memory_fields(rollouts: Sequence[Member], staging: Mapping[str, int], held: Mapping[str, int],
-                  device: Mapping[str, int] | None = None) -> dict[str, Any]:
+                  device: Mapping[str, int] | None = None,
+                  node_copies: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The memory fields of a :class:`SyncReport` (and of the group's ``sync_done`` record) from
     what each rollout reported: peak staging per rollout and per node, what each keeps, and the
-    device bytes of each one that loaded by parts (only the ``rollouts`` given: those that loaded)."""
-    nodes: dict[str, int] = {}
+    device bytes of each one that loaded by parts (only the ``rollouts`` given: those that loaded).
+    ``node_copies``: the bytes each node's copies took during the sync (``staging: node``), added
+    to that node's staging."""
+    nodes: dict[str, int] = dict(node_copies or {})
     for m in rollouts:
         if m.name in staging:
             key = m.node_id or m.node or "?"
@@ -182,6 +187,7 @@ class WeightSync:
         relaying: dict[str, int] = {}  # relay name -> its node agent's pid (staging: node)
         staging: dict[str, int] = {}
         node_copies: dict[str, dict[str, Any]] = {}
+        had_copy = set(copies.committed) if copies is not None else set()  # nodes that keep one meanwhile
         try:
             async with group.deadline_scope():
                 if copies is not None:  # staging: node, on the trainer's node and every relay's
@@ -233,7 +239,8 @@ class WeightSync:
                               members=[n for n in plan.routes if routes[n] != plan.routes[n]])
         ms.committed(target, sent["checksum"])
         memory = memory_fields([m for m in rollouts if m.name not in not_loaded], staging, self.held_bytes,
-                               self.device_bytes)
+                               self.device_bytes,
+                               {n: c["nbytes"] * (2 if n in had_copy else 1) for n, c in node_copies.items()})
         await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"], **memory_record(memory),
                          **({"node_copy_bytes": {n[:8]: c["nbytes"] for n, c in node_copies.items()}}
                             if node_copies else {}))

@@ -111,6 +111,10 @@ class TestOneCopyPerNode:
                 assert copy["segment"] == at_rest[-1]
                 assert copy["nbytes"] == (shm.SHM_DIR / at_rest[-1]).stat().st_size >= report.nbytes
                 assert copy["recycled"] is (spare and step == 2), (step, copy)
+                # the node's peak staging: its copies, once for the node (no rollout stages
+                # privately): the incoming one, and from the second sync the committed one kept
+                assert report.node_staging_bytes == {node: copy["nbytes"] * (2 if step else 1)}, step
+                assert set(report.staging_bytes.values()) == {0}
             assert report.routes == {"rollout-0": "shm", "rollout-1": "shm"} and report.shm_fallback is None
             assert len(set(committed_copies(rt))) == 3  # each version under a name of its own
         assert node_copies() == []
