@@ -6,12 +6,14 @@ node copy in ``/dev/shm`` it owns, served by :func:`ftstate.transport.nodecopy.s
 Process 1 is the newcomer. Every round runs, in turn: ``raw`` (a bare ``ProcessGroupGloo``
 send/recv of the same bytes, the floor), ``gloo`` (today's point-to-point resync from a
 rollout: manifest, buckets, checksums, vote, into the newcomer's staging) and ``p2p`` (the
-node copy served by its owner over one socket, received into a private buffer and proven by
-the whole-state checksum). Median seconds over the measured rounds; ``gloo/p2p`` >= 1 means
+node copy served by its owner over one socket, received into the newcomer's staging and proven
+by the whole-state checksum). ``--reserve``: the newcomer is a prewarmed spare, whose receiver
+reserved (and touched) its staging before the transfer (``Receiver.reserve``, what the runtime's
+spares do), for both routes; without it both receive into fresh memory. Median seconds over the measured rounds; ``gloo/p2p`` >= 1 means
 the node copy's route is no slower than today's. The checksum each newcomer computed is
 compared with the holder's every round.
 
-    python benchmarks/nodecopy_p2p.py [--sizes 64,256] [--bucket-mb 64] [--reps 3]
+    python benchmarks/nodecopy_p2p.py [--sizes 64,256] [--bucket-mb 64] [--reps 3] [--reserve]
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], pipe: Any, results:
         checks: list[bool] = []
         for rnd in range(args["warmup"] + args["reps"]):
             for kind in KINDS:
+                newcomer = Receiver()
+                if idx == 1 and args["reserve"]:  # a prewarmed spare: its staging reserved while it waited
+                    newcomer.reserve(int(size * MiB * 1.02) + bucket, torch.device("cpu"))
                 comm.barrier(timeout_s=60)
                 t0 = time.perf_counter()
                 if kind == "raw":
@@ -78,14 +83,14 @@ def _worker(idx: int, store_addr: str, args: dict[str, Any], pipe: Any, results:
                     if idx == 0:
                         sender.send_to(comm, 1, weights, weights_version=1, timeout_s=120)
                     else:
-                        got = Receiver().receive_from(comm, 0, timeout_s=120)
+                        got = newcomer.receive_from(comm, 0, timeout_s=120)
                 elif idx == 0:
                     served = nodecopy.serve(node.name, host="127.0.0.1", timeout_s=120)
                     pipe.send({**served, "name": node.name, "owner": os.getpid(), "checksum": checksum})
                     pipe.recv()  # the newcomer is done
                 else:
                     served = pipe.recv()
-                    got = nodecopy.fetch(Receiver(), served, name=served["name"], group="bench-p2p",
+                    got = nodecopy.fetch(newcomer, served, name=served["name"], group="bench-p2p",
                                          owner=served["owner"], weights_version=1, checksum=served["checksum"],
                                          timeout_s=120)
                     pipe.send(True)
@@ -108,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size in MiB (config bucket_size_mb)")
     parser.add_argument("--reps", type=int, default=3, help="measured rounds")
     parser.add_argument("--warmup", type=int, default=1, help="uncounted rounds")
+    parser.add_argument("--reserve", action="store_true", help="the newcomer reserved its staging first (a prewarmed spare)")
     ns = parser.parse_args(argv)
     from ftstate.transport import StoreServer, state_checksum
 
     sizes = [int(s) for s in ns.sizes.split(",") if s]
-    args = {"sizes": sizes, "bucket_mb": ns.bucket_mb, "reps": ns.reps, "warmup": ns.warmup,
+    args = {"sizes": sizes, "bucket_mb": ns.bucket_mb, "reps": ns.reps, "warmup": ns.warmup, "reserve": ns.reserve,
             "expected": {s: state_checksum(make_weights(s)) for s in sizes}}
     load_before = os.getloadavg()[0]
     server = StoreServer("127.0.0.1")
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             if p.is_alive():
                 p.kill()
     print(f"# load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}; bucket {ns.bucket_mb:g} MiB; "
-          f"medians over {ns.reps} rounds, seconds")
+          f"medians over {ns.reps} rounds, seconds; newcomer's staging {'reserved' if ns.reserve else 'fresh'}")
     print("| MiB | raw gloo | today (gloo p2p from a rollout) | node copy p2p | gloo/p2p | p2p/raw | checksums |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for size in sizes:

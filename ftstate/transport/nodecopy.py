@@ -398,24 +398,38 @@ def serve(name: str, *, host: str, timeout_s: float) -> dict[str, object]:
 def fetch(receiver: Receiver, served: dict, *, name: str, group: str, owner: int, weights_version: int,
           checksum: str, timeout_s: float) -> CommittedWeights:
     """A newcomer on a node without the committed node copy: receive node copy ``name`` from
-    the agent that :func:`serve` d it (``served``: its address and token) into a private
-    buffer, then commit it into ``receiver`` only if it is ``weights_version`` with checksum
-    ``checksum``, as :func:`adopt` does. The whole transfer is bounded by ``timeout_s``
-    (``sync_timeout_s``): :class:`SyncTimeout` past it, :class:`TransportError` when the
-    connection fails or ends early, :class:`ManifestError` / :class:`ChecksumMismatch` for
-    bytes that are not that version; on any of them ``receiver`` keeps what it held."""
+    the agent that :func:`serve` d it (``served``: its address and token), then commit it
+    into ``receiver`` only if it is ``weights_version`` with checksum ``checksum``, as
+    :func:`adopt` does. The header and manifest come first; the data lands straight in the
+    receiver's staging (:meth:`Receiver._staging`: the spare a prewarmed spare reserved,
+    its pages already touched, else fresh memory), so a newcomer pays no page fault it paid
+    before. The whole transfer is bounded by ``timeout_s`` (``sync_timeout_s``):
+    :class:`SyncTimeout` past it, :class:`TransportError` when the connection fails or ends
+    early, :class:`ManifestError` / :class:`ChecksumMismatch` for bytes that are not that
+    version; on any of them ``receiver`` keeps what it held."""
+    import ctypes
     import socket
     import time
 
     import torch
 
     from ftstate.core.errors import SyncTimeout, TransportError
-    from ftstate.transport.hostmem import host_buffer
 
     fields = _named(name, group=group, owner=owner)
     expected = int(served["nbytes"])
     deadline = time.monotonic() + timeout_s
     what = f"point-to-point resync from node copy {name!r} at {served['host']}:{served['port']}"
+
+    def recv_into(conn: socket.socket, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+            n = conn.recv_into(view[got:])
+            if n == 0:
+                raise TransportError(f"{what}: the connection ended after {got} of {len(view)} bytes")
+            got += n
+
+    staging: tuple[torch.Tensor, int] | None = None
     try:
         with socket.create_connection((str(served["host"]), int(served["port"])), timeout=timeout_s) as conn:
             conn.sendall(str(served["token"]).encode())
@@ -423,25 +437,30 @@ def fetch(receiver: Receiver, served: dict, *, name: str, group: str, owner: int
             if size != expected or size < HEADER_BYTES:
                 raise ManifestError(f"{what}: the agent sends {size} bytes, it announced {expected}",
                                     field="node_copy")
-            buf = host_buffer(size)  # huge pages, not zeroed first (a bytearray faults and zeroes each page)
-            view, got = memoryview(buf), 0
-            while got < size:
-                conn.settimeout(max(deadline - time.monotonic(), 0.001))
-                n = conn.recv_into(view[got:])
-                if n == 0:
-                    raise TransportError(f"{what}: the connection ended after {got} of {size} bytes")
-                got += n
-    except TimeoutError as exc:
-        raise SyncTimeout(what, key="sync_timeout_s", seconds=timeout_s) from exc
-    except OSError as exc:
-        raise TransportError(f"{what}: {exc}") from exc
-    gv, _own, _wpid, _wv, mlen, dlen = _read_header(buf, name, size, version=fields["version"], owner=owner,
-                                                     writer=None)
-    manifest = bytes(buf[_FIXED.size : _FIXED.size + mlen])
-    flat = torch.frombuffer(buf, dtype=torch.uint8, offset=_data_offset(mlen), count=dlen) if dlen else \
-        torch.empty(0, dtype=torch.uint8)
-    return _commit_proven(receiver, name, manifest, flat, group=group, group_version=gv,
-                          weights_version=weights_version, checksum=checksum, mapped=False)
+            head = bytearray(_FIXED.size)
+            recv_into(conn, memoryview(head))
+            gv, _own, _wpid, _wv, mlen, dlen = _read_header(head, name, size, version=fields["version"], owner=owner,
+                                                             writer=None)
+            rest = bytearray(_data_offset(mlen) - _FIXED.size)  # the manifest and the header page's padding
+            recv_into(conn, memoryview(rest))
+            manifest = bytes(rest[:mlen])
+            flat = torch.empty(0, dtype=torch.uint8)
+            if dlen:  # the staging's own bytes, written in place by the socket
+                staging = receiver._staging(dlen, torch.device("cpu"))
+                flat = staging[0][:dlen]
+                recv_into(conn, memoryview((ctypes.c_ubyte * dlen).from_address(flat.data_ptr())).cast("B"))
+            if trailing := size - _data_offset(mlen) - dlen:
+                recv_into(conn, memoryview(bytearray(trailing)))
+        return _commit_proven(receiver, name, manifest, flat, group=group, group_version=gv,
+                              weights_version=weights_version, checksum=checksum, mapped=False)
+    except BaseException as exc:
+        if staging is not None:  # whatever landed there is not committed: the buffer stays the receiver's spare
+            receiver._spare = staging
+        if isinstance(exc, TimeoutError):
+            raise SyncTimeout(what, key="sync_timeout_s", seconds=timeout_s) from exc
+        if isinstance(exc, OSError):
+            raise TransportError(f"{what}: {exc}") from exc
+        raise
 
 
 def _recv_exact(conn: object, n: int) -> bytes:

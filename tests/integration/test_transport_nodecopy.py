@@ -280,3 +280,34 @@ class TestPointToPoint:
         finally:
             node.unlink()
             node.close()
+
+    def test_a_prewarmed_newcomer_receives_into_its_reserved_staging_and_keeps_it_when_a_fetch_fails(self):
+        """A spare reserved (and touched) its staging while it waited; the copy lands in those
+        very pages (no fresh memory on the resync's path), and a fetch that fails (the wrong
+        version's checksum) leaves the receiver its committed version and the spare."""
+        import torch
+
+        from benchmarks.nodecopy_p2p import _node_copy
+        from ftstate.core.errors import ChecksumMismatch
+        from ftstate.transport import Receiver, state_checksum
+
+        weights = {"a": torch.arange(3 << 20, dtype=torch.float32), "b": torch.ones(77, dtype=torch.bfloat16)}
+        node = _node_copy(weights, 4 << 20)
+        try:
+            newcomer = Receiver()
+            newcomer.reserve(16 << 20, torch.device("cpu"))
+            reserved = newcomer._spare[0].data_ptr()
+            served = nodecopy.serve(node.name, host="127.0.0.1", timeout_s=SYNC_S)
+            with pytest.raises(ChecksumMismatch, match="kept what this member held"):
+                nodecopy.fetch(newcomer, served, name=node.name, group="bench-p2p", owner=OWNER, weights_version=1,
+                               checksum="0" * 16, timeout_s=SYNC_S)
+            assert newcomer.committed is None and newcomer._spare[0].data_ptr() == reserved
+            served = nodecopy.serve(node.name, host="127.0.0.1", timeout_s=SYNC_S)
+            got = nodecopy.fetch(newcomer, served, name=node.name, group="bench-p2p", owner=OWNER,
+                                 weights_version=1, checksum=state_checksum(weights), timeout_s=SYNC_S)
+            assert got._flat.data_ptr() == reserved  # the reserved pages, not a fresh buffer
+            assert got.state_checksum == state_checksum(weights)
+            assert all(torch.equal(got.tensors[k], v) for k, v in weights.items())
+        finally:
+            node.unlink()
+            node.close()
