@@ -134,7 +134,10 @@ class WorkerHost:
         if self._init_error is not None:
             raise self._init_error
         node, node_id = _where()
-        return {"pid": os.getpid(), "node": node, "node_id": node_id, "member": self.member, "role": self.role}
+        # holds_weights: a rollout whose engine gives its weights back (held_weights()): it keeps
+        # no copy of its own, which the sync's plan reads (a lone one stages privately)
+        return {"pid": os.getpid(), "node": node, "node_id": node_id, "member": self.member, "role": self.role,
+                "holds_weights": self.role == "rollout" and self._has_held_hook()}
 
     async def heartbeat(self, prove: bool = False, forged: bool = False) -> dict[str, Any]:
         """Progress, busy, and the weights version and checksum held committed. ``prove`` (the

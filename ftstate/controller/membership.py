@@ -82,6 +82,7 @@ class Member:
     node: str | None = None
     node_id: str | None = None
     reserved_bytes: int = 0
+    holds_weights: bool = False
 
     @property
     def gone(self) -> bool:
@@ -95,6 +96,7 @@ class Member:
         """Record where its process runs (from its ``info``/``prewarm`` answer); every later
         audit record of its machine carries them."""
         self.pid, self.node, self.node_id = info["pid"], info["node"], info.get("node_id")
+        self.holds_weights = bool(info.get("holds_weights", False))
         self.machine.bind(pid=self.pid, node=self.node, node_id=self.node_id)
 
 

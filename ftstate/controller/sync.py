@@ -224,6 +224,8 @@ class WeightSync:
                 ms.current(target, sent["checksum"])  # the vote: current from here on
                 if owner is not None:
                     await self._keep_node_copy(trainer.node_id, sent, target, sent["checksum"], node_copies)
+                elif copies is not None and trainer.node_id in copies.committed:
+                    await copies.forget(trainer.node_id)  # staged privately this time: the older copy goes
                 for m in rollouts:
                     if m.name in relaying:
                         await self._keep_node_copy(m.node_id, staged[m.name], target, sent["checksum"], node_copies)
@@ -269,10 +271,18 @@ class WeightSync:
     async def _node_copy_owners(self, trainer: Member, rollouts: Sequence[Member],
                                 plan: Plan) -> tuple[int | None, dict[str, int]]:
         """``staging: node``: the pid of the agent owning the trainer's node's copy (None: no
-        rollout reads there, or no agent to be had) and of each relay's node's."""
+        rollout reads there, a lone rollout there whose engine holds its weights, or no agent
+        to be had) and of each relay's node's.
+
+        A lone rollout that holds its weights (``held_weights()``) stages privately: as atomic
+        (its staging is voted on before anything loads), and it keeps nothing beside its engine
+        at rest and 1x the weights during the sync, where a node copy would keep 1x at rest and
+        2x during it (``benchmarks/memory.py``); its node's newcomers resync from its engine."""
         copies = self.node_copies
         assert copies is not None
-        owner = await copies.owner(trainer.node_id) if plan.same_host_ranks else None
+        lone_holder = len(plan.same_host_ranks) == 1 and all(
+            m.holds_weights for m in rollouts if m.rank in plan.same_host_ranks)
+        owner = await copies.owner(trainer.node_id) if plan.same_host_ranks and not lone_holder else None
         relaying: dict[str, int] = {}
         for m in rollouts:
             if m.name in plan.relays:

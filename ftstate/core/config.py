@@ -333,8 +333,9 @@ class RuntimeConfig:
         "fresh allocation of the weights' size per sync (/dev/shm must hold two copies) and a "
         "small actor per node that owns the copy. On another node with several rollouts the relay "
         "receives the version into that node's copy and its peers verify it in place, the same "
-        "way. A lone rollout on another node, several trainer ranks, and a node that cannot get "
-        "a node copy (no room, weights on a GPU, the node's agent unreachable) stage privately "
+        "way. A lone rollout on another node, a lone rollout on the trainer's node whose engine holds its "
+        "weights (held_weights(): as atomic, and nothing beside its engine at rest, 1x during the sync), "
+        "several trainer ranks, and a node that cannot get a node copy (no room, weights on a GPU, the node's agent unreachable) stage privately "
         "(that sync; the audit trail records why: shm_fallback, node_copy_fallback). Needs "
         "shared_memory auto or require.",
     )

@@ -120,6 +120,34 @@ class TestOneCopyPerNode:
         assert node_copies() == []
         assert check_trail(tmp_path / "audit.jsonl") == []
 
+    async def test_a_lone_rollout_whose_engine_holds_its_weights_stages_privately_and_two_share_one_copy(
+            self, ray_cluster, tmp_path, swept):
+        """One rollout on the node that gives its weights back (held_weights()) gains nothing
+        from a node copy (1x at rest, 2x during the sync, against nothing and 1x staging it
+        privately, just as atomic): none is made. Two on the node share one."""
+        from tests.integration.workers import HeldResidentRollout
+
+        floats = (1 << 20) // 4
+        for rollouts in (1, 2):
+            cfg = config(tmp_path / str(rollouts), staging="node", rollout_workers=rollouts)
+            rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=HeldResidentRollout,
+                                 trainer_kwargs={"big_floats": floats}, rollout_kwargs={"big_floats": floats})
+            async with swept(rt):
+                for _ in range(2):
+                    await rt.trainer("train_step")
+                    report = await rt.sync()
+                    assert await rt.rollout("checksum") == [await rt.trainer("checksum")] * rollouts
+                    assert report.routes == {f"rollout-{i}": "shm" for i in range(rollouts)}
+                    if rollouts == 1:  # its private staging, once; it keeps nothing after the load
+                        assert report.node_copies == {} and node_copies() == [], node_copies()
+                        assert list(report.node_staging_bytes.values()) == [report.staging_bytes["rollout-0"]]
+                        assert report.staging_bytes["rollout-0"] >= report.nbytes
+                        assert report.held_bytes == {"rollout-0": 0}
+                    else:
+                        assert len(report.node_copies) == 1 and node_copies() == committed_copies(rt)[-1:]
+                        assert set(report.staging_bytes.values()) == {0}
+            assert node_copies() == []
+
     async def test_a_damaged_bucket_fails_the_sync_and_no_rollout_loads_anything(self, ray_cluster, tmp_path, swept):
         async with swept(runtime(config(tmp_path, staging="node"))) as rt:
             v1, kept = await synced_once(rt)
