@@ -198,7 +198,7 @@ class Runtime:
                 raise ConfigError("backend", f"{config.backend}: several trainer ranks run on gloo only")
         self.config = config
         self.run_id = run_id or uuid.uuid4().hex[:8]
-        self.audit = audit if audit is not None else AuditTrail(config.audit_log)
+        self.audit = audit if audit is not None else AuditTrail(config.audit_log, keep=config.audit_records_kept)
         self._classes: dict[str, type] = {"trainer": trainer, "rollout": rollout}
         self._args = {"trainer": (tuple(trainer_args), dict(trainer_kwargs or {})),
                       "rollout": (tuple(rollout_args), dict(rollout_kwargs or {}))}

@@ -86,8 +86,10 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
 class AuditTrail:
     """Appends records to a JSON-lines file (or only to memory when ``path`` is None).
 
-    path: the file; its parent folders are created. keep: also keep every record in
-    ``self.records`` (the runtime's report and the tests read them). clock: a monotonic
+    path: the file; its parent folders are created. keep: also keep records in ``self.records``
+    (the tests and the views read them): True every one, False or 0 none, an int N the latest N
+    at least (the list is cut back to N once it holds 2N, so memory stays bounded for a run of
+    any length: a 10,000-member sync writes 20,000 records; ``audit_records_kept``). clock: a monotonic
     clock in seconds for the ``t`` field (injected by tests). wall_clock: epoch seconds for
     the ``ts`` field (default: the real wall clock; a simulation passes its virtual one, so a
     seeded run writes the same trail byte for byte).
@@ -97,13 +99,15 @@ class AuditTrail:
         self,
         path: str | os.PathLike[str] | None = None,
         *,
-        keep: bool = True,
+        keep: bool | int = True,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self.path = Path(path) if path is not None else None
         self.records: list[dict[str, Any]] = []
-        self._keep = keep
+        self._keep = bool(keep)
+        #: Past twice this many records, ``records`` is cut back to the latest this many (None: never).
+        self._kept = None if keep is True or not keep else int(keep)
         self._clock = clock
         self._t0 = clock()
         self._file: IO[str] | None = None
@@ -148,6 +152,8 @@ class AuditTrail:
                 rec.setdefault("detail", rest.strip())
         if self._keep:
             self.records.append(rec)
+            if self._kept is not None and len(self.records) >= 2 * self._kept:
+                del self.records[: len(self.records) - self._kept]
         if self._file is not None:
             self._file.write(_ENCODER.encode(rec) + "\n")
             self._file.flush()

@@ -383,7 +383,15 @@ class RuntimeConfig:
         None, "Ray cluster address to join (e.g. 'auto' or 'ray://head:10001'); none starts a local cluster."
     )
     audit_log: str | None = _field(
-        None, "Path of the JSON-lines audit trail; none keeps it in memory only."
+        None, "Path of the JSON-lines audit trail; none keeps it in memory only (the latest "
+        "audit_records_kept records)."
+    )
+    audit_records_kept: int = _field(
+        50_000, "Audit records the runtime keeps in memory (Runtime.audit.records, what the tests and "
+        "views read), the latest ones: the list is cut back to this many once it holds twice as many, so "
+        "a run of any length holds at most 2x this many (a record is about 1 KB; a sync writes about "
+        "two per member: 20,000 at 10,000 members). The audit_log file keeps every record. 0: none.",
+        ge=0,
     )
     init_timeout_s: float = _field(
         600.0,

@@ -348,6 +348,34 @@ class TestAudit:
         assert [(r["from"], r["to"]) for r in records] == [("INIT", "RENDEZVOUS"), ("RENDEZVOUS", "READY")]
         assert all("ts" in r and "t" in r for r in records)
 
+    def test_a_bounded_trail_keeps_the_latest_records_in_memory_and_every_one_in_its_file(self, tmp_path):
+        from ftstate.core.audit import read_trail
+
+        path = tmp_path / "trail.jsonl"
+        with AuditTrail(path, keep=5) as trail:
+            lengths = []
+            for i in range(23):
+                trail.record("tick", n=i)
+                lengths.append(len(trail.records))
+            assert max(lengths) < 10 and trail.records[-1]["n"] == 22  # never past 2x, the latest last
+            assert [r["n"] for r in trail.records] == list(range(23 - len(trail.records), 23))
+            assert len(trail.records) >= 5
+        assert [rec["n"] for _, rec in read_trail(path)] == list(range(23))  # the file has them all
+        unbounded = AuditTrail(keep=True)
+        for i in range(23):
+            unbounded.record("tick", n=i)
+        assert len(unbounded.records) == 23 and AuditTrail(keep=0).records == []
+
+    def test_the_runtime_bounds_its_records_by_its_setting(self):
+        from ftstate import RolloutWorker, RuntimeConfig, TrainerWorker
+        from ftstate.controller.runtime import Runtime
+
+        cfg = RuntimeConfig.from_dict({"audit_records_kept": 4}, environ={})
+        trail = Runtime(cfg, trainer=TrainerWorker, rollout=RolloutWorker).audit  # built, never started
+        for i in range(20):
+            trail.record("tick", n=i)
+        assert 4 <= len(trail.records) < 8 and trail.records[-1]["n"] == 19
+
 
 class TestScale:
     def test_adding_machines_is_not_quadratic(self, clock):

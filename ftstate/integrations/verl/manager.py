@@ -130,7 +130,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
             )
         self.settings = EngineSettings.from_kwargs(config.engine_kwargs.get(BACKEND, {}))
         self.cfg = self.settings.runtime
-        self.audit = audit if audit is not None else AuditTrail(self.cfg.audit_log)
+        self.audit = audit if audit is not None else AuditTrail(self.cfg.audit_log, keep=self.cfg.audit_records_kept)
         #: Names this manager's run in every record it writes (as a Runtime's run id does).
         self.run_id = uuid.uuid4().hex[:8]
         self.audit.begin_run(self.run_id, integration="verl", replicas=len(replicas),
