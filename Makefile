@@ -34,10 +34,12 @@ $(VERL_STAMP): pyproject.toml
 	$(VERL_VENV)/bin/python -c "import torch; v = torch.__version__; assert v.startswith('2.13.0') and '+cpu' in v, f'verl replaced torch: {v}'"
 	touch $(VERL_STAMP)
 
-# verl's worker groups on a local Ray cluster (tests/verl, ~3 min; the venv once, ~1.5 min).
+# verl's worker groups on a local Ray cluster (tests/verl, ~3 min; the venv once, ~1.5 min), then
+# on a three-node cluster of this machine in a session of its own (tests/verl_multinode, ~1 min).
 # The project root first on PYTHONPATH: verl's wheel installs a top-level `tests` package.
 test-verl: $(VERL_STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PYTHONPATH=$(CURDIR) $(VERL_VENV)/bin/pytest -q tests/verl $(VERL_ARGS)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PYTHONPATH=$(CURDIR) $(VERL_VENV)/bin/pytest -q tests/verl_multinode $(VERL_ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
@@ -72,7 +74,7 @@ mutation-check: $(STAMP)
 # (3 raylets on 127.0.0.1, ~10 s to start). ARGS goes to the first, MULTINODE_ARGS to the second;
 # the verl and vLLM suites run first, each in its own venv (test-verl, VERL_ARGS; test-vllm, VLLM_ARGS).
 test: $(STAMP) lint install-check test-verl test-vllm
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --ignore=tests/multinode --ignore=tests/verl --ignore=tests/vllm $(ARGS)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --ignore=tests/multinode --ignore=tests/verl --ignore=tests/verl_multinode --ignore=tests/vllm $(ARGS)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q tests/multinode $(MULTINODE_ARGS)
 	$(MAKE) mutation-check
 

@@ -231,8 +231,8 @@ class RolloutWorker(CheckpointEngineWorker):
 
     def progress(self) -> dict[str, Any]:
         a = self.server_adapter
-        return {"pid": os.getpid(), "updates": a.updates, "in_update": a.in_update, "paused": a.paused,
-                **self.checkpoint_engine.describe()}
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "updates": a.updates,
+                "in_update": a.in_update, "paused": a.paused, **self.checkpoint_engine.describe()}
 
     def yielded(self) -> list[tuple[str, str]]:
         """(name, sha256) of every tensor the engine yielded in the last update, in order."""
@@ -303,10 +303,16 @@ def rollout_config(ce: CheckpointEngineConfig) -> RolloutConfig:
 
 
 def rollout_replicas(model_path: str, ce: CheckpointEngineConfig, *, replicas: int = 2,
-                     prefix: str | None = None) -> tuple[RayWorkerGroup, list[LocalReplica]]:
+                     prefix: str | None = None,
+                     nodes: list[int] | None = None) -> tuple[RayWorkerGroup, list[LocalReplica]]:
+    """``replicas`` rollout replicas of one worker each; ``nodes``: verl's ``process_on_nodes``
+    instead (one placement group per entry, each packed on one node: ``[2, 2]`` is 2 rollouts
+    on each of two nodes where no node has room for two groups)."""
     model_config = HFModelConfig(path=model_path, load_tokenizer=True)
     rc = rollout_config(ce)
-    pool = RayResourcePool([replicas], use_gpu=False, max_colocate_count=1, name_prefix=prefix)
+    if nodes is not None:
+        replicas = sum(nodes)
+    pool = RayResourcePool(nodes or [replicas], use_gpu=False, max_colocate_count=1, name_prefix=prefix)
     cls = RayClassWithInitArgs(cls=ray.remote(RolloutWorker), rollout_config=rc, model_config=model_config)
     wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, name_prefix=prefix)
     wg.ftstate_pool = pool
