@@ -132,8 +132,8 @@ MUTATIONS = (
     Mutation(
         "tags not checked",
         "a message whose MAC does not verify (store value, zmq signal, gloo message, vote) is never acted on",
-        (Edit("ftstate/transport/auth.py", "    if problem is not None:\n        record_forged(",
-              "    if problem is not None and False:\n        record_forged("),),
+        (Edit("ftstate/transport/auth.py", "    if problem is not None:\n        if record:\n",
+              "    if problem is not None and False:\n        if record:\n"),),
         ("tests/unit/test_auth.py",
          "tests/integration/test_transport_security.py::TestAuthenticated::"
          "test_a_manifest_from_a_member_without_the_secret_is_refused_before_it_is_decoded"),
