@@ -127,6 +127,7 @@ class Router:
 
     async def _with_failover(self, fn: Any, method: str, args: Any, kwargs: Any) -> Any:
         attempts = 0
+        waited_for_verdict = False
         ft = self.config.fault_tolerance
         while True:
             self.raise_if_failed()
@@ -134,6 +135,14 @@ class Router:
                 return await fn(method, args, kwargs)
             except MemberLost:
                 attempts += 1
+                if not ft.enable and not waited_for_verdict and self._trainer_suspect():
+                    # Without failover a suspect trainer is not lost yet: one that only missed a
+                    # heartbeat (a loaded host) is cleared within heartbeat_timeout_s, a hung one
+                    # declared LOST. The call is made again once, after that verdict (settle is
+                    # bounded by heartbeat_timeout_s plus an interval).
+                    waited_for_verdict = True
+                    await self.settle()
+                    continue
                 if not ft.enable or attempts > ft.max_failovers:
                     raise
                 # A suspect worker (its node may be gone) is either cleared or declared LOST
@@ -141,6 +150,9 @@ class Router:
                 await self.settle()
                 await self.recover()
                 self.audit.record("call_retry", method=method, attempt=attempts)
+
+    def _trainer_suspect(self) -> bool:
+        return any(m.machine.state == "SUSPECT" for m in self.membership.role("trainer"))
 
     async def _rollout_once(self, method: str, args: Any, kwargs: Any) -> list[Any]:
         self.raise_if_failed()
