@@ -224,8 +224,8 @@ class WeightSync:
                 ms.current(target, sent["checksum"])  # the vote: current from here on
                 if owner is not None:
                     await self._keep_node_copy(trainer.node_id, sent, target, sent["checksum"], node_copies)
-                elif copies is not None and trainer.node_id in copies.committed:
-                    await copies.forget(trainer.node_id)  # staged privately this time: the older copy goes
+                elif copies is not None:
+                    await copies.forget(trainer.node_id)  # staged privately this time: an older copy there goes
                 for m in rollouts:
                     if m.name in relaying:
                         await self._keep_node_copy(m.node_id, staged[m.name], target, sent["checksum"], node_copies)

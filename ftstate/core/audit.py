@@ -135,11 +135,9 @@ class AuditTrail:
                                "event": event}
         for key in _FRONT_FIELDS:
             if key in fields:
-                value = fields[key]
-                rec[key] = value if type(value) in _PLAIN or (type(value) is str and _printable(value)) \
-                    else _cleaned(value)
+                rec[key] = None  # its place in the line; its value comes in below
         for key, value in fields.items():
-            if key not in rec or key == "t":
+            if key != "ts":  # the wall clock's, always
                 rec[key] = value if type(value) in _PLAIN or (type(value) is str and _printable(value)) \
                     else _cleaned(value)
         if self.run is not None and "run" not in rec:

@@ -407,13 +407,13 @@ def fetch(receiver: Receiver, served: dict, *, name: str, group: str, owner: int
     :class:`SyncTimeout` past it, :class:`TransportError` when the connection fails or ends
     early, :class:`ManifestError` / :class:`ChecksumMismatch` for bytes that are not that
     version; on any of them ``receiver`` keeps what it held."""
-    import ctypes
     import socket
     import time
 
     import torch
 
     from ftstate.core.errors import SyncTimeout, TransportError
+    from ftstate.transport.checksum import host_bytes
 
     fields = _named(name, group=group, owner=owner)
     expected = int(served["nbytes"])
@@ -448,7 +448,7 @@ def fetch(receiver: Receiver, served: dict, *, name: str, group: str, owner: int
             if dlen:  # the staging's own bytes, written in place by the socket
                 staging = receiver._staging(dlen, torch.device("cpu"))
                 flat = staging[0][:dlen]
-                recv_into(conn, memoryview((ctypes.c_ubyte * dlen).from_address(flat.data_ptr())).cast("B"))
+                recv_into(conn, host_bytes(flat))
             if trailing := size - _data_offset(mlen) - dlen:
                 recv_into(conn, memoryview(bytearray(trailing)))
         return _commit_proven(receiver, name, manifest, flat, group=group, group_version=gv,
