@@ -57,7 +57,9 @@ SLACK_S = 0.015
 #: (the trainer's round, simulated at 55-60 ms, measured 0.040-0.067 s in most runs and 0.097
 #: and 0.126 s in about one of five, its transfer or its start delayed, every other figure within
 #: 25 %); another, independent comparison (a real run, calibrated and simulated again) tells that
-#: from a model that is wrong, which disagrees in each.
+#: from a model that is wrong, which disagrees in each. A comparison whose real run missed a
+#: heartbeat the simulated one did not (a stall past 0.2 s: :func:`machine_stalls`) is void and
+#: counts as one of these.
 ATTEMPTS = 3
 
 
@@ -166,6 +168,22 @@ def per_member(records: list[dict[str, Any]]) -> dict[str, list[tuple[Any, ...]]
     return out
 
 
+def machine_stalls(simulated: dict[str, list[tuple[Any, ...]]],
+                   real: dict[str, list[tuple[Any, ...]]]) -> dict[str, int]:
+    """The members whose events differ because the real run missed heartbeats the simulated one
+    did not (how many more), empty if none. A member the real machine starved past one heartbeat
+    interval (0.2 s) goes SUSPECT and back (CI saw the rollouts' first resync, while the two
+    spares imported torch on the 2 shared cores, go RESYNCING -> SUSPECT -> RESYNCED): the
+    simulation models no such stall, so that comparison is void and another is made. Events that
+    differ with no extra missed heartbeat are the model's fault, and fail the test at once."""
+    def missed(events: list[tuple[Any, ...]]) -> int:
+        return sum(1 for e in events if e[-1] == "heartbeat_missed")
+
+    return {m: missed(real.get(m, [])) - missed(simulated.get(m, []))
+            for m in sorted(set(simulated) | set(real))
+            if simulated.get(m) != real.get(m) and missed(real.get(m, [])) > missed(simulated.get(m, []))}
+
+
 def calibrated_costs(rt, measured: dict[str, Any]):
     """The simulation's costs that depend on this machine, from the real run (module docstring);
     ``receiver_s`` is fitted afterwards (:func:`simulate`)."""
@@ -192,10 +210,11 @@ def r_time(record: dict[str, Any]) -> float:
     return float(record["t"])
 
 
-async def compare(mn, tmp_path) -> tuple[dict[str, tuple[float, float]], Any]:
+async def compare(mn, tmp_path) -> tuple[dict[str, tuple[float, float]] | None, Any, dict[str, int] | None]:
     """One comparison: the scenario run for real, the simulation calibrated from it and run;
-    returns each predicted figure as (simulated, measured) and the calibrated costs. The audit
-    events per member must agree whatever the timings."""
+    returns each predicted figure as (simulated, measured), the calibrated costs, and None. The
+    audit events per member must agree whatever the timings, except where the real machine
+    stalled (:func:`machine_stalls`): then no figure is returned, and the stalls are."""
     import ftstate
     from ftstate.simulation import clock
     from ftstate.simulation.cluster import SimulatedCluster
@@ -226,7 +245,12 @@ async def compare(mn, tmp_path) -> tuple[dict[str, tuple[float, float]], Any]:
                          - first_rt.failovers[0].rerendezvous_s))
     srt, sim = await asyncio.to_thread(clock.run, simulated(costs))
     assert sim["node_lost"] == real["node_lost"]
-    assert per_member(srt.audit.records) == per_member(rt.audit.records)
+    simulated_events, real_events = per_member(srt.audit.records), per_member(rt.audit.records)
+    stalled = machine_stalls(simulated_events, real_events)
+    if stalled:  # the real machine stalled: this comparison says nothing, another is made
+        print(f"agreement: the real run missed heartbeats the simulation has no cause for: {stalled}")
+        return None, costs, stalled
+    assert simulated_events == real_events
     predicted = {"node loss to replaced": (sim["node_replaced_s"], real["node_replaced_s"])}
     for i, (s, r) in enumerate(zip(srt.failovers, rt.failovers, strict=True)):
         predicted[f"failover {i} ({r.lost})"] = (s.total_s, r.total_s)
@@ -236,7 +260,7 @@ async def compare(mn, tmp_path) -> tuple[dict[str, tuple[float, float]], Any]:
     for name, (s, r) in predicted.items():  # the figures, for `pytest -s` and the docs
         print(f"agreement: {name}: simulated {s:.3f} s, measured {r:.3f} s ({s / r - 1:+.0%})")
     print(f"agreement: calibrated {costs}")
-    return predicted, costs
+    return predicted, costs, None
 
 
 async def test_the_simulation_agrees_with_a_real_run(restore_nodes, tmp_path) -> None:
@@ -247,7 +271,10 @@ async def test_the_simulation_agrees_with_a_real_run(restore_nodes, tmp_path) ->
                 if name not in restore_nodes.alive():
                     restore_nodes.add(name)
         (tmp_path / f"attempt{attempt}").mkdir()
-        predicted, costs = await compare(restore_nodes, tmp_path / f"attempt{attempt}")
+        predicted, costs, stalled = await compare(restore_nodes, tmp_path / f"attempt{attempt}")
+        if stalled:
+            offs.append(f"attempt {attempt}: void, the real run missed heartbeats (members: {stalled})")
+            continue
         off = {k: (s, r) for k, (s, r) in predicted.items() if abs(s - r) > max(TOLERANCE * r, SLACK_S)}
         if not off:
             return
