@@ -58,6 +58,16 @@ def load_nccl() -> Any:
         from cupy.cuda import nccl
     except ImportError as exc:
         raise BackendUnavailable(f"the nccl backend needs cupy, which cannot be imported here ({exc}); {_INSTALL}") from exc
+    if not getattr(nccl, "available", True):
+        # cupy imports its NCCL wrapper even where the NCCL library cannot be loaded (it only
+        # warns and sets ``available = False``): the wrapper then has no NcclCommunicator.
+        missing = "the nccl backend needs the NCCL library, which cupy cannot load here"
+        fix = "install the NCCL wheel for cupy's CUDA version (e.g. nvidia-nccl-cu12)"
+        try:
+            import cupy_backends.cuda.libs.nccl  # noqa: F401 - raises the ImportError naming the library
+        except ImportError as exc:
+            raise BackendUnavailable(f"{missing} ({exc}); {fix}") from exc
+        raise BackendUnavailable(f"{missing} (cupy.cuda.nccl.available is False); {fix}")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cupy raises CUDARuntimeError when no driver/GPU is present
@@ -70,6 +80,27 @@ def load_nccl() -> Any:
             "(install a CUDA build of torch)"
         )
     return nccl
+
+
+def unique_id_bytes(uid: Any) -> bytes:
+    """The NCCL unique id as plain bytes, as it travels through the store: cupy >= 14 returns
+    bytes, cupy 13 a tuple of C ``char`` values (negative where ``char`` is signed)."""
+    return bytes(b & 0xFF for b in uid)
+
+
+def new_communicator(nccl: Any, world_size: int, uid: bytes, rank: int) -> Any:
+    """``nccl.NcclCommunicator(world_size, id, rank)`` (``ncclCommInitRank``: blocks until every
+    rank called it), with the id as this cupy takes it: bytes (cupy >= 14), or a tuple of C
+    ``char`` values (cupy 13: signed on x86, unsigned on Arm). Either refusal (TypeError, then
+    OverflowError) comes from converting the argument, before NCCL is called."""
+    try:
+        return nccl.NcclCommunicator(world_size, uid, rank)
+    except TypeError:
+        pass
+    try:
+        return nccl.NcclCommunicator(world_size, tuple(b - 256 if b > 127 else b for b in uid), rank)
+    except OverflowError:
+        return nccl.NcclCommunicator(world_size, tuple(uid), rank)
 
 
 class _NcclPending(Pending):
@@ -144,7 +175,7 @@ class NcclCommunicator(Communicator):
         join_version(store, group, version, rank, world_size, timeout_s)
         key = f"{version_prefix(group, version)}/nccl/unique_id"
         if rank == 0:
-            store.set(key, auth.sign(f"store {key}", "", 0, "run", msgpack.packb(list(nccl.get_unique_id()))))
+            store.set(key, auth.sign(f"store {key}", "", 0, "run", msgpack.packb(unique_id_bytes(nccl.get_unique_id()))))
         remaining = deadline - time.monotonic()
 
         def timeout(what: str, exc: BaseException | None = None) -> RendezvousTimeout:
@@ -166,12 +197,12 @@ class NcclCommunicator(Communicator):
         try:
             if opened is None:
                 raise ValueError("its tag does not verify")
-            uid = tuple(msgpack.unpackb(opened))
-            # NCCL's id is 128 bytes (cupy: a tuple of small ints); bounded, whatever the build says
-            if not 0 < len(uid) <= 1024 or not all(isinstance(b, int) and -128 <= b < 256 for b in uid):
-                raise ValueError("not a list of bytes")
+            uid = msgpack.unpackb(opened)
+            # NCCL's id is 128 bytes; bounded, whatever the build says
+            if not isinstance(uid, bytes) or not 0 < len(uid) <= 1024:
+                raise ValueError("not the id's bytes")
         except Exception as exc:  # a planted or truncated value: typed, naming the key
-            raise ManifestError(f"store value {key!r}: expected the NCCL unique id (a list of bytes), got "
+            raise ManifestError(f"store value {key!r}: expected the NCCL unique id (bytes), got "
                                 f"{raw[:40]!r}", field=key, peer=f"store key {key}") from exc
         box: dict[str, Any] = {}
 
@@ -180,7 +211,7 @@ class NcclCommunicator(Communicator):
                 import cupy
 
                 with cupy.cuda.Device(device.index):
-                    box["comm"] = nccl.NcclCommunicator(world_size, uid, rank)
+                    box["comm"] = new_communicator(nccl, world_size, uid, rank)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread and re-raised there
                 box["error"] = exc
 
@@ -273,4 +304,4 @@ class NcclCommunicator(Communicator):
             comm.abort()
 
 
-__all__ = ["NcclCommunicator", "load_nccl"]
+__all__ = ["NcclCommunicator", "load_nccl", "new_communicator", "unique_id_bytes"]

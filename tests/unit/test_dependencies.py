@@ -28,7 +28,7 @@ PACKAGE = ROOT / "ftstate"
 #: Import names this environment cannot map to a distribution, with the distribution that
 #: provides them: cupy (the ``gpu`` extra) is not installed in the dev venv, and any CUDA
 #: build of it (cupy-cuda11x, cupy-cuda12x, ...) is imported as plain ``cupy``.
-NOT_INSTALLED_HERE = {"cupy": "cupy-cuda12x", "verl": "verl", "vllm": "vllm", "transformers": "transformers",
+NOT_INSTALLED_HERE = {"cupy": "cupy-cuda12x", "cupy_backends": "cupy-cuda12x", "verl": "verl", "vllm": "vllm", "transformers": "transformers",
                       "tokenizers": "tokenizers"}
 
 #: Distributions needed at run time without being imported by name: why, where.
