@@ -3,9 +3,11 @@
 Skipped where ``torch.cuda.is_available()`` is false (this project's CPU machines: there
 tests/integration/test_device_buckets.py runs the same load with the GPU mocked by a counting
 stand-in). Here the engine's weights are allocated on ``cuda:0`` first; the load from the host
-version (as a node copy holds it) may then raise ``torch.cuda.max_memory_allocated`` by at most
-two buckets (the larger of the bucket and the largest tensor; plus the allocator's 512-byte
-rounding), leaves ``memory_allocated`` where it was, and the engine ends bit-equal to the host.
+version (as a node copy holds it) may then ask torch's allocator for at most two buckets more
+(``requested_bytes``; a bucket is the larger of ``bucket_bytes`` and the largest tensor), which
+the allocator may count as up to 1 MiB more each (``max_memory_allocated``: a cached block is
+not split for less), leaves ``memory_allocated`` where it was, and the engine ends bit-equal to
+the host.
 """
 
 from __future__ import annotations
@@ -35,12 +37,19 @@ def test_a_load_raises_device_memory_by_two_buckets_at_most_and_frees_them(bucke
             weights[n].copy_(t)
 
     torch.cuda.synchronize(dev)
-    base = torch.cuda.memory_allocated(dev)
+    stats = torch.cuda.memory_stats
+    base, asked = torch.cuda.memory_allocated(dev), stats(dev)["requested_bytes.all.current"]
     torch.cuda.reset_peak_memory_stats(dev)
     got = load_by_buckets(host, device=dev, bucket_bytes=bucket_mb * MiB, load=load)
     torch.cuda.synchronize(dev)
     largest = max(t.numel() * t.element_size() for t in host.values())
-    assert torch.cuda.max_memory_allocated(dev) - base <= 2 * max(bucket_mb * MiB, largest) + 2 * 512
+    bound = 2 * max(bucket_mb * MiB, largest)
+    # What the load asked the allocator for: two buckets at most.
+    assert stats(dev)["requested_bytes.all.peak"] - asked <= bound
+    # What the allocator counted: a block up to 1 MiB larger than asked is not split (the lent
+    # H200 counted 33 MiB for two 16 MiB buckets: one came from the 17 MiB left free in the
+    # segment of the 3 MiB "embed"), so up to 1 MiB more per bucket.
+    assert torch.cuda.max_memory_allocated(dev) - base <= bound + 2 * MiB
     assert got["device_bytes"] <= 2 * max(bucket_mb * MiB, largest)
     assert torch.cuda.memory_allocated(dev) == base
     assert state_checksum({n: t.cpu() for n, t in weights.items()}) == state_checksum(host)
