@@ -16,6 +16,7 @@ This module imports neither Ray nor torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 from collections.abc import Callable
@@ -98,7 +99,7 @@ class _ManualHandle:
         self.cancelled = True
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Deadline:
     """One armed deadline.
 
@@ -121,7 +122,9 @@ class Deadline:
     ) -> Deadline:
         now = clock.now()
         d = cls(state=state, key=key, seconds=seconds, armed_at=now, expires_at=now + seconds, entry=entry)
-        d._handle = clock.call_at(d.expires_at, lambda: on_expiry(entry))
+        # a partial, not a closure: one object, where a member's deadline lives as long as its
+        # state (10,000 of them through a sync at scale, promoted and walked by the collector)
+        d._handle = clock.call_at(d.expires_at, functools.partial(on_expiry, entry))
         return d
 
     def remaining(self, clock: Clock) -> float:

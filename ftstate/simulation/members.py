@@ -82,7 +82,9 @@ class Collective:
             return
         self.arrivals[rank] = (member, fut, outcome)
         member.collectives[self] = None
-        fut.add_done_callback(lambda f, m=member: self._left(m, f))
+        # a partial in the shared context, not a closure in a copied one: thousands of these
+        # live as long as the transfer does, and the collector promotes and walks them all
+        fut.add_done_callback(functools.partial(self._left, member), context=member.cluster.context)
         if len(self.arrivals) == self.expected:
             self.started_at = self.loop.time()
             self.loop.call_at(self.started_at + self.cost_s, self._finish)
@@ -321,28 +323,29 @@ class SimulatedMember:
 
     def _on_receive_weights(self, fut: asyncio.Future[Any], weights_version: int, src: int, timeout_s: float,
                             *planned: Any) -> None:
-        nbytes = self.cluster.costs.weights_bytes
+        self._broadcast(weights_version).arrive(self.rank, self, fut,
+                                                functools.partial(self._staged_weights, weights_version,
+                                                                  self.cluster.costs.weights_bytes))
 
-        def staged() -> dict[str, Any]:
-            self.staged = weights_version
-            self.progress += 1
-            return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version,
-                    "staging_bytes": nbytes, "node_copy": None}
-
-        self._broadcast(weights_version).arrive(self.rank, self, fut, staged)
+    def _staged_weights(self, weights_version: int, nbytes: int) -> dict[str, Any]:
+        self.staged = weights_version
+        self.progress += 1
+        return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version,
+                "staging_bytes": nbytes, "node_copy": None}
 
     def _on_commit_weights(self, fut: asyncio.Future[Any], weights_version: int) -> None:
-        def committed() -> dict[str, Any]:
-            if self.staged != weights_version:
-                exc = FTError(f"{self.name}: asked to commit weights version {weights_version} but staged "
-                              f"{'nothing' if self.staged is None else f'version {self.staged}'}")
-                raise RemoteError(exc, str(exc))
-            self.weights_version, self.checksum, self.staged = weights_version, checksum_of(weights_version), None
-            self.progress += 1
-            return {"checksum": self.checksum, "received": self.checksum, "weights_version": weights_version,
-                    "held_bytes": 0}
+        self._after(fut, self.cluster.costs.call_s + self.cluster.costs.load_s(),
+                    functools.partial(self._committed, weights_version))
 
-        self._after(fut, self.cluster.costs.call_s + self.cluster.costs.load_s(), committed)
+    def _committed(self, weights_version: int) -> dict[str, Any]:
+        if self.staged != weights_version:
+            exc = FTError(f"{self.name}: asked to commit weights version {weights_version} but staged "
+                          f"{'nothing' if self.staged is None else f'version {self.staged}'}")
+            raise RemoteError(exc, str(exc))
+        self.weights_version, self.checksum, self.staged = weights_version, checksum_of(weights_version), None
+        self.progress += 1
+        return {"checksum": self.checksum, "received": self.checksum, "weights_version": weights_version,
+                "held_bytes": 0}
 
     def _on_discard_weights(self, fut: asyncio.Future[Any]) -> None:
         self.staged = None
@@ -439,24 +442,23 @@ class SimulatedMember:
             self._after(fut, self.cluster.costs.call_s, _raiser(RemoteError(exc, str(exc))))
             return
         self.prepared = False
-        rank = self.rank
+        self._shards(weights_version).arrive(self.rank, self, fut,
+                                             functools.partial(self._sent_shards, weights_version, self.rank))
 
-        def sent() -> dict[str, Any]:
-            self.progress += 1
-            return {"checksum": self.part_checksum_of(weights_version, rank), "nbytes": self._part_bytes()}
-
-        self._shards(weights_version).arrive(self.rank, self, fut, sent)
+    def _sent_shards(self, weights_version: int, rank: int) -> dict[str, Any]:
+        self.progress += 1
+        return {"checksum": self.part_checksum_of(weights_version, rank), "nbytes": self._part_bytes()}
 
     def _on_receive_shards(self, fut: asyncio.Future[Any], weights_version: int, ownership: dict[str, Any],
                            timeout_s: float) -> None:
-        nbytes = self.cluster.costs.weights_bytes
+        self._shards(weights_version).arrive(self.rank, self, fut,
+                                             functools.partial(self._staged_shards, weights_version,
+                                                               self.cluster.costs.weights_bytes))
 
-        def staged() -> dict[str, Any]:
-            self.staged = weights_version
-            self.progress += 1
-            return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version}
-
-        self._shards(weights_version).arrive(self.rank, self, fut, staged)
+    def _staged_shards(self, weights_version: int, nbytes: int) -> dict[str, Any]:
+        self.staged = weights_version
+        self.progress += 1
+        return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version}
 
     def _on_note_weights(self, fut: asyncio.Future[Any], weights_version: int, checksum: str) -> None:
         self.weights_version, self.checksum = weights_version, checksum
@@ -525,9 +527,51 @@ class SimulatedLivenessAgent(SimulatedMember):
         else:
             self._after(fut, self.cluster.costs.call_s, answers)
 
+    def _on_ready(self, fut: asyncio.Future[Any]) -> None:
+        self._reply(fut, True)
+
     def _answers(self, handles: list[SimulatedMember], args: list[tuple[Any, ...]], timeout: float) -> list[Any]:
         now = self.cluster.loop.time()
         return [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
+
+
+class AgentBatch:
+    """The members' calls of one :meth:`~ftstate.simulation.cluster.SimulatedCluster.calls`: each
+    member's outcome as it ends, handed over in lists of those that ended since the last
+    (:meth:`next`). The agent is lost with its node: from then on it hands nothing over (its
+    members' outcomes stay with it), and its death, once its node is declared dead, fails the
+    batch with ``ActorDied``, as a real agent's reply does."""
+
+    __slots__ = ("agent", "ended", "left", "loop", "wake")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, agent: SimulatedMember, members: int) -> None:
+        self.loop = loop
+        self.agent = agent
+        self.left = members
+        self.ended: list[tuple[int, Any]] = []
+        self.wake: asyncio.Future[None] | None = None
+
+    def watch(self, j: int, fut: asyncio.Future[Any]) -> None:
+        fut.add_done_callback(functools.partial(self._ended, j), context=self.agent.cluster.context)
+
+    def _ended(self, j: int, fut: asyncio.Future[Any]) -> None:
+        self.ended.append((j, fut.exception() or fut.result()))
+        if self.wake is not None and not self.wake.done() and not self.agent.cut_off:
+            self.wake.set_result(None)
+
+    async def next(self) -> list[tuple[int, Any]]:
+        """The outcomes that ended since the last call, waiting for one if none did."""
+        while not self.ended or self.agent.cut_off:
+            self.wake = self.loop.create_future()
+            self.agent._pending[self.wake] = None  # failed with ActorDied when the agent dies
+            try:
+                await self.wake
+            finally:
+                self.agent._pending.pop(self.wake, None)
+                self.wake = None
+        ended, self.ended = self.ended, []
+        self.left -= len(ended)
+        return ended
 
 
 def _raiser(exc: BaseException) -> Callable[[], Any]:
@@ -593,4 +637,4 @@ class SimulatedStore:
         self._versions.clear()
 
 
-__all__ = ["Collective", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]
+__all__ = ["AgentBatch", "Collective", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]
