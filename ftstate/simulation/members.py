@@ -40,6 +40,10 @@ def checksum_of(weights_version: int) -> str:
     return f"sim-v{weights_version}"
 
 
+#: A member's calls kept for its death to fail are pruned of those that ended at this many.
+_PRUNE_AT = 16
+
+
 def _settle(fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
     if fut.done():
         return
@@ -75,16 +79,22 @@ class Collective:
         self.arrivals: dict[int, tuple[SimulatedMember, asyncio.Future[Any], Callable[[], Any]]] = {}
         self.started_at: float | None = None
         self.broken: str | None = None
+        self._by_future: dict[asyncio.Future[Any], SimulatedMember] = {}
+        self._on_done: Callable[[asyncio.Future[Any]], None] | None = None
 
     def arrive(self, rank: int, member: SimulatedMember, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
         if self.broken is not None:
             self.loop.call_at(self.loop.time() + self.detect_s, _fail, fut, self._peer_lost(member, self.broken))
             return
         self.arrivals[rank] = (member, fut, outcome)
+        self._by_future[fut] = member
         member.collectives[self] = None
-        # a partial in the shared context, not a closure in a copied one: thousands of these
-        # live as long as the transfer does, and the collector promotes and walks them all
-        fut.add_done_callback(functools.partial(self._left, member), context=member.cluster.context)
+        # one bound method for every arrival, in the shared context, not a closure each in a
+        # copied one: thousands of arrivals live as long as the transfer, promoted and walked by
+        # the collector
+        if self._on_done is None:
+            self._on_done = self._ended
+        fut.add_done_callback(self._on_done, context=member.cluster.context)
         if len(self.arrivals) == self.expected:
             self.started_at = self.loop.time()
             self.loop.call_at(self.started_at + self.cost_s, self._finish)
@@ -97,6 +107,9 @@ class Collective:
         for member, fut, outcome in list(self.arrivals.values()):
             member.collectives.pop(self, None)
             member.answer_later(fut, outcome)
+
+    def _ended(self, fut: asyncio.Future[Any]) -> None:
+        self._left(self._by_future[fut], fut)
 
     def _left(self, member: SimulatedMember, fut: asyncio.Future[Any] | None) -> None:
         # A participant's call ended: normal at the finish; before it, the collective breaks.
@@ -164,8 +177,12 @@ class SimulatedMember:
         if not self.alive:
             loop.call_at(now + self.cluster.costs.death_detect_s, _fail, fut, ActorDied(self.death or "dead"))
             return fut
+        # The calls a death fails: one answered leaves when it is (_settle); those that ended
+        # otherwise (failed, timed out) are dropped in bulk now and then, not each by a callback
+        # of its own (two more objects per call in flight, which the collector scans).
+        if len(self._pending) >= _PRUNE_AT:
+            self._pending = {f: None for f in self._pending if not f.done()}
         self._pending[fut] = None
-        fut.add_done_callback(self._forget, context=self.cluster.context)
         if timeout is not None:
             # The timer is left to fire on a call that was answered (it finds the future done):
             # cancelling it on the answer would keep a callback per call besides, and making
@@ -186,16 +203,18 @@ class SimulatedMember:
             handler(fut, *args)
         return fut
 
-    def _forget(self, fut: asyncio.Future[Any]) -> None:
-        self._pending.pop(fut, None)
-
     def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Callable[[], Any]) -> None:
         # Each answer takes its cost stretched by up to Costs.jitter (the cluster's seeded
         # draw): real answers trickle in, and code that is cheap only when they all arrive at
         # once (one wake-up for a whole batch) must not look cheap here.
         loop = self.cluster.loop
         seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
-        loop.call_at(max(loop.time(), self.up_at) + seconds, _settle, fut, outcome, context=self.cluster.context)
+        loop.call_at(max(loop.time(), self.up_at) + seconds, self._settle, fut, outcome,
+                     context=self.cluster.context)
+
+    def _settle(self, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+        self._pending.pop(fut, None)  # answered: no death can fail it any more
+        _settle(fut, outcome)
 
     def answer_later(self, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
         """Settle ``fut`` one call's time from now (a collective finished: its answer travels back)."""
@@ -542,7 +561,7 @@ class AgentBatch:
     members' outcomes stay with it), and its death, once its node is declared dead, fails the
     batch with ``ActorDied``, as a real agent's reply does."""
 
-    __slots__ = ("agent", "ended", "left", "loop", "wake")
+    __slots__ = ("agent", "ended", "left", "loop", "on_done", "position", "wake")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, agent: SimulatedMember, members: int) -> None:
         self.loop = loop
@@ -550,12 +569,15 @@ class AgentBatch:
         self.left = members
         self.ended: list[tuple[int, Any]] = []
         self.wake: asyncio.Future[None] | None = None
+        self.position: dict[asyncio.Future[Any], int] = {}
+        self.on_done = self._ended  # one bound method for every member's call
 
     def watch(self, j: int, fut: asyncio.Future[Any]) -> None:
-        fut.add_done_callback(functools.partial(self._ended, j), context=self.agent.cluster.context)
+        self.position[fut] = j
+        fut.add_done_callback(self.on_done, context=self.agent.cluster.context)
 
-    def _ended(self, j: int, fut: asyncio.Future[Any]) -> None:
-        self.ended.append((j, fut.exception() or fut.result()))
+    def _ended(self, fut: asyncio.Future[Any]) -> None:
+        self.ended.append((self.position.pop(fut), fut.exception() or fut.result()))
         if self.wake is not None and not self.wake.done() and not self.agent.cut_off:
             self.wake.set_result(None)
 
