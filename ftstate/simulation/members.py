@@ -53,6 +53,13 @@ def _settle(fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
         fut.set_exception(exc)
 
 
+def _answered(member: SimulatedMember, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+    """``fut`` of ``member`` settled with its ``outcome`` (a module function, not a bound method
+    made for each call in flight)."""
+    member._pending.pop(fut, None)  # answered: no death can fail it any more
+    _settle(fut, outcome)
+
+
 def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
@@ -209,12 +216,8 @@ class SimulatedMember:
         # once (one wake-up for a whole batch) must not look cheap here.
         loop = self.cluster.loop
         seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
-        loop.call_at(max(loop.time(), self.up_at) + seconds, self._settle, fut, outcome,
+        loop.call_at(max(loop.time(), self.up_at) + seconds, _answered, self, fut, outcome,
                      context=self.cluster.context)
-
-    def _settle(self, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
-        self._pending.pop(fut, None)  # answered: no death can fail it any more
-        _settle(fut, outcome)
 
     def answer_later(self, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
         """Settle ``fut`` one call's time from now (a collective finished: its answer travels back)."""
