@@ -24,7 +24,9 @@ worker hosts where they run and answers for all of them in one reply, each membe
 the outcome its own call would have had; one call per node and interval instead of one per
 member is what keeps a watchdog round cheap at thousands of members (docs/benchmarks.md,
 "Controller at scale"). The agent is an accelerator: when it cannot answer, the watchdog asks
-each member directly.
+each member directly. A sync's calls to the members of a node go through the same agent
+(:meth:`ClusterBackend.calls`): it calls them there and streams each member's outcome back as
+it ends, so that a member that fails is heard of at once, not when its node's batch ends.
 
 The maintenance watchers reach the cluster here too: a watcher actor per node
 (:meth:`ClusterBackend.start_node_watcher`) and the nodes the cluster is draining
@@ -37,7 +39,7 @@ is what the launcher takes worker slots from; its interface is :class:`Pool`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from ftstate.core.config import RolePlacement
@@ -158,6 +160,20 @@ class ClusterBackend(abc.ABC):
         ``timeout``: one for the members' answers, one for its round trip; when it does not
         come (the agent is starting, gone, or its node unreachable) this raises one of the
         module's exceptions, and the caller asks each member directly."""
+
+    @abc.abstractmethod
+    def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],
+              args: Sequence[Sequence[Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        """``methods[i](*args[i])`` of each of ``handles`` (actors on node ``node_id``), asked in
+        one call of that node's agent (the one :meth:`heartbeats` uses), which calls them there;
+        yields each member's outcome as it ends, in lists of ``(i, outcome)`` of those that ended
+        together: the method's result, or the exception its own :meth:`call` would have raised
+        (:class:`ActorDied`, :class:`ActorUnreachable`, :class:`RemoteError`). Unbounded, as
+        :meth:`call` without a timeout (the caller's state deadline bounds it); cancelling the
+        iteration cancels the agent's call. Raises :class:`CallTimedOut` before yielding anything,
+        and before any member was called, when the agent is not up (never waited for: the caller
+        calls each member directly); any other exception of the iteration (the agent died, its
+        node does not answer) leaves the members not yet yielded without an outcome."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -40,6 +40,9 @@ from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut
 from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
 from ftstate.core.text import bounded, clean
 
+#: What a backend reports a member's call ended in, other than its result.
+_SEAM_ERRORS = (ActorDied, ActorUnreachable, RemoteError, CallTimedOut)
+
 
 class ActorCalls:
     """Routes calls to worker actors and reports deaths.
@@ -49,10 +52,14 @@ class ActorCalls:
     the runtime fires the worker's ``died`` event from it.
     """
 
-    def __init__(self, on_died: Callable[[str, str], Any], backend: ClusterBackend) -> None:
+    def __init__(self, on_died: Callable[[str, str], Any], backend: ClusterBackend, *,
+                 agent_min_members: int = 4) -> None:
         self._on_died = on_died
         self._backend = backend
         self._reported: set[str] = set()
+        #: :meth:`fan_out` goes through a node's agent for at least this many members there
+        #: (``heartbeat_agent_min_members``; 0: never).
+        self.agent_min_members = agent_min_members
 
     async def call(self, member: str, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Call ``method`` on the actor; ``timeout`` (seconds) bounds only this call (heartbeat
@@ -87,6 +94,87 @@ class ActorCalls:
             out.append(outcome)
         return out
 
+    async def fan_out(self, targets: Sequence[tuple[str, Any, str | None]], methods: Sequence[str],
+                      args: Sequence[tuple[Any, ...]],
+                      on_end: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """``methods[i](*args[i])`` on each member of ``targets`` (``(name, handle, node_id)``),
+        all at once; returns each one's outcome in order: its result, or the error :meth:`call`
+        would have raised for it (deaths reported as there). ``on_end(i, outcome)`` is called as
+        each ends, in the order they end.
+
+        The members of a node with at least :attr:`agent_min_members` of them (a lone member
+        excepted) are called through that node's agent, in one call
+        (:meth:`~ftstate.controller.backend.ClusterBackend.calls`), which reports each member's
+        outcome as it ends; the others, and those of a node whose agent is not up, directly. At
+        thousands of members this is what keeps a sync's calls in flight few (one a node, not
+        one a member: each call in flight is a task, coroutines and contexts that the collector
+        scans and promotes; docs/benchmarks.md, "Controller at scale"). An agent that fails
+        while its members' calls are under way (dead, its node unreachable) leaves those not yet
+        reported unreachable (:class:`~ftstate.core.errors.MemberLost`, no state change): a
+        death among them is reported by the member's own vigil (:mod:`~ftstate.controller.vigil`)."""
+        out: list[Any] = [None] * len(targets)
+        by_node: dict[str | None, list[int]] = {}
+        for i, t in enumerate(targets):
+            by_node.setdefault(t[2], []).append(i)
+        least = max(self.agent_min_members, 2)
+        jobs = []
+        for node, idx in by_node.items():
+            if node is None or self.agent_min_members == 0 or len(idx) < least:
+                jobs.extend(self._direct(i, targets, methods, args, out, on_end) for i in idx)
+            else:
+                jobs.append(self._through_agent(node, idx, targets, methods, args, out, on_end))
+        await asyncio.gather(*jobs)
+        return out
+
+    async def _direct(self, i: int, targets: Sequence[tuple[str, Any, str | None]], methods: Sequence[str],
+                      args: Sequence[tuple[Any, ...]], out: list[Any],
+                      on_end: Callable[[int, Any], None] | None) -> None:
+        name, handle, _ = targets[i]
+        try:
+            outcome = await self.call(name, handle, methods[i], *args[i])
+        except Exception as exc:  # noqa: BLE001 - the member's own outcome, handed back
+            outcome = exc
+        out[i] = outcome
+        if on_end is not None:
+            on_end(i, outcome)
+
+    async def _through_agent(self, node: str, idx: list[int], targets: Sequence[tuple[str, Any, str | None]],
+                             methods: Sequence[str], args: Sequence[tuple[Any, ...]], out: list[Any],
+                             on_end: Callable[[int, Any], None] | None) -> None:
+        left = [True] * len(idx)  # not reported yet, by position in the node's batch
+        stream = self._backend.calls(node, [targets[i][1] for i in idx], [methods[i] for i in idx],
+                                     [args[i] for i in idx])
+        try:
+            async with contextlib.aclosing(stream):
+                async for ended in stream:
+                    for j, outcome in ended:
+                        left[j] = False
+                        i = idx[j]
+                        if isinstance(outcome, _SEAM_ERRORS):
+                            outcome = await self._translated(i, outcome, targets, methods, args)
+                        out[i] = outcome
+                        if on_end is not None:
+                            on_end(i, outcome)
+        except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
+            if isinstance(exc, CallTimedOut) and all(left):  # the agent is not up: nobody was called
+                await asyncio.gather(*(self._direct(i, targets, methods, args, out, on_end) for i in idx))
+                return
+            lost = ActorUnreachable(f"the agent of node {node[:8]} failed: {_first_line(exc)}")
+            for j, i in enumerate(idx):
+                if left[j]:
+                    out[i] = await self._translated(i, lost, targets, methods, args)
+                    if on_end is not None:
+                        on_end(i, out[i])
+
+    async def _translated(self, i: int, exc: Exception, targets: Sequence[tuple[str, Any, str | None]],
+                          methods: Sequence[str], args: Sequence[tuple[Any, ...]]) -> Exception:
+        """What :meth:`call` would have raised for member ``i`` whose call ended in ``exc``."""
+        try:
+            await self._raise_for(targets[i][0], methods[i], args[i], exc, None)
+        except Exception as raised:  # noqa: BLE001 - the member's own outcome, handed back
+            return raised
+        raise AssertionError("unreachable")  # pragma: no cover - _raise_for always raises
+
     async def _raise_for(self, member: str, method: str, args: tuple[Any, ...], exc: Exception,
                          timeout: float | None) -> NoReturn:
         """Raise what the backend's outcome ``exc`` of ``method`` on ``member`` means (the module docstring)."""
@@ -104,7 +192,8 @@ class ActorCalls:
             with contextlib.suppress(AttributeError, TypeError):
                 named.remote_traceback = bounded(clean(exc.text), 20000)  # type: ignore[attr-defined]
             raise named from None
-        raise MemberLost(member, f"no answer to {method}() within {timeout:g}s") from exc
+        within = f" within {timeout:g}s" if timeout is not None else ""
+        raise MemberLost(member, f"no answer to {method}(){within}") from exc
 
     async def _report(self, member: str, reason: str) -> None:
         if member in self._reported:

@@ -216,11 +216,9 @@ class ShardedSync(WeightSync):
                     if i not in owners:  # owns nothing this version: nothing to send
                         await self.calls.call(t.name, t.handle, "discard_shards")
                 peers = [m.rank for m in rollouts]
-                results = await self._transfer([
-                    *((t, self.calls.call(t.name, t.handle, "send_shards", target, peers, timeout)) for t in senders),
-                    *((m, self.calls.call(m.name, m.handle, "receive_shards", target, ownership_rec, timeout))
-                      for m in rollouts),
-                ])
+                send, receive = (target, peers, timeout), (target, ownership_rec, timeout)
+                results = await self._transfer([*((t, "send_shards", send) for t in senders),
+                                                *((m, "receive_shards", receive) for m in rollouts)])
                 failures = self._failures([*senders, *rollouts], results)
                 if not failures:
                     part_checksums: dict[int, str | None] = {t.rank: None for t in trainers}
@@ -244,8 +242,14 @@ class ShardedSync(WeightSync):
                         await t.machine.fire("committed", checksum=sent["checksum"])
                 # each rank's heartbeat then reports the committed version and full checksum
                 # (a rank suspected later is re-admitted on it, as a single trainer is)
-                await asyncio.gather(*(self.calls.call(t.name, t.handle, "note_weights", target, sent["checksum"])
-                                       for t in trainers if not t.gone))
+                noted = [t for t in trainers if not t.gone]
+                failed: list[BaseException] = []
+                await self.calls.fan_out([(t.name, t.handle, t.node_id) for t in noted], ["note_weights"] * len(noted),
+                                         [(target, sent["checksum"])] * len(noted),
+                                         lambda _, outcome: failed.append(outcome)
+                                         if isinstance(outcome, BaseException) else None)
+                if failed:
+                    raise failed[0]  # the first to fail
                 self.raise_if_failed()
         except SyncTimeout:
             ms.current(previous, previous_checksum)
@@ -270,8 +274,8 @@ class ShardedSync(WeightSync):
     async def _prepare(self, trainers: list[Member], rollouts: list[Member], previous: int) -> dict[str, Any]:
         """Every rank's state_dict() together, then the ownership check (before any byte moves);
         returns the ownership's record (what each rollout is told to expect)."""
-        results = await asyncio.gather(*(self.calls.call(t.name, t.handle, "prepare_shards", i)
-                                         for i, t in enumerate(trainers)), return_exceptions=True)
+        results = await self.calls.fan_out([(t.name, t.handle, t.node_id) for t in trainers],
+                                           ["prepare_shards"] * len(trainers), [(i,) for i in range(len(trainers))])
         failures = self._failures(trainers, results)
         if not failures:
             pieces = [Piece.from_record(rec) for r in results for rec in r["pieces"]]

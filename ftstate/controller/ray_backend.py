@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from ftstate.controller import cluster
@@ -105,8 +105,10 @@ class RayBackend(ClusterBackend):
     async def call(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
         return await ray_call(handle, method, args, timeout)
 
-    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
-                         timeout: float) -> list[Any]:
+    def _agent(self, node_id: str) -> Any:
+        """The node's agent, started on first use; raises :class:`CallTimedOut` while it is
+        starting (never waited on) and :class:`ActorDied` when it did not start (started afresh
+        at the next use)."""
         known = self._agents.get(node_id)
         if known is None:
             agent = _start_liveness_agent(node_id)
@@ -116,15 +118,46 @@ class RayBackend(ClusterBackend):
             # Never waited on: a round that waited for an agent's start would sample its members'
             # progress an interval late (a busy member would look stalled); they are asked directly.
             raise CallTimedOut(f"the liveness agent of node {node_id[:8]} is still starting")
+        if up.exception() is not None:
+            self._agents.pop(node_id, None)
+            raise ActorDied(f"the liveness agent of node {node_id[:8]} did not start: {up.exception()}")
+        return agent
+
+    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+                         timeout: float) -> list[Any]:
+        agent = self._agent(node_id)
         try:
-            if up.exception() is not None:
-                raise ActorDied(f"the liveness agent of node {node_id[:8]} did not start: {up.exception()}")
             answers = await ray_call(agent, "heartbeats", (list(handles), [list(a) for a in args], timeout),
                                      2 * timeout)
         except ActorDied:
             self._agents.pop(node_id, None)  # started afresh at the next interval
             raise
         return [_decoded(a) for a in answers]
+
+    async def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],
+                    args: Sequence[Sequence[Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        import ray.exceptions as rex
+
+        agent = self._agent(node_id)
+        # A streaming call: the agent yields its members' outcomes as they end.
+        stream = agent.calls.options(num_returns="streaming").remote(
+            list(handles), list(methods), [list(a) for a in args])
+        finished = False
+        try:
+            async for ref in stream:
+                yield [(j, _decoded_call(o)) for j, o in await ref]
+            finished = True
+        except rex.ActorDiedError as exc:
+            self._agents.pop(node_id, None)  # started afresh at the next use
+            raise ActorDied(str(exc)) from exc
+        except rex.ActorUnavailableError as exc:
+            raise ActorUnreachable(str(exc)) from exc
+        except rex.RayTaskError as exc:  # the agent's own failure (its members' are outcomes)
+            raise RemoteError(exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc,
+                              str(exc)) from exc
+        finally:
+            if not finished:  # cancelled (the state's deadline) or failed: the agent's call goes
+                ray_cancel(stream)
 
     def close(self) -> None:
         agents, self._agents = self._agents, {}
@@ -241,6 +274,32 @@ class LivenessAgent:
         return list(await asyncio.gather(*(one(h, a) for h, a in zip(handles, args, strict=True))))
 
 
+    async def calls(self, handles: list[Any], methods: list[str], args: list[list[Any]]) -> AsyncIterator[list[Any]]:
+        """``methods[i](*args[i])`` of each of ``handles``, all at once; yields ``(i, outcome)``
+        of those that ended since the last yield (:meth:`~ftstate.controller.backend.ClusterBackend.calls`):
+        ``("ok", result)`` or the outcome as :meth:`heartbeats` encodes it. Cancelled, it
+        cancels the members' calls still under way."""
+        async def one(i: int, handle: Any, method: str, a: list[Any]) -> tuple[int, Any]:
+            try:
+                return i, ("ok", await ray_call(handle, method, a, None))
+            except ActorDied as exc:
+                return i, ("died", str(exc))
+            except ActorUnreachable as exc:
+                return i, ("unreachable", str(exc))
+            except RemoteError as exc:
+                return i, ("remote", exc.cause, exc.text)
+
+        pending = {asyncio.ensure_future(one(i, h, m, a))
+                   for i, (h, m, a) in enumerate(zip(handles, methods, args, strict=True))}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                yield [t.result() for t in done]
+        finally:
+            for t in pending:
+                t.cancel()
+
+
 #: A member's outcome as a node's agent reports it (not a heartbeat's dict), by kind.
 _OUTCOMES = {"died": ActorDied, "unreachable": ActorUnreachable, "timeout": CallTimedOut}
 
@@ -251,6 +310,11 @@ def _decoded(answer: Any) -> Any:
     if isinstance(answer, tuple) and len(answer) == 2 and answer[0] in _OUTCOMES:
         return _OUTCOMES[answer[0]](answer[1])
     return answer
+
+
+def _decoded_call(outcome: Any) -> Any:
+    """A member's outcome of :meth:`LivenessAgent.calls`: its result, or the seam's exception."""
+    return outcome[1] if outcome[0] == "ok" else _decoded(outcome)
 
 
 def _start_liveness_agent(node_id: str) -> Any:

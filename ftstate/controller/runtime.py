@@ -207,7 +207,7 @@ class Runtime:
 
             backend = RayBackend()
         self.backend = backend
-        self._calls = ActorCalls(self._on_died, backend)
+        self._calls = ActorCalls(self._on_died, backend, agent_min_members=config.heartbeat_agent_min_members)
         self._started_ray = False
         self._watch_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()

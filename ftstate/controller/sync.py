@@ -199,10 +199,9 @@ class WeightSync:
                             self.config.node_copy_spare) if plan.uses_shm else ()
                 planned = (True,) if plan.uses_shm else ()
                 results = await self._transfer([
-                    (trainer, self.calls.call(trainer.name, trainer.handle, "send_weights", target, timeout,
-                                              *send_shm)),
-                    *((m, self.calls.call(m.name, m.handle, "receive_weights", target, 0, timeout, *planned,
-                                          *((relaying[m.name],) if m.name in relaying else ())))
+                    (trainer, "send_weights", (target, timeout, *send_shm)),
+                    *((m, "receive_weights", (target, 0, timeout, *planned,
+                                              *((relaying[m.name],) if m.name in relaying else ())))
                       for m in rollouts),
                 ])
                 failures = self._failures([trainer, *rollouts], results)
@@ -350,53 +349,52 @@ class WeightSync:
         group.describe_wait(f"weight sync to version {target}", missing=[m.name for m in [*senders, *rollouts]])
         return rollouts
 
-    async def _transfer(self, calls: Sequence[tuple[Member, Any]]) -> list[Any]:
-        """Run the participants' calls of one transfer; results (or exceptions) in order.
+    async def _transfer(self, calls: Sequence[tuple[Member, str, tuple[Any, ...]]]) -> list[Any]:
+        """Run the participants' calls of one transfer (``(member, method, args)``); results (or
+        exceptions) in order.
 
         As soon as one fails (other than by a checksum mismatch, which the protocol itself
         reports after the vote), the others are told to abandon the transfer. The abandoned
         group version is replaced by the caller (failover or :meth:`_abort`).
 
-        Each call reports its own end (a done callback), in the order they end: waiting again
-        on every call still pending after each end (``asyncio.wait`` in a loop) would cost
-        O(n) an end, O(n²) a transfer to n rollouts whose answers trickle in."""
+        The calls go out through :meth:`~ftstate.controller.calls.ActorCalls.fan_out` (one call
+        a node through its agent, at scale), which reports each call's end as it comes: waiting
+        again on every call still pending after each end would cost O(n) an end, O(n²) a
+        transfer to n rollouts whose answers trickle in, and a node's batch reports a member's
+        failure as soon as it happens, not when the node's other calls end."""
         loop = asyncio.get_running_loop()
-        tasks = [asyncio.ensure_future(call) for _, call in calls]
-        members = [m for m, _ in calls]
-        index = {t: i for i, t in enumerate(tasks)}
-        first_failure: asyncio.Future[asyncio.Future[Any]] = loop.create_future()
+        members = [m for m, _, _ in calls]
+        ended = [False] * len(members)
+        first_failure: asyncio.Future[tuple[int, BaseException]] = loop.create_future()
         self._arrival = []
 
-        def ended(t: asyncio.Future[Any]) -> None:
-            if t.cancelled() or t.exception() is None:
+        def on_end(i: int, outcome: Any) -> None:
+            ended[i] = True
+            if not isinstance(outcome, BaseException):
                 return
-            self._arrival.append(members[index[t]].name)
-            if not isinstance(t.exception(), ChecksumMismatch) and not first_failure.done():
-                first_failure.set_result(t)
+            self._arrival.append(members[i].name)
+            if not isinstance(outcome, ChecksumMismatch) and not first_failure.done():
+                first_failure.set_result((i, outcome))
 
-        for t in tasks:
-            t.add_done_callback(ended)
-        every = asyncio.gather(*tasks, return_exceptions=True)
+        fanned = self.calls.fan_out([(m.name, m.handle, m.node_id) for m in members],
+                                    [method for _, method, _ in calls], [a for _, _, a in calls], on_end)
+        every: asyncio.Future[list[Any]] = asyncio.ensure_future(fanned)
         try:
             await asyncio.wait([every, first_failure], return_when=asyncio.FIRST_COMPLETED)
             if first_failure.done() and not every.done():
-                failed = first_failure.result()
-                culprit = members[index[failed]].name
-                reason = f"{culprit} failed: {type(failed.exception()).__name__}"
-                others = [m for m, t in zip(members, tasks, strict=True) if not t.done()]
+                failed, exc = first_failure.result()
+                reason = f"{members[failed].name} failed: {type(exc).__name__}"
+                others = [m for m, e in zip(members, ended, strict=True) if not e]
                 self.audit.record("transfer_abandoned", reason=reason, members=[m.name for m in others])
-                await asyncio.gather(*(self.calls.call(m.name, m.handle, "abandon_transfer", reason)
-                                       for m in others), return_exceptions=True)
-            await every
+                await self.calls.fan_out([(m.name, m.handle, m.node_id) for m in others],
+                                         ["abandon_transfer"] * len(others), [(reason,)] * len(others))
+            return await every
         except asyncio.CancelledError:  # the state's deadline: the calls go with it
-            for t in tasks:
-                t.cancel()
             every.cancel()
             raise
         finally:
             if not first_failure.done():
                 first_failure.cancel()
-        return [t.exception() or t.result() for t in tasks]
 
     def _failures(self, members: Sequence[Member], results: Sequence[Any]) -> dict[str, BaseException]:
         out: dict[str, BaseException] = {}
@@ -451,10 +449,8 @@ class WeightSync:
         self.routing_open.clear()
         self._arrival = []
         try:
-            results = await asyncio.gather(
-                *(self.calls.call(m.name, m.handle, "commit_weights", version) for m in rollouts),
-                return_exceptions=True,
-            )
+            results = await self.calls.fan_out([(m.name, m.handle, m.node_id) for m in rollouts],
+                                               ["commit_weights"] * len(rollouts), [(version,)] * len(rollouts))
         finally:
             self.routing_open.set()
         failed = self._failures(rollouts, results)

@@ -434,10 +434,11 @@ class RuntimeConfig:
                                          "(a node agent's reply for its members: two intervals).", gt=0)
     heartbeat_agent_min_members: int = _field(
         4,
-        "A node with at least this many members (a lone member excepted) has their heartbeats asked "
-        "in one call of its liveness agent (a small Ray actor per node, no CPU; docs/operations.md); "
-        "a node with fewer has each member asked directly. 0: never an agent. One call a node is "
-        "what keeps the controller's heartbeat round cheap at thousands of members "
+        "A node with at least this many members (a lone member excepted) has their heartbeats asked, "
+        "and a sync's calls made, in one call of its liveness agent (a small Ray actor per node, no "
+        "CPU; docs/operations.md); a node with fewer has each member asked directly. 0: never an "
+        "agent. One call a node is what keeps the controller's heartbeat round and sync cheap at "
+        "thousands of members "
         "(docs/benchmarks.md, 'Controller at scale'); for two or three members the agent's "
         "process costs the node more than it saves the controller.",
         ge=0,

@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
+import weakref
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class TimerHandle(Protocol):
@@ -35,7 +37,12 @@ class Clock(Protocol):
 
 
 class LoopClock:
-    """The running asyncio loop's monotonic clock (create machines inside the loop)."""
+    """The running asyncio loop's monotonic clock (create machines inside the loop).
+
+    Callbacks due in the same millisecond share one loop timer (:class:`_SharedTimers`; never
+    early, at most 1 ms late): a sync arms a deadline per member at once, and a loop timer each
+    (a handle and a context copy, pushed on the loop's heap and promoted by the collector while
+    the state lasts) is what that costs at thousands of members."""
 
     def now(self) -> float:
         import asyncio
@@ -50,7 +57,70 @@ class LoopClock:
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         import asyncio
 
-        return asyncio.get_running_loop().call_at(when, callback)
+        loop = asyncio.get_running_loop()
+        timers = _SHARED.get(loop)
+        if timers is None:
+            timers = _SHARED[loop] = _SharedTimers(loop)
+        return timers.call_at(when, callback)
+
+
+class _SharedTimers:
+    """One loop's callbacks by the millisecond they are due in, one loop timer a millisecond."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.due: dict[float, dict[_SharedHandle, None]] = {}
+        self.timers: dict[float, Any] = {}
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _SharedHandle:
+        at = math.ceil(when * 1000.0) / 1000.0
+        if at < when:  # the float's own rounding: never early
+            at = math.nextafter(at, math.inf)
+        handle = _SharedHandle(self, at, callback)
+        bucket = self.due.get(at)
+        if bucket is None:
+            bucket = self.due[at] = {}
+            self.timers[at] = self.loop.call_at(at, self._fire, at)
+        bucket[handle] = None
+        return handle
+
+    def _fire(self, at: float) -> None:
+        self.timers.pop(at, None)
+        for handle in self.due.pop(at, ()):
+            handle.owner = None
+            try:
+                handle.callback()
+            except Exception as exc:  # noqa: BLE001 - as the loop does for a timer's own callback
+                self.loop.call_exception_handler({"message": "Exception in a deadline callback",
+                                                  "exception": exc, "handle": handle})
+
+    def cancel(self, handle: _SharedHandle) -> None:
+        bucket = self.due.get(handle.at)
+        if bucket is None or bucket.pop(handle, 0) is not None:
+            return
+        if not bucket:
+            del self.due[handle.at]
+            timer = self.timers.pop(handle.at, None)
+            if timer is not None:
+                timer.cancel()
+
+
+class _SharedHandle:
+    __slots__ = ("at", "callback", "owner")
+
+    def __init__(self, owner: _SharedTimers, at: float, callback: Callable[[], None]) -> None:
+        self.owner: _SharedTimers | None = owner
+        self.at = at
+        self.callback = callback
+
+    def cancel(self) -> None:
+        if self.owner is not None:
+            self.owner.cancel(self)
+            self.owner = None
+
+
+#: Each running loop's shared timers (gone with the loop).
+_SHARED: weakref.WeakKeyDictionary[Any, _SharedTimers] = weakref.WeakKeyDictionary()
 
 
 class ManualClock:
@@ -98,7 +168,7 @@ class _ManualHandle:
         self.cancelled = True
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Deadline:
     """One armed deadline.
 
@@ -114,15 +184,24 @@ class Deadline:
     expires_at: float
     entry: int
     _handle: TimerHandle | None = dataclasses.field(default=None, repr=False)
+    _on_expiry: Callable[[int], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def arm(
         cls, clock: Clock, *, state: str, key: str, seconds: float, entry: int, on_expiry: Callable[[int], None]
     ) -> Deadline:
         now = clock.now()
-        d = cls(state=state, key=key, seconds=seconds, armed_at=now, expires_at=now + seconds, entry=entry)
-        d._handle = clock.call_at(d.expires_at, lambda: on_expiry(entry))
+        d = cls(state=state, key=key, seconds=seconds, armed_at=now, expires_at=now + seconds, entry=entry,
+                _on_expiry=on_expiry)
+        # the deadline is its own callback, not a closure: a member's deadline lives as long as
+        # its state (10,000 of them through a sync at scale, promoted and walked by the collector)
+        d._handle = clock.call_at(d.expires_at, d)
         return d
+
+    def __call__(self) -> None:
+        """The deadline's timer fired: its ``on_expiry(entry)``."""
+        if self._on_expiry is not None:
+            self._on_expiry(self.entry)
 
     def remaining(self, clock: Clock) -> float:
         return max(0.0, self.expires_at - clock.now())

@@ -25,7 +25,7 @@ import contextvars
 import heapq
 import itertools
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
 from ftstate.controller.backend import ClusterBackend, Pool
@@ -34,6 +34,7 @@ from ftstate.core.config import RolePlacement
 from ftstate.core.errors import ConfigError, FTError, PlacementUnsatisfiable
 from ftstate.simulation.costs import Costs
 from ftstate.simulation.members import (
+    AgentBatch,
     Collective,
     SimulatedLivenessAgent,
     SimulatedMember,
@@ -169,8 +170,7 @@ class SimulatedCluster(ClusterBackend):
         if isinstance(handle, SimulatedMember):
             handle.die("killed by the controller")
 
-    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
-                         timeout: float) -> list[Any]:
+    def _agent(self, node_id: str) -> SimulatedLivenessAgent:
         agent = self._agents.get(node_id)
         if agent is None or (not agent.alive and self.alive(node_id)):
             # a light process (no torch), modelled as up at once, as the watchers are
@@ -179,7 +179,26 @@ class SimulatedCluster(ClusterBackend):
                 self, f"agent-{node_id}", "agent", node_id, node["address"], next(self._pids), self.loop.time())
             if node_id in self._lost:
                 agent.lose_node()
-        return await agent.answer("heartbeats", (handles, args, timeout), 2 * timeout)
+        return agent
+
+    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+                         timeout: float) -> list[Any]:
+        return await self._agent(node_id).answer("heartbeats", (handles, args, timeout), 2 * timeout)
+
+    async def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],
+                    args: Sequence[Sequence[Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+        # The agent's hop on its node (a local call, ~1 ms) is not modelled: each outcome reaches
+        # the controller when the member's own call would have ended.
+        agent = self._agent(node_id)
+        if not agent.alive or agent.cut_off:
+            await agent.answer("ready", (), None)  # dead, or its node gone: fails as such a call does
+        batch = AgentBatch(self.loop, agent, len(handles))
+        for j, (h, method, a) in enumerate(zip(handles, methods, args, strict=True)):
+            if not isinstance(h, SimulatedMember):
+                raise FTError(f"not a simulated member: {h!r}")
+            batch.watch(j, h.answer(method, tuple(a), None))
+        while batch.left:
+            yield await batch.next()
 
     def close(self) -> None:
         for agent in self._agents.values():

@@ -40,6 +40,10 @@ def checksum_of(weights_version: int) -> str:
     return f"sim-v{weights_version}"
 
 
+#: A member's calls kept for its death to fail are pruned of those that ended at this many.
+_PRUNE_AT = 16
+
+
 def _settle(fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
     if fut.done():
         return
@@ -47,6 +51,13 @@ def _settle(fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
         fut.set_result(outcome())
     except Exception as exc:  # noqa: BLE001 - the outcome is the call's answer: an error is one too
         fut.set_exception(exc)
+
+
+def _answered(member: SimulatedMember, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+    """``fut`` of ``member`` settled with its ``outcome`` (a module function, not a bound method
+    made for each call in flight)."""
+    member._pending.pop(fut, None)  # answered: no death can fail it any more
+    _settle(fut, outcome)
 
 
 def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
@@ -75,14 +86,22 @@ class Collective:
         self.arrivals: dict[int, tuple[SimulatedMember, asyncio.Future[Any], Callable[[], Any]]] = {}
         self.started_at: float | None = None
         self.broken: str | None = None
+        self._by_future: dict[asyncio.Future[Any], SimulatedMember] = {}
+        self._on_done: Callable[[asyncio.Future[Any]], None] | None = None
 
     def arrive(self, rank: int, member: SimulatedMember, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
         if self.broken is not None:
             self.loop.call_at(self.loop.time() + self.detect_s, _fail, fut, self._peer_lost(member, self.broken))
             return
         self.arrivals[rank] = (member, fut, outcome)
+        self._by_future[fut] = member
         member.collectives[self] = None
-        fut.add_done_callback(lambda f, m=member: self._left(m, f))
+        # one bound method for every arrival, in the shared context, not a closure each in a
+        # copied one: thousands of arrivals live as long as the transfer, promoted and walked by
+        # the collector
+        if self._on_done is None:
+            self._on_done = self._ended
+        fut.add_done_callback(self._on_done, context=member.cluster.context)
         if len(self.arrivals) == self.expected:
             self.started_at = self.loop.time()
             self.loop.call_at(self.started_at + self.cost_s, self._finish)
@@ -95,6 +114,9 @@ class Collective:
         for member, fut, outcome in list(self.arrivals.values()):
             member.collectives.pop(self, None)
             member.answer_later(fut, outcome)
+
+    def _ended(self, fut: asyncio.Future[Any]) -> None:
+        self._left(self._by_future[fut], fut)
 
     def _left(self, member: SimulatedMember, fut: asyncio.Future[Any] | None) -> None:
         # A participant's call ended: normal at the finish; before it, the collective breaks.
@@ -162,8 +184,12 @@ class SimulatedMember:
         if not self.alive:
             loop.call_at(now + self.cluster.costs.death_detect_s, _fail, fut, ActorDied(self.death or "dead"))
             return fut
+        # The calls a death fails: one answered leaves when it is (_settle); those that ended
+        # otherwise (failed, timed out) are dropped in bulk now and then, not each by a callback
+        # of its own (two more objects per call in flight, which the collector scans).
+        if len(self._pending) >= _PRUNE_AT:
+            self._pending = {f: None for f in self._pending if not f.done()}
         self._pending[fut] = None
-        fut.add_done_callback(self._forget, context=self.cluster.context)
         if timeout is not None:
             # The timer is left to fire on a call that was answered (it finds the future done):
             # cancelling it on the answer would keep a callback per call besides, and making
@@ -184,16 +210,14 @@ class SimulatedMember:
             handler(fut, *args)
         return fut
 
-    def _forget(self, fut: asyncio.Future[Any]) -> None:
-        self._pending.pop(fut, None)
-
     def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Callable[[], Any]) -> None:
         # Each answer takes its cost stretched by up to Costs.jitter (the cluster's seeded
         # draw): real answers trickle in, and code that is cheap only when they all arrive at
         # once (one wake-up for a whole batch) must not look cheap here.
         loop = self.cluster.loop
         seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
-        loop.call_at(max(loop.time(), self.up_at) + seconds, _settle, fut, outcome, context=self.cluster.context)
+        loop.call_at(max(loop.time(), self.up_at) + seconds, _answered, self, fut, outcome,
+                     context=self.cluster.context)
 
     def answer_later(self, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
         """Settle ``fut`` one call's time from now (a collective finished: its answer travels back)."""
@@ -321,28 +345,29 @@ class SimulatedMember:
 
     def _on_receive_weights(self, fut: asyncio.Future[Any], weights_version: int, src: int, timeout_s: float,
                             *planned: Any) -> None:
-        nbytes = self.cluster.costs.weights_bytes
+        self._broadcast(weights_version).arrive(self.rank, self, fut,
+                                                functools.partial(self._staged_weights, weights_version,
+                                                                  self.cluster.costs.weights_bytes))
 
-        def staged() -> dict[str, Any]:
-            self.staged = weights_version
-            self.progress += 1
-            return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version,
-                    "staging_bytes": nbytes, "node_copy": None}
-
-        self._broadcast(weights_version).arrive(self.rank, self, fut, staged)
+    def _staged_weights(self, weights_version: int, nbytes: int) -> dict[str, Any]:
+        self.staged = weights_version
+        self.progress += 1
+        return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version,
+                "staging_bytes": nbytes, "node_copy": None}
 
     def _on_commit_weights(self, fut: asyncio.Future[Any], weights_version: int) -> None:
-        def committed() -> dict[str, Any]:
-            if self.staged != weights_version:
-                exc = FTError(f"{self.name}: asked to commit weights version {weights_version} but staged "
-                              f"{'nothing' if self.staged is None else f'version {self.staged}'}")
-                raise RemoteError(exc, str(exc))
-            self.weights_version, self.checksum, self.staged = weights_version, checksum_of(weights_version), None
-            self.progress += 1
-            return {"checksum": self.checksum, "received": self.checksum, "weights_version": weights_version,
-                    "held_bytes": 0}
+        self._after(fut, self.cluster.costs.call_s + self.cluster.costs.load_s(),
+                    functools.partial(self._committed, weights_version))
 
-        self._after(fut, self.cluster.costs.call_s + self.cluster.costs.load_s(), committed)
+    def _committed(self, weights_version: int) -> dict[str, Any]:
+        if self.staged != weights_version:
+            exc = FTError(f"{self.name}: asked to commit weights version {weights_version} but staged "
+                          f"{'nothing' if self.staged is None else f'version {self.staged}'}")
+            raise RemoteError(exc, str(exc))
+        self.weights_version, self.checksum, self.staged = weights_version, checksum_of(weights_version), None
+        self.progress += 1
+        return {"checksum": self.checksum, "received": self.checksum, "weights_version": weights_version,
+                "held_bytes": 0}
 
     def _on_discard_weights(self, fut: asyncio.Future[Any]) -> None:
         self.staged = None
@@ -439,24 +464,23 @@ class SimulatedMember:
             self._after(fut, self.cluster.costs.call_s, _raiser(RemoteError(exc, str(exc))))
             return
         self.prepared = False
-        rank = self.rank
+        self._shards(weights_version).arrive(self.rank, self, fut,
+                                             functools.partial(self._sent_shards, weights_version, self.rank))
 
-        def sent() -> dict[str, Any]:
-            self.progress += 1
-            return {"checksum": self.part_checksum_of(weights_version, rank), "nbytes": self._part_bytes()}
-
-        self._shards(weights_version).arrive(self.rank, self, fut, sent)
+    def _sent_shards(self, weights_version: int, rank: int) -> dict[str, Any]:
+        self.progress += 1
+        return {"checksum": self.part_checksum_of(weights_version, rank), "nbytes": self._part_bytes()}
 
     def _on_receive_shards(self, fut: asyncio.Future[Any], weights_version: int, ownership: dict[str, Any],
                            timeout_s: float) -> None:
-        nbytes = self.cluster.costs.weights_bytes
+        self._shards(weights_version).arrive(self.rank, self, fut,
+                                             functools.partial(self._staged_shards, weights_version,
+                                                               self.cluster.costs.weights_bytes))
 
-        def staged() -> dict[str, Any]:
-            self.staged = weights_version
-            self.progress += 1
-            return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version}
-
-        self._shards(weights_version).arrive(self.rank, self, fut, staged)
+    def _staged_shards(self, weights_version: int, nbytes: int) -> dict[str, Any]:
+        self.staged = weights_version
+        self.progress += 1
+        return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version}
 
     def _on_note_weights(self, fut: asyncio.Future[Any], weights_version: int, checksum: str) -> None:
         self.weights_version, self.checksum = weights_version, checksum
@@ -525,9 +549,54 @@ class SimulatedLivenessAgent(SimulatedMember):
         else:
             self._after(fut, self.cluster.costs.call_s, answers)
 
+    def _on_ready(self, fut: asyncio.Future[Any]) -> None:
+        self._reply(fut, True)
+
     def _answers(self, handles: list[SimulatedMember], args: list[tuple[Any, ...]], timeout: float) -> list[Any]:
         now = self.cluster.loop.time()
         return [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
+
+
+class AgentBatch:
+    """The members' calls of one :meth:`~ftstate.simulation.cluster.SimulatedCluster.calls`: each
+    member's outcome as it ends, handed over in lists of those that ended since the last
+    (:meth:`next`). The agent is lost with its node: from then on it hands nothing over (its
+    members' outcomes stay with it), and its death, once its node is declared dead, fails the
+    batch with ``ActorDied``, as a real agent's reply does."""
+
+    __slots__ = ("agent", "ended", "left", "loop", "on_done", "position", "wake")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, agent: SimulatedMember, members: int) -> None:
+        self.loop = loop
+        self.agent = agent
+        self.left = members
+        self.ended: list[tuple[int, Any]] = []
+        self.wake: asyncio.Future[None] | None = None
+        self.position: dict[asyncio.Future[Any], int] = {}
+        self.on_done = self._ended  # one bound method for every member's call
+
+    def watch(self, j: int, fut: asyncio.Future[Any]) -> None:
+        self.position[fut] = j
+        fut.add_done_callback(self.on_done, context=self.agent.cluster.context)
+
+    def _ended(self, fut: asyncio.Future[Any]) -> None:
+        self.ended.append((self.position.pop(fut), fut.exception() or fut.result()))
+        if self.wake is not None and not self.wake.done() and not self.agent.cut_off:
+            self.wake.set_result(None)
+
+    async def next(self) -> list[tuple[int, Any]]:
+        """The outcomes that ended since the last call, waiting for one if none did."""
+        while not self.ended or self.agent.cut_off:
+            self.wake = self.loop.create_future()
+            self.agent._pending[self.wake] = None  # failed with ActorDied when the agent dies
+            try:
+                await self.wake
+            finally:
+                self.agent._pending.pop(self.wake, None)
+                self.wake = None
+        ended, self.ended = self.ended, []
+        self.left -= len(ended)
+        return ended
 
 
 def _raiser(exc: BaseException) -> Callable[[], Any]:
@@ -593,4 +662,4 @@ class SimulatedStore:
         self._versions.clear()
 
 
-__all__ = ["Collective", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]
+__all__ = ["AgentBatch", "Collective", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]

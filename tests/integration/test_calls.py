@@ -110,3 +110,67 @@ async def test_a_nodes_agent_answers_for_each_worker_there_as_its_own_call_would
         for h in handles:
             ray.kill(h)
         backend.close()
+
+
+class Stager:
+    """A worker whose calls take as long as they are told, or raise, or wait until released."""
+
+    def __init__(self) -> None:
+        self.released = asyncio.Event()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def stage(self, seconds: float, fail: bool = False) -> dict:
+        await asyncio.sleep(seconds)
+        if fail:
+            raise PeerLost("rank 2: a peer was lost", group="weights", group_version=4, rank=2, op="recv", peer=0)
+        return {"pid": os.getpid(), "seconds": seconds}
+
+    async def wait(self) -> dict:
+        await self.released.wait()
+        return {"pid": os.getpid()}
+
+    def release(self) -> None:
+        self.released.set()
+
+
+async def test_a_nodes_agent_streams_each_workers_outcome_as_it_ends(ray_cluster):
+    """ActorCalls.fan_out through a node's agent: results in order, each outcome reported as it
+    ends (a death and a worker's own error at once, long before the slow worker ends), a death
+    reported once, as a direct call's would be."""
+    ray = ray_cluster
+    died: list[str] = []
+    backend = RayBackend()
+    calls = ActorCalls(lambda member, reason: died.append(member), backend, agent_min_members=2)
+    handles = [ray.remote(Stager).options(num_cpus=0, max_concurrency=4).remote() for _ in range(4)]
+    node = ray.get_runtime_context().get_node_id()
+    targets = [(f"rollout-{i}", h, node) for i, h in enumerate(handles)]
+    try:
+        pids = [await calls.call(n, h, "pid") for n, h, _ in targets]
+        # the agent starts on first use: meanwhile the members are called directly
+        first = await calls.fan_out(targets, ["stage"] * 4, [(0.0,)] * 4)
+        assert [r["pid"] for r in first] == pids
+        for _ in range(60):
+            if node in backend._agents and backend._agents[node][1].done():
+                break
+            await asyncio.sleep(0.5)
+        loop = asyncio.get_running_loop()
+        ended: list[tuple[int, float]] = []
+        t0 = loop.time()
+        fanned = asyncio.ensure_future(calls.fan_out(
+            targets, ["stage", "wait", "stage", "stage"], [(0.0,), (), (0.2, True), (0.0,)],
+            lambda i, outcome: ended.append((i, loop.time() - t0))))
+        await asyncio.sleep(0.5)
+        os.kill(pids[1], signal.SIGKILL)  # the one that waits
+        outcomes = await asyncio.wait_for(fanned, 30)
+        assert outcomes[0]["pid"] == pids[0] and outcomes[3]["pid"] == pids[3]
+        assert isinstance(outcomes[1], MemberLost) and died == ["rollout-1"]
+        assert isinstance(outcomes[2], PeerLost) and str(outcomes[2]).startswith("rollout-2: ")
+        order = [i for i, _ in ended]
+        assert order.index(2) < order.index(1)  # the error came while rollout-1 still waited
+        assert dict(ended)[2] < 0.5 + 0.5  # reported as it ended, not at the batch's end
+    finally:
+        for h in handles:
+            ray.kill(h)
+        backend.close()

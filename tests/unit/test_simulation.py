@@ -558,3 +558,106 @@ class TestHeartbeatsPerNode:
         assert agents and all(restarted.values())
         assert not any(r["event"] == "transition" and r["to"] == "SUSPECT" for r in rt.audit.records)
         assert not rt.failovers
+
+
+class TestSyncCallsPerNode:
+    """A sync's calls to a node's members go in one call of the node's agent, which reports each
+    member's outcome as it ends: a member that fails mid-transfer is heard of at once, with the
+    same records and at the same (virtual) time as its own call would have been."""
+
+    def test_the_agent_reports_each_members_outcome_as_it_ends(self):
+        async def main():
+            cluster = SimulatedCluster(1, cpus_per_node=4, costs=QUIET)
+            ms = await packed(cluster, 3)
+            loop = asyncio.get_running_loop()
+            cluster.hang_member("rollout-1")
+            t0 = loop.time()
+            seen = []
+            stream = cluster.calls("n0000000", ms[::2], ["info", "info"], [(), ()])
+            first = await anext(stream)
+            seen.append((loop.time() - t0, first))
+            cluster.kill_member("rollout-0")  # answered already: nothing more to report for it
+            with pytest.raises(StopAsyncIteration):
+                await anext(stream)
+            stream = cluster.calls("n0000000", ms, ["info"] * 3, [()] * 3)
+            cluster.kill_member("rollout-1")
+            ended = []
+            async for batch in stream:
+                ended.append((round(loop.time() - t0, 6), sorted((j, type(o).__name__) for j, o in batch)))
+            return seen, ended
+
+        seen, ended = run(main())
+        assert seen[0][0] == pytest.approx(QUIET.call_s) and sorted(j for j, _ in seen[0][1]) == [0, 1]
+        # the dead ones after the detection latency, the live one at its own call's time
+        kinds = {j: kind for _, batch in ended for j, kind in batch}
+        assert kinds == {0: "ActorDied", 1: "ActorDied", 2: "dict"}
+
+    def test_a_lost_nodes_agent_fails_the_batch_when_the_node_is_declared_dead(self):
+        async def main():
+            cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
+            ms = await packed(cluster, 2)
+            loop = asyncio.get_running_loop()
+            cluster.hang_member("rollout-0")
+            stream = cluster.calls("n0000000", ms, ["info", "info"], [(), ()])
+            first = await anext(stream)  # rollout-1 answered
+            t0 = loop.time()
+            cluster.lose_node("n0000000")
+            with pytest.raises(ActorDied):
+                await anext(stream)
+            return first, loop.time() - t0
+
+        first, waited = run(main())
+        assert [j for j, _ in first] == [1]
+        assert waited == pytest.approx(QUIET.node_dead_s + QUIET.death_detect_s)
+
+    def test_a_sync_makes_one_call_a_node_of_the_agent(self):
+        batches: list[tuple[str, tuple[str, ...]]] = []
+
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET)
+            real = cluster.calls
+
+            def counted(node_id, handles, methods, args):
+                batches.append((node_id, tuple(sorted(set(methods)))))
+                return real(node_id, handles, methods, args)
+
+            cluster.calls = counted
+            await rt.start()
+            await rt.sync()
+            await rt.close()
+            return rt
+
+        rt = run(main())
+        nodes = {m.node_id for m in rt.members() if m.role == "rollout"}
+        commits = [n for n, methods in batches if methods == ("commit_weights",)]
+        assert sorted(commits) == sorted(n for n in nodes if n in commits) and len(commits) == len(set(commits))
+        assert any(len(methods) == 2 for _, methods in batches)  # the trainer's send and its node's receives
+
+    @pytest.mark.parametrize("victim", ["rollout-1", "trainer-0"])
+    def test_a_member_killed_mid_transfer_is_found_as_fast_and_recorded_the_same_as_by_its_own_call(self, victim):
+        def once(least: int):
+            async def main():
+                rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET,
+                                                overrides={"heartbeat_agent_min_members": least})
+                await rt.start()
+                await rt.sync()
+                sync = asyncio.ensure_future(rt.sync())
+                while not cluster.member(victim).collectives:  # in the transfer
+                    await asyncio.sleep(0.0005)
+                cluster.kill_member(victim)
+                report = await sync
+                await rt.close()
+                return rt, report
+
+            rt, report = run(main())
+            return ([(r.get("member"), r["from"], r["to"], r["trigger"], r["ts"]) for r in rt.audit.records
+                     if r["event"] == "transition"],
+                    [(r["event"], r.get("reason"), r["ts"]) for r in rt.audit.records
+                     if r["event"] in ("transfer_abandoned", "failover_start", "failover_done")],
+                    report)
+
+        direct, agent = once(0), once(4)
+        assert any(e == "transfer_abandoned" for e, _, _ in agent[1])
+        assert agent[0] == direct[0]  # every transition of every member, at the same virtual time
+        assert agent[1] == direct[1]
+        assert agent[2].rollouts == direct[2].rollouts and agent[2].weights_version == direct[2].weights_version
