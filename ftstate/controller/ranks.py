@@ -242,14 +242,16 @@ class ShardedSync(WeightSync):
                         await t.machine.fire("committed", checksum=sent["checksum"])
                 # each rank's heartbeat then reports the committed version and full checksum
                 # (a rank suspected later is re-admitted on it, as a single trainer is)
-                noted = [t for t in trainers if not t.gone]
-                failed: list[BaseException] = []
-                await self.calls.fan_out([(t.name, t.handle, t.node_id) for t in noted], ["note_weights"] * len(noted),
-                                         [(target, sent["checksum"])] * len(noted),
-                                         lambda _, outcome: failed.append(outcome)
-                                         if isinstance(outcome, BaseException) else None)
+                failed: list[BaseException] = []  # in the order they end: the first to fail is raised
+
+                def note_failure(_: int, outcome: Any) -> None:
+                    if isinstance(outcome, BaseException):
+                        failed.append(outcome)
+
+                await self._to_each([t for t in trainers if not t.gone], "note_weights", target, sent["checksum"],
+                                    on_end=note_failure)
                 if failed:
-                    raise failed[0]  # the first to fail
+                    raise failed[0]
                 self.raise_if_failed()
         except SyncTimeout:
             ms.current(previous, previous_checksum)
@@ -274,8 +276,7 @@ class ShardedSync(WeightSync):
     async def _prepare(self, trainers: list[Member], rollouts: list[Member], previous: int) -> dict[str, Any]:
         """Every rank's state_dict() together, then the ownership check (before any byte moves);
         returns the ownership's record (what each rollout is told to expect)."""
-        results = await self.calls.fan_out([(t.name, t.handle, t.node_id) for t in trainers],
-                                           ["prepare_shards"] * len(trainers), [(i,) for i in range(len(trainers))])
+        results = await self._fan_out(trainers, ["prepare_shards"] * len(trainers), [(i,) for i in range(len(trainers))])
         failures = self._failures(trainers, results)
         if not failures:
             pieces = [Piece.from_record(rec) for r in results for rec in r["pieces"]]

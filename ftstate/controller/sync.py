@@ -376,8 +376,7 @@ class WeightSync:
             if not isinstance(outcome, ChecksumMismatch) and not first_failure.done():
                 first_failure.set_result((i, outcome))
 
-        fanned = self.calls.fan_out([(m.name, m.handle, m.node_id) for m in members],
-                                    [method for _, method, _ in calls], [a for _, _, a in calls], on_end)
+        fanned = self._fan_out(members, [method for _, method, _ in calls], [a for _, _, a in calls], on_end)
         every: asyncio.Future[list[Any]] = asyncio.ensure_future(fanned)
         try:
             await asyncio.wait([every, first_failure], return_when=asyncio.FIRST_COMPLETED)
@@ -386,8 +385,7 @@ class WeightSync:
                 reason = f"{members[failed].name} failed: {type(exc).__name__}"
                 others = [m for m, e in zip(members, ended, strict=True) if not e]
                 self.audit.record("transfer_abandoned", reason=reason, members=[m.name for m in others])
-                await self.calls.fan_out([(m.name, m.handle, m.node_id) for m in others],
-                                         ["abandon_transfer"] * len(others), [(reason,)] * len(others))
+                await self._to_each(others, "abandon_transfer", reason)
             return await every
         except asyncio.CancelledError:  # the state's deadline: the calls go with it
             every.cancel()
@@ -395,6 +393,17 @@ class WeightSync:
         finally:
             if not first_failure.done():
                 first_failure.cancel()
+
+    def _fan_out(self, members: Sequence[Member], methods: Sequence[str], args: Sequence[tuple[Any, ...]],
+                 on_end: Callable[[int, Any], None] | None = None) -> Any:
+        """:meth:`~ftstate.controller.calls.ActorCalls.fan_out` to ``members``: each one's
+        outcome (result or exception) in order."""
+        return self.calls.fan_out([(m.name, m.handle, m.node_id) for m in members], methods, args, on_end)
+
+    def _to_each(self, members: Sequence[Member], method: str, *args: Any,
+                 on_end: Callable[[int, Any], None] | None = None) -> Any:
+        """The same call ``method(*args)`` to each of ``members``, at once (:meth:`_fan_out`)."""
+        return self._fan_out(members, [method] * len(members), [args] * len(members), on_end)
 
     def _failures(self, members: Sequence[Member], results: Sequence[Any]) -> dict[str, BaseException]:
         out: dict[str, BaseException] = {}
@@ -449,8 +458,7 @@ class WeightSync:
         self.routing_open.clear()
         self._arrival = []
         try:
-            results = await self.calls.fan_out([(m.name, m.handle, m.node_id) for m in rollouts],
-                                               ["commit_weights"] * len(rollouts), [(version,)] * len(rollouts))
+            results = await self._to_each(rollouts, "commit_weights", version)
         finally:
             self.routing_open.set()
         failed = self._failures(rollouts, results)
