@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, ClusterBackend, RemoteError
 from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
@@ -42,6 +42,29 @@ from ftstate.core.text import bounded, clean
 
 #: What a backend reports a member's call ended in, other than its result.
 _SEAM_ERRORS = (ActorDied, ActorUnreachable, RemoteError, CallTimedOut)
+
+
+class CallTarget(Protocol):
+    """Whom :meth:`ActorCalls.fan_out` calls: a member's name, its actor handle and its node's
+    id (None: not known yet). The membership's :class:`~ftstate.controller.membership.Member`
+    is one; so is a :class:`Target`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def handle(self) -> Any: ...
+    @property
+    def node_id(self) -> str | None: ...
+
+
+class Target(NamedTuple):
+    """A :class:`CallTarget` made on the spot (the members' own objects serve the controller:
+    a tuple per member per call was a tenth of the objects a 10,000-member sync left for the
+    collector)."""
+
+    name: str
+    handle: Any
+    node_id: str | None
 
 
 class ActorCalls:
@@ -94,10 +117,10 @@ class ActorCalls:
             out.append(outcome)
         return out
 
-    async def fan_out(self, targets: Sequence[tuple[str, Any, str | None]], methods: Sequence[str],
+    async def fan_out(self, targets: Sequence[CallTarget], methods: Sequence[str],
                       args: Sequence[tuple[Any, ...]],
                       on_end: Callable[[int, Any], None] | None = None) -> list[Any]:
-        """``methods[i](*args[i])`` on each member of ``targets`` (``(name, handle, node_id)``),
+        """``methods[i](*args[i])`` on each member of ``targets`` (:class:`CallTarget`),
         all at once; returns each one's outcome in order: its result, or the error :meth:`call`
         would have raised for it (deaths reported as there). ``on_end(i, outcome)`` is called as
         each ends, in the order they end.
@@ -115,7 +138,7 @@ class ActorCalls:
         out: list[Any] = [None] * len(targets)
         by_node: dict[str | None, list[int]] = {}
         for i, t in enumerate(targets):
-            by_node.setdefault(t[2], []).append(i)
+            by_node.setdefault(t.node_id, []).append(i)
         least = max(self.agent_min_members, 2)
         jobs = []
         for node, idx in by_node.items():
@@ -126,23 +149,23 @@ class ActorCalls:
         await asyncio.gather(*jobs)
         return out
 
-    async def _direct(self, i: int, targets: Sequence[tuple[str, Any, str | None]], methods: Sequence[str],
+    async def _direct(self, i: int, targets: Sequence[CallTarget], methods: Sequence[str],
                       args: Sequence[tuple[Any, ...]], out: list[Any],
                       on_end: Callable[[int, Any], None] | None) -> None:
-        name, handle, _ = targets[i]
+        target = targets[i]
         try:
-            outcome = await self.call(name, handle, methods[i], *args[i])
+            outcome = await self.call(target.name, target.handle, methods[i], *args[i])
         except Exception as exc:  # noqa: BLE001 - the member's own outcome, handed back
             outcome = exc
         out[i] = outcome
         if on_end is not None:
             on_end(i, outcome)
 
-    async def _through_agent(self, node: str, idx: list[int], targets: Sequence[tuple[str, Any, str | None]],
+    async def _through_agent(self, node: str, idx: list[int], targets: Sequence[CallTarget],
                              methods: Sequence[str], args: Sequence[tuple[Any, ...]], out: list[Any],
                              on_end: Callable[[int, Any], None] | None) -> None:
         left = [True] * len(idx)  # not reported yet, by position in the node's batch
-        stream = self._backend.calls(node, [targets[i][1] for i in idx], [methods[i] for i in idx],
+        stream = self._backend.calls(node, [targets[i].handle for i in idx], [methods[i] for i in idx],
                                      [args[i] for i in idx])
         try:
             async with contextlib.aclosing(stream):
@@ -166,11 +189,11 @@ class ActorCalls:
                     if on_end is not None:
                         on_end(i, out[i])
 
-    async def _translated(self, i: int, exc: Exception, targets: Sequence[tuple[str, Any, str | None]],
+    async def _translated(self, i: int, exc: Exception, targets: Sequence[CallTarget],
                           methods: Sequence[str], args: Sequence[tuple[Any, ...]]) -> Exception:
         """What :meth:`call` would have raised for member ``i`` whose call ended in ``exc``."""
         try:
-            await self._raise_for(targets[i][0], methods[i], args[i], exc, None)
+            await self._raise_for(targets[i].name, methods[i], args[i], exc, None)
         except Exception as raised:  # noqa: BLE001 - the member's own outcome, handed back
             return raised
         raise AssertionError("unreachable")  # pragma: no cover - _raise_for always raises

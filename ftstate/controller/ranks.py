@@ -217,8 +217,9 @@ class ShardedSync(WeightSync):
                         await self.calls.call(t.name, t.handle, "discard_shards")
                 peers = [m.rank for m in rollouts]
                 send, receive = (target, peers, timeout), (target, ownership_rec, timeout)
-                results = await self._transfer([*((t, "send_shards", send) for t in senders),
-                                                *((m, "receive_shards", receive) for m in rollouts)])
+                results = await self._transfer(
+                    [*senders, *rollouts], ["send_shards"] * len(senders) + ["receive_shards"] * len(rollouts),
+                    [send] * len(senders) + [receive] * len(rollouts))
                 failures = self._failures([*senders, *rollouts], results)
                 if not failures:
                     part_checksums: dict[int, str | None] = {t.rank: None for t in trainers}

@@ -198,12 +198,11 @@ class WeightSync:
                             [(r, list(p)) for r, p in plan.relay_ranks], owner,
                             self.config.node_copy_spare) if plan.uses_shm else ()
                 planned = (True,) if plan.uses_shm else ()
-                results = await self._transfer([
-                    (trainer, "send_weights", (target, timeout, *send_shm)),
-                    *((m, "receive_weights", (target, 0, timeout, *planned,
-                                              *((relaying[m.name],) if m.name in relaying else ())))
-                      for m in rollouts),
-                ])
+                receive = (target, 0, timeout, *planned)
+                results = await self._transfer(
+                    [trainer, *rollouts], ["send_weights", *["receive_weights"] * len(rollouts)],
+                    [(target, timeout, *send_shm),
+                     *((*receive, relaying[m.name]) if m.name in relaying else receive for m in rollouts)])
                 failures = self._failures([trainer, *rollouts], results)
                 sent: dict[str, Any] = {}
                 if not failures:
@@ -349,9 +348,10 @@ class WeightSync:
         group.describe_wait(f"weight sync to version {target}", missing=[m.name for m in [*senders, *rollouts]])
         return rollouts
 
-    async def _transfer(self, calls: Sequence[tuple[Member, str, tuple[Any, ...]]]) -> list[Any]:
-        """Run the participants' calls of one transfer (``(member, method, args)``); results (or
-        exceptions) in order.
+    async def _transfer(self, members: Sequence[Member], methods: Sequence[str],
+                        args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run the participants' calls of one transfer (``methods[i](*args[i])`` on ``members[i]``);
+        results (or exceptions) in order.
 
         As soon as one fails (other than by a checksum mismatch, which the protocol itself
         reports after the vote), the others are told to abandon the transfer. The abandoned
@@ -363,7 +363,6 @@ class WeightSync:
         transfer to n rollouts whose answers trickle in, and a node's batch reports a member's
         failure as soon as it happens, not when the node's other calls end."""
         loop = asyncio.get_running_loop()
-        members = [m for m, _, _ in calls]
         ended = [False] * len(members)
         first_failure: asyncio.Future[tuple[int, BaseException]] = loop.create_future()
         self._arrival = []
@@ -376,7 +375,7 @@ class WeightSync:
             if not isinstance(outcome, ChecksumMismatch) and not first_failure.done():
                 first_failure.set_result((i, outcome))
 
-        fanned = self._fan_out(members, [method for _, method, _ in calls], [a for _, _, a in calls], on_end)
+        fanned = self._fan_out(members, methods, args, on_end)
         every: asyncio.Future[list[Any]] = asyncio.ensure_future(fanned)
         try:
             await asyncio.wait([every, first_failure], return_when=asyncio.FIRST_COMPLETED)
@@ -398,7 +397,7 @@ class WeightSync:
                  on_end: Callable[[int, Any], None] | None = None) -> Any:
         """:meth:`~ftstate.controller.calls.ActorCalls.fan_out` to ``members``: each one's
         outcome (result or exception) in order."""
-        return self.calls.fan_out([(m.name, m.handle, m.node_id) for m in members], methods, args, on_end)
+        return self.calls.fan_out(members, methods, args, on_end)
 
     def _to_each(self, members: Sequence[Member], method: str, *args: Any,
                  on_end: Callable[[int, Any], None] | None = None) -> Any:

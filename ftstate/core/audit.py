@@ -53,7 +53,7 @@ import datetime
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -81,6 +81,9 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("group_version", "weights_version", "rank", "pid"), (int,)),
     **dict.fromkeys(("t", "seconds_in_state"), (int, float)),
 }
+
+
+_NO_FIELDS: Mapping[str, Any] = {}
 
 
 class AuditTrail:
@@ -131,15 +134,32 @@ class AuditTrail:
         # One dict, built in the order the line is written (time, event and who first), with
         # each value cleaned as it goes in: a 10,000-member sync writes 20,000 of these, and
         # every intermediate dict or call per field was a measurable part of its CPU.
-        rec: dict[str, Any] = {"ts": _iso(self._wall_clock()), "t": round(self._clock() - self._t0, 6),
-                               "event": event}
+        rec = self._head(event)
         for key in _FRONT_FIELDS:
             if key in fields:
                 rec[key] = None  # its place in the line; its value comes in below
-        for key, value in fields.items():
-            if key != "ts":  # the wall clock's, always
-                rec[key] = value if type(value) in _PLAIN or (type(value) is str and _printable(value)) \
-                    else _cleaned(value)
+        _put(rec, fields)
+        self._write(rec)
+
+    def record_plain(self, event: str, plain: dict[str, Any], fields: Mapping[str, Any] = _NO_FIELDS,
+                     **more: Any) -> None:
+        """Write one record whose ``plain`` fields are already fit for a line, in the order
+        they are written: numbers, None, or strings that :func:`plain` returned (a machine's
+        identity, cleaned once when it is bound, and its spec's names). ``fields`` and ``more``
+        follow, cleaned as :meth:`record` cleans every field. What a state machine writes at
+        each transition: 20,000 records a 10,000-member sync, a third cheaper this way."""
+        rec = self._head(event)
+        rec.update(plain)
+        if fields:
+            _put(rec, fields)
+        if more:
+            _put(rec, more)
+        self._write(rec)
+
+    def _head(self, event: str) -> dict[str, Any]:
+        return {"ts": _iso(self._wall_clock()), "t": round(self._clock() - self._t0, 6), "event": event}
+
+    def _write(self, rec: dict[str, Any]) -> None:
         if self.run is not None and "run" not in rec:
             rec["run"] = self.run
         for key in ONE_LINE_FIELDS:
@@ -187,6 +207,19 @@ def _iso(epoch: float) -> str:
 
 _PLAIN = frozenset({int, float, bool, type(None)})
 _printable = str.isprintable  # printable text has no control character, so no escape either
+
+
+def _put(rec: dict[str, Any], fields: Mapping[str, Any]) -> None:
+    for key, value in fields.items():
+        if key != "ts":  # the wall clock's, always
+            rec[key] = value if type(value) in _PLAIN or (type(value) is str and _printable(value)) \
+                else _cleaned(value)
+
+
+def plain(value: Any) -> Any:
+    """``value`` as a record holds it: strings (also inside lists, tuples and dicts) without
+    terminal escapes or control characters (:func:`ftstate.core.text.clean`)."""
+    return _cleaned(value)
 
 
 def _cleaned(value: Any, depth: int = 0) -> Any:

@@ -15,7 +15,6 @@ This module imports neither Ray nor torch.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -42,7 +41,8 @@ class LoopClock:
     Callbacks due in the same millisecond share one loop timer (:class:`_SharedTimers`; never
     early, at most 1 ms late): a sync arms a deadline per member at once, and a loop timer each
     (a handle and a context copy, pushed on the loop's heap and promoted by the collector while
-    the state lasts) is what that costs at thousands of members."""
+    the state lasts) is what that costs at thousands of members. A :class:`Deadline` is its
+    own entry there (:meth:`schedule`): one object an armed deadline."""
 
     def now(self) -> float:
         import asyncio
@@ -55,13 +55,47 @@ class LoopClock:
             return time.monotonic()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
+        return self.schedule(_SharedHandle(callback), when)
+
+    def schedule(self, entry: SharedTimer, when: float) -> SharedTimer:
+        """Call ``entry`` at ``when`` (its millisecond's shared timer); ``entry.cancel()`` undoes it."""
         import asyncio
 
         loop = asyncio.get_running_loop()
         timers = _SHARED.get(loop)
         if timers is None:
             timers = _SHARED[loop] = _SharedTimers(loop)
-        return timers.call_at(when, callback)
+        timers.add(entry, when)
+        return entry
+
+
+class SharedTimer:
+    """An entry of :class:`_SharedTimers`: called when its millisecond is due, unless cancelled."""
+
+    __slots__ = ("_at", "_owner")
+
+    def __init__(self) -> None:
+        self._owner: _SharedTimers | None = None
+        self._at = 0.0
+
+    def __call__(self) -> None:  # pragma: no cover - every entry says what it does
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        if self._owner is not None:
+            self._owner.cancel(self)
+            self._owner = None
+
+
+class _SharedHandle(SharedTimer):
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        super().__init__()
+        self.callback = callback
+
+    def __call__(self) -> None:
+        self.callback()
 
 
 class _SharedTimers:
@@ -69,54 +103,39 @@ class _SharedTimers:
 
     def __init__(self, loop: Any) -> None:
         self.loop = loop
-        self.due: dict[float, dict[_SharedHandle, None]] = {}
+        self.due: dict[float, dict[SharedTimer, None]] = {}
         self.timers: dict[float, Any] = {}
 
-    def call_at(self, when: float, callback: Callable[[], None]) -> _SharedHandle:
+    def add(self, entry: SharedTimer, when: float) -> None:
         at = math.ceil(when * 1000.0) / 1000.0
         if at < when:  # the float's own rounding: never early
             at = math.nextafter(at, math.inf)
-        handle = _SharedHandle(self, at, callback)
+        entry._owner, entry._at = self, at
         bucket = self.due.get(at)
         if bucket is None:
             bucket = self.due[at] = {}
             self.timers[at] = self.loop.call_at(at, self._fire, at)
-        bucket[handle] = None
-        return handle
+        bucket[entry] = None
 
     def _fire(self, at: float) -> None:
         self.timers.pop(at, None)
-        for handle in self.due.pop(at, ()):
-            handle.owner = None
+        for entry in self.due.pop(at, ()):
+            entry._owner = None
             try:
-                handle.callback()
+                entry()
             except Exception as exc:  # noqa: BLE001 - as the loop does for a timer's own callback
                 self.loop.call_exception_handler({"message": "Exception in a deadline callback",
-                                                  "exception": exc, "handle": handle})
+                                                  "exception": exc, "handle": entry})
 
-    def cancel(self, handle: _SharedHandle) -> None:
-        bucket = self.due.get(handle.at)
-        if bucket is None or bucket.pop(handle, 0) is not None:
+    def cancel(self, entry: SharedTimer) -> None:
+        bucket = self.due.get(entry._at)
+        if bucket is None or bucket.pop(entry, 0) is not None:
             return
         if not bucket:
-            del self.due[handle.at]
-            timer = self.timers.pop(handle.at, None)
+            del self.due[entry._at]
+            timer = self.timers.pop(entry._at, None)
             if timer is not None:
                 timer.cancel()
-
-
-class _SharedHandle:
-    __slots__ = ("at", "callback", "owner")
-
-    def __init__(self, owner: _SharedTimers, at: float, callback: Callable[[], None]) -> None:
-        self.owner: _SharedTimers | None = owner
-        self.at = at
-        self.callback = callback
-
-    def cancel(self) -> None:
-        if self.owner is not None:
-            self.owner.cancel(self)
-            self.owner = None
 
 
 #: Each running loop's shared timers (gone with the loop).
@@ -168,40 +187,54 @@ class _ManualHandle:
         self.cancelled = True
 
 
-@dataclasses.dataclass(slots=True)
-class Deadline:
+class ExpiryOwner(Protocol):
+    """Who a :class:`Deadline` tells of its expiry (a state machine)."""
+
+    def _on_expiry(self, entry: int) -> None: ...
+
+
+class Deadline(SharedTimer):
     """One armed deadline.
 
     state: the state it belongs to; key: the config key that set it; seconds: its length;
     armed_at / expires_at: absolute times on the machine's clock; entry: the state entry
-    it belongs to (a later entry into the same state has a new deadline).
+    it belongs to (a later entry into the same state has a new deadline). On expiry it calls
+    its owner's ``_on_expiry(entry)``.
     """
 
-    state: str
-    key: str
-    seconds: float
-    armed_at: float
-    expires_at: float
-    entry: int
-    _handle: TimerHandle | None = dataclasses.field(default=None, repr=False)
-    _on_expiry: Callable[[int], None] | None = dataclasses.field(default=None, repr=False, compare=False)
+    __slots__ = ("_handle", "_owner_machine", "armed_at", "entry", "expires_at", "key", "seconds", "state")
+
+    def __init__(self, state: str, key: str, seconds: float, armed_at: float, expires_at: float, entry: int,
+                 owner: ExpiryOwner | None = None) -> None:
+        super().__init__()
+        self.state = state
+        self.key = key
+        self.seconds = seconds
+        self.armed_at = armed_at
+        self.expires_at = expires_at
+        self.entry = entry
+        self._owner_machine = owner
+        self._handle: TimerHandle | None = None
 
     @classmethod
-    def arm(
-        cls, clock: Clock, *, state: str, key: str, seconds: float, entry: int, on_expiry: Callable[[int], None]
-    ) -> Deadline:
+    def arm(cls, clock: Clock, *, state: str, key: str, seconds: float, entry: int, owner: ExpiryOwner) -> Deadline:
         now = clock.now()
-        d = cls(state=state, key=key, seconds=seconds, armed_at=now, expires_at=now + seconds, entry=entry,
-                _on_expiry=on_expiry)
-        # the deadline is its own callback, not a closure: a member's deadline lives as long as
-        # its state (10,000 of them through a sync at scale, promoted and walked by the collector)
-        d._handle = clock.call_at(d.expires_at, d)
+        d = cls(state, key, seconds, now, now + seconds, entry, owner)
+        # The deadline is its own timer entry on a loop's clock (no handle, no bound method: a
+        # member's deadline lives as long as its state, 10,000 of them through a sync at scale,
+        # promoted and walked by the collector); any other clock calls it back.
+        schedule = getattr(clock, "schedule", None)
+        d._handle = schedule(d, d.expires_at) if schedule is not None else clock.call_at(d.expires_at, d)
         return d
 
     def __call__(self) -> None:
-        """The deadline's timer fired: its ``on_expiry(entry)``."""
-        if self._on_expiry is not None:
-            self._on_expiry(self.entry)
+        """The deadline's timer fired: its owner's ``_on_expiry(entry)``."""
+        if self._owner_machine is not None:
+            self._owner_machine._on_expiry(self.entry)
+
+    def __repr__(self) -> str:
+        return (f"Deadline(state={self.state!r}, key={self.key!r}, seconds={self.seconds!r}, "
+                f"armed_at={self.armed_at!r}, expires_at={self.expires_at!r}, entry={self.entry!r})")
 
     def remaining(self, clock: Clock) -> float:
         return max(0.0, self.expires_at - clock.now())

@@ -40,7 +40,15 @@ from typing import Any
 from transitions.extensions.asyncio import AsyncMachine
 
 from ftstate.core import errors
-from ftstate.core.audit import BUDGET_EXHAUSTED, BUDGET_SPENT, DEADLINE_EXPIRED, ERROR, TRANSITION, AuditTrail
+from ftstate.core.audit import (
+    BUDGET_EXHAUSTED,
+    BUDGET_SPENT,
+    DEADLINE_EXPIRED,
+    ERROR,
+    TRANSITION,
+    AuditTrail,
+    plain,
+)
 from ftstate.core.budget import Budget
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.deadline import Clock, Deadline, LoopClock
@@ -113,6 +121,25 @@ def compile_spec(spec: MachineSpec) -> _SpecMachine:
     return machine
 
 
+class _PlainNames(dict[str, Any]):
+    """A spec's names (its own, its states', its triggers') as a record writes them (:func:`plain`),
+    each cleaned once, on first use."""
+
+    def __missing__(self, name: str) -> Any:
+        value = self[name] = plain(name)
+        return value
+
+
+_plain_names: dict[int, tuple[MachineSpec, _PlainNames]] = {}
+
+
+def _names_of(spec: MachineSpec) -> _PlainNames:
+    hit = _plain_names.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        hit = _plain_names[id(spec)] = (spec, _PlainNames())
+    return hit[1]
+
+
 class _Model:
     """What ``transitions`` decorates with triggers; kept apart so trigger names
     (``stop``, ``fail``…) never shadow :class:`StateMachine`'s own methods."""
@@ -148,7 +175,8 @@ class StateMachine:
         self.audit = audit if audit is not None else AuditTrail()
         self.clock = clock if clock is not None else LoopClock()
         self.identity: dict[str, Any] = {"member": member, "role": role, "rank": rank, **identity}
-        self._recorded = {k: v for k, v in self.identity.items() if v is not None}  # what every record carries
+        self._names = _names_of(spec)
+        self._bound_identity()
         self.budgets = budgets if budgets is not None else {}
         #: The membership version the machine's records are stamped with (set by the runtime).
         self.group_version = 0
@@ -201,7 +229,15 @@ class StateMachine:
     def bind(self, **identity: Any) -> None:
         """Add identity fields to every later record (``pid``, ``node`` once known)."""
         self.identity.update(identity)
-        self._recorded = {k: v for k, v in self.identity.items() if v is not None}
+        self._bound_identity()
+
+    def _bound_identity(self) -> None:
+        # What every record carries, cleaned once here (a worker's node address comes from its
+        # own answer): a transition's record then writes these and the spec's names as they are.
+        recorded = {k: plain(v) for k, v in self.identity.items() if v is not None}
+        self._recorded = recorded
+        self._identity_rest = {k: v for k, v in recorded.items() if k != "member"}
+        self._member_plain = recorded.get("member")
 
     def listen(self, callback: Callable[[StateMachine, str, str, str], None]) -> None:
         """Call ``callback(machine, src, dest, trigger)`` after every transition (the runtime
@@ -255,10 +291,10 @@ class StateMachine:
         budget_spec = self.spec.states[dest].budget
         if budget_spec is not None and dest != src and self._budget(budget_spec.key).remaining < max(1, len(spend_on)):
             return await self._exhausted(dest, trigger)
-        # The edge was checked against the spec above; the shared machine sets the model's state
-        # (its compiled machine has no callbacks or conditions, so its async ``trigger`` would
-        # do the same after ~70 µs of event plumbing, a third of a transition's cost).
-        compile_spec(self.spec).set_state(dest, model=self._model)
+        # The edge was checked against the spec above, and the compiled machine has no callbacks
+        # or conditions: its async ``trigger`` would do what this assignment does after ~70 µs
+        # of event plumbing (a third of a transition's cost), its ``set_state`` after a lookup.
+        self._model.state = dest
         self._transition(src, dest, trigger, reason, error, fields)
         if budget_spec is not None and dest != src:
             self._spend(dest, spend_on or (reason or trigger,))
@@ -323,13 +359,19 @@ class StateMachine:
         self._wait = None
         if error is not None:
             self.error = error
-        extra: dict[str, Any] = dict(fields)
-        if reason:
-            extra["reason"] = reason
+        known = {"machine": self._names[self.spec.name], "member": self._member_plain,
+                 "from": self._names[src], "to": self._names[dest], "trigger": self._names[trigger]}
+        known.update(self._identity_rest)
+        known["group_version"] = self.group_version
+        known["weights_version"] = self.weights_version
+        known["seconds_in_state"] = round(seconds, 6)
         if error is not None:
-            extra["error"] = type(error).__name__
-            extra["message"] = str(error)
-        self._record(TRANSITION, **{"from": src, "to": dest}, trigger=trigger, seconds_in_state=round(seconds, 6), **extra)
+            self.audit.record_plain(TRANSITION, known, fields, **({"reason": reason} if reason else {}),
+                                    error=type(error).__name__, message=str(error))
+        elif reason:
+            self.audit.record_plain(TRANSITION, known, fields, reason=reason)
+        else:
+            self.audit.record_plain(TRANSITION, known, fields)
         self._arm(dest)
         self._wake(dest)
         for listener in self._listeners:
@@ -341,7 +383,7 @@ class StateMachine:
             return
         seconds = float(self.config.get(d.key))
         self.deadline = Deadline.arm(
-            self.clock, state=state, key=d.key, seconds=seconds, entry=self._entry, on_expiry=self._on_expiry
+            self.clock, state=state, key=d.key, seconds=seconds, entry=self._entry, owner=self
         )
 
     def _on_expiry(self, entry: int) -> None:

@@ -25,6 +25,13 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+#: With nothing registered but the loop's own self-pipe and no thread's wake-up seen, the real
+#: selector is polled once in this many loop passes (for a signal's byte written into the pipe
+#: by C, which no Python code sees): a poll is a system call, and a simulation makes one loop
+#: pass per modelled answer (~70,000 in a 10,000-member sync).
+POLL_EVERY = 64
+
+
 class _JumpingSelector(selectors.DefaultSelector):
     """The loop's selector: polls without waiting, and moves the loop's clock by the time the
     loop would have slept."""
@@ -32,11 +39,20 @@ class _JumpingSelector(selectors.DefaultSelector):
     def __init__(self) -> None:
         super().__init__()
         self.loop: VirtualTimeLoop | None = None
+        #: A thread asked the loop to wake (``call_soon_threadsafe``): poll now.
+        self.woken = False
+        self._passes = 0
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        ready = super().select(0)
-        if ready or self.loop is None:
-            return ready
+        self._passes += 1
+        if (self.woken or len(self._fd_to_key) > 1 or timeout is None or self.loop is None
+                or self._passes % POLL_EVERY == 0):
+            self.woken = False
+            ready = super().select(0)
+            if ready or self.loop is None:
+                return ready
+        else:  # only the self-pipe, and nobody wrote to it from Python: nothing to read
+            ready = []
         if timeout is None:
             # Nothing scheduled and nothing ready: whatever is awaited waits on real I/O or a
             # thread, which virtual time cannot advance (the loop's self-pipe is registered:
@@ -58,6 +74,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self._virtual_now
+
+    def _write_to_self(self) -> None:
+        # a thread's call_soon_threadsafe (or the runner's Ctrl-C): the selector polls next pass
+        self._selector.woken = True  # type: ignore[attr-defined]
+        super()._write_to_self()  # type: ignore[misc]
 
     def advance(self, seconds: float) -> None:
         """Move the clock forward by ``seconds`` (what the loop does itself when idle)."""

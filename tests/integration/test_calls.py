@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from ftstate.controller.calls import ActorCalls
+from ftstate.controller.calls import ActorCalls, Target
 from ftstate.controller.ray_backend import RayBackend
 from ftstate.core.errors import CommunicatorAborted, MemberLost, PeerLost, StaleGroupVersion, SyncTimeout
 
@@ -145,7 +145,7 @@ async def test_a_nodes_agent_streams_each_workers_outcome_as_it_ends(ray_cluster
     calls = ActorCalls(lambda member, reason: died.append(member), backend, agent_min_members=2)
     handles = [ray.remote(Stager).options(num_cpus=0, max_concurrency=4).remote() for _ in range(4)]
     node = ray.get_runtime_context().get_node_id()
-    targets = [(f"rollout-{i}", h, node) for i, h in enumerate(handles)]
+    targets = [Target(f"rollout-{i}", h, node) for i, h in enumerate(handles)]
     try:
         pids = [await calls.call(n, h, "pid") for n, h, _ in targets]
         # the agent starts on first use: meanwhile the members are called directly
