@@ -8,6 +8,9 @@ measures the process's CPU seconds (``time.process_time``: real CPU, not virtual
 
 - start: every actor started, group version 1 formed;
 - sync: one ``await rt.sync()`` (mean of ``--syncs``), and the audit trail's bytes it wrote;
+  also net of the heartbeats that ran meanwhile (``sync_net_s``: a sync lasts about one
+  heartbeat interval of virtual time, whose watchdog CPU is measured on its own below), and
+  the objects it left to the collector's oldest generation (``sync_promoted``, a count);
 - heartbeat interval: one ``heartbeat_interval_s`` with nothing happening but the watchdog
   (mean of ``--intervals``), and the same with the garbage collector off (what the Python
   collector costs of it: its full collections walk every live object);
@@ -91,12 +94,15 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     await rt.sync()  # the first sync resyncs the constructed rollouts: not the steady state
     size = os.path.getsize(trail)
     full = _FullCollections()
-    t = cpu()
+    loop = asyncio.get_running_loop()
+    t, v = cpu(), loop.time()
     with full:
         for _ in range(syncs):
             await rt.sync()
     out["sync_s"] = (cpu() - t) / syncs
+    out["sync_virtual_s"] = (loop.time() - v) / syncs
     out["sync_full_gcs"] = full.count / syncs
+    out["sync_promoted"] = full.promoted / syncs
     out["audit_bytes_per_sync"] = (os.path.getsize(trail) - size) / syncs
     interval = rt.config.heartbeat_interval_s
     full = _FullCollections()
@@ -113,6 +119,7 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     finally:
         gc.enable()
     hb = out["heartbeat_interval_s"] / interval  # the watchdog's CPU per second of virtual time
+    out["sync_net_s"] = out["sync_s"] - hb * out["sync_virtual_s"]
     cluster.kill_member("rollout-1")
     out["failover_member_s"], out["failover_member_virtual_s"] = await _failover_round(rt)
     out["failover_member_net_s"] = out["failover_member_s"] - hb * out["failover_member_virtual_s"]
@@ -132,14 +139,26 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
 class _FullCollections:
     """Counts the collector's full collections while entered (``gc.callbacks``): at 10,000
     members each walks every live object (~0.3 s), so whether one lands in a short measurement
-    is most of its spread; their rate (a count, the same run to run) is what changes with code."""
+    is most of its spread; their rate (a count, the same run to run) is what changes with code.
+
+    Also counts the objects promoted to the oldest generation (``promoted``: those alive at a
+    generation-1 collection). That is what sets the rate of full collections: one comes once
+    a quarter of the long-lived heap has been promoted since the last, so their cost per sync
+    is proportional to what a sync keeps alive across collections, whatever the heap's size."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.promoted = 0
+        self._young = 0
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "stop" and info["generation"] == 2:
+        if info["generation"] == 2 and phase == "stop":
             self.count += 1
+        elif info["generation"] == 1:
+            if phase == "start":
+                self._young = len(gc.get_objects(0)) + len(gc.get_objects(1))
+            else:
+                self.promoted += self._young - info["collected"]
 
     def __enter__(self) -> _FullCollections:
         gc.callbacks.append(self._callback)
@@ -165,7 +184,7 @@ def run_one(members: int, syncs: int, intervals: int, loop_kind: str, freeze: bo
             gc.unfreeze()
 
 
-FIGURES = ("start_s", "sync_s", "sync_full_gcs", "heartbeat_interval_s", "heartbeat_full_gcs",
+FIGURES = ("start_s", "sync_s", "sync_net_s", "sync_full_gcs", "sync_promoted", "heartbeat_interval_s", "heartbeat_full_gcs",
            "heartbeat_interval_gc_off_s", "failover_member_s",
            "failover_member_net_s", "failover_rank_s", "failover_rank_net_s", "failover_node_s", "failover_node_net_s", "audit_bytes_per_sync")
 

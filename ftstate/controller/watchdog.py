@@ -22,7 +22,7 @@ interval: by then the SUSPECT state's own deadline has declared a silent one LOS
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ftstate.controller.calls import ActorCalls
@@ -36,6 +36,15 @@ from ftstate.core.liveness import Heartbeat
 #: dropped as forged), for a suspect and for any other member.
 _PROVE = (True, True)
 _ASK = (False, True)
+
+
+def _any_suspect(members: Sequence[Member]) -> bool:
+    return any(m.machine.state == "SUSPECT" for m in members)
+
+
+def _asks(members: Sequence[Member]) -> list[tuple[bool, bool]]:
+    """Each member's heartbeat arguments: a suspect proves its weights."""
+    return [_PROVE if m.machine.state == "SUSPECT" else _ASK for m in members]
 
 
 class Watchdog:
@@ -71,19 +80,19 @@ class Watchdog:
         node_id, members = node.node_id, node.members
         if node_id is None or len(members) < max(self.config.heartbeat_agent_min_members, 2) \
                 or self.config.heartbeat_agent_min_members == 0:
-            await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
+            await self._poll_each(members, now)
             return
         # What stays alive while the node's answer is awaited is scanned by the collector at
         # every collection meanwhile (for 10,000 members, ~1,250 calls in flight at once): the
         # round's lists are the node's, kept from round to round (NodeRounds), and the
         # arguments shared tuples; only a round with a suspect makes a list of its own.
         args = node.ask
-        if any(m.machine.state == "SUSPECT" for m in members):
-            args = [_PROVE if m.machine.state == "SUSPECT" else _ASK for m in members]
+        if _any_suspect(members):
+            args = _asks(members)
         answers = await self.calls.heartbeats(node_id, node.names, node.handles, args,
                                               timeout=self.config.heartbeat_interval_s)
         if answers is None:
-            await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
+            await self._poll_each(members, now)
             return
         for m, answer in zip(members, answers, strict=True):
             if isinstance(answer, BaseException) and not isinstance(answer, MemberLost):
@@ -96,6 +105,12 @@ class Watchdog:
                     await self._fire(m, trigger, beat)
             except Exception:  # noqa: BLE001 - as above
                 continue
+
+    async def _poll_each(self, members: Sequence[Member], now: float) -> None:
+        # A method of its own, as _any_suspect and _asks are functions: a generator or a
+        # comprehension in poll_node would make what it reads cells of every node's round
+        # (1,250 an interval at 10,000 members), alive while the node's answer is awaited.
+        await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
 
     async def poll(self, m: Member, now: float) -> bool:
         """One heartbeat of ``m`` and the event it implies; returns whether it answered."""

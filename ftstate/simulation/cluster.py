@@ -196,7 +196,7 @@ class SimulatedCluster(ClusterBackend):
         for j, (h, method, a) in enumerate(zip(handles, methods, args, strict=True)):
             if not isinstance(h, SimulatedMember):
                 raise FTError(f"not a simulated member: {h!r}")
-            batch.watch(j, h.answer(method, tuple(a), None))
+            h.answer(method, tuple(a), None, batch.reply(j))
         while batch.left:
             yield await batch.next()
 

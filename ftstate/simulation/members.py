@@ -44,16 +44,22 @@ def checksum_of(weights_version: int) -> str:
 _PRUNE_AT = 16
 
 
-def _settle(fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+#: A call's outcome, made when it is answered: a function of no arguments, or ``(function,
+#: *arguments)`` (one tuple where a bound method and a partial were two objects for each call
+#: in flight: 10,000 of them through a sync, which the collector promotes and walks).
+Outcome = Callable[[], Any] | tuple[Any, ...]
+
+
+def _settle(fut: asyncio.Future[Any], outcome: Outcome) -> None:
     if fut.done():
         return
     try:
-        fut.set_result(outcome())
+        fut.set_result(outcome[0](*outcome[1:]) if type(outcome) is tuple else outcome())  # type: ignore[operator]
     except Exception as exc:  # noqa: BLE001 - the outcome is the call's answer: an error is one too
         fut.set_exception(exc)
 
 
-def _answered(member: SimulatedMember, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+def _answered(member: SimulatedMember, fut: asyncio.Future[Any], outcome: Outcome) -> None:
     """``fut`` of ``member`` settled with its ``outcome`` (a module function, not a bound method
     made for each call in flight)."""
     member._pending.pop(fut, None)  # answered: no death can fail it any more
@@ -83,13 +89,13 @@ class Collective:
         self.expected = expected
         self.cost_s = cost_s
         self.detect_s = detect_s
-        self.arrivals: dict[int, tuple[SimulatedMember, asyncio.Future[Any], Callable[[], Any]]] = {}
+        self.arrivals: dict[int, tuple[SimulatedMember, asyncio.Future[Any], Outcome]] = {}
         self.started_at: float | None = None
         self.broken: str | None = None
         self._by_future: dict[asyncio.Future[Any], SimulatedMember] = {}
         self._on_done: Callable[[asyncio.Future[Any]], None] | None = None
 
-    def arrive(self, rank: int, member: SimulatedMember, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+    def arrive(self, rank: int, member: SimulatedMember, fut: asyncio.Future[Any], outcome: Outcome) -> None:
         if self.broken is not None:
             self.loop.call_at(self.loop.time() + self.detect_s, _fail, fut, self._peer_lost(member, self.broken))
             return
@@ -176,10 +182,12 @@ class SimulatedMember:
 
     # -- calls ---------------------------------------------------------------------------
 
-    def answer(self, method: str, args: tuple[Any, ...], timeout: float | None) -> asyncio.Future[Any]:
-        """The future of ``method(*args)``, settled at its modelled time (see the module docstring)."""
+    def answer(self, method: str, args: tuple[Any, ...], timeout: float | None,
+               reply: Any = None) -> asyncio.Future[Any]:
+        """The future of ``method(*args)``, settled at its modelled time (see the module docstring);
+        ``reply``: settle that instead (an :class:`AgentReply`: the call came through the agent)."""
         loop = self.cluster.loop
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[Any] = loop.create_future() if reply is None else reply
         now = loop.time()
         if not self.alive:
             loop.call_at(now + self.cluster.costs.death_detect_s, _fail, fut, ActorDied(self.death or "dead"))
@@ -210,7 +218,7 @@ class SimulatedMember:
             handler(fut, *args)
         return fut
 
-    def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Callable[[], Any]) -> None:
+    def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Outcome) -> None:
         # Each answer takes its cost stretched by up to Costs.jitter (the cluster's seeded
         # draw): real answers trickle in, and code that is cheap only when they all arrive at
         # once (one wake-up for a whole batch) must not look cheap here.
@@ -219,7 +227,7 @@ class SimulatedMember:
         loop.call_at(max(loop.time(), self.up_at) + seconds, _answered, self, fut, outcome,
                      context=self.cluster.context)
 
-    def answer_later(self, fut: asyncio.Future[Any], outcome: Callable[[], Any]) -> None:
+    def answer_later(self, fut: asyncio.Future[Any], outcome: Outcome) -> None:
         """Settle ``fut`` one call's time from now (a collective finished: its answer travels back)."""
         self._after(fut, self.cluster.costs.call_s, outcome)
 
@@ -345,9 +353,8 @@ class SimulatedMember:
 
     def _on_receive_weights(self, fut: asyncio.Future[Any], weights_version: int, src: int, timeout_s: float,
                             *planned: Any) -> None:
-        self._broadcast(weights_version).arrive(self.rank, self, fut,
-                                                functools.partial(self._staged_weights, weights_version,
-                                                                  self.cluster.costs.weights_bytes))
+        self._broadcast(weights_version).arrive(self.rank, self, fut, (SimulatedMember._staged_weights, self,
+                                                                       weights_version, self.cluster.costs.weights_bytes))
 
     def _staged_weights(self, weights_version: int, nbytes: int) -> dict[str, Any]:
         self.staged = weights_version
@@ -357,7 +364,7 @@ class SimulatedMember:
 
     def _on_commit_weights(self, fut: asyncio.Future[Any], weights_version: int) -> None:
         self._after(fut, self.cluster.costs.call_s + self.cluster.costs.load_s(),
-                    functools.partial(self._committed, weights_version))
+                    (SimulatedMember._committed, self, weights_version))
 
     def _committed(self, weights_version: int) -> dict[str, Any]:
         if self.staged != weights_version:
@@ -465,7 +472,7 @@ class SimulatedMember:
             return
         self.prepared = False
         self._shards(weights_version).arrive(self.rank, self, fut,
-                                             functools.partial(self._sent_shards, weights_version, self.rank))
+                                             (SimulatedMember._sent_shards, self, weights_version, self.rank))
 
     def _sent_shards(self, weights_version: int, rank: int) -> dict[str, Any]:
         self.progress += 1
@@ -473,9 +480,8 @@ class SimulatedMember:
 
     def _on_receive_shards(self, fut: asyncio.Future[Any], weights_version: int, ownership: dict[str, Any],
                            timeout_s: float) -> None:
-        self._shards(weights_version).arrive(self.rank, self, fut,
-                                             functools.partial(self._staged_shards, weights_version,
-                                                               self.cluster.costs.weights_bytes))
+        self._shards(weights_version).arrive(self.rank, self, fut, (SimulatedMember._staged_shards, self,
+                                                                    weights_version, self.cluster.costs.weights_bytes))
 
     def _staged_shards(self, weights_version: int, nbytes: int) -> dict[str, Any]:
         self.staged = weights_version
@@ -564,7 +570,7 @@ class AgentBatch:
     members' outcomes stay with it), and its death, once its node is declared dead, fails the
     batch with ``ActorDied``, as a real agent's reply does."""
 
-    __slots__ = ("agent", "ended", "left", "loop", "on_done", "position", "wake")
+    __slots__ = ("agent", "ended", "left", "loop", "wake")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, agent: SimulatedMember, members: int) -> None:
         self.loop = loop
@@ -572,15 +578,13 @@ class AgentBatch:
         self.left = members
         self.ended: list[tuple[int, Any]] = []
         self.wake: asyncio.Future[None] | None = None
-        self.position: dict[asyncio.Future[Any], int] = {}
-        self.on_done = self._ended  # one bound method for every member's call
 
-    def watch(self, j: int, fut: asyncio.Future[Any]) -> None:
-        self.position[fut] = j
-        fut.add_done_callback(self.on_done, context=self.agent.cluster.context)
+    def reply(self, j: int) -> AgentReply:
+        """Where the ``j``-th member's call answers."""
+        return AgentReply(self, j)
 
-    def _ended(self, fut: asyncio.Future[Any]) -> None:
-        self.ended.append((self.position.pop(fut), fut.exception() or fut.result()))
+    def _ended(self, j: int, outcome: Any) -> None:
+        self.ended.append((j, outcome))
         if self.wake is not None and not self.wake.done() and not self.agent.cut_off:
             self.wake.set_result(None)
 
@@ -597,6 +601,60 @@ class AgentBatch:
         ended, self.ended = self.ended, []
         self.left -= len(ended)
         return ended
+
+
+class AgentReply:
+    """A member's call made through its node's agent, settled as a future is (by the member's
+    answer, its death, a broken collective) and its outcome handed to the batch as it is.
+    Not an ``asyncio.Future``: nobody awaits it, and a future each, with the batch's callback
+    on it, was three objects for each call in flight (10,000 through a sync) and a loop pass
+    for each answer. Done-callbacks (a collective's) still run as a future's do, soon after."""
+
+    __slots__ = ("_callback", "_context", "_done", "_more", "batch", "j")
+
+    def __init__(self, batch: AgentBatch, j: int) -> None:
+        self.batch = batch
+        self.j = j
+        self._done = False
+        # the first done-callback in two slots (a collective's: the only one there usually is),
+        # any further ones in a list
+        self._callback: Callable[[Any], Any] | None = None
+        self._context: Any = None
+        self._more: list[tuple[Callable[[Any], Any], Any]] | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def set_result(self, value: Any) -> None:
+        self._end(value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._end(exc)
+
+    def _end(self, outcome: Any) -> None:
+        if self._done:
+            raise asyncio.InvalidStateError(f"the call of member {self.j} of the batch already ended")
+        self._done = True
+        self.batch._ended(self.j, outcome)
+        if self._callback is not None:
+            self.batch.loop.call_soon(self._callback, self, context=self._context)
+            self._callback = self._context = None
+        for callback, context in self._more or ():
+            self.batch.loop.call_soon(callback, self, context=context)
+        self._more = None
+
+    def add_done_callback(self, callback: Callable[[Any], Any], *, context: Any = None) -> None:
+        if self._done:
+            self.batch.loop.call_soon(callback, self, context=context)
+        elif self._callback is None:
+            self._callback, self._context = callback, context
+        elif self._more is None:
+            self._more = [(callback, context)]
+        else:
+            self._more.append((callback, context))
 
 
 def _raiser(exc: BaseException) -> Callable[[], Any]:
