@@ -18,8 +18,11 @@ runs, slowly: with no timer due, the loop waits for it in real time, 50 ms at a 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import heapq
+import itertools
 import selectors
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -85,10 +88,61 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._virtual_now += seconds
 
 
+class TimerQueue:
+    """The simulation's own timers (modelled answers, detections, timeouts) behind one loop timer.
+
+    A simulated cluster of 10,000 members keeps ~20,000 answers pending in a sync. As loop
+    timers, each is a handle on the loop's heap, ordered by ``TimerHandle.__lt__`` in Python
+    (~370,000 comparisons a sync, a tenth of its CPU); here each is one tuple on a heap of this
+    queue's own, compared in C, and only the earliest holds a loop timer. A callback runs in
+    ``context`` at its time, after what the loop has ready, as a loop timer's would; one made
+    while the queue runs waits for the next pass. Timers cannot be cancelled: the modelled
+    outcomes check whether what they settle is still pending."""
+
+    def __init__(self, context: contextvars.Context) -> None:
+        self.context = context
+        self._heap: list[tuple[float, int, Callable[..., Any], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self._armed: list[float] = []  # the loop timers held, by time
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def call_at(self, when: float, callback: Callable[..., Any], *args: Any) -> None:
+        """Call ``callback(*args)`` at ``when`` on the running loop's clock."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new loop: what was pending belonged to the last one
+            self._loop, self._heap, self._armed = loop, [], []
+        heapq.heappush(self._heap, (when, next(self._seq), callback, args))
+        if not self._armed or when < self._armed[0]:
+            self._arm(loop, when)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        heapq.heappush(self._armed, when)
+        loop.call_at(when, self._run, loop, context=self.context)
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop or not self._armed:
+            return
+        heapq.heappop(self._armed)  # loop timers fire in the order of their times: the earliest
+        now, last = loop.time(), next(self._seq)
+        heap = self._heap
+        while heap and heap[0][0] <= now and heap[0][1] < last:
+            _, _, callback, args = heapq.heappop(heap)
+            try:
+                callback(*args)
+            except Exception as exc:  # noqa: BLE001 - as the loop does for a timer's own callback
+                loop.call_exception_handler({"message": "Exception in a simulated timer's callback",
+                                             "exception": exc})
+        if heap and (not self._armed or heap[0][0] < self._armed[0]):
+            self._arm(loop, heap[0][0])
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
 def run(main: Coroutine[Any, Any, T], *, start: float = 0.0) -> T:
     """Run ``main`` to completion on a fresh :class:`VirtualTimeLoop` (as ``asyncio.run``)."""
     with asyncio.Runner(loop_factory=lambda: VirtualTimeLoop(start)) as runner:
         return runner.run(main)
 
 
-__all__ = ["VirtualTimeLoop", "run"]
+__all__ = ["TimerQueue", "VirtualTimeLoop", "run"]

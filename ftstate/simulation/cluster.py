@@ -32,6 +32,7 @@ from ftstate.controller.backend import ClusterBackend, Pool
 from ftstate.controller.placement import check_feasible, label_matches
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import ConfigError, FTError, PlacementUnsatisfiable
+from ftstate.simulation.clock import TimerQueue
 from ftstate.simulation.costs import Costs
 from ftstate.simulation.members import (
     AgentBatch,
@@ -72,6 +73,8 @@ class SimulatedCluster(ClusterBackend):
         #: The context every modelled answer runs in (they read no context variable): one for
         #: all, where ``call_at`` would copy the caller's for each of thousands of calls in flight.
         self.context = contextvars.Context()
+        #: The timers of every modelled answer, detection and timeout (:class:`TimerQueue`).
+        self.timers = TimerQueue(self.context)
         resources = {"CPU": float(cpus_per_node), **({"GPU": float(gpus_per_node)} if gpus_per_node else {})}
         self._nodes: dict[str, dict[str, Any]] = {}
         for i in range(nodes):

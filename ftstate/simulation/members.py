@@ -97,7 +97,7 @@ class Collective:
 
     def arrive(self, rank: int, member: SimulatedMember, fut: asyncio.Future[Any], outcome: Outcome) -> None:
         if self.broken is not None:
-            self.loop.call_at(self.loop.time() + self.detect_s, _fail, fut, self._peer_lost(member, self.broken))
+            member.cluster.timers.call_at(self.loop.time() + self.detect_s, _fail, fut, self._peer_lost(member, self.broken))
             return
         self.arrivals[rank] = (member, fut, outcome)
         self._by_future[fut] = member
@@ -110,7 +110,7 @@ class Collective:
         fut.add_done_callback(self._on_done, context=member.cluster.context)
         if len(self.arrivals) == self.expected:
             self.started_at = self.loop.time()
-            self.loop.call_at(self.started_at + self.cost_s, self._finish)
+            member.cluster.timers.call_at(self.started_at + self.cost_s, self._finish)
 
     def _finish(self) -> None:
         if self.broken is not None:
@@ -133,7 +133,7 @@ class Collective:
         when = self.loop.time() + self.detect_s
         for other, other_fut, _ in self.arrivals.values():
             if other is not member and not other_fut.done():
-                self.loop.call_at(when, _fail, other_fut, self._peer_lost(other, self.broken))
+                other.cluster.timers.call_at(when, _fail, other_fut, self._peer_lost(other, self.broken))
 
     def _peer_lost(self, member: SimulatedMember, why: str) -> RemoteError:
         exc = PeerLost(f"rank {member.rank}: a peer was lost during {self.what} ({why})", group="weights",
@@ -190,7 +190,8 @@ class SimulatedMember:
         fut: asyncio.Future[Any] = loop.create_future() if reply is None else reply
         now = loop.time()
         if not self.alive:
-            loop.call_at(now + self.cluster.costs.death_detect_s, _fail, fut, ActorDied(self.death or "dead"))
+            self.cluster.timers.call_at(now + self.cluster.costs.death_detect_s, _fail, fut,
+                                        ActorDied(self.death or "dead"))
             return fut
         # The calls a death fails: one answered leaves when it is (_settle); those that ended
         # otherwise (failed, timed out) are dropped in bulk now and then, not each by a callback
@@ -203,12 +204,12 @@ class SimulatedMember:
             # cancelling it on the answer would keep a callback per call besides, and making
             # its error only when it fires keeps an exception per call in flight out of the
             # collector's scans (the heartbeats' calls in flight at 10,000 members).
-            loop.call_at(now + timeout, _time_out, fut, timeout, context=self.cluster.context)
+            self.cluster.timers.call_at(now + timeout, _time_out, fut, timeout)
         if self.hung:
             return fut
         if self.cut_off:  # its node is gone and Ray does not know it yet: no answer, then unreachable
-            loop.call_at(now + self.cluster.costs.unreachable_s, _fail, fut,
-                         ActorUnreachable("the actor is temporarily unavailable (its node does not answer)"))
+            self.cluster.timers.call_at(now + self.cluster.costs.unreachable_s, _fail, fut,
+                                        ActorUnreachable("the actor is temporarily unavailable (its node does not answer)"))
             return fut
         handler = getattr(self, f"_on_{method}", None)
         if handler is None:
@@ -224,8 +225,11 @@ class SimulatedMember:
         # once (one wake-up for a whole batch) must not look cheap here.
         loop = self.cluster.loop
         seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
-        loop.call_at(max(loop.time(), self.up_at) + seconds, _answered, self, fut, outcome,
-                     context=self.cluster.context)
+        when = max(loop.time(), self.up_at) + seconds
+        if type(fut) is AgentReply and fut.answer_at(self, outcome):
+            self.cluster.timers.call_at(when, fut)  # its own timer's callback: no arguments tuple
+        else:
+            self.cluster.timers.call_at(when, _answered, self, fut, outcome)
 
     def answer_later(self, fut: asyncio.Future[Any], outcome: Outcome) -> None:
         """Settle ``fut`` one call's time from now (a collective finished: its answer travels back)."""
@@ -245,7 +249,7 @@ class SimulatedMember:
         loop = self.cluster.loop
         when = loop.time() + self.cluster.costs.death_detect_s
         for fut in list(self._pending):
-            loop.call_at(when, _fail, fut, ActorDied(reason))
+            self.cluster.timers.call_at(when, _fail, fut, ActorDied(reason))
         self._pending.clear()
 
     def hang(self) -> None:
@@ -551,7 +555,7 @@ class SimulatedLivenessAgent(SimulatedMember):
         loop = self.cluster.loop
         answers = functools.partial(self._answers, handles, args, timeout)
         if any(h.alive and (h.hung or h.cut_off) for h in handles):
-            loop.call_at(loop.time() + timeout, _settle, fut, answers, context=self.cluster.context)
+            self.cluster.timers.call_at(loop.time() + timeout, _settle, fut, answers)
         else:
             self._after(fut, self.cluster.costs.call_s, answers)
 
@@ -610,17 +614,33 @@ class AgentReply:
     on it, was three objects for each call in flight (10,000 through a sync) and a loop pass
     for each answer. Done-callbacks (a collective's) still run as a future's do, soon after."""
 
-    __slots__ = ("_callback", "_context", "_done", "_more", "batch", "j")
+    __slots__ = ("_callback", "_context", "_done", "_member", "_more", "_outcome", "batch", "j")
 
     def __init__(self, batch: AgentBatch, j: int) -> None:
         self.batch = batch
         self.j = j
         self._done = False
+        self._member: SimulatedMember | None = None
+        self._outcome: Outcome | None = None
         # the first done-callback in two slots (a collective's: the only one there usually is),
         # any further ones in a list
         self._callback: Callable[[Any], Any] | None = None
         self._context: Any = None
         self._more: list[tuple[Callable[[Any], Any], Any]] | None = None
+
+    def answer_at(self, member: SimulatedMember, outcome: Outcome) -> bool:
+        """``member`` answers with ``outcome`` when this reply is called (its answer's timer);
+        False (nothing taken) if an answer is already on its way."""
+        if self._member is not None:
+            return False
+        self._member, self._outcome = member, outcome
+        return True
+
+    def __call__(self) -> None:
+        member, outcome = self._member, self._outcome
+        self._member = self._outcome = None
+        if member is not None and outcome is not None:
+            _answered(member, self, outcome)  # type: ignore[arg-type]
 
     def done(self) -> bool:
         return self._done
