@@ -167,7 +167,7 @@ class ActorCalls:
         left = [True] * len(idx)  # not reported yet, by position in the node's batch
         stream = self._backend.calls(node, *_picked(idx, targets, methods, args))
         try:
-            async with contextlib.aclosing(stream):
+            try:
                 async for ended in stream:
                     for j, outcome in ended:
                         left[j] = False
@@ -177,6 +177,10 @@ class ActorCalls:
                         out[i] = outcome
                         if on_end is not None:
                             on_end(i, outcome)
+            finally:  # as contextlib.aclosing, without its two objects a node's call keeps alive
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
         except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
             if isinstance(exc, CallTimedOut) and all(left):  # the agent is not up: nobody was called
                 await self._each_direct(idx, targets, methods, args, out, on_end)

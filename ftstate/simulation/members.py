@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, RemoteError
@@ -568,20 +568,25 @@ class SimulatedLivenessAgent(SimulatedMember):
 
 
 class AgentBatch:
-    """The members' calls of one :meth:`~ftstate.simulation.cluster.SimulatedCluster.calls`: each
-    member's outcome as it ends, handed over in lists of those that ended since the last
-    (:meth:`next`). The agent is lost with its node: from then on it hands nothing over (its
-    members' outcomes stay with it), and its death, once its node is declared dead, fails the
-    batch with ``ActorDied``, as a real agent's reply does."""
+    """The members' calls of one :meth:`~ftstate.simulation.cluster.SimulatedCluster.calls`, and
+    its iteration: each member's outcome as it ends, handed over in lists of those that ended
+    since the last. The members are called when the iteration starts, unless the agent is dead
+    or its node gone: then the first step fails as a call of the agent's would. The agent is
+    lost with its node: from then on it hands nothing over (its members' outcomes stay with
+    it), and its death, once its node is declared dead, fails the batch with ``ActorDied``, as
+    a real agent's reply does."""
 
-    __slots__ = ("agent", "ended", "left", "loop", "wake")
+    __slots__ = ("agent", "calls", "ended", "left", "loop", "wake")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, agent: SimulatedMember, members: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, agent: SimulatedMember, handles: Sequence[SimulatedMember],
+                 methods: Sequence[str], args: Sequence[Sequence[Any]]) -> None:
         self.loop = loop
         self.agent = agent
-        self.left = members
+        self.left = len(handles)
         self.ended: list[tuple[int, Any]] = []
         self.wake: asyncio.Future[None] | None = None
+        #: The members' calls, made at the first step (None once made).
+        self.calls: tuple[Any, ...] | None = (handles, methods, args)
 
     def reply(self, j: int) -> AgentReply:
         """Where the ``j``-th member's call answers."""
@@ -592,8 +597,20 @@ class AgentBatch:
         if self.wake is not None and not self.wake.done() and not self.agent.cut_off:
             self.wake.set_result(None)
 
-    async def next(self) -> list[tuple[int, Any]]:
-        """The outcomes that ended since the last call, waiting for one if none did."""
+    def __aiter__(self) -> AgentBatch:
+        return self
+
+    async def __anext__(self) -> list[tuple[int, Any]]:
+        """The outcomes that ended since the last step, waiting for one if none did."""
+        if self.calls is not None:
+            handles, methods, args = self.calls
+            self.calls = None
+            if not self.agent.alive or self.agent.cut_off:
+                await self.agent.answer("ready", (), None)  # dead, or its node gone: fails as such a call does
+            for j, (h, method, a) in enumerate(zip(handles, methods, args, strict=True)):
+                h.answer(method, tuple(a), None, self.reply(j))
+        if not self.left:
+            raise StopAsyncIteration
         while not self.ended or self.agent.cut_off:
             self.wake = self.loop.create_future()
             self.agent._pending[self.wake] = None  # failed with ActorDied when the agent dies
@@ -605,6 +622,10 @@ class AgentBatch:
         ended, self.ended = self.ended, []
         self.left -= len(ended)
         return ended
+
+    async def aclose(self) -> None:
+        """The caller stopped iterating: outcomes still to come stay with the agent."""
+        self.calls = None
 
 
 class AgentReply:

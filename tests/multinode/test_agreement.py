@@ -206,6 +206,17 @@ def calibrated_costs(rt, measured: dict[str, Any]):
                  start_s=statistics.median(starts), weights_bytes=max(1, measured["nbytes"]), jitter=0.1)
 
 
+def events_differ(simulated: dict[str, Any], real: dict[str, Any]) -> str:
+    """Each member whose events differ, from the first that does (a failure says what, not ``...``)."""
+    out = []
+    for member in sorted(set(simulated) | set(real)):
+        s, r = simulated.get(member, []), real.get(member, [])
+        if s != r:
+            first = next((i for i, (a, b) in enumerate(zip(s, r, strict=False)) if a != b), min(len(s), len(r)))
+            out.append(f"{member} from event {first}: simulated {s[first:]} real {r[first:]}")
+    return "the audit events differ: " + "; ".join(out)
+
+
 def r_time(record: dict[str, Any]) -> float:
     return float(record["t"])
 
@@ -250,7 +261,7 @@ async def compare(mn, tmp_path) -> tuple[dict[str, tuple[float, float]] | None, 
     if stalled:  # the real machine stalled: this comparison says nothing, another is made
         print(f"agreement: the real run missed heartbeats the simulation has no cause for: {stalled}")
         return None, costs, stalled
-    assert simulated_events == real_events
+    assert simulated_events == real_events, events_differ(simulated_events, real_events)
     predicted = {"node loss to replaced": (sim["node_replaced_s"], real["node_replaced_s"])}
     for i, (s, r) in enumerate(zip(srt.failovers, rt.failovers, strict=True)):
         predicted[f"failover {i} ({r.lost})"] = (s.total_s, r.total_s)
