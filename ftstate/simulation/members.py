@@ -4,8 +4,9 @@
 A :class:`SimulatedMember` keeps what a real host keeps that the controller can see: the
 weights version and checksum it holds committed, a staged version, the group version and rank
 it joined, a progress counter that moves while it transfers, whether it is busy. Each call
-returns a future that the member settles at a time of the virtual clock (one timer per call:
-10,000 members cost 10,000 timers an interval, no task each):
+returns a future that the member settles at a time of the virtual clock (one entry per call on
+the cluster's :class:`~ftstate.simulation.clock.TimerQueue`, no task each; a call made through
+its node's agent answers into the agent's batch, an :class:`AgentReply`, not a future):
 
 - ``info`` / ``prewarm`` answer once the process is up (``Costs.start_s`` after its start);
 - ``join`` waits in the rendezvous store until every rank of the version registered (or the
