@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ftstate.core.deadline import _SHARED, LoopClock
+from ftstate.core.deadline import _SHARED, Deadline, LoopClock
 from ftstate.simulation import clock as virtual
 
 
@@ -46,3 +46,33 @@ def test_a_bucket_whose_callbacks_are_all_cancelled_cancels_its_loop_timer():
 
     ran, cancelled, due = virtual.run(main())
     assert ran == [] and cancelled and due == {}
+
+
+def test_a_deadline_is_its_own_entry_of_the_shared_timer_and_calls_its_owner_back():
+    """An armed deadline on the loop's clock is one object (no handle, no bound method): it sits
+    in its millisecond's bucket itself, is called back with its entry, and disarming it takes
+    it out (a bucket left empty cancels its loop timer)."""
+
+    class Owner:
+        def __init__(self) -> None:
+            self.expired: list[int] = []
+
+        def _on_expiry(self, entry: int) -> None:
+            self.expired.append(entry)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        clock, owner = LoopClock(), Owner()
+        fires = Deadline.arm(clock, state="SYNCING", key="sync_timeout_s", seconds=1.0, entry=7, owner=owner)
+        disarmed = Deadline.arm(clock, state="SYNCING", key="sync_timeout_s", seconds=2.0, entry=8, owner=owner)
+        buckets = [list(b) for b in _SHARED[loop].due.values()]
+        disarmed.disarm()
+        disarmed.disarm()  # twice: nothing more
+        after_disarm = len(_SHARED[loop].timers)
+        await asyncio.sleep(3)
+        return fires, buckets, after_disarm, owner.expired, loop.time()
+
+    fires, buckets, after_disarm, expired, _ = virtual.run(main())
+    assert buckets == [[fires], [buckets[1][0]]] and buckets[1][0] is not fires
+    assert after_disarm == 1  # the disarmed one's bucket and its loop timer are gone
+    assert expired == [7]

@@ -337,6 +337,37 @@ class TestAudit:
         assert rec["group_version"] == 2 and rec["weights_version"] == 7
         assert rec["seconds_in_state"] == pytest.approx(1.5)
 
+    async def test_a_transitions_record_is_written_in_order_and_what_a_worker_said_is_cleaned(self, clock, audit):
+        """A transition's record is built from the identity cleaned once at bind (a node address
+        comes from the worker's own answer): the same fields, in the same order, as a record
+        written field by field, and no terminal escape gets through either way."""
+        w = worker(clock, audit)
+        w.bind(pid=1234, node="10.0.0.1\x1b[2J\x1b]0;owned\x07", node_id="n1")
+        w.group_version, w.weights_version = 3, 9
+        await w.fire("join", reason="first line\nsecond line", checksum="ab\x1b[31mcd")
+        rec = audit.records[-1]
+        assert list(rec) == ["ts", "t", "event", "machine", "member", "from", "to", "trigger", "role", "rank",
+                             "pid", "node", "node_id", "group_version", "weights_version", "seconds_in_state",
+                             "checksum", "reason", "detail"]
+        assert rec["node"] == "10.0.0.1" and rec["checksum"] == "abcd"
+        assert rec["reason"] == "first line" and rec["detail"] == "second line"
+        # the generic path writes the same record
+        audit.record("transition", machine="worker", member="rollout-1", **{"from": "INIT", "to": "RENDEZVOUS"},
+                     trigger="join", role="rollout", rank=1, pid=1234, node="10.0.0.1\x1b[2J\x1b]0;owned\x07",
+                     node_id="n1", group_version=3, weights_version=9, seconds_in_state=rec["seconds_in_state"],
+                     checksum="ab\x1b[31mcd", reason="first line\nsecond line")
+        generic = audit.records[-1]
+        assert list(generic) == list(rec)
+        assert {k: v for k, v in generic.items() if k not in ("ts", "t")} == \
+            {k: v for k, v in rec.items() if k not in ("ts", "t")}
+
+    async def test_an_error_transitions_record_names_the_error(self, clock, audit):
+        w = worker(clock, audit)
+        await w.fire("join", error=RendezvousTimeout("the join", key="init_timeout_s", seconds=1.0))
+        rec = audit.records[-1]
+        assert rec["error"] == "RendezvousTimeout" and "the join" in rec["message"]
+        assert w.error is not None
+
     async def test_records_reach_the_file_as_json_lines(self, clock, tmp_path):
         from ftstate.core.audit import read_trail
 

@@ -11,6 +11,7 @@ byte for byte.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import subprocess
 import sys
@@ -661,3 +662,88 @@ class TestSyncCallsPerNode:
         assert agent[0] == direct[0]  # every transition of every member, at the same virtual time
         assert agent[1] == direct[1]
         assert agent[2].rollouts == direct[2].rollouts and agent[2].weights_version == direct[2].weights_version
+
+
+class TestTimerQueue:
+    """The simulation's own timers: in time order (first come first for equal times), only the
+    earliest holding a loop timer, one made while the queue runs waiting for the loop's next
+    pass as a loop timer would, a failing callback reported and the others run."""
+
+    def test_callbacks_run_at_their_times_in_order_behind_one_loop_timer(self):
+        async def main():
+            loop = asyncio.get_running_loop()
+            q = clock.TimerQueue(contextvars.Context())
+            ran: list[tuple[str, float]] = []
+            t0 = loop.time()
+            for name, dt in (("c", 3.0), ("a", 1.0), ("b1", 2.0), ("b2", 2.0)):
+                q.call_at(t0 + dt, lambda n=name: ran.append((n, loop.time() - t0)))
+            held = len(q._armed)
+            await asyncio.sleep(4)
+            return ran, held, len(q)
+
+        ran, held, left = run(main())
+        assert ran == [("a", 1.0), ("b1", 2.0), ("b2", 2.0), ("c", 3.0)]
+        assert held == 2  # the first (c at 3 s), then a (1 s) earlier: never one a callback
+        assert left == 0
+
+    def test_a_timer_made_while_the_queue_runs_waits_for_the_next_pass(self):
+        async def main():
+            loop = asyncio.get_running_loop()
+            q = clock.TimerQueue(contextvars.Context())
+            order: list[str] = []
+
+            def first() -> None:
+                order.append("first")
+                loop.call_soon(order.append, "ready")  # what the loop has ready runs before...
+                q.call_at(loop.time(), order.append, "due now")  # ...a timer due at once
+
+            q.call_at(loop.time() + 1.0, first)
+            await asyncio.sleep(2)
+            return order
+
+        assert run(main()) == ["first", "ready", "due now"]
+
+    def test_a_failing_callback_is_reported_and_the_others_run(self):
+        async def main():
+            loop = asyncio.get_running_loop()
+            reported: list[BaseException] = []
+            loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx["exception"]))
+            q = clock.TimerQueue(contextvars.Context())
+            ran: list[int] = []
+            q.call_at(loop.time() + 1.0, lambda: 1 / 0)
+            q.call_at(loop.time() + 1.0, ran.append, 2)
+            await asyncio.sleep(2)
+            return reported, ran
+
+        reported, ran = run(main())
+        assert [type(e) for e in reported] == [ZeroDivisionError] and ran == [2]
+
+
+class TestAgentReply:
+    """A member's call through its node's agent answers into the batch at once and is settled
+    once, as a future is; a collective's done-callback still runs soon after, not inside."""
+
+    def test_settled_once_into_the_batch_with_callbacks_soon_after(self):
+        from ftstate.simulation.members import AgentBatch
+
+        async def main():
+            cluster = SimulatedCluster(1, cpus_per_node=4, costs=QUIET)
+            ms = await packed(cluster, 1)
+            batch = AgentBatch(asyncio.get_running_loop(), cluster._agent("n0000000"), ms, ["info"], [()])
+            reply = batch.reply(0)
+            called: list[object] = []
+            reply.add_done_callback(called.append)
+            reply.add_done_callback(lambda r: called.append("second"))
+            reply.set_result({"ok": True})
+            inside = list(called)
+            with pytest.raises(asyncio.InvalidStateError):
+                reply.set_exception(RuntimeError("late"))
+            await asyncio.sleep(0)
+            late: list[object] = []
+            reply.add_done_callback(late.append)  # added once done: run soon, as a future's
+            await asyncio.sleep(0)
+            return batch.ended, inside, called, late, reply
+
+        ended, inside, called, late, reply = run(main())
+        assert ended == [(0, {"ok": True})] and reply.done()
+        assert inside == [] and called == [reply, "second"] and late == [reply]
