@@ -123,6 +123,27 @@ class TestSimulatedMembers:
 
         run(main())
 
+    def test_a_bounded_call_times_out_only_when_its_answer_would_come_later(self):
+        """A call answered before its timeout leaves no timer behind (it would only find the call
+        settled); one whose answer would come later (its process still starting) times out at
+        its timeout, as before."""
+        async def main():
+            loop = asyncio.get_running_loop()
+            cluster = SimulatedCluster(1, costs=QUIET)
+            m = started(cluster, "rollout-0")
+            await cluster.call(m, "info", (), None)
+            beat = await cluster.call(m, "heartbeat", (), 5.0)
+            left_after_answer = len(cluster.timers)
+            late = started(cluster, "rollout-1")  # up only start_s from now
+            t0 = loop.time()
+            with pytest.raises(CallTimedOut):
+                await cluster.call(late, "heartbeat", (), QUIET.start_s / 2)
+            return beat, left_after_answer, loop.time() - t0
+
+        beat, left, waited = run(main())
+        assert beat["pid"] and left == 0
+        assert waited == pytest.approx(QUIET.start_s / 2)
+
     def test_a_lost_node_goes_silent_then_unreachable_then_dead_as_on_ray(self):
         async def main():
             cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
