@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, ClusterBackend, RemoteError
 from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
@@ -47,7 +47,7 @@ _SEAM_ERRORS = (ActorDied, ActorUnreachable, RemoteError, CallTimedOut)
 class CallTarget(Protocol):
     """Whom :meth:`ActorCalls.fan_out` calls: a member's name, its actor handle and its node's
     id (None: not known yet). The membership's :class:`~ftstate.controller.membership.Member`
-    is one; so is a :class:`Target`."""
+    is one."""
 
     @property
     def name(self) -> str: ...
@@ -55,16 +55,6 @@ class CallTarget(Protocol):
     def handle(self) -> Any: ...
     @property
     def node_id(self) -> str | None: ...
-
-
-class Target(NamedTuple):
-    """A :class:`CallTarget` made on the spot (the members' own objects serve the controller:
-    a tuple per member per call was a tenth of the objects a 10,000-member sync left for the
-    collector)."""
-
-    name: str
-    handle: Any
-    node_id: str | None
 
 
 class ActorCalls:

@@ -42,7 +42,7 @@ class LoopClock:
     early, at most 1 ms late): a sync arms a deadline per member at once, and a loop timer each
     (a handle and a context copy, pushed on the loop's heap and promoted by the collector while
     the state lasts) is what that costs at thousands of members. A :class:`Deadline` is its
-    own entry there (:meth:`schedule`): one object an armed deadline."""
+    own entry there (:meth:`call_at`): one object an armed deadline."""
 
     def now(self) -> float:
         import asyncio
@@ -55,12 +55,11 @@ class LoopClock:
             return time.monotonic()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
-        return self.schedule(_SharedHandle(callback), when)
-
-    def schedule(self, entry: SharedTimer, when: float) -> SharedTimer:
-        """Call ``entry`` at ``when`` (its millisecond's shared timer); ``entry.cancel()`` undoes it."""
+        """Call ``callback`` at ``when`` (its millisecond's shared timer). A callback that is a
+        :class:`SharedTimer` itself (a :class:`Deadline`) is its own entry and handle."""
         import asyncio
 
+        entry = callback if isinstance(callback, SharedTimer) else _SharedHandle(callback)
         loop = asyncio.get_running_loop()
         timers = _SHARED.get(loop)
         if timers is None:
@@ -220,11 +219,10 @@ class Deadline(SharedTimer):
     def arm(cls, clock: Clock, *, state: str, key: str, seconds: float, entry: int, owner: ExpiryOwner) -> Deadline:
         now = clock.now()
         d = cls(state, key, seconds, now, now + seconds, entry, owner)
-        # The deadline is its own timer entry on a loop's clock (no handle, no bound method: a
-        # member's deadline lives as long as its state, 10,000 of them through a sync at scale,
-        # promoted and walked by the collector); any other clock calls it back.
-        schedule = getattr(clock, "schedule", None)
-        d._handle = schedule(d, d.expires_at) if schedule is not None else clock.call_at(d.expires_at, d)
+        # The deadline is its own callback, and on a loop's clock its own timer entry (no handle,
+        # no bound method: a member's deadline lives as long as its state, 10,000 of them through
+        # a sync at scale, promoted and walked by the collector).
+        d._handle = clock.call_at(d.expires_at, d)
         return d
 
     def __call__(self) -> None:

@@ -100,15 +100,25 @@ def _bound(fn: Any, model: Any) -> Any:
     return partial(fn, model)
 
 
+def _per_spec(cache: dict[int, tuple[MachineSpec, Any]], spec: MachineSpec, make: Callable[[MachineSpec], Any]) -> Any:
+    """What ``make(spec)`` built for ``spec`` (once a spec; keyed by identity, checked against
+    the spec itself since an id can be reused once a spec is gone)."""
+    hit = cache.get(id(spec))
+    if hit is None or hit[0] is not spec:
+        hit = cache[id(spec)] = (spec, make(spec))
+    return hit[1]
+
+
 _compiled: dict[int, tuple[MachineSpec, _SpecMachine]] = {}
 
 
 def compile_spec(spec: MachineSpec) -> _SpecMachine:
     """The shared ``transitions`` machine of a spec (built once; models are added to it)."""
-    hit = _compiled.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    machine = _SpecMachine(
+    return _per_spec(_compiled, spec, _compiled_machine)
+
+
+def _compiled_machine(spec: MachineSpec) -> _SpecMachine:
+    return _SpecMachine(
         model=None,
         states=list(spec.states),
         transitions=[{"trigger": t.trigger, "source": t.source, "dest": t.dest} for t in spec.transitions],
@@ -117,8 +127,6 @@ def compile_spec(spec: MachineSpec) -> _SpecMachine:
         queued=False,
         send_event=False,
     )
-    _compiled[id(spec)] = (spec, machine)
-    return machine
 
 
 class _PlainNames(dict[str, Any]):
@@ -134,10 +142,7 @@ _plain_names: dict[int, tuple[MachineSpec, _PlainNames]] = {}
 
 
 def _names_of(spec: MachineSpec) -> _PlainNames:
-    hit = _plain_names.get(id(spec))
-    if hit is None or hit[0] is not spec:
-        hit = _plain_names[id(spec)] = (spec, _PlainNames())
-    return hit[1]
+    return _per_spec(_plain_names, spec, lambda _spec: _PlainNames())
 
 
 class _Model:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from typing import Any, NamedTuple
 
 import pytest
 
-from ftstate.controller.calls import ActorCalls, Target
+from ftstate.controller.calls import ActorCalls
 from ftstate.controller.ray_backend import RayBackend
 from ftstate.core.errors import CommunicatorAborted, MemberLost, PeerLost, StaleGroupVersion, SyncTimeout
 
@@ -133,6 +134,14 @@ class Stager:
 
     def release(self) -> None:
         self.released.set()
+
+
+class Target(NamedTuple):
+    """Whom fan_out calls (a CallTarget), without a membership."""
+
+    name: str
+    handle: Any
+    node_id: str | None
 
 
 async def test_a_nodes_agent_streams_each_workers_outcome_as_it_ends(ray_cluster):
