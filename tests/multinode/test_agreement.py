@@ -66,10 +66,14 @@ ATTEMPTS = 3
 #: one, and a fault in that second met it. Measured: the trainer killed ~50 ms after the new
 #: spare was warm found the CPUs 0.21-0.58 busy and its round took 0.100-0.110 s; killed once
 #: they were quiet (0.05-0.15 busy: the heartbeats), 0.054-0.077 s (simulated 0.05-0.065).
-#: The members of a real cluster have hosts of their own; the simulation models theirs.
+#: The members of a real cluster have hosts of their own; the simulation models theirs. Not
+#: before the node loss: its rounds wait seconds for a spare's start, and ``start_s`` is
+#: calibrated from starts made as Ray started its idle workers beside them (struck on a quiet
+#: machine, the node's start took the idle worker Ray had ready, 1.6 s against a calibrated
+#: 2.2-2.6 s: the model 23-60 % slow).
 QUIET_BUSY = 0.25
 QUIET_WINDOW_S = 0.2
-QUIET_WAIT_S = 15.0
+QUIET_WAIT_S = 10.0
 
 
 def config(tmp_path, audit: bool):
@@ -181,7 +185,6 @@ async def scenario(rt, strikes) -> dict[str, Any]:
     strikes.kill(rt, "trainer-0")
     await wait_until(settled(rt, 2), "trainer-0 replaced")
     await rt.sync()
-    await strikes.quiet()
     t0 = loop.time()
     lost = strikes.lose_node_of(rt, "rollout-0")
     out["node_lost"] = sorted(lost)
@@ -191,12 +194,22 @@ async def scenario(rt, strikes) -> dict[str, Any]:
     return out
 
 
+#: The triggers that declare a silent member LOST on a lost node: which one a member gets is
+#: timing alone. Its own heartbeat deadline (``heartbeat_timeout``), or the failover's ask of
+#: every member on the node of one lost first (``node_lost``): in the simulation the node's
+#: members' deadlines expire in the same instant, on the real cluster a few milliseconds apart,
+#: and one of them now and then first (2 real runs in 28).
+SILENCE = {"heartbeat_timeout": "silent", "node_lost": "silent"}
+
+
 def per_member(records: list[dict[str, Any]]) -> dict[str, list[tuple[Any, ...]]]:
-    """Each member's transitions and failover rounds, in order (timings left out)."""
+    """Each member's transitions and failover rounds, in order (timings left out, and with them
+    which of the SILENCE triggers declared a silent member lost)."""
     out: dict[str, list[tuple[Any, ...]]] = {}
     for r in records:
         if r["event"] == "transition" and r.get("member"):
-            out.setdefault(r["member"], []).append((r["from"], r["to"], r["trigger"]))
+            trigger = SILENCE.get(r["trigger"], r["trigger"]) if r["to"] == "LOST" else r["trigger"]
+            out.setdefault(r["member"], []).append((r["from"], r["to"], trigger))
         elif r["event"] == "failover":
             out.setdefault(r["lost"], []).append(("failover", r["replacement"], r["group_version"]))
     return out
