@@ -56,11 +56,11 @@ SLACK_S = 0.015
 #: and then meets a stall of tens of milliseconds, which only ever makes a measured round slower
 #: (the trainer's round, simulated at 50-65 ms, measured up to 0.15 s when struck while Ray
 #: started a worker process: QUIET_BUSY); another, independent comparison (a real run,
-#: calibrated and simulated again) tells that from a model that is wrong, which disagrees in each. A comparison whose real run missed a
-#: heartbeat the simulated one did not (a stall past 0.2 s: :func:`machine_stalls`) is void and
-#: counts as one of these.
+#: calibrated and simulated again) tells that from a model that is wrong, which disagrees in
+#: each. A comparison whose real run missed a heartbeat the simulated one did not (a stall past
+#: 0.2 s: :func:`machine_stalls`) is void and counts as one of these.
 ATTEMPTS = 3
-#: Before each fault the real run waits (at most QUIET_WAIT_S) until the machine's CPUs were
+#: Before the rollout's and the trainer's kills the real run waits (at most QUIET_WAIT_S) until the machine's CPUs were
 #: less than QUIET_BUSY busy over one QUIET_WINDOW_S: Ray starts an idle worker process (an
 #: interpreter importing Ray, most of a core for a second) in the background after a spare took
 #: one, and a fault in that second met it. Measured: the trainer killed ~50 ms after the new
