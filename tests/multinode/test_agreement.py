@@ -134,9 +134,10 @@ class RealStrikes:
         QUIET_WAIT_S (then the fault is struck anyway: a round it slowed disagrees, and another
         comparison is made)."""
         def busy_total() -> tuple[int, int]:
-            with open("/proc/stat") as f:  # cpu user nice system idle iowait ...
+            with open("/proc/stat") as f:  # cpu user nice system idle iowait irq softirq steal ...
                 ticks = [int(v) for v in f.readline().split()[1:]]
-            return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+            # busy: this machine's processes (not idle, I/O wait, or time the hypervisor took)
+            return sum(ticks[:3]) + sum(ticks[5:7]), sum(ticks)
 
         loop = asyncio.get_running_loop()
         give_up = loop.time() + QUIET_WAIT_S
