@@ -187,9 +187,9 @@ class SimulatedMember:
         self.trainer_world = 1
         self.calls_started = self.calls_done = 0
         self.prepared = False
-        #: The call being answered and when its answer is due (set by _after, read and cleared
-        #: by answer: two slots, not a tuple each call that kept the call's reply alive until
-        #: the member's next call).
+        #: While :meth:`answer` runs its handler: the call being answered, and when its answer is
+        #: due (set by _after for that call only; two slots, not a tuple each call, and nothing
+        #: kept once the call is made).
         self._answering: Any = None
         self._answer_at = 0.0
 
@@ -220,15 +220,17 @@ class SimulatedMember:
                 self.cluster.timers.call_at(now + self.cluster.costs.unreachable_s, _fail, fut, ActorUnreachable(
                     "the actor is temporarily unavailable (its node does not answer)"))
             return fut
-        self._answering = None
+        self._answering, self._answer_at = fut, float("inf")
         handler = getattr(self, f"_on_{method}", None)
         if handler is None:
             exc = FTError(f"{self.name}: the simulated member has no method {method}()")
             self._after(fut, self.cluster.costs.call_s, _raiser(RemoteError(exc, str(exc))))
         else:
             handler(fut, *args)
-        answering, self._answering = self._answering, None
-        if timeout is not None and (answering is not fut or self._answer_at >= now + timeout):
+        # (a nested call of this member's would have cleared it: then the timer, as for any doubt)
+        due_in_time = self._answering is fut and timeout is not None and self._answer_at < now + timeout
+        self._answering = None
+        if timeout is not None and not due_in_time:
             # No timer when the answer is already due before it (the timer would find the call
             # settled: a heartbeat's answer, 1,250 an interval at 10,000 members). Otherwise it is
             # left to fire on a call answered meanwhile (cancelling it on the answer would keep a
@@ -243,7 +245,8 @@ class SimulatedMember:
         loop = self.cluster.loop
         seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
         when = max(loop.time(), self.up_at) + seconds
-        self._answering, self._answer_at = fut, when
+        if fut is self._answering:
+            self._answer_at = when
         if type(fut) is AgentReply and fut.answer_at(self, outcome):
             self.cluster.timers.call_at(when, fut)  # its own timer's callback: no arguments tuple
         else:
