@@ -28,7 +28,13 @@ measures the process's CPU seconds (``time.process_time``: real CPU, not virtual
 
 The CPU is the whole process's: the controller's and the simulated members' own (a member's
 answer is one future and one timer, a fraction of the controller's work for it), so it is an
-upper bound on the controller's. Each figure of N is also given as a ratio to the figure of
+upper bound on the controller's. The controller's own is measured too, by sampling
+(:class:`_MembersShare`: ``SIGPROF`` every millisecond of CPU, each sample the members' if it
+lands in their modelled code, else the controller's): ``sync_controller_s`` (a sync without the
+members' share, net of the heartbeats' controller CPU meanwhile) and
+``heartbeat_interval_controller_s``; ``sync_members_share`` is the members' fraction of a sync.
+A sync runs with the collector paused as the runtime does by default (``sync_gc_pause_s``); what
+that defers is counted where it lands (the heartbeat intervals after). Each figure of N is also given as a ratio to the figure of
 N/10 (linear: 10). ``--gc-threshold 50000`` runs it with a larger first threshold of the
 collector (its young collections scan every call in flight: 10,000 pending calls are scanned
 again every 700 allocations). ``--loop looptime`` runs the same on the ``looptime`` library's loop
@@ -49,6 +55,7 @@ import gc
 import itertools
 import json
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -95,8 +102,9 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     size = os.path.getsize(trail)
     full = _FullCollections()
     loop = asyncio.get_running_loop()
+    sync_share = _MembersShare()
     t, v = cpu(), loop.time()
-    with full:
+    with full, sync_share:
         for _ in range(syncs):
             await rt.sync()
     out["sync_s"] = (cpu() - t) / syncs
@@ -106,8 +114,9 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     out["audit_bytes_per_sync"] = (os.path.getsize(trail) - size) / syncs
     interval = rt.config.heartbeat_interval_s
     full = _FullCollections()
+    hb_share = _MembersShare()
     t = cpu()
-    with full:
+    with full, hb_share:
         await asyncio.sleep(intervals * interval)
     out["heartbeat_interval_s"] = (cpu() - t) / intervals
     out["heartbeat_full_gcs"] = full.count / intervals
@@ -120,6 +129,13 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
         gc.enable()
     hb = out["heartbeat_interval_s"] / interval  # the watchdog's CPU per second of virtual time
     out["sync_net_s"] = out["sync_s"] - hb * out["sync_virtual_s"]
+    # the controller's own: the members' sampled share taken out of the sync and of the
+    # heartbeats that ran meanwhile
+    out["sync_members_share"] = sync_share.share
+    out["heartbeat_members_share"] = hb_share.share
+    out["heartbeat_interval_controller_s"] = out["heartbeat_interval_s"] * (1 - hb_share.share)
+    out["sync_controller_s"] = (out["sync_s"] * (1 - sync_share.share)
+                                - hb * (1 - hb_share.share) * out["sync_virtual_s"])
     cluster.kill_member("rollout-1")
     out["failover_member_s"], out["failover_member_virtual_s"] = await _failover_round(rt)
     out["failover_member_net_s"] = out["failover_member_s"] - hb * out["failover_member_virtual_s"]
@@ -168,6 +184,67 @@ class _FullCollections:
         gc.callbacks.remove(self._callback)
 
 
+class _MembersShare:
+    """While entered, samples where the process's CPU goes (``SIGPROF`` every millisecond of
+    its CPU time) and counts the samples taken in the simulated members' own code: what, on a
+    real cluster, runs in the workers' and the agents' processes, not the controller's. A
+    sample is theirs when the innermost frame of ftstate's or asyncio's is in
+    :mod:`ftstate.simulation.members` (a member deciding its answer and when, a collective,
+    the answer's outcome; not :class:`~ftstate.simulation.members.AgentBatch`, the stream the
+    controller iterates as it would Ray's) or the simulation's :class:`TimerQueue` (when the
+    members' answers come). Everything else is the controller's: its own code, the event loop,
+    the audit trail, the backend's entry points (Ray's call submission on a real cluster, far
+    dearer than the simulation's), and the garbage collector. A signal is handled between two
+    bytecodes, so a sample after a system call (the audit trail's write) lands on the
+    controller's side: an error against the controller, never for it."""
+
+    INTERVAL_S = 0.001
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.members = 0
+        self._previous: Any = None
+
+    @staticmethod
+    def _members_code(frame: Any) -> bool:
+        while frame is not None:
+            code = frame.f_code
+            name = code.co_filename
+            if name.endswith(_MEMBERS_FILE):
+                return not code.co_qualname.startswith("AgentBatch.")
+            if name.endswith(_CLOCK_FILE):
+                return code.co_qualname.startswith("TimerQueue.")
+            if _FTSTATE_DIR in name or _ASYNCIO_DIR in name:
+                return False
+            frame = frame.f_back
+        return False
+
+    def _sample(self, signum: int, frame: Any) -> None:
+        self.samples += 1
+        if self._members_code(frame):
+            self.members += 1
+
+    @property
+    def share(self) -> float:
+        """The members' share of the samples (0 with none taken)."""
+        return self.members / self.samples if self.samples else 0.0
+
+    def __enter__(self) -> _MembersShare:
+        self._previous = signal.signal(signal.SIGPROF, self._sample)
+        signal.setitimer(signal.ITIMER_PROF, self.INTERVAL_S, self.INTERVAL_S)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, self._previous)
+
+
+_MEMBERS_FILE = os.path.join("ftstate", "simulation", "members.py")
+_CLOCK_FILE = os.path.join("ftstate", "simulation", "clock.py")
+_FTSTATE_DIR = os.sep + "ftstate" + os.sep
+_ASYNCIO_DIR = os.sep + "asyncio" + os.sep
+
+
 def run_one(members: int, syncs: int, intervals: int, loop_kind: str, freeze: bool = False) -> dict[str, Any]:
     def factory() -> asyncio.AbstractEventLoop:
         if loop_kind == "looptime":
@@ -184,7 +261,7 @@ def run_one(members: int, syncs: int, intervals: int, loop_kind: str, freeze: bo
             gc.unfreeze()
 
 
-FIGURES = ("start_s", "sync_s", "sync_net_s", "sync_full_gcs", "sync_promoted", "heartbeat_interval_s", "heartbeat_full_gcs",
+FIGURES = ("start_s", "sync_s", "sync_net_s", "sync_controller_s", "sync_members_share", "sync_full_gcs", "sync_promoted", "heartbeat_interval_s", "heartbeat_interval_controller_s", "heartbeat_full_gcs",
            "heartbeat_interval_gc_off_s", "failover_member_s",
            "failover_member_net_s", "failover_rank_s", "failover_rank_net_s", "failover_node_s", "failover_node_net_s", "audit_bytes_per_sync")
 

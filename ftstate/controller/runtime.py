@@ -50,6 +50,7 @@ from typing import Any
 from ftstate.controller.backend import ClusterBackend
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.chaos import Chaos
+from ftstate.controller.collector import CollectorPause
 from ftstate.controller.drain import Drainer, DrainRecord
 from ftstate.controller.failover import Failover
 from ftstate.controller.formation import GroupFormation
@@ -446,11 +447,14 @@ class Runtime:
         replaced (or shrunk away), and at most ``sync_retries`` times after a transient
         failure with nobody lost; any other error is raised at once, from the member that
         caused it (a receiver's own exception, not the sender's broken connection).
+
+        The process's garbage collector is paused while it runs, at most ``sync_gc_pause_s``
+        (:mod:`~ftstate.controller.collector`).
         """
         self._raise_if_failed()
         ms, _, _, watchdog, failover, weight_sync = self._parts()
         loop = asyncio.get_running_loop()
-        async with self._sync_lock:
+        async with self._sync_lock, CollectorPause(self.config.sync_gc_pause_s):
             before = len(failover.records)
             t0 = loop.time()
             transient = 0
