@@ -81,6 +81,33 @@ class TestOneRunOneTrail:
         assert rec["message"] == "ray::ftstate boom" and rec["detail"] == {"x": ["bold"]}
 
 
+class TestHowARecordIsWritten:
+    """Each record is one compact line (orjson), whatever its values: what orjson refuses goes
+    through the standard library's encoder in the same form, and what JSON cannot hold goes as
+    its ``str``, as before."""
+
+    def test_every_value_lands_on_one_line_that_reads_back(self, tmp_path: Path) -> None:
+        import dataclasses
+        import datetime
+
+        @dataclasses.dataclass
+        class Plan:
+            rollouts: int
+
+        path = tmp_path / "audit.jsonl"
+        with AuditTrail(path) as trail:
+            trail.record("sync_start", plan=Plan(3), at=datetime.datetime(2026, 1, 2, 3, 4, 5), where=Path("/x"))
+            trail.record("note", nbytes=2**70, n=7, keys={1: "one"})  # past 64 bits: orjson refuses
+            trail.record("note", reason="\udc80 lone surrogate")  # not UTF-8 encodable: orjson refuses
+        lines = path.read_bytes().splitlines()
+        assert len(lines) == 3 and all(ln.startswith(b'{"ts":"') for ln in lines)
+        first, big, surrogate = as_records(path)
+        assert first["plan"].endswith("Plan(rollouts=3)")
+        assert (first["at"], first["where"]) == ("2026-01-02 03:04:05", "/x")
+        assert big["nbytes"] == 2**70 and big["n"] == 7 and big["keys"] == {"1": "one"}
+        assert surrogate["reason"].endswith("lone surrogate")
+
+
 class TestUnreadable:
     @pytest.mark.parametrize("content,says", [
         (b"", "the file is empty"),
