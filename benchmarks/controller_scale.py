@@ -54,6 +54,7 @@ import asyncio
 import gc
 import itertools
 import json
+import math
 import os
 import signal
 import tempfile
@@ -63,6 +64,11 @@ from typing import Any
 
 from ftstate.simulation.clock import VirtualTimeLoop
 from ftstate.simulation.scenario import Shape, simulated_runtime
+
+#: Syncs and heartbeat intervals are repeated (``--syncs``, ``--intervals`` at least) until they
+#: take about this much CPU, so that the members' share rests on a few hundred samples and the
+#: CPU on many clock ticks at every N.
+SAMPLED_CPU_S = 0.5
 
 #: Enough failovers for every fault this benchmark injects (the default 5 would end the run).
 OVERRIDES = {"fault_tolerance": {"max_failovers": 1_000_000}}
@@ -99,6 +105,10 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     if freeze:  # the run's long-lived objects (members, machines) out of the collector's scans
         gc.freeze()
     await rt.sync()  # the first sync resyncs the constructed rollouts: not the steady state
+    t = cpu()
+    await rt.sync()
+    # enough syncs for the members' share to rest on a few hundred samples
+    syncs = max(syncs, math.ceil(SAMPLED_CPU_S / max(cpu() - t, 1e-4)))
     size = os.path.getsize(trail)
     full = _FullCollections()
     loop = asyncio.get_running_loop()
@@ -107,12 +117,19 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     with full, sync_share:
         for _ in range(syncs):
             await rt.sync()
+    out["syncs"] = syncs
+    # CPU of the whole block: while SIGPROF's timer runs, the kernel counts the process's CPU
+    # in clock ticks (4 ms here), which a block of SAMPLED_CPU_S makes a percent at most
     out["sync_s"] = (cpu() - t) / syncs
     out["sync_virtual_s"] = (loop.time() - v) / syncs
     out["sync_full_gcs"] = full.count / syncs
     out["sync_promoted"] = full.promoted / syncs
     out["audit_bytes_per_sync"] = (os.path.getsize(trail) - size) / syncs
     interval = rt.config.heartbeat_interval_s
+    t = cpu()
+    await asyncio.sleep(interval)
+    intervals = max(intervals, min(math.ceil(SAMPLED_CPU_S / max(cpu() - t, 1e-5)), 10_000))
+    out["intervals"] = intervals
     full = _FullCollections()
     hb_share = _MembersShare()
     t = cpu()
