@@ -15,9 +15,11 @@ This module imports neither Ray nor torch.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import math
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -44,26 +46,28 @@ class LoopClock:
     the state lasts) is what that costs at thousands of members. A :class:`Deadline` is its
     own entry there (:meth:`call_at`): one object an armed deadline."""
 
-    def now(self) -> float:
-        import asyncio
+    def __init__(self) -> None:
+        #: The last running loop's shared timers: a deadline armed on the same loop (all of them,
+        #: but in tests) skips the lookup by loop, ~0.5 µs of its ~3 µs.
+        self._timers: _SharedTimers | None = None
 
+    def now(self) -> float:
         try:
             return asyncio.get_running_loop().time()
         except RuntimeError:  # outside a loop: the same clock asyncio uses
-            import time
-
             return time.monotonic()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         """Call ``callback`` at ``when`` (its millisecond's shared timer). A callback that is a
         :class:`SharedTimer` itself (a :class:`Deadline`) is its own entry and handle."""
-        import asyncio
-
         entry = callback if isinstance(callback, SharedTimer) else _SharedHandle(callback)
         loop = asyncio.get_running_loop()
-        timers = _SHARED.get(loop)
-        if timers is None:
-            timers = _SHARED[loop] = _SharedTimers(loop)
+        timers = self._timers
+        if timers is None or timers.loop is not loop:
+            timers = _SHARED.get(loop)
+            if timers is None:
+                timers = _SHARED[loop] = _SharedTimers(loop)
+            self._timers = timers
         timers.add(entry, when)
         return entry
 
