@@ -33,8 +33,8 @@ upper bound on the controller's. The controller's own is measured too, by sampli
 lands in their modelled code, else the controller's): ``sync_controller_s`` (a sync without the
 members' share, net of the heartbeats' controller CPU meanwhile) and
 ``heartbeat_interval_controller_s``; ``sync_members_share`` is the members' fraction of a sync.
-A sync runs with the collector paused as the runtime does by default (``sync_gc_pause_s``); what
-that defers is counted where it lands (the heartbeat intervals after). Each figure of N is also given as a ratio to the figure of
+Syncs and heartbeat rounds run with the collector paused, as the runtime does by default
+(``gc_pause_s``); what that defers is counted where it lands. Each figure of N is also given as a ratio to the figure of
 N/10 (linear: 10). ``--gc-threshold 50000`` runs it with a larger first threshold of the
 collector (its young collections scan every call in flight: 10,000 pending calls are scanned
 again every 700 allocations). ``--loop looptime`` runs the same on the ``looptime`` library's loop

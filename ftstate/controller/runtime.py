@@ -448,13 +448,13 @@ class Runtime:
         failure with nobody lost; any other error is raised at once, from the member that
         caused it (a receiver's own exception, not the sender's broken connection).
 
-        The process's garbage collector is paused while it runs, at most ``sync_gc_pause_s``
+        The process's garbage collector is paused while it runs, at most ``gc_pause_s``
         (:mod:`~ftstate.controller.collector`).
         """
         self._raise_if_failed()
         ms, _, _, watchdog, failover, weight_sync = self._parts()
         loop = asyncio.get_running_loop()
-        async with self._sync_lock, CollectorPause(self.config.sync_gc_pause_s):
+        async with self._sync_lock, CollectorPause(self.config.gc_pause_s):
             before = len(failover.records)
             t0 = loop.time()
             transient = 0

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ftstate.controller.calls import ActorCalls
+from ftstate.controller.collector import CollectorPause
 from ftstate.controller.membership import Member, Membership
 from ftstate.controller.vigil import Vigils
 from ftstate.core.config import RuntimeConfig
@@ -66,8 +67,9 @@ class Watchdog:
                 self.vigils.keep(self.membership)
                 await asyncio.sleep(interval)
                 now = loop.time()
-                await asyncio.gather(*(self.poll_node(node, now) for node in self._rounds.of(self.membership)),
-                                     return_exceptions=True)
+                async with CollectorPause(self.config.gc_pause_s):
+                    await asyncio.gather(*(self.poll_node(node, now) for node in self._rounds.of(self.membership)),
+                                         return_exceptions=True)
                 record_controller_forged(self.membership)
         finally:
             await self.vigils.close()

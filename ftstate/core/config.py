@@ -412,13 +412,14 @@ class RuntimeConfig:
         "error past this bound.",
         ge=0,
     )
-    sync_gc_pause_s: float = _field(
+    gc_pause_s: float = _field(
         30.0,
-        "The controller's Python garbage collector is paused while a sync() runs, for at most this many "
-        "seconds (then it runs again, for a sync that waits on a long transfer or a failover); 0: never "
-        "paused. At thousands of members a sync's calls in flight live through the collector's young "
-        "collections and are promoted, to be walked by later full collections of the whole heap: paused, "
-        "they die by reference counting when their call ends (10,000 members: a third of a sync's CPU, "
+        "The controller's Python garbage collector is paused while a sync() runs and while a heartbeat "
+        "round awaits its answers, each time for at most this many seconds (then it runs again, for a sync "
+        "that waits on a long transfer or a failover); 0: never paused. At thousands of members the calls "
+        "in flight live through the collector's young collections and are promoted, to be walked again by "
+        "full collections of the whole heap: paused, they die by reference counting when their call ends "
+        "(10,000 members: a third of a sync's CPU, and the full collections that landed between syncs; "
         "docs/benchmarks.md, 'Controller at scale'). Process-wide, as timeit's pause: reference counting "
         "frees as before, cycles made meanwhile wait for the next collection, and a collector the process "
         "had turned off stays off (ftstate.controller.collector).",

@@ -1,6 +1,7 @@
-"""The garbage collector paused while a sync runs (``sync_gc_pause_s``,
+"""The garbage collector paused while calls are in flight (``gc_pause_s``,
 :mod:`ftstate.controller.collector`): off inside, on after, bounded, shared by two runtimes, and
-left off for a process that had turned it off; the real runtime pauses it for a sync only."""
+left off for a process that had turned it off; the real runtime pauses it for a sync and while a
+heartbeat round awaits its answers, and not between."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ class TestCollectorPause:
         assert clock.run(main()) == (True, True, True)
 
 
-class TestTheRuntimePausesItForASync:
+class TestTheRuntimePausesIt:
     @staticmethod
     def _seen_during_sync(overrides):
         """Whether the collector was on, sampled every millisecond of virtual time while a
@@ -133,6 +134,34 @@ class TestTheRuntimePausesItForASync:
         assert len(seen) > 3 and not any(seen[1:])
         assert after is True
 
-    def test_sync_gc_pause_s_0_leaves_it_on(self):
-        seen, after = self._seen_during_sync({"sync_gc_pause_s": 0})
+    def test_gc_pause_s_0_leaves_it_on(self):
+        seen, after = self._seen_during_sync({"gc_pause_s": 0})
         assert len(seen) > 3 and all(seen) and after is True
+
+    @staticmethod
+    def _seen_while_idle(overrides):
+        """Whether the collector was on, sampled every 0.2 ms of virtual time over five heartbeat
+        intervals of a started runtime that does nothing else."""
+
+        async def main():
+            rt, _ = simulated_runtime(Shape(rollouts=8, nodes=2, spares=0), costs=Costs(jitter=0.0),
+                                      overrides=overrides)
+            await rt.start()
+            seen: list[bool] = []
+            end = asyncio.get_running_loop().time() + 5 * rt.config.heartbeat_interval_s
+            while asyncio.get_running_loop().time() < end:
+                seen.append(gc.isenabled())
+                await asyncio.sleep(0.0002)
+            await rt.close()
+            return seen, gc.isenabled()
+
+        return clock.run(main())
+
+    def test_a_heartbeat_round_awaits_its_answers_with_the_collector_off_and_on_between_rounds(self):
+        seen, after = self._seen_while_idle(None)
+        assert seen.count(False) >= 5 and seen.count(True) > seen.count(False)
+        assert after is True
+
+    def test_gc_pause_s_0_leaves_it_on_between_syncs_too(self):
+        seen, after = self._seen_while_idle({"gc_pause_s": 0})
+        assert all(seen) and after is True
