@@ -1,28 +1,28 @@
 """The controller's garbage collector, paused while calls are in flight (``gc_pause_s``):
-during a sync, and during a heartbeat round while it awaits the nodes' answers.
+during a sync, a failover round, and a heartbeat round while it awaits the nodes' answers.
 
-Why: a sync or a heartbeat round keeps one call in flight per member or node (a task, its
-coroutines, a future, a reply) for as long as the members take to answer. CPython's collector
-examines the young objects every few hundred allocations and moves those still alive to the
-next generation; at thousands of members nearly every call in flight is alive at a young
+Why: each of them keeps one call in flight per member or node (a task, its coroutines, a
+future, a reply) for as long as the members take to answer. CPython's collector examines the
+young objects every few hundred allocations and moves those still alive to the next
+generation; at thousands of members nearly every call in flight is alive at a young
 collection, so the calls end up in the oldest generation, and every object promoted there is
 walked again, with every other live object of the process, by the full collections that
 promotions set off (one per a quarter of the long-lived heap promoted). Measured at 10,000
-simulated members (``benchmarks/controller_scale.py``): 170,000 objects promoted a sync, a
-third of its CPU in full collections, and the heartbeat rounds' promotions setting off one
-more every few intervals. With the collector paused, those objects die by reference counting
+simulated members (``benchmarks/controller_scale.py``): 170,000 objects promoted a sync and a
+third of its CPU in full collections; the heartbeat rounds' and the failover rounds'
+promotions set off more. With the collector paused, those objects die by reference counting
 when their call ends, before any collection sees them; what is left alive at the end is
 examined once, by the first young collection after.
 
 What it changes for the process: the automatic collector (``gc.enable``) is off while a pause
 holds, at most ``gc_pause_s`` seconds of the event loop's clock each time (then it is on
-again: a sync that waits on a slow transfer or a failover), as the standard library's
-``timeit`` turns it off around what it times. Reference counting frees everything that is
-not in a cycle as before; cycles made meanwhile wait for the next collection. ``gc.collect()``
-still collects. The pause is process-wide and counted: two pauses at once (a sync and a
-heartbeat round, two runtimes in one process) share one, the collector is turned back on when
-the last ends, and only if it was on when the first began (a process that turned it off itself
-keeps it off).
+again: a sync that waits on a slow transfer, a round that waits on a cold start), as the
+standard library's ``timeit`` turns it off around what it times. Reference counting frees
+everything that is not in a cycle as before; cycles made meanwhile wait for the next
+collection. ``gc.collect()`` still collects. The pause is process-wide and counted: two
+pauses at once (a sync and a heartbeat round, two runtimes in one process) share one, the
+collector is turned back on when the last ends, and only if it was on when the first began (a
+process that turned it off itself keeps it off).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ftstate.controller.calls import ActorCalls
+from ftstate.controller.collector import CollectorPause
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import Member, Membership, walk_proven
@@ -275,13 +276,15 @@ class Failover:
         are asked first (a node's processes die together, their deaths reach the controller a
         few milliseconds apart, and an idle one only when something calls it), then every
         lost member is replaced in one failover round under one new group version. The budget
-        is still spent once per replaced member."""
+        is still spent once per replaced member. The process's garbage collector is paused while
+        the round runs, at most ``gc_pause_s`` (:mod:`~ftstate.controller.collector`)."""
         done = 0
-        while self._pending:
-            await self._sweep_nodes()
-            batch, self._pending = self._pending, []
-            await self._replace(batch)
-            done += len(batch)
+        async with CollectorPause(self.config.gc_pause_s):
+            while self._pending:
+                await self._sweep_nodes()
+                batch, self._pending = self._pending, []
+                await self._replace(batch)
+                done += len(batch)
         return done
 
     async def _sweep_nodes(self) -> None:

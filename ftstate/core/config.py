@@ -414,9 +414,10 @@ class RuntimeConfig:
     )
     gc_pause_s: float = _field(
         30.0,
-        "The controller's Python garbage collector is paused while a sync() runs and while a heartbeat "
-        "round awaits its answers, each time for at most this many seconds (then it runs again, for a sync "
-        "that waits on a long transfer or a failover); 0: never paused. At thousands of members the calls "
+        "The controller's Python garbage collector is paused while a sync() runs, while a heartbeat "
+        "round awaits its answers and while a failover round runs, each time for at most this many "
+        "seconds (then it runs again, for a sync that waits on a long transfer or a round on a cold "
+        "start); 0: never paused. At thousands of members the calls "
         "in flight live through the collector's young collections and are promoted, to be walked again by "
         "full collections of the whole heap: paused, they die by reference counting when their call ends "
         "(10,000 members: a third of a sync's CPU, and the full collections that landed between syncs; "

@@ -1,7 +1,7 @@
 """The garbage collector paused while calls are in flight (``gc_pause_s``,
 :mod:`ftstate.controller.collector`): off inside, on after, bounded, shared by two runtimes, and
-left off for a process that had turned it off; the real runtime pauses it for a sync and while a
-heartbeat round awaits its answers, and not between."""
+left off for a process that had turned it off; the real runtime pauses it for a sync, a failover
+round and while a heartbeat round awaits its answers, and not between."""
 
 from __future__ import annotations
 
@@ -165,3 +165,26 @@ class TestTheRuntimePausesIt:
     def test_gc_pause_s_0_leaves_it_on_between_syncs_too(self):
         seen, after = self._seen_while_idle({"gc_pause_s": 0})
         assert all(seen) and after is True
+
+    def test_a_failover_round_runs_with_the_collector_off(self):
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=3, nodes=3, spares=1), costs=Costs(jitter=0.0))
+            await rt.start()
+            await rt.sync()
+            failover = rt._parts()[4]
+            seen: list[bool] = []
+            replace = failover._replace
+
+            async def replace_seen(batch):
+                seen.append(gc.isenabled())
+                return await replace(batch)
+
+            failover._replace = replace_seen
+            cluster.kill_member("rollout-1")
+            await asyncio.sleep(1)
+            report = await rt.sync()
+            await rt.close()
+            return seen, report, gc.isenabled()
+
+        seen, report, after = clock.run(main())
+        assert seen == [False] and "spare-rollout-1" in report.rollouts and after is True
