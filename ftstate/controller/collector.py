@@ -55,8 +55,8 @@ def _end() -> None:
 
 class CollectorPause:
     """One pause of the collector, at most ``max_s`` seconds of the running loop's clock
-    (0: no pause at all). Entered and left as an ``async with`` around a sync; ending it twice
-    (the bound, then the exit) ends it once."""
+    (0: no pause at all). Entered and left as an ``async with`` around a sync or a round; ending
+    it twice (the bound, then the exit) ends it once."""
 
     def __init__(self, max_s: float) -> None:
         self.max_s = max_s

@@ -178,9 +178,12 @@ class AuditTrail:
                 del self.records[: len(self.records) - self._kept]
         if self._file is not None:
             line = _line(rec)
-            written = self._file.write(line)
-            while written is not None and written < len(line):  # a short write (a signal, a full disk)
-                written += self._file.write(line[written:]) or 0
+            written = self._file.write(line) or 0
+            while written < len(line):  # a short write (a signal, a disk filling up): the rest, or why not
+                more = self._file.write(line[written:])
+                if not more:
+                    raise OSError(f"audit trail {self.path}: {written} of a record's {len(line)} bytes written")
+                written += more
 
     def close(self) -> None:
         if self._file is not None:
