@@ -63,7 +63,7 @@ async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None
     raise MemberLost(machine.member, f"could not be admitted: still {machine.state}", group_version=machine.group_version)
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Member:
     """One worker actor. rank: its rank in the current group version (-1 for a spare);
     pool / slot: where the launcher placed it; pid / node (address) / node_id (Ray's id of
@@ -194,6 +194,11 @@ class Membership:
 
     def live(self, role: str) -> list[Member]:
         return [m for m in self.role(role) if not m.gone]
+
+    def any_in(self, state: str) -> bool:
+        """Whether any member (spares and the gone included) is in ``state``: one walk, no list
+        and no sort (a sync asks whether anyone is SUSPECT twice, with 10,000 members)."""
+        return any(m.machine.state == state for m in self._members.values())
 
     def group_members(self) -> list[Member]:
         """The members of the weight-sync group (not spares, not the gone), by rank."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable
+from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.membership import Member
@@ -31,11 +32,20 @@ class Vigils:
     def __init__(self, calls: ActorCalls) -> None:
         self.calls = calls
         self._tasks: dict[str, tuple[object, asyncio.Task[None]]] = {}
+        self._kept: int | None = None  # the generation of the members last kept
+        self._ended = False  # a vigil ended since
 
-    def keep(self, members: Iterable[Member]) -> None:
+    def keep(self, members: Iterable[Member], generation: int | None = None) -> None:
         """Have a vigil pending on each of ``members`` that is constructed and not gone; drop
         those of members gone. A member still constructing (INIT) has its start call pending
-        already, and the launcher decides what a spare that dies or hangs while warming means."""
+        already, and the launcher decides what a spare that dies or hangs while warming means.
+
+        ``generation``: a number that the caller changes whenever ``members`` may have changed
+        (the watchdog's :class:`~ftstate.controller.watchdog.NodeRounds`); while it stays the
+        same and no vigil ended, there is nothing to do and nothing is walked. None: always look."""
+        if generation is not None and generation == self._kept and not self._ended:
+            return
+        self._kept, self._ended = generation, False
         live = {m.name: m for m in members if not m.gone and m.machine.state != "INIT"}
         for name in [n for n, (_, t) in self._tasks.items() if n not in live or t.done()]:
             _, task = self._tasks.pop(name)
@@ -43,7 +53,11 @@ class Vigils:
         for name, m in live.items():
             if name not in self._tasks:
                 task = asyncio.get_running_loop().create_task(self._watch(m), name=f"vigil-{name}")
+                task.add_done_callback(self._on_end)
                 self._tasks[name] = (m.handle, task)
+
+    def _on_end(self, _task: Any) -> None:
+        self._ended = True
 
     async def _watch(self, m: Member) -> None:
         # A death is reported by calls.call itself (the member's ``died`` event); whatever

@@ -27,7 +27,7 @@ from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.collector import CollectorPause
-from ftstate.controller.membership import Member, Membership
+from ftstate.controller.membership import GONE, Member, Membership
 from ftstate.controller.vigil import Vigils
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import MemberLost
@@ -37,10 +37,6 @@ from ftstate.core.liveness import Heartbeat
 #: dropped as forged), for a suspect and for any other member.
 _PROVE = (True, True)
 _ASK = (False, True)
-
-
-def _any_suspect(members: Sequence[Member]) -> bool:
-    return any(m.machine.state == "SUSPECT" for m in members)
 
 
 def _asks(members: Sequence[Member]) -> list[tuple[bool, bool]]:
@@ -62,14 +58,21 @@ class Watchdog:
         """Poll forever (the runtime cancels it at close)."""
         interval = self.config.heartbeat_interval_s
         loop = asyncio.get_running_loop()
+        rounds = self._rounds
         try:
+            # One walk of the membership a round (NodeRounds.of) decides whom to poll, where,
+            # and which node has a suspect; the vigils follow the same list, and do nothing
+            # while it stays the same and none of them ended (at 10,000 members each walk is
+            # 10,000 members' machines brought back into the cache).
+            rounds.of(self.membership)
+            self.vigils.keep(rounds.polled, rounds.generation)
             while True:
-                self.vigils.keep(self.membership)
                 await asyncio.sleep(interval)
                 now = loop.time()
+                nodes = rounds.of(self.membership)
+                self.vigils.keep(rounds.polled, rounds.generation)
                 async with CollectorPause(self.config.gc_pause_s):
-                    await asyncio.gather(*(self.poll_node(node, now) for node in self._rounds.of(self.membership)),
-                                         return_exceptions=True)
+                    await asyncio.gather(*(self.poll_node(node, now) for node in nodes), return_exceptions=True)
                 record_controller_forged(self.membership)
         finally:
             await self.vigils.close()
@@ -88,28 +91,27 @@ class Watchdog:
         # every collection meanwhile (for 10,000 members, ~1,250 calls in flight at once): the
         # round's lists are the node's, kept from round to round (NodeRounds), and the
         # arguments shared tuples; only a round with a suspect makes a list of its own.
-        args = node.ask
-        if _any_suspect(members):
-            args = _asks(members)
+        args = _asks(members) if node.suspect else node.ask
         answers = await self.calls.heartbeats(node_id, node.names, node.handles, args,
                                               timeout=self.config.heartbeat_interval_s)
         if answers is None:
             await self._poll_each(members, now)
             return
-        for m, answer in zip(members, answers, strict=True):
+        for m, a, answer in zip(members, args, answers, strict=True):
             if isinstance(answer, BaseException) and not isinstance(answer, MemberLost):
                 continue  # a bug in the member's heartbeat: as a direct poll, no verdict from it
             # one member's bad answer is no verdict on the others (as a direct poll's, in its own
             # task); judged in place, a coroutine only for the few with an event to fire
             try:
-                _, trigger, beat = self._judge(m, now, None if isinstance(answer, MemberLost) else answer)
+                _, trigger, beat = self._judge(m, now, None if isinstance(answer, MemberLost) else answer,
+                                              proved=a is _PROVE)
                 if trigger is not None:
                     await self._fire(m, trigger, beat)
             except Exception:  # noqa: BLE001 - as above
                 continue
 
     async def _poll_each(self, members: Sequence[Member], now: float) -> None:
-        # A method of its own, as _any_suspect and _asks are functions: a generator or a
+        # A method of its own, as _asks is a function: a generator or a
         # comprehension in poll_node would make what it reads cells of every node's round
         # (1,250 an interval at 10,000 members), alive while the node's answer is awaited.
         await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
@@ -123,29 +125,36 @@ class Watchdog:
                                         timeout=self.config.heartbeat_interval_s)
         except MemberLost:
             raw = None
-        return await self.observe(m, now, raw)
+        return await self.observe(m, now, raw, proved=prove)
 
-    async def observe(self, m: Member, now: float, raw: dict[str, Any] | None) -> bool:
+    async def observe(self, m: Member, now: float, raw: dict[str, Any] | None, *, proved: bool = True) -> bool:
         """The event ``m``'s heartbeat answer ``raw`` (None: none came) implies, fired on its
-        machine; returns whether it answered."""
-        answered, trigger, beat = self._judge(m, now, raw)
+        machine; returns whether it answered. ``proved``: it was asked to hash its weights afresh."""
+        answered, trigger, beat = self._judge(m, now, raw, proved)
         if trigger is not None:
             await self._fire(m, trigger, beat)
         return answered
 
-    def _judge(self, m: Member, now: float, raw: dict[str, Any] | None) -> tuple[bool, str | None, Heartbeat | None]:
+    def _judge(self, m: Member, now: float, raw: dict[str, Any] | None,
+               proved: bool) -> tuple[bool, str | None, Heartbeat | None]:
         """``m``'s answer ``raw`` handed to its liveness: whether it answered, the trigger to
-        fire on its machine (None: nothing to do) and the heartbeat."""
+        fire on its machine (None: nothing to do) and the heartbeat. ``proved``: it was asked to
+        hash its weights afresh."""
         beat: Heartbeat | None = None
         if raw is not None:
             forged = raw.pop("forged", None)  # left out by a member that dropped nothing
             if forged:
                 record_forged(m, forged)
             beat = Heartbeat(**raw)
-        if m.gone:
+        state = m.machine.state
+        if state in GONE:
             return False, None, beat
+        if state == "SUSPECT" and not proved and beat is not None:
+            # Suspected while its answer was on the way: it shows the checksum it cached, not
+            # one hashed afresh, and proves nothing; the next poll asks it to prove.
+            return True, None, beat
         trigger = m.liveness.observe(
-            now, beat, state=m.machine.state, current_version=self.membership.weights_version,
+            now, beat, state=state, current_version=self.membership.weights_version,
             current_checksum=self.membership.checksum,
         )
         if trigger is not None and not m.machine.can(trigger):
@@ -190,6 +199,8 @@ class Watchdog:
             def done() -> bool:
                 return all(m.machine.state != "SUSPECT" for m in self.membership.role("trainer"))
         while True:
+            if not self.membership.any_in("SUSPECT"):
+                return
             suspects = [m for m in self.membership.group_members() if m.machine.state == "SUSPECT"]
             if not suspects:
                 return
@@ -201,9 +212,11 @@ class Watchdog:
 
 class NodeRound:
     """What one round asks of one node: its polled members in order, their names and handles,
-    and the arguments when none of them is suspect (read-only: the backend is handed them)."""
+    the arguments when none of them is suspect (read-only: the backend is handed them), and
+    whether one of them was SUSPECT when the round was taken (``suspect``: it is asked to
+    prove its weights)."""
 
-    __slots__ = ("ask", "handles", "members", "names", "node_id")
+    __slots__ = ("ask", "handles", "members", "names", "node_id", "suspect")
 
     def __init__(self, node_id: str | None, members: list[Member]) -> None:
         self.node_id = node_id
@@ -211,6 +224,7 @@ class NodeRound:
         self.names = [m.name for m in members]
         self.handles = [m.handle for m in members]
         self.ask = [_ASK] * len(members)
+        self.suspect = any(m.machine.state == "SUSPECT" for m in members)
 
 
 class NodeRounds:
@@ -219,33 +233,48 @@ class NodeRounds:
     same objects in the same order on the same nodes, and builds the lists again otherwise. So a
     member that joins, leaves, finishes starting or is located on a node is in the very round
     that first sees it, as if nothing were kept; while nothing changes, a round makes no new
-    list that its calls in flight would keep alive."""
+    list that its calls in flight would keep alive. The same walk notes which nodes have a
+    suspect member (:attr:`NodeRound.suspect`).
+
+    ``polled``: the members the last rounds poll, in membership order; ``generation``: bumped
+    each time the lists are built again (who is polled, or where, changed)."""
 
     def __init__(self) -> None:
-        self._polled: list[Member] = []
+        self.polled: list[Member] = []
+        self.generation = 0
         self._nodes: list[str | None] = []
         self._rounds: list[NodeRound] = []
+        self._round_of: list[NodeRound] = []  # each polled member's round
 
     def of(self, members: Any) -> list[NodeRound]:
         """The rounds for ``members`` (an iterable of :class:`Member`), by node."""
-        polled, nodes, i, n = self._polled, self._nodes, 0, len(self._polled)
+        polled, nodes, round_of, i, n = self.polled, self._nodes, self._round_of, 0, len(self.polled)
+        for r in self._rounds:
+            r.suspect = False
         for m in members:
-            if m.gone or m.machine.state == "INIT":
+            state = m.machine.state  # read once: each read is the member's machine in the cache
+            if state in GONE or state == "INIT":
                 continue
             if i >= n or polled[i] is not m or nodes[i] != m.node_id:
                 return self._build(members)
+            if state == "SUSPECT":
+                round_of[i].suspect = True
             i += 1
         return self._rounds if i == n else self._build(members)
 
     def _build(self, members: Any) -> list[NodeRound]:
         by_node: dict[str | None, list[Member]] = {}
-        self._polled, self._nodes = [], []
+        polled: list[Member] = []
         for m in members:
-            if not m.gone and m.machine.state != "INIT":
+            state = m.machine.state
+            if state not in GONE and state != "INIT":
                 by_node.setdefault(m.node_id, []).append(m)
-                self._polled.append(m)
-                self._nodes.append(m.node_id)
+                polled.append(m)
+        self.polled, self._nodes = polled, [m.node_id for m in polled]
         self._rounds = [NodeRound(node, ms) for node, ms in by_node.items()]
+        where = {node: r for node, r in zip(by_node, self._rounds, strict=True)}
+        self._round_of = [where[m.node_id] for m in polled]
+        self.generation += 1
         return self._rounds
 
 

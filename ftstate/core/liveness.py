@@ -36,7 +36,7 @@ WATCHED = frozenset({"STALE", "RESYNCING", "RESYNCED", "READY", "SYNCING", "DRAI
 QUIET = frozenset({"STANDBY", "PROMOTING", "RENDEZVOUS"})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Heartbeat:
     """One worker's answer to a heartbeat poll.
 
@@ -56,6 +56,8 @@ class Liveness:
     """Per-worker heartbeat bookkeeping. stall_s: how long a busy worker may make no progress
     before that counts as a missed heartbeat. timeout_s: how long a spare may stay silent
     before it is ``unresponsive`` (a spare has no SUSPECT state: it serves nothing)."""
+
+    __slots__ = ("last_answer_at", "last_progress", "last_progress_at", "missed", "stall_s", "timeout_s")
 
     def __init__(self, stall_s: float, timeout_s: float) -> None:
         self.stall_s = stall_s

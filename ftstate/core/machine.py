@@ -162,6 +162,35 @@ class StateMachine:
     machines can spend one run-wide budget; missing ones are created from the config.
     """
 
+    # Slots, not a __dict__: a heartbeat round reads 10,000 machines' states, and each
+    # machine's attributes held in the object itself are one cache miss fewer a read.
+    __slots__ = (
+        "__weakref__",
+        "_entered_at",
+        "_entry",
+        "_expired",
+        "_expiries",
+        "_identity_rest",
+        "_listeners",
+        "_member_plain",
+        "_model",
+        "_names",
+        "_recorded",
+        "_scopes",
+        "_wait",
+        "_waiters",
+        "audit",
+        "budgets",
+        "clock",
+        "config",
+        "deadline",
+        "error",
+        "group_version",
+        "identity",
+        "spec",
+        "weights_version",
+    )
+
     def __init__(
         self,
         spec: MachineSpec,

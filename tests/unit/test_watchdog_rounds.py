@@ -1,10 +1,13 @@
 """The watchdog's per-node lists (``NodeRounds``): kept from round to round only while the
-members to poll are the same, so keeping them never changes who is polled."""
+members to poll are the same, so keeping them never changes who is polled; the vigils that
+follow them; and a suspect's answer judged only when it was asked to prove its weights."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
+from ftstate.controller.vigil import Vigils
 from ftstate.controller.watchdog import NodeRounds
 
 
@@ -64,3 +67,95 @@ def test_a_round_hands_out_the_plain_arguments_for_every_member():
     ms = [_Member(f"rollout-{i}", "n0") for i in range(4)]
     [node] = NodeRounds().of(ms)
     assert node.ask == [(False, True)] * 4 and node.members == ms
+
+
+def test_the_walk_that_checks_the_lists_notes_which_nodes_have_a_suspect_without_rebuilding():
+    ms = [_Member(f"rollout-{i}", f"n{i % 2}") for i in range(6)]
+    rounds = NodeRounds()
+    first = rounds.of(ms)
+    generation = rounds.generation
+    assert [r.suspect for r in first] == [False, False]
+    ms[3].machine.state = "SUSPECT"  # on n1
+    assert [r.suspect for r in rounds.of(ms)] == [False, True]
+    ms[3].machine.state = "READY"  # verified again
+    assert [r.suspect for r in rounds.of(ms)] == [False, False]
+    assert rounds.generation == generation and rounds.of(ms) is first  # none of that rebuilt the lists
+    ms[2].machine.state = "LOST"
+    rounds.of(ms)
+    assert rounds.generation == generation + 1 and ms[2] not in rounds.polled
+
+
+class _PendingCalls:
+    """What the vigils call: a call that stays pending until the test ends it."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, asyncio.Future] = {}
+
+    async def call(self, member, handle, method, *args, timeout=None):
+        self.pending[member] = asyncio.get_running_loop().create_future()
+        return await self.pending[member]
+
+
+class _Walked(list):
+    """A member list that counts how often it is walked."""
+
+    walks = 0
+
+    def __iter__(self):
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_vigils_walk_nobody_while_the_generation_holds_and_none_ended_and_renew_one_that_ended():
+    async def main():
+        calls = _PendingCalls()
+        vigils = Vigils(calls)
+        ms = _Walked(_Member(f"rollout-{i}", "n0") for i in range(3))
+        vigils.keep(ms, 1)
+        await asyncio.sleep(0)
+        assert sorted(calls.pending) == ["rollout-0", "rollout-1", "rollout-2"] and ms.walks == 1
+        vigils.keep(ms, 1)
+        assert ms.walks == 1  # same generation, no vigil ended: nothing looked at
+        calls.pending.pop("rollout-1").set_exception(RuntimeError("the call broke"))
+        for _ in range(3):  # the vigil's task ends, then its done callback runs
+            await asyncio.sleep(0)
+        vigils.keep(ms, 1)  # a vigil ended: looked again, and renewed
+        await asyncio.sleep(0)
+        assert ms.walks == 2 and "rollout-1" in calls.pending
+        ms.append(_Member("rollout-3", "n0"))
+        vigils.keep(ms, 2)  # a new generation: the newcomer gets its vigil
+        await asyncio.sleep(0)
+        assert "rollout-3" in calls.pending
+        vigils.keep(ms, None)  # no generation: always looked at
+        assert ms.walks == 4
+        await vigils.close()
+
+    asyncio.run(main())
+
+
+def test_a_suspect_whose_answer_was_not_asked_to_prove_its_weights_is_not_verified_by_it():
+    """A member suspected while a round's answer was on its way answered with the checksum it
+    cached at its last commit: that answer must not re-admit it; an answer hashed afresh does."""
+    from ftstate.simulation import clock
+    from ftstate.simulation.scenario import Shape, simulated_runtime
+
+    async def main():
+        rt, _ = simulated_runtime(Shape(rollouts=2, spares=0), overrides={
+            "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "fault_tolerance": {"enable": False}})
+        await rt.start()
+        try:
+            await rt.sync()
+            ms = rt._membership
+            m = ms.get("rollout-0")
+            await m.machine.fire("heartbeat_missed", reason="staged by the test")
+            answer = {"progress": 1, "busy": False, "weights_version": ms.weights_version, "checksum": ms.checksum}
+            now = asyncio.get_running_loop().time()
+            assert await rt._watchdog.observe(m, now, dict(answer), proved=False)
+            assert m.machine.state == "SUSPECT"
+            await rt._watchdog.observe(m, now, dict(answer), proved=True)
+            assert m.machine.state == "READY"
+        finally:
+            await rt.close()
+
+    with asyncio.Runner(loop_factory=clock.VirtualTimeLoop) as runner:
+        runner.run(main())
