@@ -9,7 +9,10 @@ two intervals, after which each member is asked directly, within one more); on a
 each member is asked directly (an agent is one more process on the node, and for two or three
 members it saves the controller next to nothing). The answer, or its absence, goes to
 the member's :class:`~ftstate.core.liveness.Liveness`, whose trigger (if any) is fired on
-its machine. The rules are the core's; this module only carries them out. A process that
+its machine. An answer through an agent that is the same as the member's last one and not busy
+is not handed over one by one: the node's round vouches for it (:class:`~ftstate.core.liveness.Vouch`,
+:meth:`Watchdog._judge_round`), so a quiet round at 10,000 members touches their answers and
+nothing else of theirs. The rules are the core's; this module only carries them out. A process that
 *died* is reported by the failing call (:mod:`~ftstate.controller.calls`), not here: every
 member has one call kept pending for that (:mod:`~ftstate.controller.vigil`, renewed at
 each interval); heartbeats are for the hung.
@@ -31,7 +34,7 @@ from ftstate.controller.membership import GONE, Member, Membership
 from ftstate.controller.vigil import Vigils
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import MemberLost
-from ftstate.core.liveness import Heartbeat
+from ftstate.core.liveness import Heartbeat, Vouch
 
 #: A heartbeat's arguments through a node's agent: (prove its weights, hand over what it
 #: dropped as forged), for a suspect and for any other member.
@@ -97,18 +100,49 @@ class Watchdog:
         if answers is None:
             await self._poll_each(members, now)
             return
-        for m, a, answer in zip(members, args, answers, strict=True):
-            if isinstance(answer, BaseException) and not isinstance(answer, MemberLost):
-                continue  # a bug in the member's heartbeat: as a direct poll, no verdict from it
-            # one member's bad answer is no verdict on the others (as a direct poll's, in its own
-            # task); judged in place, a coroutine only for the few with an event to fire
+        for m, trigger, beat in self._judge_round(node, args, answers, now):
+            # one member's bad answer is no verdict on the others (as a direct poll's, in its own task)
             try:
-                _, trigger, beat = self._judge(m, now, None if isinstance(answer, MemberLost) else answer,
-                                              proved=a is _PROVE)
-                if trigger is not None:
-                    await self._fire(m, trigger, beat)
+                await self._fire(m, trigger, beat)
             except Exception:  # noqa: BLE001 - as above
                 continue
+
+    def _judge_round(self, node: NodeRound, args: Sequence[tuple[bool, bool]], answers: Sequence[Any],
+                     now: float) -> list[tuple[Member, str, Heartbeat | None]]:
+        """Each of ``node``'s answers judged, in one step of the loop (nothing in between moves a
+        vouch); returns the events to fire. An answer the same as the member's last one in these
+        rounds, not busy, in a round without a suspect, is not handed to its liveness: the node's
+        :class:`~ftstate.core.liveness.Vouch` answers for it (:mod:`ftstate.core.liveness`), so a
+        quiet round touches nothing of its members but their answers. Any other answer takes the
+        vouch back, after its liveness has read it."""
+        members, prev, vouched, vouch = node.members, node.prev, node.vouched, node.vouch
+        same_counts = not node.suspect
+        fires: list[tuple[Member, str, Heartbeat | None]] = []
+        for j, answer in enumerate(answers):
+            if same_counts and type(answer) is dict and answer == prev[j] and answer.get("busy") is False:
+                if not vouched[j]:
+                    members[j].liveness.vouch = vouch
+                    vouched[j] = True
+                continue
+            m = members[j]
+            prev[j] = None
+            try:
+                if isinstance(answer, BaseException) and not isinstance(answer, MemberLost):
+                    continue  # a bug in the member's heartbeat: as a direct poll, no verdict from it
+                _, trigger, beat = self._judge(m, now, None if isinstance(answer, MemberLost) else answer,
+                                              proved=args[j] is _PROVE)
+                if beat is not None:
+                    prev[j] = answer  # judged, "forged" taken out: the next round compares with it
+                if trigger is not None:
+                    fires.append((m, trigger, beat))
+            except Exception:  # noqa: BLE001 - as above: no verdict from it
+                continue
+            finally:
+                if vouched[j]:
+                    m.liveness.unvouch()
+                    vouched[j] = False
+        vouch.at = now
+        return fires
 
     async def _poll_each(self, members: Sequence[Member], now: float) -> None:
         # A method of its own, as _asks is a function: a generator or a
@@ -212,11 +246,12 @@ class Watchdog:
 
 class NodeRound:
     """What one round asks of one node: its polled members in order, their names and handles,
-    the arguments when none of them is suspect (read-only: the backend is handed them), and
+    the arguments when none of them is suspect (read-only: the backend is handed them),
     whether one of them was SUSPECT when the round was taken (``suspect``: it is asked to
-    prove its weights)."""
+    prove its weights), and what the rounds remember of the answers (``prev``, ``vouched``,
+    ``vouch``: :meth:`Watchdog._judge_round`)."""
 
-    __slots__ = ("ask", "handles", "members", "names", "node_id", "suspect")
+    __slots__ = ("ask", "handles", "members", "names", "node_id", "prev", "suspect", "vouch", "vouched")
 
     def __init__(self, node_id: str | None, members: list[Member]) -> None:
         self.node_id = node_id
@@ -225,6 +260,11 @@ class NodeRound:
         self.handles = [m.handle for m in members]
         self.ask = [_ASK] * len(members)
         self.suspect = any(m.machine.state == "SUSPECT" for m in members)
+        #: Each member's last answer judged in these rounds (None: none, or not a plain answer).
+        self.prev: list[Any] = [None] * len(members)
+        #: Whether the member's liveness holds this round's ``vouch``.
+        self.vouched = [False] * len(members)
+        self.vouch = Vouch()
 
 
 class NodeRounds:

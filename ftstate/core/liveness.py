@@ -19,6 +19,13 @@ with the trigger to fire on the worker's machine, if any:
   checksum is hashed afresh from the bytes it holds when it answers (the watchdog asks it to
   prove), not the value it cached at its last commit.
 
+An answer the same as the worker's last one, not busy, outside SUSPECT implies nothing but
+"it answered now". A watchdog polling thousands of workers a round need not hand each such
+answer over one by one: it gives the worker's liveness a :class:`Vouch` (one per node's round,
+whose time it moves each round), and until it takes the vouch back each time the vouch moved
+counts as such an answer; :meth:`Liveness.observe` reads it first. What a vouched round does not
+record is ``missed`` (reset by the next answer judged one by one; nothing decides by it).
+
 SUSPECT carries the ``heartbeat_timeout_s`` deadline in the worker spec, so a suspect that
 does not recover is declared LOST by the machine itself, not by this module. A process that
 died is reported by the failing call (``ActorDiedError``), not here.
@@ -52,12 +59,22 @@ class Heartbeat:
     pid: int = 0
 
 
+class Vouch:
+    """When a round last answered for the workers it vouches for (``at``; None before its
+    first round): each of them answered then, the same as its last answer and not busy."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+
 class Liveness:
     """Per-worker heartbeat bookkeeping. stall_s: how long a busy worker may make no progress
     before that counts as a missed heartbeat. timeout_s: how long a spare may stay silent
     before it is ``unresponsive`` (a spare has no SUSPECT state: it serves nothing)."""
 
-    __slots__ = ("last_answer_at", "last_progress", "last_progress_at", "missed", "stall_s", "timeout_s")
+    __slots__ = ("last_answer_at", "last_progress", "last_progress_at", "missed", "stall_s", "timeout_s", "vouch")
 
     def __init__(self, stall_s: float, timeout_s: float) -> None:
         self.stall_s = stall_s
@@ -68,6 +85,9 @@ class Liveness:
         self.last_progress_at: float | None = None
         self.last_answer_at: float | None = None
         self.missed = 0
+        #: Set by the watchdog while this worker's answers in its node's rounds are the same as
+        #: its last one and not busy (the module docstring); None: every answer is handed over.
+        self.vouch: Vouch | None = None
 
     def observe(
         self,
@@ -79,6 +99,8 @@ class Liveness:
         current_checksum: str | None,
     ) -> str | None:
         """Record one poll's outcome; returns the trigger to fire on the worker, or None."""
+        if self.vouch is not None:
+            self._vouched()
         if heartbeat is None:
             self.missed += 1
             if self.last_answer_at is None:
@@ -104,3 +126,19 @@ class Liveness:
             )
             return "verified" if proven else "alive_stale"
         return None
+
+    def unvouch(self) -> None:
+        """Take the :attr:`vouch` back, keeping what it said (the rounds it moved in were answers)."""
+        if self.vouch is not None:
+            self._vouched()
+            self.vouch = None
+
+    def _vouched(self) -> None:
+        at = self.vouch.at if self.vouch is not None else None
+        if at is None:
+            return
+        # It answered at ``at``, as before and not busy: what observe would have recorded then.
+        if self.last_answer_at is None or at > self.last_answer_at:
+            self.last_answer_at = at
+        if self.last_progress_at is None or at > self.last_progress_at:
+            self.last_progress_at = at

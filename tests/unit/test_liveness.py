@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftstate.core.liveness import Heartbeat, Liveness
+from ftstate.core.liveness import Heartbeat, Liveness, Vouch
 
 
 def hb(progress=0, busy=False, version=3, checksum="abc") -> Heartbeat:
@@ -75,3 +75,41 @@ class TestSpares:
         lv = Liveness(1.0, 5.0)
         observe(lv, 0.0, hb())
         assert observe(lv, 9.0, None, state="READY") == "heartbeat_missed"
+
+
+class TestVouch:
+    """A round's vouch stands for answers the same as the worker's last one, not busy: each
+    time it moved is an answer then, which a later observation reads first."""
+
+    def test_a_spare_vouched_for_is_silent_only_since_the_vouch_last_moved(self):
+        lv = Liveness(1.0, 5.0)
+        assert observe(lv, 0.0, hb(), state="STANDBY") is None
+        lv.vouch = Vouch()
+        lv.vouch.at = 4.0
+        assert observe(lv, 8.0, None, state="STANDBY") is None  # silent 4 s, not 8
+        assert observe(lv, 9.5, None, state="STANDBY") == "unresponsive"
+
+    def test_a_vouched_worker_that_turns_busy_stalls_from_the_vouch_on(self):
+        lv = Liveness(2.0, 10.0)
+        assert observe(lv, 0.0, hb(progress=5)) is None
+        lv.vouch = Vouch()
+        lv.vouch.at = 5.0
+        assert observe(lv, 6.0, hb(progress=5, busy=True), state="SYNCING") is None  # idle until 5
+        assert observe(lv, 7.5, hb(progress=5, busy=True), state="SYNCING") == "heartbeat_missed"
+
+    def test_a_vouch_before_its_first_round_says_nothing(self):
+        lv = Liveness(1.0, 5.0)
+        assert observe(lv, 0.0, hb(), state="STANDBY") is None
+        lv.vouch = Vouch()
+        assert observe(lv, 6.0, None, state="STANDBY") == "unresponsive"
+
+    def test_taking_a_vouch_back_keeps_what_it_said_and_nothing_after(self):
+        lv = Liveness(1.0, 5.0)
+        assert observe(lv, 0.0, hb(), state="STANDBY") is None
+        vouch = lv.vouch = Vouch()
+        vouch.at = 5.0
+        lv.unvouch()
+        vouch.at = 100.0  # the round moves on without it
+        assert lv.vouch is None
+        assert observe(lv, 8.0, None, state="STANDBY") is None  # silent since 5
+        assert observe(lv, 10.0, None, state="STANDBY") == "unresponsive"

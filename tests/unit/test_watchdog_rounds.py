@@ -159,3 +159,76 @@ def test_a_suspect_whose_answer_was_not_asked_to_prove_its_weights_is_not_verifi
 
     with asyncio.Runner(loop_factory=clock.VirtualTimeLoop) as runner:
         runner.run(main())
+
+
+def _entered(rt, name, state, after):
+    return next(r["t"] for r in rt.audit.records if r["event"] == "transition" and r.get("member") == name
+                and r["to"] == state and r["t"] >= after)
+
+
+def test_after_a_long_quiet_stretch_a_hung_spare_is_lost_after_the_timeout_and_a_hung_rollout_at_once():
+    """Quiet rounds hand nobody's answer over one by one (the node's vouch stands for them): a
+    spare that then hangs is still silent only since its last answer, so it is declared
+    unresponsive a heartbeat_timeout_s later, not at its first miss; a serving rollout that hangs
+    is suspect at its first miss, as ever."""
+    from ftstate.simulation import clock
+    from ftstate.simulation.scenario import Shape, simulated_runtime
+
+    interval, timeout = 0.2, 2.0
+
+    async def main():
+        # 1 trainer, 6 rollouts, a spare per role: 9 members on one node, asked through its agent
+        rt, cluster = simulated_runtime(Shape(rollouts=6, spares=1), overrides={
+            "heartbeat_interval_s": interval, "heartbeat_timeout_s": timeout})
+        await rt.start()
+        try:
+            await rt.sync()
+            ms = rt._membership
+            await asyncio.sleep(40 * interval)  # quiet: same answers, round after round
+            [spare] = [m for m in ms.spares("rollout", "STANDBY")]
+            assert spare.liveness.vouch is not None  # vouched for, not handed every answer
+            loop = asyncio.get_running_loop()
+            t_hang = loop.time() - rt.audit._t0
+            cluster.hang_member(spare.name)
+            cluster.hang_member("rollout-2")
+            await asyncio.sleep(timeout + 4 * interval)
+            assert _entered(rt, "rollout-2", "SUSPECT", t_hang) - t_hang <= 2 * interval
+            silent = _entered(rt, spare.name, "LOST", t_hang) - t_hang
+            assert timeout - interval <= silent <= timeout + 2 * interval, silent
+        finally:
+            await rt.close()
+
+    with asyncio.Runner(loop_factory=clock.VirtualTimeLoop) as runner:
+        runner.run(main())
+
+
+class _Backend:
+    """A node agent that answers a heartbeat round with ``answer``."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    async def heartbeats(self, node_id, handles, args, timeout):
+        return self.answer
+
+
+def test_an_agent_that_does_not_answer_for_each_member_has_them_asked_directly():
+    from ftstate.controller.backend import ActorDied
+    from ftstate.controller.calls import ActorCalls
+    from ftstate.core.errors import MemberLost
+
+    async def main():
+        names, handles, args = ["a", "b"], [object(), object()], [(False, True)] * 2
+        died = []
+        beat = {"progress": 0, "busy": False, "weights_version": 1, "checksum": "x", "pid": 1}
+
+        async def ask(answer):
+            return await ActorCalls(lambda m, why: died.append(m), _Backend(answer)).heartbeats(
+                "n0", names, handles, args, 1.0)
+
+        assert await ask([beat]) is None  # one answer for two members: a bug, no verdict from it
+        assert await ask("not a list") is None
+        out = await ask([beat, ActorDied("SIGKILL")])
+        assert out[0] is beat and isinstance(out[1], MemberLost) and died == ["b"]
+
+    asyncio.run(main())
