@@ -283,6 +283,23 @@ MUTATIONS = (
         ("tests/integration/test_transport_store.py::"
          "test_an_older_current_version_written_back_does_not_reopen_a_fenced_version",),
     ),
+    Mutation(
+        "a vouched round not counted",
+        "a worker whose quiet answers its node's round vouched for is silent only since the vouch last moved",
+        (Edit("ftstate/core/liveness.py",
+              "or None.\"\"\"\n        if self.vouch is not None:\n            self._vouched()\n", "or None.\"\"\"\n"),),
+        ("tests/unit/test_liveness.py::TestVouch",
+         "tests/unit/test_watchdog_rounds.py::"
+         "test_after_a_long_quiet_stretch_a_hung_spare_is_lost_after_the_timeout_and_a_hung_rollout_at_once"),
+    ),
+    Mutation(
+        "a suspect's unproven answer believed",
+        "an answer a suspect gave without being asked to hash its weights afresh re-admits nothing",
+        (Edit("ftstate/controller/watchdog.py", 'if state == "SUSPECT" and not proved and beat is not None:',
+              'if False:'),),
+        ("tests/unit/test_watchdog_rounds.py::"
+         "test_a_suspect_whose_answer_was_not_asked_to_prove_its_weights_is_not_verified_by_it",),
+    ),
 )
 
 
