@@ -31,8 +31,9 @@ answer is one future and one timer, a fraction of the controller's work for it),
 upper bound on the controller's. The controller's own is measured too, by sampling
 (:class:`_MembersShare`: ``SIGPROF`` every millisecond of CPU, each sample the members' if it
 lands in their modelled code, else the controller's): ``sync_controller_s`` (a sync without the
-members' share, net of the heartbeats' controller CPU meanwhile) and
-``heartbeat_interval_controller_s``; ``sync_members_share`` is the members' fraction of a sync.
+members' share and without the samples taken in the watchdog's rounds that ran meanwhile,
+``sync_heartbeat_share``) and ``heartbeat_interval_controller_s``; ``sync_members_share`` is the
+members' fraction of a sync.
 Syncs and heartbeat rounds run with the collector paused, as the runtime does by default
 (``gc_pause_s``); what that defers is counted where it lands. Each figure of N is also given as a ratio to the figure of
 N/10 (linear: 10). ``--gc-threshold 50000`` runs it with a larger first threshold of the
@@ -63,6 +64,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftstate.simulation.clock import VirtualTimeLoop
+from ftstate.simulation.cluster import SimulatedCluster
 from ftstate.simulation.scenario import Shape, simulated_runtime
 
 #: Syncs and heartbeat intervals are repeated (``--syncs``, ``--intervals`` at least) until they
@@ -151,8 +153,11 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     out["sync_members_share"] = sync_share.share
     out["heartbeat_members_share"] = hb_share.share
     out["heartbeat_interval_controller_s"] = out["heartbeat_interval_s"] * (1 - hb_share.share)
-    out["sync_controller_s"] = (out["sync_s"] * (1 - sync_share.share)
-                                - hb * (1 - hb_share.share) * out["sync_virtual_s"])
+    # The heartbeats' rounds during a sync are found by sampling, not subtracted at a quiet
+    # interval's rate: during a sync every member is busy, and a busy member's answer is judged
+    # one by one where a quiet one is vouched for by its node's round (docs/benchmarks.md).
+    out["sync_heartbeat_share"] = sync_share.watchdog_share
+    out["sync_controller_s"] = out["sync_s"] * (1 - sync_share.share - sync_share.watchdog_share)
     cluster.kill_member("rollout-1")
     out["failover_member_s"], out["failover_member_virtual_s"] = await _failover_round(rt)
     out["failover_member_net_s"] = out["failover_member_s"] - hb * out["failover_member_virtual_s"]
@@ -211,7 +216,8 @@ class _MembersShare:
     controller iterates as it would Ray's) or the simulation's :class:`TimerQueue` (when the
     members' answers come). Everything else is the controller's: its own code, the event loop,
     the audit trail, the backend's entry points (Ray's call submission on a real cluster, far
-    dearer than the simulation's), and the garbage collector. A signal is handled between two
+    dearer than the simulation's), and the garbage collector. The cluster's ``loop`` accessor is
+its caller's. A signal is handled between two
     bytecodes, so a sample after a system call (the audit trail's write) lands on the
     controller's side: an error against the controller, never for it."""
 
@@ -220,12 +226,18 @@ class _MembersShare:
     def __init__(self) -> None:
         self.samples = 0
         self.members = 0
+        #: The controller's samples taken in its watchdog's rounds (the heartbeats that run
+        #: while a sync does: their own figure, not the sync's).
+        self.watchdog = 0
         self._previous: Any = None
 
     @staticmethod
     def _members_code(frame: Any) -> bool:
         while frame is not None:
             code = frame.f_code
+            if code is _LOOP_ACCESSOR:  # the cluster's loop, read by whoever called it: theirs
+                frame = frame.f_back
+                continue
             name = code.co_filename
             if name.endswith(_MEMBERS_FILE):
                 return not code.co_qualname.startswith("AgentBatch.")
@@ -236,15 +248,32 @@ class _MembersShare:
             frame = frame.f_back
         return False
 
+    @staticmethod
+    def _watchdog_round(frame: Any) -> bool:
+        while frame is not None:
+            code = frame.f_code
+            if code.co_filename.endswith(_VIGIL_FILE) or (
+                    code.co_filename.endswith(_WATCHDOG_FILE) and code.co_qualname in _ROUND_FRAMES):
+                return True
+            frame = frame.f_back
+        return False
+
     def _sample(self, signum: int, frame: Any) -> None:
         self.samples += 1
         if self._members_code(frame):
             self.members += 1
+        elif self._watchdog_round(frame):
+            self.watchdog += 1
 
     @property
     def share(self) -> float:
         """The members' share of the samples (0 with none taken)."""
         return self.members / self.samples if self.samples else 0.0
+
+    @property
+    def watchdog_share(self) -> float:
+        """The share of the samples taken in the watchdog's periodic rounds (and the vigils)."""
+        return self.watchdog / self.samples if self.samples else 0.0
 
     def __enter__(self) -> _MembersShare:
         self._previous = signal.signal(signal.SIGPROF, self._sample)
@@ -258,6 +287,13 @@ class _MembersShare:
 
 _MEMBERS_FILE = os.path.join("ftstate", "simulation", "members.py")
 _CLOCK_FILE = os.path.join("ftstate", "simulation", "clock.py")
+_WATCHDOG_FILE = os.path.join("ftstate", "controller", "watchdog.py")
+#: ``SimulatedCluster.loop`` (a property returning the running loop), which the members' code
+#: reads at every answer: a sample in it belongs to its caller.
+_LOOP_ACCESSOR = SimulatedCluster.loop.fget.__code__  # type: ignore[attr-defined]
+_VIGIL_FILE = os.path.join("ftstate", "controller", "vigil.py")
+#: The watchdog's own periodic round (not settle_suspects or verdict: a sync or a failover calls those).
+_ROUND_FRAMES = frozenset({"Watchdog.run", "Watchdog.poll_node"})
 _FTSTATE_DIR = os.sep + "ftstate" + os.sep
 _ASYNCIO_DIR = os.sep + "asyncio" + os.sep
 
@@ -278,7 +314,7 @@ def run_one(members: int, syncs: int, intervals: int, loop_kind: str, freeze: bo
             gc.unfreeze()
 
 
-FIGURES = ("start_s", "sync_s", "sync_net_s", "sync_controller_s", "sync_members_share", "sync_full_gcs", "sync_promoted", "heartbeat_interval_s", "heartbeat_interval_controller_s", "heartbeat_full_gcs",
+FIGURES = ("start_s", "sync_s", "sync_net_s", "sync_controller_s", "sync_members_share", "sync_heartbeat_share", "sync_full_gcs", "sync_promoted", "heartbeat_interval_s", "heartbeat_interval_controller_s", "heartbeat_full_gcs",
            "heartbeat_interval_gc_off_s", "failover_member_s",
            "failover_member_net_s", "failover_rank_s", "failover_rank_net_s", "failover_node_s", "failover_node_net_s", "audit_bytes_per_sync")
 
