@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from ftstate.core.errors import ManifestError, TransportError
+from ftstate.core.errors import ManifestError, PeerLost, TransportError
 from ftstate.transport import auth
 from ftstate.transport.manifest import short
 
@@ -113,9 +113,10 @@ class Channel:
         return cls(sock, endpoint, router=False, group=group, version=version, rank=rank, writer=writer)
 
     def send(self, msg: dict[str, Any], to: int | None = None) -> None:
-        """Send ``msg`` (to reader ``to`` from the sender's side). Never blocks: a full
-        queue or a reader gone (or not yet heard from) raises
-        :class:`~ftstate.core.errors.TransportError`."""
+        """Send ``msg`` (to reader ``to`` from the sender's side). Never blocks: a full queue
+        or a reader not yet heard from raises :class:`~ftstate.core.errors.TransportError`, a
+        reader whose connection is gone since it said hello
+        :class:`~ftstate.core.errors.PeerLost` naming it."""
         self._seq += 1
         body = {**msg, "rank": self.rank, "seq": self._seq, **({"to": to} if to is not None else {})}
         frame = auth.sign(self._channel, self.group, self.version, self.rank, msgpack.packb(body, use_bin_type=True))
@@ -130,6 +131,12 @@ class Channel:
             else:
                 self._sock.send(frame, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
+            if self._router and exc.errno == zmq.EHOSTUNREACH:
+                # ROUTER_MANDATORY: the reader said hello, and its connection is gone since (its
+                # process died, mid-transfer): the peer is lost, as a dead peer's pid says elsewhere
+                raise PeerLost(f"bucket signal {msg.get('kind')!r}{who} could not be sent: rank {to}'s "
+                               f"connection is gone ({exc})", group=self.group, group_version=self.version,
+                               rank=self.rank, op=f"bucket signal {msg.get('kind')!r}", peer=to) from exc
             raise TransportError(f"bucket signal {msg.get('kind')!r}{who} could not be sent: {exc}") from exc
 
     def recv(self, timeout_s: float) -> dict[str, Any] | None:

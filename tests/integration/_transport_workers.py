@@ -527,8 +527,16 @@ class Pool:
         self.members[rank] = new
         return new
 
-    def heal(self) -> None:
+    def heal(self, busy_s: float = 30.0) -> None:
+        """Dead workers replaced; a live one still running a command an earlier test started and
+        never collected (it failed first) has that outcome collected and dropped, or is replaced
+        if none comes within ``busy_s``: one failed test must not fail the next ones' setup."""
         for rank, w in enumerate(self.members):
+            if w.alive and w._busy:
+                with contextlib.suppress(Exception):  # an earlier test's outcome, not this one's
+                    w.result(busy_s)
+                if w._busy:
+                    w.kill()
             if not w.alive:
                 self.replace(rank)
 

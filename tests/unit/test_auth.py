@@ -181,3 +181,25 @@ class TestStore:
             forged = auth.drain_forged()
             assert {f["key"] for f in forged} >= {"g/current_version", "g/v2/joined/0", "g/v2/roster"}
             assert all(f["channel"] == "store" for f in forged)
+
+
+def test_a_signal_to_a_reader_whose_connection_is_gone_names_that_peer_lost():
+    """Seen in CI: a reader SIGKILLed mid-read, and the sender's next 'ready' to it failed with
+    ZMQ's "Host unreachable" (ROUTER_MANDATORY: the identity's connection is gone) as a bare
+    TransportError, before the reader's death was seen another way. It is that peer lost."""
+    from ftstate.core.errors import PeerLost
+
+    router = Channel.bind(group="weights", version=3, rank=0)
+    reader = Channel.connect(router.endpoint, 2, group="weights", version=3, writer=0)
+    try:
+        reader.send({"kind": "hello", "rank": 2, "pid": os.getpid()})
+        assert recv_within(router)["from"] == 2
+        reader.close()  # as its process's death closes it
+        deadline = time.monotonic() + 5.0
+        with pytest.raises(PeerLost) as info:
+            while time.monotonic() < deadline:  # the router learns of the disconnect asynchronously
+                router.send({"kind": "ready", "bucket": 4, "slot": 0, "upto": 1}, to=2)
+                time.sleep(0.01)
+        assert info.value.peer == 2 and info.value.op.startswith("bucket ") and info.value.group_version == 3
+    finally:
+        router.close()
