@@ -63,6 +63,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ftstate.controller.backend import AgentMemory
 from ftstate.simulation.clock import VirtualTimeLoop
 from ftstate.simulation.cluster import SimulatedCluster
 from ftstate.simulation.scenario import Shape, simulated_runtime
@@ -216,10 +217,10 @@ class _MembersShare:
     controller iterates as it would Ray's) or the simulation's :class:`TimerQueue` (when the
     members' answers come). Everything else is the controller's: its own code, the event loop,
     the audit trail, the backend's entry points (Ray's call submission on a real cluster, far
-    dearer than the simulation's), and the garbage collector. The cluster's ``loop`` accessor is
-its caller's. A signal is handled between two
-    bytecodes, so a sample after a system call (the audit trail's write) lands on the
-    controller's side: an error against the controller, never for it."""
+    dearer than the simulation's), and the garbage collector. The cluster's ``loop`` accessor, and
+    the agents' memory of their last reply (``AgentMemory``), are their callers'. A signal is
+    handled between two bytecodes, so a sample after a system call (the audit trail's write)
+    lands on the controller's side: an error against the controller, never for it."""
 
     INTERVAL_S = 0.001
 
@@ -235,7 +236,7 @@ its caller's. A signal is handled between two
     def _members_code(frame: Any) -> bool:
         while frame is not None:
             code = frame.f_code
-            if code is _LOOP_ACCESSOR:  # the cluster's loop, read by whoever called it: theirs
+            if code is _LOOP_ACCESSOR or code is _AGENT_MEMORY:  # read or run by whoever called it: theirs
                 frame = frame.f_back
                 continue
             name = code.co_filename
@@ -291,6 +292,9 @@ _WATCHDOG_FILE = os.path.join("ftstate", "controller", "watchdog.py")
 #: ``SimulatedCluster.loop`` (a property returning the running loop), which the members' code
 #: reads at every answer: a sample in it belongs to its caller.
 _LOOP_ACCESSOR = SimulatedCluster.loop.fget.__code__  # type: ignore[attr-defined]
+#: What a node's agent keeps to answer a quiet round (``AgentMemory.reply``): the agent's own
+#: code, shared by Ray's agent and the simulated one, so a sample in it belongs to its caller.
+_AGENT_MEMORY = AgentMemory.reply.__code__
 _VIGIL_FILE = os.path.join("ftstate", "controller", "vigil.py")
 #: The watchdog's own periodic round (not settle_suspects or verdict: a sync or a failover calls those).
 _ROUND_FRAMES = frozenset({"Watchdog.run", "Watchdog.poll_node"})

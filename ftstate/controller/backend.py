@@ -27,6 +27,9 @@ member is what keeps a watchdog round cheap at thousands of members (docs/benchm
 each member directly. A sync's calls to the members of a node go through the same agent
 (:meth:`ClusterBackend.calls`): it calls them there and streams each member's outcome back as
 it ends, so that a member that fails is heard of at once, not when its node's batch ends.
+A round whose answers are all the same as those of an earlier reply the controller names is
+answered with :data:`QUIET` alone (the agent compares, the controller judges nothing it
+already judged): a quiet node's round costs the controller one call, not its members' answers.
 
 The maintenance watchers reach the cluster here too: a watcher actor per node
 (:meth:`ClusterBackend.start_node_watcher`) and the nodes the cluster is draining
@@ -43,6 +46,46 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from ftstate.core.config import RolePlacement
+
+
+class _Quiet:
+    """The type of :data:`QUIET` (one object: compared with ``is``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "QUIET"
+
+
+#: A node agent's reply to :meth:`ClusterBackend.heartbeats` when the caller named an earlier
+#: reply (``since``) and every member's answer now is equal to its answer there.
+QUIET = _Quiet()
+
+#: How an agent's process says :data:`QUIET` over the wire (an object's identity does not
+#: survive pickling); the backend hands :data:`QUIET` on.
+QUIET_WIRE = "quiet"
+
+
+class AgentMemory:
+    """What a node's agent keeps to answer :data:`QUIET` (:meth:`ClusterBackend.heartbeats`):
+    its newest reply, the members it was for, and that call's mark. Both agents use it, the
+    Ray actor's and the simulation's, so the rule is one: quiet only when the caller names
+    the very reply kept, for the same members, and every answer now equals the one there."""
+
+    __slots__ = ("answers", "handles", "mark")
+
+    def __init__(self) -> None:
+        self.mark: int | None = None
+        self.handles: list[Any] | None = None
+        self.answers: list[Any] | None = None
+
+    def reply(self, handles: list[Any], answers: list[Any], mark: int | None, since: int | None) -> Any:
+        """What to send back for this round's ``answers`` (of ``handles``): :data:`QUIET_WIRE`
+        or the answers; kept under ``mark`` (a call without one leaves what is kept alone)."""
+        quiet = since is not None and since == self.mark and handles == self.handles and answers == self.answers
+        if mark is not None:
+            self.mark, self.handles, self.answers = mark, handles, answers
+        return QUIET_WIRE if quiet else answers
 
 
 class ActorDied(Exception):
@@ -150,7 +193,7 @@ class ClusterBackend(abc.ABC):
 
     @abc.abstractmethod
     async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
-                         timeout: float) -> list[Any]:
+                         timeout: float, *, mark: int | None = None, since: int | None = None) -> Any:
         """One ``heartbeat(*args[i])`` of each of ``handles`` (actors on node ``node_id``), asked
         in one call of that node's agent (started on first use; until it is up this raises
         :class:`CallTimedOut` at once, never waiting for it), which calls them there and
@@ -159,7 +202,14 @@ class ClusterBackend(abc.ABC):
         :class:`CallTimedOut` after ``timeout``). The agent's own reply is bounded by two
         ``timeout``: one for the members' answers, one for its round trip; when it does not
         come (the agent is starting, gone, or its node unreachable) this raises one of the
-        module's exceptions, and the caller asks each member directly."""
+        module's exceptions, and the caller asks each member directly.
+
+        ``mark``: this call's number, unique among the caller's calls of this agent; the agent
+        keeps its last reply under it (one, the newest). ``since``: the mark of an earlier
+        reply the caller received; when the agent still keeps that reply, for the same members,
+        and every answer now is equal to the one there, it replies :data:`QUIET` instead of
+        the list (and keeps it under ``mark``). The agent's answers come from the members
+        either way: only what travels back, and what the caller reads, is less."""
 
     @abc.abstractmethod
     def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],

@@ -36,7 +36,14 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol
 
-from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, ClusterBackend, RemoteError
+from ftstate.controller.backend import (
+    QUIET,
+    ActorDied,
+    ActorUnreachable,
+    CallTimedOut,
+    ClusterBackend,
+    RemoteError,
+)
 from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
 from ftstate.core.text import bounded, clean
 
@@ -83,20 +90,24 @@ class ActorCalls:
             await self._raise_for(member, method, args, exc, timeout)
 
     async def heartbeats(self, node_id: str, members: Sequence[str], handles: Sequence[Any],
-                         args: Sequence[tuple[Any, ...]], timeout: float) -> list[Any] | None:
+                         args: Sequence[tuple[Any, ...]], timeout: float, *, mark: int | None = None,
+                         since: int | None = None) -> Any:
         """One heartbeat of each of ``members`` (names; their ``handles``, all on node ``node_id``)
         through the node's agent (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`):
         each member's answer, or the error :meth:`call` would have raised for it (a death
         reported as there). An unreachable agent means its node does not answer: every member
         there is unreachable for now (the watchdog judges from repeated evidence, as for a
         direct call). None when the agent could not answer otherwise (gone, starting, a bug):
-        ask each member directly."""
+        ask each member directly. :data:`~ftstate.controller.backend.QUIET` (only when ``since``
+        was given): every answer equal to that of the reply marked ``since``."""
         try:
-            outcomes: list[Any] = await self._backend.heartbeats(node_id, handles, args, timeout)
+            outcomes: Any = await self._backend.heartbeats(node_id, handles, args, timeout, mark=mark, since=since)
         except ActorUnreachable as exc:
             outcomes = [exc] * len(members)
         except (ActorDied, RemoteError, CallTimedOut):
             return None
+        if outcomes is QUIET:
+            return QUIET if since is not None else None  # quiet, unasked: a bug; ask directly
         if not isinstance(outcomes, list) or len(outcomes) != len(members):
             return None  # not an answer for each member (a bug): ask each directly
         out = list(outcomes)

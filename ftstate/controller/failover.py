@@ -213,7 +213,7 @@ class Failover:
             return
         except FTError:
             return  # died while warming: its machine is LOST already
-        m.located(info)
+        self.membership.located(m, info)
         if m.machine.can("warm"):
             await m.machine.fire("warm")
             self._cold_starts[m.role] = 0
@@ -572,7 +572,7 @@ class Failover:
                 await fresh.machine.fire("retire", reason="replacement could not start")
             self.launcher.give_back(fresh)
             raise
-        fresh.located(info)
+        self.membership.located(fresh, info)
         await fresh.machine.fire("join", reason=f"fresh replacement of {lost.name}")
         return fresh
 

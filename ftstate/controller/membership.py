@@ -33,6 +33,9 @@ from ftstate.core.machine import StateMachine
 GROUP = "weights"
 #: Worker states that hold no place in the group: nothing is sent to them or asked of them.
 GONE = frozenset({"LOST", "RETIRED", "FAILED", "STOPPED"})
+#: The states whose entry or exit changes whom the watchdog polls (not gone, constructed) or
+#: asks to prove its weights (SUSPECT): :attr:`Membership.roster` moves with them.
+_ROSTER_STATES = GONE | {"INIT", "SUSPECT"}
 
 
 async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None:
@@ -137,11 +140,27 @@ class Membership:
         self.parts: CommittedParts | None = None
         #: Bumped on every loss and every change of the group's shape.
         self.epoch = 0
+        #: Bumped whenever whom the watchdog polls, where, or whom it asks to prove may have
+        #: changed: a member added or located, a member's machine entering or leaving INIT,
+        #: SUSPECT or a gone state. While it holds, the watchdog's per-node lists hold without
+        #: a walk of the members (:class:`~ftstate.controller.watchdog.NodeRounds`).
+        self.roster = 0
 
     # -- changing ----------------------------------------------------------------------
 
     def add(self, member: Member) -> None:
         self._members[member.name] = member
+        member.machine.listen(self._on_transition)
+        self.roster += 1
+
+    def located(self, member: Member, info: dict[str, Any]) -> None:
+        """``member`` said where its process runs (:meth:`Member.located`)."""
+        member.located(info)
+        self.roster += 1
+
+    def _on_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:
+        if src in _ROSTER_STATES or dest in _ROSTER_STATES:
+            self.roster += 1
 
     def changed(self) -> None:
         self.epoch += 1

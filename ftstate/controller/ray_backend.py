@@ -29,8 +29,11 @@ from typing import Any
 
 from ftstate.controller import cluster
 from ftstate.controller.backend import (
+    QUIET,
+    QUIET_WIRE,
     ActorDied,
     ActorUnreachable,
+    AgentMemory,
     CallTimedOut,
     ClusterBackend,
     Pool,
@@ -124,14 +127,18 @@ class RayBackend(ClusterBackend):
         return agent
 
     async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
-                         timeout: float) -> list[Any]:
+                         timeout: float, *, mark: int | None = None, since: int | None = None) -> Any:
         agent = self._agent(node_id)
         try:
-            answers = await ray_call(agent, "heartbeats", (list(handles), [list(a) for a in args], timeout),
-                                     2 * timeout)
+            answers = await ray_call(agent, "heartbeats",
+                                     (list(handles), [list(a) for a in args], timeout, mark, since), 2 * timeout)
         except ActorDied:
             self._agents.pop(node_id, None)  # started afresh at the next interval
             raise
+        if answers == QUIET_WIRE:
+            return QUIET
+        if not isinstance(answers, list):
+            return answers  # not a reply: the caller has its members asked directly
         return [_decoded(a) for a in answers]
 
     async def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],
@@ -252,13 +259,23 @@ class LivenessAgent:
     them in one reply (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`): one call
     a node and interval from the controller instead of one a member."""
 
+    def __init__(self) -> None:
+        self._memory = AgentMemory()
+
     async def ready(self) -> bool:
         """Answers once the agent is up (the backend asks its members directly until then)."""
         return True
 
-    async def heartbeats(self, handles: list[Any], args: list[list[Any]], timeout: float) -> list[Any]:
+    async def heartbeats(self, handles: list[Any], args: list[list[Any]], timeout: float,
+                         mark: int | None = None, since: int | None = None) -> Any:
         """Each member's answer, or its outcome as ``(kind, message)`` / ``("remote", cause, text)``
-        (the seam's exceptions do not all survive pickling: :class:`RemoteError` takes two arguments)."""
+        (the seam's exceptions do not all survive pickling: :class:`RemoteError` takes two
+        arguments); or :data:`~ftstate.controller.backend.QUIET_WIRE` when they all equal those
+        of the reply marked ``since`` (:class:`~ftstate.controller.backend.AgentMemory`)."""
+        answers = await self._answers(handles, args, timeout)
+        return self._memory.reply(handles, answers, mark, since)
+
+    async def _answers(self, handles: list[Any], args: list[list[Any]], timeout: float) -> list[Any]:
         async def one(handle: Any, a: list[Any]) -> Any:
             try:
                 return await ray_call(handle, "heartbeat", a, timeout)

@@ -382,7 +382,7 @@ class Runtime:
 
         async def join(m: Member) -> None:
             info = await self._calls.call(m.name, m.handle, "info")
-            m.located(info)
+            ms.located(m, info)
             ready.add(m.name)  # its process is up and its class constructed
             report_ready()
             await formation.join(m, version, len(members))

@@ -11,8 +11,11 @@ members it saves the controller next to nothing). The answer, or its absence, go
 the member's :class:`~ftstate.core.liveness.Liveness`, whose trigger (if any) is fired on
 its machine. An answer through an agent that is the same as the member's last one and not busy
 is not handed over one by one: the node's round vouches for it (:class:`~ftstate.core.liveness.Vouch`,
-:meth:`Watchdog._judge_round`), so a quiet round at 10,000 members touches their answers and
-nothing else of theirs. The rules are the core's; this module only carries them out. A process that
+:meth:`Watchdog._judge_round`). Once every answer of a node was vouched for, the next round names
+that reply to the agent, which answers :data:`~ftstate.controller.backend.QUIET` while nothing
+changed; and the per-node lists are walked again only when :attr:`Membership.roster` moved. So a
+quiet round at 10,000 members touches nothing of theirs: one call and one vouch a node. The rules
+are the core's; this module only carries them out. A process that
 *died* is reported by the failing call (:mod:`~ftstate.controller.calls`), not here: every
 member has one call kept pending for that (:mod:`~ftstate.controller.vigil`, renewed at
 each interval); heartbeats are for the hung.
@@ -28,6 +31,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ftstate.controller.backend import QUIET
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.collector import CollectorPause
 from ftstate.controller.membership import GONE, Member, Membership
@@ -56,6 +60,8 @@ class Watchdog:
         self.calls = calls
         self.vigils = Vigils(calls)
         self._rounds = NodeRounds()
+        #: The number of the round under way: its calls' ``mark`` (:meth:`ActorCalls.heartbeats`).
+        self._mark = 0
 
     async def run(self) -> None:
         """Poll forever (the runtime cancels it at close)."""
@@ -72,19 +78,21 @@ class Watchdog:
             while True:
                 await asyncio.sleep(interval)
                 now = loop.time()
+                self._mark += 1
+                mark = self._mark
                 nodes = rounds.of(self.membership)
                 self.vigils.keep(rounds.polled, rounds.generation)
                 async with CollectorPause(self.config.gc_pause_s):
-                    await asyncio.gather(*(self.poll_node(node, now) for node in nodes), return_exceptions=True)
+                    await asyncio.gather(*(self.poll_node(node, now, mark) for node in nodes), return_exceptions=True)
                 record_controller_forged(self.membership)
         finally:
             await self.vigils.close()
 
-    async def poll_node(self, node: NodeRound, now: float) -> None:
+    async def poll_node(self, node: NodeRound, now: float, mark: int | None = None) -> None:
         """One heartbeat of each of ``node.members`` (all on ``node.node_id``) in one call of the
-        node's agent, and the events they imply; members of a node the agent could not answer for
-        (and those of a node with fewer than ``heartbeat_agent_min_members``, or whose node is
-        unknown) are polled directly."""
+        node's agent (``mark``: the round's number), and the events they imply; members of a node
+        the agent could not answer for (and those of a node with fewer than
+        ``heartbeat_agent_min_members``, or whose node is unknown) are polled directly."""
         node_id, members = node.node_id, node.members
         if node_id is None or len(members) < max(self.config.heartbeat_agent_min_members, 2) \
                 or self.config.heartbeat_agent_min_members == 0:
@@ -95,12 +103,20 @@ class Watchdog:
         # round's lists are the node's, kept from round to round (NodeRounds), and the
         # arguments shared tuples; only a round with a suspect makes a list of its own.
         args = _asks(members) if node.suspect else node.ask
+        since = None if node.suspect or mark is None else node.quiet_since
+        node.quiet_since = None  # until this round's reply says otherwise
         answers = await self.calls.heartbeats(node_id, node.names, node.handles, args,
-                                              timeout=self.config.heartbeat_interval_s)
+                                              timeout=self.config.heartbeat_interval_s, mark=mark, since=since)
+        if answers is QUIET:
+            # Every answer is the one of the reply marked ``since``, each of which was vouched
+            # for: the vouch answers for them all again.
+            node.vouch.at = now
+            node.quiet_since = mark
+            return
         if answers is None:
             await self._poll_each(members, now)
             return
-        for m, trigger, beat in self._judge_round(node, args, answers, now):
+        for m, trigger, beat in self._judge_round(node, args, answers, now, mark):
             # one member's bad answer is no verdict on the others (as a direct poll's, in its own task)
             try:
                 await self._fire(m, trigger, beat)
@@ -108,15 +124,17 @@ class Watchdog:
                 continue
 
     def _judge_round(self, node: NodeRound, args: Sequence[tuple[bool, bool]], answers: Sequence[Any],
-                     now: float) -> list[tuple[Member, str, Heartbeat | None]]:
+                     now: float, mark: int | None = None) -> list[tuple[Member, str, Heartbeat | None]]:
         """Each of ``node``'s answers judged, in one step of the loop (nothing in between moves a
         vouch); returns the events to fire. An answer the same as the member's last one in these
         rounds, not busy, in a round without a suspect, is not handed to its liveness: the node's
         :class:`~ftstate.core.liveness.Vouch` answers for it (:mod:`ftstate.core.liveness`), so a
         quiet round touches nothing of its members but their answers. Any other answer takes the
-        vouch back, after its liveness has read it."""
+        vouch back, after its liveness has read it. When every answer was vouched for, the reply
+        (``mark``) is the one the next round names to the agent (``NodeRound.quiet_since``)."""
         members, prev, vouched, vouch = node.members, node.prev, node.vouched, node.vouch
         same_counts = not node.suspect
+        all_vouched = same_counts
         fires: list[tuple[Member, str, Heartbeat | None]] = []
         for j, answer in enumerate(answers):
             if same_counts and type(answer) is dict and answer == prev[j] and answer.get("busy") is False:
@@ -124,6 +142,7 @@ class Watchdog:
                     members[j].liveness.vouch = vouch
                     vouched[j] = True
                 continue
+            all_vouched = False
             m = members[j]
             prev[j] = None
             try:
@@ -142,6 +161,7 @@ class Watchdog:
                     m.liveness.unvouch()
                     vouched[j] = False
         vouch.at = now
+        node.quiet_since = mark if all_vouched else None
         return fires
 
     async def _poll_each(self, members: Sequence[Member], now: float) -> None:
@@ -249,9 +269,11 @@ class NodeRound:
     the arguments when none of them is suspect (read-only: the backend is handed them),
     whether one of them was SUSPECT when the round was taken (``suspect``: it is asked to
     prove its weights), and what the rounds remember of the answers (``prev``, ``vouched``,
-    ``vouch``: :meth:`Watchdog._judge_round`)."""
+    ``vouch``: :meth:`Watchdog._judge_round`; ``quiet_since``: the mark of the agent's last
+    reply whose every answer was vouched for, None when the last was not such a one)."""
 
-    __slots__ = ("ask", "handles", "members", "names", "node_id", "prev", "suspect", "vouch", "vouched")
+    __slots__ = ("ask", "handles", "members", "names", "node_id", "prev", "quiet_since", "suspect", "vouch",
+                 "vouched")
 
     def __init__(self, node_id: str | None, members: list[Member]) -> None:
         self.node_id = node_id
@@ -265,6 +287,7 @@ class NodeRound:
         #: Whether the member's liveness holds this round's ``vouch``.
         self.vouched = [False] * len(members)
         self.vouch = Vouch()
+        self.quiet_since: int | None = None
 
 
 class NodeRounds:
@@ -274,7 +297,9 @@ class NodeRounds:
     member that joins, leaves, finishes starting or is located on a node is in the very round
     that first sees it, as if nothing were kept; while nothing changes, a round makes no new
     list that its calls in flight would keep alive. The same walk notes which nodes have a
-    suspect member (:attr:`NodeRound.suspect`).
+    suspect member (:attr:`NodeRound.suspect`). Given a membership whose ``roster`` has not moved
+    since the last walk (:attr:`~ftstate.controller.membership.Membership.roster`), nothing the
+    walk reads changed: the lists are handed back without it.
 
     ``polled``: the members the last rounds poll, in membership order; ``generation``: bumped
     each time the lists are built again (who is polled, or where, changed)."""
@@ -285,9 +310,15 @@ class NodeRounds:
         self._nodes: list[str | None] = []
         self._rounds: list[NodeRound] = []
         self._round_of: list[NodeRound] = []  # each polled member's round
+        self._roster: int | None = None  # the membership's roster at the last walk
 
     def of(self, members: Any) -> list[NodeRound]:
-        """The rounds for ``members`` (an iterable of :class:`Member`), by node."""
+        """The rounds for ``members`` (an iterable of :class:`Member`; a
+        :class:`~ftstate.controller.membership.Membership`'s roster spares the walk), by node."""
+        roster = getattr(members, "roster", None)
+        if roster is not None and roster == self._roster:
+            return self._rounds
+        self._roster = roster
         polled, nodes, round_of, i, n = self.polled, self._nodes, self._round_of, 0, len(self.polled)
         for r in self._rounds:
             r.suspect = False

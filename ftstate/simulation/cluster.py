@@ -28,7 +28,7 @@ import random
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
-from ftstate.controller.backend import ClusterBackend, Pool
+from ftstate.controller.backend import QUIET, QUIET_WIRE, ClusterBackend, Pool
 from ftstate.controller.placement import check_feasible, label_matches
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import ConfigError, FTError, PlacementUnsatisfiable
@@ -185,8 +185,9 @@ class SimulatedCluster(ClusterBackend):
         return agent
 
     async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
-                         timeout: float) -> list[Any]:
-        return await self._agent(node_id).answer("heartbeats", (handles, args, timeout), 2 * timeout)
+                         timeout: float, *, mark: int | None = None, since: int | None = None) -> Any:
+        reply = await self._agent(node_id).answer("heartbeats", (handles, args, timeout, mark, since), 2 * timeout)
+        return QUIET if reply == QUIET_WIRE else reply
 
     def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],
               args: Sequence[Sequence[Any]]) -> AsyncIterator[list[tuple[int, Any]]]:

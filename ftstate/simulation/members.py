@@ -31,7 +31,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ftstate.controller.backend import ActorDied, ActorUnreachable, CallTimedOut, RemoteError
+from ftstate.controller.backend import ActorDied, ActorUnreachable, AgentMemory, CallTimedOut, RemoteError
 from ftstate.core.errors import CommunicatorAborted, FTError, PeerLost, RendezvousTimeout, StaleGroupVersion
 
 
@@ -568,13 +568,17 @@ class SimulatedLivenessAgent(SimulatedMember):
     a light process on the node (up at once, lost with it) that asks the members there for their
     heartbeats and answers for all of them in one reply."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._memory = AgentMemory()
+
     def _on_heartbeats(self, fut: asyncio.Future[Any], handles: list[SimulatedMember], args: list[tuple[Any, ...]],
-                       timeout: float) -> None:
+                       timeout: float, mark: int | None = None, since: int | None = None) -> None:
         # One round trip of the controller's, the members' local calls inside it; a member
         # that does not answer (hung) holds the reply until its own call's timeout, as the
         # real agent's gather does. Each answer is what the member is at the reply's time.
         loop = self.cluster.loop
-        answers = (SimulatedLivenessAgent._answers, self, handles, args, timeout)
+        answers = (SimulatedLivenessAgent._answers, self, handles, args, timeout, mark, since)
         if any(h.alive and (h.hung or h.cut_off) for h in handles):
             self.cluster.timers.call_at(loop.time() + timeout, _settle, fut, answers)
         else:
@@ -583,9 +587,11 @@ class SimulatedLivenessAgent(SimulatedMember):
     def _on_ready(self, fut: asyncio.Future[Any]) -> None:
         self._reply(fut, True)
 
-    def _answers(self, handles: list[SimulatedMember], args: list[tuple[Any, ...]], timeout: float) -> list[Any]:
+    def _answers(self, handles: list[SimulatedMember], args: list[tuple[Any, ...]], timeout: float,
+                 mark: int | None, since: int | None) -> Any:
         now = self.cluster.loop.time()
-        return [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
+        answers = [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
+        return self._memory.reply(handles, answers, mark, since)
 
 
 class AgentBatch:

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from ftstate.controller.backend import QUIET
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.ray_backend import RayBackend
 from ftstate.core.errors import CommunicatorAborted, MemberLost, PeerLost, StaleGroupVersion, SyncTimeout
@@ -101,9 +102,17 @@ async def test_a_nodes_agent_answers_for_each_worker_there_as_its_own_call_would
         assert answers is not None
         assert [a["pid"] for a in answers] == pids and [a["prove"] for a in answers] == [False, True, False]
         assert "forged" in answers[0] and "forged" not in answers[2]
+        # The same answers again, naming the reply the agent keeps: QUIET alone; naming one it
+        # no longer keeps: the answers.
+        ask = [(False, True)] * 3
+        assert isinstance(await calls.heartbeats(node, names, handles, ask, timeout=5.0, mark=1), list)
+        assert await calls.heartbeats(node, names, handles, ask, timeout=5.0, mark=2, since=1) is QUIET
+        assert isinstance(await calls.heartbeats(node, names, handles, ask, timeout=5.0, mark=3, since=1), list)
+        assert await calls.heartbeats(node, names, handles, ask, timeout=5.0, mark=4, since=3) is QUIET
         os.kill(pids[0], signal.SIGKILL)
         await calls.call("rollout-1", handles[1], "hang")
-        dead, hung, alive = await calls.heartbeats(node, names, handles, [(False, True)] * 3, timeout=1.0)
+        # a death and a hang are not the same answers: never quiet
+        dead, hung, alive = await calls.heartbeats(node, names, handles, ask, timeout=1.0, mark=5, since=4)
         assert isinstance(dead, MemberLost) and died == ["rollout-0"]
         assert isinstance(hung, MemberLost) and "within 1s" in str(hung)
         assert alive["pid"] == pids[2]

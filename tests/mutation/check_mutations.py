@@ -300,6 +300,22 @@ MUTATIONS = (
         ("tests/unit/test_watchdog_rounds.py::"
          "test_a_suspect_whose_answer_was_not_asked_to_prove_its_weights_is_not_verified_by_it",),
     ),
+    Mutation(
+        "an agent quiet about a reply it no longer keeps",
+        "a node's agent answers QUIET only when the round names the very reply it keeps, for the same members",
+        (Edit("ftstate/controller/backend.py",
+              "quiet = since is not None and since == self.mark and handles == self.handles and answers == self.answers",
+              "quiet = since is not None and answers == self.answers"),),
+        ("tests/unit/test_watchdog_rounds.py::"
+         "test_an_agent_answers_quiet_only_to_the_reply_it_keeps_for_the_same_members_and_answers",),
+    ),
+    Mutation(
+        "the roster deaf to a suspect",
+        "a member suspected, lost or started moves the roster, so the watchdog's lists are walked again",
+        (Edit("ftstate/controller/membership.py",
+              "if src in _ROSTER_STATES or dest in _ROSTER_STATES:", "if False:"),),
+        ("tests/unit/test_watchdog_rounds.py::test_the_roster_moves_with_whom_the_watchdog_polls_and_nothing_else",),
+    ),
 )
 
 

@@ -503,9 +503,9 @@ class TestHeartbeatsPerNode:
             rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET)
             real = cluster.heartbeats
 
-            async def counted(node_id, handles, args, timeout):
+            async def counted(node_id, handles, args, timeout, **kw):
                 calls.append(node_id)
-                return await real(node_id, handles, args, timeout)
+                return await real(node_id, handles, args, timeout, **kw)
 
             cluster.heartbeats = counted
             await rt.start()
@@ -538,9 +538,9 @@ class TestHeartbeatsPerNode:
                                             overrides={"heartbeat_agent_min_members": least})
             real_agent, real_call = cluster.heartbeats, cluster.call
 
-            async def via_agent(node_id, handles, args, timeout):
+            async def via_agent(node_id, handles, args, timeout, **kw):
                 agent_calls.append(node_id)
-                return await real_agent(node_id, handles, args, timeout)
+                return await real_agent(node_id, handles, args, timeout, **kw)
 
             async def call(handle, method, args, timeout):
                 if method == "heartbeat":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from ftstate.controller.backend import QUIET, QUIET_WIRE, AgentMemory
 from ftstate.controller.vigil import Vigils
 from ftstate.controller.watchdog import NodeRounds
 
@@ -83,6 +84,79 @@ def test_the_walk_that_checks_the_lists_notes_which_nodes_have_a_suspect_without
     ms[2].machine.state = "LOST"
     rounds.of(ms)
     assert rounds.generation == generation + 1 and ms[2] not in rounds.polled
+
+
+class _Roster(list):
+    """A member list with a membership's ``roster``."""
+
+    roster = 0
+    walks = 0
+
+    def __iter__(self):
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_the_lists_are_handed_back_without_a_walk_while_the_roster_holds():
+    ms = _Roster(_Member(f"rollout-{i}", f"n{i % 2}") for i in range(4))
+    rounds = NodeRounds()
+    first = rounds.of(ms)
+    walks = ms.walks
+    ms[1].machine.state = "SUSPECT"  # unseen: the roster says nothing moved (a real one would)
+    assert rounds.of(ms) is first and ms.walks == walks and not any(r.suspect for r in first)
+    ms.roster += 1
+    assert [r.suspect for r in rounds.of(ms)] == [False, True] and ms.walks == walks + 1
+    ms.append(_Member("rollout-4", "n0"))
+    ms.roster += 1
+    assert "rollout-4" in everyone(rounds.of(ms))
+
+
+def test_the_roster_moves_with_whom_the_watchdog_polls_and_nothing_else():
+    """A real membership: a sync (every member through its transfer states) leaves the roster
+    alone; a member suspected, verified again, lost, a spare started and located move it."""
+    from ftstate.simulation import clock
+    from ftstate.simulation.scenario import Shape, simulated_runtime
+
+    async def main():
+        rt, cluster = simulated_runtime(Shape(rollouts=3, spares=1))
+        await rt.start()
+        try:
+            ms = rt._membership
+            await rt.sync()
+            before = ms.roster
+            await rt.sync()
+            await rt.sync()
+            assert ms.roster == before
+            m = ms.get("rollout-1")
+            await m.machine.fire("heartbeat_missed", reason="staged by the test")
+            assert ms.roster == before + 1
+            cluster.kill_member("rollout-2")
+            await rt.sync()  # the loss, and the spare promoted and another started
+            assert ms.roster > before + 1
+            located = ms.roster
+            ms.located(m, {"pid": 1, "node": "127.0.0.1", "node_id": m.node_id})
+            assert ms.roster == located + 1
+        finally:
+            await rt.close()
+
+    with asyncio.Runner(loop_factory=clock.VirtualTimeLoop) as runner:
+        runner.run(main())
+
+
+def test_an_agent_answers_quiet_only_to_the_reply_it_keeps_for_the_same_members_and_answers():
+    memory = AgentMemory()
+    a, b = object(), object()
+    beats = [{"progress": 3, "busy": False}, {"progress": 5, "busy": False}]
+    assert memory.reply([a, b], list(beats), mark=1, since=None) == beats  # nothing named: the answers
+    assert memory.reply([a, b], [dict(x) for x in beats], mark=2, since=1) == QUIET_WIRE
+    assert memory.reply([a, b], list(beats), mark=3, since=1) == beats  # 2 is kept: 1 is gone
+    assert memory.reply([a, b], list(beats), mark=4, since=3) == QUIET_WIRE
+    moved = [beats[0], {"progress": 6, "busy": False}]
+    assert memory.reply([a, b], moved, mark=5, since=4) == moved  # one answer changed
+    assert memory.reply([b, a], moved, mark=6, since=5) == moved  # other members (same answers)
+    assert memory.reply([b, a], moved, mark=None, since=6) == QUIET_WIRE  # unmarked: kept as it was
+    assert memory.reply([b, a], moved, mark=7, since=6) == QUIET_WIRE
+    assert memory.reply([b, a], moved, mark=8, since=None) == moved  # not asked: never quiet
 
 
 class _PendingCalls:
@@ -180,18 +254,32 @@ def test_after_a_long_quiet_stretch_a_hung_spare_is_lost_after_the_timeout_and_a
         # 1 trainer, 6 rollouts, a spare per role: 9 members on one node, asked through its agent
         rt, cluster = simulated_runtime(Shape(rollouts=6, spares=1), overrides={
             "heartbeat_interval_s": interval, "heartbeat_timeout_s": timeout})
+        replies: list[object] = []
+        real = cluster.heartbeats
+
+        async def recorded(*args, **kw):
+            replies.append(reply := await real(*args, **kw))
+            return reply
+
+        cluster.heartbeats = recorded
         await rt.start()
         try:
             await rt.sync()
             ms = rt._membership
+            replies.clear()
             await asyncio.sleep(40 * interval)  # quiet: same answers, round after round
+            # after the sync's answers, two full replies (judged, then all vouched for), then the
+            # agent answers QUIET alone
+            assert replies.count(QUIET) >= 36 and all(r is QUIET for r in replies[-30:]), replies[:4]
             [spare] = [m for m in ms.spares("rollout", "STANDBY")]
             assert spare.liveness.vouch is not None  # vouched for, not handed every answer
             loop = asyncio.get_running_loop()
             t_hang = loop.time() - rt.audit._t0
+            replies.clear()
             cluster.hang_member(spare.name)
             cluster.hang_member("rollout-2")
             await asyncio.sleep(timeout + 4 * interval)
+            assert replies and QUIET not in replies[:3]  # a silent member is not the same answer
             assert _entered(rt, "rollout-2", "SUSPECT", t_hang) - t_hang <= 2 * interval
             silent = _entered(rt, spare.name, "LOST", t_hang) - t_hang
             assert timeout - interval <= silent <= timeout + 2 * interval, silent
@@ -208,12 +296,12 @@ class _Backend:
     def __init__(self, answer) -> None:
         self.answer = answer
 
-    async def heartbeats(self, node_id, handles, args, timeout):
+    async def heartbeats(self, node_id, handles, args, timeout, *, mark=None, since=None):
         return self.answer
 
 
 def test_an_agent_that_does_not_answer_for_each_member_has_them_asked_directly():
-    from ftstate.controller.backend import ActorDied
+    from ftstate.controller.backend import QUIET, ActorDied
     from ftstate.controller.calls import ActorCalls
     from ftstate.core.errors import MemberLost
 
@@ -222,12 +310,14 @@ def test_an_agent_that_does_not_answer_for_each_member_has_them_asked_directly()
         died = []
         beat = {"progress": 0, "busy": False, "weights_version": 1, "checksum": "x", "pid": 1}
 
-        async def ask(answer):
+        async def ask(answer, since=None):
             return await ActorCalls(lambda m, why: died.append(m), _Backend(answer)).heartbeats(
-                "n0", names, handles, args, 1.0)
+                "n0", names, handles, args, 1.0, mark=2, since=since)
 
         assert await ask([beat]) is None  # one answer for two members: a bug, no verdict from it
         assert await ask("not a list") is None
+        assert await ask(QUIET) is None  # "the same as the reply you named", when none was named
+        assert await ask(QUIET, since=1) is QUIET
         out = await ask([beat, ActorDied("SIGKILL")])
         assert out[0] is beat and isinstance(out[1], MemberLost) and died == ["b"]
 
