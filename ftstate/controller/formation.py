@@ -7,7 +7,9 @@ message, a superseded rendezvous) is rejected and its waiters are released at on
 
 The first version of a run is formed by the runtime inside the group's RENDEZVOUS deadline
 (``init_timeout_s``); later versions (after a loss, a promotion, a shrink, an abandoned
-transfer) by :meth:`GroupFormation.reform`, inside whatever state's deadline its caller holds.
+transfer) by :meth:`GroupFormation.reform`, inside whatever state's deadline its caller holds;
+its joins go one call a node through the node's agent, as a sync's calls do
+(:meth:`~ftstate.controller.calls.ActorCalls.fan_out`).
 
 A version is *formed* only when every member's join of it returned. The one thing that must
 not happen is a transfer under a version that was not formed: its members left the previous
@@ -23,7 +25,6 @@ runs a transfer under a version that was abandoned or never completed.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from ftstate.controller.calls import ActorCalls
@@ -126,23 +127,28 @@ class GroupFormation:
         for rank, m in enumerate(members):
             m.set_rank(rank)
             m.machine.group_version = version
-        joins = [asyncio.ensure_future(self.join(m, version, len(members))) for m in members]
-        try:
-            done, _ = await asyncio.wait(joins, return_when=asyncio.FIRST_EXCEPTION)
-            if any(t.exception() is not None for t in done):
-                # A join failed: the version is not formed, whatever the others saw (the failed
-                # member may have registered before its call failed). Supersede it, so nobody
-                # uses it and the members waiting in it for a missing rank are released now.
-                self.store.fence(GROUP, version + 1)
-            results = await asyncio.gather(*joins, return_exceptions=True)
-        except asyncio.CancelledError:  # the caller's state deadline: the joins go with it
-            for t in joins:
-                t.cancel()
-            raise
+        address, n = self.store.address, len(members)
+        failed: list[str] = []  # in the order their joins failed
+
+        def ended(i: int, outcome: Any) -> None:
+            if isinstance(outcome, BaseException):
+                if not failed:
+                    # A join failed: the version is not formed, whatever the others saw (the
+                    # failed member may have registered before its call failed). Supersede it, so
+                    # nobody uses it and the members waiting in it for a missing rank are released now.
+                    self.store.fence(GROUP, version + 1)
+                failed.append(members[i].name)
+
+        # One call a node through its agent (ActorCalls.fan_out), as a sync's: a reform after a
+        # trainer rank's loss has every member join, 10,000 calls in flight at once otherwise.
+        # Cancelled with the caller's state deadline, the joins go with it.
+        results = await self.calls.fan_out(
+            members, ["join"] * n,
+            [(address.host, address.port, GROUP, version, m.rank, n, self.config.init_timeout_s) for m in members],
+            ended)
         failures = {m.name: r for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)}
         if failures:
-            order = [m.name for m, t in zip(members, joins, strict=True) if t in done and t.exception() is not None]
-            failures = root_cause(failures, order)
+            failures = root_cause(failures, failed)
             self.audit.record("group_form_failed", machine="group", member="group", group_version=version,
                               weights_version=group.weights_version, members=[m.name for m in members],
                               failed={n: f"{type(e).__name__}: {e}" for n, e in failures.items()})

@@ -91,10 +91,7 @@ class WorkerHost:
             self.user = user_cls(*args, **dict(kwargs))
         except Exception as exc:  # noqa: BLE001 - the user's constructor: reported, not fatal to the process
             self.user = None
-            where, frames = user_frames(exc)
-            self._init_error = WorkerInitError(
-                member=member, role=role, cls=getattr(user_cls, "__name__", repr(user_cls)),
-                exc_type=type(exc).__name__, message=bounded(clean(str(exc))), where=where, traceback=frames)
+            self._init_error = _init_error(member, role, user_cls, exc)
         self.progress = 0
         self.busy = False
         self.weights_version = 0
@@ -124,6 +121,11 @@ class WorkerHost:
         # trainer ranks: user calls since the last commit (see calls_since_commit)
         self._calls_started = 0
         self._calls_done = 0
+        if self._init_error is None:
+            try:  # an activity() of the wrong shape is the class's: said at its start, not at a heartbeat
+                self._user_activity()
+            except Exception as exc:  # noqa: BLE001 - reported as the constructor's would be
+                self._init_error = _init_error(member, role, user_cls, exc)
 
     # -- identity and liveness ----------------------------------------------------------
 
@@ -155,9 +157,13 @@ class WorkerHost:
                 self._held_mismatch = self._held_mismatch or checksum != self._received
         from ftstate.transport import auth
 
+        busy, progress = self.busy, self.progress
+        user = self._user_activity()
+        if user is not None:  # the user's own work (a generation) moving, or not
+            busy, progress = busy or user[0], progress + user[1]
         return {
-            "progress": self.progress,
-            "busy": self.busy,
+            "progress": progress,
+            "busy": busy,
             "weights_version": self.weights_version,
             "checksum": checksum,
             "pid": os.getpid(),
@@ -166,6 +172,21 @@ class WorkerHost:
             # answer of plain values is not tracked by the controller's collector)
             **({"forged": dropped} if forged and (dropped := auth.drain_forged()) else {}),
         }
+
+    def _user_activity(self) -> tuple[bool, int] | None:
+        """The user worker's :meth:`~ftstate.core.worker.Worker.activity`, checked: anything but
+        None or ``(bool, int)`` is a :class:`~ftstate.core.errors.FTError` naming the method."""
+        activity = getattr(self.user, "activity", None)
+        if activity is None or self._init_error is not None:
+            return None
+        value = activity()
+        if value is None:
+            return None
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], bool)
+                and isinstance(value[1], int) and not isinstance(value[1], bool)):
+            raise FTError(f"{self.member}: {type(self.user).__name__}.activity() returned {bounded(repr(value), 200)}; "
+                          f"expected None or (busy: bool, progress: int)")
+        return value
 
     async def vigil(self) -> None:
         """Never returns while this process lives: the controller keeps this call pending so
@@ -930,6 +951,14 @@ def user_frames(exc: BaseException) -> tuple[str, str]:
     own = [f for f in outside if f"{os.sep}site-packages{os.sep}" not in f.filename] or outside
     where = f"{own[-1].filename}:{own[-1].lineno} in {own[-1].name}" if own else ""
     return where, bounded(clean("".join(traceback.format_list(outside[-20:]))), 8000)
+
+
+def _init_error(member: str, role: str, user_cls: Any, exc: BaseException) -> WorkerInitError:
+    """The :class:`~ftstate.core.errors.WorkerInitError` of a user class that could not start."""
+    where, frames = user_frames(exc)
+    return WorkerInitError(member=member, role=role, cls=getattr(user_cls, "__name__", repr(user_cls)),
+                           exc_type=type(exc).__name__, message=bounded(clean(str(exc))), where=where,
+                           traceback=frames)
 
 
 def mark_user_error(exc: BaseException, method: str) -> None:

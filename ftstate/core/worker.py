@@ -26,6 +26,17 @@ class Worker:
 
     role: ClassVar[str] = ""
 
+    def activity(self) -> tuple[bool, int] | None:
+        """What this worker's own work is doing, for the heartbeats: ``(busy, progress)``, busy
+        while a call that must keep moving is under way (a generation), progress a counter it
+        moves as that call moves (an engine step). A worker busy that way whose counter stands
+        still for the watchdog's stall bound (half ``heartbeat_timeout_s``) is suspected like
+        one stuck in a transfer: a generation wedged in a kernel that released the GIL, while
+        the actor still answers, is then declared lost and replaced. None (the default): only
+        ftstate's own work counts. Called on the actor's event loop while a user call runs in a
+        thread: return at once (no lock, no device work)."""
+        return None
+
 
 class TrainerWorker(Worker):
     """The trainer: the source of the weights.

@@ -19,7 +19,13 @@ import ftstate
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import FailoverBudgetExhausted, HeldWeightsMismatch, LossyRecoveryRefused, MemberLost
 from tests.integration.test_runtime import assert_gone, wait_until
-from tests.integration.workers import BadNewcomerRollout, LossyTrainer, TinyRollout, TinyTrainer
+from tests.integration.workers import (
+    BadNewcomerRollout,
+    LossyTrainer,
+    SteppingRollout,
+    TinyRollout,
+    TinyTrainer,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -550,3 +556,41 @@ class TestTrainerFailover:
                 await rt.trainer("train_step")
         finally:
             await rt.close()
+
+
+async def test_a_generation_wedged_while_its_actor_answers_is_lost_and_replaced_and_a_long_one_is_not(ray_cluster, tmp_path):
+    """A rollout whose ``activity()`` reports its generation's steps: one that keeps stepping for
+    longer than the heartbeat timeout is left alone; one whose steps stop (a kernel stuck with the
+    GIL released: the actor answers every heartbeat) is suspected after half the timeout, LOST at
+    its SUSPECT deadline, killed and replaced by a spare holding the trainer's weights, and the
+    call that waited on it fails instead of waiting for ever."""
+    cfg = config(tmp_path, mode="standby", standby_workers=1)
+    rt = ftstate.Runtime(cfg, trainer=TinyTrainer, rollout=SteppingRollout)
+    await rt.start()
+    try:
+        await spares_warm(rt, 2)
+        await rt.sync()
+        long_s = 2 * cfg.heartbeat_timeout_s
+        await rt.rollout("generate", "steady", int(long_s / 0.05), 0.05)  # moving all along: nobody suspected
+        assert all(m.state in ("READY", "STANDBY") for m in rt.members()), rt.members()
+        assert not rt.failovers
+
+        wedged = rt.serving_rollouts()[0]
+        await rt.handle(wedged).call.remote("wedge_next_generate", (), {})
+        t0 = time.monotonic()
+        stuck = asyncio.ensure_future(rt.handle(wedged).call.remote("generate", ("stuck",), {}))
+        await wait_until(lambda: any(m.member == wedged and m.state == "SUSPECT" for m in rt.members()), 10,
+                         f"{wedged} suspected")
+        suspected_s = time.monotonic() - t0
+        await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the failover")
+        lost_s = time.monotonic() - t0
+        assert cfg.heartbeat_timeout_s / 2 - cfg.heartbeat_interval_s <= suspected_s, suspected_s
+        assert lost_s < 1.5 * cfg.heartbeat_timeout_s + 4 * cfg.heartbeat_interval_s + 2.0, lost_s
+        with pytest.raises(Exception):  # noqa: B017 - its actor was killed: Ray's death, whatever its class
+            await asyncio.wait_for(stuck, 30)
+        (record,) = rt.failovers
+        assert record.lost == wedged and record.resynced
+        await assert_consistent(rt)
+    finally:
+        await rt.close()
+    assert check_trail(tmp_path / "audit.jsonl") == []

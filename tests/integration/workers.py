@@ -163,6 +163,34 @@ class TinyRollout(RolloutWorker):
         return os.getpid()
 
 
+class SteppingRollout(TinyRollout):
+    """Generates step by step and says so (:meth:`activity`): busy while ``generate`` runs, its
+    steps as progress. ``wedge_next_generate()``: the next generate stops stepping (sleeps with
+    the GIL released, as a kernel stuck on a device would) while the actor answers."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._generating = False
+        self._steps = 0
+        self._wedged = False
+
+    def activity(self):
+        return self._generating, self._steps
+
+    def wedge_next_generate(self) -> None:
+        self._wedged = True
+
+    def generate(self, prompt: str, steps: int = 20, step_s: float = 0.05) -> tuple[str, int]:
+        self._generating = True
+        try:
+            for _ in range(steps):
+                time.sleep(3600 if self._wedged else step_s)
+                self._steps += 1
+        finally:
+            self._generating = False
+        return (prompt, self.version)
+
+
 class ResidentRollout(TinyRollout):
     """Loads like an inference engine: its parameters exist (and are resident) from its
     construction, and ``load_weights`` copies into them (``big_floats``: the size of the

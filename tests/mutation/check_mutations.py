@@ -316,6 +316,12 @@ MUTATIONS = (
               "if src in _ROSTER_STATES or dest in _ROSTER_STATES:", "if False:"),),
         ("tests/unit/test_watchdog_rounds.py::test_the_roster_moves_with_whom_the_watchdog_polls_and_nothing_else",),
     ),
+    Mutation(
+        "a worker's own work unseen",
+        "a worker busy in its own work (a generation) whose steps stand still is suspected like a stalled transfer",
+        (Edit("ftstate/controller/host.py", "        if user is not None:  # the user's own work", "        if False:  # the user's own work"),),
+        ("tests/unit/test_activity.py",),
+    ),
 )
 
 

@@ -41,6 +41,23 @@ class Joins:
         self.joined.append((member, version, rank, world))
         return {"group_version": version, "rank": rank}
 
+    async def fan_out(self, targets, methods, args, on_end=None):
+        """ActorCalls.fan_out's contract: every call at once, each outcome (result or error) in
+        order, ``on_end(i, outcome)`` as each ends."""
+        out = [None] * len(targets)
+
+        async def one(i):
+            try:
+                outcome = await self.call(targets[i].name, targets[i].handle, methods[i], *args[i])
+            except Exception as exc:  # noqa: BLE001 - the member's own outcome, handed back
+                outcome = exc
+            out[i] = outcome
+            if on_end is not None:
+                on_end(i, outcome)
+
+        await asyncio.gather(*(one(i) for i in range(len(targets))))
+        return out
+
 
 def build(names_roles: list[tuple[str, str, int]], calls: Joins, **cfg):
     config = RuntimeConfig.from_dict(cfg, environ={})

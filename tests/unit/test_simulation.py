@@ -685,6 +685,44 @@ class TestSyncCallsPerNode:
         assert agent[2].rollouts == direct[2].rollouts and agent[2].weights_version == direct[2].weights_version
 
 
+    @pytest.mark.parametrize("victim", ["rollout-1", "trainer-0"])
+    def test_a_reform_joins_a_nodes_members_in_one_call_and_records_the_same_as_direct_calls(self, victim):
+        """After a loss every member joins the next group version: through its node's agent,
+        one call a node, with every transition at the same virtual time as by direct calls."""
+        def once(least: int):
+            joins: list[tuple[str, int]] = []
+
+            async def main():
+                rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET,
+                                                overrides={"heartbeat_agent_min_members": least})
+                real = cluster.calls
+
+                def counted(node_id, handles, methods, args):
+                    if "join" in methods:
+                        joins.append((node_id, len(handles)))
+                    return real(node_id, handles, methods, args)
+
+                cluster.calls = counted
+                await rt.start()
+                await rt.sync()
+                cluster.kill_member(victim)
+                while not rt.failovers or rt.state != "READY":
+                    await asyncio.sleep(0.01)
+                await rt.sync()
+                await rt.close()
+                return rt
+
+            rt = run(main())
+            return [(r.get("member"), r["from"], r["to"], r["trigger"], r["ts"]) for r in rt.audit.records
+                    if r["event"] == "transition"], joins, rt
+
+        (direct, no_agent, _), (agent, joins, rt) = once(0), once(4)
+        assert no_agent == [] and joins and all(n >= 4 for _, n in joins)
+        assert len(joins) == len(set(joins))  # one call a node and version
+        assert agent == direct
+        assert rt.failovers[0].lost == victim and rt.failovers[0].resynced
+
+
 class TestTimerQueue:
     """The simulation's own timers: in time order (first come first for equal times), only the
     earliest holding a loop timer, one made while the queue runs waiting for the loop's next

@@ -28,6 +28,7 @@ class ProbedRollout(VLLMRollout):
         super().__init__(*args, **kwargs)
         self._tamper_next = False
         self._kill_after: int | None = None
+        self._load_s = 0.0
 
     def tamper_now(self, layer: str = "model.layers.0.mlp.down_proj") -> None:
         """Change one weight of ``layer`` inside the engine, behind ftstate's back: the layer's
@@ -56,7 +57,9 @@ class ProbedRollout(VLLMRollout):
         self._kill_after = after
 
     def load_weights(self, state, version: int) -> None:
+        t0 = time.perf_counter()
         super().load_weights(state, version)
+        self._load_s = time.perf_counter() - t0
         if self._tamper_next:
             self._tamper_next = False
             self.tamper_now()
@@ -75,6 +78,16 @@ class ProbedRollout(VLLMRollout):
 
         return killing()
 
+    def wedge_next_step(self) -> None:
+        """The engine's next step never returns: it sleeps with the GIL released, as a kernel
+        stuck on the device would, while the actor goes on answering its heartbeats."""
+        self._wedged = True
+
+    def _engine_step(self):
+        if getattr(self, "_wedged", False):
+            time.sleep(3600)
+        return super()._engine_step()
+
     def native_reload(self, reps: int = 3) -> list[float]:
         """Seconds of each of ``reps`` reloads by vLLM alone, from tensors already in this
         process (what the engine holds, read back first): ``reload_weights`` with the same
@@ -91,6 +104,10 @@ class ProbedRollout(VLLMRollout):
                 self.llm.reset_prefix_cache()
                 times.append(time.perf_counter() - t0)
         return times
+
+    def last_load_seconds(self) -> float:
+        """Seconds of this engine's last ``load_weights`` (vLLM's reload and the prefix cache reset)."""
+        return self._load_s
 
     def held_read_seconds(self) -> float:
         """Seconds of one read-back of what the engine holds (the proof's read, without its hash)."""

@@ -1,7 +1,8 @@
 """A vLLM engine dies or wedges with its actor: detected, replaced, and nothing left behind.
 
 The engine runs in the actor's process (the only mode VLLMRollout accepts), so a SIGKILL or a
-SIGSTOP of the actor is one of the engine too. After each fault: the controller replaces the
+SIGSTOP of the actor is one of the engine too; an engine wedged in a kernel while the actor
+answers is seen by its steps standing still. After each fault: the controller replaces the
 member within its bounds, every serving engine holds the trainer's weights by the checksum of
 what its kernels compute with, no process the engine started outlives it, and /dev/shm holds
 no new segment.
@@ -9,6 +10,7 @@ no new segment.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -125,6 +127,28 @@ async def test_engines_killed_mid_update_and_stopped_are_replaced_by_prewarmed_e
         await wait_until(lambda: len(rt.failovers) == 2 and rt.state == "READY", 60, "the second failover")
         await assert_engines_hold_the_trainers_weights(rt)
         assert rt.failovers[1].replacement.startswith("spare-rollout")
+
+        # An engine wedged in a kernel while its actor answers every heartbeat (its generate's
+        # next step sleeps with the GIL released): busy, its steps standing still, it is suspected
+        # after half the timeout, LOST at its SUSPECT deadline, killed and replaced; the generate
+        # that waited on it fails instead of waiting for ever.
+        await wait_until(lambda: any(m.state == "STANDBY" and m.role == "rollout" for m in rt.members()), 120,
+                         "the third warm rollout spare")
+        wedged = rt.serving_rollouts()[0]
+        await user_call(rt, wedged, "wedge_next_step")
+        t0 = time.monotonic()
+        stuck = asyncio.ensure_future(user_call(rt, wedged, "generate", PROMPTS, 8))
+        await wait_until(lambda: state_of(rt, wedged) == "SUSPECT", 30, f"{wedged} suspected")
+        suspected_s = time.monotonic() - t0
+        await wait_until(lambda: state_of(rt, wedged) in ("LOST", "RETIRED"), 30, f"{wedged} lost")
+        lost_s = time.monotonic() - t0
+        assert cfg.heartbeat_timeout_s / 2 - cfg.heartbeat_interval_s <= suspected_s, suspected_s
+        assert lost_s < 1.5 * cfg.heartbeat_timeout_s + 3 * cfg.heartbeat_interval_s + 1.5, lost_s
+        with pytest.raises(Exception):  # noqa: B017 - its actor was killed: Ray's death, whatever its class
+            await asyncio.wait_for(stuck, 30)
+        await wait_until(lambda: len(rt.failovers) == 3 and rt.state == "READY", 60, "the third failover")
+        await assert_engines_hold_the_trainers_weights(rt)
+        assert rt.failovers[2].lost == wedged and rt.failovers[2].replacement.startswith("spare-rollout")
     finally:
         if stopped:
             with contextlib.suppress(ProcessLookupError):

@@ -23,6 +23,13 @@ What the class guarantees, and why:
 * **The proof reads the kernels.** ``held_weights()`` returns what the engine computes with,
   under the trainer's names (:mod:`ftstate.integrations.vllm.held`), so ftstate's held-bytes
   check compares the engine, not the tensors it was handed.
+* **A wedged engine is seen.** While a ``generate`` runs, :meth:`activity` reports the worker
+  busy and the engine's steps as its progress (each ``llm_engine.step()`` of vLLM's own loop is
+  counted), so an engine stuck inside a kernel that released the GIL, whose actor still answers
+  every heartbeat, stands still where the watchdog looks: it is suspected after half
+  ``heartbeat_timeout_s`` without a step, declared lost at its SUSPECT deadline, killed with its
+  actor and replaced. A single step longer than that bound (a prefill of minutes) would be
+  taken for a wedge: the bound is the setting to raise.
 * **One process, in-process engine only.** vLLM's multiprocess engine runs its core and
   workers in processes of their own: SIGKILL the actor and they stay orphaned for minutes with
   their ``/dev/shm`` segments, and a dead core leaves ``generate()`` neither returning nor
@@ -86,6 +93,13 @@ class VLLMRollout(RolloutWorker):
         self.model_path = model
         self.llm = LLM(model=model, dtype=dtype, load_format=load_format, seed=seed, **kwargs)
         self._lock = threading.Lock()
+        self._generating = False
+        self._steps = 0  # the engine's steps taken (read by activity(), on another thread)
+        # vLLM's offline loop calls ``self.llm_engine.step()`` by attribute each time: counting it
+        # on the instance sees every step without touching vLLM's classes.
+        engine = self.llm.llm_engine
+        self._step = engine.step
+        engine.step = self._engine_step
         self._slots: dict[str, held.Slot] = self._on_model(held.layout)
         self._names: list[str] | None = None  # what the last complete load named
         self._torn: EngineTorn | None = None
@@ -136,10 +150,19 @@ class VLLMRollout(RolloutWorker):
         with self._lock:
             if self._torn is not None:
                 raise self._torn
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            self._generating = True
+            self._steps += 1  # its start moves too: a batch's admission is not a wedge
+            try:
+                outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            finally:
+                self._generating = False
             version = self.weights_version
         return [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text, "weights_version": version}
                 for o in outputs]
+
+    def activity(self) -> tuple[bool, int]:
+        """(a ``generate`` under way, the engine steps taken so far): see the module docstring."""
+        return self._generating, self._steps
 
     def held_checksum(self) -> str | None:
         """The checksum of :meth:`held_weights` (ftstate's whole-state checksum, the one the
@@ -159,6 +182,12 @@ class VLLMRollout(RolloutWorker):
         (so each fused group arrives together). A subclass may wrap it (e.g. to watch a load)."""
         order = {name: i for i, name in enumerate(self._slots)}
         return iter(sorted(state.items(), key=lambda kv: order[kv[0]]))
+
+    def _engine_step(self) -> Any:
+        """One step of the engine (vLLM's ``LLMEngine.step``), counted once it returns."""
+        out = self._step()
+        self._steps += 1
+        return out
 
     def _on_model(self, fn: Any, *args: Any) -> Any:
         """``fn(model, *args)`` in the engine's worker (this process: the engine is in-process)."""
