@@ -206,9 +206,9 @@ MUTATIONS = (
               '"heartbeat", prove, True,\n'
               "                                        timeout=self.config.heartbeat_timeout_s)"),
          Edit("ftstate/controller/watchdog.py", "args,\n"
-              "                                              timeout=self.config.heartbeat_interval_s)",
+              "                                              timeout=self.config.heartbeat_interval_s, mark=",
               "args,\n"
-              "                                              timeout=self.config.heartbeat_timeout_s)")),
+              "                                              timeout=self.config.heartbeat_timeout_s, mark=")),
         ("tests/integration/test_failover.py::TestRolloutFailover::"
          "test_a_hung_rollout_is_declared_lost_within_the_heartbeat_timeout_plus_an_interval",),
     ),
