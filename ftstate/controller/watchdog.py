@@ -88,7 +88,7 @@ class Watchdog:
         finally:
             await self.vigils.close()
 
-    async def poll_node(self, node: NodeRound, now: float, mark: int | None = None) -> None:
+    async def poll_node(self, node: NodeRound, now: float, mark: int) -> None:
         """One heartbeat of each of ``node.members`` (all on ``node.node_id``) in one call of the
         node's agent (``mark``: the round's number), and the events they imply; members of a node
         the agent could not answer for (and those of a node with fewer than
@@ -103,7 +103,7 @@ class Watchdog:
         # round's lists are the node's, kept from round to round (NodeRounds), and the
         # arguments shared tuples; only a round with a suspect makes a list of its own.
         args = _asks(members) if node.suspect else node.ask
-        since = None if node.suspect or mark is None else node.quiet_since
+        since = None if node.suspect else node.quiet_since
         node.quiet_since = None  # until this round's reply says otherwise
         answers = await self.calls.heartbeats(node_id, node.names, node.handles, args,
                                               timeout=self.config.heartbeat_interval_s, mark=mark, since=since)
@@ -124,7 +124,7 @@ class Watchdog:
                 continue
 
     def _judge_round(self, node: NodeRound, args: Sequence[tuple[bool, bool]], answers: Sequence[Any],
-                     now: float, mark: int | None = None) -> list[tuple[Member, str, Heartbeat | None]]:
+                     now: float, mark: int) -> list[tuple[Member, str, Heartbeat | None]]:
         """Each of ``node``'s answers judged, in one step of the loop (nothing in between moves a
         vouch); returns the events to fire. An answer the same as the member's last one in these
         rounds, not busy, in a round without a suspect, is not handed to its liveness: the node's

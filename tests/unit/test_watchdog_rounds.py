@@ -86,17 +86,6 @@ def test_the_walk_that_checks_the_lists_notes_which_nodes_have_a_suspect_without
     assert rounds.generation == generation + 1 and ms[2] not in rounds.polled
 
 
-class _Roster(list):
-    """A member list with a membership's ``roster``."""
-
-    roster = 0
-    walks = 0
-
-    def __iter__(self):
-        self.walks += 1
-        return super().__iter__()
-
-
 def test_the_lists_are_handed_back_without_a_walk_while_the_roster_holds():
     ms = _Roster(_Member(f"rollout-{i}", f"n{i % 2}") for i in range(4))
     rounds = NodeRounds()
@@ -178,6 +167,12 @@ class _Walked(list):
     def __iter__(self):
         self.walks += 1
         return super().__iter__()
+
+
+class _Roster(_Walked):
+    """A counted member list with a membership's ``roster``."""
+
+    roster = 0
 
 
 def test_vigils_walk_nobody_while_the_generation_holds_and_none_ended_and_renew_one_that_ended():
