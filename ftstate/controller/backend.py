@@ -42,6 +42,7 @@ is what the launcher takes worker slots from; its interface is :class:`Pool`.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -210,6 +211,14 @@ class ClusterBackend(abc.ABC):
         and every answer now is equal to the one there, it replies :data:`QUIET` instead of
         the list (and keeps it under ``mark``). The agent's answers come from the members
         either way: only what travels back, and what the caller reads, is less."""
+
+    def heartbeats_future(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+                          timeout: float, *, mark: int | None = None, since: int | None = None) -> asyncio.Future[Any]:
+        """:meth:`heartbeats`, started now, as a future of its outcome: what a watchdog round
+        waits on for every node at once, with a callback each, not a task each. This default
+        runs :meth:`heartbeats` in a task; a backend whose agent's reply already is a future
+        (the simulation's) hands that back, settled as :meth:`heartbeats` would return or raise."""
+        return asyncio.ensure_future(self.heartbeats(node_id, handles, args, timeout, mark=mark, since=since))
 
     @abc.abstractmethod
     def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],

@@ -99,9 +99,32 @@ class ActorCalls:
         there is unreachable for now (the watchdog judges from repeated evidence, as for a
         direct call). None when the agent could not answer otherwise (gone, starting, a bug):
         ask each member directly. :data:`~ftstate.controller.backend.QUIET` (only when ``since``
-        was given): every answer equal to that of the reply marked ``since``."""
+        was given): every answer equal to that of the reply marked ``since``.
+
+        The two halves, for a caller that waits on many nodes without a task each (the
+        watchdog's round): :meth:`ask_heartbeats`, then :meth:`heartbeat_answers` of its reply."""
+        reply = self.ask_heartbeats(node_id, handles, args, timeout, mark=mark, since=since)
+        with contextlib.suppress(Exception):  # the reply's error is read by heartbeat_answers
+            await reply
+        return await self.heartbeat_answers(members, args, timeout, since, reply)
+
+    def ask_heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[tuple[Any, ...]],
+                       timeout: float, *, mark: int | None = None, since: int | None = None) -> asyncio.Future[Any]:
+        """:meth:`heartbeats`' call of the agent, started: the future of the agent's reply
+        (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats_future`), failed with the
+        backend's error if it could not even be asked."""
         try:
-            outcomes: Any = await self._backend.heartbeats(node_id, handles, args, timeout, mark=mark, since=since)
+            return self._backend.heartbeats_future(node_id, handles, args, timeout, mark=mark, since=since)
+        except Exception as exc:  # noqa: BLE001 - the call's outcome: heartbeat_answers reads it
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
+
+    async def heartbeat_answers(self, members: Sequence[str], args: Sequence[tuple[Any, ...]], timeout: float,
+                                since: int | None, reply: asyncio.Future[Any]) -> Any:
+        """What :meth:`heartbeats` returns for ``reply``, the done future of :meth:`ask_heartbeats`."""
+        try:
+            outcomes: Any = reply.result()
         except ActorUnreachable as exc:
             outcomes = [exc] * len(members)
         except (ActorDied, RemoteError, CallTimedOut):

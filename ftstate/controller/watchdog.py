@@ -28,6 +28,7 @@ interval: by then the SUSPECT state's own deadline has declared a silent one LOS
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,9 +60,15 @@ class Watchdog:
         self.membership = membership
         self.calls = calls
         self.vigils = Vigils(calls)
-        self._rounds = NodeRounds()
+        self._rounds = NodeRounds(self._replied)
         #: The number of the round under way: its calls' ``mark`` (:meth:`ActorCalls.heartbeats`).
         self._mark = 0
+        # The round under way (:meth:`_round`): its time, the replies not come yet, the future
+        # set when all came, and the tasks judging the replies with news.
+        self._now = 0.0
+        self._unanswered = 0
+        self._all_replied: asyncio.Future[None] | None = None
+        self._judging: list[asyncio.Future[Any]] = []
 
     async def run(self) -> None:
         """Poll forever (the runtime cancels it at close)."""
@@ -77,46 +84,85 @@ class Watchdog:
             self.vigils.keep(rounds.polled, rounds.generation)
             while True:
                 await asyncio.sleep(interval)
-                now = loop.time()
                 self._mark += 1
-                mark = self._mark
                 nodes = rounds.of(self.membership)
                 self.vigils.keep(rounds.polled, rounds.generation)
                 async with CollectorPause(self.config.gc_pause_s):
-                    await asyncio.gather(*(self.poll_node(node, now, mark) for node in nodes), return_exceptions=True)
+                    await self._round(nodes, loop.time(), self._mark)
                 record_controller_forged(self.membership)
         finally:
             await self.vigils.close()
 
-    async def poll_node(self, node: NodeRound, now: float, mark: int) -> None:
-        """One heartbeat of each of ``node.members`` (all on ``node.node_id``) in one call of the
-        node's agent (``mark``: the round's number), and the events they imply; members of a node
-        the agent could not answer for (and those of a node with fewer than
-        ``heartbeat_agent_min_members``, or whose node is unknown) are polled directly."""
-        node_id, members = node.node_id, node.members
-        if node_id is None or len(members) < max(self.config.heartbeat_agent_min_members, 2) \
-                or self.config.heartbeat_agent_min_members == 0:
-            await self._poll_each(members, now)
-            return
-        # What stays alive while the node's answer is awaited is scanned by the collector at
-        # every collection meanwhile (for 10,000 members, ~1,250 calls in flight at once): the
-        # round's lists are the node's, kept from round to round (NodeRounds), and the
-        # arguments shared tuples; only a round with a suspect makes a list of its own.
-        args = _asks(members) if node.suspect else node.ask
-        since = None if node.suspect else node.quiet_since
-        node.quiet_since = None  # until this round's reply says otherwise
-        answers = await self.calls.heartbeats(node_id, node.names, node.handles, args,
-                                              timeout=self.config.heartbeat_interval_s, mark=mark, since=since)
-        if answers is QUIET:
+    async def _round(self, nodes: Sequence[NodeRound], now: float, mark: int) -> None:
+        """One heartbeat round of ``nodes`` at ``now`` (``mark``: its number): each node's
+        members asked in one call of its agent, or directly (those of a node with fewer than
+        ``heartbeat_agent_min_members``, or whose node is unknown), and the events their
+        answers imply.
+
+        A node's reply is waited on as the backend's future, with a callback, not in a task of
+        its own: a :data:`QUIET` reply (nothing changed on the node) is judged in the callback,
+        and only a node with news gets a task (:meth:`_judge_reply`), started as its reply comes.
+        At 10,000 members a quiet round is then 1,250 futures and callbacks, where a task, its
+        coroutines and their frames a node were most of the round's cost. The round ends when
+        every reply came (each bounded by the backend: two intervals) and what they started ended."""
+        self._now, self._judging = now, []
+        direct: list[asyncio.Future[Any]] = []
+        asked: list[asyncio.Future[Any]] = []
+        least = max(self.config.heartbeat_agent_min_members, 2)
+        for node in nodes:
+            if node.node_id is None or len(node.members) < least or self.config.heartbeat_agent_min_members == 0:
+                direct.append(asyncio.ensure_future(self._poll_each(node.members, now)))
+                continue
+            # What stays alive while the node's answer is awaited is scanned by the collector at
+            # every collection meanwhile (for 10,000 members, ~1,250 calls in flight at once): the
+            # round's lists are the node's, kept from round to round (NodeRounds), and the
+            # arguments shared tuples; only a round with a suspect makes a list of its own.
+            node.args = _asks(node.members) if node.suspect else node.ask
+            node.since = None if node.suspect else node.quiet_since
+            node.quiet_since = None  # until this round's reply says otherwise
+            node.mark = mark
+            reply = self.calls.ask_heartbeats(node.node_id, node.handles, node.args,
+                                              timeout=self.config.heartbeat_interval_s, mark=mark, since=node.since)
+            reply.add_done_callback(node.replied)
+            asked.append(reply)
+        self._unanswered = len(asked)
+        self._all_replied = asyncio.get_running_loop().create_future()
+        if not asked:
+            self._all_replied.set_result(None)
+        try:
+            await self._all_replied
+            await asyncio.gather(*direct, *self._judging, return_exceptions=True)
+        except asyncio.CancelledError:  # the runtime closes: nothing of this round goes on
+            for f in (*asked, *direct, *self._judging):
+                f.cancel()
+            raise
+        finally:
+            self._judging = []
+
+    def _replied(self, node: NodeRound, reply: asyncio.Future[Any]) -> None:
+        """``node``'s reply came (its future's callback, :meth:`_round`)."""
+        self._unanswered -= 1
+        if reply.cancelled():
+            pass
+        elif node.since is not None and reply.exception() is None and reply.result() is QUIET:
             # Every answer is the one of the reply marked ``since``, each of which was vouched
             # for: the vouch answers for them all again.
-            node.vouch.at = now
-            node.quiet_since = mark
+            node.vouch.at = self._now
+            node.quiet_since = node.mark
+        else:
+            self._judging.append(asyncio.ensure_future(self._judge_reply(node, reply, self._now)))
+        if self._unanswered == 0 and not self._all_replied.done():
+            self._all_replied.set_result(None)
+
+    async def _judge_reply(self, node: NodeRound, reply: asyncio.Future[Any], now: float) -> None:
+        """The events ``node``'s reply (not quiet) implies, fired; its members asked directly when
+        the agent could not answer for them."""
+        answers = await self.calls.heartbeat_answers(node.names, node.args, self.config.heartbeat_interval_s,
+                                                     node.since, reply)
+        if answers is None or answers is QUIET:
+            await self._poll_each(node.members, now)
             return
-        if answers is None:
-            await self._poll_each(members, now)
-            return
-        for m, trigger, beat in self._judge_round(node, args, answers, now, mark):
+        for m, trigger, beat in self._judge_round(node, node.args, answers, now, node.mark):
             # one member's bad answer is no verdict on the others (as a direct poll's, in its own task)
             try:
                 await self._fire(m, trigger, beat)
@@ -272,10 +318,11 @@ class NodeRound:
     ``vouch``: :meth:`Watchdog._judge_round`; ``quiet_since``: the mark of the agent's last
     reply whose every answer was vouched for, None when the last was not such a one)."""
 
-    __slots__ = ("ask", "handles", "members", "names", "node_id", "prev", "quiet_since", "suspect", "vouch",
-                 "vouched")
+    __slots__ = ("args", "ask", "handles", "mark", "members", "names", "node_id", "prev", "quiet_since", "replied",
+                 "since", "suspect", "vouch", "vouched")
 
-    def __init__(self, node_id: str | None, members: list[Member]) -> None:
+    def __init__(self, node_id: str | None, members: list[Member],
+                 on_reply: Callable[[NodeRound, asyncio.Future[Any]], None] | None = None) -> None:
         self.node_id = node_id
         self.members = members
         self.names = [m.name for m in members]
@@ -288,6 +335,13 @@ class NodeRound:
         self.vouched = [False] * len(members)
         self.vouch = Vouch()
         self.quiet_since: int | None = None
+        #: This round's call: its arguments, the reply it named (``since``) and its ``mark``.
+        self.args: Sequence[tuple[bool, bool]] = self.ask
+        self.since: int | None = None
+        self.mark = 0
+        #: The callback of this node's replies, ``on_reply(self, reply)`` (made once, not a
+        #: partial each round).
+        self.replied = functools.partial(on_reply, self) if on_reply is not None else None
 
 
 class NodeRounds:
@@ -304,7 +358,9 @@ class NodeRounds:
     ``polled``: the members the last rounds poll, in membership order; ``generation``: bumped
     each time the lists are built again (who is polled, or where, changed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_reply: Callable[[NodeRound, asyncio.Future[Any]], None] | None = None) -> None:
+        #: What each round's :attr:`NodeRound.replied` calls (the watchdog's).
+        self.on_reply = on_reply
         self.polled: list[Member] = []
         self.generation = 0
         self._nodes: list[str | None] = []
@@ -342,7 +398,7 @@ class NodeRounds:
                 by_node.setdefault(m.node_id, []).append(m)
                 polled.append(m)
         self.polled, self._nodes = polled, [m.node_id for m in polled]
-        self._rounds = [NodeRound(node, ms) for node, ms in by_node.items()]
+        self._rounds = [NodeRound(node, ms, self.on_reply) for node, ms in by_node.items()]
         where = {node: r for node, r in zip(by_node, self._rounds, strict=True)}
         self._round_of = [where[m.node_id] for m in polled]
         self.generation += 1

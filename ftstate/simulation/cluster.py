@@ -28,7 +28,7 @@ import random
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
-from ftstate.controller.backend import QUIET, QUIET_WIRE, ClusterBackend, Pool
+from ftstate.controller.backend import ClusterBackend, Pool
 from ftstate.controller.placement import check_feasible, label_matches
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import ConfigError, FTError, PlacementUnsatisfiable
@@ -37,6 +37,7 @@ from ftstate.simulation.costs import Costs
 from ftstate.simulation.members import (
     AgentBatch,
     Collective,
+    NodeChanges,
     SimulatedLivenessAgent,
     SimulatedMember,
     SimulatedNodeWatcher,
@@ -87,6 +88,7 @@ class SimulatedCluster(ClusterBackend):
         self._alive_list: list[dict[str, Any]] | None = None
         self.members: dict[str, SimulatedMember] = {}
         self._by_node: dict[str, dict[str, SimulatedMember]] = {nid: {} for nid in self._nodes}
+        self._changes: dict[str, NodeChanges] = {}
         #: Each node's agent (:meth:`heartbeats`), started on first use.
         self._agents: dict[str, SimulatedLivenessAgent] = {}
         self._collectives: dict[tuple[Any, ...], Collective] = {}
@@ -99,6 +101,13 @@ class SimulatedCluster(ClusterBackend):
         self._lost: set[str] = set()
         #: Nodes being drained (:meth:`drain_node`), with their deadlines in epoch ms (0: none).
         self.draining: dict[str, int] = {}
+
+    def changes_on(self, node_id: str) -> NodeChanges:
+        """The count of changes its members' heartbeats would show on node ``node_id`` (:class:`NodeChanges`)."""
+        changes = self._changes.get(node_id)
+        if changes is None:
+            changes = self._changes[node_id] = NodeChanges()
+        return changes
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -186,8 +195,12 @@ class SimulatedCluster(ClusterBackend):
 
     async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
                          timeout: float, *, mark: int | None = None, since: int | None = None) -> Any:
-        reply = await self._agent(node_id).answer("heartbeats", (handles, args, timeout, mark, since), 2 * timeout)
-        return QUIET if reply == QUIET_WIRE else reply
+        return await self.heartbeats_future(node_id, handles, args, timeout, mark=mark, since=since)
+
+    def heartbeats_future(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+                          timeout: float, *, mark: int | None = None, since: int | None = None) -> asyncio.Future[Any]:
+        # the agent's own answer's future: it settles with QUIET itself (nothing is pickled here)
+        return self._agent(node_id).answer("heartbeats", (handles, args, timeout, mark, since), 2 * timeout)
 
     def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],
               args: Sequence[Sequence[Any]]) -> AsyncIterator[list[tuple[int, Any]]]:

@@ -31,7 +31,15 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ftstate.controller.backend import ActorDied, ActorUnreachable, AgentMemory, CallTimedOut, RemoteError
+from ftstate.controller.backend import (
+    QUIET,
+    QUIET_WIRE,
+    ActorDied,
+    ActorUnreachable,
+    AgentMemory,
+    CallTimedOut,
+    RemoteError,
+)
 from ftstate.core.errors import CommunicatorAborted, FTError, PeerLost, RendezvousTimeout, StaleGroupVersion
 
 
@@ -76,6 +84,13 @@ def _time_out(fut: asyncio.Future[Any], timeout: float) -> None:
         fut.set_exception(CallTimedOut(f"no answer within {timeout:g}s"))
 
 
+def _rendezvous_timed_out(fut: asyncio.Future[Any], group: str, version: int, timeout_s: float, member: str) -> None:
+    if not fut.done():
+        exc = RendezvousTimeout(f"rendezvous of group {group!r} version {version}", key="init_timeout_s",
+                                seconds=timeout_s, member=member, group_version=version)
+        fut.set_exception(RemoteError(exc, str(exc)))
+
+
 def _forget(collectives: list[Collective], c: Collective) -> None:
     if c in collectives:
         collectives.remove(c)
@@ -107,6 +122,7 @@ class Collective:
         self.arrivals[rank] = (member, fut, outcome)
         self._by_future[fut] = member
         member.collectives.append(self)
+        member.changes.count += 1  # busy now (and an answer that was busy is not kept as steady)
         # one bound method for every arrival, in the shared context, not a closure each in a
         # copied one: thousands of arrivals live as long as the transfer, promoted and walked by
         # the collector
@@ -149,11 +165,47 @@ class Collective:
         return self.started_at is not None and now >= self.started_at
 
 
+class NodeChanges:
+    """How often anything a heartbeat answer shows changed, for any member on one node: its
+    progress, weights, checksum, whether it is alive, hung, cut off, or joined a collective. The
+    node's agent compares it with its count at its last reply (:meth:`SimulatedLivenessAgent._answers`),
+    so that a quiet round of a node where nothing changed does not read its members (at 10,000
+    members the simulation's reading of each, every round, was most of a quiet round's CPU and
+    pushed the controller's objects out of the cache). Every change goes through the members'
+    properties below and :class:`Collective`, never around them."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _watched(name: str) -> property:
+    """A member's attribute whose every assignment counts as a change on its node (NodeChanges)."""
+    slot = "_" + name
+
+    def get(self: SimulatedMember) -> Any:
+        return getattr(self, slot)
+
+    def set_(self: SimulatedMember, value: Any) -> None:
+        setattr(self, slot, value)
+        self.changes.count += 1
+
+    return property(get, set_, doc=f"the member's {name} (a change is counted on its node: NodeChanges)")
+
+
 class SimulatedMember:
     """One simulated worker process (the handle the controller calls). cluster: the
     :class:`~ftstate.simulation.cluster.SimulatedCluster` it runs in (untyped here: the cluster
     imports this module); node: the node's id and address; pid: a number unique in the
     cluster; up_at: when its process is up."""
+
+    progress = _watched("progress")
+    weights_version = _watched("weights_version")
+    checksum = _watched("checksum")
+    alive = _watched("alive")
+    hung = _watched("hung")
+    cut_off = _watched("cut_off")
 
     def __init__(self, cluster: Any, name: str, role: str, node_id: str, address: str, pid: int,
                  up_at: float) -> None:
@@ -161,6 +213,8 @@ class SimulatedMember:
         self.name = name
         self.role = role
         self.node_id = node_id
+        #: Changes on its node (shared by every member there): before any watched attribute is set.
+        self.changes: NodeChanges = cluster.changes_on(node_id)
         self.address = address
         self.pid = pid
         self.up_at = up_at
@@ -571,6 +625,17 @@ class SimulatedLivenessAgent(SimulatedMember):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._memory = AgentMemory()
+        #: The node's NodeChanges count when the kept reply was made, if every answer in it was
+        #: a plain one, not busy (then nothing in them depends on the time): while the count
+        #: holds, every answer now is the kept one. None: the members must be read.
+        self._steady_at: int | None = None
+
+    def _unchanged(self, handles: list[SimulatedMember], since: int | None) -> bool:
+        """Whether the answers of ``handles`` now are those of the kept reply, which ``since``
+        names, known without reading them: nothing changed on the node since."""
+        memory = self._memory
+        return (since is not None and since == memory.mark and self._steady_at == self.changes.count
+                and handles == memory.handles)
 
     def _on_heartbeats(self, fut: asyncio.Future[Any], handles: list[SimulatedMember], args: list[tuple[Any, ...]],
                        timeout: float, mark: int | None = None, since: int | None = None) -> None:
@@ -579,7 +644,7 @@ class SimulatedLivenessAgent(SimulatedMember):
         # real agent's gather does. Each answer is what the member is at the reply's time.
         loop = self.cluster.loop
         answers = (SimulatedLivenessAgent._answers, self, handles, args, timeout, mark, since)
-        if any(h.alive and (h.hung or h.cut_off) for h in handles):
+        if not self._unchanged(handles, since) and any(h.alive and (h.hung or h.cut_off) for h in handles):
             self.cluster.timers.call_at(loop.time() + timeout, _settle, fut, answers)
         else:
             self._after(fut, self.cluster.costs.call_s, answers)
@@ -589,9 +654,19 @@ class SimulatedLivenessAgent(SimulatedMember):
 
     def _answers(self, handles: list[SimulatedMember], args: list[tuple[Any, ...]], timeout: float,
                  mark: int | None, since: int | None) -> Any:
+        memory = self._memory
+        if self._unchanged(handles, since):
+            # what AgentMemory.reply would answer, the members' answers being the kept ones
+            if mark is not None:
+                memory.mark = mark
+            return QUIET
         now = self.cluster.loop.time()
         answers = [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
-        return self._memory.reply(handles, answers, mark, since)
+        reply = memory.reply(handles, answers, mark, since)
+        if mark is not None:
+            steady = all(type(a) is dict and a["busy"] is False for a in answers)
+            self._steady_at = self.changes.count if steady else None
+        return QUIET if reply is QUIET_WIRE else reply  # what the Ray backend hands on for the wire's word
 
 
 class AgentBatch:
@@ -759,10 +834,11 @@ class SimulatedStore:
                                                           self.cluster.costs.group_form_s, 0.0)
         rendezvous.arrive(rank, member, fut, lambda: member.joined(version, rank, world_size))
         _forget(member.collectives, rendezvous)  # waiting in a rendezvous is not being busy in a transfer
-        timeout = RendezvousTimeout(f"rendezvous of group {group!r} version {version}", key="init_timeout_s",
-                                    seconds=timeout_s, member=member.name, group_version=version)
-        timer = loop.call_at(loop.time() + timeout_s, _fail, fut, RemoteError(timeout, str(timeout)))
-        fut.add_done_callback(lambda _f: timer.cancel())
+        # Its bound on the cluster's timers, the error made only if it fires: every member of a
+        # reform joins (10,000 at once), and a loop timer each, cancelled on the answer, was a
+        # heap of 10,000 handles ordered in Python, with an error and a closure for each.
+        self.cluster.timers.call_at(loop.time() + timeout_s, _rendezvous_timed_out, fut, group, version, timeout_s,
+                                    member.name)
 
     def arrived(self, group: str, version: int) -> list[int]:
         rendezvous = self._versions.get((group, version))
@@ -788,4 +864,4 @@ class SimulatedStore:
         self._versions.clear()
 
 
-__all__ = ["AgentBatch", "Collective", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]
+__all__ = ["AgentBatch", "Collective", "NodeChanges", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]

@@ -482,6 +482,41 @@ class TestHeartbeatsPerNode:
 
         run(main())
 
+    @pytest.mark.parametrize("change", ["progress", "weights", "checksum", "busy", "hung", "died"])
+    def test_a_change_of_any_answer_on_the_node_ends_the_agents_quiet_replies(self, change):
+        """The agent answers QUIET without reading its members while nothing on the node moved
+        (NodeChanges); each thing a heartbeat shows, changed on one member, ends that."""
+        from ftstate.controller.backend import QUIET as QUIET_REPLY
+        from ftstate.simulation.members import Collective
+
+        async def main():
+            cluster = SimulatedCluster(1, cpus_per_node=4, costs=QUIET)
+            ms = await packed(cluster, 3)
+            ask = [(False, True)] * 3
+            first = await cluster.heartbeats("n0000000", ms, ask, 1.0, mark=1)
+            assert isinstance(first, list)
+            assert await cluster.heartbeats("n0000000", ms, ask, 1.0, mark=2, since=1) is QUIET_REPLY
+            assert await cluster.heartbeats("n0000000", ms, ask, 1.0, mark=3, since=2) is QUIET_REPLY
+            m = ms[1]
+            if change == "progress":
+                m.progress += 1
+            elif change == "weights":
+                m.weights_version += 1
+            elif change == "checksum":
+                m.checksum = "other"
+            elif change == "busy":
+                c = Collective(asyncio.get_running_loop(), "a broadcast", 2, 1.0, 0.0)
+                c.arrive(0, m, asyncio.get_running_loop().create_future(), lambda: None)
+            elif change == "hung":
+                cluster.hang_member(m.name)
+            else:
+                cluster.kill_member(m.name)
+            moved = await cluster.heartbeats("n0000000", ms, ask, 1.0, mark=4, since=3)
+            assert isinstance(moved, list) and moved != first
+            assert moved[0] == first[0] and moved[2] == first[2]
+
+        run(main())
+
     def test_a_lost_nodes_agent_is_unreachable_and_then_dead_with_it(self):
         async def main():
             cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
@@ -501,13 +536,13 @@ class TestHeartbeatsPerNode:
 
         async def main():
             rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET)
-            real = cluster.heartbeats
+            real = cluster.heartbeats_future  # what the watchdog's round asks
 
-            async def counted(node_id, handles, args, timeout, **kw):
+            def counted(node_id, handles, args, timeout, **kw):
                 calls.append(node_id)
-                return await real(node_id, handles, args, timeout, **kw)
+                return real(node_id, handles, args, timeout, **kw)
 
-            cluster.heartbeats = counted
+            cluster.heartbeats_future = counted
             await rt.start()
             await rt.sync()
             calls.clear()
@@ -526,6 +561,60 @@ class TestHeartbeatsPerNode:
         for other in ("rollout-0", "rollout-1", "rollout-3"):
             assert not any(to == "SUSPECT" for _, to, _ in transitions(rt, other))
 
+    def test_an_agent_answers_quiet_without_reading_its_members_only_when_reading_them_would_too(self):
+        """The simulated agent skips reading its members while nothing on its node changed
+        (NodeChanges): each time it does, the answers it would have read are checked against the
+        kept ones, through syncs, a rollout that hangs, one killed, a trainer rank killed and a
+        node lost. The shortcut is taken (most quiet rounds) and never where the answers moved."""
+        from ftstate.simulation.members import SimulatedLivenessAgent
+
+        taken, wrong = [0], []
+        real = SimulatedLivenessAgent._unchanged
+
+        def checked(self, handles, since):
+            unchanged = real(self, handles, since)
+            if unchanged:
+                taken[0] += 1
+                now = self.cluster.loop.time()
+                read = [h.local_heartbeat((False, True), now, 1.0) for h in handles]
+                if read != self._memory.answers:
+                    wrong.append((self.node_id, now, read, self._memory.answers))
+            return unchanged
+
+        async def main():
+            rt, cluster = simulated_runtime(Shape(rollouts=20, trainers=3, nodes=4, spares=3),
+                                            overrides={"fault_tolerance": {"max_failovers": 50}})
+            await rt.start()
+            try:
+                for _ in range(2):
+                    await rt.sync()
+                await asyncio.sleep(10 * rt.config.heartbeat_interval_s)
+                quiet = taken[0]
+                cluster.hang_member("rollout-2")
+                await asyncio.sleep(rt.config.heartbeat_timeout_s + 4 * rt.config.heartbeat_interval_s)
+                await rt.sync()
+                cluster.kill_member("rollout-5")
+                await rt.sync()
+                cluster.kill_member("trainer-1")
+                await rt.sync()
+                node = next(m.node_id for m in rt.members() if m.member == "rollout-9")
+                cluster.lose_node(node)
+                await asyncio.sleep(rt.config.heartbeat_timeout_s + 4 * rt.config.heartbeat_interval_s)
+                await rt.sync()
+                await asyncio.sleep(10 * rt.config.heartbeat_interval_s)
+                return rt, quiet
+            finally:
+                await rt.close()
+
+        SimulatedLivenessAgent._unchanged = checked
+        try:
+            rt, quiet = run(main())
+        finally:
+            SimulatedLivenessAgent._unchanged = real
+        assert quiet >= 10 and taken[0] > quiet  # taken in the quiet rounds, and after the faults
+        assert wrong == []
+        assert all(rollout.startswith("rollout") for rollout in rt.serving_rollouts())
+
     @pytest.mark.parametrize("least", [100, 0])
     def test_a_node_below_heartbeat_agent_min_members_is_asked_member_by_member(self, least):
         """4-5 members a node: with ``heartbeat_agent_min_members`` 100 (or 0: never an agent) no
@@ -536,18 +625,18 @@ class TestHeartbeatsPerNode:
         async def main():
             rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET,
                                             overrides={"heartbeat_agent_min_members": least})
-            real_agent, real_call = cluster.heartbeats, cluster.call
+            real_agent, real_call = cluster.heartbeats_future, cluster.call
 
-            async def via_agent(node_id, handles, args, timeout, **kw):
+            def via_agent(node_id, handles, args, timeout, **kw):
                 agent_calls.append(node_id)
-                return await real_agent(node_id, handles, args, timeout, **kw)
+                return real_agent(node_id, handles, args, timeout, **kw)
 
             async def call(handle, method, args, timeout):
                 if method == "heartbeat":
                     direct.append(handle.name)
                 return await real_call(handle, method, args, timeout)
 
-            cluster.heartbeats, cluster.call = via_agent, call
+            cluster.heartbeats_future, cluster.call = via_agent, call
             await rt.start()
             await rt.sync()
             direct.clear()
