@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
 import itertools
 import json
@@ -99,14 +100,42 @@ async def _until(done: Callable[[], bool], step: float = 0.01, limit: float = 60
         await asyncio.sleep(step)
 
 
-async def _failover_round(rt: Any) -> tuple[float, float]:
+async def _failover_round(rt: Any) -> tuple[float, float, int]:
     """Wait until the group has noticed the loss (left READY: detection, the heartbeats' work)
-    and is READY again; returns the CPU and the virtual seconds of that round."""
+    and is READY again; returns the CPU and the virtual seconds of that round, and its
+    function calls (:class:`_CallCount`, with ``--calls``)."""
     loop = asyncio.get_running_loop()
     await _until(lambda: rt.state != "READY", step=0.005)
     t, v = time.process_time(), loop.time()
-    await _until(lambda: rt.state == "READY", step=0.005)
-    return time.process_time() - t, loop.time() - v
+    with _CallCount() as counted:
+        await _until(lambda: rt.state == "READY", step=0.005)
+    return time.process_time() - t, loop.time() - v, counted.calls
+
+
+class _CallCount:
+    """With ``--calls``: counts the Python function calls made while entered (cProfile's count,
+    C functions included). The work done, exact and the same from run to run for a seed, where
+    the CPU a call costs grows with the heap (the caches): ×10.0 calls for ×10 members says the
+    code does linear work, whatever a run's CPU ratio says. Off (the default), it counts nothing
+    and costs nothing: the profiler slows every call, so the CPU figures of a run with
+    ``--calls`` are not comparable."""
+
+    enabled = False
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._profile: cProfile.Profile | None = None
+
+    def __enter__(self) -> _CallCount:
+        if _CallCount.enabled:
+            self._profile = cProfile.Profile()
+            self._profile.enable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._profile is not None:
+            self._profile.disable()
+            self.calls = sum(entry.callcount for entry in self._profile.getstats())
 
 
 async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: bool = False,
@@ -131,10 +160,11 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     loop = asyncio.get_running_loop()
     sync_share = _MembersShare()
     t, v = cpu(), loop.time()
-    with full, sync_share:
+    with full, sync_share, _CallCount() as counted:
         for _ in range(syncs):
             await rt.sync()
     out["syncs"] = syncs
+    out["sync_calls"] = counted.calls / syncs
     # CPU of the whole block: while SIGPROF's timer runs, the kernel counts the process's CPU
     # in clock ticks (4 ms here), which a block of SAMPLED_CPU_S makes a percent at most
     out["sync_s"] = (cpu() - t) / syncs
@@ -155,8 +185,9 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     full = _FullCollections()
     hb_share = _MembersShare()
     t = cpu()
-    with full, hb_share:
+    with full, hb_share, _CallCount() as counted:
         await asyncio.sleep(intervals * interval)
+    out["heartbeat_interval_calls"] = counted.calls / intervals
     out["heartbeat_interval_s"] = (cpu() - t) / intervals
     out["heartbeat_full_gcs"] = full.count / intervals
     gc.disable()
@@ -181,7 +212,7 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     # Each failover is a single event whose CPU moves by tens of percent from one to the next
     # (where the collector and the cache stand when it lands): ``failovers`` of each kind, the
     # median taken (``--failovers``), each of a member not touched before.
-    rounds: dict[str, list[tuple[float, float]]] = {"member": [], "rank": [], "node": []}
+    rounds: dict[str, list[tuple[float, float, int]]] = {"member": [], "rank": [], "node": []}
     for k in range(1, failovers + 1):
         cluster.kill_member(f"rollout-{k}")
         rounds["member"].append(await _failover_round(rt))
@@ -198,10 +229,11 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
     out["failovers"] = failovers
     for kind, measured in rounds.items():
         if measured:
-            out[f"failover_{kind}_s"] = statistics.median(c for c, _ in measured)
-            out[f"failover_{kind}_virtual_s"] = statistics.median(v for _, v in measured)
-            out[f"failover_{kind}_net_s"] = statistics.median(c - hb * v for c, v in measured)
-            out[f"failover_{kind}_rounds_s"] = [round(c, 5) for c, _ in measured]  # each round's CPU
+            out[f"failover_{kind}_s"] = statistics.median(c for c, _, _ in measured)
+            out[f"failover_{kind}_virtual_s"] = statistics.median(v for _, v, _ in measured)
+            out[f"failover_{kind}_net_s"] = statistics.median(c - hb * v for c, v, _ in measured)
+            out[f"failover_{kind}_rounds_s"] = [round(c, 5) for c, _, _ in measured]  # each round's CPU
+            out[f"failover_{kind}_calls"] = statistics.median(n for _, _, n in measured)
     await rt.close()
     return out
 
@@ -358,6 +390,10 @@ FIGURES = ("start_s", "sync_s", "sync_net_s", "sync_controller_s", "sync_members
 GOAL_FIGURES = ("sync_controller_s", "heartbeat_interval_controller_s", "failover_member_net_s",
                 "failover_rank_net_s", "failover_node_net_s")
 
+#: What ``--calls`` counts instead (:class:`_CallCount`).
+CALL_FIGURES = ("sync_calls", "heartbeat_interval_calls", "failover_member_calls", "failover_rank_calls",
+                "failover_node_calls")
+
 
 def _in_own_process(n: int, args: argparse.Namespace) -> dict[str, Any]:
     """One size's row measured in a fresh interpreter (``--one``): what a run of another size
@@ -368,6 +404,8 @@ def _in_own_process(n: int, args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--gc-threshold", str(args.gc_threshold)]
     if args.gc_freeze:
         cmd.append("--gc-freeze")
+    if args.calls:
+        cmd.append("--calls")
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"the run of N={n} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -377,7 +415,7 @@ def _in_own_process(n: int, args: argparse.Namespace) -> dict[str, Any]:
 def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row = dict(runs[0])
     for k, v in runs[0].items():
-        if isinstance(v, float):
+        if isinstance(v, float) or k.endswith("_calls"):  # not the shape (members, nodes, ...)
             row[k] = statistics.median(r[k] for r in runs)
     return row
 
@@ -398,10 +436,16 @@ def main() -> None:
                     help="the collector's first threshold for the run (gc.set_threshold; default: Python's 700)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() once the runtime has started: what exists then is never scanned again")
+    ap.add_argument("--calls", action="store_true",
+                    help="count the Python function calls of each sync, interval and failover round instead "
+                         "(the work done, exact: its ratio is the code's growth; the CPU figures of such a run "
+                         "carry the profiler's cost)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # --repeat's child: one row as JSON
     args = ap.parse_args()
     if args.gc_threshold is not None:
         gc.set_threshold(args.gc_threshold, 20, 10)
+    _CallCount.enabled = args.calls
+    figures, goal = (CALL_FIGURES, CALL_FIGURES) if args.calls else (FIGURES, GOAL_FIGURES)
     if args.one is not None:
         print(json.dumps(run_one(args.one, args.syncs, args.intervals, args.loop, args.gc_freeze, args.failovers)))
         return
@@ -418,17 +462,17 @@ def main() -> None:
         row = _median_row(runs[n])
         rows.append(row)
         print(f"N={row['members']:>6} nodes={row['nodes']:>5} trainers={row['trainers']:>5}  " + "  ".join(
-            f"{k}={row[k]:.4g}" for k in FIGURES if k in row), flush=True)
+            f"{k}={row[k]:.4g}" for k in figures if k in row), flush=True)
     print("\nratio to N/10 (linear: 10)" + (f", of the medians of {args.repeat} runs:" if args.repeat > 1 else ":"))
     for small, large in itertools.pairwise(rows):
         print(f"N={large['members']:>6}/{small['members']:<5} " + "  ".join(
-            f"{k}={large[k] / small[k]:.1f}" for k in FIGURES if small.get(k) and k in large))
+            f"{k}={large[k] / small[k]:.1f}" for k in figures if small.get(k) and k in large))
     if args.repeat > 1:
         print("\nthe same, run by run:")
         for small, large in itertools.pairwise(sizes):
             print(f"N={large:>6}/{small:<5} " + "  ".join(
                 f"{k}=" + ",".join(f"{b[k] / a[k]:.1f}" for a, b in zip(runs[small], runs[large], strict=True))
-                for k in GOAL_FIGURES if runs[small][0].get(k) and k in runs[large][0]))
+                for k in goal if runs[small][0].get(k) and k in runs[large][0]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"loop": args.loop, "rows": rows, "runs": {str(n): r for n, r in runs.items()},

@@ -28,6 +28,7 @@ members hold the same version, and that is what they say.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,13 +85,6 @@ def _time_out(fut: asyncio.Future[Any], timeout: float) -> None:
         fut.set_exception(CallTimedOut(f"no answer within {timeout:g}s"))
 
 
-def _rendezvous_timed_out(fut: asyncio.Future[Any], group: str, version: int, timeout_s: float, member: str) -> None:
-    if not fut.done():
-        exc = RendezvousTimeout(f"rendezvous of group {group!r} version {version}", key="init_timeout_s",
-                                seconds=timeout_s, member=member, group_version=version)
-        fut.set_exception(RemoteError(exc, str(exc)))
-
-
 def _forget(collectives: list[Collective], c: Collective) -> None:
     if c in collectives:
         collectives.remove(c)
@@ -141,9 +135,16 @@ class Collective:
         for member, fut, outcome in list(self.arrivals.values()):
             _forget(member.collectives, self)
             member.answer_later(fut, outcome)
+        # Answered: what the arrivals held is the answers' now (a finished rendezvous stays in
+        # its store until the next version fences it; 10,000 arrivals kept alive that long were
+        # walked by every collection of the collector meanwhile). Their ranks stay.
+        self.arrivals = dict.fromkeys(self.arrivals)  # type: ignore[arg-type]
+        self._by_future.clear()
 
     def _ended(self, fut: asyncio.Future[Any]) -> None:
-        self._left(self._by_future[fut], fut)
+        member = self._by_future.get(fut)
+        if member is not None:  # None: finished, each member's part done by _finish
+            self._left(member, fut)
 
     def _left(self, member: SimulatedMember, fut: asyncio.Future[Any] | None) -> None:
         # A participant's call ended: normal at the finish; before it, the collective breaks.
@@ -818,6 +819,9 @@ class SimulatedStore:
         self.address = StoreAddress(host, port)
         self._current: dict[str, int] = {}
         self._versions: dict[tuple[str, int], Collective] = {}
+        #: The members waiting in each rendezvous, each with its own bound (its arrival plus its
+        #: ``timeout_s``): (when, timeout_s, name, future).
+        self._waiting: dict[tuple[str, int], list[tuple[float, float, str, asyncio.Future[Any]]]] = {}
 
     def register(self, group: str, version: int, rank: int, world_size: int, member: SimulatedMember,
                  fut: asyncio.Future[Any], timeout_s: float) -> None:
@@ -830,15 +834,44 @@ class SimulatedStore:
         key = (group, version)
         rendezvous = self._versions.get(key)
         if rendezvous is None:
-            rendezvous = self._versions[key] = Collective(loop, f"the rendezvous of {group} v{version}", world_size,
-                                                          self.cluster.costs.group_form_s, 0.0)
-        rendezvous.arrive(rank, member, fut, lambda: member.joined(version, rank, world_size))
+            rendezvous = self._versions[key] = Collective(
+                loop, f"the rendezvous of {group} v{version}", world_size, self.cluster.costs.group_form_s, 0.0,
+                on_finish=functools.partial(self._waiting.pop, key, None))
+        rendezvous.arrive(rank, member, fut, (SimulatedMember.joined, member, version, rank, world_size))
         _forget(member.collectives, rendezvous)  # waiting in a rendezvous is not being busy in a transfer
-        # Its bound on the cluster's timers, the error made only if it fires: every member of a
-        # reform joins (10,000 at once), and a loop timer each, cancelled on the answer, was a
-        # heap of 10,000 handles ordered in Python, with an error and a closure for each.
-        self.cluster.timers.call_at(loop.time() + timeout_s, _rendezvous_timed_out, fut, group, version, timeout_s,
-                                    member.name)
+        # Each member's bound, kept with the rendezvous until it forms (then dropped whole) and
+        # watched by one timer at the earliest: every member of a reform joins (10,000 at once),
+        # and a timer each held its call for the whole bound, formed or not.
+        when = loop.time() + timeout_s
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            waiting = self._waiting[key] = []
+            self.cluster.timers.call_at(when, self._expire, key)
+        waiting.append((when, timeout_s, member.name, fut))
+
+    def _expire(self, key: tuple[str, int]) -> None:
+        """The earliest bound of ``key``'s waiting members came: those whose bound passed fail
+        with :class:`RendezvousTimeout`; the timer is set again for the next."""
+        waiting = self._waiting.get(key)
+        if not waiting:
+            return
+        now, group, version = self.cluster.loop.time(), key[0], key[1]
+        left = []
+        for entry in waiting:
+            when, timeout_s, name, fut = entry
+            if fut.done():
+                continue
+            if when > now:
+                left.append(entry)
+                continue
+            exc = RendezvousTimeout(f"rendezvous of group {group!r} version {version}", key="init_timeout_s",
+                                    seconds=timeout_s, member=name, group_version=version)
+            fut.set_exception(RemoteError(exc, str(exc)))
+        if left:
+            self._waiting[key] = left
+            self.cluster.timers.call_at(min(entry[0] for entry in left), self._expire, key)
+        else:
+            self._waiting.pop(key, None)
 
     def arrived(self, group: str, version: int) -> list[int]:
         rendezvous = self._versions.get((group, version))
@@ -852,6 +885,7 @@ class SimulatedStore:
             if g != group or v >= current:
                 continue
             del self._versions[(g, v)]
+            self._waiting.pop((g, v), None)  # their calls fail now, or were answered
             if rendezvous.started_at is not None:
                 continue
             rendezvous.broken = f"version {v} fenced"
@@ -862,6 +896,7 @@ class SimulatedStore:
 
     def close(self) -> None:
         self._versions.clear()
+        self._waiting.clear()
 
 
 __all__ = ["AgentBatch", "Collective", "NodeChanges", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]

@@ -53,3 +53,31 @@ def test_ten_thousand_members_survive_a_node_loss_and_a_drain():
         await rt.close()
 
     clock.run(main())
+
+
+def test_the_scale_benchmark_measures_sizes_in_their_own_processes_and_counts_the_work(tmp_path):
+    """``benchmarks/controller_scale.py`` as its figures are taken (docs/benchmarks.md): with
+    ``--repeat`` each size is measured in fresh processes and the figures are medians, each
+    failover kind is measured in ``--failovers`` rounds of members not touched before, and
+    ``--calls`` counts the work (function calls), which grows with the members."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "figures.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "controller_scale.py"), "--sizes", "10,100", "--syncs", "1",
+         "--intervals", "1", "--failovers", "2", "--repeat", "2", "--calls", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "run by run" in done.stdout
+    figures = json.loads(out.read_text())
+    small, large = figures["rows"]
+    assert (small["members"], large["members"]) == (10, 100)
+    assert [len(figures["runs"][n]) for n in ("10", "100")] == [2, 2]  # each size twice, on its own
+    assert len(large["failover_member_rounds_s"]) == 2 and len(large["failover_rank_rounds_s"]) == 2
+    assert len(large["failover_node_rounds_s"]) == 2 and len(small["failover_node_rounds_s"]) == 1  # 2 nodes: one lost
+    for k in ("sync_calls", "heartbeat_interval_calls", "failover_member_calls", "failover_node_calls"):
+        assert large[k] > small[k] > 0, k
