@@ -695,6 +695,13 @@ class AgentBatch:
         """Where the ``j``-th member's call answers."""
         return AgentReply(self, j)
 
+    def _call_members(self, handles: Sequence[SimulatedMember], methods: Sequence[str],
+                      args: Sequence[Sequence[Any]]) -> None:
+        """The agent calls its members, on its node (the agent's work, as :meth:`_ended`, its
+        collecting of their outcomes: the rest of the batch is the stream the controller reads)."""
+        for j, (h, method, a) in enumerate(zip(handles, methods, args, strict=True)):
+            h.answer(method, tuple(a), None, self.reply(j))
+
     def _ended(self, j: int, outcome: Any) -> None:
         self.ended.append((j, outcome))
         if self.wake is not None and not self.wake.done() and not self.agent.cut_off:
@@ -706,12 +713,10 @@ class AgentBatch:
     async def __anext__(self) -> list[tuple[int, Any]]:
         """The outcomes that ended since the last step, waiting for one if none did."""
         if self.calls is not None:
-            handles, methods, args = self.calls
-            self.calls = None
+            calls, self.calls = self.calls, None
             if not self.agent.alive or self.agent.cut_off:
                 await self.agent.answer("ready", (), None)  # dead, or its node gone: fails as such a call does
-            for j, (h, method, a) in enumerate(zip(handles, methods, args, strict=True)):
-                h.answer(method, tuple(a), None, self.reply(j))
+            self._call_members(*calls)
         if not self.left:
             raise StopAsyncIteration
         while not self.ended or self.agent.cut_off:
