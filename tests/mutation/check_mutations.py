@@ -322,6 +322,13 @@ MUTATIONS = (
         (Edit("ftstate/controller/host.py", "        if user is not None:  # the user's own work", "        if False:  # the user's own work"),),
         ("tests/unit/test_activity.py",),
     ),
+    Mutation(
+        "a simulated agent blind to a hang",
+        "the simulated agent answers QUIET without reading its members only while nothing on the node changed",
+        (Edit("ftstate/simulation/members.py", '    hung = _watched("hung")\n', "    hung = False\n"),),
+        ("tests/unit/test_simulation.py::TestHeartbeatsPerNode::"
+         "test_a_change_of_any_answer_on_the_node_ends_the_agents_quiet_replies",),
+    ),
 )
 
 

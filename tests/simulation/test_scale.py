@@ -82,5 +82,6 @@ def test_the_scale_benchmark_measures_sizes_in_their_own_processes_and_counts_th
     for k in ("sync_calls", "heartbeat_interval_calls", "failover_member_calls", "failover_node_calls"):
         assert large[k] > small[k] > 0, k
     for kind in ("member", "rank", "node"):  # the controller's own: the round less the members' sampled share
-        assert 0 < large[f"failover_{kind}_controller_s"] < large[f"failover_{kind}_s"], kind
-        assert 0 < large[f"failover_{kind}_members_share"] < 1, kind
+        # (a round of a few ms at 100 members holds a dozen samples: none of them the members' is possible)
+        assert 0 < large[f"failover_{kind}_controller_s"] <= large[f"failover_{kind}_s"], kind
+        assert 0 <= large[f"failover_{kind}_members_share"] < 1, kind
