@@ -89,6 +89,11 @@ class ActorCalls:
         except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
             await self._raise_for(member, method, args, exc, timeout)
 
+    def through_agent(self, members: int) -> bool:
+        """Whether ``members`` members of one known node are called through its agent: at least
+        :attr:`agent_min_members` of them, a lone member never (0: never)."""
+        return self.agent_min_members != 0 and members >= max(self.agent_min_members, 2)
+
     async def heartbeats(self, node_id: str, members: Sequence[str], handles: Sequence[Any],
                          args: Sequence[tuple[Any, ...]], timeout: float, *, mark: int | None = None,
                          since: int | None = None) -> Any:
@@ -165,10 +170,9 @@ class ActorCalls:
         by_node: dict[str | None, list[int]] = {}
         for i, t in enumerate(targets):
             by_node.setdefault(t.node_id, []).append(i)
-        least = max(self.agent_min_members, 2)
         jobs = []
         for node, idx in by_node.items():
-            if node is None or self.agent_min_members == 0 or len(idx) < least:
+            if node is None or not self.through_agent(len(idx)):
                 jobs.extend(self._direct(i, targets, methods, args, out, on_end) for i in idx)
             else:
                 jobs.append(self._through_agent(node, idx, targets, methods, args, out, on_end))

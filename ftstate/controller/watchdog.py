@@ -105,12 +105,11 @@ class Watchdog:
         At 10,000 members a quiet round is then 1,250 futures and callbacks, where a task, its
         coroutines and their frames a node were most of the round's cost. The round ends when
         every reply came (each bounded by the backend: two intervals) and what they started ended."""
-        self._now, self._judging = now, []
+        self._now = now
         direct: list[asyncio.Future[Any]] = []
         asked: list[asyncio.Future[Any]] = []
-        least = max(self.config.heartbeat_agent_min_members, 2)
         for node in nodes:
-            if node.node_id is None or len(node.members) < least or self.config.heartbeat_agent_min_members == 0:
+            if node.node_id is None or not self.calls.through_agent(len(node.members)):
                 direct.append(asyncio.ensure_future(self._poll_each(node.members, now)))
                 continue
             # What stays alive while the node's answer is awaited is scanned by the collector at
