@@ -17,3 +17,45 @@ def dev_shm_left_as_found():
     if left:
         shm.unlink_names(left)  # leave the machine clean for whoever runs next, then fail
         pytest.fail(f"the test run left shared-memory segments in {shm.SHM_DIR}: {left}")
+
+
+#: How many of a failed test's last audit records its report shows (the heartbeats left out).
+AUDIT_TAIL_RECORDS = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's audit trails (``*.jsonl`` under its ``tmp_path``), the last records of
+    each without the heartbeats, as a section of its report: what CI printed is then enough to
+    tell which member went where and why, after the machine and its files are gone."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if not report.failed or tmp_path is None:
+        return
+    for trail in sorted(tmp_path.rglob("*.jsonl"))[:3]:
+        report.sections.append((f"audit trail {trail.name} (last {AUDIT_TAIL_RECORDS} records, no heartbeats)",
+                                _audit_tail(trail)))
+
+
+def _audit_tail(path) -> str:
+    import json
+
+    lines = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for raw in f:
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    lines.append(raw.rstrip()[:300])
+                    continue
+                if not isinstance(record, dict) or record.get("event") == "heartbeat":
+                    continue
+                head = " ".join(str(record.get(k, "")) for k in ("t", "event", "member", "from", "to", "trigger"))
+                rest = {k: v for k, v in record.items()
+                        if k in ("reason", "error", "members", "nodes", "rollouts", "checksum", "weights_version")}
+                lines.append(f"{head} {json.dumps(rest, default=str)[:400] if rest else ''}".rstrip())
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    return "\n".join(lines[-AUDIT_TAIL_RECORDS:])

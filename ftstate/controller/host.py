@@ -239,9 +239,10 @@ class WorkerHost:
 
     async def abandon_transfer(self, reason: str) -> None:
         """Give up the transfer in flight on this group version (the controller learned that
-        another participant failed): its waits end within ABANDON_POLL_S with
-        CommunicatorAborted, and the version is not used again (the controller forms the
-        next). Runs beside the transfer: the actor serves calls concurrently."""
+        another participant failed): its waits end at once with CommunicatorAborted (gloo:
+        its connections closed, a millisecond's wait here), and the version is not used again
+        (the controller forms the next). Runs beside the transfer: the actor serves calls
+        concurrently."""
         if self._comm is not None:
             self._comm.abandon(reason)
 

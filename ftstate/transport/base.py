@@ -175,11 +175,13 @@ class Communicator(abc.ABC):
 
     def abandon(self, reason: str) -> None:
         """Give up this version from another thread while a transfer may be blocked in it:
-        waits on collectives end within the backend's poll slice with CommunicatorAborted,
-        and nothing touches the backend. Unlike :meth:`abort`, no teardown: tearing a gloo
-        group down under an operation that will never complete blocks the caller (measured:
-        the actor's event loop stopped answering heartbeats). The operations left behind end
-        at their own timeouts; the version is never used again."""
+        waits on collectives end within the backend's poll slice with CommunicatorAborted
+        (gloo also closes the version's connections, which ends its point-to-point waits and
+        its peers': :meth:`GlooCommunicator.abandon <ftstate.transport.gloo.GlooCommunicator.abandon>`).
+        Unlike :meth:`abort`, no teardown: tearing a gloo group down under an operation that
+        will never complete blocks the caller (measured: the actor's event loop stopped
+        answering heartbeats). What is left behind ends at its own timeout; the version is
+        never used again."""
         if self._abort_reason is not None:
             return
         self._abort_reason = reason

@@ -10,7 +10,10 @@ without it any number of versions can be formed and abandoned in one process.
 Each primitive passes its own timeout to gloo, so a peer that stops progressing is
 bounded per operation; a peer that dies raises at once (gloo sees the socket close).
 Abort tears the process group down — ``abort()`` and dropping the last reference,
-which closes its sockets — so members blocked on this one fail immediately.
+which closes its sockets — so members blocked on this one fail immediately. Abandoning a
+version (another thread learned that a participant failed) closes its connections without
+a teardown (:meth:`GlooCommunicator.abandon`): whatever this member and its peers wait on
+there ends at once.
 Broadcasts and point-to-point transfers are asynchronous gloo works executed by gloo's
 own threads, which do not hold the GIL: the caller packs or hashes the next bucket while
 one is on the wire.
@@ -67,8 +70,15 @@ ABANDON_POLL_S = 0.05
 #: What c10d says when a wait's own timeout (not the operation's) expires.
 _WAIT_EXPIRED = "Operation timed out!"
 
-#: Process groups of abandoned versions, kept from destruction (see GlooCommunicator.abandon).
+#: Process groups of abandoned versions, kept from destruction (see GlooCommunicator.abandon),
+#: with the receive that closed each one's connections and its one-element buffer.
 _ABANDONED_GROUPS: list[object] = []
+
+#: The tag of the receive that :meth:`GlooCommunicator.abandon` posts and lets time out, so
+#: that gloo closes the version's connections; no message is ever sent with it.
+_CLOSING_TAG = 0x7FFF_FFF0
+#: How long that receive is waited on before it times out.
+_CLOSING_WAIT_S = 0.001
 
 
 class _GlooPending(Pending):
@@ -91,6 +101,8 @@ class _GlooPending(Pending):
             return
         try:
             if self._wait_timeout:
+                # One wait: a point-to-point wait that times out closes the connections (see
+                # ABANDON_POLL_S); abandoning the version closes them, which ends this one.
                 work.wait(_delta(self._timeout_s))  # type: ignore[attr-defined]
                 return
             while True:  # the operation's own timeout bounds this loop
@@ -105,7 +117,10 @@ class _GlooPending(Pending):
                     raise CommunicatorAborted(comm.group, comm.version, comm.rank, comm._abort_reason)
         except RuntimeError as exc:  # DistError and gloo's errors are RuntimeErrors
             del work
-            raise self._comm._translate(exc, self._op, self._timeout_s, self._peer) from exc
+            comm = self._comm
+            if comm._abort_reason is not None:  # the version was abandoned: this is its echo
+                raise CommunicatorAborted(comm.group, comm.version, comm.rank, comm._abort_reason) from exc
+            raise comm._translate(exc, self._op, self._timeout_s, self._peer) from exc
 
 
 class GlooCommunicator(Communicator):
@@ -286,13 +301,43 @@ class GlooCommunicator(Communicator):
         return self.version if current is None else current
 
     def abandon(self, reason: str) -> None:
+        """:meth:`Communicator.abandon`, and this version's connections closed, so that
+        what waits on them ends at once: a point-to-point wait cannot look at the flag in
+        slices (a timed-out wait closes the connections), and a peer that gave the version
+        up between two buckets leaves the other end waiting on a bucket that never comes, or
+        on a receive never posted, until the operation's own timeout (measured: the full
+        sync_timeout_s, the member busy with no progress meanwhile, which the watchdog takes
+        for hung). Closing them is gloo's own reaction to a timed-out wait, provoked: a
+        receive that nobody sends to, waited on for a millisecond. This member's waits then
+        end with CommunicatorAborted, its peers' with PeerLost naming it."""
+        first = self._abort_reason is None
         super().abandon(reason)
-        if self._pg is not None:
+        pg = self._pg
+        if pg is not None and first:
             # Never let this group be destroyed: its destructor joins worker threads that
             # sit in the stuck operation until its timeout (sync_timeout_s), and it would run
             # in whatever thread drops the last reference (measured: a user call stalled
             # 120 s). One small object per abandoned version, for the life of the process.
-            _ABANDONED_GROUPS.append(self._pg)
+            _ABANDONED_GROUPS.append(pg)
+            self._close_connections(pg)
+
+    def _close_connections(self, pg: dist.ProcessGroupGloo) -> None:
+        """Have gloo close every connection of ``pg``: a receive from a peer on a tag nobody
+        sends, whose wait times out. A connection already closed (its peer died) refuses the
+        receive or fails it at once: the next peer is tried."""
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            probe = torch.empty(1)
+            try:
+                work = pg.recv([probe], peer, _CLOSING_TAG)
+                _ABANDONED_GROUPS.append((work, probe))  # gloo may still refer to them
+                work.wait(_delta(_CLOSING_WAIT_S))  # type: ignore[attr-defined]
+            except RuntimeError as exc:
+                if "timed out" in str(exc).lower():
+                    return  # gloo closed the connections
+                continue
+            return  # pragma: no cover - nobody sends on the tag; nothing left to close then
 
     def _abort_backend(self) -> None:
         pg, self._pg = self._pg, None

@@ -269,3 +269,46 @@ def test_abandoning_a_version_releases_a_member_blocked_in_it(server):
     with pytest.raises(CommunicatorAborted):  # the version is never used again
         receiver.receive_broadcast(comms[1], timeout_s=1)
     comms[0].close()
+
+
+def test_abandoning_a_version_releases_a_member_blocked_in_a_point_to_point_receive(server):
+    """The same for a route of several trainer ranks (point to point): a gloo receive cannot
+    wait in slices (a timed-out wait closes the group's connections), so abandoning closes
+    them: the blocked receive ends at once as the abandonment's echo, not at its own timeout
+    (before: the full 20 s, the receiver busy with no progress meanwhile, which the watchdog
+    takes for hung)."""
+    comms = form(server, 2)
+    receiver = Receiver()
+    threading.Timer(0.3, comms[1].abandon, args=("trainer-1 failed: MemberLost",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(CommunicatorAborted) as info:
+        receiver.receive_from(comms[1], 0, timeout_s=20)  # rank 0 never sends
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert info.value.reason == "trainer-1 failed: MemberLost" and info.value.rank == 1
+    assert receiver.committed is None
+    comms[0].close()
+
+
+def test_a_peer_that_abandons_releases_the_ranks_waiting_on_it(server):
+    """A rank that gives a version up between two buckets leaves its peers waiting on a bucket
+    that will never come (or on a receive that will never be posted): its abandonment closes
+    its connections, so they fail at once with a PeerLost naming it, not at their timeouts."""
+    from ftstate.core.errors import PeerLost
+
+    comms = form(server, 3)
+    receiver = Receiver()
+    sender = Sender(bucket_size=BUCKET)
+    threading.Timer(0.3, comms[0].abandon, args=("a peer of rank 0 failed",)).start()
+    t0 = time.monotonic()
+    outcomes = []
+    for job in (lambda: receiver.receive_from(comms[1], 0, timeout_s=20),   # rank 0 never sends
+                lambda: sender.send_to(comms[2], 0, state(1), weights_version=1, timeout_s=20)):  # never received
+        try:
+            run(job)
+        except BaseException as exc:  # noqa: BLE001 - what each waiting rank got
+            outcomes.append(exc)
+    assert time.monotonic() - t0 < 4.0
+    assert [type(e) for e in outcomes] == [PeerLost, PeerLost], outcomes
+    assert all(e.peer == 0 for e in outcomes), outcomes
+    for c in comms[1:]:
+        c.close()

@@ -329,6 +329,14 @@ MUTATIONS = (
         ("tests/unit/test_simulation.py::TestHeartbeatsPerNode::"
          "test_a_change_of_any_answer_on_the_node_ends_the_agents_quiet_replies",),
     ),
+    Mutation(
+        "an abandoned version's connections left open",
+        "abandoning a gloo version ends the point-to-point waits on it, here and at its peers",
+        (Edit("ftstate/transport/gloo.py", "            self._close_connections(pg)\n", ""),),
+        ("tests/integration/test_transport_threads.py::"
+         "test_abandoning_a_version_releases_a_member_blocked_in_a_point_to_point_receive",
+         "tests/integration/test_transport_threads.py::test_a_peer_that_abandons_releases_the_ranks_waiting_on_it"),
+    ),
 )
 
 
