@@ -32,7 +32,7 @@ import abc
 import logging
 from typing import TYPE_CHECKING, Literal
 
-from ftstate.core.errors import PeerLost, SyncTimeout, TransportError
+from ftstate.core.errors import CommunicatorAborted, PeerLost, SyncTimeout, TransportError
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +99,10 @@ class Communicator(abc.ABC):
     def aborted(self) -> bool:
         return self._abort_reason is not None
 
+    def aborted_error(self) -> CommunicatorAborted:
+        """What a wait on this aborted (or abandoned) communicator raises, naming the reason."""
+        return CommunicatorAborted(self.group, self.version, self.rank, self._abort_reason or "aborted")
+
     def __repr__(self) -> str:
         state = f", aborted: {self._abort_reason}" if self._abort_reason else ""
         return (
@@ -150,10 +154,10 @@ class Communicator(abc.ABC):
         Raises :class:`StaleGroupVersion` when the group has moved to a newer version (the
         caller must form that version), :class:`CommunicatorAborted` when it was aborted.
         """
-        from ftstate.core.errors import CommunicatorAborted, StaleGroupVersion
+        from ftstate.core.errors import StaleGroupVersion
 
         if self._abort_reason is not None:
-            raise CommunicatorAborted(self.group, self.version, self.rank, self._abort_reason)
+            raise self.aborted_error()
         current = self.current_version()
         if current > self.version:
             raise StaleGroupVersion(self.group, got=self.version, current=current, peer=f"rank {self.rank}")

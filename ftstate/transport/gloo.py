@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, BarrierOptions
 
 from ftstate.core.errors import (
-    CommunicatorAborted,
     PeerLost,
     RendezvousTimeout,
     StaleGroupVersion,
@@ -114,12 +113,12 @@ class _GlooPending(Pending):
                         raise
                 comm = self._comm
                 if comm._abort_reason is not None:
-                    raise CommunicatorAborted(comm.group, comm.version, comm.rank, comm._abort_reason)
+                    raise comm.aborted_error()
         except RuntimeError as exc:  # DistError and gloo's errors are RuntimeErrors
             del work
             comm = self._comm
             if comm._abort_reason is not None:  # the version was abandoned: this is its echo
-                raise CommunicatorAborted(comm.group, comm.version, comm.rank, comm._abort_reason) from exc
+                raise comm.aborted_error() from exc
             raise comm._translate(exc, self._op, self._timeout_s, self._peer) from exc
 
 

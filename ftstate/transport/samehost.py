@@ -135,7 +135,6 @@ import msgpack
 import torch
 
 from ftstate.core.errors import (
-    CommunicatorAborted,
     DeadlineExceeded,
     ManifestError,
     PeerLost,
@@ -757,7 +756,7 @@ def _check(route: _Route, stage: str, pids: Mapping[int, int]) -> None:
     comm = route.comm
     route.remaining(stage)  # raises SyncTimeout past the deadline
     if comm.aborted:
-        raise CommunicatorAborted(comm.group, comm.version, comm.rank, comm._abort_reason or "aborted")
+        raise comm.aborted_error()
     for rank, pid in pids.items():
         if not pid_alive(pid):
             raise PeerLost(
