@@ -39,23 +39,19 @@ def pytest_runtest_makereport(item, call):
 
 
 def _audit_tail(path) -> str:
-    import json
+    """The last records of a trail as ``ftstate audit`` prints them off a terminal (with each record's
+    details), heartbeats left out; an unreadable line is named, as the CLI names it."""
+    from ftstate.cli.audit_view import plain_lines
+    from ftstate.core.audit import parse_lines
 
-    lines = []
+    records, problems = [], []
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for raw in f:
-                try:
-                    record = json.loads(raw)
-                except ValueError:
-                    lines.append(raw.rstrip()[:300])
-                    continue
-                if not isinstance(record, dict) or record.get("event") == "heartbeat":
-                    continue
-                head = " ".join(str(record.get(k, "")) for k in ("t", "event", "member", "from", "to", "trigger"))
-                rest = {k: v for k, v in record.items()
-                        if k in ("reason", "error", "members", "nodes", "rollouts", "checksum", "weights_version")}
-                lines.append(f"{head} {json.dumps(rest, default=str)[:400] if rest else ''}".rstrip())
+        with open(path, "rb") as f:
+            for lineno, record, problem in parse_lines(f):
+                if problem is not None:
+                    problems.append(f"line {lineno}: {problem}")
+                elif record.get("event") != "heartbeat":
+                    records.append(record)
     except OSError as exc:
         return f"unreadable: {exc}"
-    return "\n".join(lines[-AUDIT_TAIL_RECORDS:])
+    return "\n".join([*problems[-5:], *plain_lines(records[-AUDIT_TAIL_RECORDS:], context=records)])
