@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ftstate
 from ftstate.cli.demo.metadata_server import GceServer
 from ftstate.cli.demo.nodes import LABEL, LocalCluster, start_local_cluster
-from ftstate.controller import cluster
+from ftstate.controller.ray import cluster
 from ftstate.core.errors import FTError
 from tests.integration.workers import TinyRollout, TinyTrainer
 

@@ -38,7 +38,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ftstate
-from ftstate.controller import cluster
+from ftstate.controller.ray import cluster
+from ftstate.core.protocol import RawBroadcast
 from tests.integration.workers import PartTrainer, ResidentRollout, ResidentTrainer, TinyRollout, TinyTrainer
 
 
@@ -111,7 +112,7 @@ async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto",
                 assert rt.audit.records and [r for r in rt.audit.records
                                              if r.get("event") == "trainer_ranks_recovered"][-1]["restored"] == [
                     f.replacement], "only the newcomer should have been restored right after a sync"
-            secs = await asyncio.gather(*(rt.handle(m.member).bench_raw_broadcast.remote(report.nbytes, 1, 300.0)
+            secs = await asyncio.gather(*(rt.handle(m.member).bench_raw_broadcast.remote(RawBroadcast(report.nbytes, 1, 300.0))
                                           for m in members))
             out["raw"].append(max(secs))
             print(f"  {role} {size_mb} MB kill {len(out['total'])}/{kills}: total {out['total'][-1] * 1e3:.0f} ms",

@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import ftstate
-from ftstate.controller import cluster
+from ftstate.controller.ray import cluster
+from ftstate.core.protocol import RawBroadcast
 from tests.integration.workers import HeldResidentRollout, ResidentRollout, TinyTrainer
 
 BUCKET_MB = 64
@@ -149,7 +150,7 @@ async def run(size_mb: int, rollouts: int, kind: str, syncs: int) -> dict[str, f
         after = [smaps(p) for p in pids]
         node_rest = node_extra(pids) - node_before
         members = [m for m in rt.members() if m.rank >= 0]
-        raw = await asyncio.gather(*(rt.handle(m.member).bench_raw_broadcast.remote(report.nbytes, 0, 300.0)
+        raw = await asyncio.gather(*(rt.handle(m.member).bench_raw_broadcast.remote(RawBroadcast(report.nbytes, 0, 300.0))
                                      for m in members))
         held = sum(report.held_bytes.values())
     uss = [(a["uss"] - b["uss"]) / weights for a, b in zip(after, before, strict=True)]

@@ -38,7 +38,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ftstate
-from ftstate.controller import cluster
+from ftstate.controller.ray import cluster
 from ftstate.core.config import leaf_paths
 from tests.integration.workers import TinyRollout, TinyTrainer
 from tests.multinode.harness import LABEL, MultiNode, resource, start_cluster, stop_cluster

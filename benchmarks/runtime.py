@@ -25,7 +25,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ftstate
-from ftstate.controller import cluster
+from ftstate.controller.ray import cluster
+from ftstate.core.protocol import ReceiveWeights, SendWeights, UserCall
 from tests.integration.workers import TinyRollout, TinyTrainer
 
 
@@ -53,8 +54,8 @@ async def control_plane(rollouts: int, rounds: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         for i in range(rounds):
             version = 10_000 + i
-            await asyncio.gather(trainer.send_weights.remote(version, 60.0),
-                                 *(h.receive_weights.remote(version, 0, 60.0) for h in handles))
+            await asyncio.gather(trainer.send_weights.remote(SendWeights(version, 60.0)),
+                                 *(h.receive_weights.remote(ReceiveWeights(version, 0, 60.0)) for h in handles))
         raw_s = (time.perf_counter() - t0) / rounds
     return sync_s, raw_s
 
@@ -72,8 +73,7 @@ async def detection(kills: int) -> dict[str, list[float]]:
             before = len(rt.failovers)
             pending = None
             if mode == "call pending":
-                pending = asyncio.ensure_future(rt._calls.call(victim, rt.handle(victim), "call", "generate",
-                                                               ("x",), {}))
+                pending = asyncio.ensure_future(rt._calls.call(victim, rt.handle(victim), UserCall("generate", ("x",))))
                 await asyncio.sleep(0)
             await rt.chaos.kill(victim)
             t_kill = rt.chaos.injected[-1][0]

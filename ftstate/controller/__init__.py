@@ -5,10 +5,9 @@ composes the parts below, which share one :class:`~ftstate.controller.membership
 (who holds which rank, in which state, with which versions) instead of reaching into each
 other:
 
-- :mod:`~ftstate.controller.launcher` starts and kills worker actors in the resource pools of
-  :mod:`~ftstate.controller.placement` (placement groups per role, spares off the nodes they
-  cover) on the cluster :mod:`~ftstate.controller.cluster` joins or starts;
-  :mod:`~ftstate.controller.host` is the actor around a user worker;
+- :mod:`~ftstate.controller.launcher` starts and kills worker actors (:mod:`ftstate.worker`)
+  through the cluster's backend (:mod:`~ftstate.controller.backend`; Ray's is the adapter in
+  :mod:`ftstate.controller.ray`: placement groups per role, spares off the nodes they cover);
 - :mod:`~ftstate.controller.formation` forms numbered group versions on the rendezvous store;
 - :mod:`~ftstate.controller.sync` runs one weight sync (two-phase commit);
 - :mod:`~ftstate.controller.routing` sends user calls only to workers serving the current
@@ -21,5 +20,6 @@ other:
   :mod:`~ftstate.controller.drain` moves a node's members off it before it goes;
 - :mod:`~ftstate.controller.chaos` injects real faults (tests, benchmarks, the demo).
 
-It imports the core and the transport; neither imports it.
+It imports the core and the transport; neither imports it. Only its Ray adapter names the
+worker's actor class; everything else reaches a worker through its calls.
 """

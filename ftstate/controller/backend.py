@@ -6,9 +6,9 @@ Ray; they are handed a :class:`ClusterBackend` and ask it. Two implementations s
 it, chosen by whoever builds the :class:`~ftstate.controller.runtime.Runtime` (a factory
 outside the controller, as httpx chooses a transport), never by a branch inside it:
 
-- :class:`~ftstate.controller.ray_backend.RayBackend`, the default: Ray actors in placement
-  groups (:mod:`~ftstate.controller.placement`), on the cluster
-  :mod:`~ftstate.controller.cluster` joins or starts;
+- :class:`~ftstate.controller.ray.backend.RayBackend`, the default: Ray actors in placement
+  groups (:mod:`~ftstate.controller.ray.placement`), on the cluster
+  :mod:`~ftstate.controller.ray.cluster` joins or starts;
 - :class:`~ftstate.simulation.cluster.SimulatedCluster`: simulated members that answer after
   modelled delays in the event loop's virtual time (:mod:`ftstate.simulation`).
 
@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from ftstate.core.config import RolePlacement
+from ftstate.core.protocol import Beat, Request
 
 
 class _Quiet:
@@ -184,18 +185,24 @@ class ClusterBackend(abc.ABC):
         (backend, bucket bytes, secret…). Returns the handle calls are made on."""
 
     @abc.abstractmethod
-    async def call(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
-        """Call ``method(*args)`` on the actor and await its answer; raises one of the
-        module's exceptions (see the module docstring)."""
+    async def call(self, handle: Any, req: Request, timeout: float | None) -> Any:
+        """Send ``req`` to the worker actor (its :class:`~ftstate.core.protocol.WorkerAPI` method
+        ``req.method``) and await the reply; raises one of the module's exceptions (see the
+        module docstring)."""
+
+    @abc.abstractmethod
+    async def call_helper(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
+        """Call ``method(*args)`` on one of ftstate's own helper actors (a node's copy agent, a
+        maintenance watcher: not a worker) and await its answer; raises as :meth:`call`."""
 
     @abc.abstractmethod
     def kill(self, handle: Any, *, pid: int | None, node: str | None) -> None:
         """Kill the actor now (``pid`` / ``node``: where it said it runs)."""
 
     @abc.abstractmethod
-    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Beat],
                          timeout: float, *, mark: int | None = None, since: int | None = None) -> Any:
-        """One ``heartbeat(*args[i])`` of each of ``handles`` (actors on node ``node_id``), asked
+        """One heartbeat (``args[i]``) of each of ``handles`` (actors on node ``node_id``), asked
         in one call of that node's agent (started on first use; until it is up this raises
         :class:`CallTimedOut` at once, never waiting for it), which calls them there and
         answers for all: entry i is member i's answer, or the exception its own :meth:`call`
@@ -212,7 +219,7 @@ class ClusterBackend(abc.ABC):
         the list (and keeps it under ``mark``). The agent's answers come from the members
         either way: only what travels back, and what the caller reads, is less."""
 
-    def heartbeats_future(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+    def heartbeats_future(self, node_id: str, handles: Sequence[Any], args: Sequence[Beat],
                           timeout: float, *, mark: int | None = None, since: int | None = None) -> asyncio.Future[Any]:
         """:meth:`heartbeats`, started now, as a future of its outcome: what a watchdog round
         waits on for every node at once, with a callback each, not a task each. This default
@@ -221,9 +228,9 @@ class ClusterBackend(abc.ABC):
         return asyncio.ensure_future(self.heartbeats(node_id, handles, args, timeout, mark=mark, since=since))
 
     @abc.abstractmethod
-    def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],
-              args: Sequence[Sequence[Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
-        """``methods[i](*args[i])`` of each of ``handles`` (actors on node ``node_id``), asked in
+    def calls(self, node_id: str, handles: Sequence[Any],
+              requests: Sequence[Request]) -> AsyncIterator[list[tuple[int, Any]]]:
+        """``requests[i]`` to each of ``handles`` (actors on node ``node_id``), asked in
         one call of that node's agent (the one :meth:`heartbeats` uses), which calls them there;
         yields each member's outcome as it ends, in lists of ``(i, outcome)`` of those that ended
         together: the method's result, or the exception its own :meth:`call` would have raised

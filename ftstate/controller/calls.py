@@ -45,6 +45,8 @@ from ftstate.controller.backend import (
     RemoteError,
 )
 from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
+from ftstate.core.liveness import Heartbeat
+from ftstate.core.protocol import Beat, Request, UserCall
 from ftstate.core.text import bounded, clean
 
 #: What a backend reports a member's call ended in, other than its result.
@@ -81,13 +83,22 @@ class ActorCalls:
         #: (``heartbeat_agent_min_members``; 0: never).
         self.agent_min_members = agent_min_members
 
-    async def call(self, member: str, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """Call ``method`` on the actor; ``timeout`` (seconds) bounds only this call (heartbeat
-        polls use it; everything else is bounded by its state's deadline)."""
+    async def call(self, member: str, handle: Any, req: Request, *, timeout: float | None = None) -> Any:
+        """Send ``req`` to the member's actor (its :class:`~ftstate.core.protocol.WorkerAPI` method);
+        ``timeout`` (seconds) bounds only this call (heartbeat polls use it; everything else is
+        bounded by its state's deadline)."""
         try:
-            return await self._backend.call(handle, method, args, timeout)
+            return await self._backend.call(handle, req, timeout)
         except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
-            await self._raise_for(member, method, args, exc, timeout)
+            await self._raise_for(member, req.method, _what(req), exc, timeout)
+
+    async def call_helper(self, name: str, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call ``method(*args)`` on one of ftstate's own helper actors (a node's copy agent),
+        its outcomes translated as a worker call's are."""
+        try:
+            return await self._backend.call_helper(handle, method, args, timeout)
+        except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
+            await self._raise_for(name, method, f"{method}()", exc, timeout)
 
     def through_agent(self, members: int) -> bool:
         """Whether ``members`` members of one known node are called through its agent: at least
@@ -95,7 +106,7 @@ class ActorCalls:
         return self.agent_min_members != 0 and members >= max(self.agent_min_members, 2)
 
     async def heartbeats(self, node_id: str, members: Sequence[str], handles: Sequence[Any],
-                         args: Sequence[tuple[Any, ...]], timeout: float, *, mark: int | None = None,
+                         args: Sequence[Beat], timeout: float, *, mark: int | None = None,
                          since: int | None = None) -> Any:
         """One heartbeat of each of ``members`` (names; their ``handles``, all on node ``node_id``)
         through the node's agent (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`):
@@ -113,7 +124,7 @@ class ActorCalls:
             await reply
         return await self.heartbeat_answers(members, args, timeout, since, reply)
 
-    def ask_heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[tuple[Any, ...]],
+    def ask_heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Beat],
                        timeout: float, *, mark: int | None = None, since: int | None = None) -> asyncio.Future[Any]:
         """:meth:`heartbeats`' call of the agent, started: the future of the agent's reply
         (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats_future`), failed with the
@@ -125,7 +136,7 @@ class ActorCalls:
             failed.set_exception(exc)
             return failed
 
-    async def heartbeat_answers(self, members: Sequence[str], args: Sequence[tuple[Any, ...]], timeout: float,
+    async def heartbeat_answers(self, members: Sequence[str], args: Sequence[Beat], timeout: float,
                                 since: int | None, reply: asyncio.Future[Any]) -> Any:
         """What :meth:`heartbeats` returns for ``reply``, the done future of :meth:`ask_heartbeats`."""
         try:
@@ -140,18 +151,17 @@ class ActorCalls:
             return None  # not an answer for each member (a bug): ask each directly
         out = list(outcomes)
         for j, outcome in enumerate(out):
-            # an answer is a dict: one type check for each (10,000 a round), the four only for the rest
-            if type(outcome) is not dict and isinstance(outcome, _SEAM_ERRORS):
+            # an answer is a Heartbeat: one type check for each (10,000 a round), the four only for the rest
+            if type(outcome) is not Heartbeat and isinstance(outcome, _SEAM_ERRORS):
                 try:
-                    await self._raise_for(members[j], "heartbeat", args[j], outcome, timeout)
+                    await self._raise_for(members[j], "heartbeat", "heartbeat()", outcome, timeout)
                 except Exception as exc:  # noqa: BLE001 - the member's own outcome, handed back
                     out[j] = exc
         return out
 
-    async def fan_out(self, targets: Sequence[CallTarget], methods: Sequence[str],
-                      args: Sequence[tuple[Any, ...]],
+    async def fan_out(self, targets: Sequence[CallTarget], requests: Sequence[Request],
                       on_end: Callable[[int, Any], None] | None = None) -> list[Any]:
-        """``methods[i](*args[i])`` on each member of ``targets`` (:class:`CallTarget`),
+        """``requests[i]`` to each member of ``targets`` (:class:`CallTarget`),
         all at once; returns each one's outcome in order: its result, or the error :meth:`call`
         would have raised for it (deaths reported as there). ``on_end(i, outcome)`` is called as
         each ends, in the order they end.
@@ -173,18 +183,17 @@ class ActorCalls:
         jobs = []
         for node, idx in by_node.items():
             if node is None or not self.through_agent(len(idx)):
-                jobs.extend(self._direct(i, targets, methods, args, out, on_end) for i in idx)
+                jobs.extend(self._direct(i, targets, requests, out, on_end) for i in idx)
             else:
-                jobs.append(self._through_agent(node, idx, targets, methods, args, out, on_end))
+                jobs.append(self._through_agent(node, idx, targets, requests, out, on_end))
         await asyncio.gather(*jobs)
         return out
 
-    async def _direct(self, i: int, targets: Sequence[CallTarget], methods: Sequence[str],
-                      args: Sequence[tuple[Any, ...]], out: list[Any],
+    async def _direct(self, i: int, targets: Sequence[CallTarget], requests: Sequence[Request], out: list[Any],
                       on_end: Callable[[int, Any], None] | None) -> None:
         target = targets[i]
         try:
-            outcome = await self.call(target.name, target.handle, methods[i], *args[i])
+            outcome = await self.call(target.name, target.handle, requests[i])
         except Exception as exc:  # noqa: BLE001 - the member's own outcome, handed back
             outcome = exc
         out[i] = outcome
@@ -192,10 +201,10 @@ class ActorCalls:
             on_end(i, outcome)
 
     async def _through_agent(self, node: str, idx: list[int], targets: Sequence[CallTarget],
-                             methods: Sequence[str], args: Sequence[tuple[Any, ...]], out: list[Any],
+                             requests: Sequence[Request], out: list[Any],
                              on_end: Callable[[int, Any], None] | None) -> None:
         left = [True] * len(idx)  # not reported yet, by position in the node's batch
-        stream = self._backend.calls(node, *_picked(idx, targets, methods, args))
+        stream = self._backend.calls(node, *_picked(idx, targets, requests))
         try:
             try:
                 async for ended in stream:
@@ -203,7 +212,7 @@ class ActorCalls:
                         left[j] = False
                         i = idx[j]
                         if isinstance(outcome, _SEAM_ERRORS):
-                            outcome = await self._translated(i, outcome, targets, methods, args)
+                            outcome = await self._translated(i, outcome, targets, requests)
                         out[i] = outcome
                         if on_end is not None:
                             on_end(i, outcome)
@@ -213,35 +222,35 @@ class ActorCalls:
                     await aclose()
         except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
             if isinstance(exc, CallTimedOut) and all(left):  # the agent is not up: nobody was called
-                await self._each_direct(idx, targets, methods, args, out, on_end)
+                await self._each_direct(idx, targets, requests, out, on_end)
                 return
             lost = ActorUnreachable(f"the agent of node {node[:8]} failed: {_first_line(exc)}")
             for j, i in enumerate(idx):
                 if left[j]:
-                    out[i] = await self._translated(i, lost, targets, methods, args)
+                    out[i] = await self._translated(i, lost, targets, requests)
                     if on_end is not None:
                         on_end(i, out[i])
 
-    async def _each_direct(self, idx: list[int], targets: Sequence[CallTarget], methods: Sequence[str],
-                           args: Sequence[tuple[Any, ...]], out: list[Any],
-                           on_end: Callable[[int, Any], None] | None) -> None:
+    async def _each_direct(self, idx: list[int], targets: Sequence[CallTarget], requests: Sequence[Request],
+                           out: list[Any], on_end: Callable[[int, Any], None] | None) -> None:
         # Its own method, not an inline generator in _through_agent: a generator there makes
         # every variable it reads a cell of every call of _through_agent (six a node, a sync's
         # fan-outs at 1,250 nodes: 30,000 objects for the collector), used or not.
-        await asyncio.gather(*(self._direct(i, targets, methods, args, out, on_end) for i in idx))
+        await asyncio.gather(*(self._direct(i, targets, requests, out, on_end) for i in idx))
 
     async def _translated(self, i: int, exc: Exception, targets: Sequence[CallTarget],
-                          methods: Sequence[str], args: Sequence[tuple[Any, ...]]) -> Exception:
+                          requests: Sequence[Request]) -> Exception:
         """What :meth:`call` would have raised for member ``i`` whose call ended in ``exc``."""
         try:
-            await self._raise_for(targets[i].name, methods[i], args[i], exc, None)
+            await self._raise_for(targets[i].name, requests[i].method, _what(requests[i]), exc, None)
         except Exception as raised:  # noqa: BLE001 - the member's own outcome, handed back
             return raised
         raise AssertionError("unreachable")  # pragma: no cover - _raise_for always raises
 
-    async def _raise_for(self, member: str, method: str, args: tuple[Any, ...], exc: Exception,
+    async def _raise_for(self, member: str, method: str, what: str, exc: Exception,
                          timeout: float | None) -> NoReturn:
-        """Raise what the backend's outcome ``exc`` of ``method`` on ``member`` means (the module docstring)."""
+        """Raise what the backend's outcome ``exc`` of ``method`` on ``member`` means (the module
+        docstring); ``what``: the method the user knows it by, for an error their code raised."""
         if isinstance(exc, ActorDied):
             reason = f"process died during {method}(): {_first_line(exc)}"
             await self._report(member, reason)
@@ -252,7 +261,7 @@ class ActorCalls:
             cause = exc.cause
             if isinstance(cause, FTError):
                 raise _naming(member, cause) from exc
-            named = _worker_exception(member, method, args, cause)  # type: ignore[arg-type]
+            named = _worker_exception(member, what, cause)  # type: ignore[arg-type]
             with contextlib.suppress(AttributeError, TypeError):
                 named.remote_traceback = bounded(clean(exc.text), 20000)  # type: ignore[attr-defined]
             raise named from None
@@ -268,12 +277,12 @@ class ActorCalls:
             await result
 
 
-def _picked(idx: list[int], targets: Sequence[CallTarget], methods: Sequence[str],
-            args: Sequence[tuple[Any, ...]]) -> tuple[list[Any], list[str], list[tuple[Any, ...]]]:
-    """The handles, methods and arguments of the members ``idx``. A function of its own: the
+def _picked(idx: list[int], targets: Sequence[CallTarget],
+            requests: Sequence[Request]) -> tuple[list[Any], list[Request]]:
+    """The handles and requests of the members ``idx``. A function of its own: the
     comprehensions in the coroutine that awaits the node's stream would make what they read
     cells of it, alive (and promoted) as long as the node's calls are."""
-    return [targets[i].handle for i in idx], [methods[i] for i in idx], [args[i] for i in idx]
+    return [targets[i].handle for i in idx], [requests[i] for i in idx]
 
 
 def _naming(member: str, exc: FTError) -> FTError:
@@ -286,13 +295,17 @@ def _naming(member: str, exc: FTError) -> FTError:
     return exc
 
 
-def _worker_exception(member: str, method: str, args: tuple[Any, ...], exc: Exception) -> Exception:
+def _what(req: Request) -> str:
+    """The method a request's error is named by: the user's own for a user call."""
+    return f"{req.name}()" if isinstance(req, UserCall) else f"{req.method}()"
+
+
+def _worker_exception(member: str, called: str, exc: Exception) -> Exception:
     """The worker's own exception, named: same class, message prefixed with the member (when
     the class keeps its message as its only argument, as nearly all do) and cleaned of
     terminal escapes, a note naming the user's method that raised it and where, and a note
-    with the user's frames (what the host marked, :func:`ftstate.controller.host.mark_user_error`)."""
-    what = getattr(exc, "ftstate_method", None) or (
-        f"{args[0]}()" if method == "call" and args and isinstance(args[0], str) else f"{method}()")
+    with the user's frames (what the host marked, :func:`ftstate.worker.host.mark_user_error`)."""
+    what = getattr(exc, "ftstate_method", None) or called
     where = getattr(exc, "ftstate_where", "")
     frames = getattr(exc, "ftstate_frames", "")
     named: Exception = exc

@@ -16,6 +16,7 @@ import signal
 from ftstate.controller.membership import Member, Membership
 from ftstate.core.audit import AuditTrail
 from ftstate.core.errors import FTError
+from ftstate.core.protocol import ChaosCorrupt, ChaosHang, ChaosKill
 
 
 class Chaos:
@@ -56,14 +57,14 @@ class Chaos:
         """SIGKILL the worker's process (now, or after ``after_progress`` more units of progress)."""
         m = self._member(role, rank)
         if after_progress is not None:
-            await m.handle.chaos_kill_after_progress.remote(after_progress)
+            await m.handle.chaos_kill.remote(ChaosKill(after_progress))
             self._note(m, f"kill after {after_progress} progress")
         else:
             self._note(m, "kill")
             if m.pid and m.node in ("127.0.0.1", "localhost"):
                 os.kill(m.pid, signal.SIGKILL)
             else:
-                m.handle.chaos_kill.remote()
+                m.handle.chaos_kill.remote(ChaosKill())
         return m.name
 
     async def hang(self, role: str, rank: int | None = None, *, after_progress: int | None = None) -> str:
@@ -71,11 +72,11 @@ class Chaos:
         ``after_progress`` more units of progress)."""
         m = self._member(role, rank)
         if after_progress is not None:
-            await m.handle.chaos_hang_after_progress.remote(after_progress)
+            await m.handle.chaos_hang.remote(ChaosHang(after_progress))
             self._note(m, f"hang after {after_progress} progress")
         else:
             self._note(m, "hang")
-            m.handle.chaos_hang.remote()
+            m.handle.chaos_hang.remote(ChaosHang())
         self.hung.append(m.pid)
         return m.name
 
@@ -91,5 +92,5 @@ class Chaos:
         """Flip one byte of the next bucket the worker receives."""
         m = self._member(role, rank)
         self._note(m, "corrupt")
-        await m.handle.chaos_corrupt_next_bucket.remote()
+        await m.handle.chaos_corrupt_next_bucket.remote(ChaosCorrupt())
         return m.name

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from ftstate.controller.calls import ActorCalls
@@ -58,6 +57,18 @@ from ftstate.core.errors import (
     StaleCheckpointRefused,
     TransportError,
     WorkerInitError,
+)
+from ftstate.core.protocol import (
+    AdoptNodeCopy,
+    Beat,
+    FetchNodeCopy,
+    Loaded,
+    Prewarm,
+    ReceiveFrom,
+    ReserveStaging,
+    SendTo,
+    TrainerChecksum,
+    UserCall,
 )
 from ftstate.core.text import bounded, clean
 
@@ -204,8 +215,8 @@ class Failover:
 
     async def _warm(self, m: Member) -> None:
         try:
-            info = await self.calls.call(m.name, m.handle, "prewarm")
-            if self.staging_bytes and not self._adopts(m.role, info.get("node_id")):
+            info = await self.calls.call(m.name, m.handle, Prewarm())
+            if self.staging_bytes and not self._adopts(m.role, info.node_id):
                 # part of warming: a STANDBY spare is ready to receive at full speed
                 await self._reserve(m, self.staging_bytes)
         except WorkerInitError as exc:
@@ -232,7 +243,7 @@ class Failover:
 
     async def _reserve(self, m: Member, nbytes: int) -> None:
         """Have spare ``m`` reserve a staging buffer of ``nbytes`` and record that it has one."""
-        await self.calls.call(m.name, m.handle, "reserve_staging", nbytes)
+        await self.calls.call(m.name, m.handle, ReserveStaging(nbytes))
         m.reserved_bytes = max(m.reserved_bytes, nbytes)
 
     def _adopts(self, role: str, node_id: str | None) -> bool:
@@ -309,7 +320,7 @@ class Failover:
                 self.audit.record("node_lost", nodes=sorted(shared),
                                   members=sorted(m.name for m, _ in self._pending if m.node_id in shared))
             return
-        answers = await asyncio.gather(*(self.calls.call(m.name, m.handle, "heartbeat",
+        answers = await asyncio.gather(*(self.calls.call(m.name, m.handle, Beat(),
                                                          timeout=self.config.heartbeat_interval_s)
                                          for m in peers), return_exceptions=True)
         together = []
@@ -561,7 +572,7 @@ class Failover:
                                     pool=pool, avoid_nodes=avoid, strict=draining)
         self._spare_seq += 1
         try:
-            info = await self.calls.call(fresh.name, fresh.handle, "prewarm")
+            info = await self.calls.call(fresh.name, fresh.handle, Prewarm())
         except FTError as exc:
             # It could not even start (its constructor failed, no resources): not a member to
             # fail over, just no replacement.
@@ -658,19 +669,18 @@ class Failover:
         timeout = self.config.sync_timeout_s
         shm = plan.uses_shm
         sent, got = await asyncio.gather(
-            self.calls.call(src.name, src.handle, "send_weights_to", newcomer.rank, timeout, shm, plan.require_shm),
-            self.calls.call(newcomer.name, newcomer.handle, "receive_weights_from", src.rank, version, checksum,
-                            timeout, shm),
+            self.calls.call(src.name, src.handle, SendTo(newcomer.rank, timeout, shm, plan.require_shm)),
+            self.calls.call(newcomer.name, newcomer.handle, ReceiveFrom(src.rank, version, checksum, timeout, shm)),
         )
-        if got["checksum"] != checksum:
+        if got.checksum != checksum:
             # It received the version intact but does not hold it after loading (a rollout's
             # engine copy, or a trainer whose state_dict() differs from what it loaded).
-            raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got["checksum"],
+            raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got.checksum,
                                       expected=checksum, what=f"after loading it from {src.name}")
         newcomer.machine.weights_version = version
         self._stages[newcomer.name] = {"source": src.name, "route": "shm" if shm else "gloo",
-                                       "sender": sent.get("stages"), "newcomer": got.get("stages")}
-        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source=src.name,
+                                       "sender": dict(sent.stages), "newcomer": dict(got.stages)}
+        await walk_proven(newcomer.machine, "RESYNCED", checksum=got.checksum, source=src.name,
                           **self._loaded_by_parts(newcomer, got))
         if newcomer.role == "trainer":
             await self._optimizer_policy(newcomer)
@@ -690,8 +700,8 @@ class Failover:
         return await self._from_node_copy(
             newcomer, copy, version, checksum, source="node copy", route="node_copy", errors=(ManifestError,
             ChecksumMismatch), refused="the node copy could not be adopted", instead="point to point",
-            load=lambda: self.calls.call(newcomer.name, newcomer.handle, "adopt_node_copy", copy.name, copy.owner,
-                                         copy.group, version, checksum))
+            load=lambda: self.calls.call(newcomer.name, newcomer.handle,
+                                         AdoptNodeCopy(copy.name, copy.owner, copy.group, version, checksum)))
 
     async def _fetch_node_copy(self, newcomer: Member, version: int, checksum: str,
                                holders: list[Member]) -> bool:
@@ -706,11 +716,11 @@ class Failover:
         copy = self.node_copies.remote_source(newcomer.node_id, version, checksum) if self.node_copies else None
         if copy is None:
             return False
-        async def load() -> dict[str, Any]:
+        async def load() -> Loaded:
             served = await self.node_copies.serve(copy)
             # bounded inside the newcomer by sync_timeout_s, and by the failover's deadline here
-            return await self.calls.call(newcomer.name, newcomer.handle, "fetch_node_copy", served, copy.name,
-                                         copy.owner, copy.group, version, checksum, self.config.sync_timeout_s)
+            return await self.calls.call(newcomer.name, newcomer.handle, FetchNodeCopy(
+                served, copy.name, copy.owner, copy.group, version, checksum, self.config.sync_timeout_s))
 
         # MemberLost: the serving agent gone (the newcomer's own death is re-raised)
         return await self._from_node_copy(
@@ -736,20 +746,20 @@ class Failover:
                               reason=f"{refused}: {exc}"[:500])
             await newcomer.machine.fire("resync_failed", reason=f"node copy refused; {instead} instead")
             return False
-        if got["checksum"] != checksum:
-            raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got["checksum"],
+        if got.checksum != checksum:
+            raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got.checksum,
                                       expected=checksum, what=f"after loading it from the {source}")
         newcomer.machine.weights_version = version
-        await walk_proven(newcomer.machine, "RESYNCED", checksum=got["checksum"], source=source,
+        await walk_proven(newcomer.machine, "RESYNCED", checksum=got.checksum, source=source,
                           **self._loaded_by_parts(newcomer, got))
         await walk_proven(newcomer.machine, "READY")
         return True
 
-    def _loaded_by_parts(self, newcomer: Member, got: Mapping[str, Any]) -> dict[str, int]:
+    def _loaded_by_parts(self, newcomer: Member, got: Loaded) -> dict[str, int]:
         """The ``device_bytes`` of a newcomer's resync that loaded by parts (``got``: its host's
         answer), kept for its :class:`FailoverRecord`, as fields for the record of the edge that
         says it holds the weights; empty for a load whole."""
-        device = got.get("device_bytes")
+        device = got.device_bytes
         if device is None:
             return {}
         self._device[newcomer.name] = int(device)
@@ -783,7 +793,7 @@ class Failover:
         """Re-run, on the new trainer, the calls made since the last committed sync."""
         calls = list(self.membership.trainer_calls)
         for c in calls:
-            await self.calls.call(trainer.name, trainer.handle, "call", c.method, c.args, c.kwargs, True)
+            await self.calls.call(trainer.name, trainer.handle, UserCall(c.method, tuple(c.args), dict(c.kwargs), True))
         if calls:
             self.audit.record("trainer_replay", member=trainer.name, calls=[c.method for c in calls])
 
@@ -805,11 +815,11 @@ class Failover:
             await self.membership.group.fire("fail", reason=str(err), error=err)
             raise err
         await newcomer.machine.fire("resync", source=path)
-        await self.calls.call(newcomer.name, newcomer.handle, "call", "load_checkpoint", (path,), {})
+        await self.calls.call(newcomer.name, newcomer.handle, UserCall("load_checkpoint", (path,)))
         # Proof, not trust: what the trainer holds now is hashed and matched against the
         # versions this run committed. Only the current one is admitted as is (and the calls
         # since it replayed); an older one would silently roll the run back.
-        held = await self.calls.call(newcomer.name, newcomer.handle, "trainer_checksum")
+        held = (await self.calls.call(newcomer.name, newcomer.handle, TrainerChecksum())).checksum
         ms = self.membership
         version, expected = ms.weights_version, ms.checksum
         if expected is None or held == expected:
@@ -834,16 +844,15 @@ class Failover:
 
     async def _optimizer_policy(self, newcomer: Member) -> None:
         if self.ft.optimizer_state == "checkpoint":
-            await self.calls.call(
-                newcomer.name, newcomer.handle, "call", "load_optimizer_checkpoint", (self.ft.checkpoint_dir,), {}
-            )
+            await self.calls.call(newcomer.name, newcomer.handle,
+                                  UserCall("load_optimizer_checkpoint", (self.ft.checkpoint_dir,)))
         else:
-            await self.calls.call(newcomer.name, newcomer.handle, "call", "reset_optimizer", (), {})
+            await self.calls.call(newcomer.name, newcomer.handle, UserCall("reset_optimizer"))
 
 
 def replacement_failed(replacement: Member, lost: Member, exc: Exception) -> ReplacementFailed:
     """The typed error for a replacement whose own code raised while it was brought up (the
-    host marked which user method and where: :func:`ftstate.controller.host.mark_user_error`)."""
+    host marked which user method and where: :func:`ftstate.worker.host.mark_user_error`)."""
     text = clean(str(exc)).strip().splitlines()
     message = text[0] if text else ""
     prefix = f"{replacement.name}: "

@@ -32,6 +32,7 @@ from ftstate.controller.causes import root_cause
 from ftstate.controller.membership import GROUP, Member, Membership
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
+from ftstate.core.protocol import Join
 
 
 class GroupFormation:
@@ -62,8 +63,8 @@ class GroupFormation:
         """Have ``m`` join ``version`` at its rank (its transport bounds its own wait by
         ``init_timeout_s``; the caller's state deadline bounds the whole formation)."""
         address = self.store.address
-        await self.calls.call(m.name, m.handle, "join", address.host, address.port, GROUP, version, m.rank,
-                              world_size, self.config.init_timeout_s)
+        await self.calls.call(m.name, m.handle, Join(address.host, address.port, GROUP, version, m.rank,
+                                                      world_size, self.config.init_timeout_s))
 
     def arrived(self, version: int, members: list[Member]) -> list[str]:
         """Who registered in the store for ``version``: the transport's own record."""
@@ -143,9 +144,8 @@ class GroupFormation:
         # trainer rank's loss has every member join, 10,000 calls in flight at once otherwise.
         # Cancelled with the caller's state deadline, the joins go with it.
         results = await self.calls.fan_out(
-            members, ["join"] * n,
-            [(address.host, address.port, GROUP, version, m.rank, n, self.config.init_timeout_s) for m in members],
-            ended)
+            members, [Join(address.host, address.port, GROUP, version, m.rank, n, self.config.init_timeout_s)
+                      for m in members], ended)
         failures = {m.name: r for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)}
         if failures:
             failures = root_cause(failures, failed)

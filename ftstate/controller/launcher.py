@@ -5,7 +5,7 @@ cluster's backend: :mod:`~ftstate.controller.backend`), the user's classes and c
 arguments. Each actor it starts comes with its worker machine, added to the
 :class:`~ftstate.controller.membership.Membership`; the caller decides what to do with it
 (join a group, warm up as a spare). How an actor is started, placed and killed is the
-backend's (Ray's: :mod:`~ftstate.controller.ray_backend`; kills are immediate).
+backend's (Ray's: :mod:`~ftstate.controller.ray.backend`; kills are immediate).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class ActorLauncher:
 
     def describe_pools(self) -> str:
         """What the run asks of the cluster, and what it has (for a placement that never comes)."""
-        from ftstate.controller.placement import describe_cluster
+        from ftstate.controller.feasibility import describe_cluster
 
         asked = "; ".join(pool.describe() for pool in self.pools.values())
         return f"placement of {asked}; the cluster has {describe_cluster(self.backend.nodes())}"

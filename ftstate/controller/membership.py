@@ -28,6 +28,7 @@ from typing import Any
 from ftstate.core.errors import FTError, InvalidTransition, MemberLost
 from ftstate.core.liveness import Liveness
 from ftstate.core.machine import StateMachine
+from ftstate.core.protocol import Located
 
 #: The weight-sync group's name (its store keys live under ``weights/v{N}``).
 GROUP = "weights"
@@ -95,11 +96,11 @@ class Member:
         self.rank = rank
         self.machine.bind(rank=rank)
 
-    def located(self, info: dict[str, Any]) -> None:
+    def located(self, info: Located) -> None:
         """Record where its process runs (from its ``info``/``prewarm`` answer); every later
         audit record of its machine carries them."""
-        self.pid, self.node, self.node_id = info["pid"], info["node"], info.get("node_id")
-        self.holds_weights = bool(info.get("holds_weights", False))
+        self.pid, self.node, self.node_id = info.pid, info.node, info.node_id
+        self.holds_weights = info.holds_weights
         self.machine.bind(pid=self.pid, node=self.node, node_id=self.node_id)
 
 
@@ -153,7 +154,7 @@ class Membership:
         member.machine.listen(self._on_transition)
         self.roster += 1
 
-    def located(self, member: Member, info: dict[str, Any]) -> None:
+    def located(self, member: Member, info: Located) -> None:
         """``member`` said where its process runs (:meth:`Member.located`)."""
         member.located(info)
         self.roster += 1

@@ -117,7 +117,7 @@ class NodeCopies:
         name = f"ftstate-{self.run_id}-node-{node_id[:12]}"
         try:
             handle = self.backend.start_node_agent(name, node_id)
-            info = await self.calls.call(name, handle, "info", timeout=self.config.init_timeout_s)
+            info = await self.calls.call_helper(name, handle, "info", timeout=self.config.init_timeout_s)
         except Exception as exc:  # noqa: BLE001 - Ray's scheduling errors too: recorded, never fatal
             self.audit.record("node_copy_fallback", node=node_id[:8],
                               reason=f"the node agent could not be started: {type(exc).__name__}: {exc}"[:500])
@@ -145,7 +145,7 @@ class NodeCopies:
         """Have ``copy``'s agent serve it once (within ``sync_timeout_s``); its address and
         one-time token for the newcomer. Bounded by ``heartbeat_timeout_s``; raises FTError."""
         name, handle, _ = self._agents[copy.node_id]
-        return await self.calls.call(name, handle, "serve", copy.name, self.config.sync_timeout_s,
+        return await self.calls.call_helper(name, handle, "serve", copy.name, self.config.sync_timeout_s,
                                      timeout=self.config.heartbeat_timeout_s)
 
     async def committed_on(self, node_id: str, name: str, *, group: str, weights_version: int,
@@ -176,7 +176,7 @@ class NodeCopies:
     async def _settle(self, node_id: str, keep: list[str]) -> None:
         name, handle, _ = self._agents[node_id]
         try:
-            await self.calls.call(name, handle, "settle", keep, timeout=self.config.heartbeat_timeout_s)
+            await self.calls.call_helper(name, handle, "settle", keep, timeout=self.config.heartbeat_timeout_s)
         except FTError as exc:  # what it owns goes with it: orphans, swept (see the module docstring)
             self.audit.record("node_copy_fallback", node=node_id[:8], reason=f"the node agent did not settle: {exc}")
             self._agents.pop(node_id, None)
@@ -189,7 +189,7 @@ class NodeCopies:
         self.committed.clear()
         for node_id, (name, handle, _) in agents.items():
             with contextlib.suppress(FTError):
-                await self.calls.call(name, handle, "close", timeout=self.config.heartbeat_timeout_s)
+                await self.calls.call_helper(name, handle, "close", timeout=self.config.heartbeat_timeout_s)
             with contextlib.suppress(Exception):  # already gone with its node
                 self.backend.kill(handle, pid=None, node=None)
             self.audit.record("node_agent_stopped", node=node_id[:8])

@@ -124,7 +124,7 @@ class NoticeMonitor:
         finally:
             self._draining.discard(node)
         if drained and notice.source == "azure" and notice.event_id and node in self._actors:
-            problem = await self.backend.call(self._actors[node], "acknowledge", (notice.event_id,),
+            problem = await self.backend.call_helper(self._actors[node], "acknowledge", (notice.event_id,),
                                               watcher_call_s(self.config))
             self.audit.record("maintenance_acknowledged", node=node, event_id=notice.event_id,
                               problem=problem.message if isinstance(problem, PollProblem) else None)

@@ -71,6 +71,19 @@ from ftstate.core.errors import (
     SyncTimeout,
 )
 from ftstate.core.ownership import Piece, plan_ownership
+from ftstate.core.protocol import (
+    CallsSinceCommit,
+    DiscardShards,
+    JoinTrainerGroup,
+    NoteWeights,
+    PartChecksum,
+    PrepareShards,
+    ReceivePart,
+    ReceiveShards,
+    SendPart,
+    SendShards,
+    UserCall,
+)
 
 #: The trainer ranks' group name (its store keys live under ``trainers/v{N}``).
 TRAINER_GROUP = "trainers"
@@ -87,8 +100,8 @@ async def form_trainer_group(*, membership: Membership, formation: GroupFormatio
     formation.store.fence(TRAINER_GROUP, version)
     address = formation.store.address
     await asyncio.gather(*(
-        calls.call(m.name, m.handle, "setup_trainer_group", address.host, address.port, TRAINER_GROUP,
-                   version, m.rank, len(trainers), timeout_s)
+        calls.call(m.name, m.handle, JoinTrainerGroup(address.host, address.port, TRAINER_GROUP,
+                                                      version, m.rank, len(trainers), timeout_s))
         for m in trainers))
     audit.record("trainer_group_formed", machine="group", member="group", group_version=version,
                  members=[m.name for m in trainers])
@@ -114,10 +127,10 @@ async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit
             await m.machine.fire("resync_failed", reason="rank recovery to be made again")
     logged = list(ms.trainer_calls)
     survivors = [m for m in trainers if m.name not in fresh]
-    counts = await asyncio.gather(*(calls.call(m.name, m.handle, "calls_since_commit") for m in survivors))
+    counts = await asyncio.gather(*(calls.call(m.name, m.handle, CallsSinceCommit()) for m in survivors))
     # A survivor whose own count differs from the log holds what no replay reproduces.
     unsure = {m.name for m, c in zip(survivors, counts, strict=True)
-              if (c["started"], c["done"]) != (len(logged), len(logged))}
+              if (c.started, c.done) != (len(logged), len(logged))}
     if rank_local_calls or not (logged or unsure):
         restore = [m for m in trainers if m.name in fresh or m.name in unsure]
     else:
@@ -138,13 +151,13 @@ async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit
         await _restore_parts(restore, parts, config=config, membership=ms, calls=calls)
         # Proof, not trust: every rank's state_dict() together (it may be collective), and each
         # restored rank must own exactly what it sent at the commit.
-        owned = await asyncio.gather(*(calls.call(m.name, m.handle, "part_checksum", m.rank) for m in trainers))
+        owned = await asyncio.gather(*(calls.call(m.name, m.handle, PartChecksum(m.rank)) for m in trainers))
         for m, got in zip(trainers, owned, strict=True):
             if m not in restore:
                 continue
             expected = parts.checksums.get(m.rank)
-            if got["checksum"] != expected:
-                raise HeldWeightsMismatch(m.name, weights_version=ms.weights_version, held=got["checksum"],
+            if got.checksum != expected:
+                raise HeldWeightsMismatch(m.name, weights_version=ms.weights_version, held=got.checksum,
                                           expected=expected, what="after load_state_dict of its part")
             if m.name in fresh:
                 await walk_proven(m.machine, "RESYNCED", part_checksum=expected)
@@ -153,7 +166,7 @@ async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit
     for m in newcomers:
         await new_optimizer(m)
     for c in logged:
-        await asyncio.gather(*(calls.call(m.name, m.handle, "call", c.method, c.args, c.kwargs, True)
+        await asyncio.gather(*(calls.call(m.name, m.handle, UserCall(c.method, tuple(c.args), dict(c.kwargs), True))
                                for m in restore))
     audit.record("trainer_ranks_recovered", machine="group", member="group", weights_version=ms.weights_version,
                  newcomers=sorted(fresh), restored=[m.name for m in restore],
@@ -181,13 +194,13 @@ async def _restore_parts(ranks: list[Member], parts: CommittedParts, *, config: 
             expected = parts.checksums.get(m.rank)
             if m.machine.state == "STALE":  # a newcomer (a survivor restored stays READY: it serves on)
                 await m.machine.fire("resync", source=src.name)
-            receive = calls.call(m.name, m.handle, "receive_part_from", src.rank, ms.weights_version,
-                                 parts.ownership, m.rank, expected, timeout)
+            receive = calls.call(m.name, m.handle, ReceivePart(src.rank, ms.weights_version,
+                                                               parts.ownership, m.rank, expected, timeout))
             if expected is None:  # it owned nothing: nothing travels, load_state_dict({}) all the same
                 await receive
                 continue
             await asyncio.gather(
-                calls.call(src.name, src.handle, "send_part_to", m.rank, parts.ownership, m.rank, timeout), receive)
+                calls.call(src.name, src.handle, SendPart(m.rank, parts.ownership, m.rank, timeout)), receive)
 
     await asyncio.gather(*(from_source(ms.get(name), targets) for name, targets in by_source.items()))
 
@@ -214,24 +227,22 @@ class ShardedSync(WeightSync):
                 senders = [t for i, t in enumerate(trainers) if i in owners]
                 for i, t in enumerate(trainers):
                     if i not in owners:  # owns nothing this version: nothing to send
-                        await self.calls.call(t.name, t.handle, "discard_shards")
+                        await self.calls.call(t.name, t.handle, DiscardShards())
                 peers = [m.rank for m in rollouts]
-                send, receive = (target, peers, timeout), (target, ownership_rec, timeout)
-                results = await self._transfer(
-                    [*senders, *rollouts], ["send_shards"] * len(senders) + ["receive_shards"] * len(rollouts),
-                    [send] * len(senders) + [receive] * len(rollouts))
+                send, receive = SendShards(target, tuple(peers), timeout), ReceiveShards(target, ownership_rec, timeout)
+                results = await self._transfer([*senders, *rollouts], [send] * len(senders) + [receive] * len(rollouts))
                 failures = self._failures([*senders, *rollouts], results)
                 if not failures:
                     part_checksums: dict[int, str | None] = {t.rank: None for t in trainers}
-                    part_checksums.update({t.rank: r["checksum"] for t, r in zip(senders, results, strict=False)})
+                    part_checksums.update({t.rank: r.checksum for t, r in zip(senders, results, strict=False)})
                     staged = {m.name: r for m, r in zip(rollouts, results[len(senders):], strict=True)}
-                    checksum = staged[rollouts[0].name]["checksum"]
-                    torn = [n for n, r in staged.items() if r["checksum"] != checksum]
+                    checksum = staged[rollouts[0].name].checksum
+                    torn = [n for n, r in staged.items() if r.checksum != checksum]
                     if torn:
                         failures = {n: ChecksumMismatch(
-                            f"{n} assembled weights version {target} with checksum {staged[n]['checksum']}, "
+                            f"{n} assembled weights version {target} with checksum {staged[n].checksum}, "
                             f"{rollouts[0].name} with {checksum}") for n in torn}
-                    sent = {"checksum": checksum, "nbytes": staged[rollouts[0].name]["nbytes"]}
+                    sent = {"checksum": checksum, "nbytes": staged[rollouts[0].name].nbytes}
                 if failures:
                     await self._abort_all(trainers, rollouts, previous, failures)
                     raise next(iter(failures.values()))
@@ -249,7 +260,7 @@ class ShardedSync(WeightSync):
                     if isinstance(outcome, BaseException):
                         failed.append(outcome)
 
-                await self._to_each([t for t in trainers if not t.gone], "note_weights", target, sent["checksum"],
+                await self._to_each([t for t in trainers if not t.gone], NoteWeights(target, sent["checksum"]),
                                     on_end=note_failure)
                 if failed:
                     raise failed[0]
@@ -277,10 +288,10 @@ class ShardedSync(WeightSync):
     async def _prepare(self, trainers: list[Member], rollouts: list[Member], previous: int) -> dict[str, Any]:
         """Every rank's state_dict() together, then the ownership check (before any byte moves);
         returns the ownership's record (what each rollout is told to expect)."""
-        results = await self._fan_out(trainers, ["prepare_shards"] * len(trainers), [(i,) for i in range(len(trainers))])
+        results = await self._fan_out(trainers, [PrepareShards(i) for i in range(len(trainers))])
         failures = self._failures(trainers, results)
         if not failures:
-            pieces = [Piece.from_record(rec) for r in results for rec in r["pieces"]]
+            pieces = [Piece.from_record(rec) for r in results for rec in r.pieces]
             try:
                 ownership = plan_ownership(pieces, ranks=len(trainers))
             except OwnershipError as exc:
@@ -297,7 +308,7 @@ class ShardedSync(WeightSync):
         for t in trainers[1:]:
             if not t.gone:
                 with contextlib.suppress(MemberLost):
-                    await self.calls.call(t.name, t.handle, "discard_shards")
+                    await self.calls.call(t.name, t.handle, DiscardShards())
                 if t.machine.state == "SYNCING":
                     err = failures.get(t.name)
                     await t.machine.fire("sync_aborted", reason=str(err) if err else "sync aborted")

@@ -23,6 +23,7 @@ from ftstate.controller.membership import Member, Membership, TrainerCall
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import FTError, MemberLost, NoServingWorkers
+from ftstate.core.protocol import UserCall
 
 
 def check_method(method: object) -> str:
@@ -220,7 +221,7 @@ class Router:
         own transition (``died``), not recorded twice. ``logged``: a trainer call of the
         replay log (the host counts it)."""
         try:
-            return await self.calls.call(m.name, m.handle, "call", method, args, kwargs, logged)
+            return await self.calls.call(m.name, m.handle, UserCall(method, tuple(args), dict(kwargs), logged))
         except MemberLost:
             raise
         except Exception as exc:

@@ -1,7 +1,7 @@
 """The runtime: what a trainer loop embeds as ``await rt.sync()``.
 
 :class:`Runtime` is the controller. It starts (or joins) a Ray cluster, hosts the rendezvous
-store, starts one :class:`~ftstate.controller.host.WorkerHost` actor per trainer and rollout, forms the
+store, starts one :class:`~ftstate.worker.host.WorkerHost` actor per trainer and rollout, forms the
 weight-sync group, and drives one :class:`~ftstate.core.machine.StateMachine` for the group and
 one per worker. Everything that happens to a worker arrives as an event on its machine:
 results and failures of actor calls (:mod:`ftstate.controller.calls`), heartbeats and their absence
@@ -74,6 +74,7 @@ from ftstate.core.errors import (
     TransportError,
 )
 from ftstate.core.machine import StateMachine
+from ftstate.core.protocol import Info
 from ftstate.core.spec import get_spec
 from ftstate.core.worker import RolloutWorker, TrainerWorker
 
@@ -93,7 +94,7 @@ def run_facts(cfg: RuntimeConfig, node: str | None, backend: ClusterBackend | No
     import ftstate
 
     if backend is None:
-        from ftstate.controller.ray_backend import RayBackend
+        from ftstate.controller.ray.backend import RayBackend
 
         backend = RayBackend()
 
@@ -144,7 +145,7 @@ class Runtime:
     run's actors (``ftstate-{run_id}-{member}``); a random one by default. audit: a trail to
     write to (default: one at ``config.audit_log``, or in memory). backend: the cluster the
     workers run on (:mod:`~ftstate.controller.backend`; default: Ray's,
-    :class:`~ftstate.controller.ray_backend.RayBackend`; a
+    :class:`~ftstate.controller.ray.backend.RayBackend`; a
     :class:`~ftstate.simulation.cluster.SimulatedCluster` runs the same controller against
     simulated members).
     """
@@ -204,7 +205,7 @@ class Runtime:
         self._args = {"trainer": (tuple(trainer_args), dict(trainer_kwargs or {})),
                       "rollout": (tuple(rollout_args), dict(rollout_kwargs or {}))}
         if backend is None:
-            from ftstate.controller.ray_backend import RayBackend
+            from ftstate.controller.ray.backend import RayBackend
 
             backend = RayBackend()
         self.backend = backend
@@ -381,7 +382,7 @@ class Runtime:
                                  workers=len(members), ready=len(ready))
 
         async def join(m: Member) -> None:
-            info = await self._calls.call(m.name, m.handle, "info")
+            info = await self._calls.call(m.name, m.handle, Info())
             ms.located(m, info)
             ready.add(m.name)  # its process is up and its class constructed
             report_ready()

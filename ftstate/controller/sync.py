@@ -43,6 +43,7 @@ from ftstate.core.errors import (
     SyncTimeout,
 )
 from ftstate.core.plan import COLLECTIVE, Endpoint, Plan, SharedMemoryMode, plan_transfer
+from ftstate.core.protocol import Abandon, Commit, Discard, ReceiveWeights, Request, SendWeights, Sent, Staged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,54 +195,54 @@ class WeightSync:
                     owner, relaying = await self._node_copy_owners(trainer, rollouts, plan)
                 # the same-host route only where the plan has a rollout read shared memory (on the
                 # trainer's node, or from its node's relay)
-                send_shm = (list(plan.same_host_ranks), plan.require_shm,
-                            [(r, list(p)) for r, p in plan.relay_ranks], owner,
-                            self.config.node_copy_spare) if plan.uses_shm else ()
-                planned = (True,) if plan.uses_shm else ()
-                receive = (target, 0, timeout, *planned)
+                send = SendWeights(target, timeout, same_host=tuple(plan.same_host_ranks),
+                                   require_shm=plan.require_shm,
+                                   relays=tuple((r, tuple(p)) for r, p in plan.relay_ranks),
+                                   node_copy_owner=owner, node_copy_spare=self.config.node_copy_spare,
+                                   ) if plan.uses_shm else SendWeights(target, timeout)
                 results = await self._transfer(
-                    [trainer, *rollouts], ["send_weights", *["receive_weights"] * len(rollouts)],
-                    [(target, timeout, *send_shm),
-                     *((*receive, relaying[m.name]) if m.name in relaying else receive for m in rollouts)])
+                    [trainer, *rollouts],
+                    [send, *(ReceiveWeights(target, 0, timeout, planned=plan.uses_shm,
+                                            node_copy_owner=relaying.get(m.name)) for m in rollouts)])
                 failures = self._failures([trainer, *rollouts], results)
                 sent: dict[str, Any] = {}
                 if not failures:
                     sent = results[0]
                     staged = {m.name: r for m, r in zip(rollouts, results[1:], strict=True)}
-                    staging = {n: int(r.get("staging_bytes", 0)) for n, r in staged.items()}
-                    torn = [n for n, r in staged.items() if r["checksum"] != sent["checksum"]]
+                    staging = {n: r.staging_bytes for n, r in staged.items()}
+                    torn = [n for n, r in staged.items() if r.checksum != sent.checksum]
                     if torn:
                         failures = {n: ChecksumMismatch(
-                            f"{n} staged weights version {target} with checksum {staged[n]['checksum']}, "
-                            f"the trainer sent {sent['checksum']}") for n in torn}
+                            f"{n} staged weights version {target} with checksum {staged[n].checksum}, "
+                            f"the trainer sent {sent.checksum}") for n in torn}
                 if failures:
                     # nobody loaded it: its node copies go, the committed ones stay
                     await self._node_copies_failed(trainer, rollouts, owner, relaying)
                     await self._abort(trainer, rollouts, previous, failures)
                     raise next(iter(failures.values()))
-                ms.current(target, sent["checksum"])  # the vote: current from here on
+                ms.current(target, sent.checksum)  # the vote: current from here on
                 if owner is not None:
-                    await self._keep_node_copy(trainer.node_id, sent, target, sent["checksum"], node_copies)
+                    await self._keep_node_copy(trainer.node_id, sent, target, sent.checksum, node_copies)
                 elif copies is not None:
                     await copies.forget(trainer.node_id)  # staged privately this time: an older copy there goes
                 for m in rollouts:
                     if m.name in relaying:
-                        await self._keep_node_copy(m.node_id, staged[m.name], target, sent["checksum"], node_copies)
-                not_loaded = await self._commit(trainer, rollouts, target, sent["checksum"])
+                        await self._keep_node_copy(m.node_id, staged[m.name], target, sent.checksum, node_copies)
+                not_loaded = await self._commit(trainer, rollouts, target, sent.checksum)
                 self.raise_if_failed()  # a death during the commit with fault tolerance off
         except SyncTimeout:
             ms.current(previous, previous_checksum)
             await self._node_copies_failed(trainer, rollouts, owner, relaying)
             raise
-        routes = {m.name: sent.get("routes", {}).get(m.rank, COLLECTIVE) for m in rollouts}
-        if sent.get("shm_fallback"):
-            self.audit.record("shm_fallback", reason=sent["shm_fallback"],
+        routes = {m.name: sent.routes.get(m.rank, COLLECTIVE) for m in rollouts}
+        if sent.shm_fallback:
+            self.audit.record("shm_fallback", reason=sent.shm_fallback,
                               members=[n for n in plan.routes if routes[n] != plan.routes[n]])
-        ms.committed(target, sent["checksum"])
+        ms.committed(target, sent.checksum)
         memory = memory_fields([m for m in rollouts if m.name not in not_loaded], staging, self.held_bytes,
                                self.device_bytes,
                                {n: c["nbytes"] * (2 if n in had_copy else 1) for n, c in node_copies.items()})
-        await group.fire("sync_done", checksum=sent["checksum"], nbytes=sent["nbytes"], **memory_record(memory),
+        await group.fire("sync_done", checksum=sent.checksum, nbytes=sent.nbytes, **memory_record(memory),
                          **({"node_copy_bytes": {n[:8]: c["nbytes"] for n, c in node_copies.items()}}
                             if node_copies else {}))
         # A held-weights mismatch is a fault of that rollout's engine, handled here (it is
@@ -253,15 +254,15 @@ class WeightSync:
             raise name_all(list(user_errors.values()), list(user_errors))
         return SyncReport(
             weights_version=target,
-            checksum=sent["checksum"],
-            nbytes=sent["nbytes"],
+            checksum=sent.checksum,
+            nbytes=sent.nbytes,
             seconds=asyncio.get_running_loop().time() - t0,
             failovers=0,
             group_version=group.group_version,
             rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
             stale=tuple(n for n, e in not_loaded.items() if isinstance(e, HeldWeightsMismatch)),
             routes={n: how for n, how in routes.items() if n not in not_loaded},
-            shm_fallback=sent.get("shm_fallback"),
+            shm_fallback=sent.shm_fallback or None,
             node_copies=node_copies,
             **memory,
         )
@@ -299,7 +300,7 @@ class WeightSync:
         for node in dict.fromkeys(nodes):
             await self.node_copies.failed_on(node)
 
-    async def _keep_node_copy(self, node: str | None, result: Mapping[str, Any], target: int, checksum: str,
+    async def _keep_node_copy(self, node: str | None, result: Sent | Staged, target: int, checksum: str,
                               kept: dict[str, dict[str, Any]]) -> None:
         """The vote passed: the node copy the version went through on ``node`` (the trainer's, or
         a relay's: ``result`` is what the writer reported) is that node's source for newcomers
@@ -308,14 +309,16 @@ class WeightSync:
         older copy there goes."""
         copies = self.node_copies
         assert copies is not None and node is not None
-        name = result.get("node_copy")
+        name = result.node_copy
+        spare = result.node_spare if isinstance(result, Sent) else None
         if name:
             await copies.committed_on(node, name, group=GROUP, weights_version=target, checksum=checksum,
-                                      spare=result.get("node_spare"))
-            kept[node] = {"segment": name, "nbytes": int(result.get("node_copy_bytes", 0)),
-                          "recycled": bool(result.get("node_copy_recycled", False))}
+                                      spare=spare)
+            size = result.node_copy_size
+            kept[node] = {"segment": name, "nbytes": size.nbytes if size else 0,
+                          "recycled": bool(size and size.recycled)}
             self.audit.record("node_copy_committed", node=node[:8], segment=name, weights_version=target,
-                              nbytes=result.get("nbytes"), spare=result.get("node_spare"),
+                              nbytes=result.nbytes, spare=spare,
                               copy_bytes=kept[node]["nbytes"], recycled=kept[node]["recycled"])
         else:
             await copies.forget(node)
@@ -348,9 +351,8 @@ class WeightSync:
         group.describe_wait(f"weight sync to version {target}", missing=[m.name for m in [*senders, *rollouts]])
         return rollouts
 
-    async def _transfer(self, members: Sequence[Member], methods: Sequence[str],
-                        args: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Run the participants' calls of one transfer (``methods[i](*args[i])`` on ``members[i]``);
+    async def _transfer(self, members: Sequence[Member], requests: Sequence[Request]) -> list[Any]:
+        """Run the participants' calls of one transfer (``requests[i]`` to ``members[i]``);
         results (or exceptions) in order.
 
         As soon as one fails (other than by a checksum mismatch, which the protocol itself
@@ -375,7 +377,7 @@ class WeightSync:
             if not isinstance(outcome, ChecksumMismatch) and not first_failure.done():
                 first_failure.set_result((i, outcome))
 
-        fanned = self._fan_out(members, methods, args, on_end)
+        fanned = self._fan_out(members, requests, on_end)
         every: asyncio.Future[list[Any]] = asyncio.ensure_future(fanned)
         try:
             await asyncio.wait([every, first_failure], return_when=asyncio.FIRST_COMPLETED)
@@ -384,7 +386,7 @@ class WeightSync:
                 reason = f"{members[failed].name} failed: {type(exc).__name__}"
                 others = [m for m, e in zip(members, ended, strict=True) if not e]
                 self.audit.record("transfer_abandoned", reason=reason, members=[m.name for m in others])
-                await self._to_each(others, "abandon_transfer", reason)
+                await self._to_each(others, Abandon(reason))
             return await every
         except asyncio.CancelledError:  # the state's deadline: the calls go with it
             every.cancel()
@@ -393,16 +395,16 @@ class WeightSync:
             if not first_failure.done():
                 first_failure.cancel()
 
-    def _fan_out(self, members: Sequence[Member], methods: Sequence[str], args: Sequence[tuple[Any, ...]],
+    def _fan_out(self, members: Sequence[Member], requests: Sequence[Request],
                  on_end: Callable[[int, Any], None] | None = None) -> Any:
         """:meth:`~ftstate.controller.calls.ActorCalls.fan_out` to ``members``: each one's
         outcome (result or exception) in order."""
-        return self.calls.fan_out(members, methods, args, on_end)
+        return self.calls.fan_out(members, requests, on_end)
 
-    def _to_each(self, members: Sequence[Member], method: str, *args: Any,
+    def _to_each(self, members: Sequence[Member], req: Request,
                  on_end: Callable[[int, Any], None] | None = None) -> Any:
-        """The same call ``method(*args)`` to each of ``members``, at once (:meth:`_fan_out`)."""
-        return self._fan_out(members, [method] * len(members), [args] * len(members), on_end)
+        """The same request to each of ``members``, at once (:meth:`_fan_out`)."""
+        return self._fan_out(members, [req] * len(members), on_end)
 
     def _failures(self, members: Sequence[Member], results: Sequence[Any]) -> dict[str, BaseException]:
         out: dict[str, BaseException] = {}
@@ -426,7 +428,7 @@ class WeightSync:
                 continue
             if m.role == "rollout":
                 with contextlib.suppress(MemberLost):  # died meanwhile: nothing to discard
-                    await self.calls.call(m.name, m.handle, "discard_weights")
+                    await self.calls.call(m.name, m.handle, Discard())
             err = failures.get(m.name)
             if m.machine.state == "SYNCING":
                 await m.machine.fire("sync_aborted", reason=str(err) if err else "sync aborted")
@@ -457,7 +459,7 @@ class WeightSync:
         self.routing_open.clear()
         self._arrival = []
         try:
-            results = await self._to_each(rollouts, "commit_weights", version)
+            results = await self._to_each(rollouts, Commit(version))
         finally:
             self.routing_open.set()
         failed = self._failures(rollouts, results)
@@ -466,13 +468,13 @@ class WeightSync:
         for m, r in zip(rollouts, results, strict=True):
             if m.name in failed:
                 continue
-            held[m.name] = r["checksum"]
-            self.held_bytes[m.name] = int(r.get("held_bytes", 0))
-            if "device_bytes" in r:  # loaded by parts through device buckets
-                self.device_bytes[m.name] = int(r["device_bytes"])
-            if r["checksum"] != checksum:
+            held[m.name] = r.checksum
+            self.held_bytes[m.name] = r.held_bytes
+            if r.device_bytes is not None:  # loaded by parts through device buckets
+                self.device_bytes[m.name] = r.device_bytes
+            if r.checksum != checksum:
                 # What it holds after load_weights is not what was verified: never serve it.
-                failed[m.name] = HeldWeightsMismatch(m.name, weights_version=version, held=r["checksum"],
+                failed[m.name] = HeldWeightsMismatch(m.name, weights_version=version, held=r.checksum,
                                                      expected=checksum, what="at commit")
         for m in rollouts:
             if m.name in failed:

@@ -24,6 +24,7 @@ from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.membership import Member
+from ftstate.core.protocol import Vigil
 
 
 class Vigils:
@@ -63,7 +64,7 @@ class Vigils:
         # A death is reported by calls.call itself (the member's ``died`` event); whatever
         # else ends the call is the heartbeat's to judge.
         with contextlib.suppress(Exception):
-            await self.calls.call(m.name, m.handle, "vigil")
+            await self.calls.call(m.name, m.handle, Vigil())
 
     async def close(self) -> None:
         tasks = [t for _, t in self._tasks.values()]

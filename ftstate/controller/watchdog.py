@@ -40,14 +40,15 @@ from ftstate.controller.vigil import Vigils
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import MemberLost
 from ftstate.core.liveness import Heartbeat, Vouch
+from ftstate.core.protocol import Beat
 
-#: A heartbeat's arguments through a node's agent: (prove its weights, hand over what it
-#: dropped as forged), for a suspect and for any other member.
-_PROVE = (True, True)
-_ASK = (False, True)
+#: A heartbeat through a node's agent: a suspect proves its weights; every member hands over
+#: what it dropped as forged.
+_PROVE = Beat(prove=True, forged=True)
+_ASK = Beat(prove=False, forged=True)
 
 
-def _asks(members: Sequence[Member]) -> list[tuple[bool, bool]]:
+def _asks(members: Sequence[Member]) -> list[Beat]:
     """Each member's heartbeat arguments: a suspect proves its weights."""
     return [_PROVE if m.machine.state == "SUSPECT" else _ASK for m in members]
 
@@ -168,7 +169,7 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - as above
                 continue
 
-    def _judge_round(self, node: NodeRound, args: Sequence[tuple[bool, bool]], answers: Sequence[Any],
+    def _judge_round(self, node: NodeRound, args: Sequence[Beat], answers: Sequence[Any],
                      now: float, mark: int) -> list[tuple[Member, str, Heartbeat | None]]:
         """Each of ``node``'s answers judged, in one step of the loop (nothing in between moves a
         vouch); returns the events to fire. An answer the same as the member's last one in these
@@ -182,7 +183,7 @@ class Watchdog:
         all_vouched = same_counts
         fires: list[tuple[Member, str, Heartbeat | None]] = []
         for j, answer in enumerate(answers):
-            if same_counts and type(answer) is dict and answer == prev[j] and answer.get("busy") is False:
+            if same_counts and type(answer) is Heartbeat and answer == prev[j] and answer.busy is False:
                 if not vouched[j]:
                     members[j].liveness.vouch = vouch
                     vouched[j] = True
@@ -196,7 +197,7 @@ class Watchdog:
                 _, trigger, beat = self._judge(m, now, None if isinstance(answer, MemberLost) else answer,
                                               proved=args[j] is _PROVE)
                 if beat is not None:
-                    prev[j] = answer  # judged, "forged" taken out: the next round compares with it
+                    prev[j] = answer  # judged: the next round compares with it
                 if trigger is not None:
                     fires.append((m, trigger, beat))
             except Exception:  # noqa: BLE001 - as above: no verdict from it
@@ -220,13 +221,13 @@ class Watchdog:
         try:
             # A suspect must show its weights to be re-admitted: it hashes them afresh.
             prove = m.machine.state == "SUSPECT"
-            raw = await self.calls.call(m.name, m.handle, "heartbeat", prove, True,
+            raw = await self.calls.call(m.name, m.handle, _PROVE if prove else _ASK,
                                         timeout=self.config.heartbeat_interval_s)
         except MemberLost:
             raw = None
         return await self.observe(m, now, raw, proved=prove)
 
-    async def observe(self, m: Member, now: float, raw: dict[str, Any] | None, *, proved: bool = True) -> bool:
+    async def observe(self, m: Member, now: float, raw: Heartbeat | None, *, proved: bool = True) -> bool:
         """The event ``m``'s heartbeat answer ``raw`` (None: none came) implies, fired on its
         machine; returns whether it answered. ``proved``: it was asked to hash its weights afresh."""
         answered, trigger, beat = self._judge(m, now, raw, proved)
@@ -234,17 +235,14 @@ class Watchdog:
             await self._fire(m, trigger, beat)
         return answered
 
-    def _judge(self, m: Member, now: float, raw: dict[str, Any] | None,
+    def _judge(self, m: Member, now: float, raw: Heartbeat | None,
                proved: bool) -> tuple[bool, str | None, Heartbeat | None]:
         """``m``'s answer ``raw`` handed to its liveness: whether it answered, the trigger to
         fire on its machine (None: nothing to do) and the heartbeat. ``proved``: it was asked to
         hash its weights afresh."""
-        beat: Heartbeat | None = None
-        if raw is not None:
-            forged = raw.pop("forged", None)  # left out by a member that dropped nothing
-            if forged:
-                record_forged(m, forged)
-            beat = Heartbeat(**raw)
+        beat = raw
+        if raw is not None and raw.forged:
+            record_forged(m, list(raw.forged))
         state = m.machine.state
         if state in GONE:
             return False, None, beat
@@ -335,7 +333,7 @@ class NodeRound:
         self.vouch = Vouch()
         self.quiet_since: int | None = None
         #: This round's call: its arguments, the reply it named (``since``) and its ``mark``.
-        self.args: Sequence[tuple[bool, bool]] = self.ask
+        self.args: Sequence[Beat] = self.ask
         self.since: int | None = None
         self.mark = 0
         #: The callback of this node's replies, ``on_reply(self, reply)`` (made once, not a

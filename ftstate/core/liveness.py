@@ -36,6 +36,8 @@ Pure: no clock of its own, no I/O. This module imports neither Ray nor torch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 #: States in which a missed heartbeat makes a worker SUSPECT.
 WATCHED = frozenset({"STALE", "RESYNCING", "RESYNCED", "READY", "SYNCING", "DRAINING"})
@@ -57,6 +59,8 @@ class Heartbeat:
     weights_version: int
     checksum: str | None
     pid: int = 0
+    #: the messages it dropped as forged since the watchdog last asked (for the audit trail)
+    forged: tuple[Mapping[str, Any], ...] = ()
 
 
 class Vouch:

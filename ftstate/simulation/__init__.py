@@ -10,7 +10,7 @@ that drives Ray actors drives 10,000 simulated ones on one core, in seconds:
 - :mod:`~ftstate.simulation.costs`: what each modelled step costs (from this project's own
   measurements, ``docs/benchmarks.md``);
 - :mod:`~ftstate.simulation.members`: a simulated worker host (the calls the controller makes
-  of a :class:`~ftstate.controller.host.WorkerHost`, answered after their modelled cost) and
+  of a :class:`~ftstate.worker.host.WorkerHost`, answered after their modelled cost) and
   the collectives they take part in;
 - :mod:`~ftstate.simulation.cluster`: the simulated cluster (nodes, pools, the rendezvous
   store, faults: deaths, hangs, node losses);

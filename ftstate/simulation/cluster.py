@@ -8,7 +8,7 @@ controller runs on a head node of its own that holds no worker. Placement follow
 strategies as far as the controller can tell them apart: ``PACK`` fills node after node,
 ``SPREAD`` deals the slots round the nodes that have room, labels select nodes, and a pool
 no state of the cluster could hold is refused at once with the same
-:class:`~ftstate.core.errors.PlacementUnsatisfiable` (:func:`~ftstate.controller.placement.check_feasible`).
+:class:`~ftstate.core.errors.PlacementUnsatisfiable` (:func:`~ftstate.controller.feasibility.check_feasible`).
 A spare's slot goes to the node with the most room outside the nodes it must avoid.
 
 A lost node takes every member on it, as a real one does on Ray (measured, docs/benchmarks.md
@@ -29,9 +29,10 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import Any
 
 from ftstate.controller.backend import ClusterBackend, Pool
-from ftstate.controller.placement import check_feasible, label_matches
+from ftstate.controller.feasibility import check_feasible, label_matches
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import ConfigError, FTError, PlacementUnsatisfiable
+from ftstate.core.protocol import Beat, Request
 from ftstate.simulation.clock import TimerQueue
 from ftstate.simulation.costs import Costs
 from ftstate.simulation.members import (
@@ -173,7 +174,12 @@ class SimulatedCluster(ClusterBackend):
             self._by_node[node_id][name] = member
         return member
 
-    async def call(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
+    async def call(self, handle: Any, req: Request, timeout: float | None) -> Any:
+        if not isinstance(handle, SimulatedMember):
+            raise FTError(f"not a simulated member: {handle!r}")
+        return await handle.answer(req.method, (req,), timeout)
+
+    async def call_helper(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
         if not isinstance(handle, SimulatedMember):
             raise FTError(f"not a simulated member: {handle!r}")
         return await handle.answer(method, tuple(args), timeout)
@@ -193,24 +199,24 @@ class SimulatedCluster(ClusterBackend):
                 agent.lose_node()
         return agent
 
-    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Beat],
                          timeout: float, *, mark: int | None = None, since: int | None = None) -> Any:
         return await self.heartbeats_future(node_id, handles, args, timeout, mark=mark, since=since)
 
-    def heartbeats_future(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+    def heartbeats_future(self, node_id: str, handles: Sequence[Any], args: Sequence[Beat],
                           timeout: float, *, mark: int | None = None, since: int | None = None) -> asyncio.Future[Any]:
         # the agent's own answer's future: it settles with QUIET itself (nothing is pickled here)
         return self._agent(node_id).answer("heartbeats", (handles, args, timeout, mark, since), 2 * timeout)
 
-    def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],
-              args: Sequence[Sequence[Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+    def calls(self, node_id: str, handles: Sequence[Any],
+              requests: Sequence[Request]) -> AsyncIterator[list[tuple[int, Any]]]:
         # The agent's hop on its node (a local call, ~1 ms) is not modelled: each outcome reaches
         # the controller when the member's own call would have ended. The batch is the iteration
         # (an async generator and its wrappers were five more objects a node's call in flight).
         for h in handles:
             if not isinstance(h, SimulatedMember):
                 raise FTError(f"not a simulated member: {h!r}")
-        return AgentBatch(self.loop, self._agent(node_id), handles, methods, args)
+        return AgentBatch(self.loop, self._agent(node_id), handles, requests)
 
     def close(self) -> None:
         for agent in self._agents.values():
@@ -440,7 +446,7 @@ class SimulatedSparePool(_SimulatedPool):
         if not allowed and avoid:
             if strict:
                 nodes = self.cluster.nodes()
-                from ftstate.controller.placement import describe_cluster
+                from ftstate.controller.feasibility import describe_cluster
 
                 raise PlacementUnsatisfiable(pool=self.name, asked=f"{self.describe()}, off nodes "
                                              f"{', '.join(sorted(n[:8] for n in avoid))}",

@@ -1,5 +1,5 @@
 """Simulated worker hosts: the calls the controller makes of a
-:class:`~ftstate.controller.host.WorkerHost`, answered after their modelled cost.
+:class:`~ftstate.worker.host.WorkerHost`, answered after their modelled cost.
 
 A :class:`SimulatedMember` keeps what a real host keeps that the controller can see: the
 weights version and checksum it holds committed, a staged version, the group version and rank
@@ -42,6 +42,47 @@ from ftstate.controller.backend import (
     RemoteError,
 )
 from ftstate.core.errors import CommunicatorAborted, FTError, PeerLost, RendezvousTimeout, StaleGroupVersion
+from ftstate.core.liveness import Heartbeat
+from ftstate.core.protocol import (
+    Abandon,
+    Beat,
+    CallCounts,
+    CallsSinceCommit,
+    Checksum,
+    Commit,
+    Discard,
+    DiscardShards,
+    Info,
+    Join,
+    Joined,
+    JoinTrainerGroup,
+    Loaded,
+    Located,
+    NoteWeights,
+    PartChecksum,
+    PartHeld,
+    PartLoaded,
+    PartSent,
+    Prepared,
+    PrepareShards,
+    Prewarm,
+    ReceiveFrom,
+    ReceivePart,
+    ReceiveShards,
+    ReceiveWeights,
+    Request,
+    ReserveStaging,
+    SendPart,
+    SendShards,
+    SendTo,
+    SendWeights,
+    Sent,
+    SentTo,
+    Staged,
+    TrainerChecksum,
+    UserCall,
+    Vigil,
+)
 
 
 def checksum_of(weights_version: int) -> str:
@@ -347,19 +388,19 @@ class SimulatedMember:
 
     # -- what the controller calls (WorkerHost's methods) -----------------------------------
 
-    def _where(self) -> dict[str, Any]:
-        return {"pid": self.pid, "node": self.address, "node_id": self.node_id, "member": self.name, "role": self.role}
+    def _where(self) -> Located:
+        return Located(pid=self.pid, node=self.address, node_id=self.node_id, member=self.name, role=self.role)
 
-    def _on_info(self, fut: asyncio.Future[Any]) -> None:
+    def _on_info(self, fut: asyncio.Future[Any], req: Info) -> None:
         self._after(fut, self.cluster.costs.call_s, self._where)
 
-    def _on_prewarm(self, fut: asyncio.Future[Any]) -> None:
+    def _on_prewarm(self, fut: asyncio.Future[Any], req: Prewarm) -> None:
         self._after(fut, self.cluster.costs.call_s, self._where)
 
-    def _on_heartbeat(self, fut: asyncio.Future[Any], prove: bool = False, forged: bool = False) -> None:
+    def _on_heartbeat(self, fut: asyncio.Future[Any], req: Beat) -> None:
         self._after(fut, self.cluster.costs.call_s, self._beat)
 
-    def local_heartbeat(self, args: tuple[Any, ...], now: float, timeout: float) -> Any:
+    def local_heartbeat(self, req: Beat, now: float, timeout: float) -> Any:
         """What this member's heartbeat, asked by its node's agent, ended in by ``now``: its
         answer, or the exception its call had (dead; no answer within ``timeout``)."""
         if not self.alive:
@@ -368,32 +409,30 @@ class SimulatedMember:
             return CallTimedOut(f"no answer within {timeout:g}s")
         return self._beat()
 
-    def _beat(self) -> dict[str, Any]:
+    def _beat(self) -> Heartbeat:
         now = self.cluster.loop.time()
         busy = bool(self.collectives)
         progress = self.progress
         for c in self.collectives:
             if c.progressing(now):
                 progress += int((now - c.started_at) / self.cluster.costs.bucket_s())  # type: ignore[operator]
-        # as a real member's, ``forged`` is left out when it dropped nothing (it never does here,
-        # so whether the watchdog asked for it changes nothing)
-        return {"progress": progress, "busy": busy, "weights_version": self.weights_version,
-                "checksum": self.checksum, "pid": self.pid}
+        # it drops nothing as forged here, so whether the watchdog asked for it changes nothing
+        return Heartbeat(progress=progress, busy=busy, weights_version=self.weights_version,
+                         checksum=self.checksum, pid=self.pid)
 
-    def _on_vigil(self, fut: asyncio.Future[Any]) -> None:
+    def _on_vigil(self, fut: asyncio.Future[Any], req: Vigil) -> None:
         return None  # pending until the process dies
 
-    def _on_join(self, fut: asyncio.Future[Any], host: str, port: int, group: str, version: int, rank: int,
-                 world_size: int, timeout_s: float) -> None:
+    def _on_join(self, fut: asyncio.Future[Any], req: Join) -> None:
         self._leave("left the group version")
-        store = self.cluster.store_at(port)
-        store.register(group, version, rank, world_size, self, fut, timeout_s)
+        store = self.cluster.store_at(req.store_port)
+        store.register(req.group, req.version, req.rank, req.world_size, self, fut, req.timeout_s)
 
-    def joined(self, version: int, rank: int, world_size: int) -> dict[str, Any]:
+    def joined(self, version: int, rank: int, world_size: int) -> Joined:
         """The rendezvous of ``version`` completed (the store calls it)."""
         self.group_version, self.rank, self.world = version, rank, world_size
         self.progress += 1
-        return {"group_version": version, "rank": rank}
+        return Joined(group_version=version, rank=rank)
 
     def _leave(self, reason: str) -> None:
         for c in list(self.collectives):
@@ -402,8 +441,8 @@ class SimulatedMember:
                     exc = CommunicatorAborted("weights", self.group_version, rank, reason)
                     fut.set_exception(RemoteError(exc, str(exc)))
 
-    def _on_abandon_transfer(self, fut: asyncio.Future[Any], reason: str) -> None:
-        self._leave(reason)
+    def _on_abandon_transfer(self, fut: asyncio.Future[Any], req: Abandon) -> None:
+        self._leave(req.reason)
         self._reply(fut)
 
     def _broadcast(self, weights_version: int) -> Collective:
@@ -419,48 +458,46 @@ class SimulatedMember:
             c.broken = f"rank {min(gone)} of group version {self.group_version} is gone"
         return c
 
-    def _on_send_weights(self, fut: asyncio.Future[Any], weights_version: int, timeout_s: float,
-                         *same_host: Any) -> None:
+    def _on_send_weights(self, fut: asyncio.Future[Any], req: SendWeights) -> None:
         nbytes = self.cluster.costs.weights_bytes
+        weights_version = req.weights_version
 
-        def sent() -> dict[str, Any]:
+        def sent() -> Sent:
             self.weights_version, self.checksum = weights_version, checksum_of(weights_version)
             self.progress += 1
-            return {"checksum": self.checksum, "nbytes": nbytes, "rejected": {}, "routes": {}, "shm_fallback": None,
-                    "node_copy": None, "node_spare": None}
+            return Sent(checksum=self.checksum, nbytes=nbytes)
 
         self._broadcast(weights_version).arrive(self.rank, self, fut, sent)
 
-    def _on_receive_weights(self, fut: asyncio.Future[Any], weights_version: int, src: int, timeout_s: float,
-                            *planned: Any) -> None:
-        self._broadcast(weights_version).arrive(self.rank, self, fut, (SimulatedMember._staged_weights, self,
-                                                                       weights_version, self.cluster.costs.weights_bytes))
+    def _on_receive_weights(self, fut: asyncio.Future[Any], req: ReceiveWeights) -> None:
+        v = req.weights_version
+        self._broadcast(v).arrive(self.rank, self, fut, (SimulatedMember._staged_weights, self, v,
+                                                         self.cluster.costs.weights_bytes))
 
-    def _staged_weights(self, weights_version: int, nbytes: int) -> dict[str, Any]:
+    def _staged_weights(self, weights_version: int, nbytes: int) -> Staged:
         self.staged = weights_version
         self.progress += 1
-        return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version,
-                "staging_bytes": nbytes, "node_copy": None}
+        return Staged(checksum=checksum_of(weights_version), nbytes=nbytes, weights_version=weights_version,
+                      staging_bytes=nbytes)
 
-    def _on_commit_weights(self, fut: asyncio.Future[Any], weights_version: int) -> None:
+    def _on_commit_weights(self, fut: asyncio.Future[Any], req: Commit) -> None:
         self._after(fut, self.cluster.costs.call_s + self.cluster.costs.load_s(),
-                    (SimulatedMember._committed, self, weights_version))
+                    (SimulatedMember._committed, self, req.weights_version))
 
-    def _committed(self, weights_version: int) -> dict[str, Any]:
+    def _committed(self, weights_version: int) -> Loaded:
         if self.staged != weights_version:
             exc = FTError(f"{self.name}: asked to commit weights version {weights_version} but staged "
                           f"{'nothing' if self.staged is None else f'version {self.staged}'}")
             raise RemoteError(exc, str(exc))
         self.weights_version, self.checksum, self.staged = weights_version, checksum_of(weights_version), None
         self.progress += 1
-        return {"checksum": self.checksum, "received": self.checksum, "weights_version": weights_version,
-                "held_bytes": 0}
+        return Loaded(checksum=self.checksum, received=self.checksum, weights_version=weights_version)
 
-    def _on_discard_weights(self, fut: asyncio.Future[Any]) -> None:
+    def _on_discard_weights(self, fut: asyncio.Future[Any], req: Discard) -> None:
         self.staged = None
         self._reply(fut)
 
-    def _on_reserve_staging(self, fut: asyncio.Future[Any], nbytes: int) -> None:
+    def _on_reserve_staging(self, fut: asyncio.Future[Any], req: ReserveStaging) -> None:
         self._reply(fut)
 
     def _point_to_point(self, src: int, dst: int) -> Collective:
@@ -469,33 +506,33 @@ class SimulatedMember:
         gone = self.cluster.gone_ranks.get(self.group_version, set()) & {src, dst}
         return self._unless_a_rank_is_gone(c, gone)
 
-    def _on_send_weights_to(self, fut: asyncio.Future[Any], peer: int, timeout_s: float, *same_host: Any) -> None:
+    def _on_send_weights_to(self, fut: asyncio.Future[Any], req: SendTo) -> None:
         version, checksum, nbytes = self.weights_version, self.checksum, self.cluster.costs.weights_bytes
 
-        def sent() -> dict[str, Any]:
+        def sent() -> SentTo:
             self.progress += 1
-            return {"checksum": checksum, "nbytes": nbytes, "weights_version": version}
+            return SentTo(checksum=checksum or "", nbytes=nbytes, weights_version=version)
 
-        self._point_to_point(self.rank, peer).arrive(self.rank, self, fut, sent)
+        self._point_to_point(self.rank, req.peer).arrive(self.rank, self, fut, sent)
 
-    def _on_receive_weights_from(self, fut: asyncio.Future[Any], src: int, weights_version: int, checksum: str,
-                                 timeout_s: float, *same_host: Any) -> None:
+    def _on_receive_weights_from(self, fut: asyncio.Future[Any], req: ReceiveFrom) -> None:
         nbytes = self.cluster.costs.weights_bytes
+        weights_version, checksum = req.weights_version, req.checksum
 
-        def received() -> dict[str, Any]:
+        def received() -> Loaded:
             self.weights_version, self.checksum = weights_version, checksum
             self.progress += 1
-            return {"checksum": checksum, "received": checksum, "nbytes": nbytes, "weights_version": weights_version}
+            return Loaded(checksum=checksum, received=checksum, nbytes=nbytes, weights_version=weights_version)
 
-        self._point_to_point(src, self.rank).arrive(self.rank, self, fut, received)
+        self._point_to_point(req.src, self.rank).arrive(self.rank, self, fut, received)
 
-    def _on_trainer_checksum(self, fut: asyncio.Future[Any]) -> None:
-        self._reply(fut, self.checksum)
+    def _on_trainer_checksum(self, fut: asyncio.Future[Any], req: TrainerChecksum) -> None:
+        self._reply(fut, Checksum(self.checksum or ""))
 
-    def _on_call(self, fut: asyncio.Future[Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 logged: bool = False) -> None:
+    def _on_call(self, fut: asyncio.Future[Any], req: UserCall) -> None:
         costs = self.cluster.costs
-        seconds = costs.call_s + (costs.train_step_s if self.role == "trainer" and method == "train_step" else 0.0)
+        logged = req.logged
+        seconds = costs.call_s + (costs.train_step_s if self.role == "trainer" and req.name == "train_step" else 0.0)
         self.calls_started += logged
 
         def done() -> None:
@@ -519,18 +556,18 @@ class SimulatedMember:
     def _part_bytes(self) -> int:
         return max(1, self.cluster.costs.weights_bytes // max(1, self.trainer_world))
 
-    def _on_setup_trainer_group(self, fut: asyncio.Future[Any], store_host: str, store_port: int, group: str,
-                                version: int, rank: int, world_size: int, timeout_s: float) -> None:
+    def _on_setup_trainer_group(self, fut: asyncio.Future[Any], req: JoinTrainerGroup) -> None:
         # Not a rendezvous of its own: the ranks were just formed together in the weights group.
-        self.trainer_world = world_size
-        self._reply(fut, {"group_version": version, "rank": rank}, self.cluster.costs.group_form_s)
+        self.trainer_world = req.world_size
+        self._reply(fut, Joined(group_version=req.version, rank=req.rank), self.cluster.costs.group_form_s)
 
-    def _on_prepare_shards(self, fut: asyncio.Future[Any], trainer_rank: int) -> None:
+    def _on_prepare_shards(self, fut: asyncio.Future[Any], req: PrepareShards) -> None:
         self.prepared = True
+        trainer_rank = req.trainer_rank
         piece = ["w", trainer_rank, "float32", [self._elements()], 0, trainer_rank, self.trainer_world]
-        self._reply(fut, {"pieces": [piece], "nbytes": self._part_bytes()})
+        self._reply(fut, Prepared(pieces=(piece,), nbytes=self._part_bytes()))  # type: ignore[arg-type]
 
-    def _on_discard_shards(self, fut: asyncio.Future[Any]) -> None:
+    def _on_discard_shards(self, fut: asyncio.Future[Any], req: DiscardShards) -> None:
         self.prepared = False
         self._reply(fut)
 
@@ -543,8 +580,8 @@ class SimulatedMember:
                                     f"the sharded send of weights version {weights_version}", self.world, cost)
         return self._unless_a_rank_is_gone(c, self.cluster.gone_ranks.get(self.group_version))
 
-    def _on_send_shards(self, fut: asyncio.Future[Any], weights_version: int, peers: list[int],
-                        timeout_s: float) -> None:
+    def _on_send_shards(self, fut: asyncio.Future[Any], req: SendShards) -> None:
+        weights_version = req.weights_version
         if not self.prepared:
             exc = FTError(f"{self.name}: asked to send its part of weights version {weights_version} "
                           "but prepared none")
@@ -554,57 +591,56 @@ class SimulatedMember:
         self._shards(weights_version).arrive(self.rank, self, fut,
                                              (SimulatedMember._sent_shards, self, weights_version, self.rank))
 
-    def _sent_shards(self, weights_version: int, rank: int) -> dict[str, Any]:
+    def _sent_shards(self, weights_version: int, rank: int) -> PartSent:
         self.progress += 1
-        return {"checksum": self.part_checksum_of(weights_version, rank), "nbytes": self._part_bytes()}
+        return PartSent(checksum=self.part_checksum_of(weights_version, rank), nbytes=self._part_bytes())
 
-    def _on_receive_shards(self, fut: asyncio.Future[Any], weights_version: int, ownership: dict[str, Any],
-                           timeout_s: float) -> None:
-        self._shards(weights_version).arrive(self.rank, self, fut, (SimulatedMember._staged_shards, self,
-                                                                    weights_version, self.cluster.costs.weights_bytes))
+    def _on_receive_shards(self, fut: asyncio.Future[Any], req: ReceiveShards) -> None:
+        v = req.weights_version
+        self._shards(v).arrive(self.rank, self, fut, (SimulatedMember._staged_shards, self, v,
+                                                      self.cluster.costs.weights_bytes))
 
-    def _staged_shards(self, weights_version: int, nbytes: int) -> dict[str, Any]:
+    def _staged_shards(self, weights_version: int, nbytes: int) -> Staged:
         self.staged = weights_version
         self.progress += 1
-        return {"checksum": checksum_of(weights_version), "nbytes": nbytes, "weights_version": weights_version}
+        return Staged(checksum=checksum_of(weights_version), nbytes=nbytes, weights_version=weights_version)
 
-    def _on_note_weights(self, fut: asyncio.Future[Any], weights_version: int, checksum: str) -> None:
-        self.weights_version, self.checksum = weights_version, checksum
+    def _on_note_weights(self, fut: asyncio.Future[Any], req: NoteWeights) -> None:
+        self.weights_version, self.checksum = req.weights_version, req.checksum
         self.calls_started = self.calls_done = 0
         self._reply(fut)
 
-    def _on_calls_since_commit(self, fut: asyncio.Future[Any]) -> None:
-        self._reply(fut, {"started": self.calls_started, "done": self.calls_done})
+    def _on_calls_since_commit(self, fut: asyncio.Future[Any], req: CallsSinceCommit) -> None:
+        self._reply(fut, CallCounts(started=self.calls_started, done=self.calls_done))
 
-    def _on_part_checksum(self, fut: asyncio.Future[Any], trainer_rank: int) -> None:
-        self._reply(fut, {"checksum": self.part_checksum_of(self.weights_version, trainer_rank, self.calls_done),
-                          "pieces": 1})
+    def _on_part_checksum(self, fut: asyncio.Future[Any], req: PartChecksum) -> None:
+        self._reply(fut, PartHeld(checksum=self.part_checksum_of(self.weights_version, req.trainer_rank,
+                                                                 self.calls_done), pieces=1))
 
-    def _on_send_part_to(self, fut: asyncio.Future[Any], peer: int, ownership: dict[str, Any], trainer_rank: int,
-                         timeout_s: float) -> None:
-        version = self.weights_version
+    def _on_send_part_to(self, fut: asyncio.Future[Any], req: SendPart) -> None:
+        version, ownership, trainer_rank = self.weights_version, req.ownership, req.trainer_rank
         owners = len(ownership["w"][3]) if "w" in ownership else 1  # name -> [dtype, shape, dim, parts]
         nbytes = max(1, self.cluster.costs.weights_bytes // max(1, owners))
 
-        def sent() -> dict[str, Any]:
+        def sent() -> PartSent:
             self.progress += 1
-            return {"checksum": self.part_checksum_of(version, trainer_rank), "nbytes": nbytes}
+            return PartSent(checksum=self.part_checksum_of(version, trainer_rank), nbytes=nbytes)
 
-        self._point_to_point(self.rank, peer).arrive(self.rank, self, fut, sent)
+        self._point_to_point(self.rank, req.peer).arrive(self.rank, self, fut, sent)
 
-    def _on_receive_part_from(self, fut: asyncio.Future[Any], src: int, weights_version: int,
-                              ownership: dict[str, Any], trainer_rank: int, checksum: str | None,
-                              timeout_s: float) -> None:
-        def restored() -> dict[str, Any]:
+    def _on_receive_part_from(self, fut: asyncio.Future[Any], req: ReceivePart) -> None:
+        weights_version, checksum = req.weights_version, req.checksum
+
+        def restored() -> PartLoaded:
             self.weights_version = weights_version
             self.calls_started = self.calls_done = 0
             self.progress += 1
-            return {"received": checksum, "tensors": 0 if checksum is None else 1}
+            return PartLoaded(received=checksum, tensors=0 if checksum is None else 1)
 
         if checksum is None:
             self._after(fut, self.cluster.costs.call_s, restored)
         else:
-            self._point_to_point(src, self.rank).arrive(self.rank, self, fut, restored)
+            self._point_to_point(req.src, self.rank).arrive(self.rank, self, fut, restored)
 
 
 class SimulatedNodeWatcher(SimulatedMember):
@@ -619,7 +655,7 @@ class SimulatedNodeWatcher(SimulatedMember):
 
 
 class SimulatedLivenessAgent(SimulatedMember):
-    """A node's agent as the controller sees it (:class:`~ftstate.controller.ray_backend.LivenessAgent`):
+    """A node's agent as the controller sees it (:class:`~ftstate.controller.ray.backend.LivenessAgent`):
     a light process on the node (up at once, lost with it) that asks the members there for their
     heartbeats and answers for all of them in one reply."""
 
@@ -638,7 +674,7 @@ class SimulatedLivenessAgent(SimulatedMember):
         return (since is not None and since == memory.mark and self._steady_at == self.changes.count
                 and handles == memory.handles)
 
-    def _on_heartbeats(self, fut: asyncio.Future[Any], handles: list[SimulatedMember], args: list[tuple[Any, ...]],
+    def _on_heartbeats(self, fut: asyncio.Future[Any], handles: list[SimulatedMember], args: list[Beat],
                        timeout: float, mark: int | None = None, since: int | None = None) -> None:
         # One round trip of the controller's, the members' local calls inside it; a member
         # that does not answer (hung) holds the reply until its own call's timeout, as the
@@ -653,7 +689,7 @@ class SimulatedLivenessAgent(SimulatedMember):
     def _on_ready(self, fut: asyncio.Future[Any]) -> None:
         self._reply(fut, True)
 
-    def _answers(self, handles: list[SimulatedMember], args: list[tuple[Any, ...]], timeout: float,
+    def _answers(self, handles: list[SimulatedMember], args: list[Beat], timeout: float,
                  mark: int | None, since: int | None) -> Any:
         memory = self._memory
         if self._unchanged(handles, since):
@@ -665,7 +701,7 @@ class SimulatedLivenessAgent(SimulatedMember):
         answers = [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
         reply = memory.reply(handles, answers, mark, since)
         if mark is not None:
-            steady = all(type(a) is dict and a["busy"] is False for a in answers)
+            steady = all(type(a) is Heartbeat and a.busy is False for a in answers)
             self._steady_at = self.changes.count if steady else None
         return QUIET if reply is QUIET_WIRE else reply  # what the Ray backend hands on for the wire's word
 
@@ -682,25 +718,24 @@ class AgentBatch:
     __slots__ = ("agent", "calls", "ended", "left", "loop", "wake")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, agent: SimulatedMember, handles: Sequence[SimulatedMember],
-                 methods: Sequence[str], args: Sequence[Sequence[Any]]) -> None:
+                 requests: Sequence[Request]) -> None:
         self.loop = loop
         self.agent = agent
         self.left = len(handles)
         self.ended: list[tuple[int, Any]] = []
         self.wake: asyncio.Future[None] | None = None
         #: The members' calls, made at the first step (None once made).
-        self.calls: tuple[Any, ...] | None = (handles, methods, args)
+        self.calls: tuple[Any, ...] | None = (handles, requests)
 
     def reply(self, j: int) -> AgentReply:
         """Where the ``j``-th member's call answers."""
         return AgentReply(self, j)
 
-    def _call_members(self, handles: Sequence[SimulatedMember], methods: Sequence[str],
-                      args: Sequence[Sequence[Any]]) -> None:
+    def _call_members(self, handles: Sequence[SimulatedMember], requests: Sequence[Request]) -> None:
         """The agent calls its members, on its node (the agent's work, as :meth:`_ended`, its
         collecting of their outcomes: the rest of the batch is the stream the controller reads)."""
-        for j, (h, method, a) in enumerate(zip(handles, methods, args, strict=True)):
-            h.answer(method, tuple(a), None, self.reply(j))
+        for j, (h, req) in enumerate(zip(handles, requests, strict=True)):
+            h.answer(req.method, (req,), None, self.reply(j))
 
     def _ended(self, j: int, outcome: Any) -> None:
         self.ended.append((j, outcome))

@@ -37,6 +37,7 @@ from typing import Any
 import ftstate
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import FailoverBudgetExhausted, FTError
+from ftstate.core.protocol import ChaosCorrupt
 from tests.chaos.schedule import Fault, Schedule
 from tests.integration.workers import TinyRollout
 from tests.multinode.harness import MultiNode, pid_alive, resource
@@ -260,7 +261,7 @@ class ChaosRun:
             import ray.exceptions
 
             try:  # the runner's own call: a rollout hit by the fault before it may be dead already
-                await rt.handle(name).chaos_corrupt_next_bucket.remote()
+                await rt.handle(name).chaos_corrupt_next_bucket.remote(ChaosCorrupt())
             except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError):
                 return self._skip(f, f"{name} is dead or unreachable")
             rt.audit.record("chaos", member=name, fault="corrupt")

@@ -133,7 +133,7 @@ async def run_sync(fault_tolerance: bool) -> str:
 
 
 async def check_sync() -> None:
-    from ftstate.controller import cluster
+    from ftstate.controller.ray import cluster
 
     started = cluster.connect(None, num_cpus=2)  # one local cluster for both runs
     try:

@@ -14,13 +14,26 @@ import pytest
 
 from ftstate.controller.backend import QUIET
 from ftstate.controller.calls import ActorCalls
-from ftstate.controller.ray_backend import RayBackend
+from ftstate.controller.ray.backend import RayBackend
 from ftstate.core.errors import CommunicatorAborted, MemberLost, PeerLost, StaleGroupVersion, SyncTimeout
+from ftstate.core.liveness import Heartbeat
+from ftstate.core.protocol import Beat, UserCall
 
 pytestmark = pytest.mark.ray
 
 
-class Raiser:
+class UserMethods:
+    """A stand-in worker that answers user calls (:class:`UserCall`) with its own methods."""
+
+    async def call(self, req: UserCall) -> Any:
+        return await _maybe_await(getattr(self, req.name)(*req.args, **req.kwargs))
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if asyncio.iscoroutine(value) else value
+
+
+class Raiser(UserMethods):
     def pid(self) -> int:
         return os.getpid()
 
@@ -41,30 +54,30 @@ async def test_worker_errors_come_back_typed_with_their_fields(ray_cluster):
     handle = ray.remote(Raiser).options(num_cpus=0).remote()
     try:
         with pytest.raises(StaleGroupVersion) as stale:
-            await calls.call("rollout-1", handle, "fail", "stale")
+            await calls.call("rollout-1", handle, UserCall("fail", ("stale",)))
         assert (stale.value.got, stale.value.current) == (3, 4)
         with pytest.raises(CommunicatorAborted) as aborted:
-            await calls.call("rollout-1", handle, "fail", "aborted")
+            await calls.call("rollout-1", handle, UserCall("fail", ("aborted",)))
         assert aborted.value.reason == "peer lost during bucket 2/5"
         with pytest.raises(PeerLost) as lost:
-            await calls.call("rollout-1", handle, "fail", "peer")
+            await calls.call("rollout-1", handle, UserCall("fail", ("peer",)))
         assert str(lost.value).startswith("rollout-1: ")  # named after the worker
         assert (lost.value.peer, lost.value.op, lost.value.group_version) == (0, "seal", 4)
         with pytest.raises(SyncTimeout) as timeout:
-            await calls.call("rollout-1", handle, "fail", "timeout")
+            await calls.call("rollout-1", handle, UserCall("fail", ("timeout",)))
         assert (timeout.value.key, timeout.value.seconds) == ("sync_timeout_s", 2.0)
         assert died == []
 
-        pid = await calls.call("rollout-1", handle, "pid")
+        pid = await calls.call("rollout-1", handle, UserCall("pid"))
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(MemberLost, match="rollout-1"):
-            await calls.call("rollout-1", handle, "pid")
+            await calls.call("rollout-1", handle, UserCall("pid"))
         assert [m for m, _ in died] == ["rollout-1"]
     finally:
         ray.kill(handle)
 
 
-class Beater:
+class Beater(UserMethods):
     def __init__(self) -> None:
         self.hung = False
 
@@ -74,10 +87,12 @@ class Beater:
     def hang(self) -> None:
         self.hung = True
 
-    async def heartbeat(self, prove: bool = False, forged: bool = False) -> dict:
+    async def heartbeat(self, req: Beat) -> Heartbeat:
         if self.hung:
             await asyncio.Event().wait()
-        return {"pid": os.getpid(), "prove": prove, **({"forged": []} if forged else {})}
+        # what it was asked shows in the answer: ``busy`` carries ``prove``, ``forged`` one record
+        return Heartbeat(progress=0, busy=req.prove, weights_version=0, checksum=None, pid=os.getpid(),
+                         forged=({"asked": True},) if req.forged else ())
 
 
 async def test_a_nodes_agent_answers_for_each_worker_there_as_its_own_call_would_have_ended(ray_cluster):
@@ -90,39 +105,40 @@ async def test_a_nodes_agent_answers_for_each_worker_there_as_its_own_call_would
     names = [n for n, _ in members]
     node = ray.get_runtime_context().get_node_id()
     try:
-        pids = [await calls.call(n, h, "pid") for n, h in members]
+        pids = [await calls.call(n, h, UserCall("pid")) for n, h in members]
         # while the agent starts, None at once (ask directly): never a wait for its start
-        answers = await calls.heartbeats(node, names, handles, [(False, True)] * 3, timeout=5.0)
+        answers = await calls.heartbeats(node, names, handles, [Beat(False, True)] * 3, timeout=5.0)
         assert answers is None
         for _ in range(60):
             await asyncio.sleep(0.5)
-            answers = await calls.heartbeats(node, names, handles, [(False, True), (True, True), (False, False)], timeout=5.0)
+            answers = await calls.heartbeats(node, names, handles, [Beat(False, True), Beat(True, True), Beat(False, False)],
+                                            timeout=5.0)
             if answers is not None:
                 break
         assert answers is not None
-        assert [a["pid"] for a in answers] == pids and [a["prove"] for a in answers] == [False, True, False]
-        assert "forged" in answers[0] and "forged" not in answers[2]
+        assert [a.pid for a in answers] == pids and [a.busy for a in answers] == [False, True, False]
+        assert answers[0].forged and not answers[2].forged
         # The same answers again, naming the reply the agent keeps: QUIET alone; naming one it
         # no longer keeps: the answers.
-        ask = [(False, True)] * 3
+        ask = [Beat(False, True)] * 3
         assert isinstance(await calls.heartbeats(node, names, handles, ask, timeout=5.0, mark=1), list)
         assert await calls.heartbeats(node, names, handles, ask, timeout=5.0, mark=2, since=1) is QUIET
         assert isinstance(await calls.heartbeats(node, names, handles, ask, timeout=5.0, mark=3, since=1), list)
         assert await calls.heartbeats(node, names, handles, ask, timeout=5.0, mark=4, since=3) is QUIET
         os.kill(pids[0], signal.SIGKILL)
-        await calls.call("rollout-1", handles[1], "hang")
+        await calls.call("rollout-1", handles[1], UserCall("hang"))
         # a death and a hang are not the same answers: never quiet
         dead, hung, alive = await calls.heartbeats(node, names, handles, ask, timeout=1.0, mark=5, since=4)
         assert isinstance(dead, MemberLost) and died == ["rollout-0"]
         assert isinstance(hung, MemberLost) and "within 1s" in str(hung)
-        assert alive["pid"] == pids[2]
+        assert alive.pid == pids[2]
     finally:
         for h in handles:
             ray.kill(h)
         backend.close()
 
 
-class Stager:
+class Stager(UserMethods):
     """A worker whose calls take as long as they are told, or raise, or wait until released."""
 
     def __init__(self) -> None:
@@ -165,9 +181,9 @@ async def test_a_nodes_agent_streams_each_workers_outcome_as_it_ends(ray_cluster
     node = ray.get_runtime_context().get_node_id()
     targets = [Target(f"rollout-{i}", h, node) for i, h in enumerate(handles)]
     try:
-        pids = [await calls.call(n, h, "pid") for n, h, _ in targets]
+        pids = [await calls.call(n, h, UserCall("pid")) for n, h, _ in targets]
         # the agent starts on first use: meanwhile the members are called directly
-        first = await calls.fan_out(targets, ["stage"] * 4, [(0.0,)] * 4)
+        first = await calls.fan_out(targets, [UserCall("stage", (0.0,))] * 4)
         assert [r["pid"] for r in first] == pids
         for _ in range(60):
             if node in backend._agents and backend._agents[node][1].done():
@@ -177,7 +193,8 @@ async def test_a_nodes_agent_streams_each_workers_outcome_as_it_ends(ray_cluster
         ended: list[tuple[int, float]] = []
         t0 = loop.time()
         fanned = asyncio.ensure_future(calls.fan_out(
-            targets, ["stage", "wait", "stage", "stage"], [(0.0,), (), (0.2, True), (0.0,)],
+            targets, [UserCall("stage", (0.0,)), UserCall("wait"), UserCall("stage", (0.2, True)),
+                      UserCall("stage", (0.0,))],
             lambda i, outcome: ended.append((i, loop.time() - t0))))
         # Each outcome is reported as it ends: the other three come while rollout-1 still
         # waits (the batch cannot end before it), however slow this machine is.

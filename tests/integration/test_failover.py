@@ -18,6 +18,7 @@ import pytest
 import ftstate
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import FailoverBudgetExhausted, HeldWeightsMismatch, LossyRecoveryRefused, MemberLost
+from ftstate.core.protocol import UserCall
 from tests.integration.test_runtime import assert_gone, wait_until
 from tests.integration.workers import (
     BadNewcomerRollout,
@@ -530,7 +531,7 @@ class TestTrainerFailover:
             report = await rt.sync()
             fresh_optimizer = await rt.handle(
                 next(m.member for m in rt.members() if m.state == "STANDBY" and m.role == "trainer")
-            ).call.remote("optimizer_checksum", (), {})
+            ).call.remote(UserCall("optimizer_checksum"))
             assert fresh_optimizer != saved_optimizer  # so the check below can fail
             await rt.chaos.kill("trainer", 0)
             await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the trainer failover")
@@ -576,9 +577,9 @@ async def test_a_generation_wedged_while_its_actor_answers_is_lost_and_replaced_
         assert not rt.failovers
 
         wedged = rt.serving_rollouts()[0]
-        await rt.handle(wedged).call.remote("wedge_next_generate", (), {})
+        await rt.handle(wedged).call.remote(UserCall("wedge_next_generate"))
         t0 = time.monotonic()
-        stuck = asyncio.ensure_future(rt.handle(wedged).call.remote("generate", ("stuck",), {}))
+        stuck = asyncio.ensure_future(rt.handle(wedged).call.remote(UserCall("generate", ("stuck",))))
         await wait_until(lambda: any(m.member == wedged and m.state == "SUSPECT" for m in rt.members()), 10,
                          f"{wedged} suspected")
         suspected_s = time.monotonic() - t0

@@ -17,6 +17,7 @@ import pytest
 
 import ftstate
 from ftstate.core.audit_check import check_trail, load_records
+from ftstate.core.protocol import UserCall
 from tests.integration.test_runtime import wait_until
 from tests.integration.workers import EngineRollout, TinyTrainer
 
@@ -40,7 +41,7 @@ def config(tmp_path, **overrides) -> ftstate.RuntimeConfig:
 
 async def user_call(rt, member: str, method: str, *args):
     """A user method on one member only (rt.rollout calls every serving rollout)."""
-    return await rt.handle(member).call.remote(method, args, {})
+    return await rt.handle(member).call.remote(UserCall(method, args))
 
 
 def state_of(rt, member: str) -> str:

@@ -389,7 +389,7 @@ def test_a_provider_variable_on_the_node_points_auto_at_its_server():
 @pytest.mark.ray
 def test_the_node_watcher_actor_reads_its_nodes_server_and_stamps_its_node(ray_cluster):
     from ftstate.controller.maintenance.node_actor import NodeWatcherActor, actor_watchers
-    from ftstate.controller.ray_backend import RayBackend
+    from ftstate.controller.ray.backend import RayBackend
 
     ray = ray_cluster
     node_id = ray.get_runtime_context().get_node_id()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 import ftstate
+from ftstate.core.protocol import Beat, ChaosCorrupt, UserCall
 from tests.integration.test_failover import assert_consistent, finish
 from tests.integration.test_runtime import wait_until
 from tests.integration.workers import HeldResidentRollout, ResidentRollout, TinyTrainer, ViewHoldingRollout
@@ -129,7 +130,7 @@ async def test_a_kept_buffer_is_never_rewritten_under_an_engine_that_serves_from
     async with rt:
         report = await two_syncs(rt)
         assert await rt.rollout("checksum") == [report.checksum] * 2
-        await rt.handle("rollout-0").chaos_corrupt_next_bucket.remote()
+        await rt.handle("rollout-0").chaos_corrupt_next_bucket.remote(ChaosCorrupt())
         await rt.trainer("train_step")
         with pytest.raises(ftstate.ChecksumMismatch, match="rollout-0"):
             await rt.sync()
@@ -195,7 +196,7 @@ async def test_a_failed_sync_leaves_the_engine_untouched_and_a_scribbled_engine_
     rt = runtime(tmp_path, HeldResidentRollout, enable=False)  # no retry: the failed sync surfaces
     async with rt:
         report = await rt.sync()
-        await rt.handle("rollout-1").chaos_corrupt_next_bucket.remote()
+        await rt.handle("rollout-1").chaos_corrupt_next_bucket.remote(ChaosCorrupt())
         await rt.trainer("train_step")
         with pytest.raises(ftstate.ChecksumMismatch, match="rollout-1"):
             await rt.sync()
@@ -206,6 +207,6 @@ async def test_a_failed_sync_leaves_the_engine_untouched_and_a_scribbled_engine_
         await assert_consistent(rt)
         # an engine changed behind ftstate's back is caught by the next proof (re-admission
         # hashes the engine afresh), and what it would send a newcomer is refused by checksum
-        await rt.handle("rollout-0").call.remote("scribble", (), {})
-        got = await rt.handle("rollout-0").heartbeat.remote(prove=True)
-        assert got["checksum"] != again.checksum
+        await rt.handle("rollout-0").call.remote(UserCall("scribble"))
+        got = await rt.handle("rollout-0").heartbeat.remote(Beat(prove=True))
+        assert got.checksum != again.checksum

@@ -16,6 +16,7 @@ import pytest
 
 import ftstate
 from ftstate.core.audit_check import check_trail
+from ftstate.core.protocol import UserCall
 from tests.integration.test_runtime import wait_until
 from tests.integration.workers import ReplayTrainer, TinyRollout
 
@@ -143,7 +144,7 @@ class TestCheckpointRecovery:
             # Nobody was rolled back: the rollouts still hold version 2 (asked directly: a
             # failed run routes no calls).
             rollouts = [m.member for m in rt.members() if m.role == "rollout"]
-            held = [await rt.handle(n).call.remote("checksum", (), {}) for n in rollouts]
+            held = [await rt.handle(n).call.remote(UserCall("checksum")) for n in rollouts]
             assert rt.weights_version == 2 and held == [v2, v2]
 
     async def test_with_the_switch_on_the_rollback_is_accepted_and_recorded(self, ray_cluster, tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import ftstate
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import ChecksumMismatch, ConfigError, MemberLost, NoServingWorkers, RendezvousTimeout
+from ftstate.core.protocol import ChaosCorrupt, ChaosKill, UserCall
 from tests.integration.workers import TinyRollout, TinyTrainer
 
 pytestmark = pytest.mark.ray
@@ -170,7 +171,7 @@ class TestDetection:
             assert lost and lost[0]["trigger"] == "died"
             with pytest.raises(MemberLost, match="rollout-1 lost"):
                 await rt.sync()
-            survivor = await rt._calls.call("rollout-0", rt.handle("rollout-0"), "call", "checksum", (), {})
+            survivor = await rt._calls.call("rollout-0", rt.handle("rollout-0"), UserCall("checksum"))
             assert survivor == trainer_sum
             print(f"detection latency (idle SIGKILL -> FAILED): {time.monotonic() - t_kill:.3f}s")
 
@@ -181,11 +182,11 @@ class TestDetection:
             v1 = await rt.trainer("checksum")
             await rt.trainer("train_step")
             # The victim kills itself (SIGKILL) after its third bucket of the next sync arrived.
-            await rt.handle("rollout-1").chaos_kill_after_progress.remote(3)
+            await rt.handle("rollout-1").chaos_kill.remote(ChaosKill(3))
             with pytest.raises(MemberLost, match="rollout-1"):
                 await rt.sync()
             assert rt.state == "FAILED"
-            survivor = await rt._calls.call("rollout-0", rt.handle("rollout-0"), "call", "checksum", (), {})
+            survivor = await rt._calls.call("rollout-0", rt.handle("rollout-0"), UserCall("checksum"))
             assert survivor == v1, "the survivor must keep the last committed version intact"
             states = {m.member: m.state for m in rt.members()}
             assert states["rollout-1"] == "LOST"
@@ -225,7 +226,7 @@ class TestAtomicSync:
             await rt.sync()
             v1 = await rt.trainer("checksum")
             await rt.trainer("train_step")
-            await rt.handle("rollout-1").chaos_corrupt_next_bucket.remote()
+            await rt.handle("rollout-1").chaos_corrupt_next_bucket.remote(ChaosCorrupt())
             with pytest.raises(ChecksumMismatch, match="rollout-1"):
                 await rt.sync()
             # Nobody committed: both rollouts still serve version 1, which is still current.
@@ -267,7 +268,7 @@ class TestAtomicSync:
         async with runtime(config(tmp_path)) as rt:
             await rt.sync()
             await rt.trainer("train_step")
-            await rt._calls.call("rollout-1", rt.handle("rollout-1"), "call", "fail_next_load", (), {})
+            await rt._calls.call("rollout-1", rt.handle("rollout-1"), UserCall("fail_next_load"))
             with pytest.raises(RuntimeError, match="simulated user error"):
                 await rt.sync()
             # version 2 is committed: rollout-0 serves it, rollout-1 (torn by its own code) serves nothing

@@ -22,6 +22,7 @@ import ftstate
 from benchmarks.nodecopy import private, smaps
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import ChecksumMismatch, FTError
+from ftstate.core.protocol import ChaosCorrupt, UserCall
 from ftstate.transport import nodecopy, shm
 from tests.integration.test_failover import assert_consistent, finish, rollout_replaced
 from tests.integration.test_failover import config as ft_config
@@ -52,7 +53,7 @@ def committed_copies(rt) -> list[str]:
 
 async def held(rt, member: str) -> str | None:
     """The checksum ``member`` holds (asked of its actor directly: the run may have failed)."""
-    return await rt.handle(member).call.remote("checksum", (), {})
+    return await rt.handle(member).call.remote(UserCall("checksum"))
 
 
 def sweep_run(run_id: str) -> None:
@@ -151,7 +152,7 @@ class TestOneCopyPerNode:
     async def test_a_damaged_bucket_fails_the_sync_and_no_rollout_loads_anything(self, ray_cluster, tmp_path, swept):
         async with swept(runtime(config(tmp_path, staging="node"))) as rt:
             v1, kept = await synced_once(rt)
-            await rt.handle("rollout-1").chaos_corrupt_next_bucket.remote()
+            await rt.handle("rollout-1").chaos_corrupt_next_bucket.remote(ChaosCorrupt())
             with pytest.raises(ChecksumMismatch, match="rollout-1"):
                 await rt.sync()
             assert rt.weights_version == 1 and await rt.rollout("checksum") == [v1, v1]
@@ -323,7 +324,7 @@ class TestDeviceParts:
             [failover] = [r for r in rt.audit.records if r["event"] == "failover"]
             assert failover["device_bytes"] == proven["device_bytes"], failover
             # what the newcomer's engine was handed, seen from outside: parts of a bucket at most
-            parts = await rt.handle(new).call.remote("parts", (), {})
+            parts = await rt.handle(new).call.remote(UserCall("parts"))
             assert len(parts) >= 4 and parts[0][2] and parts[-1][3], parts
             assert all(nbytes <= bucket for nbytes, _, _, _ in parts), parts
             await assert_consistent(rt)

@@ -8,6 +8,7 @@ import pytest
 import ftstate
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import OwnershipError
+from ftstate.core.protocol import Beat, ChaosKill, UserCall
 from tests.integration.workers import ShardTrainer, TinyRollout
 
 pytestmark = pytest.mark.ray
@@ -36,8 +37,8 @@ async def synced_equal(rt) -> str:
     assert sorted(report.rollouts) == ["rollout-0", "rollout-1"]
     for m in rt.members():  # every rank's heartbeat reports the committed version and full checksum
         if m.role == "trainer":
-            beat = await rt.handle(m.member).heartbeat.remote()
-            assert (beat["weights_version"], beat["checksum"]) == (report.weights_version, reference), m.member
+            beat = await rt.handle(m.member).heartbeat.remote(Beat())
+            assert (beat.weights_version, beat.checksum) == (report.weights_version, reference), m.member
     return reference
 
 
@@ -47,7 +48,7 @@ async def test_every_rollout_holds_the_full_reference_after_each_sync(ray_cluste
     rt = ftstate.Runtime(config(tmp_path, ranks), trainer=ShardTrainer, rollout=TinyRollout,
                          trainer_kwargs={"style": style})
     async with rt:
-        facts = [await rt._calls.call(m.name, m.handle, "call", "facts", (), {})
+        facts = [await rt._calls.call(m.name, m.handle, UserCall("facts"))
                  for m in rt._membership.live("trainer")]
         assert [(f["rank"], f["world"], f["setups"]) for f in facts] == [(r, ranks, 1) for r in range(ranks)]
         assert [f["env"] for f in facts] == [(str(r), str(ranks)) for r in range(ranks)]
@@ -90,12 +91,12 @@ async def test_a_trainer_rank_killed_mid_sync_fails_the_run_and_rollouts_keep_th
         good = await synced_equal(rt)
         await rt.trainer("train_step")
         victim = rt.handle("trainer-1")
-        pid = await victim.call.remote("facts", (), {})
-        await victim.chaos_kill_after_progress.remote(2)  # its state_dict() prepared, then one bucket on the wire
+        pid = await victim.call.remote(UserCall("facts"))
+        await victim.chaos_kill.remote(ChaosKill(2))  # its state_dict() prepared, then one bucket on the wire
         with pytest.raises(ftstate.MemberLost, match="trainer-1"):
             await rt.sync()
         assert not _alive(pid["pid"])
-        held = [await rt.handle(f"rollout-{i}").call.remote("checksum", (), {}) for i in range(2)]
+        held = [await rt.handle(f"rollout-{i}").call.remote(UserCall("checksum")) for i in range(2)]
         assert held == [good] * 2
         with pytest.raises(ftstate.MemberLost):
             await rt.rollout("generate", "x")
@@ -145,5 +146,5 @@ async def test_a_trainer_rank_killed_mid_step_with_a_collective_in_flight_fails_
         os.kill(int(marker.read_text()), signal.SIGKILL)
         with pytest.raises(ftstate.MemberLost, match="trainer-1"):
             await asyncio.wait_for(step, 60)
-        held = [await rt.handle(f"rollout-{i}").call.remote("checksum", (), {}) for i in range(2)]
+        held = [await rt.handle(f"rollout-{i}").call.remote(UserCall("checksum")) for i in range(2)]
         assert held == [good] * 2

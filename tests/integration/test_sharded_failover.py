@@ -19,6 +19,7 @@ import pytest
 import ftstate
 from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import HeldWeightsMismatch
+from ftstate.core.protocol import ChaosKill, UserCall
 from tests.integration.workers import LocalPartTrainer, MisloadingPartTrainer, PartTrainer, TinyRollout
 
 pytestmark = pytest.mark.ray
@@ -41,7 +42,7 @@ def config(tmp_path, ranks: int, **ft) -> ftstate.RuntimeConfig:
 
 async def facts(rt) -> dict[int, dict]:
     live = rt._membership.live("trainer")
-    out = await asyncio.gather(*(rt._calls.call(m.name, m.handle, "call", "facts", (), {}) for m in live))
+    out = await asyncio.gather(*(rt._calls.call(m.name, m.handle, UserCall("facts")) for m in live))
     return {f["rank"]: f for f in out}
 
 
@@ -137,7 +138,7 @@ async def test_a_rank_killed_mid_sync_is_replaced_and_the_sync_completes(ray_clu
         await holds(rt, [], 3)
         await rt.trainer("train_step", 1)
         before = await facts(rt)
-        await rt.handle("trainer-1").chaos_kill_after_progress.remote(2)  # its part prepared, one bucket out
+        await rt.handle("trainer-1").chaos_kill.remote(ChaosKill(2))  # its part prepared, one bucket out
         report = await rt.sync()
         assert report.failovers == 1 and report.weights_version == 2
         assert report.checksum == PartTrainer.reference([1], 3)
@@ -264,6 +265,6 @@ async def test_a_restored_rank_that_does_not_reproduce_its_part_is_never_admitte
                        for r in rt.audit.records if r["event"] == "transition")
         assert rt.failovers == []
         rollouts = rt._membership.live("rollout")
-        held = await asyncio.gather(*(rt._calls.call(m.name, m.handle, "call", "checksum", (), {}) for m in rollouts))
+        held = await asyncio.gather(*(rt._calls.call(m.name, m.handle, UserCall("checksum")) for m in rollouts))
         assert held == [committed] * 2  # the failed run's rollouts still hold the committed version
     assert check_trail(tmp_path / "audit.jsonl") == []

@@ -20,6 +20,7 @@ import pytest
 
 import ftstate
 from ftstate.core.errors import CommunicatorAborted, FTError, InvalidTransition, MemberLost
+from ftstate.core.protocol import Abandon
 from tests.integration.workers import TinyRollout, TinyTrainer
 
 pytestmark = pytest.mark.ray
@@ -128,7 +129,7 @@ async def test_a_transient_transport_error_is_retried_and_the_sync_succeeds(ray_
         await rt.sync()
         # rollout-0 loses its connection to the group: its communicator is aborted, so its
         # next transfer fails at once with CommunicatorAborted (nobody died).
-        await rt.handle("rollout-0").abandon_transfer.remote("test: connection dropped")
+        await rt.handle("rollout-0").abandon_transfer.remote(Abandon("test: connection dropped"))
         report = await rt.sync()
         assert report.weights_version == 2 and report.failovers == 0
         retries = [r for r in rt.audit.records if r["event"] == "sync_retry"]
@@ -141,7 +142,7 @@ async def test_a_transient_transport_error_is_retried_and_the_sync_succeeds(ray_
 async def test_a_transient_error_past_sync_retries_is_raised(ray_cluster, tmp_path) -> None:
     async with ftstate.Runtime(config(tmp_path, sync_retries=0), trainer=TinyTrainer, rollout=TinyRollout) as rt:
         first = await rt.sync()
-        await rt.handle("rollout-1").abandon_transfer.remote("test: connection dropped")
+        await rt.handle("rollout-1").abandon_transfer.remote(Abandon("test: connection dropped"))
         with pytest.raises(CommunicatorAborted, match="connection dropped"):
             await rt.sync()
         assert [r["event"] for r in rt.audit.records].count("sync_gave_up") == 1

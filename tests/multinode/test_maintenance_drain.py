@@ -9,7 +9,7 @@ import time
 
 from ftstate.controller.maintenance import MaintenanceWatcher
 from ftstate.controller.maintenance.ray_drain import AsyncRayDrainWatcher
-from ftstate.controller.ray_backend import RayBackend
+from ftstate.controller.ray.backend import RayBackend
 from tests.multinode.harness import resource
 
 

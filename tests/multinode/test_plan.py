@@ -19,6 +19,7 @@ import pytest
 
 import ftstate
 from ftstate.core.audit_check import check_trail
+from ftstate.core.protocol import ChaosKill
 from ftstate.transport import nodecopy, shm
 from tests.integration.workers import TinyRollout, TinyTrainer
 from tests.multinode.harness import LABEL, resource
@@ -145,7 +146,7 @@ async def test_a_relay_killed_mid_transfer_nothing_committed_nothing_left_the_sy
         before = len(rt.audit.records)
         previous = rt.weights_version
         await rt.trainer("train_step")
-        await rt.handle(relay).chaos_kill_after_progress.remote(3)  # after handing on its third bucket
+        await rt.handle(relay).chaos_kill.remote(ChaosKill(3))  # after handing on its third bucket
         report = await rt.sync()
         assert report.failovers == 1 and report.weights_version == previous + 1
         assert [f.lost for f in rt.failovers] == [relay]

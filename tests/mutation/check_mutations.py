@@ -54,7 +54,7 @@ MUTATIONS = (
     Mutation(
         "one-phase commit",
         "a rollout hands weights to load_weights only after every rollout staged the same version",
-        (Edit("ftstate/controller/host.py",
+        (Edit("ftstate/worker/transfers.py",
               "                field=\"weights_version\",\n            )\n        self._staged = staged\n",
               "                field=\"weights_version\",\n            )\n        self._staged = staged\n"
               "        await self._run(self.user.load_weights, dict(staged.tensors), weights_version)\n"),),
@@ -149,8 +149,8 @@ MUTATIONS = (
         "no replay",
         "a new trainer re-runs the calls since the last sync, so no step is lost",
         (Edit("ftstate/controller/failover.py",
-              "        for c in calls:\n            await self.calls.call(trainer.name, trainer.handle, \"call\"",
-              "        for c in calls[:0]:\n            await self.calls.call(trainer.name, trainer.handle, \"call\""),),
+              "        for c in calls:\n            await self.calls.call(trainer.name, trainer.handle, UserCall(",
+              "        for c in calls[:0]:\n            await self.calls.call(trainer.name, trainer.handle, UserCall("),),
         ("tests/integration/test_replay.py::test_calls_since_the_last_sync_are_replayed_on_the_new_trainer",),
     ),
     Mutation(
@@ -201,9 +201,9 @@ MUTATIONS = (
     Mutation(
         "slow detection",
         "a hung worker is SUSPECT within an interval or two and LOST heartbeat_timeout_s later, no later",
-        (Edit("ftstate/controller/watchdog.py", '"heartbeat", prove, True,\n'
+        (Edit("ftstate/controller/watchdog.py", "_PROVE if prove else _ASK,\n"
               "                                        timeout=self.config.heartbeat_interval_s)",
-              '"heartbeat", prove, True,\n'
+              "_PROVE if prove else _ASK,\n"
               "                                        timeout=self.config.heartbeat_timeout_s)"),
          Edit("ftstate/controller/watchdog.py", "args,\n"
               "                                              timeout=self.config.heartbeat_interval_s, mark=",
@@ -263,7 +263,7 @@ MUTATIONS = (
     Mutation(
         "a second copy beside the engine",
         "a rollout whose engine gives its weights back keeps no copy of its own after a load",
-        (Edit("ftstate/controller/host.py", "        self._received = staged.state_checksum\n        if from_engine:\n",
+        (Edit("ftstate/worker/holdings.py", "        self._received = staged.state_checksum\n        if from_engine:\n",
               "        self._received = staged.state_checksum\n        if False:\n"),),
         ("tests/integration/test_memory.py::test_what_a_rollout_keeps_beside_its_own_weights[held_weights]",),
     ),
@@ -319,7 +319,7 @@ MUTATIONS = (
     Mutation(
         "a worker's own work unseen",
         "a worker busy in its own work (a generation) whose steps stand still is suspected like a stalled transfer",
-        (Edit("ftstate/controller/host.py", "        if user is not None:  # the user's own work", "        if False:  # the user's own work"),),
+        (Edit("ftstate/worker/host.py", "        if user is not None:  # the user's own work", "        if False:  # the user's own work"),),
         ("tests/unit/test_activity.py",),
     ),
     Mutation(

@@ -9,9 +9,10 @@ import asyncio
 
 import pytest
 
-from ftstate.controller.host import WorkerHost
 from ftstate.core.errors import WorkerInitError
+from ftstate.core.protocol import Beat, Info
 from ftstate.core.worker import RolloutWorker
+from ftstate.worker.host import WorkerHost
 
 
 class Plain(RolloutWorker):
@@ -32,21 +33,21 @@ def host(cls) -> WorkerHost:
 
 
 def test_a_worker_that_says_nothing_is_busy_only_with_ftstates_own_work():
-    beat = asyncio.run(host(Plain).heartbeat())
-    assert beat["busy"] is False and beat["progress"] == 0
+    beat = asyncio.run(host(Plain).heartbeat(Beat()))
+    assert beat.busy is False and beat.progress == 0
 
 
 def test_a_workers_own_work_makes_the_heartbeat_busy_and_its_counter_moves_the_progress():
     h = host(Generating)
     h.progress = 7  # ftstate's own work so far
     h.user.now = (True, 5)
-    beat = asyncio.run(h.heartbeat())
-    assert beat["busy"] is True and beat["progress"] == 12
+    beat = asyncio.run(h.heartbeat(Beat()))
+    assert beat.busy is True and beat.progress == 12
     h.user.now = (True, 6)
-    assert asyncio.run(h.heartbeat())["progress"] == 13
+    assert asyncio.run(h.heartbeat(Beat())).progress == 13
     h.user.now = None  # nothing to say now
-    beat = asyncio.run(h.heartbeat())
-    assert beat["busy"] is False and beat["progress"] == 7
+    beat = asyncio.run(h.heartbeat(Beat()))
+    assert beat.busy is False and beat.progress == 7
 
 
 @pytest.mark.parametrize("value", [{"busy": True}, (1, 2), (True, 2.5), (True, True), (True,)])
@@ -57,6 +58,6 @@ def test_an_activity_of_the_wrong_shape_is_said_at_the_start_naming_the_method(v
 
     h = host(Wrong)
     with pytest.raises(WorkerInitError) as info:
-        asyncio.run(h.info())
+        asyncio.run(h.info(Info()))
     text = str(info.value)
     assert "activity()" in text and "(busy: bool, progress: int)" in text

@@ -19,6 +19,7 @@ from ftstate.core.deadline import ManualClock
 from ftstate.core.errors import MemberLost
 from ftstate.core.liveness import Liveness
 from ftstate.core.machine import StateMachine
+from ftstate.core.protocol import Join, Joined
 from ftstate.core.spec import get_spec
 
 
@@ -31,24 +32,24 @@ class Joins:
         self.delay_s = delay_s
         self.joined: list[tuple[str, int, int, int]] = []
 
-    async def call(self, member, handle, method, *args, timeout=None):
-        assert method == "join"
-        _host, _port, group, version, rank, world, _timeout = args
+    async def call(self, member, handle, req, timeout=None):
+        assert isinstance(req, Join)
+        group, version, rank, world = req.group, req.version, req.rank, req.world_size
         assert group == GROUP
         await asyncio.sleep(self.delay_s)
         if member in self.unreachable:
             raise MemberLost(member, "unreachable during join(): the actor is temporarily unavailable")
         self.joined.append((member, version, rank, world))
-        return {"group_version": version, "rank": rank}
+        return Joined(group_version=version, rank=rank)
 
-    async def fan_out(self, targets, methods, args, on_end=None):
+    async def fan_out(self, targets, requests, on_end=None):
         """ActorCalls.fan_out's contract: every call at once, each outcome (result or error) in
         order, ``on_end(i, outcome)`` as each ends."""
         out = [None] * len(targets)
 
         async def one(i):
             try:
-                outcome = await self.call(targets[i].name, targets[i].handle, methods[i], *args[i])
+                outcome = await self.call(targets[i].name, targets[i].handle, requests[i])
             except Exception as exc:  # noqa: BLE001 - the member's own outcome, handed back
                 outcome = exc
             out[i] = outcome

@@ -2,7 +2,9 @@
 torch, and no import circles.
 
 Rooms, innermost first: ``core`` (pure), ``transport`` (moves bytes; imports the core),
-``controller`` (drives machines from Ray events; imports core and transport),
+``worker`` (runs inside a worker process; imports core and transport, never the controller),
+``controller`` (drives machines from Ray events; imports core and transport, and the worker only
+from its Ray adapter, which starts the worker's actor),
 ``simulation`` (the controller's backend in virtual time; imports core, transport and
 controller), ``integrations`` and ``cli`` (outermost). Every import counts, including those inside
 functions and under ``TYPE_CHECKING``: a lazy import is still a dependency, and a circle
@@ -21,17 +23,20 @@ import pytest
 import ftstate
 
 PACKAGE = Path(ftstate.__file__).resolve().parent
-ROOMS = ("core", "transport", "controller", "simulation", "integrations", "cli")
+ROOMS = ("core", "transport", "worker", "controller", "simulation", "integrations", "cli")
 #: What each room may import from the package (itself included).
 ALLOWED = {
     "core": {"core"},
     "transport": {"core", "transport"},
+    "worker": {"core", "transport", "worker"},
     "controller": {"core", "transport", "controller"},
     "simulation": {"core", "transport", "controller", "simulation"},
     "integrations": {"core", "transport", "controller", "integrations"},
     # the demo's --engine vllm runs the vLLM integration as any user would
     "cli": {"core", "transport", "controller", "simulation", "integrations", "cli"},
 }
+#: The one controller module that may import the worker: the Ray adapter names the actor class it starts.
+STARTS_WORKERS = {"ftstate.controller.ray.backend": {"worker"}}
 
 
 def module_name(path: Path) -> str:
@@ -78,7 +83,7 @@ def room(name: str) -> str | None:
 
 def test_every_module_lives_in_a_room() -> None:
     loose = [n for n in modules() if n not in ("ftstate", "ftstate.__main__") and room(n) is None]
-    assert not loose, f"modules outside core/transport/controller/simulation/integrations/cli: {loose}"
+    assert not loose, f"modules outside core/transport/worker/controller/simulation/integrations/cli: {loose}"
 
 
 def test_rooms_depend_inward_only() -> None:
@@ -88,7 +93,7 @@ def test_rooms_depend_inward_only() -> None:
         if r is None:
             continue
         for d in deps:
-            if room(d) not in ALLOWED[r]:
+            if room(d) not in ALLOWED[r] | STARTS_WORKERS.get(name, set()):
                 wrong.append(f"{name} imports {d}")
     assert not wrong, "imports against the layering:\n" + "\n".join(sorted(wrong))
 
@@ -151,11 +156,9 @@ def test_the_core_imports_neither_ray_nor_torch() -> None:
     assert out == "", f"importing the core loaded: {out}"
 
 
-#: The controller's modules that may import Ray: its backend (and the Ray parts it is made of:
-#: joining the cluster, placement groups), the worker host (it runs inside the Ray actor, not
-#: in the controller).
-RAY_MODULES = {"ftstate.controller.ray_backend", "ftstate.controller.cluster", "ftstate.controller.placement",
-               "ftstate.controller.host"}
+#: The controller's modules that may import Ray: its Ray adapter (the backend, joining the
+#: cluster, placement groups).
+RAY_MODULES = {"ftstate.controller.ray.backend", "ftstate.controller.ray.cluster", "ftstate.controller.ray.placement"}
 
 
 def ray_importers() -> list[str]:
@@ -175,6 +178,6 @@ def ray_importers() -> list[str]:
 
 def test_the_controller_reaches_ray_only_through_its_backend() -> None:
     found = ray_importers()
-    assert "ftstate.controller.ray_backend" in found  # the check sees a lazy import
+    assert "ftstate.controller.ray.backend" in found  # the check sees a lazy import
     stray = sorted(set(found) - RAY_MODULES)
     assert not stray, f"controller modules importing Ray outside the backend: {stray}"

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from ftstate.controller.placement import check_feasible, describe_cluster, label_matches
+from ftstate.controller.feasibility import check_feasible, describe_cluster, label_matches
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import PlacementUnsatisfiable
 

@@ -28,6 +28,7 @@ from ftstate.core.errors import (
     PlacementUnsatisfiable,
     StaleGroupVersion,
 )
+from ftstate.core.protocol import Beat, Commit, Info, Join, Vigil
 from ftstate.simulation import clock
 from ftstate.simulation.cluster import SimulatedCluster
 from ftstate.simulation.costs import Costs
@@ -54,7 +55,7 @@ async def packed(cluster: SimulatedCluster, n: int) -> list:
     """``n`` rollouts packed on the first node, up (their ``info`` answered)."""
     pool = cluster.resource_pool("r", "rollout", n, cpus=1, gpus=0, placement=RolePlacement(strategy="PACK"))
     ms = [started(cluster, f"rollout-{i}", pool, i) for i in range(n)]
-    await asyncio.gather(*(cluster.call(m, "info", (), None) for m in ms))
+    await asyncio.gather(*(cluster.call(m, Info(), None) for m in ms))
     return ms
 
 
@@ -88,20 +89,20 @@ class TestSimulatedMembers:
         async def main():
             cluster = SimulatedCluster(2, costs=QUIET)
             m = started(cluster, "rollout-0")
-            info = await cluster.call(m, "info", (), None)
+            info = await cluster.call(m, Info(), None)
             return asyncio.get_running_loop().time(), info
 
         t, info = run(main())
         assert t == pytest.approx(QUIET.start_s + QUIET.call_s)
-        assert info["member"] == "rollout-0" and info["node_id"] == "n0000000"
+        assert info.member == "rollout-0" and info.node_id == "n0000000"
 
     def test_a_death_fails_the_pending_call_after_the_detection_latency(self):
         async def main():
             cluster = SimulatedCluster(1, costs=QUIET)
             m = started(cluster, "rollout-0")
-            await cluster.call(m, "info", (), None)
+            await cluster.call(m, Info(), None)
             loop = asyncio.get_running_loop()
-            vigil = asyncio.ensure_future(cluster.call(m, "vigil", (), None))
+            vigil = asyncio.ensure_future(cluster.call(m, Vigil(), None))
             await asyncio.sleep(5)
             assert not vigil.done()  # a vigil stays pending while the process lives
             t0 = loop.time()
@@ -116,10 +117,10 @@ class TestSimulatedMembers:
         async def main():
             cluster = SimulatedCluster(1, costs=QUIET)
             m = started(cluster, "rollout-0")
-            await cluster.call(m, "info", (), None)
+            await cluster.call(m, Info(), None)
             cluster.hang_member("rollout-0")
             with pytest.raises(CallTimedOut):
-                await cluster.call(m, "heartbeat", (), 1.0)
+                await cluster.call(m, Beat(), 1.0)
 
         run(main())
 
@@ -131,17 +132,17 @@ class TestSimulatedMembers:
             loop = asyncio.get_running_loop()
             cluster = SimulatedCluster(1, costs=QUIET)
             m = started(cluster, "rollout-0")
-            await cluster.call(m, "info", (), None)
-            beat = await cluster.call(m, "heartbeat", (), 5.0)
+            await cluster.call(m, Info(), None)
+            beat = await cluster.call(m, Beat(), 5.0)
             left_after_answer = len(cluster.timers)
             late = started(cluster, "rollout-1")  # up only start_s from now
             t0 = loop.time()
             with pytest.raises(CallTimedOut):
-                await cluster.call(late, "heartbeat", (), QUIET.start_s / 2)
+                await cluster.call(late, Beat(), QUIET.start_s / 2)
             return beat, left_after_answer, loop.time() - t0
 
         beat, left, waited = run(main())
-        assert beat["pid"] and left == 0
+        assert beat.pid and left == 0
         assert waited == pytest.approx(QUIET.start_s / 2)
 
     def test_a_lost_node_goes_silent_then_unreachable_then_dead_as_on_ray(self):
@@ -149,15 +150,15 @@ class TestSimulatedMembers:
             cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
             ms = await packed(cluster, 4)
             loop = asyncio.get_running_loop()
-            vigil = asyncio.ensure_future(cluster.call(ms[0], "vigil", (), None))
+            vigil = asyncio.ensure_future(cluster.call(ms[0], Vigil(), None))
             await asyncio.sleep(0)
             t0 = loop.time()
             assert cluster.lose_node("n0000000") == [f"rollout-{i}" for i in range(4)]
             assert [n["node_id"] for n in cluster.nodes()] == ["n0000001"]
             with pytest.raises(CallTimedOut):  # a heartbeat gets no answer
-                await cluster.call(ms[1], "heartbeat", (), 1.0)
+                await cluster.call(ms[1], Beat(), 1.0)
             with pytest.raises(ActorUnreachable):  # an unbounded call: unreachable after a while
-                await cluster.call(ms[1], "info", (), None)
+                await cluster.call(ms[1], Info(), None)
             assert loop.time() - t0 == pytest.approx(1.0 + QUIET.unreachable_s)
             assert not vigil.done()  # nobody said it died: Ray's health check has not given up yet
             with pytest.raises(ActorDied, match="node lost"):
@@ -172,7 +173,7 @@ class TestSimulatedMembers:
             store = cluster.rendezvous_store("10.0.0.1")
             m = started(cluster, "rollout-0")
             join = asyncio.ensure_future(cluster.call(
-                m, "join", (store.address.host, store.address.port, "weights", 1, 0, 2, 600.0), None))
+                m, Join(store.address.host, store.address.port, "weights", 1, 0, 2, 600.0), None))
             await asyncio.sleep(4)
             assert store.arrived("weights", 1) == [0] and not join.done()  # waiting for rank 1
             store.fence("weights", 2)
@@ -269,11 +270,11 @@ class TestTheControllerOnASimulatedCluster:
             trainer = cluster.member("trainer-0")
             real_call = cluster.call
 
-            async def call(handle, method, args, timeout):
-                if method == "commit_weights" and not trainer.hung:
+            async def call(handle, req, timeout):
+                if isinstance(req, Commit) and not trainer.hung:
                     trainer.hang()  # silent for three intervals, in the middle of the commit
                     cluster.loop.call_later(3.5, setattr, trainer, "hung", False)
-                return await real_call(handle, method, args, timeout)
+                return await real_call(handle, req, timeout)
 
             cluster.call = call
             report = await rt.sync()
@@ -469,16 +470,16 @@ class TestHeartbeatsPerNode:
             ms = await packed(cluster, 3)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            beats = await cluster.heartbeats("n0000000", ms, [(False, True)] * 3, 1.0)
+            beats = await cluster.heartbeats("n0000000", ms, [Beat(False, True)] * 3, 1.0)
             assert loop.time() - t0 == pytest.approx(QUIET.call_s)  # one round trip for all
             # nothing dropped as forged: left out, as a real member leaves it out
-            assert all(b["pid"] == m.pid and "forged" not in b for b, m in zip(beats, ms, strict=True))
+            assert all(b.pid == m.pid and not b.forged for b, m in zip(beats, ms, strict=True))
             cluster.kill_member("rollout-0")
             cluster.hang_member("rollout-1")
             t0 = loop.time()
-            dead, hung, alive = await cluster.heartbeats("n0000000", ms, [(False, True)] * 3, 1.0)
+            dead, hung, alive = await cluster.heartbeats("n0000000", ms, [Beat(False, True)] * 3, 1.0)
             assert loop.time() - t0 == pytest.approx(1.0)  # the hung one holds the reply to its own bound
-            assert isinstance(dead, ActorDied) and isinstance(hung, CallTimedOut) and alive["pid"] == ms[2].pid
+            assert isinstance(dead, ActorDied) and isinstance(hung, CallTimedOut) and alive.pid == ms[2].pid
 
         run(main())
 
@@ -492,7 +493,7 @@ class TestHeartbeatsPerNode:
         async def main():
             cluster = SimulatedCluster(1, cpus_per_node=4, costs=QUIET)
             ms = await packed(cluster, 3)
-            ask = [(False, True)] * 3
+            ask = [Beat(False, True)] * 3
             first = await cluster.heartbeats("n0000000", ms, ask, 1.0, mark=1)
             assert isinstance(first, list)
             assert await cluster.heartbeats("n0000000", ms, ask, 1.0, mark=2, since=1) is QUIET_REPLY
@@ -521,13 +522,13 @@ class TestHeartbeatsPerNode:
         async def main():
             cluster = SimulatedCluster(2, cpus_per_node=4, costs=QUIET)
             ms = await packed(cluster, 2)
-            await cluster.heartbeats("n0000000", ms, [(False, True)] * 2, 1.0)
+            await cluster.heartbeats("n0000000", ms, [Beat(False, True)] * 2, 1.0)
             assert cluster.lose_node("n0000000") == ["rollout-0", "rollout-1"]  # the agent is no member
             with pytest.raises(ActorUnreachable):
-                await cluster.heartbeats("n0000000", ms, [(False, True)] * 2, 2.0)
+                await cluster.heartbeats("n0000000", ms, [Beat(False, True)] * 2, 2.0)
             await asyncio.sleep(QUIET.node_dead_s)
             with pytest.raises(ActorDied):
-                await cluster.heartbeats("n0000000", ms, [(False, True)] * 2, 2.0)
+                await cluster.heartbeats("n0000000", ms, [Beat(False, True)] * 2, 2.0)
 
         run(main())
 
@@ -576,7 +577,7 @@ class TestHeartbeatsPerNode:
             if unchanged:
                 taken[0] += 1
                 now = self.cluster.loop.time()
-                read = [h.local_heartbeat((False, True), now, 1.0) for h in handles]
+                read = [h.local_heartbeat(Beat(False, True), now, 1.0) for h in handles]
                 if read != self._memory.answers:
                     wrong.append((self.node_id, now, read, self._memory.answers))
             return unchanged
@@ -631,10 +632,10 @@ class TestHeartbeatsPerNode:
                 agent_calls.append(node_id)
                 return real_agent(node_id, handles, args, timeout, **kw)
 
-            async def call(handle, method, args, timeout):
-                if method == "heartbeat":
+            async def call(handle, req, timeout):
+                if isinstance(req, Beat):
                     direct.append(handle.name)
-                return await real_call(handle, method, args, timeout)
+                return await real_call(handle, req, timeout)
 
             cluster.heartbeats_future, cluster.call = via_agent, call
             await rt.start()
@@ -684,13 +685,13 @@ class TestSyncCallsPerNode:
             cluster.hang_member("rollout-1")
             t0 = loop.time()
             seen = []
-            stream = cluster.calls("n0000000", ms[::2], ["info", "info"], [(), ()])
+            stream = cluster.calls("n0000000", ms[::2], [Info(), Info()])
             first = await anext(stream)
             seen.append((loop.time() - t0, first))
             cluster.kill_member("rollout-0")  # answered already: nothing more to report for it
             with pytest.raises(StopAsyncIteration):
                 await anext(stream)
-            stream = cluster.calls("n0000000", ms, ["info"] * 3, [()] * 3)
+            stream = cluster.calls("n0000000", ms, [Info()] * 3)
             cluster.kill_member("rollout-1")
             ended = []
             async for batch in stream:
@@ -701,7 +702,7 @@ class TestSyncCallsPerNode:
         assert seen[0][0] == pytest.approx(QUIET.call_s) and sorted(j for j, _ in seen[0][1]) == [0, 1]
         # the dead ones after the detection latency, the live one at its own call's time
         kinds = {j: kind for _, batch in ended for j, kind in batch}
-        assert kinds == {0: "ActorDied", 1: "ActorDied", 2: "dict"}
+        assert kinds == {0: "ActorDied", 1: "ActorDied", 2: "Located"}
 
     def test_a_lost_nodes_agent_fails_the_batch_when_the_node_is_declared_dead(self):
         async def main():
@@ -709,7 +710,7 @@ class TestSyncCallsPerNode:
             ms = await packed(cluster, 2)
             loop = asyncio.get_running_loop()
             cluster.hang_member("rollout-0")
-            stream = cluster.calls("n0000000", ms, ["info", "info"], [(), ()])
+            stream = cluster.calls("n0000000", ms, [Info(), Info()])
             first = await anext(stream)  # rollout-1 answered
             t0 = loop.time()
             cluster.lose_node("n0000000")
@@ -728,9 +729,9 @@ class TestSyncCallsPerNode:
             rt, cluster = simulated_runtime(Shape(rollouts=6, nodes=2, spares=1), costs=QUIET)
             real = cluster.calls
 
-            def counted(node_id, handles, methods, args):
-                batches.append((node_id, tuple(sorted(set(methods)))))
-                return real(node_id, handles, methods, args)
+            def counted(node_id, handles, requests):
+                batches.append((node_id, tuple(sorted({r.method for r in requests}))))
+                return real(node_id, handles, requests)
 
             cluster.calls = counted
             await rt.start()
@@ -786,10 +787,10 @@ class TestSyncCallsPerNode:
                                                 overrides={"heartbeat_agent_min_members": least})
                 real = cluster.calls
 
-                def counted(node_id, handles, methods, args):
-                    if "join" in methods:
+                def counted(node_id, handles, requests):
+                    if any(isinstance(r, Join) for r in requests):
                         joins.append((node_id, len(handles)))
-                    return real(node_id, handles, methods, args)
+                    return real(node_id, handles, requests)
 
                 cluster.calls = counted
                 await rt.start()
@@ -877,7 +878,7 @@ class TestAgentReply:
         async def main():
             cluster = SimulatedCluster(1, cpus_per_node=4, costs=QUIET)
             ms = await packed(cluster, 1)
-            batch = AgentBatch(asyncio.get_running_loop(), cluster._agent("n0000000"), ms, ["info"], [()])
+            batch = AgentBatch(asyncio.get_running_loop(), cluster._agent("n0000000"), ms, [Info()])
             reply = batch.reply(0)
             called: list[object] = []
             reply.add_done_callback(called.append)

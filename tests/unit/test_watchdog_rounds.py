@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from ftstate.controller.backend import QUIET, QUIET_WIRE, AgentMemory
 from ftstate.controller.vigil import Vigils
 from ftstate.controller.watchdog import NodeRounds
+from ftstate.core.liveness import Heartbeat
+from ftstate.core.protocol import Beat, Located
 
 
 @dataclass
@@ -67,7 +69,7 @@ def test_the_same_members_get_the_same_lists_and_any_change_is_in_the_next_round
 def test_a_round_hands_out_the_plain_arguments_for_every_member():
     ms = [_Member(f"rollout-{i}", "n0") for i in range(4)]
     [node] = NodeRounds().of(ms)
-    assert node.ask == [(False, True)] * 4 and node.members == ms
+    assert node.ask == [Beat(False, True)] * 4 and node.members == ms
 
 
 def test_the_walk_that_checks_the_lists_notes_which_nodes_have_a_suspect_without_rebuilding():
@@ -123,7 +125,7 @@ def test_the_roster_moves_with_whom_the_watchdog_polls_and_nothing_else():
             await rt.sync()  # the loss, and the spare promoted and another started
             assert ms.roster > before + 1
             located = ms.roster
-            ms.located(m, {"pid": 1, "node": "127.0.0.1", "node_id": m.node_id})
+            ms.located(m, Located(pid=1, node="127.0.0.1", node_id=m.node_id, member=m.name, role=m.role))
             assert ms.roster == located + 1
         finally:
             await rt.close()
@@ -217,11 +219,11 @@ def test_a_suspect_whose_answer_was_not_asked_to_prove_its_weights_is_not_verifi
             ms = rt._membership
             m = ms.get("rollout-0")
             await m.machine.fire("heartbeat_missed", reason="staged by the test")
-            answer = {"progress": 1, "busy": False, "weights_version": ms.weights_version, "checksum": ms.checksum}
+            answer = Heartbeat(progress=1, busy=False, weights_version=ms.weights_version, checksum=ms.checksum)
             now = asyncio.get_running_loop().time()
-            assert await rt._watchdog.observe(m, now, dict(answer), proved=False)
+            assert await rt._watchdog.observe(m, now, answer, proved=False)
             assert m.machine.state == "SUSPECT"
-            await rt._watchdog.observe(m, now, dict(answer), proved=True)
+            await rt._watchdog.observe(m, now, answer, proved=True)
             assert m.machine.state == "READY"
         finally:
             await rt.close()
@@ -307,9 +309,9 @@ def test_an_agent_that_does_not_answer_for_each_member_has_them_asked_directly()
     from ftstate.core.errors import MemberLost
 
     async def main():
-        names, handles, args = ["a", "b"], [object(), object()], [(False, True)] * 2
+        names, handles, args = ["a", "b"], [object(), object()], [Beat(False, True)] * 2
         died = []
-        beat = {"progress": 0, "busy": False, "weights_version": 1, "checksum": "x", "pid": 1}
+        beat = Heartbeat(progress=0, busy=False, weights_version=1, checksum="x", pid=1)
 
         async def ask(answer, since=None):
             return await ActorCalls(lambda m, why: died.append(m), _Backend(answer)).heartbeats(

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ftstate.core.errors import FTError, IntegrationUnavailable
+from ftstate.core.protocol import UserCall
 
 #: The sign-SGD step of the engine demo's trainer.
 LR = 2e-3
@@ -95,7 +96,7 @@ async def main(opts: Any, console: Any) -> int:
     from ftstate.cli.demo.engine_rollout import EngineRollout
     from ftstate.cli.demo.live import LiveView
     from ftstate.cli.demo.run import _report, demo_config, fault_plan
-    from ftstate.controller import cluster
+    from ftstate.controller.ray import cluster
     from ftstate.controller.runtime import Runtime
 
     os.environ.update(ENGINE_ENV)
@@ -198,7 +199,7 @@ async def _arm_kill_mid_update(rt: Any) -> dict[str, Any]:
     import asyncio
 
     member = rt.serving_rollouts()[0]
-    pid = await rt.handle(member).call.remote("kill_during_next_load", (KILL_AFTER_TENSORS,), {})
+    pid = await rt.handle(member).call.remote(UserCall("kill_during_next_load", (KILL_AFTER_TENSORS,)))
     fault = f"kill inside vLLM's loader after {KILL_AFTER_TENSORS} tensors"
     rt.audit.record("chaos", member=member, fault=fault, pid=pid)
     return {"t": asyncio.get_running_loop().time(), "member": member, "pid": pid, "fault": fault}

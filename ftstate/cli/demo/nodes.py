@@ -3,7 +3,7 @@
 A drain moves a node's members to another node, so the scenario needs more than the embedded
 default's one node: :func:`start_local_cluster` starts ``ray.cluster_utils.Cluster`` with one
 raylet per name, all on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before Ray
-is imported, as :mod:`ftstate.controller.cluster` does), each with the label
+is imported, as :mod:`ftstate.controller.ray.cluster` does), each with the label
 ``ftstate-demo-node: <name>``, and connects this process to it. The first name is the head,
 where the driver runs.
 

@@ -287,7 +287,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
     from ftstate.cli.demo import task
     from ftstate.cli.demo.live import LiveView
     from ftstate.cli.demo.workers import PolicyRollout, PolicyTrainer, ShardedPolicyTrainer
-    from ftstate.controller import cluster
+    from ftstate.controller.ray import cluster
     from ftstate.controller.runtime import Runtime
 
     folder = Path(opts.out)

@@ -96,7 +96,7 @@ class ActorWatcher:
         return self._bound_s
 
     async def apoll(self) -> PollResult:
-        return await self.backend.call(self.handle, "poll", (self.source,), self._bound_s)
+        return await self.backend.call_helper(self.handle, "poll", (self.source,), self._bound_s)
 
     def poll(self) -> PollResult:  # pragma: no cover - the runner awaits apoll()
         raise TypeError(f"{self.label}: a node watcher is polled by apoll(), on the controller's loop")
@@ -105,5 +105,5 @@ class ActorWatcher:
 async def actor_watchers(backend: Any, handle: Any, timeout: float | None = None) -> tuple[Any, list[ActorWatcher]]:
     """The node's detection and one :class:`ActorWatcher` per source it runs (``backend``: the
     :class:`~ftstate.controller.backend.ClusterBackend` that started ``handle``)."""
-    info = await backend.call(handle, "describe", (), timeout)
+    info = await backend.call_helper(handle, "describe", (), timeout)
     return info["detection"], [ActorWatcher(backend, handle, info["node_id"], s, b) for s, b in info["bounds"].items()]

@@ -55,7 +55,7 @@ from verl.checkpoint_engine.base import CheckpointEngineManager, _worker_cls
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 from verl.utils.ray_utils import auto_await
 
-from ftstate.controller import cluster
+from ftstate.controller.ray import cluster
 from ftstate.controller.runtime import run_facts
 from ftstate.core.audit import AuditTrail
 from ftstate.core.budget import Budget

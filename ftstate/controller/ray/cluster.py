@@ -38,7 +38,7 @@ def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: 
         if os.environ.get(_LOOPBACK_ENV) != "0":
             raise FTError(
                 f"a local Ray cluster must bind loopback: set {_LOOPBACK_ENV}=0 before Ray is imported "
-                "(import ftstate.controller.cluster first, or set it in the environment)"
+                "(import ftstate.controller.ray.cluster first, or set it in the environment)"
             )
         ray.init(
             # "local": always a new cluster of its own. Without it Ray would join whatever

@@ -1,5 +1,5 @@
 """The Ray side of the seam (:class:`~ftstate.controller.backend.ClusterBackend`): worker
-hosts as Ray actors in placement groups, on the cluster :mod:`~ftstate.controller.cluster`
+hosts as Ray actors in placement groups, on the cluster :mod:`~ftstate.controller.ray.cluster`
 joins or starts. The runtime's default.
 
 Ray reports a worker's failure as an exception on whatever call was pending when it
@@ -27,7 +27,6 @@ import signal
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from ftstate.controller import cluster
 from ftstate.controller.backend import (
     QUIET,
     QUIET_WIRE,
@@ -39,8 +38,10 @@ from ftstate.controller.backend import (
     Pool,
     RemoteError,
 )
+from ftstate.controller.ray import cluster
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import FTError
+from ftstate.core.protocol import Beat, Request
 
 
 class RayBackend(ClusterBackend):
@@ -66,7 +67,7 @@ class RayBackend(ClusterBackend):
         return cluster.node_id()
 
     def nodes(self) -> list[dict[str, Any]]:
-        from ftstate.controller.placement import cluster_nodes
+        from ftstate.controller.ray.placement import cluster_nodes
 
         return cluster_nodes()
 
@@ -78,13 +79,13 @@ class RayBackend(ClusterBackend):
 
     def resource_pool(self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float,
                       placement: RolePlacement) -> Pool:
-        from ftstate.controller.placement import ResourcePool
+        from ftstate.controller.ray.placement import ResourcePool
 
         return ResourcePool(run_id, name, slots, cpus=cpus, gpus=gpus, placement=placement)
 
     def spare_pool(self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float,
                    placement: RolePlacement) -> Pool:
-        from ftstate.controller.placement import SparePool
+        from ftstate.controller.ray.placement import SparePool
 
         return SparePool(run_id, name, slots, cpus=cpus, gpus=gpus, placement=placement)
 
@@ -92,7 +93,7 @@ class RayBackend(ClusterBackend):
                     args: Sequence[Any], kwargs: Mapping[str, Any], host: Mapping[str, Any]) -> Any:
         import ray
 
-        from ftstate.controller.host import WorkerHost
+        from ftstate.worker.host import WorkerHost
 
         actor_cls = ray.remote(WorkerHost)
         return actor_cls.options(
@@ -105,7 +106,10 @@ class RayBackend(ClusterBackend):
                  run=run_id, secret=host["secret"], integrity=host["integrity"], held_proof=host["held_proof"],
                  staging_spare=host["staging_spare"])
 
-    async def call(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
+    async def call(self, handle: Any, req: Request, timeout: float | None) -> Any:
+        return await ray_call(handle, req.method, (req,), timeout)
+
+    async def call_helper(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
         return await ray_call(handle, method, args, timeout)
 
     def _agent(self, node_id: str) -> Any:
@@ -126,12 +130,12 @@ class RayBackend(ClusterBackend):
             raise ActorDied(f"the liveness agent of node {node_id[:8]} did not start: {up.exception()}")
         return agent
 
-    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Sequence[Any]],
+    async def heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Beat],
                          timeout: float, *, mark: int | None = None, since: int | None = None) -> Any:
         agent = self._agent(node_id)
         try:
             answers = await ray_call(agent, "heartbeats",
-                                     (list(handles), [list(a) for a in args], timeout, mark, since), 2 * timeout)
+                                     (list(handles), list(args), timeout, mark, since), 2 * timeout)
         except ActorDied:
             self._agents.pop(node_id, None)  # started afresh at the next interval
             raise
@@ -141,14 +145,14 @@ class RayBackend(ClusterBackend):
             return answers  # not a reply: the caller has its members asked directly
         return [_decoded(a) for a in answers]
 
-    async def calls(self, node_id: str, handles: Sequence[Any], methods: Sequence[str],
-                    args: Sequence[Sequence[Any]]) -> AsyncIterator[list[tuple[int, Any]]]:
+    async def calls(self, node_id: str, handles: Sequence[Any],
+                    requests: Sequence[Request]) -> AsyncIterator[list[tuple[int, Any]]]:
         import ray.exceptions as rex
 
         agent = self._agent(node_id)
         # A streaming call: the agent yields its members' outcomes as they end.
         stream = agent.calls.options(num_returns="streaming").remote(
-            list(handles), list(methods), [list(a) for a in args])
+            list(handles), list(requests))
         finished = False
         try:
             async for ref in stream:
@@ -266,7 +270,7 @@ class LivenessAgent:
         """Answers once the agent is up (the backend asks its members directly until then)."""
         return True
 
-    async def heartbeats(self, handles: list[Any], args: list[list[Any]], timeout: float,
+    async def heartbeats(self, handles: list[Any], args: list[Beat], timeout: float,
                          mark: int | None = None, since: int | None = None) -> Any:
         """Each member's answer, or its outcome as ``(kind, message)`` / ``("remote", cause, text)``
         (the seam's exceptions do not all survive pickling: :class:`RemoteError` takes two
@@ -275,10 +279,10 @@ class LivenessAgent:
         answers = await self._answers(handles, args, timeout)
         return self._memory.reply(handles, answers, mark, since)
 
-    async def _answers(self, handles: list[Any], args: list[list[Any]], timeout: float) -> list[Any]:
-        async def one(handle: Any, a: list[Any]) -> Any:
+    async def _answers(self, handles: list[Any], args: list[Beat], timeout: float) -> list[Any]:
+        async def one(handle: Any, a: Beat) -> Any:
             try:
-                return await ray_call(handle, "heartbeat", a, timeout)
+                return await ray_call(handle, a.method, (a,), timeout)
             except ActorDied as exc:
                 return ("died", str(exc))
             except ActorUnreachable as exc:
@@ -291,14 +295,14 @@ class LivenessAgent:
         return list(await asyncio.gather(*(one(h, a) for h, a in zip(handles, args, strict=True))))
 
 
-    async def calls(self, handles: list[Any], methods: list[str], args: list[list[Any]]) -> AsyncIterator[list[Any]]:
-        """``methods[i](*args[i])`` of each of ``handles``, all at once; yields ``(i, outcome)``
+    async def calls(self, handles: list[Any], requests: list[Request]) -> AsyncIterator[list[Any]]:
+        """``requests[i]`` to each of ``handles``, all at once; yields ``(i, outcome)``
         of those that ended since the last yield (:meth:`~ftstate.controller.backend.ClusterBackend.calls`):
         ``("ok", result)`` or the outcome as :meth:`heartbeats` encodes it. Cancelled, it
         cancels the members' calls still under way."""
-        async def one(i: int, handle: Any, method: str, a: list[Any]) -> tuple[int, Any]:
+        async def one(i: int, handle: Any, req: Request) -> tuple[int, Any]:
             try:
-                return i, ("ok", await ray_call(handle, method, a, None))
+                return i, ("ok", await ray_call(handle, req.method, (req,), None))
             except ActorDied as exc:
                 return i, ("died", str(exc))
             except ActorUnreachable as exc:
@@ -306,8 +310,7 @@ class LivenessAgent:
             except RemoteError as exc:
                 return i, ("remote", exc.cause, exc.text)
 
-        pending = {asyncio.ensure_future(one(i, h, m, a))
-                   for i, (h, m, a) in enumerate(zip(handles, methods, args, strict=True))}
+        pending = {asyncio.ensure_future(one(i, h, r)) for i, (h, r) in enumerate(zip(handles, requests, strict=True))}
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

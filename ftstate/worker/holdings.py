@@ -1,0 +1,198 @@
+"""What a rollout holds, and the proofs of it: the version staged by a transfer, the committed
+one (the transport's copy, or the user's engine's when ``held_weights()`` gives it back), and
+the checksum of the bytes it serves from.
+
+Weights are committed in two phases so no rollout ever holds a torn or a lone version: a
+transfer stages and verifies every bucket (the previous version stays in place);
+:meth:`Holdings.commit_weights` hands the staged state to ``load_weights`` only after the
+controller saw every rollout stage the same version; :meth:`Holdings.discard_weights` drops it
+otherwise. The user lock is held during the commit, so no user call runs against half-loaded
+weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from ftstate.core.errors import FTError
+from ftstate.core.protocol import Checksum, Commit, Discard, Loaded, TrainerChecksum
+from ftstate.worker.part import HostPart
+from ftstate.worker.usercode import overrides
+
+
+class Holdings(HostPart):
+    """The staged and committed versions of a worker host (see the module docstring)."""
+
+    _staged: Any  # a transfer's verified version, not yet committed
+    # The committed version's tensors as the transport holds them: the source of resyncs and
+    # reverse recovery. None while the engine holds the only copy (``_engine_holds``).
+    _loaded: Any
+    # True once ``held_weights()`` gave the committed version back: the engine's weights are then
+    # this rollout's copy and the transport keeps none (sends read ``held_weights()`` instead)
+    _engine_holds: bool
+    _received: str | None  # the checksum the committed version was received with
+    _held_mismatch: bool  # the last proven load did not hash to what was received
+    _held_proof: tuple[str, float]
+    _staging_spare: bool
+    _receiver: Any
+
+    async def commit_weights(self, req: Commit) -> Loaded:
+        """Rollout: hand the staged version to ``load_weights``; the user lock pauses calls meanwhile."""
+        return await self._commit(req.weights_version)
+
+    async def _commit(self, weights_version: int) -> Loaded:
+        staged = self._staged
+        if staged is None or staged.weights_version != weights_version:
+            have = "nothing" if staged is None else f"version {staged.weights_version}"
+            raise FTError(f"{self.member}: asked to commit weights version {weights_version} but staged {have}")
+        async with self._lock():
+            device_bytes = await self._load_weights(staged.tensors, weights_version)
+            if self._proves(weights_version):
+                held, from_engine = await self._held_checksum(staged.tensors)
+                self._held_mismatch = held != staged.state_checksum
+            else:
+                # verified bucket by bucket on receipt; an engine that held its weights still does
+                held, from_engine = staged.state_checksum, self._engine_holds
+            self.weights_version = weights_version
+            self.checksum = held
+            self._adopt(staged, from_engine)
+            self._staged = None
+        self._tick()
+        # The controller compares ``checksum`` (what this member holds) with the sender's.
+        return Loaded(checksum=held, received=staged.state_checksum, weights_version=weights_version,
+                      held_bytes=self._held_bytes(), device_bytes=device_bytes, nbytes=staged.nbytes)
+
+    async def _load_weights(self, tensors: Mapping[str, Any], weights_version: int) -> int | None:
+        """Hand a verified version to the user: whole to ``load_weights``, or, for an engine on
+        a device (``weights_device()`` and ``load_weights_part``), part by part through two device
+        buckets (:func:`ftstate.transport.devicebuckets.load_by_buckets`); returns the device
+        bytes that took (None: a whole load)."""
+        device = await self._run(self.user.weights_device) if overrides(self.user, "load_weights_part") else None
+        if device is None:
+            await self._run(self.user.load_weights, dict(tensors), weights_version)
+            return None
+        import torch
+
+        from ftstate.transport import devicebuckets
+
+        def part(state: dict[str, Any], first: bool, last: bool) -> None:
+            self.user.load_weights_part(state, weights_version, first=first, last=last)
+
+        def load_weights_part() -> dict[str, Any]:  # named so a user error names the hook
+            return devicebuckets.load_by_buckets(tensors, device=torch.device(device), bucket_bytes=self.bucket_bytes,
+                                                 load=part)
+
+        return int((await self._run(load_weights_part))["device_bytes"])
+
+    async def discard_weights(self, req: Discard) -> None:
+        """Drop a staged version; what the user holds (the previous version) stays current."""
+        self._staged = None
+
+    async def trainer_checksum(self, req: TrainerChecksum) -> Checksum:
+        """Trainer: the checksum of what its ``state_dict()`` returns now (the proof that a
+        trainer loaded from a checkpoint holds the version it claims)."""
+        async with self._lock():
+            return Checksum(await self._trainer_checksum())
+
+    async def _trainer_checksum(self) -> str:
+        from ftstate.transport import state_checksum
+        from ftstate.transport.validate import check_state_dict
+
+        state = check_state_dict(await self._run(self.user.state_dict), device_type=None, member=self.member,
+                                 backend=self.backend)
+        return await asyncio.to_thread(state_checksum, state)
+
+    def _proves(self, weights_version: int) -> bool:
+        """Whether the commit of ``weights_version`` hashes what this rollout holds
+        (``held_weights_proof``): always with ``every_sync``, and for a rollout without a
+        ``held_weights()`` hook (hashing the tensors it was given is cheap); with ``admission``,
+        a hook's first load in this process and the first after a proof that failed, else a
+        draw of ``held_weights_proof_fraction`` fixed by the run, member and version. (A
+        resync and a re-admission always prove: :meth:`receive_weights_from`, :meth:`heartbeat`.)"""
+        mode, fraction = self._held_proof
+        if mode == "every_sync" or not self._has_held_hook() or not self._holds_committed or self._held_mismatch:
+            return True
+        import random
+
+        return random.Random(f"{self.run}/{self.member}/{weights_version}").random() < fraction
+
+    def _has_held_hook(self) -> bool:
+        return overrides(self.user, "held_weights")
+
+    async def _held_checksum(self, given: Mapping[str, Any] | None) -> tuple[str, bool]:
+        """The whole-state checksum of the bytes this rollout serves from, hashed now, and
+        whether they came from its engine: what its ``held_weights()`` returns when the user's
+        engine keeps its own copy, else the tensors handed to ``load_weights`` (``given``; a
+        ``load_weights`` that wrote into them shows here). Called with the user lock held or
+        with no user call running."""
+        from ftstate.transport import state_checksum
+
+        returned = await self._engine_weights()
+        held = returned if returned is not None else given
+        if held is None:
+            raise FTError(f"{self.member}: {type(self.user).__name__}.held_weights() returned None, but the "
+                          "transport kept no copy of the weights it loaded (the engine held them before)")
+        return await asyncio.to_thread(state_checksum, held), returned is not None
+
+    async def _engine_weights(self) -> Mapping[str, Any] | None:
+        """What the user's ``held_weights()`` returns, checked like a state dict; None without
+        the hook or when it returns None."""
+        from ftstate.transport.validate import check_state_dict
+
+        if not self._has_held_hook():
+            return None
+        returned = await self._run(self.user.held_weights)
+        if returned is None:
+            return None
+        return check_state_dict(returned, device_type=None, member=self.member, backend=self.backend,
+                                what="held_weights()")
+
+    def _hand_over(self, staged: Any) -> dict[str, Any]:
+        """A trainer's weights received back: its ``state_dict()`` is the copy that counts, so
+        the receiver lets go of the buffer they landed in (it would stage the next transfer
+        there) and the tensors are the trainer's own, not cloned. A clone here was 512 MiB of
+        fresh memory per 512 MiB trainer failover: 0.7-1.0 s of page faults and copying on the
+        2-core machine, the largest stage of a trainer's failover (issue 28's stage timings)."""
+        if self._receiver is not None:
+            self._receiver.release()
+        return dict(staged.tensors)
+
+    def _adopt(self, staged: Any, from_engine: bool) -> None:
+        """Make ``staged`` the committed version. When the engine gave it back (``from_engine``)
+        the engine's weights are the copy: the transport lets go of its own (the receiver's
+        buffers, ``_loaded``), so a rollout holds the weights once, not three times; with
+        ``staging_spare`` it keeps the buffer, as the next sync's staging (twice, not three times)."""
+        self._engine_holds = from_engine
+        self._received = staged.state_checksum
+        if from_engine:
+            self._loaded = None
+            if self._receiver is not None:
+                self._receiver.release(keep_spare=self._staging_spare)
+        else:
+            self._loaded = staged
+
+    @property
+    def _holds_committed(self) -> bool:
+        """Whether this rollout holds a committed version: in the transport, or in its engine."""
+        return self._loaded is not None or self._engine_holds
+
+    def _held_bytes(self) -> int:
+        """Bytes the transport keeps between syncs beside the user's own weights."""
+        return self._receiver.held_bytes if self._receiver is not None else 0
+
+    async def _committed_state(self) -> tuple[Mapping[str, Any] | Any, int]:
+        """The committed version to send (a newcomer's resync, a trainer's reverse recovery):
+        the transport's copy, or read back from the engine when that is the only copy (under
+        the user lock, so no load or generation call changes it while it is read)."""
+        if self._loaded is not None:
+            return self._loaded, self._loaded.weights_version
+        if self._engine_holds:
+            async with self._lock():
+                state = await self._engine_weights()
+            if state is None:
+                raise FTError(f"{self.member}: {type(self.user).__name__}.held_weights() returned None; it held "
+                              f"weights version {self.weights_version} and the transport kept no copy")
+            return state, self.weights_version
+        raise FTError(f"{self.member}: holds no committed weights to send")

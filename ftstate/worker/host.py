@@ -1,0 +1,219 @@
+"""WorkerHost: the Ray actor that hosts one user worker, and its shell: identity, heartbeats,
+the vigil and the user's calls.
+
+The controller never talks to user code directly; it calls a host, which
+
+- constructs the user's :class:`~ftstate.core.worker.TrainerWorker` / ``RolloutWorker``; a
+  constructor that raises does not kill the process (Ray would report only "the actor died in
+  its creation task"): the host keeps the error and answers every call with a
+  :class:`~ftstate.core.errors.WorkerInitError` naming the member, the class and the user's line;
+- runs user methods one at a time, plain ones in a thread so the actor's event loop keeps
+  answering heartbeats (a blocking call in an async actor would freeze it);
+- answers heartbeats with a progress counter, whether it is busy, and the weights version and
+  checksum it holds committed.
+
+What it holds, how weights move and a trainer rank's part are the other modules of
+:mod:`ftstate.worker`, mixed in here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ftstate.core.errors import FTError, WorkerInitError
+from ftstate.core.liveness import Heartbeat
+from ftstate.core.protocol import Beat, Info, Located, UserCall, Vigil
+from ftstate.core.text import bounded
+from ftstate.worker.chaos import Chaos
+from ftstate.worker.holdings import Holdings
+from ftstate.worker.place import where
+from ftstate.worker.ranks import TrainerRank
+from ftstate.worker.transfers import Transfers
+from ftstate.worker.usercode import init_error, mark_user_error
+
+
+class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
+    """One worker process.
+
+    member: its name (``rollout-1``); role: ``trainer`` or ``rollout``; user_cls, args,
+    kwargs: the user's class and constructor arguments; backend: ``gloo`` or ``nccl``;
+    bucket_bytes: broadcast bucket size; run, secret: the run's id and secret (installed for the
+    transport's MACs; None: the run does not authenticate); integrity: ``security.integrity``;
+    held_proof: ``(held_weights_proof, held_weights_proof_fraction)``, when a commit hashes what
+    the rollout's ``held_weights()`` returns; staging_spare: a rollout whose engine holds its
+    weights keeps its staging buffer for the next sync.
+    """
+
+    def __init__(
+        self,
+        member: str,
+        role: str,
+        user_cls: type,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        backend: str,
+        bucket_bytes: int,
+        *,
+        run: str = "",
+        secret: bytes | None = None,
+        integrity: str = "xxh3",
+        held_proof: tuple[str, float] = ("every_sync", 0.0),
+        staging_spare: bool = False,
+    ) -> None:
+        from ftstate.transport import auth, checksum
+
+        # the run's secret, handed over by Ray (security.authenticate; ftstate.transport.auth)
+        if secret is not None:
+            auth.install(run, secret)
+        checksum.use_integrity(integrity)
+        self.member = member
+        self.role = role
+        self.run = run
+        self._held_proof = held_proof
+        self._staging_spare = staging_spare
+        self._held_mismatch = False  # the last proven load did not hash to what was received
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self._init_error: WorkerInitError | None = None
+        try:
+            self.user = user_cls(*args, **dict(kwargs))
+        except Exception as exc:  # noqa: BLE001 - the user's constructor: reported, not fatal to the process
+            self.user = None
+            self._init_error = init_error(member, role, user_cls, exc)
+        self.progress = 0
+        self.busy = False
+        self.weights_version = 0
+        self.checksum: str | None = None
+        self.group_version = 0
+        self._comm: Any = None
+        self._sender: Any = None
+        self._receiver: Any = None
+        self._staged: Any = None
+        # The committed version's tensors as the transport holds them: the source of resyncs and
+        # reverse recovery. None while the engine holds the only copy (``_engine_holds``).
+        self._loaded: Any = None
+        # True once ``held_weights()`` gave the committed version back from the user's engine:
+        # the engine's weights are then this rollout's copy, and the transport keeps none (no
+        # second full copy beside the engine's; sends read ``held_weights()`` instead).
+        self._engine_holds = False
+        # the checksum the committed version was received with (what a fresh proof must find)
+        self._received: str | None = None
+        self._corrupt_next = False
+        self._signal_at_progress: tuple[int, int] | None = None
+        self._user_lock: asyncio.Lock | None = None
+        # several trainer ranks: this rank's prepared part, one Sender per peer / Receiver per sender rank
+        self._shard_part: Any = None
+        self._shard_senders: dict[int, Any] = {}
+        self._shard_receivers: dict[int, Any] = {}
+        self._trainer_comm: Any = None
+        # trainer ranks: user calls since the last commit (see calls_since_commit)
+        self._calls_started = 0
+        self._calls_done = 0
+        if self._init_error is None:
+            try:  # an activity() of the wrong shape is the class's: said at its start, not at a heartbeat
+                self._user_activity()
+            except Exception as exc:  # noqa: BLE001 - reported as the constructor's would be
+                self._init_error = init_error(member, role, user_cls, exc)
+
+    async def info(self, req: Info) -> Located:
+        """Who and where: pid, the node's address, and Ray's node id (several nodes may share
+        one address, e.g. a test cluster on one machine: only the id tells them apart).
+        Raises the :class:`~ftstate.core.errors.WorkerInitError` of a constructor that raised."""
+        if self._init_error is not None:
+            raise self._init_error
+        node, node_id = where()
+        # holds_weights: a rollout whose engine gives its weights back (held_weights()): it keeps
+        # no copy of its own, which the sync's plan reads (a lone one stages privately)
+        return Located(pid=os.getpid(), node=node, node_id=node_id, member=self.member, role=self.role,
+                       holds_weights=self.role == "rollout" and self._has_held_hook())
+
+    async def heartbeat(self, req: Beat) -> Heartbeat:
+        """Progress, busy, and the weights version and checksum held committed. ``prove`` (the
+        watchdog asks a SUSPECT rollout): the checksum is hashed afresh from the bytes it holds
+        (:meth:`_held_checksum`, ~10 ms per 256 MiB here), not the one cached at its commit; a
+        rollout whose user code is busy (the ``held_weights()`` hook would wait for it) reports
+        no checksum, which does not prove it (it goes STALE and is resynced). A trainer reports
+        its last sent checksum: its weights move on with every step by design."""
+        checksum = self.checksum
+        if req.prove and self.role == "rollout":
+            checksum = None
+            if self._holds_committed and not (self._has_held_hook() and self._lock().locked()):
+                checksum, _ = await self._held_checksum(self._loaded.tensors if self._loaded is not None else None)
+                # a rollout that fails this proof goes STALE: its next load is proven too (_proves)
+                self._held_mismatch = self._held_mismatch or checksum != self._received
+        from ftstate.transport import auth
+
+        busy, progress = self.busy, self.progress
+        user = self._user_activity()
+        if user is not None:  # the user's own work (a generation) moving, or not
+            busy, progress = busy or user[0], progress + user[1]
+        # ``forged`` (the watchdog asks): the messages dropped as forged since it last asked, once
+        return Heartbeat(progress=progress, busy=busy, weights_version=self.weights_version, checksum=checksum,
+                         pid=os.getpid(), forged=tuple(auth.drain_forged()) if req.forged else ())
+
+    def _user_activity(self) -> tuple[bool, int] | None:
+        """The user worker's :meth:`~ftstate.core.worker.Worker.activity`, checked: anything but
+        None or ``(bool, int)`` is a :class:`~ftstate.core.errors.FTError` naming the method."""
+        activity = getattr(self.user, "activity", None)
+        if activity is None or self._init_error is not None:
+            return None
+        value = activity()
+        if value is None:
+            return None
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], bool)
+                and isinstance(value[1], int) and not isinstance(value[1], bool)):
+            raise FTError(f"{self.member}: {type(self.user).__name__}.activity() returned {bounded(repr(value), 200)}; "
+                          f"expected None or (busy: bool, progress: int)")
+        return value
+
+    async def vigil(self, req: Vigil) -> None:
+        """Never returns while this process lives: the controller keeps this call pending so
+        that a death surfaces as Ray's ``ActorDiedError`` at once, idle or not
+        (:mod:`ftstate.controller.vigil`)."""
+        await asyncio.Event().wait()
+
+    def _lock(self) -> asyncio.Lock:
+        if self._user_lock is None:
+            self._user_lock = asyncio.Lock()
+        return self._user_lock
+
+    def _tick(self) -> None:
+        # Called from the event loop and from transfer threads (per bucket).
+        self.progress += 1
+        if self._signal_at_progress is not None and self.progress >= self._signal_at_progress[0]:
+            sig = self._signal_at_progress[1]
+            self._signal_at_progress = None
+            os.kill(os.getpid(), sig)
+
+    async def call(self, req: UserCall) -> Any:
+        """A user method. ``logged``: a trainer call the controller keeps in its replay log
+        (``rt.trainer(...)``, or its replay), counted by :meth:`calls_since_commit`."""
+        method, args, kwargs, logged = req.name, req.args, req.kwargs, req.logged
+        if self._init_error is not None:
+            raise self._init_error
+        fn = getattr(self.user, method, None)
+        if fn is None or method.startswith("_") or not callable(fn):
+            raise FTError(f"{self.member}: {type(self.user).__name__} has no public method {method!r}")
+        async with self._lock():
+            self._calls_started += logged
+            result = await self._run(fn, *args, **dict(kwargs))
+            self._calls_done += logged
+        self._tick()
+        return result
+
+    async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a user method; an exception it raises is marked with the method and the user's
+        frames (:func:`mark_user_error`) for the controller's report."""
+        if self._init_error is not None:
+            raise self._init_error
+        try:
+            if inspect.iscoroutinefunction(fn):
+                return await fn(*args, **kwargs)
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except Exception as exc:
+            mark_user_error(exc, f"{type(self.user).__name__}.{getattr(fn, '__name__', 'call')}()")
+            raise
