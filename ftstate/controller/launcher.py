@@ -127,7 +127,8 @@ class ActorLauncher:
             host={"backend": self.config.backend, "bucket_bytes": int(self.config.bucket_size_mb * 2**20),
                   "secret": self._secret, "integrity": self.config.security.integrity,
                   "held_proof": (self.config.held_weights_proof, self.config.held_weights_proof_fraction),
-                  "staging_spare": self.config.staging_spare})
+                  "staging_spare": self.config.staging_spare,
+                  "in_flight": self.config.rollout_updates == "in_flight"})
         member = Member(name, role, rank, machine, handle, self.liveness(), pool=resource_pool.name, slot=slot)
         self.membership.add(member)
         return member

@@ -72,7 +72,9 @@ class Member:
     """One worker actor. rank: its rank in the current group version (-1 for a spare);
     pool / slot: where the launcher placed it; pid / node (address) / node_id (Ray's id of
     its node: several nodes may share an address): known once it answered. reserved_bytes: a
-    spare's staging buffer made ready for the next transfer to it (``reserve_staging``)."""
+    spare's staging buffer made ready for the next transfer to it (``reserve_staging``).
+    pending_version / pending_since: ``rollout_updates: in_flight``: the committed version it
+    holds back for its call's next safe point, and since when (the loop's clock)."""
 
     name: str
     role: str
@@ -87,6 +89,8 @@ class Member:
     node_id: str | None = None
     reserved_bytes: int = 0
     holds_weights: bool = False
+    pending_version: int | None = None
+    pending_since: float = 0.0
 
     @property
     def gone(self) -> bool:
@@ -250,16 +254,23 @@ class Membership:
                          f"trainer ranks {missing} are gone and not replaced yet: {why}",
                          group_version=self.group_version)
 
-    def serving_rollouts(self) -> list[str]:
-        """Rollouts in a serving state holding the current weights version, in rank order."""
+    def serving_rollouts(self, max_lag: int = 0) -> list[str]:
+        """Rollouts in a serving state holding the current weights version, in rank order;
+        ``max_lag`` (``rollout_updates: in_flight``): or a version at most that many behind."""
         version = self.weights_version
-        return [m.name for m in self.role("rollout") if m.machine.serving and m.machine.weights_version == version]
+        return [m.name for m in self.role("rollout") if m.machine.serving
+                and version - max_lag <= m.machine.weights_version <= version]
 
     def holders(self, exclude: Member | None = None) -> list[Member]:
-        """Serving rollouts that hold the current version (the sources of a resync)."""
+        """Serving rollouts that hold the current version (the sources of a resync): loaded, or
+        waiting for a safe point (verified and committed: it is what they send)."""
         version = self.weights_version
         return [m for m in self.role("rollout") if m is not exclude and m.machine.serving
-                and m.machine.weights_version == version]
+                and version in (m.machine.weights_version, m.pending_version)]
+
+    def pending_swaps(self) -> list[Member]:
+        """Rollouts holding a committed version back for a safe point (``rollout_updates: in_flight``)."""
+        return [m for m in self.role("rollout") if m.pending_version is not None and not m.gone]
 
     def on_node(self, node_id: str) -> list[Member]:
         """Every member not gone whose process runs on node ``node_id`` (spares included)."""

@@ -282,6 +282,7 @@ class ShardedSync(WeightSync):
             rollouts=tuple(m.name for m in rollouts if m.name not in not_loaded),
             stale=tuple(n for n, e in not_loaded.items() if isinstance(e, HeldWeightsMismatch)),
             routes={m.name: "collective" for m in rollouts if m.name not in not_loaded},
+            pending=tuple(n for n in self.pending if n not in not_loaded),
             device_bytes=device,
         )
 

@@ -23,7 +23,7 @@ from ftstate.controller.membership import Member, Membership, TrainerCall
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import FTError, MemberLost, NoServingWorkers
-from ftstate.core.protocol import UserCall
+from ftstate.core.protocol import UserCall, Versioned
 
 
 def check_method(method: object) -> str:
@@ -74,7 +74,13 @@ class Router:
     async def trainer(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return await self._with_failover(self._trainer_once, check_method(method), args, kwargs)
 
-    async def rollout_map(self, method: str, items: Sequence[Any], args: tuple[Any, ...]) -> list[Any]:
+    @property
+    def max_lag(self) -> int:
+        """How far behind the current version a rollout may be and still take calls."""
+        return self.config.max_staleness if self.config.rollout_updates == "in_flight" else 0
+
+    async def rollout_map(self, method: str, items: Sequence[Any], args: tuple[Any, ...],
+                          versions: bool = False) -> list[Any]:
         """See :meth:`ftstate.Runtime.rollout_map`."""
         check_method(method)
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
@@ -86,7 +92,7 @@ class Router:
         while todo:
             self.raise_if_failed()
             await self.routing_open.wait()
-            targets = self.membership.serving_rollouts()
+            targets = self.membership.serving_rollouts(self.max_lag)
             if not targets:
                 if ft.enable and self.failover_pending():
                     await self.recover()
@@ -98,7 +104,8 @@ class Router:
             # Fewer items than rollouts: only those dealt one are called (never with an empty shard).
             shards = {name: todo[i::len(targets)] for i, name in enumerate(targets) if todo[i::len(targets)]}
             outs = await asyncio.gather(*(
-                self._user_call(self.membership.get(name), method, (*args, [items[j] for j in idx]), {})
+                self._user_call(self.membership.get(name), method, (*args, [items[j] for j in idx]), {},
+                                versions=versions)
                 for name, idx in shards.items()
             ), return_exceptions=True)
             failed: list[int] = []
@@ -110,12 +117,15 @@ class Router:
                 if isinstance(out, MemberLost) and ft.enable:
                     failed += idx
                     continue
+                ran_under = None
+                if isinstance(out, Versioned):
+                    out, ran_under = out.value, out.versions
                 if not isinstance(out, (list, tuple)) or len(out) != len(idx):
                     got = f"{len(out)} results" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
                     raise FTError(f"{name}: {method}() answered {got} for a shard of {len(idx)} items; "
                                   "expected a list with one result per item, in order")
                 for j, r in zip(idx, out, strict=True):
-                    results[j] = r
+                    results[j] = r if ran_under is None else Versioned(r, ran_under)
             if failed:
                 attempts += 1
                 if attempts > ft.max_failovers + 1:
@@ -158,7 +168,7 @@ class Router:
     async def _rollout_once(self, method: str, args: Any, kwargs: Any) -> list[Any]:
         self.raise_if_failed()
         await self.routing_open.wait()
-        targets = self.membership.serving_rollouts()
+        targets = self.membership.serving_rollouts(self.max_lag)
         if not targets:
             raise NoServingWorkers(f"no rollout serves the current weights version "
                                    f"{self.membership.weights_version}: {self.membership.states_text()}")
@@ -214,14 +224,16 @@ class Router:
         finally:
             self._trainer_open.set()
 
-    async def _user_call(self, m: Member, method: str, args: Any, kwargs: Any, *, logged: bool = False) -> Any:
+    async def _user_call(self, m: Member, method: str, args: Any, kwargs: Any, *, logged: bool = False,
+                         versions: bool = False) -> Any:
         """One call of the user's code on a worker. A call that raises changes no state, but
         the trail still says so (an ``error`` record on the worker's machine): a run that
         ends on a user error is then explained by its trail alone. A death is the machine's
         own transition (``died``), not recorded twice. ``logged``: a trainer call of the
         replay log (the host counts it)."""
         try:
-            return await self.calls.call(m.name, m.handle, UserCall(method, tuple(args), dict(kwargs), logged))
+            return await self.calls.call(m.name, m.handle, UserCall(method, tuple(args), dict(kwargs), logged,
+                                                                    versions))
         except MemberLost:
             raise
         except Exception as exc:

@@ -579,7 +579,7 @@ class Runtime:
         the trainer's loss is made again on its replacement (so the loop never sees it)."""
         return await self._require_router().trainer(method, args, kwargs)
 
-    async def rollout_map(self, method: str, items: Sequence[Any], *args: Any) -> list[Any]:
+    async def rollout_map(self, method: str, items: Sequence[Any], *args: Any, versions: bool = False) -> list[Any]:
         """Deal ``items`` over the rollouts serving the current weights (item ``i`` to the
         ``i mod n``-th), call ``method(*args, shard)`` on each, and return one result per item,
         in item order (``method`` must answer each shard with one result per item, in order).
@@ -587,8 +587,12 @@ class Runtime:
         gets an empty shard, and no items at all calls nobody. If several rollouts raise, the
         error names every one of them.
         With fault tolerance on, the shard of a rollout lost mid-call is dealt again over the
-        rollouts serving once the failover completed; with it off, the loss is raised."""
-        return await self._require_router().rollout_map(method, items, args)
+        rollouts serving once the failover completed; with it off, the loss is raised.
+        ``versions``: each result is a :class:`~ftstate.core.protocol.Versioned`, with the weights
+        versions its call ran under (more than one when it swapped at a safe point). With
+        ``rollout_updates: in_flight`` the rollouts dealt to include those at most
+        ``max_staleness`` versions behind."""
+        return await self._require_router().rollout_map(method, items, args, versions)
 
     def serving_rollouts(self) -> list[str]:
         """Rollouts in a serving state holding the current weights version, in rank order."""

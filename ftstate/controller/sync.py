@@ -58,7 +58,9 @@ class SyncReport:
     routes: how each of them got it (``shm``: from shared memory on the trainer's node,
     ``collective``: over gloo/NCCL, ``relay``: from shared memory written by its node's relay,
     which got it over the collective; see :mod:`ftstate.core.plan`); shm_fallback: why rollouts
-    planned on shared memory took the collective instead (``shared_memory: auto``), else None.
+    planned on shared memory took the collective instead (``shared_memory: auto``), else None;
+    pending: with ``rollout_updates: in_flight``, the rollouts among ``rollouts`` that were busy
+    in a call and load it at its next safe point (the others loaded it before ``sync()`` returned).
     """
 
     weights_version: int
@@ -71,6 +73,7 @@ class SyncReport:
     stale: tuple[str, ...] = ()
     routes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     shm_fallback: str | None = None
+    pending: tuple[str, ...] = ()
     #: Memory the transport used beside the rollouts' own weights, in bytes (``docs/benchmarks.md``):
     #: staging_bytes: each rollout's peak during this sync (the staging buffer the version landed
     #: in plus the committed copy it kept meanwhile); node_staging_bytes: the same summed by node
@@ -170,6 +173,8 @@ class WeightSync:
         self.held_bytes: dict[str, int] = {}
         #: Device bytes of each rollout's last load by parts (SyncReport.device_bytes).
         self.device_bytes: dict[str, int] = {}
+        #: rollouts that committed the version being synced but load it at their next safe point
+        self.pending: list[str] = []
 
     async def attempt(self) -> SyncReport:
         """One try at the next weights version; see the module docstring."""
@@ -243,6 +248,7 @@ class WeightSync:
                                self.device_bytes,
                                {n: c["nbytes"] * (2 if n in had_copy else 1) for n, c in node_copies.items()})
         await group.fire("sync_done", checksum=sent.checksum, nbytes=sent.nbytes, **memory_record(memory),
+                         **({"pending": list(self.pending)} if self.pending else {}),
                          **({"node_copy_bytes": {n[:8]: c["nbytes"] for n, c in node_copies.items()}}
                             if node_copies else {}))
         # A held-weights mismatch is a fault of that rollout's engine, handled here (it is
@@ -263,6 +269,7 @@ class WeightSync:
             stale=tuple(n for n, e in not_loaded.items() if isinstance(e, HeldWeightsMismatch)),
             routes={n: how for n, how in routes.items() if n not in not_loaded},
             shm_fallback=sent.shm_fallback or None,
+            pending=tuple(n for n in self.pending if n not in not_loaded),
             node_copies=node_copies,
             **memory,
         )
@@ -465,8 +472,14 @@ class WeightSync:
         failed = self._failures(rollouts, results)
         held: dict[str, str] = {}
         self.held_bytes, self.device_bytes = {}, {}
+        self.pending = []
         for m, r in zip(rollouts, results, strict=True):
             if m.name in failed:
+                continue
+            if r.deferred:
+                # busy in a call: it loads the version at its next safe point (the watchdog sees it)
+                m.pending_version, m.pending_since = version, asyncio.get_running_loop().time()
+                self.pending.append(m.name)
                 continue
             held[m.name] = r.checksum
             self.held_bytes[m.name] = r.held_bytes
@@ -486,7 +499,11 @@ class WeightSync:
                          if isinstance(err, HeldWeightsMismatch) else {})
                 await m.machine.fire(trigger, reason=f"commit of weights version {version} failed: {err}", **extra)
                 continue
+            if m.name in self.pending:
+                await self._defer(m, version)
+                continue
             m.machine.weights_version = version
+            m.pending_version = None
             # Each member's own checksum (hashed from what it holds) goes on its record, and
             # the device bytes of a load by parts, whichever edge says it holds the version.
             device = device_field(self.device_bytes.get(m.name))
@@ -510,3 +527,11 @@ class WeightSync:
             # after the vote is the failover's to replace.
             trainer.machine.record("weights_sent", checksum=checksum)
         return failed
+
+    async def _defer(self, m: Member, version: int) -> None:
+        """``m`` committed ``version`` while busy in a call: it keeps computing with the version it
+        holds and loads this one at the call's next safe point (recorded as ``swap_pending``)."""
+        if m.machine.state == "SYNCING":
+            await m.machine.fire("committed", swap_pending=version)
+        else:
+            m.machine.record("swap_pending", swap_pending=version)

@@ -35,7 +35,7 @@ from typing import Any
 from ftstate.controller.backend import QUIET
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.collector import CollectorPause
-from ftstate.controller.membership import GONE, Member, Membership
+from ftstate.controller.membership import GONE, Member, Membership, walk_proven
 from ftstate.controller.vigil import Vigils
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import MemberLost
@@ -45,6 +45,8 @@ from ftstate.core.protocol import Beat
 #: A heartbeat through a node's agent: a suspect proves its weights; every member hands over
 #: what it dropped as forged.
 _PROVE = Beat(prove=True, forged=True)
+#: The watchdog's own event for an answer showing a swap at a safe point (not a machine trigger).
+SWAPPED = "swapped"
 _ASK = Beat(prove=False, forged=True)
 
 
@@ -91,6 +93,7 @@ class Watchdog:
                 async with CollectorPause(self.config.gc_pause_s):
                     await self._round(nodes, loop.time(), self._mark)
                 record_controller_forged(self.membership)
+                await self._overdue_swaps(loop.time())
         finally:
             await self.vigils.close()
 
@@ -256,14 +259,50 @@ class Watchdog:
         )
         if trigger is not None and not m.machine.can(trigger):
             trigger = None
+        if trigger is None and beat is not None and m.pending_version is not None \
+                and beat.weights_version >= m.pending_version:
+            trigger = SWAPPED
         return beat is not None, trigger, beat
 
     async def _fire(self, m: Member, trigger: str, beat: Heartbeat | None) -> None:
+        if trigger == SWAPPED and beat is not None:
+            await self._swapped(m, beat)
+            return
         reason = "no heartbeat within the interval" if beat is None else f"progress {beat.progress}, busy={beat.busy}"
         shown = {"checksum": beat.checksum} if beat is not None and trigger in ("verified", "alive_stale") else {}
+        if trigger == "verified" and beat is not None and m.pending_version is not None \
+                and beat.weights_version >= m.pending_version:
+            m.machine.weights_version, m.pending_version = beat.weights_version, None  # swapped meanwhile
         await m.machine.fire(trigger, reason=reason, **shown)
         if trigger == "verified":
             await m.machine.fire("admit")
+
+    async def _swapped(self, m: Member, beat: Heartbeat) -> None:
+        """``m`` loaded the version it held back at a safe point: it serves it once its own
+        checksum (hashed after the load) is that version's, else it is taken out of serving."""
+        version, m.pending_version = beat.weights_version, None
+        if self.membership.versions_by_checksum.get(beat.checksum or "") != version:
+            if m.machine.can("invalidate"):
+                await m.machine.fire("invalidate", checksum=beat.checksum, reason=(
+                    f"swapped to weights version {version} at a safe point holding checksum {beat.checksum}, "
+                    "not that version's"))
+            return
+        m.machine.weights_version = version
+        if m.machine.serving:
+            m.machine.record("swapped", checksum=beat.checksum)
+        else:  # suspected or made stale while it held the version back: proven now
+            await walk_proven(m.machine, "READY", checksum=beat.checksum)
+
+    async def _overdue_swaps(self, now: float) -> None:
+        """A rollout that held a committed version back longer than ``safe_point_timeout_s``
+        reaches no safe point: it is suspected, as a wedged engine is (it serves nothing until
+        it swaps, proven, or is declared lost)."""
+        bound = self.config.safe_point_timeout_s
+        for m in self.membership.pending_swaps():
+            if now - m.pending_since >= bound and m.machine.serving and m.machine.can("heartbeat_missed"):
+                await m.machine.fire("heartbeat_missed", reason=(
+                    f"held weights version {m.pending_version} back for {now - m.pending_since:.1f}s without "
+                    f"reaching a safe point (safe_point_timeout_s={bound:g})"))
 
     async def verdict(self, members: list[Member]) -> None:
         """Wait for the watchdog's verdict on ``members``, which a call just found lost (dead or

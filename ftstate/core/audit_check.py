@@ -22,7 +22,8 @@ these invariants, naming its line:
   serving state must hold that version (while the group syncs, the version before the sync
   is also accepted: a rollout keeps serving it until it commits); and when the group commits
   version v (``sync_done`` into READY), every rollout in a serving state must have last
-  reported v;
+  reported v, or (``rollout_updates: in_flight``) hold v back for its call's next safe point
+  (a record with ``swap_pending`` v; it keeps serving the version it last reported);
 - **held is sent**: every rollout reports the checksum of the bytes it holds (hashed by the
   rollout itself after it loaded them) on the records that change what it holds, and the
   group's ``sync_done`` carries the sender's checksum of the version it commits. When the
@@ -100,6 +101,7 @@ class _Member:
     role: str | None = None
     weights_version: Any = None
     checksum: Any = None
+    pending: Any = None  # a version held back for a safe point (swap_pending)
 
 
 @dataclasses.dataclass
@@ -203,6 +205,8 @@ class TrailChecker:
             return
         if rec.get("role"):
             m.role = rec["role"]
+        if rec.get("swap_pending") is not None:
+            m.pending = rec["swap_pending"]
         wv = rec.get("weights_version")
         if rec.get("checksum") is not None and machine != GROUP_MACHINE:
             m.checksum = rec["checksum"]
@@ -289,14 +293,15 @@ class TrailChecker:
                     and other.state in self.specs[other.machine].serving_states
                 ):
                     continue
-                if other.weights_version != self._run.current:
+                if other.weights_version != self._run.current and other.pending != self._run.current:
                     self._report(
                         line,
                         other.name,
                         f"{other.name} serving weights version {other.weights_version} while current is "
                         f"{self._run.current} (the group committed it by {GROUP_COMMIT})",
                     )
-                elif checksum is not None and other.checksum != checksum:
+                elif other.weights_version == self._run.current and checksum is not None \
+                        and other.checksum != checksum:
                     self._report(line, other.name, _held_not_sent(other, self._run.current, checksum))
 
     def _rollout_serving(self, line: int, m: _Member, dst: str, trigger: str, wv: Any) -> None:
@@ -312,7 +317,7 @@ class TrailChecker:
                 f"{m.name} entered serving state {dst} by {trigger} without a weights_version "
                 f"while current is {self._run.current}",
             )
-        elif wv not in allowed:
+        elif wv not in allowed and m.pending not in allowed:  # (in_flight: it holds the newer back)
             self._report(
                 line,
                 m.name,

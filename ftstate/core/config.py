@@ -444,6 +444,26 @@ class RuntimeConfig:
         "per rollout and weights version from the run id (the same draws on a replay of the trail).",
         ge=0,
     )
+    rollout_updates: Literal["barrier", "in_flight"] = _field(
+        "barrier",
+        "How a committed version reaches a rollout busy in a user call. barrier: the commit waits for the "
+        "call to end, so sync() returns with every rollout on the new version. in_flight: sync() does not "
+        "wait; the rollout loads it at its call's next safe_point() (between two steps), or when the call "
+        "ends, and an idle rollout at once (docs/concepts.md, 'Two update modes').",
+    )
+    max_staleness: int = _field(
+        1,
+        "With rollout_updates: in_flight, how many versions behind the current one a rollout may be and "
+        "still be given new calls; one further behind gets none until it swaps.",
+        ge=0,
+    )
+    safe_point_timeout_s: float = _field(
+        60.0,
+        "With rollout_updates: in_flight, how long a rollout may hold a committed version back without "
+        "reaching a safe point: then it is suspected, as a wedged engine is, and serves nothing until it "
+        "swaps (or is declared lost and replaced).",
+        gt=0,
+    )
     heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker; bounds each heartbeat call "
                                          "(a node agent's reply for its members: two intervals).", gt=0)
     heartbeat_agent_min_members: int = _field(

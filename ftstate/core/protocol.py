@@ -214,6 +214,9 @@ class Loaded:
     nbytes: int = 0
     route: str = ""
     stages: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    #: ``rollout_updates: in_flight``: a user call was running, so the version waits for its
+    #: next safe point (``checksum`` is then what it was received with, not yet what it holds)
+    deferred: bool = False
 
 
 # -- a newcomer's resync, a spare ----------------------------------------------------------
@@ -433,6 +436,17 @@ class UserCall(Request):
     args: tuple[Any, ...] = ()
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     logged: bool = False
+    #: answer with the weights versions the call ran under (:class:`Versioned`)
+    versions: bool = False
+
+
+@_frozen
+class Versioned:
+    """A user call's result and the weights versions it ran under, in order: one, or more when
+    it swapped at a safe point (``rollout_updates: in_flight``)."""
+
+    value: Any
+    versions: tuple[int, ...]
 
 
 @_frozen

@@ -99,6 +99,29 @@ class RolloutWorker(Worker):
 
     role: ClassVar[str] = "rollout"
 
+    def safe_point(self, pause: bool = False) -> int:
+        """Call between two steps of a long call (tokens, decode steps): with
+        ``rollout_updates: in_flight``, a committed version waiting for this worker is loaded
+        here, in the calling thread, through :meth:`load_weights` under the same proof as any
+        load; the steps before ran wholly on the old version, those after run wholly on the new.
+        Returns the weights version in effect. ``pause``: for an engine that cannot swap inside a
+        request, the swap is recorded as a pause (the requests are held, the version loaded, the
+        same requests resumed with their tokens so far): they span two versions. Outside a run
+        (or with ``barrier`` updates, where nothing waits) it only returns the version."""
+        gate = self.__dict__.get("_ftstate_gate")
+        return gate.reached(pause) if gate is not None else self.weights_version
+
+    @property
+    def weights_version(self) -> int:
+        """The weights version this worker computes with now (0 before its first load)."""
+        gate = self.__dict__.get("_ftstate_gate")
+        return gate.weights_version if gate is not None else int(self.__dict__.get("_ftstate_version", 0))
+
+    @weights_version.setter
+    def weights_version(self, value: int) -> None:
+        # an engine's own bookkeeping (VLLMRollout) may set it; under ftstate the host's is what counts
+        self.__dict__["_ftstate_version"] = value
+
     def load_weights(self, state: Mapping[str, Any], version: int) -> None:
         """Adopt a complete, verified set of weights; ``version`` is the weights version."""
         raise NotImplementedError(f"{type(self).__name__} must implement load_weights()")

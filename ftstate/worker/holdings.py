@@ -18,8 +18,9 @@ from typing import Any
 
 from ftstate.core.errors import FTError
 from ftstate.core.protocol import Checksum, Commit, Discard, Loaded, TrainerChecksum
+from ftstate.worker.inflight import PendingSwap
 from ftstate.worker.part import HostPart
-from ftstate.worker.usercode import overrides
+from ftstate.worker.usercode import mark_user_error, overrides
 
 
 class Holdings(HostPart):
@@ -37,32 +38,107 @@ class Holdings(HostPart):
     _held_proof: tuple[str, float]
     _staging_spare: bool
     _receiver: Any
+    _in_flight: bool  # rollout_updates: in_flight
+    _pending: PendingSwap  # a committed version waiting for a safe point
+    _swap_tasks: set[asyncio.Task[None]]
+    _swaps_paused: int  # swaps made at a safe point that paused the engine's requests
 
     async def commit_weights(self, req: Commit) -> Loaded:
-        """Rollout: hand the staged version to ``load_weights``; the user lock pauses calls meanwhile."""
+        """Rollout: hand the staged version to ``load_weights``; the user lock pauses calls
+        meanwhile. With ``rollout_updates: in_flight`` and a user call running, it waits for
+        the call's next safe point instead (:mod:`ftstate.worker.inflight`): ``deferred``."""
+        staged = self._staged
+        if staged is None or staged.weights_version != req.weights_version:
+            have = "nothing" if staged is None else f"version {staged.weights_version}"
+            raise FTError(f"{self.member}: asked to commit weights version {req.weights_version} but staged {have}")
+        if self._in_flight and self._lock().locked():
+            self._staged = None
+            self._pending.offer(staged)
+            task = asyncio.get_running_loop().create_task(self._swap_when_free())
+            self._swap_tasks.add(task)
+            task.add_done_callback(self._swap_tasks.discard)
+            return Loaded(checksum=staged.state_checksum, received=staged.state_checksum,
+                          weights_version=req.weights_version, nbytes=staged.nbytes, deferred=True)
         return await self._commit(req.weights_version)
 
     async def _commit(self, weights_version: int) -> Loaded:
         staged = self._staged
-        if staged is None or staged.weights_version != weights_version:
-            have = "nothing" if staged is None else f"version {staged.weights_version}"
-            raise FTError(f"{self.member}: asked to commit weights version {weights_version} but staged {have}")
         async with self._lock():
-            device_bytes = await self._load_weights(staged.tensors, weights_version)
-            if self._proves(weights_version):
-                held, from_engine = await self._held_checksum(staged.tensors)
-                self._held_mismatch = held != staged.state_checksum
-            else:
-                # verified bucket by bucket on receipt; an engine that held its weights still does
-                held, from_engine = staged.state_checksum, self._engine_holds
-            self.weights_version = weights_version
-            self.checksum = held
-            self._adopt(staged, from_engine)
+            loaded = await self._load_proven(staged, weights_version)
             self._staged = None
         self._tick()
+        return loaded
+
+    async def _load_proven(self, staged: Any, weights_version: int) -> Loaded:
+        """Load ``staged`` into the user's worker and prove what it holds then (the user lock held)."""
+        device_bytes = await self._load_weights(staged.tensors, weights_version)
+        if self._proves(weights_version):
+            held, from_engine = await self._held_checksum(staged.tensors)
+            self._held_mismatch = held != staged.state_checksum
+        else:
+            # verified bucket by bucket on receipt; an engine that held its weights still does
+            held, from_engine = staged.state_checksum, self._engine_holds
+        self.weights_version = weights_version
+        self.checksum = held
+        self._adopt(staged, from_engine)
         # The controller compares ``checksum`` (what this member holds) with the sender's.
         return Loaded(checksum=held, received=staged.state_checksum, weights_version=weights_version,
                       held_bytes=self._held_bytes(), device_bytes=device_bytes, nbytes=staged.nbytes)
+
+    async def _swap_when_free(self) -> None:
+        """The call that held a version back ended without a safe point: load it before anything else."""
+        async with self._lock():
+            await self._swap_now()
+
+    async def _swap_now(self) -> None:
+        """Load the version waiting for a safe point, if any (the user lock held)."""
+        staged = self._pending.take()
+        if staged is not None:
+            await self._load_proven(staged, staged.weights_version)
+            self._pending.call_versions.append(staged.weights_version)
+            self._tick()
+
+    def swap_at_safe_point(self, pause: bool) -> int:
+        """In the user's thread, between two steps of its call: load the version waiting, if
+        any, as :meth:`_load_proven` does, and return the version in effect."""
+        staged = self._pending.take()
+        if staged is None:
+            return self.weights_version
+        from ftstate.transport import state_checksum
+
+        version = staged.weights_version
+        try:
+            if overrides(self.user, "load_weights_part"):
+                self._load_by_parts(staged.tensors, version, self.user.weights_device())
+            else:
+                self.user.load_weights(dict(staged.tensors), version)
+            engine = self._engine_weights_now()
+        except Exception as exc:
+            mark_user_error(exc, f"{type(self.user).__name__}.load_weights()")
+            self._held_mismatch = True  # what it holds is unknown now: the next load is proven
+            raise
+        if self._proves(version):
+            held = state_checksum(engine if engine is not None else staged.tensors)
+            self._held_mismatch = held != staged.state_checksum
+        else:
+            held = staged.state_checksum
+        self.weights_version, self.checksum = version, held
+        # the receiver's buffers are let go at the next commit, on the actor's loop, not here
+        self._adopt(staged, engine is not None, release=False)
+        self._pending.call_versions.append(version)
+        self._swaps_paused += pause
+        self._tick()
+        return version
+
+    def _engine_weights_now(self) -> Mapping[str, Any] | None:
+        """:meth:`_engine_weights`, in the calling thread."""
+        from ftstate.transport.validate import check_state_dict
+
+        if not self._has_held_hook():
+            return None
+        returned = self.user.held_weights()
+        return None if returned is None else check_state_dict(
+            returned, device_type=None, member=self.member, backend=self.backend, what="held_weights()")
 
     async def _load_weights(self, tensors: Mapping[str, Any], weights_version: int) -> int | None:
         """Hand a verified version to the user: whole to ``load_weights``, or, for an engine on
@@ -73,6 +149,14 @@ class Holdings(HostPart):
         if device is None:
             await self._run(self.user.load_weights, dict(tensors), weights_version)
             return None
+
+        def load_weights_part() -> int:  # named so a user error names the hook
+            return self._load_by_parts(tensors, weights_version, device)
+
+        return int(await self._run(load_weights_part))
+
+    def _load_by_parts(self, tensors: Mapping[str, Any], weights_version: int, device: Any) -> int:
+        """``load_weights_part`` through two device buckets, in the calling thread; the device bytes used."""
         import torch
 
         from ftstate.transport import devicebuckets
@@ -80,11 +164,8 @@ class Holdings(HostPart):
         def part(state: dict[str, Any], first: bool, last: bool) -> None:
             self.user.load_weights_part(state, weights_version, first=first, last=last)
 
-        def load_weights_part() -> dict[str, Any]:  # named so a user error names the hook
-            return devicebuckets.load_by_buckets(tensors, device=torch.device(device), bucket_bytes=self.bucket_bytes,
-                                                 load=part)
-
-        return int((await self._run(load_weights_part))["device_bytes"])
+        return int(devicebuckets.load_by_buckets(tensors, device=torch.device(device), bucket_bytes=self.bucket_bytes,
+                                                 load=part)["device_bytes"])
 
     async def discard_weights(self, req: Discard) -> None:
         """Drop a staged version; what the user holds (the previous version) stays current."""
@@ -159,7 +240,7 @@ class Holdings(HostPart):
             self._receiver.release()
         return dict(staged.tensors)
 
-    def _adopt(self, staged: Any, from_engine: bool) -> None:
+    def _adopt(self, staged: Any, from_engine: bool, *, release: bool = True) -> None:
         """Make ``staged`` the committed version. When the engine gave it back (``from_engine``)
         the engine's weights are the copy: the transport lets go of its own (the receiver's
         buffers, ``_loaded``), so a rollout holds the weights once, not three times; with
@@ -168,7 +249,7 @@ class Holdings(HostPart):
         self._received = staged.state_checksum
         if from_engine:
             self._loaded = None
-            if self._receiver is not None:
+            if release and self._receiver is not None:
                 self._receiver.release(keep_spare=self._staging_spare)
         else:
             self._loaded = staged
@@ -185,7 +266,11 @@ class Holdings(HostPart):
     async def _committed_state(self) -> tuple[Mapping[str, Any] | Any, int]:
         """The committed version to send (a newcomer's resync, a trainer's reverse recovery):
         the transport's copy, or read back from the engine when that is the only copy (under
-        the user lock, so no load or generation call changes it while it is read)."""
+        the user lock, so no load or generation call changes it while it is read). A version
+        waiting for a safe point is newer, committed and verified: it is the one sent."""
+        waiting = self._pending.peek()
+        if waiting is not None:
+            return waiting, waiting.weights_version
         if self._loaded is not None:
             return self._loaded, self._loaded.weights_version
         if self._engine_holds:

@@ -26,10 +26,11 @@ from typing import Any
 
 from ftstate.core.errors import FTError, WorkerInitError
 from ftstate.core.liveness import Heartbeat
-from ftstate.core.protocol import Beat, Info, Located, UserCall, Vigil
+from ftstate.core.protocol import Beat, Info, Located, UserCall, Versioned, Vigil
 from ftstate.core.text import bounded
 from ftstate.worker.chaos import Chaos
 from ftstate.worker.holdings import Holdings
+from ftstate.worker.inflight import PendingSwap, SafePointGate
 from ftstate.worker.place import where
 from ftstate.worker.ranks import TrainerRank
 from ftstate.worker.transfers import Transfers
@@ -45,7 +46,8 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
     transport's MACs; None: the run does not authenticate); integrity: ``security.integrity``;
     held_proof: ``(held_weights_proof, held_weights_proof_fraction)``, when a commit hashes what
     the rollout's ``held_weights()`` returns; staging_spare: a rollout whose engine holds its
-    weights keeps its staging buffer for the next sync.
+    weights keeps its staging buffer for the next sync; in_flight: ``rollout_updates: in_flight``
+    (a version committed while a user call runs waits for its safe point).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
         integrity: str = "xxh3",
         held_proof: tuple[str, float] = ("every_sync", 0.0),
         staging_spare: bool = False,
+        in_flight: bool = False,
     ) -> None:
         from ftstate.transport import auth, checksum
 
@@ -79,11 +82,17 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self._init_error: WorkerInitError | None = None
+        self._in_flight = in_flight
+        self._pending = PendingSwap()
+        self._swap_tasks: set[asyncio.Task[None]] = set()
+        self._swaps_paused = 0
         try:
             self.user = user_cls(*args, **dict(kwargs))
         except Exception as exc:  # noqa: BLE001 - the user's constructor: reported, not fatal to the process
             self.user = None
             self._init_error = init_error(member, role, user_cls, exc)
+        if self.user is not None and role == "rollout":
+            self.user.__dict__["_ftstate_gate"] = SafePointGate(self)
         self.progress = 0
         self.busy = False
         self.weights_version = 0
@@ -191,7 +200,9 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
 
     async def call(self, req: UserCall) -> Any:
         """A user method. ``logged``: a trainer call the controller keeps in its replay log
-        (``rt.trainer(...)``, or its replay), counted by :meth:`calls_since_commit`."""
+        (``rt.trainer(...)``, or its replay), counted by :meth:`calls_since_commit`;
+        ``versions``: answer :class:`~ftstate.core.protocol.Versioned`, with the weights versions
+        it ran under. A version waiting for a safe point is loaded before the call starts."""
         method, args, kwargs, logged = req.name, req.args, req.kwargs, req.logged
         if self._init_error is not None:
             raise self._init_error
@@ -199,11 +210,13 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
         if fn is None or method.startswith("_") or not callable(fn):
             raise FTError(f"{self.member}: {type(self.user).__name__} has no public method {method!r}")
         async with self._lock():
+            await self._swap_now()
+            self._pending.call_versions = versions = [self.weights_version]
             self._calls_started += logged
             result = await self._run(fn, *args, **dict(kwargs))
             self._calls_done += logged
         self._tick()
-        return result
+        return Versioned(result, tuple(versions)) if req.versions else result
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a user method; an exception it raises is marked with the method and the user's

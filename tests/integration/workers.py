@@ -596,3 +596,50 @@ class MisloadingPartTrainer(LocalPartTrainer):
             with torch.no_grad():
                 t = self.part["emb"].tensor
                 t.view(-1)[0] += 1.0
+
+
+class InFlightRollout(TinyRollout):
+    """Generates token by token, with a safe point between two tokens (``rollout_updates:
+    in_flight``): each token records the weights version it was computed with and the checksum
+    of the weights it read, so a test sees exactly where a generation swapped and that no token
+    ran on a mix. ``safe_points=False``: a loop that never offers one."""
+
+    _generating = False
+    _steps = 0
+
+    def activity(self):
+        return self._generating, self._steps
+
+    def generate_steps(self, prompts: list, steps: int = 20, step_s: float = 0.05,
+                       safe_points: bool = True) -> list:
+        tokens = []
+        swaps = []  # (version, wall time) of each swap at a safe point, for the benchmark
+        self._generating = True
+        try:
+            for _ in range(steps):
+                before = self.version
+                if safe_points:
+                    self.safe_point()
+                if self.version != before:
+                    swaps.append((self.version, time.time()))
+                tokens.append((self.version, state_checksum(self.state) if self.state else None))
+                self._steps += 1
+                time.sleep(step_s)
+        finally:
+            self._generating = False
+        return [{"prompt": p, "tokens": tokens, "swaps": swaps} for p in prompts]
+
+    def generate_shard(self, steps: int, step_s: float, prompts: list) -> list:
+        """:meth:`generate_steps` as ``rt.rollout_map`` calls it (the shard last)."""
+        return self.generate_steps(prompts, steps, step_s)
+
+    def tag(self, prompts: list) -> list:
+        """One short call: each prompt with the version that answered it."""
+        return [(p, self.version) for p in prompts]
+
+    def wait_for(self, marker: str, timeout_s: float = 60.0) -> int:
+        """A call that holds the rollout until ``marker`` exists (no safe point meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.version

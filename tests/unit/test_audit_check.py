@@ -235,6 +235,20 @@ class TestNoStaleServing:
                 rec["weights_version"] = 0
         assert check_trail(recs) == []
 
+    def test_a_rollout_holding_the_committed_version_back_for_a_safe_point_may_serve_the_one_before(
+        self, tmp_path: Path
+    ) -> None:
+        """rollout_updates: in_flight: a rollout busy in a call commits by holding the version
+        back (``swap_pending``); it keeps serving the one before until it swaps."""
+        recs = good_run()
+        i = index_of(recs, "rollout-2", "committed")
+        recs[i] = tr("rollout-2", "SYNCING", "committed", "READY", wv=0, swap_pending=1)
+        assert check_trail(write(tmp_path / "a.jsonl", recs)) == []
+        # held back for another version than the one committed: it serves a stale one
+        recs[i]["swap_pending"] = 2
+        v = only(check_trail(write(tmp_path / "b.jsonl", recs)))
+        assert v.problem.startswith("rollout-2 serving weights version 0 while current is 1")
+
     def test_trainers_are_not_held_to_the_rollout_rule(self) -> None:
         recs = good_run()
         recs[index_of(recs, "trainer-0", "admit")]["weights_version"] = 7

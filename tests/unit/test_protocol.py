@@ -50,7 +50,9 @@ def test_the_worker_host_answers_each_call_with_the_declared_types(name):
     fn = getattr(WorkerHost, name, None)
     assert fn is not None and inspect.iscoroutinefunction(fn), f"WorkerHost.{name} is missing or not async"
     want, got = api()[name], inspect.signature(fn)
-    assert list(got.parameters) == ["self", "req"], f"WorkerHost.{name}{got}: one request, no other argument"
+    # (ray.remote wraps an actor class's methods in place with a tracing keyword: not ours)
+    params = [p for p in got.parameters if not p.startswith("_ray")]
+    assert params == ["self", "req"], f"WorkerHost.{name}{got}: one request, no other argument"
     assert got.parameters["req"].annotation == want.parameters["req"].annotation
     assert got.return_annotation == want.return_annotation, f"WorkerHost.{name} answers {got.return_annotation}"
 

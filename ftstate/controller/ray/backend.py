@@ -104,7 +104,7 @@ class RayBackend(ClusterBackend):
             **pool.options(slot),  # type: ignore[attr-defined]
         ).remote(name, role, user_class, tuple(args), dict(kwargs), host["backend"], host["bucket_bytes"],
                  run=run_id, secret=host["secret"], integrity=host["integrity"], held_proof=host["held_proof"],
-                 staging_spare=host["staging_spare"])
+                 staging_spare=host["staging_spare"], in_flight=host.get("in_flight", False))
 
     async def call(self, handle: Any, req: Request, timeout: float | None) -> Any:
         return await ray_call(handle, req.method, (req,), timeout)
