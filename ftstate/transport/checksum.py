@@ -70,11 +70,11 @@ _copied = 0
 _copied_lock = threading.Lock()
 
 
-def host_bytes(t: torch.Tensor) -> memoryview:
+def host_bytes(t: torch.Tensor, *, weights: bool = True) -> memoryview:
     """A buffer over the bytes of a uint8 tensor, copied to host memory first if needed (and
-    then counted: :func:`host_copied_bytes`)."""
+    then, unless they are not weights -- a manifest, a seal --, counted: :func:`host_copied_bytes`)."""
     global _copied
-    if t.device.type != "cpu":
+    if weights and (t.device.type != "cpu" or t.device.type in DIGEST_DEVICES):  # the latter: a test's stand-in
         with _copied_lock:
             _copied += t.numel()
         t = t.cpu()
@@ -200,9 +200,10 @@ class StreamHasher:
     weights). nh64 is keyed with the run's secret under ``integrity: keyed``, so one pass serves
     both the per-tensor checksums and the keyed bucket digests."""
 
-    __slots__ = ("_bucket", "_hashers", "_key", "_nh", "_nh_key", "_sealed_sums", "_sizes", "function")
+    __slots__ = ("_bucket", "_fed", "_hashers", "_key", "_nh", "_nh_key", "_sealed_sums", "_sizes", "function")
 
-    def __init__(self, count: int, *, receiving: bool = False, function: str = "xxh3") -> None:
+    def __init__(self, count: int, *, receiving: bool = False, function: str = "xxh3",
+                 sizes: Sequence[int] | None = None) -> None:
         self.function = function
         self._nh = None
         if function != "xxh3":
@@ -212,7 +213,10 @@ class StreamHasher:
                 raise ValueError(f"unknown checksum function {function!r}")
             self._nh_key = nh_key()
             self._nh = [digest.TensorState(self._nh_key) for _ in range(count)]
-            self._sizes = [0] * count
+            # each tensor's byte count when known (a transfer's manifest), so a feed knows the
+            # tensor's last segment; else the highest end fed so far
+            self._sizes = list(sizes) if sizes is not None else None
+            self._fed = [0] * count
             self._key, self._sealed_sums, self._hashers, self._bucket = None, False, [], None
             return
         self._key = _bucket_key
@@ -222,8 +226,8 @@ class StreamHasher:
 
     def feed(self, tensor: int, data: memoryview) -> None:
         if self._nh is not None:  # host bytes of an nh64 transfer: in order, from where the tensor's last ended
-            self.feed_at(tensor, self._sizes[tensor], torch.frombuffer(data, dtype=torch.uint8) if len(data)
-                         else torch.empty(0, dtype=torch.uint8), last=True)
+            self.feed_at(tensor, self._fed[tensor], torch.frombuffer(data, dtype=torch.uint8) if len(data)
+                         else torch.empty(0, dtype=torch.uint8))
             return
         if not self._sealed_sums:
             self._hashers[tensor].update(data)
@@ -234,15 +238,19 @@ class StreamHasher:
                 self._bucket = blake3.blake3(key=self._key)
             self._bucket.update(data)
 
-    def feed_at(self, tensor: int, start: int, data: torch.Tensor, *, last: bool = False) -> None:
+    def feed_at(self, tensor: int, start: int, data: torch.Tensor, *, last: bool | None = None) -> None:
         """Feed ``data`` (flat uint8 on any device), the bytes of ``tensor`` from ``start``;
-        ``last``: they end the tensor (only then may their length be off 8 bytes). xxh3: fed in
-        order through the host (counted by :func:`host_copied_bytes` when ``data`` is on a device)."""
+        ``last``: they end the tensor (only then may their length be off 8 bytes; default: from
+        the sizes given). xxh3: fed in order through the host (counted by
+        :func:`host_copied_bytes` when ``data`` is on a device)."""
         if self._nh is None:
             self.feed(tensor, host_bytes(data))
             return
+        end = start + data.numel()
+        if last is None:
+            last = self._sizes is None or end == self._sizes[tensor]
         self._nh[tensor].feed(data, start, last=last)
-        self._sizes[tensor] = max(self._sizes[tensor], start + data.numel())
+        self._fed[tensor] = max(self._fed[tensor], end)
 
     def bucket_digest(self, bucket: Bucket) -> int:
         """The bucket's checksum; call once its segments have all been fed (a bucket's
@@ -278,7 +286,7 @@ class StreamHasher:
             from ftstate.transport import digest
 
             zs = digest.values(self._nh)
-            return [digest.finish(z, n, self._nh_key) for z, n in zip(zs, self._sizes, strict=True)]
+            return [digest.finish(z, n, self._nh_key) for z, n in zip(zs, self._fed, strict=True)]
         if not self._sealed_sums:
             return [h.intdigest() for h in self._hashers]
         if sealed is None:

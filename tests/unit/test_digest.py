@@ -221,3 +221,42 @@ class TestOneValueWherever:
         h = checksum.StreamHasher(1, function=d.NAME)
         h.feed_at(0, 0, rand_bytes(4096 + 8, seed=41), last=True)
         assert len(h.tensor_digests()) == 1
+
+
+class TestKeyedIntegrityOnTheDevice:
+    """``security.integrity: keyed`` with weights on a device: nh64 keyed with the run's secret."""
+
+    @pytest.fixture
+    def keyed_run(self):
+        from ftstate.transport import auth, checksum
+
+        def use(secret: bytes | None) -> None:
+            if secret is None:
+                checksum.use_integrity("xxh3")
+                auth.uninstall()
+            else:
+                auth.install("run", secret)
+                checksum.use_integrity("keyed")
+
+        yield use
+        use(None)
+
+    @staticmethod
+    def bucket_and_tensor(data: torch.Tensor) -> tuple[int, int]:
+        from ftstate.transport.checksum import StreamHasher
+
+        entries, windows, _ = plan_layout([("w", "uint8", (data.numel(),))], bucket_size=1 << 20)
+        (b,) = bucket_segments(entries, windows)
+        h = StreamHasher(1, receiving=True, function=d.NAME, sizes=[data.numel()])
+        h.feed_at(0, 0, data)
+        return h.bucket_digest(b), h.tensor_digests()[0]
+
+    def test_the_runs_secret_keys_every_digest_and_another_secret_does_not_match(self, keyed_run):
+        data = rand_bytes(3 * 4096 + 8, seed=50)
+        public = self.bucket_and_tensor(data)
+        keyed_run(b"a" * 32)
+        mine = self.bucket_and_tensor(data)
+        assert mine[1] == d.tensor_digest(data, d.keyed(b"a" * 32))
+        keyed_run(b"b" * 32)
+        theirs = self.bucket_and_tensor(data)
+        assert len({public[0], mine[0], theirs[0]}) == 3 and len({public[1], mine[1], theirs[1]}) == 3
