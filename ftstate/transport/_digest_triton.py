@@ -60,5 +60,6 @@ def full_chunks(words_u8: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.
         words_u8 = words_u8.clone()
     words = words_u8[: n * CHUNK_BYTES].view(torch.int32)
     out = torch.empty((n, 2), dtype=torch.int64, device=words_u8.device)
-    _nh_kernel[(n,)](words, k1, k2, out, first, CW=CHUNK_WORDS, SH=SHIFT)
+    with torch.cuda.device(words_u8.device):  # a hashing thread's current device may be another GPU
+        _nh_kernel[(n,)](words, k1, k2, out, first, CW=CHUNK_WORDS, SH=SHIFT)
     return out.sum(dim=0)

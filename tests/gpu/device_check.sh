@@ -26,7 +26,9 @@
 #   OUT=/some/dir bash tests/gpu/device_check.sh        (from the repository root)
 #
 # PY: the python to use (python3); missing packages must already be importable (PYTHONPATH).
-# On a machine without a GPU every part runs and its tests skip, naming what is missing.
+# On a machine without a GPU every part runs and its tests skip, naming what is missing, but
+# part sync, which fails (rc 1, "FAILED: ... no GPU"): a device benchmark that measured nothing
+# must not read as a pass.
 # Exit status: 0 when every part's rc is 0, else 1.
 
 set -u
@@ -154,13 +156,13 @@ main() {
     fi
     local pytest=("$PY" -m pytest -v -rA -p no:cacheprovider -o faulthandler_timeout=60 "${t_opt[@]}")
 
-    part env 30 bash -c env_report
+    part env 40 bash -c env_report
     part gpu 120 "${pytest[@]}" --junitxml="$OUT/junit_gpu.xml" tests/gpu --ignore=tests/gpu/test_nccl_one_gpu.py \
         --ignore=tests/gpu/test_digest_gpu.py
     part nccl 90 "${pytest[@]}" --junitxml="$OUT/junit_nccl.xml" tests/gpu/test_nccl_one_gpu.py
     part bench 80 "$PY" benchmarks/device_buckets.py --json "$OUT/device_buckets.json" --budget-s 45
     part digest 90 "${pytest[@]}" --junitxml="$OUT/junit_digest.xml" tests/gpu/test_digest_gpu.py
-    part sync 160 "$PY" benchmarks/device_sync.py --json "$OUT/device_sync.json" --budget-s 100
+    part sync 150 "$PY" benchmarks/device_sync.py --json "$OUT/device_sync.json" --budget-s 90
     summary
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=memory.used --format=csv
