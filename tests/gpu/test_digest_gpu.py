@@ -24,7 +24,7 @@ def adversarial(n: int) -> list[torch.Tensor]:
     alternating words, bf16 NaN and -0.0, and random bytes."""
     g = torch.Generator().manual_seed(n)
     ones = torch.full((n,), 0xFF, dtype=torch.uint8)
-    alternating = torch.tensor([0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0] * (n // 8 + 1), dtype=torch.uint8)[:n]
+    alternating = torch.tensor([0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0], dtype=torch.uint8).repeat(n // 8 + 1)[:n]
     nan = torch.full((n // 2 + 1,), float("nan"), dtype=torch.bfloat16).view(torch.uint8)[:n]
     negzero = torch.full((n // 2 + 1,), -0.0, dtype=torch.bfloat16).view(torch.uint8)[:n]
     return [ones, torch.zeros(n, dtype=torch.uint8), alternating, nan, negzero,
