@@ -812,7 +812,7 @@ class Receiver:
             self._committed = CommittedWeights(
                 tensors=types.MappingProxyType(tensors),
                 weights_version=weights_version,
-                state_checksum=state_checksum(tensors),
+                state_checksum=state_checksum(tensors, function_for(tensors.values())),  # on a GPU: hashed there
                 nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
             )
 
