@@ -24,7 +24,7 @@ the device that holds the bytes: no weight byte is copied to the host to be prov
 manifest names the function and every member of the transfer computes that one over the
 bytes it holds, on whatever device (the function's bits are the same on CPU and GPU), so the
 seal, the per-tensor checksums and the whole-state checksum of that version are one value
-everywhere. Host buffers keep xxh3, which is ~100x faster than nh64 in torch on a CPU
+everywhere. Host buffers keep xxh3, which is ~90x faster than nh64 in torch on a CPU
 (``docs/benchmarks.md``). A whole-state checksum says which function made it: xxh3's are 16
 hex digits as before, nh64's are ``nh64:`` and 16 hex digits; :func:`state_checksum_like`
 recomputes a state with the function of a value it is to be compared with. Every byte that
@@ -37,13 +37,16 @@ import hashlib
 import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
 import xxhash
 
 from ftstate.transport.buckets import Bucket
+
+if TYPE_CHECKING:
+    from ftstate.transport.digest import NHKey
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -101,7 +104,7 @@ def function_for(tensors: Iterable[torch.Tensor]) -> str:
     return digest.NAME if any(t.device.type in DIGEST_DEVICES for t in tensors) else "xxh3"
 
 
-def nh_key() -> Any:
+def nh_key() -> NHKey:
     """nh64's key in this process: the run's (``integrity: keyed``) or the public one."""
     from ftstate.transport import auth, digest
 
