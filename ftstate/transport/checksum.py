@@ -24,7 +24,7 @@ the device that holds the bytes: no weight byte is copied to the host to be prov
 manifest names the function and every member of the transfer computes that one over the
 bytes it holds, on whatever device (the function's bits are the same on CPU and GPU), so the
 seal, the per-tensor checksums and the whole-state checksum of that version are one value
-everywhere. Host buffers keep xxh3, which is ~90x faster than nh64 in torch on a CPU
+everywhere. Host buffers keep xxh3, which is ~30x faster than nh64 on a CPU
 (``docs/benchmarks.md``). A whole-state checksum says which function made it: xxh3's are 16
 hex digits as before, nh64's are ``nh64:`` and 16 hex digits; :func:`state_checksum_like`
 recomputes a state with the function of a value it is to be compared with. Every byte that

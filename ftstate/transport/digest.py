@@ -40,11 +40,12 @@ match with probability ~2**-62 per try (hash-then-PRF: BLAKE2b keyed is the PRF)
 tables are key material, not weights: they go to the device once per run and device.
 
 **Speed.** The torch form reads each word once and makes int64 temporaries (~8x the input),
-so it is processed in :data:`STEP_CHUNKS` steps; on a GPU the Triton kernel (when ``triton``
+so it is processed in :data:`STEP_CHUNKS` steps; host memory takes the same arithmetic in
+numpy (:func:`_full_numpy`, 5-10x faster there); on a GPU the Triton kernel (when ``triton``
 imports and ``FTSTATE_DIGEST_TRITON`` is not ``0``) reads each word once and keeps
-everything in registers. On the host xxh3 stays (see ``docs/benchmarks.md``: torch's nh64 on
-a CPU is ~50x slower than xxh3), so the function of a transfer is chosen by where its buffers
-are (:func:`function_for`).
+everything in registers. On the host xxh3 stays (see ``docs/benchmarks.md``: nh64 on a CPU is
+~30x slower than xxh3), so the function of a transfer is chosen by where its buffers are
+(:func:`ftstate.transport.checksum.function_for`).
 """
 
 from __future__ import annotations
@@ -217,7 +218,46 @@ def uses_triton(device: torch.device) -> bool:
     return device.type == "cuda" and _triton() is not None
 
 
+#: Chunks per numpy step on the host: 4 MiB of input, its uint64 temporaries in a few MiB.
+HOST_STEP_CHUNKS = 1024
+
+
+def _full_numpy(words_u8: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
+    """:func:`_full_torch` in numpy's uint64, for host memory: the same bits (uint64 wraps modulo
+    2**64 as torch's int64 does), measured 5-10x faster on the host than torch's form, whose int64
+    casts and broadcasts dominate there (docs/benchmarks.md)."""
+    import numpy as np
+
+    m32 = np.uint64(_M32)
+    chunks = words_u8.numel() // CHUNK_BYTES
+    w32 = words_u8[: chunks * CHUNK_BYTES].numpy().view(np.uint32).reshape(chunks, CHUNK_WORDS)
+    key1 = k1.numpy().astype(np.uint64)
+    ka = [np.ascontiguousarray(key1[SHIFT * t : SHIFT * t + CHUNK_WORDS : 2]) for t in range(2)]
+    kb = [np.ascontiguousarray(key1[SHIFT * t + 1 : SHIFT * t + CHUNK_WORDS : 2]) for t in range(2)]
+    z = np.zeros(2, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for c in range(0, chunks, HOST_STEP_CHUNKS):
+            blk = w32[c : c + HOST_STEP_CHUNKS]
+            even, odd = blk[:, 0::2].astype(np.uint64), blk[:, 1::2].astype(np.uint64)
+            ys = []
+            for t in range(2):
+                a = even + ka[t]
+                a &= m32
+                b = odd + kb[t]
+                b &= m32
+                a *= b
+                ys.append(a.sum(axis=1, dtype=np.uint64))
+            h = (ys[0] & m32, ys[0] >> np.uint64(32), ys[1] & m32, ys[1] >> np.uint64(32))
+            rows = k2[first + c : first + c + blk.shape[0]].numpy().astype(np.uint64)
+            for u in range(2):
+                a = [(h[i] + rows[:, 4 * u + i]) & m32 for i in range(4)]
+                z[u] += (a[0] * a[1] + a[2] * a[3]).sum(dtype=np.uint64)
+    return torch.from_numpy(z.view(np.int64).copy())
+
+
 def _full(body: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
+    if body.device.type == "cpu" and body.data_ptr() % 4 == 0:
+        return _full_numpy(body, first, k1, k2)
     fn = _triton() if body.device.type == "cuda" else None
     return fn(body, first, k1, k2) if fn is not None else _full_torch(body, first, k1, k2)
 

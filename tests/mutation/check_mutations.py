@@ -343,7 +343,10 @@ MUTATIONS = (
         "the device digest keys each chunk by its place in its tensor, so swapped chunks or tensors change it",
         (Edit("ftstate/transport/digest.py",
               "total += _l2(_l1(w, k1, 0), k2[first + c : first + c + n])",
-              "total += _l2(_l1(w, k1, 0), k2[:1].expand(n, 8))"),),
+              "total += _l2(_l1(w, k1, 0), k2[:1].expand(n, 8))"),
+         Edit("ftstate/transport/digest.py",
+              "rows = k2[first + c : first + c + blk.shape[0]].numpy()",
+              "rows = k2[:1].expand(blk.shape[0], 8).numpy()"),),
         ("tests/unit/test_digest.py::TestWhatItCatches::"
          "test_two_same_shaped_tensors_swapped_change_the_bytes_digest_and_the_state_checksum",),
     ),

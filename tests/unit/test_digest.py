@@ -260,3 +260,13 @@ class TestKeyedIntegrityOnTheDevice:
         keyed_run(b"b" * 32)
         theirs = self.bucket_and_tensor(data)
         assert len({public[0], mine[0], theirs[0]}) == 3 and len({public[1], mine[1], theirs[1]}) == 3
+
+
+class TestTheHostForm:
+    @pytest.mark.parametrize("chunks", [1, 3, 1025, 2100])
+    def test_numpys_form_gives_the_torch_forms_bits(self, chunks):
+        key = d.public_key()
+        k1, k2 = key.tables(torch.device("cpu"), chunks + 8)
+        for data in (rand_bytes(chunks * d.CHUNK_BYTES, seed=chunks), torch.full((chunks * d.CHUNK_BYTES,), 0xFF,
+                                                                                dtype=torch.uint8)):
+            assert d._full_numpy(data, 5, k1, k2).tolist() == d._full_torch(data, 5, k1, k2).tolist()
