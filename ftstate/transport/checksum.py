@@ -17,20 +17,36 @@ as its bytes viewed as uint8), so two states are equal exactly when their checks
   With ``security.integrity: keyed`` (:func:`use_integrity`) a bucket's checksum is instead
   BLAKE3, keyed with the run's secret, over the bucket's bytes and positions, and a receiver
   then hashes each byte once (keyed only; the per-tensor checksums come from the verified seal).
+
+**Where the bytes are decides the function.** A transfer whose buffers are on a GPU
+(:func:`function_for`) hashes with ``nh64`` (:mod:`ftstate.transport.digest`), computed by
+the device that holds the bytes: no weight byte is copied to the host to be proved. Its
+manifest names the function and every member of the transfer computes that one over the
+bytes it holds, on whatever device (the function's bits are the same on CPU and GPU), so the
+seal, the per-tensor checksums and the whole-state checksum of that version are one value
+everywhere. Host buffers keep xxh3, which is ~30x faster than nh64 on a CPU
+(``docs/benchmarks.md``). A whole-state checksum says which function made it: xxh3's are 16
+hex digits as before, nh64's are ``nh64:`` and 16 hex digits; :func:`state_checksum_like`
+recomputes a state with the function of a value it is to be compared with. Every byte that
+a checksum still copies from a device to the host is counted (:func:`host_copied_bytes`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
 import xxhash
 
 from ftstate.transport.buckets import Bucket
+
+if TYPE_CHECKING:
+    from ftstate.transport.digest import NHKey
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -53,15 +69,58 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def host_bytes(t: torch.Tensor) -> memoryview:
-    """A buffer over the bytes of a uint8 tensor, copied to host memory first if needed."""
-    if t.device.type != "cpu":
+_copied = 0
+_copied_lock = threading.Lock()
+
+
+def host_bytes(t: torch.Tensor, *, weights: bool = True) -> memoryview:
+    """A buffer over the bytes of a uint8 tensor, copied to host memory first if needed (and
+    then, unless they are not weights -- a manifest, a seal --, counted: :func:`host_copied_bytes`)."""
+    global _copied
+    if weights and (t.device.type != "cpu" or t.device.type in DIGEST_DEVICES):  # the latter: a test's stand-in
+        with _copied_lock:
+            _copied += t.numel()
         t = t.cpu()
     return memoryview(t.numpy()).cast("B")
 
 
-def tensor_checksum(t: torch.Tensor) -> int:
-    """xxh3_64 of the tensor's raw bytes."""
+def host_copied_bytes() -> int:
+    """Bytes this process copied from a device to host memory to hash or read them, since it
+    started (a counter: a transfer's share is the difference across it). On a GPU sync whose
+    every side hashes with nh64 it does not move."""
+    return _copied
+
+
+#: Device types whose buffers are hashed where they are (nh64), not on the host. Tests of the
+#: device paths on a CPU add ``cpu`` (a stand-in for a GPU's memory).
+DIGEST_DEVICES: set[str] = {"cuda"}
+
+
+def function_for(tensors: Iterable[torch.Tensor]) -> str:
+    """The checksum function of a transfer or a proof over ``tensors``: ``nh64`` when any of
+    them is on a device in :data:`DIGEST_DEVICES`, else ``xxh3``."""
+    from ftstate.transport import digest
+
+    return digest.NAME if any(t.device.type in DIGEST_DEVICES for t in tensors) else "xxh3"
+
+
+def nh_key() -> NHKey:
+    """nh64's key in this process: the run's (``integrity: keyed``) or the public one."""
+    from ftstate.transport import auth, digest
+
+    if INTEGRITY == "keyed":
+        key = auth.current()
+        if key is not None:
+            return digest.keyed(key.secret)
+    return digest.public_key()
+
+
+def tensor_checksum(t: torch.Tensor, function: str = "xxh3") -> int:
+    """The tensor's raw bytes' checksum: xxh3_64 on the host, or nh64 on its own device."""
+    if function != "xxh3":
+        from ftstate.transport import digest
+
+        return digest.tensor_digest(t, nh_key())
     return xxhash.xxh3_64_intdigest(host_bytes(byte_view(t)))
 
 
@@ -71,15 +130,30 @@ def combine(items: Iterable[tuple[str, str, Sequence[int], int]]) -> int:
     return xxhash.xxh3_64_intdigest(msgpack.packb(rows, use_bin_type=True))
 
 
-def format_checksum(value: int) -> str:
-    return f"{value:016x}"
+def format_checksum(value: int, function: str = "xxh3") -> str:
+    """A whole-state checksum as text: 16 hex digits, prefixed with the function unless xxh3."""
+    return f"{value:016x}" if function == "xxh3" else f"{function}:{value:016x}"
 
 
-def state_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    """Whole-state checksum: deterministic over names, dtypes, shapes and bytes (16 hex digits)."""
+def function_of(checksum: str) -> str:
+    """The function a whole-state checksum (:func:`format_checksum`) was computed with."""
+    head, sep, _ = checksum.partition(":")
+    return head if sep else "xxh3"
+
+
+def state_checksum(tensors: Mapping[str, torch.Tensor], function: str = "xxh3") -> str:
+    """Whole-state checksum: deterministic over names, dtypes, shapes and bytes (16 hex digits;
+    ``nh64``: computed on the tensors' own devices, ``nh64:`` and 16 hex digits)."""
     return format_checksum(
-        combine((name, dtype_name(t.dtype), tuple(t.shape), tensor_checksum(t)) for name, t in tensors.items())
-    )
+        combine((name, dtype_name(t.dtype), tuple(t.shape), tensor_checksum(t, function))
+                for name, t in tensors.items()), function)
+
+
+def state_checksum_like(tensors: Mapping[str, torch.Tensor], expected: str) -> str:
+    """:func:`state_checksum` with the function ``expected`` was computed with: the value to
+    compare with it (a GPU engine's held weights against the version's nh64 checksum are hashed
+    on the GPU; against an xxh3 one, on the host)."""
+    return state_checksum(tensors, function_of(expected))
 
 
 #: ``security.integrity`` of this process: ``xxh3`` (checksums) or ``keyed`` (bucket digests
@@ -120,17 +194,44 @@ class StreamHasher:
     positions, is compared with the sealed one before anything commits, and a match proves
     that the bytes are the ones the sender hashed its per-tensor checksums from; so the seal's
     per-tensor checksums are this member's too (:meth:`tensor_digests`). A sender, and every
-    hasher with xxh3 digests, keeps them (they are what the seal carries)."""
+    hasher with xxh3 digests, keeps them (they are what the seal carries).
 
-    __slots__ = ("_bucket", "_hashers", "_key", "_sealed_sums")
+    ``function="nh64"`` (a transfer whose buffers are on a device, :func:`function_for`): each
+    tensor's running nh64 is computed where its bytes are (:meth:`feed_at`, with the segment's
+    offset in its tensor); a bucket's checksum is keyed BLAKE2b over the bucket's positions and
+    the running values of its segments' tensors after it (16 bytes each read back, never the
+    weights). nh64 is keyed with the run's secret under ``integrity: keyed``, so one pass serves
+    both the per-tensor checksums and the keyed bucket digests."""
 
-    def __init__(self, count: int, *, receiving: bool = False) -> None:
+    __slots__ = ("_bucket", "_fed", "_hashers", "_key", "_nh", "_nh_key", "_sealed_sums", "_sizes", "function")
+
+    def __init__(self, count: int, *, receiving: bool = False, function: str = "xxh3",
+                 sizes: Sequence[int] | None = None) -> None:
+        self.function = function
+        self._nh = None
+        if function != "xxh3":
+            from ftstate.transport import digest
+
+            if function != digest.NAME:
+                raise ValueError(f"unknown checksum function {function!r}")
+            self._nh_key = nh_key()
+            self._nh = [digest.TensorState(self._nh_key) for _ in range(count)]
+            # each tensor's byte count when known (a transfer's manifest), so a feed knows the
+            # tensor's last segment; else the highest end fed so far
+            self._sizes = list(sizes) if sizes is not None else None
+            self._fed = [0] * count
+            self._key, self._sealed_sums, self._hashers, self._bucket = None, False, [], None
+            return
         self._key = _bucket_key
         self._sealed_sums = receiving and self._key is not None
         self._hashers = [] if self._sealed_sums else [xxhash.xxh3_64() for _ in range(count)]
         self._bucket: Any = None
 
     def feed(self, tensor: int, data: memoryview) -> None:
+        if self._nh is not None:  # host bytes of an nh64 transfer: in order, from where the tensor's last ended
+            self.feed_at(tensor, self._fed[tensor], torch.frombuffer(data, dtype=torch.uint8) if len(data)
+                         else torch.empty(0, dtype=torch.uint8))
+            return
         if not self._sealed_sums:
             self._hashers[tensor].update(data)
         if self._key is not None:
@@ -140,9 +241,31 @@ class StreamHasher:
                 self._bucket = blake3.blake3(key=self._key)
             self._bucket.update(data)
 
+    def feed_at(self, tensor: int, start: int, data: torch.Tensor, *, last: bool | None = None) -> None:
+        """Feed ``data`` (flat uint8 on any device), the bytes of ``tensor`` from ``start``;
+        ``last``: they end the tensor (only then may their length be off 8 bytes; default: from
+        the sizes given). xxh3: fed in order through the host (counted by
+        :func:`host_copied_bytes` when ``data`` is on a device)."""
+        if self._nh is None:
+            self.feed(tensor, host_bytes(data))
+            return
+        end = start + data.numel()
+        if last is None:
+            last = self._sizes is None or end == self._sizes[tensor]
+        self._nh[tensor].feed(data, start, last=last)
+        self._fed[tensor] = max(self._fed[tensor], end)
+
     def bucket_digest(self, bucket: Bucket) -> int:
         """The bucket's checksum; call once its segments have all been fed (a bucket's
         segments are fed before the next bucket's, on every path)."""
+        if self._nh is not None:
+            from ftstate.transport import digest
+
+            zs = digest.values(self._nh[s.tensor] for s in bucket.segments)
+            words = [w for s, z in zip(bucket.segments, zs, strict=True) for w in (s.tensor, s.start, s.length, *z)]
+            h = hashlib.blake2b(key=self._nh_key.k3, digest_size=8, person=b"ftstate-nh64-bk")
+            h.update(struct.pack(f"<QQ{len(words)}q", bucket.start, bucket.stop, *words))
+            return int.from_bytes(h.digest(), "little")
         if self._key is None:
             words: list[int] = []
             for s in bucket.segments:
@@ -159,9 +282,14 @@ class StreamHasher:
         return int.from_bytes(h.digest(8), "little")
 
     def tensor_digests(self, sealed: Sequence[int] | None = None) -> list[int]:
-        """Every tensor's xxh3 digest. A keyed receiver (see the class) hashed none: it returns
+        """Every tensor's digest. A keyed xxh3 receiver (see the class) hashed none: it returns
         ``sealed``, the seal's, which it may only use once every bucket's keyed digest matched
         the seal's (``_verify`` checks the buckets first, and a mismatch commits nothing)."""
+        if self._nh is not None:
+            from ftstate.transport import digest
+
+            zs = digest.values(self._nh)
+            return [digest.finish(z, n, self._nh_key) for z, n in zip(zs, self._fed, strict=True)]
         if not self._sealed_sums:
             return [h.intdigest() for h in self._hashers]
         if sealed is None:
@@ -170,13 +298,18 @@ class StreamHasher:
 
 
 __all__ = [
+    "DIGEST_DEVICES",
     "StreamHasher",
     "byte_view",
     "combine",
     "dtype_name",
     "format_checksum",
+    "function_for",
+    "function_of",
     "host_bytes",
+    "host_copied_bytes",
     "state_checksum",
+    "state_checksum_like",
     "tensor_checksum",
     "torch_dtype",
     "use_integrity",

@@ -93,14 +93,24 @@ def parts_of(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[lis
 
 
 def load_by_buckets(tensors: Mapping[str, torch.Tensor], *, device: torch.device, bucket_bytes: int,
-                    load: LoadPart, memory: BucketMemory | None = None) -> dict[str, Any]:
+                    load: LoadPart, memory: BucketMemory | None = None, prove: bool = False) -> dict[str, Any]:
     """Load ``tensors`` (on the host: views into the node copy, or a private buffer) into an
     engine on ``device`` through two buckets of device memory (see the module docstring).
     Returns ``buckets`` (parts loaded), ``bucket_bytes`` (one buffer's size) and
-    ``device_bytes`` (what the buffers took on the device, at most two buckets)."""
+    ``device_bytes`` (what the buffers took on the device, at most two buckets).
+
+    ``prove``: also ``state_checksum``, the nh64 whole-state checksum
+    (:mod:`ftstate.transport.digest`) of the bytes the device received, each part hashed on the
+    device right after its copy and before the engine reads it (no byte goes back to the host).
+    It equals the version's checksum when the version was proved with nh64 (its sender's weights
+    were on a GPU); compare it with :func:`~ftstate.transport.checksum.state_checksum_like`."""
     import torch
 
+    from ftstate.transport import checksum, digest
+
     memory = memory or plain_memory()
+    key = checksum.nh_key() if prove else None
+    proofs: dict[str, int] = {}
     parts = parts_of(tensors, bucket_bytes)
     if not parts:
         return {"buckets": 0, "bucket_bytes": 0, "device_bytes": 0}
@@ -116,12 +126,19 @@ def load_by_buckets(tensors: Mapping[str, torch.Tensor], *, device: torch.device
             flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
             buf[off : off + n].copy_(flat, non_blocking=False)
             views[name] = buf[off : off + n].view(src.dtype).view(src.shape)
+            if key is not None:
+                proofs[name] = digest.tensor_digest(buf[off : off + n], key)
         load(views, i == 0, i == len(parts) - 1)
         del views
     memory.synchronize(device)
     device_bytes = size * len(buffers)
     buffers.clear()
-    return {"buckets": len(parts), "bucket_bytes": size, "device_bytes": device_bytes}
+    out = {"buckets": len(parts), "bucket_bytes": size, "device_bytes": device_bytes}
+    if key is not None:
+        out["state_checksum"] = checksum.format_checksum(checksum.combine(
+            (name, checksum.dtype_name(t.dtype), tuple(t.shape), proofs[name]) for name, t in tensors.items()),
+            digest.NAME)
+    return out
 
 
 __all__ = ["BucketMemory", "LoadPart", "load_by_buckets", "parts_of", "plain_memory"]

@@ -89,6 +89,9 @@ class Manifest:
     buckets: tuple[tuple[int, int], ...]
     #: The transfer's id (:func:`new_transfer_id`; 0 where nothing is sent, e.g. in tests).
     transfer: int = 0
+    #: The checksum function every member computes over the bytes it holds: ``xxh3`` (the
+    #: sender's buffers are in host memory) or ``nh64`` (on a GPU; :mod:`ftstate.transport.digest`).
+    digest: str = "xxh3"
 
     @property
     def num_buckets(self) -> int:
@@ -135,9 +138,15 @@ def encode_manifest(m: Manifest) -> bytes:
             "tensors": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in m.tensors],
             "buckets": [[s, e] for s, e in m.buckets],
             "transfer": m.transfer,
+            # only when not xxh3: a host transfer's manifest stays the bytes it was
+            **({"digest": m.digest} if m.digest != "xxh3" else {}),
         },
         use_bin_type=True,
     )
+
+
+#: The checksum functions a manifest may name.
+DIGESTS = ("xxh3", "nh64")
 
 
 def encode_seal(s: Seal) -> bytes:
@@ -320,8 +329,11 @@ def decode_manifest(
             if k == len(windows) or windows[k][0] > pos:
                 raise _fail("buckets", f"byte {pos} of tensor {short(name)} is in no bucket")
             pos = windows[k][1]
+    digest = obj.get("digest", "xxh3")
+    if digest not in DIGESTS:
+        raise _fail("digest", f"checksum function {short(digest)} is not one of {DIGESTS}")
     return Manifest(g, gv, weights_version, bucket_size, total, tuple(entries), tuple(windows),
-                    _int(obj, "transfer"))
+                    _int(obj, "transfer"), digest)
 
 
 def decode_seal(data: bytes | bytearray | memoryview, manifest: Manifest) -> Seal:
@@ -368,6 +380,7 @@ def manifest_for(
 
 
 __all__ = [
+    "DIGESTS",
     "MAX_BUCKETS",
     "MAX_BUCKET_SIZE",
     "MAX_MESSAGE_BYTES",

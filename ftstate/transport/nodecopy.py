@@ -313,7 +313,7 @@ def _commit_proven(receiver: Receiver, name: str, manifest_bytes: bytes, flat: t
     """Commit node copy ``name``'s layout (``flat``: mapped in place, or ``mapped`` false: a
     private buffer it was received into) into ``receiver`` only if its tensors hash to
     ``checksum`` as ``weights_version``; else raise and keep what ``receiver`` held."""
-    from ftstate.transport.checksum import state_checksum
+    from ftstate.transport.checksum import state_checksum_like
     from ftstate.transport.manifest import decode_manifest
     from ftstate.transport.sync import CommittedWeights
 
@@ -325,7 +325,7 @@ def _commit_proven(receiver: Receiver, name: str, manifest_bytes: bytes, flat: t
         raise ManifestError(f"node copy {name!r} holds {flat.numel()} bytes of data, its manifest lays out "
                             f"{manifest.total_bytes}", field="node_copy")
     tensors = tensors_of(flat, manifest)
-    held = state_checksum(tensors)
+    held = state_checksum_like(tensors, checksum)  # with the function the version was proved with
     if held != checksum:
         raise ChecksumMismatch(f"node copy {name!r} of weights version {weights_version} hashes to {held}, "
                                f"expected the committed {checksum}; kept what this member held")

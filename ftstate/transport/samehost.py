@@ -146,7 +146,16 @@ from ftstate.transport import auth
 from ftstate.transport.base import Communicator, Pending
 from ftstate.transport.buckets import Bucket, bucket_segments, plan_layout
 from ftstate.transport.buckets import Segment as BucketSegment
-from ftstate.transport.checksum import StreamHasher, byte_view, combine, dtype_name, host_bytes
+from ftstate.transport.checksum import (
+    StreamHasher,
+    byte_view,
+    combine,
+    dtype_name,
+    function_for,
+    function_of,
+    host_bytes,
+    host_copied_bytes,
+)
 from ftstate.transport.cudaipc import DeviceMemory, device_memory_for
 from ftstate.transport.hostmem import copy_bytes
 from ftstate.transport.manifest import (
@@ -180,6 +189,8 @@ from ftstate.transport.sync import (
     _verify,
     _with_stage,
     _zero_padding,
+    feed_bucket,
+    hasher_for,
 )
 
 #: How often a wait on a signal looks at the deadline, at abandonment and at the peer's pid.
@@ -645,9 +656,11 @@ def _device_copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment
     signal). A reader waits for that one ``ready`` (``awaiting(b.nbytes)``), copies,
     synchronizes, and hashes; its caller releases the slot only after that.
 
-    Hashing goes through the host (:func:`_hash`), after the announcement (while the readers
-    copy): a writer hashes its source (``hash_source``), so a slot damaged after the copy is
-    caught by every reader; a reader hashes what it holds. ``damage`` as in :func:`_copy_hash`."""
+    Hashing happens after the announcement (while the readers copy), on the device with nh64
+    (the transfer's function when the sender's weights are on a GPU: no byte goes to the host),
+    through the host with xxh3: a writer hashes its source (``hash_source``), so a slot damaged
+    after the copy is caught by every reader; a reader hashes what it holds. ``damage`` as in
+    :func:`_copy_hash`."""
     if awaiting is not None:
         awaiting(b.nbytes)
     for s in b.segments:
@@ -661,7 +674,7 @@ def _device_copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment
         filled(b.nbytes)
     if hasher is not None and hash_source:
         for s in b.segments:
-            hasher.feed(s.tensor, host_bytes(src(s)))
+            hasher.feed_at(s.tensor, s.start, src(s))
     else:
         _hash(b, dst, hasher)
 
@@ -687,16 +700,7 @@ def _announcer(chan: Channel, readers: Sequence[int], bucket: int, slot: int) ->
 def _hash(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher | None) -> None:
     """Feed all of the bucket's bytes (``data``) to their tensors' hashers (none: nothing)."""
     if hasher is not None:
-        _hash_range(bucket, data, hasher, 0, bucket.nbytes)
-
-
-def _hash_range(bucket: Bucket, data: torch.Tensor, hasher: StreamHasher, lo: int, hi: int) -> None:
-    """Feed the bucket's bytes ``[lo, hi)`` (offsets within it) to their tensors' hashers."""
-    mv = host_bytes(data[lo:hi])
-    for s in bucket.segments:
-        a, z = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.length)
-        if a < z:
-            hasher.feed(s.tensor, mv[a - lo : z - lo])
+        feed_bucket(hasher, bucket, data)
 
 
 def _chunks(buckets: Sequence[Bucket], chunk: int) -> list[tuple[Bucket, int, int]]:
@@ -928,7 +932,7 @@ def _send(
 ) -> SyncReport:
     """One transfer on the same-host route (see the module docstring)."""
     comm = route.comm
-    started = time.monotonic()
+    started, host_from = time.monotonic(), host_copied_bytes()
     tensors, weights_version, committed = sender._state_to_send(comm, weights, weights_version)
     comm.check_usable()
     names = list(tensors)
@@ -937,12 +941,13 @@ def _send(
         ((n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names), sender.bucket_size
     )
     buckets = bucket_segments(entries, windows)
+    function = function_for(sources)
     manifest = Manifest(comm.group, comm.version, weights_version, sender.bucket_size, total, entries, windows,
-                        new_transfer_id())
+                        new_transfer_id(), function)
     # Resending a committed state cut into the same buckets (a failover's resync): its verified
     # checksums go out again instead of hashing here; the receiver hashes what it reads.
     known = committed._seal if committed is not None and committed._entries == entries \
-        and committed._windows == windows else None
+        and committed._windows == windows and function_of(committed.state_checksum) == function else None
     receivers = [r for r in range(comm.world_size) if r != comm.rank] if isinstance(route, _BroadcastRoute) \
         else [_peer_of(route)]
     relays = {r: p for r, p in (relays or {}).items() if r in receivers}
@@ -978,7 +983,7 @@ def _send(
     nslots = 1 if node is not None else len(slots.segments) if slots is not None and readers else 2
     waiter = _Waiter(route, chan, {}, nslots)
     node_pending: list[Pending] = []  # the node copy's sends, waited once after the last bucket
-    hasher = StreamHasher(len(entries)) if known is None else None
+    hasher = hasher_for(manifest) if known is None else None
     digests: list[int] = []
     stage = "manifest"
     try:
@@ -1077,7 +1082,7 @@ def _send(
     finally:
         if chan is not None:
             chan.close()
-    report = sender._report(comm, manifest, state, len(buckets), started, votes, routes, fallback)
+    report = sender._report(comm, manifest, state, len(buckets), started, votes, routes, fallback, host_from)
     if node is not None:
         written = _settle_node_copy(sender, node, committed=report.ok, keep_spare=node_copy_spare)
         if report.ok:
@@ -1247,6 +1252,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
     kept = receiver._committed
     at = _Receiving()
     manifest: Manifest | None = None
+    receiver._host_from = host_copied_bytes()
     comm.check_usable()
     try:
         manifest = decode_manifest(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
@@ -1254,7 +1260,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
         at.stage = "offer"
         offer = decode_offer(route.recv_message(at.stage), group=comm.group, group_version=comm.version)
         buckets = bucket_segments(manifest.tensors, manifest.buckets)
-        hasher = StreamHasher(len(manifest.tensors), receiving=True)
+        hasher = hasher_for(manifest, receiving=True)
         digests: list[int] = []
         peers = dict(offer.relays).get(comm.rank, ())
         relay = next((r for r, ps in offer.relays if comm.rank in ps), None)
@@ -1386,7 +1392,7 @@ def _verify_in_place(
             if lo <= damaged < hi:
                 piece = data[:hi].clone()
                 piece[damaged] ^= 0xFF
-            _hash_range(b, piece, hasher, lo, hi)
+            feed_bucket(hasher, b, piece, lo, hi)
         follow.awaiting(b.nbytes)  # the writer's last word on this bucket, before the next one's
         digests.append(hasher.bucket_digest(b))
         if progress is not None:
@@ -1496,7 +1502,7 @@ def _net(
             if at.relay is not None:
                 at.relay.hand_on(b, data, hasher, lo, hi)
             else:
-                _hash_range(b, data, hasher, lo, hi)
+                feed_bucket(hasher, b, data, lo, hi)
         if at.relay is not None:
             at.relay.end(b)
         digests.append(hasher.bucket_digest(b))
@@ -1620,13 +1626,13 @@ class _Relay:
         assert self.filling is not None, "hand_on before begin"
         _, out, filled = self.filling
         if self.node is not None:  # it landed in the node copy itself: hashed, then announced
-            _hash_range(b, data, hasher, lo, hi)
+            feed_bucket(hasher, b, data, lo, hi)
             filled(hi)
             return
         for p in range(lo, hi, PIECE):
             q = min(p + PIECE, hi)
             copy_bytes(out[p:q], data[p:q])
-            _hash_range(b, data, hasher, p, q)
+            feed_bucket(hasher, b, data, p, q)
         filled(hi)
 
     def end(self, b: Bucket) -> None:

@@ -101,7 +101,10 @@ from ftstate.transport.checksum import (
     combine,
     dtype_name,
     format_checksum,
+    function_for,
+    function_of,
     host_bytes,
+    host_copied_bytes,
     state_checksum,
     torch_dtype,
 )
@@ -164,6 +167,9 @@ class CommittedWeights:
     _seal: Seal | None = field(default=None, repr=False, compare=False)
     # the node copy whose mapping ``tensors`` view (ftstate.transport.nodecopy), None: a private buffer
     _node: str | None = field(default=None, repr=False, compare=False)
+    #: bytes this member's process copied from a device to host memory while it received these
+    #: weights (:func:`~ftstate.transport.checksum.host_copied_bytes`); 0 on a GPU sync hashed with nh64.
+    host_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,10 @@ class SyncReport:
     node_spare: str | None = None
     #: ``node_copy`` is that spare rewritten (nothing allocated by this sync), not a fresh one.
     node_copy_recycled: bool = False
+    #: bytes the sender's process copied from a device to host memory during the transfer
+    #: (:func:`~ftstate.transport.checksum.host_copied_bytes`): 0 when its weights are on a GPU
+    #: and hashed there (nh64); each receiver's count is its :attr:`CommittedWeights.host_bytes`.
+    host_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -281,7 +291,7 @@ class _Route:
         body = torch.empty(length, dtype=torch.uint8, device=comm.device)
         self.post(body, stage).wait()
         sender = self._other()
-        payload = auth.verify("gloo", comm.group, comm.version, sender, bytes(host_bytes(body)))
+        payload = auth.verify("gloo", comm.group, comm.version, sender, bytes(host_bytes(body, weights=False)))
         if payload is None:  # recorded by auth; never decoded, never acted on
             raise ManifestError(
                 f"message during {stage} on group {comm.group!r} v{comm.version} claimed to come from rank {sender} "
@@ -418,6 +428,27 @@ def _with_stage(exc: Exception, stage: str, weights_version: int | None, route: 
 # -- hashing off the critical path ---------------------------------------------------------
 
 
+def hasher_for(manifest: Manifest, *, receiving: bool = False) -> StreamHasher:
+    """The hasher of one side of the transfer ``manifest`` announces, with its function."""
+    return StreamHasher(len(manifest.tensors), receiving=receiving, function=manifest.digest,
+                        sizes=[e.nbytes for e in manifest.tensors])
+
+
+def feed_bucket(hasher: StreamHasher, bucket: Bucket, data: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+    """Feed the bucket's bytes ``[lo, hi)`` (offsets in it; ``data`` holds them at those offsets)
+    to their tensors' hashers: through the host for xxh3, where they are for nh64."""
+    hi = bucket.nbytes if hi is None else hi
+    mv = host_bytes(data[lo:hi]) if hasher.function == "xxh3" else None
+    for s in bucket.segments:
+        a, z = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.length)
+        if a >= z:
+            continue
+        if mv is not None:
+            hasher.feed(s.tensor, mv[a - lo : z - lo])
+        else:  # nh64: each piece at its place in its tensor, on the device that holds it
+            hasher.feed_at(s.tensor, s.start + a - s.bucket_offset, data[a:z])
+
+
 class _Hashing:
     """Hashes the buckets of one transfer in a helper thread, in bucket order.
 
@@ -429,8 +460,8 @@ class _Hashing:
     inline measured alike within noise; on larger machines the overlap is real.
     """
 
-    def __init__(self, count: int, *, receiving: bool = False) -> None:
-        self.hasher = StreamHasher(count, receiving=receiving)
+    def __init__(self, manifest: Manifest, *, receiving: bool = False) -> None:
+        self.hasher = hasher_for(manifest, receiving=receiving)
         self.digests: list[int] = []
         self._queue: queue.SimpleQueue[tuple[Bucket, torch.Tensor] | None] = queue.SimpleQueue()
         self._done = threading.Condition()
@@ -447,9 +478,7 @@ class _Hashing:
             bucket, data = item
             try:
                 if not self._stopped:
-                    hb = host_bytes(data)
-                    for s in bucket.segments:
-                        self.hasher.feed(s.tensor, hb[s.bucket_offset : s.bucket_offset + s.length])
+                    feed_bucket(self.hasher, bucket, data)
                     digest = self.hasher.bucket_digest(bucket)
             except BaseException as exc:  # noqa: BLE001 - handed to the transfer thread by wait_for/finish
                 self._error = exc
@@ -565,13 +594,15 @@ class Sender:
     def _report(
         self, comm: Communicator, manifest: Manifest, state: int, num_buckets: int, started: float,
         votes: Mapping[int, int], routes: Mapping[int, str] | None = None, shm_fallback: str | None = None,
+        host_from: int = 0,
     ) -> SyncReport:
-        """The sender's report of a completed transfer, logged."""
+        """The sender's report of a completed transfer, logged. ``host_from``: the process's
+        :func:`host_copied_bytes` when the transfer began."""
         report = SyncReport(
             group=comm.group,
             group_version=comm.version,
             weights_version=manifest.weights_version,
-            state_checksum=format_checksum(state),
+            state_checksum=format_checksum(state, manifest.digest),
             nbytes=manifest.payload_bytes,
             num_buckets=num_buckets,
             seconds=time.monotonic() - started,
@@ -579,6 +610,7 @@ class Sender:
             rejected={r: _VOTE_NAMES.get(v, f"vote {v}") for r, v in sorted(votes.items()) if v != VOTE_COMMIT},
             routes=dict(routes or {}),
             shm_fallback=shm_fallback,
+            host_bytes=host_copied_bytes() - host_from,
         )
         log.info(
             "weights sent",
@@ -587,7 +619,7 @@ class Sender:
                 "weights_version": report.weights_version, "state_checksum": report.state_checksum,
                 "bytes": report.nbytes, "buckets": report.num_buckets, "seconds": round(report.seconds, 4),
                 "committed": list(report.committed), "rejected": dict(report.rejected),
-                "routes": dict(report.routes), "shm_fallback": shm_fallback,
+                "routes": dict(report.routes), "shm_fallback": shm_fallback, "host_bytes": report.host_bytes,
             },
         )
         return report
@@ -609,7 +641,7 @@ class Sender:
         progress: Progress | None,
     ) -> SyncReport:
         comm = route.comm
-        started = time.monotonic()
+        started, host_from = time.monotonic(), host_copied_bytes()
         tensors, weights_version, committed = self._state_to_send(comm, weights, weights_version)
         comm.check_usable()
 
@@ -628,9 +660,12 @@ class Sender:
                 # caught by the receiver, which hashes what arrives.
                 known = committed._seal
         buckets = bucket_segments(entries, windows)
+        function = function_for(sources)
+        if known is not None and function_of(committed.state_checksum) != function:  # type: ignore[union-attr]
+            known = None  # its seal holds the other function's values
         manifest = Manifest(comm.group, comm.version, weights_version, self.bucket_size, total, entries, windows,
-                            new_transfer_id())
-        hashing = _Hashing(len(entries)) if known is None else None
+                            new_transfer_id(), function)
+        hashing = _Hashing(manifest) if known is None else None
         device = comm.device
         stage = "manifest"
 
@@ -719,7 +754,7 @@ class Sender:
             comm.abort(f"weight transfer interrupted during {stage}")
             raise
 
-        return self._report(comm, manifest, state, len(buckets), started, votes)
+        return self._report(comm, manifest, state, len(buckets), started, votes, host_from=host_from)
 
 
 # -- receiver ------------------------------------------------------------------------------
@@ -769,6 +804,7 @@ class Receiver:
         self._reserving = threading.Lock()
         self._corrupt_next = False
         self._peak = 0
+        self._host_from = 0  # host_copied_bytes() when the transfer in progress began
         if initial is not None:
             if weights_version is None:
                 raise ValueError("weights_version is required with initial weights")
@@ -776,7 +812,7 @@ class Receiver:
             self._committed = CommittedWeights(
                 tensors=types.MappingProxyType(tensors),
                 weights_version=weights_version,
-                state_checksum=state_checksum(tensors),
+                state_checksum=state_checksum(tensors, function_for(tensors.values())),  # on a GPU: hashed there
                 nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
             )
 
@@ -896,6 +932,7 @@ class Receiver:
         manifest: Manifest | None = None
         staging: tuple[torch.Tensor, int] | None = None
         hashing: _Hashing | None = None
+        self._host_from = host_copied_bytes()
         comm.check_usable()
         try:
             manifest = decode_manifest(route.recv_message(stage), group=comm.group, group_version=comm.version)
@@ -904,7 +941,7 @@ class Receiver:
             flat = staging[0]
             _zero_padding(flat, manifest)
             buckets = bucket_segments(manifest.tensors, manifest.buckets)
-            hashing = _Hashing(len(manifest.tensors), receiving=True)
+            hashing = _Hashing(manifest, receiving=True)
             n = len(buckets)
             posted: deque[Pending] = deque()
             for b in buckets[:WINDOW]:
@@ -981,7 +1018,7 @@ class Receiver:
         new = CommittedWeights(
             tensors=types.MappingProxyType(tensors),
             weights_version=manifest.weights_version,
-            state_checksum=format_checksum(own),
+            state_checksum=format_checksum(own, manifest.digest),
             group=comm.group,
             group_version=comm.version,
             nbytes=manifest.payload_bytes,
@@ -991,6 +1028,7 @@ class Receiver:
             _seal=seal,
             _baseline=baseline,
             _node=node,
+            host_bytes=host_copied_bytes() - self._host_from,
         )
         self._committed = new  # the commit: one reference assignment
         if node is not None:
@@ -1001,7 +1039,7 @@ class Receiver:
             "weights committed",
             extra={"group": comm.group, "group_version": comm.version, "rank": comm.rank,
                    "weights_version": new.weights_version, "state_checksum": new.state_checksum,
-                   "bytes": new.nbytes, "previous_weights_version": kept_version},
+                   "bytes": new.nbytes, "previous_weights_version": kept_version, "host_bytes": new.host_bytes},
         )
         return new
 

@@ -10,14 +10,25 @@
 #              a world of one (communicator through the store, primitives, the transfer code,
 #              abort and a new version, fencing, an init that never completes);
 #   3. bench   benchmarks/device_buckets.py: device memory and time of a load through buckets
-#              (issue 24 item 3), figures to $OUT/device_buckets.json.
+#              (issue 24 item 3), figures to $OUT/device_buckets.json;
+#   4. digest  pytest tests/gpu/test_digest_gpu.py: nh64's bits on the GPU (torch form and the
+#              fused Triton kernel) equal to the CPU's on random and adversarial bytes, a GPU
+#              state and its CPU copy with one whole-state checksum, no byte to the host (issue 45);
+#   5. sync    benchmarks/device_sync.py: two processes on the GPU through CUDA IPC, ftstate's
+#              sync of 1, 4 and 16 GiB proved with nh64 against a raw device-to-device copy, the
+#              digest alone against the copy bandwidth, a GPU engine's held-weights proof against
+#              its update; figures to $OUT/device_sync.json; it fails (rc 1) when a proof disagrees
+#              or a weight byte reached the host.
 # Everything goes to $OUT: log.txt (this whole output), summary.json (each part's rc and
-# seconds, test counts, the benchmark's rows), junit_gpu.xml, junit_nccl.xml, device_buckets.json.
+# seconds, test counts, the benchmarks' rows), junit_gpu.xml, junit_nccl.xml, junit_digest.xml,
+# device_buckets.json, device_sync.json. The parts' limits add up to 570 s (within 10 minutes).
 #
 #   OUT=/some/dir bash tests/gpu/device_check.sh        (from the repository root)
 #
 # PY: the python to use (python3); missing packages must already be importable (PYTHONPATH).
-# On a machine without a GPU every part runs and its tests skip, naming what is missing.
+# On a machine without a GPU every part runs and its tests skip, naming what is missing, but
+# part sync, which fails (rc 1, "FAILED: ... no GPU"): a device benchmark that measured nothing
+# must not read as a pass.
 # Exit status: 0 when every part's rc is 0, else 1.
 
 set -u
@@ -82,6 +93,12 @@ except Exception as exc:
 sys.modules["ray"] = None
 import ftstate, ftstate.transport.cudaipc, ftstate.transport.devicebuckets, ftstate.transport.nccl  # noqa: E401
 import ftstate.transport.samehost, tests.integration._transport_workers, tests.integration.test_transport_shm  # noqa: E401
+import ftstate.transport.digest, tests.integration.test_transport_cudaipc  # noqa: E401
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as exc:
+    print(f"triton: NOT importable: {type(exc).__name__}: {exc}")
 print("ftstate's pieces under test import without Ray")
 EOF
 }
@@ -96,7 +113,7 @@ for line in open(os.path.join(out, ".parts")):
     parts.append({"part": name, "rc": int(rc), "seconds": float(secs), "limit_s": int(limit),
                   "timed_out": rc in ("124", "137")})
 tests = {}
-for name in ("junit_gpu.xml", "junit_nccl.xml"):
+for name in ("junit_gpu.xml", "junit_nccl.xml", "junit_digest.xml"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         continue
@@ -112,11 +129,11 @@ for name in ("junit_gpu.xml", "junit_nccl.xml"):
         cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                       "seconds": float(case.get("time") or 0), **({"reason": reason} if outcome != "passed" else {})})
     tests[name] = cases
-bench = None
-path = os.path.join(out, "device_buckets.json")
-if os.path.exists(path):
-    bench = json.load(open(path))
-result = {"ok": all(p["rc"] == 0 for p in parts), "parts": parts, "tests": tests, "device_buckets": bench}
+bench = {}
+for name in ("device_buckets", "device_sync"):
+    path = os.path.join(out, name + ".json")
+    bench[name] = json.load(open(path)) if os.path.exists(path) else None
+result = {"ok": all(p["rc"] == 0 for p in parts), "parts": parts, "tests": tests, **bench}
 json.dump(result, open(os.path.join(out, "summary.json"), "w"), indent=1)
 print()
 for p in parts:
@@ -139,10 +156,13 @@ main() {
     fi
     local pytest=("$PY" -m pytest -v -rA -p no:cacheprovider -o faulthandler_timeout=60 "${t_opt[@]}")
 
-    part env 45 bash -c env_report
-    part gpu 130 "${pytest[@]}" --junitxml="$OUT/junit_gpu.xml" tests/gpu --ignore=tests/gpu/test_nccl_one_gpu.py
-    part nccl 100 "${pytest[@]}" --junitxml="$OUT/junit_nccl.xml" tests/gpu/test_nccl_one_gpu.py
-    part bench 100 "$PY" benchmarks/device_buckets.py --json "$OUT/device_buckets.json" --budget-s 60
+    part env 40 bash -c env_report
+    part gpu 120 "${pytest[@]}" --junitxml="$OUT/junit_gpu.xml" tests/gpu --ignore=tests/gpu/test_nccl_one_gpu.py \
+        --ignore=tests/gpu/test_digest_gpu.py
+    part nccl 90 "${pytest[@]}" --junitxml="$OUT/junit_nccl.xml" tests/gpu/test_nccl_one_gpu.py
+    part bench 80 "$PY" benchmarks/device_buckets.py --json "$OUT/device_buckets.json" --budget-s 45
+    part digest 90 "${pytest[@]}" --junitxml="$OUT/junit_digest.xml" tests/gpu/test_digest_gpu.py
+    part sync 150 "$PY" benchmarks/device_sync.py --json "$OUT/device_sync.json" --budget-s 90
     summary
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=memory.used --format=csv

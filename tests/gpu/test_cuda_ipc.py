@@ -134,3 +134,24 @@ def test_a_sender_killed_mid_bucket_leaves_nothing_committed(group):
         assert committed_checksum(r) == expected_checksum(1)
     assert time.monotonic() - t0 < 30
     assert our_segments(group) == []
+
+
+def test_the_route_proves_the_sync_with_nh64_through_cuda_ipc_slots(group):
+    # The members' weights are host tensors here (the group is gloo on ``cpu``), counted as device
+    # memory for the choice of function, so the whole route runs with nh64 over real CUDA IPC
+    # slots; hashing on the GPU itself, across two processes, is benchmarks/device_sync.py's check.
+    from tests.integration.test_transport_cudaipc import nh64_checksum, planned_with_readers
+    from tests.integration.test_transport_shm import assert_bit_exact, committed_checksum
+
+    for w in group.members:
+        w.call("use_device_digest", on=True)
+    try:
+        report, got = planned_with_readers(group, [1, 2])
+        assert report["committed"] == [1, 2] and report["checksum"] == nh64_checksum(1)
+        assert report["host_bytes"] == 0 and [g["host_bytes"] for g in got] == [0, 0]
+        for rollout in group.members[1:]:
+            assert_bit_exact(rollout, 1)
+            assert committed_checksum(rollout) == nh64_checksum(1)
+    finally:
+        for w in group.members:
+            w.call("use_device_digest", on=False)

@@ -134,7 +134,7 @@ class _Member:
         return {"committed": list(report.committed), "rejected": dict(report.rejected),
                 "checksum": report.state_checksum, "buckets": report.num_buckets,
                 "routes": {int(k): v for k, v in report.routes.items()}, "shm_fallback": report.shm_fallback,
-                "node_copy": report.node_copy, "node_spare": report.node_spare}
+                "node_copy": report.node_copy, "node_spare": report.node_spare, "host_bytes": report.host_bytes}
 
     def adopt(self, name: str, owner: int, weights_version: int, checksum: str) -> dict[str, Any]:
         """A newcomer on the node takes the committed node copy ``name`` (ftstate.transport.nodecopy)."""
@@ -161,7 +161,7 @@ class _Member:
         got = samehost.receive(self.receiver, self.comm, src, point_to_point=point_to_point, timeout_s=timeout_s,
                                progress=self._progress(kill_at), node_copy_owner=node_copy_owner)
         return {"weights_version": got.weights_version, "checksum": got.state_checksum,
-                "group_version": got.group_version, "node": got._node}
+                "group_version": got.group_version, "node": got._node, "host_bytes": got.host_bytes}
 
     def send_to_planned(self, peer: int, timeout_s: float, source: str = "weights") -> dict[str, Any]:
         from ftstate.transport import samehost
@@ -232,6 +232,22 @@ class _Member:
         if type(current).__name__ != cls:
             self.device_memory = getattr(importlib.import_module(module), cls)()
         cudaipc.install(device_type, self.device_memory)
+
+    def use_device_digest(self, on: bool) -> None:
+        """Treat this process's ``cpu`` buffers as device memory for the checksum's choice of
+        function (nh64, hashed where the bytes are, every host copy counted): the stand-in's
+        device is the CPU."""
+        from ftstate.transport import checksum
+
+        (checksum.DIGEST_DEVICES.add if on else checksum.DIGEST_DEVICES.discard)("cpu")
+
+    def force_checksum_function(self, function: str | None) -> None:
+        """This process, as a sender, hashes with ``function`` whatever its weights' device (None:
+        chosen by the device again), by replacing the routes' choice."""
+        from ftstate.transport import checksum, samehost, sync
+
+        chosen = checksum.function_for if function is None else (lambda sources: function)
+        samehost.function_for = sync.function_for = chosen
 
     def device_memory_stats(self) -> dict[str, int]:
         return self.device_memory.stats()
@@ -357,14 +373,14 @@ class _Member:
 
     def committed(self) -> dict[str, Any] | None:
         """The committed weights: version, the checksum recorded at commit and one
-        recomputed now from the bytes held."""
-        from ftstate.transport import state_checksum
+        recomputed now from the bytes held (with the function the recorded one names)."""
+        from ftstate.transport.checksum import state_checksum_like
 
         c = self.receiver.committed
         if c is None:
             return None
         return {"weights_version": c.weights_version, "checksum": c.state_checksum,
-                "recomputed": state_checksum(c.tensors), "node": c._node,
+                "recomputed": state_checksum_like(c.tensors, c.state_checksum), "node": c._node,
                 "spare": self.receiver._spare is not None}
 
     def committed_bytes(self) -> dict[str, tuple[str, list[int], bytes]]:

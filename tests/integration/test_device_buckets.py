@@ -103,6 +103,31 @@ class TestTwoBucketsAtMost:
         assert memory.allocations == 2 and memory.peak == 2 * largest  # the largest tensor is a part alone
         assert state_checksum(engine.weights) == state_checksum(host) and memory.live == 0
 
+    @pytest.mark.parametrize("bucket_kib", [8, 1024])
+    def test_the_proof_of_a_load_is_the_versions_nh64_checksum_whatever_the_parts(self, bucket_kib):
+        host = version(4)
+        engine, memory = Engine(host), CountingMemory()
+        got = load_by_buckets(host, device=torch.device("cpu"), bucket_bytes=bucket_kib * KiB, load=engine.load,
+                              memory=memory, prove=True)
+        assert got["state_checksum"] == state_checksum(host, "nh64") == state_checksum(engine.weights, "nh64")
+
+    def test_the_proof_hashes_the_devices_buffers_not_the_host_copy(self, monkeypatch):
+        from ftstate.transport import digest
+
+        host = version(5)
+        buffers: list[torch.Tensor] = []
+        memory = CountingMemory()
+        alloc = memory.alloc
+        monkeypatch.setattr(memory, "alloc", lambda n, d: buffers.append(alloc(n, d)) or buffers[-1])
+        hashed: list[int] = []
+        real = digest.tensor_digest
+        monkeypatch.setattr(digest, "tensor_digest", lambda t, key=None: hashed.append(t.data_ptr()) or real(t, key))
+        load_by_buckets(host, device=torch.device("cpu"), bucket_bytes=16 * KiB, load=Engine(host).load,
+                        memory=memory, prove=True)
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in buffers]
+        assert len(hashed) == len(host)
+        assert all(any(lo <= p < hi for lo, hi in spans) for p in hashed)  # every tensor hashed in a device buffer
+
     def test_an_engine_that_keeps_the_parts_it_was_handed_shows_as_live_device_memory(self):
         host = version(3)
         engine, memory = Engine(host, keep=True), CountingMemory()

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from tests.integration._transport_workers import RemoteError
+from tests.integration._transport_workers import RemoteError, make_state
 from tests.integration.test_transport_shm import (
     FAST_S,
     SYNC_S,
@@ -35,6 +35,7 @@ from tests.integration.test_transport_shm import (
     expected_checksum,
     our_segments,
     planned,
+    resync_newcomer,
 )
 
 STANDIN = "tests.integration._device_standin:HostStandIn"
@@ -125,6 +126,89 @@ class TestDeviceSlots:
         assert our_segments(group) == []
 
 
+def a_damaged_device_slot_is_refused(group, checksum) -> None:
+    """The slot is damaged after the writer's copy, before the readers read it: both refuse and
+    keep version 1 (whose whole-state checksum is ``checksum(1)``)."""
+    planned(group, [1, 2])
+    trainer, *readers = group.members
+    trainer.call("load", seed=6, weights_version=2)
+    trainer.call("tamper_device_slot")
+    for r in readers:
+        r.start("receive_planned", timeout_s=SYNC_S)
+    report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
+    every_reader_refuses_bucket_1(readers, checksum=checksum)
+    assert report["rejected"] == {1: "ChecksumMismatch", 2: "ChecksumMismatch"} and report["committed"] == []
+
+
+def nh64_checksum(seed: int) -> str:
+    from ftstate.transport.checksum import state_checksum
+
+    return state_checksum(make_state(seed), "nh64")
+
+
+@pytest.fixture
+def on_device(group):
+    """The group, with every member taking the stand-in's buffers for device memory in the choice
+    of checksum function too: the sync is then proved with nh64, as on a GPU."""
+    for w in group.members:
+        w.call("use_device_digest", on=True)
+    yield group
+    for w in group.members:
+        w.call("use_device_digest", on=False)
+
+
+def planned_with_readers(group, same_host) -> tuple[dict, list[dict]]:
+    trainer, *readers = group.members
+    for r in readers:
+        r.start("receive_planned", timeout_s=SYNC_S)
+    report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=same_host)
+    return report, [r.result() for r in readers]
+
+
+class TestTheDigestWhereTheWeightsAre:
+    """The weights on a device: every side hashes with nh64 where the bytes are, none goes to the host."""
+
+    def test_a_sync_through_device_slots_is_proved_with_nh64_and_copies_no_byte_to_the_host(self, on_device):
+        report, got = planned_with_readers(on_device, [1, 2])
+        assert report["routes"] == {1: "shm", 2: "shm"} and report["committed"] == [1, 2]
+        assert report["checksum"] == nh64_checksum(1) and report["checksum"].startswith("nh64:")
+        assert report["host_bytes"] == 0 and [g["host_bytes"] for g in got] == [0, 0]
+        for r in on_device.members[1:]:
+            assert_bit_exact(r, 1)
+            assert committed_checksum(r) == nh64_checksum(1)  # recomputed from the bytes held, with nh64
+
+    def test_the_same_sync_hashed_with_xxh3_would_have_copied_every_byte_to_the_host(self, group):
+        # the counter's control: the stand-in's buffers counted as device memory, the function
+        # left at xxh3 by marking them only for counting (what a GPU sync cost before nh64)
+        for w in group.members:
+            w.call("use_device_digest", on=True)
+        try:
+            group.members[0].call("force_checksum_function", function="xxh3")
+            report, got = planned_with_readers(group, [1, 2])
+        finally:
+            group.members[0].call("force_checksum_function", function=None)
+            for w in group.members:
+                w.call("use_device_digest", on=False)
+        assert report["committed"] == [1, 2] and not report["checksum"].startswith("nh64:")
+        payload = sum(t.numel() * t.element_size() for t in make_state(1).values())
+        assert report["host_bytes"] >= payload and all(g["host_bytes"] >= payload for g in got)
+
+    def test_a_damaged_device_slot_is_caught_by_every_readers_nh64(self, on_device):
+        a_damaged_device_slot_is_refused(on_device, nh64_checksum)
+
+    def test_a_collective_rank_of_a_mixed_transfer_proves_it_with_nh64_too(self, on_device):
+        report, got = planned_with_readers(on_device, [1])
+        assert report["routes"] == {1: "shm", 2: "collective"} and report["committed"] == [1, 2]
+        assert [g["checksum"] for g in got] == [nh64_checksum(1)] * 2
+        assert report["host_bytes"] == 0 and [g["host_bytes"] for g in got] == [0, 0]
+
+    def test_a_resync_from_a_members_committed_device_weights_is_proved_with_nh64(self, on_device):
+        report, got = resync_newcomer(on_device)
+        newcomer = on_device.members[2]
+        assert got["checksum"] == report["checksum"] == nh64_checksum(1) and got["host_bytes"] == 0
+        assert_bit_exact(newcomer, 1)
+
+
 class TestFaults:
     def test_sender_killed_mid_bucket_nothing_committed_nothing_left_next_sync_succeeds(self, group):
         planned(group, [1, 2])
@@ -176,15 +260,7 @@ class TestFaults:
         assert our_segments(group) == []
 
     def test_a_damaged_device_slot_is_caught_by_every_readers_checksum(self, group):
-        planned(group, [1, 2])
-        trainer, *readers = group.members
-        trainer.call("load", seed=6, weights_version=2)
-        trainer.call("tamper_device_slot")  # the slot is damaged after the copy, before the readers read it
-        for r in readers:
-            r.start("receive_planned", timeout_s=SYNC_S)
-        report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
-        every_reader_refuses_bucket_1(readers)
-        assert report["rejected"] == {1: "ChecksumMismatch", 2: "ChecksumMismatch"} and report["committed"] == []
+        a_damaged_device_slot_is_refused(group, expected_checksum)
 
     def test_a_readers_damaged_copy_is_caught_and_the_other_reader_commits(self, group):
         a_readers_damaged_copy_is_its_own(group)

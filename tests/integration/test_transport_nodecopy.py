@@ -195,6 +195,27 @@ class TestNewcomer:
         assert got == {"weights_version": 1, "checksum": expected_checksum(1), "node": report["node_copy"]}
         assert_bit_exact(newcomer, 1)
 
+    def test_a_copy_of_a_version_proved_with_nh64_is_adopted_against_either_functions_checksum(self, group):
+        # the sender's weights counted as device memory: the version is proved with nh64, read in
+        # place on the node with it; a newcomer proves the copy with the function of the checksum
+        # it is handed (the version's nh64 one, or an xxh3 one of the same state)
+        from tests.integration.test_transport_cudaipc import nh64_checksum
+
+        for w in group.members:
+            w.call("use_device_digest", on=True)
+        try:
+            report = in_place(group)
+        finally:
+            for w in group.members:
+                w.call("use_device_digest", on=False)
+        assert report["checksum"] == nh64_checksum(1) and report["committed"] == [1, 2]
+        newcomer = group.members[2]
+        for checksum in (nh64_checksum(1), expected_checksum(1)):
+            newcomer.call("reset_receiver")
+            got = newcomer.call("adopt", name=report["node_copy"], owner=OWNER, weights_version=1, checksum=checksum)
+            assert got["checksum"] == checksum
+        assert_bit_exact(newcomer, 1)
+
     def test_a_copy_that_is_gone_or_of_another_version_is_refused_and_nothing_is_adopted(self, group):
         report = in_place(group)
         newcomer = group.members[2]

@@ -71,6 +71,17 @@ def planned(pool, same_host, *, members=None, timeout_s: float = SYNC_S, relays=
     return report
 
 
+def resync_newcomer(group) -> tuple[dict, dict]:
+    """After a sync to ranks 1 and 2, rank 2 forgets its weights and gets them again from rank 1's
+    committed copy, point to point: rank 1's report and rank 2's result."""
+    planned(group, [1, 2])
+    _trainer, source, newcomer = group.members
+    newcomer.call("reset_receiver")
+    newcomer.start("receive_planned", timeout_s=SYNC_S, src=1, point_to_point=True)
+    report = source.call("send_to_planned", peer=2, timeout_s=SYNC_S, source="committed")
+    return report, newcomer.result()
+
+
 def committed_checksum(worker) -> str | None:
     info = worker.call("committed")
     if info is None:
@@ -79,15 +90,15 @@ def committed_checksum(worker) -> str | None:
     return info["checksum"]
 
 
-def every_reader_refuses_bucket_1(readers, kept_seed: int = 1) -> None:
+def every_reader_refuses_bucket_1(readers, kept_seed: int = 1, checksum=expected_checksum) -> None:
     """Each of ``readers`` (started) fails with ChecksumMismatch in bucket 1 and still holds the
-    weights of ``kept_seed``."""
+    weights of ``kept_seed`` (their whole-state checksum: ``checksum(kept_seed)``)."""
     for r in readers:
         with pytest.raises(RemoteError) as info:
             r.result()
         assert info.value.isinstance("ChecksumMismatch"), info.value.info
         assert "bucket 1/" in info.value.info["message"], info.value.info
-        assert committed_checksum(r) == expected_checksum(kept_seed)
+        assert committed_checksum(r) == checksum(kept_seed)
 
 
 def assert_bit_exact(worker, seed: int) -> None:
@@ -134,14 +145,10 @@ class TestSameHost:
             assert_bit_exact(rollout, 1)
 
     def test_point_to_point_resync_of_a_newcomer_on_the_same_host(self, group):
-        planned(group, [1, 2])
-        _trainer, source, newcomer = group.members
-        newcomer.call("reset_receiver")
-        newcomer.start("receive_planned", timeout_s=SYNC_S, src=1, point_to_point=True)
-        report = source.call("send_to_planned", peer=2, timeout_s=SYNC_S, source="committed")
-        assert newcomer.result()["checksum"] == expected_checksum(1)
+        report, got = resync_newcomer(group)
+        assert got["checksum"] == expected_checksum(1)
         assert report["routes"] == {2: "shm"} and report["committed"] == [2]
-        assert_bit_exact(newcomer, 1)
+        assert_bit_exact(group.members[2], 1)
 
 
 class TestFaults:

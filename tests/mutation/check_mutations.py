@@ -3,7 +3,8 @@
 For every claim ftstate makes (two-phase commit, the transport's checksum comparison, the
 held-bytes comparison at commit, the writer hashing its source rather than the shared-memory
 slot, MAC verification, replay on a new trainer, RESYNCED-only admission, the fail-fast
-deadline, and the claims issue 22 found unguarded), :data:`MUTATIONS` names one small edit that
+deadline, the claims issue 22 found unguarded, and the device digest's position binding and its
+staying on the device), :data:`MUTATIONS` names one small edit that
 breaks it and the tests that
 must then fail. Each mutation is applied to a fresh copy of the checkout (the files git
 knows), the named tests are run there (that copy first on ``PYTHONPATH``, so Ray's worker
@@ -336,6 +337,27 @@ MUTATIONS = (
         ("tests/integration/test_transport_threads.py::"
          "test_abandoning_a_version_releases_a_member_blocked_in_a_point_to_point_receive",
          "tests/integration/test_transport_threads.py::test_a_peer_that_abandons_releases_the_ranks_waiting_on_it"),
+    ),
+    Mutation(
+        "nh64 blind to where a chunk sits",
+        "the device digest keys each chunk by its place in its tensor, so swapped chunks or tensors change it",
+        (Edit("ftstate/transport/digest.py",
+              "total += _l2(_l1(w, k1, 0), k2[first + c : first + c + n])",
+              "total += _l2(_l1(w, k1, 0), k2[:1].expand(n, 8))"),
+         Edit("ftstate/transport/digest.py",
+              "rows = k2[first + c : first + c + blk.shape[0]].numpy()",
+              "rows = k2[:1].expand(blk.shape[0], 8).numpy()"),),
+        ("tests/unit/test_digest.py::TestWhatItCatches::"
+         "test_two_same_shaped_tensors_swapped_change_the_bytes_digest_and_the_state_checksum",),
+    ),
+    Mutation(
+        "a device sync hashed through the host",
+        "a transfer proved with nh64 hashes each bucket where its bytes are: no weight byte goes to the host",
+        (Edit("ftstate/transport/sync.py",
+              '    mv = host_bytes(data[lo:hi]) if hasher.function == "xxh3" else None\n',
+              "    mv = host_bytes(data[lo:hi])\n"),),
+        ("tests/integration/test_transport_cudaipc.py::TestTheDigestWhereTheWeightsAre::"
+         "test_a_sync_through_device_slots_is_proved_with_nh64_and_copies_no_byte_to_the_host",),
     ),
 )
 

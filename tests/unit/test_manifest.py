@@ -52,6 +52,19 @@ class TestRoundTrip:
         s = Seal("weights", 3, 12, tuple(range(m.num_buckets)), (1, 2, (1 << 64) - 1), 99)
         assert decode_seal(encode_seal(s), m) == s
 
+    def test_the_checksum_function_travels_and_a_host_manifest_does_not_name_it(self):
+        import dataclasses
+
+        m = make_manifest()
+        assert "digest" not in msgpack.unpackb(encode_manifest(m))  # xxh3: the bytes of before
+        nh = dataclasses.replace(m, digest="nh64")
+        assert decode_manifest(encode_manifest(nh), group="weights", group_version=3).digest == "nh64"
+
+    def test_an_unknown_checksum_function_is_refused_naming_the_field(self):
+        with pytest.raises(ManifestError, match="checksum function") as info:
+            decode_manifest(tampered(digest="crc32"), group="weights", group_version=3)
+        assert info.value.field == "digest"
+
     def test_the_wire_is_msgpack_never_pickle(self):
         data = encode_manifest(make_manifest())
         assert not data.startswith(b"\x80")  # pickle protocol marker
