@@ -74,6 +74,9 @@ class SyncReport:
     routes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     shm_fallback: str | None = None
     pending: tuple[str, ...] = ()
+    #: Weight bytes copied to host memory on this sync's path (the sender's and every receiver's,
+    #: hashing included): 0 for a sync whose bytes stay on GPUs (nh64 digests on the device).
+    host_bytes: int = 0
     #: Memory the transport used beside the rollouts' own weights, in bytes (``docs/benchmarks.md``):
     #: staging_bytes: each rollout's peak during this sync (the staging buffer the version landed
     #: in plus the committed copy it kept meanwhile); node_staging_bytes: the same summed by node
@@ -248,6 +251,7 @@ class WeightSync:
                                self.device_bytes,
                                {n: c["nbytes"] * (2 if n in had_copy else 1) for n, c in node_copies.items()})
         await group.fire("sync_done", checksum=sent.checksum, nbytes=sent.nbytes, **memory_record(memory),
+                         host_bytes=sent.host_bytes + sum(r.host_bytes for r in staged.values()),
                          **({"pending": list(self.pending)} if self.pending else {}),
                          **({"node_copy_bytes": {n[:8]: c["nbytes"] for n, c in node_copies.items()}}
                             if node_copies else {}))
@@ -270,6 +274,7 @@ class WeightSync:
             routes={n: how for n, how in routes.items() if n not in not_loaded},
             shm_fallback=sent.shm_fallback or None,
             pending=tuple(n for n in self.pending if n not in not_loaded),
+            host_bytes=sent.host_bytes + sum(r.host_bytes for r in staged.values()),
             node_copies=node_copies,
             **memory,
         )

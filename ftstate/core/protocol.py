@@ -155,6 +155,8 @@ class Sent:
     node_copy: str | None = None
     node_spare: str | None = None
     node_copy_size: NodeCopySize | None = None
+    #: weight bytes copied to host memory on the way (hashing included): 0 on a GPU sync
+    host_bytes: int = 0
 
 
 @_frozen
@@ -182,6 +184,7 @@ class Staged:
     staging_bytes: int = 0
     node_copy: str | None = None
     node_copy_size: NodeCopySize | None = None
+    host_bytes: int = 0  # as :attr:`Sent.host_bytes`, on this receiver
 
 
 @_frozen

@@ -41,7 +41,6 @@ class Holdings(HostPart):
     _in_flight: bool  # rollout_updates: in_flight
     _pending: PendingSwap  # a committed version waiting for a safe point
     _swap_tasks: set[asyncio.Task[None]]
-    _swaps_paused: int  # swaps made at a safe point that paused the engine's requests
 
     async def commit_weights(self, req: Commit) -> Loaded:
         """Rollout: hand the staged version to ``load_weights``; the user lock pauses calls
@@ -73,7 +72,7 @@ class Holdings(HostPart):
         """Load ``staged`` into the user's worker and prove what it holds then (the user lock held)."""
         device_bytes = await self._load_weights(staged.tensors, weights_version)
         if self._proves(weights_version):
-            held, from_engine = await self._held_checksum(staged.tensors)
+            held, from_engine = await self._held_checksum(staged.tensors, staged.state_checksum)
             self._held_mismatch = held != staged.state_checksum
         else:
             # verified bucket by bucket on receipt; an engine that held its weights still does
@@ -100,11 +99,12 @@ class Holdings(HostPart):
 
     def swap_at_safe_point(self, pause: bool) -> int:
         """In the user's thread, between two steps of its call: load the version waiting, if
-        any, as :meth:`_load_proven` does, and return the version in effect."""
+        any, as :meth:`_load_proven` does, and return the version in effect (``pause``: see
+        :meth:`~ftstate.worker.inflight.SafePointGate.reached`)."""
         staged = self._pending.take()
         if staged is None:
             return self.weights_version
-        from ftstate.transport import state_checksum
+        from ftstate.transport.checksum import state_checksum_like
 
         version = staged.weights_version
         try:
@@ -118,7 +118,7 @@ class Holdings(HostPart):
             self._held_mismatch = True  # what it holds is unknown now: the next load is proven
             raise
         if self._proves(version):
-            held = state_checksum(engine if engine is not None else staged.tensors)
+            held = state_checksum_like(engine if engine is not None else staged.tensors, staged.state_checksum)
             self._held_mismatch = held != staged.state_checksum
         else:
             held = staged.state_checksum
@@ -126,7 +126,6 @@ class Holdings(HostPart):
         # the receiver's buffers are let go at the next commit, on the actor's loop, not here
         self._adopt(staged, engine is not None, release=False)
         self._pending.call_versions.append(version)
-        self._swaps_paused += pause
         self._tick()
         return version
 
@@ -179,11 +178,13 @@ class Holdings(HostPart):
 
     async def _trainer_checksum(self) -> str:
         from ftstate.transport import state_checksum
+        from ftstate.transport.checksum import function_for
         from ftstate.transport.validate import check_state_dict
 
         state = check_state_dict(await self._run(self.user.state_dict), device_type=None, member=self.member,
                                  backend=self.backend)
-        return await asyncio.to_thread(state_checksum, state)
+        # hashed where its tensors are, with the function its sends use (nh64 on a GPU)
+        return await asyncio.to_thread(state_checksum, state, function_for(state.values()))
 
     def _proves(self, weights_version: int) -> bool:
         """Whether the commit of ``weights_version`` hashes what this rollout holds
@@ -202,20 +203,24 @@ class Holdings(HostPart):
     def _has_held_hook(self) -> bool:
         return overrides(self.user, "held_weights")
 
-    async def _held_checksum(self, given: Mapping[str, Any] | None) -> tuple[str, bool]:
+    async def _held_checksum(self, given: Mapping[str, Any] | None, like: str | None) -> tuple[str, bool]:
         """The whole-state checksum of the bytes this rollout serves from, hashed now, and
         whether they came from its engine: what its ``held_weights()`` returns when the user's
         engine keeps its own copy, else the tensors handed to ``load_weights`` (``given``; a
         ``load_weights`` that wrote into them shows here). Called with the user lock held or
-        with no user call running."""
+        with no user call running. ``like``: the checksum it is compared with, whose function
+        it is hashed with (nh64 on the engine's device for a version sent from a GPU)."""
         from ftstate.transport import state_checksum
+        from ftstate.transport.checksum import state_checksum_like
 
         returned = await self._engine_weights()
         held = returned if returned is not None else given
         if held is None:
             raise FTError(f"{self.member}: {type(self.user).__name__}.held_weights() returned None, but the "
                           "transport kept no copy of the weights it loaded (the engine held them before)")
-        return await asyncio.to_thread(state_checksum, held), returned is not None
+        if like is None:
+            return await asyncio.to_thread(state_checksum, held), returned is not None
+        return await asyncio.to_thread(state_checksum_like, held, like), returned is not None
 
     async def _engine_weights(self) -> Mapping[str, Any] | None:
         """What the user's ``held_weights()`` returns, checked like a state dict; None without

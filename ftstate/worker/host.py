@@ -85,7 +85,6 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
         self._in_flight = in_flight
         self._pending = PendingSwap()
         self._swap_tasks: set[asyncio.Task[None]] = set()
-        self._swaps_paused = 0
         try:
             self.user = user_cls(*args, **dict(kwargs))
         except Exception as exc:  # noqa: BLE001 - the user's constructor: reported, not fatal to the process
@@ -151,7 +150,8 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
         if req.prove and self.role == "rollout":
             checksum = None
             if self._holds_committed and not (self._has_held_hook() and self._lock().locked()):
-                checksum, _ = await self._held_checksum(self._loaded.tensors if self._loaded is not None else None)
+                checksum, _ = await self._held_checksum(self._loaded.tensors if self._loaded is not None else None,
+                                                        self._received)
                 # a rollout that fails this proof goes STALE: its next load is proven too (_proves)
                 self._held_mismatch = self._held_mismatch or checksum != self._received
         from ftstate.transport import auth

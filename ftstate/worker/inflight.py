@@ -58,7 +58,8 @@ class SafePointGate:
 
     def reached(self, pause: bool) -> int:
         """Load the version waiting, if any, and return the version now in effect. ``pause``:
-        the engine's requests are held and resumed around the load (recorded as such)."""
+        the engine holds its requests around the load and resumes them (the swap itself is the
+        same: the call's versions show its requests span two)."""
         return int(self._host.swap_at_safe_point(pause))
 
     @property

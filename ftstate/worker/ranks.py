@@ -132,7 +132,7 @@ class TrainerRank(HostPart):
 
         comm = self._require_comm()
         state, version = await self._committed_state()
-        tensors = state.tensors if state is self._loaded else state
+        tensors = getattr(state, "tensors", state)  # a committed version, or what the engine gave back
         part = part_of(Ownership.from_record(dict(req.ownership)), tensors, trainer_rank)
         if self._sender is None:
             self._sender = Sender(bucket_size=self.bucket_bytes)
@@ -179,12 +179,14 @@ class TrainerRank(HostPart):
         part of the committed version. ``pieces``: how many it owns (0: nothing)."""
         trainer_rank = req.trainer_rank
         from ftstate.transport import state_checksum
+        from ftstate.transport.checksum import function_for
         from ftstate.transport.shards import split_state
 
         async with self._lock():
             part, pieces = split_state(await self._run(self.user.state_dict), rank=trainer_rank,
                                        member=self.member, device_type=None, backend=self.backend)
-        return PartHeld(checksum=await asyncio.to_thread(state_checksum, part) if pieces else None,
+        return PartHeld(checksum=await asyncio.to_thread(state_checksum, part, function_for(part.values()))
+                        if pieces else None,
                         pieces=len(pieces))
 
     async def discard_shards(self, req: DiscardShards) -> None:

@@ -149,7 +149,7 @@ class Transfers(HostPart):
         return Sent(checksum=report.state_checksum, nbytes=report.nbytes,
                     rejected={int(k): v for k, v in report.rejected.items()},
                     routes={int(k): v for k, v in report.routes.items()}, shm_fallback=report.shm_fallback or "",
-                    node_copy=report.node_copy, node_spare=report.node_spare,
+                    node_copy=report.node_copy, node_spare=report.node_spare, host_bytes=report.host_bytes,
                     node_copy_size=node_copy_size(report.node_copy, recycled=report.node_copy_recycled))
 
     async def receive_weights(self, req: ReceiveWeights) -> Staged:
@@ -180,7 +180,7 @@ class Transfers(HostPart):
         # new version's staging plus the committed copy it kept meanwhile), for the records;
         # node_copy: the node copy its staged state is in (staging: node), else None
         return Staged(checksum=staged.state_checksum, nbytes=staged.nbytes, weights_version=staged.weights_version,
-                      staging_bytes=self._receiver.peak_bytes, node_copy=staged._node,
+                      staging_bytes=self._receiver.peak_bytes, node_copy=staged._node, host_bytes=staged.host_bytes,
                       node_copy_size=node_copy_size(staged._node, recycled=False))  # a relay never recycles
 
     async def adopt_node_copy(self, req: AdoptNodeCopy) -> Loaded:
@@ -302,7 +302,7 @@ class Transfers(HostPart):
             else:
                 device_bytes = await self._load_weights(staged.tensors, weights_version)
                 t_loaded = time.perf_counter()
-                held, from_engine = await self._held_checksum(staged.tensors)
+                held, from_engine = await self._held_checksum(staged.tensors, staged.state_checksum)
             t_proven = time.perf_counter()
             self.weights_version = weights_version
             self.checksum = held
