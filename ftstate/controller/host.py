@@ -830,9 +830,11 @@ class WorkerHost:
             return state, self.weights_version
         raise FTError(f"{self.member}: holds no committed weights to send")
 
-    async def bench_raw_broadcast(self, nbytes: int, root: int, timeout_s: float) -> float:
+    async def bench_raw_broadcast(self, nbytes: int, root: int, timeout_s: float, to: int | None = None) -> float:
         """Benchmarks only: a bare broadcast of ``nbytes`` on the current group version (every
-        member must call it), the baseline ftstate's transfers are compared with. Seconds."""
+        member must call it), the baseline ftstate's transfers are compared with. Seconds.
+        ``to``: a bare point-to-point send from ``root`` to that rank instead (a failover's
+        baseline: the same bytes to the same newcomer); the other ranks return 0 at once."""
         import time
 
         import torch
@@ -842,11 +844,19 @@ class WorkerHost:
         def run() -> float:
             # made here, not on the event loop: 512 MiB filled there kept heartbeats from being
             # answered for longer than heartbeat_interval_s (the benchmark's own members went SUSPECT)
+            if to is not None and comm.rank not in (root, to):
+                return 0.0
             buf = torch.empty(nbytes, dtype=torch.uint8)
-            if comm.rank == root:
-                buf.fill_(7)
+            # every rank touches its buffer before the clock starts, as ftstate's staging is
+            # (reserved and touched ahead): a fresh buffer would charge the baseline page faults
+            buf.fill_(7 if comm.rank == root else 0)
             t0 = time.perf_counter()
-            comm.broadcast(buf, root, timeout_s=timeout_s).wait()
+            if to is None:
+                comm.broadcast(buf, root, timeout_s=timeout_s).wait()
+            elif comm.rank == root:
+                comm.send(buf, to, tag=0x7EB0, timeout_s=timeout_s).wait()
+            else:
+                comm.recv(buf, root, tag=0x7EB0, timeout_s=timeout_s).wait()
             return time.perf_counter() - t0
 
         return await asyncio.to_thread(run)
