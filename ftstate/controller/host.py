@@ -850,6 +850,17 @@ class WorkerHost:
             # every rank touches its buffer before the clock starts, as ftstate's staging is
             # (reserved and touched ahead): a fresh buffer would charge the baseline page faults
             buf.fill_(7 if comm.rank == root else 0)
+            # both sides start the clock together: Ray delivers the calls tens of ms apart, which
+            # a clock started on arrival would add to the baseline
+            if to is None:
+                comm.barrier(timeout_s=timeout_s)
+            else:
+                hello = torch.zeros(1, dtype=torch.uint8)  # root -> to, then back (a send waits for its recv)
+                for sender in (root, to):
+                    if comm.rank == sender:
+                        comm.send(hello, root + to - sender, tag=0x7EB1, timeout_s=timeout_s).wait()
+                    else:
+                        comm.recv(hello, sender, tag=0x7EB1, timeout_s=timeout_s).wait()
             t0 = time.perf_counter()
             if to is None:
                 comm.broadcast(buf, root, timeout_s=timeout_s).wait()
