@@ -219,11 +219,11 @@ class TestManifest:
             with pytest.raises(ManifestError) as info:
                 decode_manifest(packs(obj), group="weights", group_version=3)
             assert info.value.field == field.strip() and len(str(info.value)) < 400, str(info.value)[:500]
-        t0 = time.monotonic()
-        with pytest.raises(ManifestError, match=r"tensors\[0\]\.shape"):
+        # 80,000 dimensions are refused on their count, before any is multiplied out (the message
+        # says which rule), not by a clock on a shared machine
+        with pytest.raises(ManifestError, match=rf"tensors\[0\]\.shape.*at most {MAX_NDIM} integers"):
             decode_manifest(packs({**MANIFEST_OBJ, "tensors": [["w", "float32", [2] * 80_000, 0, 4]]}),
                             group="weights", group_version=3)
-        assert time.monotonic() - t0 < 0.5
 
 
 class TestTheInvariantsHaveTeeth:
