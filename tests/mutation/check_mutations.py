@@ -414,6 +414,20 @@ MUTATIONS = (
         ("tests/unit/test_audit_check.py::TestHeldIsSent::"
          "test_a_rollout_committed_with_a_checksum_of_its_own_is_flagged_when_the_group_commits",),
     ),
+    Mutation(
+        "a failover budget that never runs out",
+        "each promotion spends one of max_failovers, and a run whose budget is spent fails naming what it "
+        "went to",
+        (Edit("ftstate/core/budget.py", "        self.spent_on.append(reason)\n", "        pass  # nothing charged\n"),),
+        ("tests/unit/test_machine.py::TestBudgets",),
+    ),
+    Mutation(
+        "a placement the cluster can never hold accepted",
+        "a placement the cluster can never meet fails start() at once with PlacementUnsatisfiable",
+        (Edit("ftstate/controller/placement.py",
+              "    elif sum(_capacity(n, pool.bundle) for n in fits) < pool.slots:\n", "    elif False:\n"),),
+        ("tests/unit/test_placement_rules.py::TestFeasibility",),
+    ),
 )
 
 
