@@ -428,6 +428,13 @@ MUTATIONS = (
               "    elif sum(_capacity(n, pool.bundle) for n in fits) < pool.slots:\n", "    elif False:\n"),),
         ("tests/unit/test_placement_rules.py::TestFeasibility",),
     ),
+    Mutation(
+        "an oversubscribed start-up said nothing of it",
+        "start-up warns when the workers asked for far outnumber the cluster's CPUs",
+        (Edit("ftstate/controller/progress.py",
+              "        if cpus <= 0 or processes <= OVERSUBSCRIBED_RATIO * cpus:\n", "        if True:\n"),),
+        ("tests/unit/test_progress.py",),
+    ),
 )
 
 
