@@ -86,11 +86,15 @@ async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto",
                                rollout_kwargs={"big_floats": floats} if resident else None) as rt:
         report = await rt.sync()
         spare_role = "trainer" if ranks else role
-        for _ in range(kills):
+
+        async def warm_spare() -> None:
             while not any(m.state == "STANDBY" and m.role == spare_role and m.reserved_bytes >= report.nbytes
                           for m in rt.members()):
                 _check(rt)
                 await asyncio.sleep(0.05)
+
+        for _ in range(kills):
+            await warm_spare()
             before = len(rt.failovers)
             victim = await rt.chaos.kill(spare_role, 0 if role == "trainer" else 1)
             t_kill = rt.chaos.injected[-1][0]
@@ -107,7 +111,9 @@ async def run(size_mb: int, role: str, kills: int, shared_memory: str = "auto",
             out["why"].append(f"detection {detection * 1e3:.0f}, re-rendezvous {f.rerendezvous_s * 1e3:.0f}, "
                               f"transfer {f.transfer_s * 1e3:.0f}: {_stages_text(f.stages)}")
             # Baseline: a bare point-to-point send of the same bytes from the newcomer's source to
-            # the newcomer, same processes, into a buffer touched beforehand as the spare's staging is.
+            # the newcomer, same processes, into a buffer touched beforehand as the spare's staging is;
+            # once the next spare is warm, as the transfer ran (a spare starting up takes the CPUs)
+            await warm_spare()
             members = [m for m in rt.members() if m.rank >= 0 and m.state == "READY"]
             nbytes = report.nbytes
             if ranks:  # the newcomer got its part only: half the bytes

@@ -839,6 +839,8 @@ class WorkerHost:
 
         import torch
 
+        from ftstate.transport.samehost import NET_CHUNK
+
         comm = self._require_comm()
 
         def run() -> float:
@@ -858,16 +860,21 @@ class WorkerHost:
                 hello = torch.zeros(1, dtype=torch.uint8)  # root -> to, then back (a send waits for its recv)
                 for sender in (root, to):
                     if comm.rank == sender:
-                        comm.send(hello, root + to - sender, tag=0x7EB1, timeout_s=timeout_s).wait()
+                        comm.send(hello, root + to - sender, tag=0x7EA0, timeout_s=timeout_s).wait()
                     else:
-                        comm.recv(hello, sender, tag=0x7EB1, timeout_s=timeout_s).wait()
+                        comm.recv(hello, sender, tag=0x7EA0, timeout_s=timeout_s).wait()
             t0 = time.perf_counter()
             if to is None:
                 comm.broadcast(buf, root, timeout_s=timeout_s).wait()
-            elif comm.rank == root:
-                comm.send(buf, to, tag=0x7EB0, timeout_s=timeout_s).wait()
             else:
-                comm.recv(buf, root, tag=0x7EB0, timeout_s=timeout_s).wait()
+                # in NET_CHUNK messages all posted at once, as ftstate's point-to-point route sends:
+                # one message of the whole buffer is several times slower over gloo's TCP
+                op = comm.send if comm.rank == root else comm.recv
+                peer = to if comm.rank == root else root
+                pending = [op(buf[i : i + NET_CHUNK], peer, tag=0x7EB0 + k, timeout_s=timeout_s)
+                           for k, i in enumerate(range(0, nbytes, NET_CHUNK))]
+                for p in pending:
+                    p.wait()
             return time.perf_counter() - t0
 
         return await asyncio.to_thread(run)
