@@ -867,8 +867,8 @@ class WorkerHost:
             if to is None:
                 comm.broadcast(buf, root, timeout_s=timeout_s).wait()
             else:
-                # in NET_CHUNK messages all posted at once, as ftstate's point-to-point route sends:
-                # one message of the whole buffer is several times slower over gloo's TCP
+                # in NET_CHUNK messages all posted at once, as ftstate's point-to-point route sends,
+                # so the two differ only in what ftstate adds (manifest, hashing, vote, load, proof)
                 op = comm.send if comm.rank == root else comm.recv
                 peer = to if comm.rank == root else root
                 pending = [op(buf[i : i + NET_CHUNK], peer, tag=0x7EB0 + k, timeout_s=timeout_s)
