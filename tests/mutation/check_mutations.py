@@ -435,6 +435,15 @@ MUTATIONS = (
               "        if cpus <= 0 or processes <= OVERSUBSCRIBED_RATIO * cpus:\n", "        if True:\n"),),
         ("tests/unit/test_progress.py",),
     ),
+    Mutation(
+        "a checkpoint that rolls the run back admitted",
+        "a trainer rebuilt from a checkpoint older than the current version is refused (StaleCheckpointRefused), "
+        "never admitted to roll the run back",
+        (Edit("ftstate/controller/failover.py", "        if expected is None or held == expected:\n",
+              "        if True:\n"),),
+        ("tests/integration/test_replay.py::TestCheckpointRecovery::"
+         "test_an_older_checkpoint_is_refused_naming_the_version_it_holds",),
+    ),
 )
 
 
@@ -567,7 +576,8 @@ def python_of(venv: str) -> Path:
     return ROOT / VENVS[venv] / "bin" / "python"
 
 
-def pytest_run(copy: Path, venv: str, tests: list[str], report: Path) -> tuple[list[Outcome], int | None, str]:
+def pytest_run(copy: Path, venv: str, tests: list[str], report: Path,
+               timeout_s: float = RUN_TIMEOUT_S) -> tuple[list[Outcome], int | None, str]:
     """Run ``tests`` in ``copy`` with that copy first on ``PYTHONPATH`` (Ray's worker processes
     import it too): the outcomes, pytest's exit status (None: timed out) and its output's tail."""
     env = {**os.environ, "PYTHONPATH": str(copy), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -577,7 +587,7 @@ def pytest_run(copy: Path, venv: str, tests: list[str], report: Path) -> tuple[l
            f"--junitxml={report}", *tests]
     report.unlink(missing_ok=True)
     try:
-        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         return (read_junit(report.read_text()) if report.exists() else []), None, out[-3000:]
@@ -601,21 +611,26 @@ def baseline(chosen: list[Mutation]) -> list[str]:
     if problems:
         return problems
     sessions: dict[tuple[str, str], list[str]] = {}
+    counts: dict[tuple[str, str], int] = {}
     for m in chosen:
         sessions.setdefault(session_of(m), [])
         sessions[session_of(m)] += [t for t in m.tests if t not in sessions[session_of(m)]]
+        counts[session_of(m)] = counts.get(session_of(m), 0) + 1
     with tempfile.TemporaryDirectory(prefix="ftstate-unmutated-") as tmp:
         copy = Path(tmp) / "copy"
         scratch_copy(copy)
-        for (venv, _), tests in sessions.items():
+        for (venv, session), tests in sessions.items():
             t0 = time.monotonic()
-            outcomes, code, tail = pytest_run(copy, venv, tests, Path(tmp) / "baseline.xml")
+            # one session runs every mutation's tests: each mutation's own bound, added up
+            outcomes, code, tail = pytest_run(copy, venv, tests, Path(tmp) / "baseline.xml",
+                                              RUN_TIMEOUT_S * counts[(venv, session)])
             bad = [o for o in outcomes if o.kind != "passed"]
-            print(f"unmutated {venv:<5} {len(outcomes)} test(s) {time.monotonic() - t0:5.0f}s  "
+            print(f"unmutated {venv:<5} {session:<9} {len(outcomes)} test(s) {time.monotonic() - t0:5.0f}s  "
                   f"{'ok' if code == 0 and outcomes and not bad else 'NOT PASSING'}", flush=True)
             problems += [f"{o.test}: {o.kind} {o.message.splitlines()[0][:200] if o.message else ''}" for o in bad]
             if code != 0 and not bad:
-                problems.append(f"pytest exited {code} on the unmutated copy ({venv}):\n{tail}")
+                why = "ran past its bound" if code is None else f"exited {code}"
+                problems.append(f"pytest {why} on the unmutated copy ({venv}, {session}):\n{tail}")
     return problems
 
 
