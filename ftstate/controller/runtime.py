@@ -86,8 +86,6 @@ def run_facts(cfg: RuntimeConfig, node: str | None, backend: ClusterBackend | No
     canonical JSON, so two runs of one config compare equal), the workers asked for, the
     versions of ftstate, Python and what the backend runs on (Ray, torch; default: Ray's),
     and where the controller runs."""
-    import hashlib
-    import json
     import platform
     import socket
 
@@ -98,9 +96,8 @@ def run_facts(cfg: RuntimeConfig, node: str | None, backend: ClusterBackend | No
 
         backend = RayBackend()
 
-    canonical = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
     return {
-        "config_digest": hashlib.sha256(canonical.encode()).hexdigest()[:16],
+        "config_digest": cfg.digest(),
         "trainer_workers": cfg.trainer_workers, "rollout_workers": cfg.rollout_workers,
         "fault_tolerance": cfg.fault_tolerance.enable,
         "versions": {"ftstate": ftstate.__version__, **backend.versions(), "python": platform.python_version()},

@@ -22,6 +22,8 @@ wins over the file, like torchft's ``TORCHFT_*`` overrides.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import reprlib
@@ -551,6 +553,12 @@ class RuntimeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """16 hex digits of the sha256 of the config's canonical JSON: two runs of one config
+        compare equal, and any setting that differs tells them apart (a run's first record)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def spares(self, role: str) -> int:
         """Prewarmed spares kept for ``role`` in standby mode (0 otherwise): ``standby_workers``,

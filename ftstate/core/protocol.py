@@ -454,12 +454,14 @@ class Versioned:
 
 @_frozen
 class RawBroadcast(Request):
-    """Benchmarks: a bare broadcast of ``nbytes`` from ``root`` (every member calls it); seconds."""
+    """Benchmarks: a bare broadcast of ``nbytes`` from ``root`` (every member calls it), or a bare
+    point-to-point send to rank ``to``; seconds."""
 
     method: ClassVar[str] = "bench_raw_broadcast"
     nbytes: int
     root: int
     timeout_s: float
+    to: int | None = None  # a bare point-to-point send from root to this rank instead
 
 
 @_frozen

@@ -371,22 +371,50 @@ class Transfers(HostPart):
 
     async def bench_raw_broadcast(self, req: RawBroadcast) -> float:
         """Benchmarks only: a bare broadcast of ``nbytes`` on the current group version (every
-        member must call it), the baseline ftstate's transfers are compared with. Seconds."""
-        nbytes, root, timeout_s = req.nbytes, req.root, req.timeout_s
+        member must call it), the baseline ftstate's transfers are compared with. Seconds.
+        ``to``: a bare point-to-point send from ``root`` to that rank instead (a failover's
+        baseline: the same bytes to the same newcomer); the other ranks return 0 at once."""
         import time
 
         import torch
 
+        from ftstate.transport.samehost import NET_CHUNK
+
+        nbytes, root, timeout_s, to = req.nbytes, req.root, req.timeout_s, req.to
         comm = self._require_comm()
 
         def run() -> float:
             # made here, not on the event loop: 512 MiB filled there kept heartbeats from being
             # answered for longer than heartbeat_interval_s (the benchmark's own members went SUSPECT)
+            if to is not None and comm.rank not in (root, to):
+                return 0.0
             buf = torch.empty(nbytes, dtype=torch.uint8)
-            if comm.rank == root:
-                buf.fill_(7)
+            # every rank touches its buffer before the clock starts, as ftstate's staging is
+            # (reserved and touched ahead): a fresh buffer would charge the baseline page faults
+            buf.fill_(7 if comm.rank == root else 0)
+            # both sides start the clock together: Ray delivers the calls tens of ms apart, which
+            # a clock started on arrival would add to the baseline
+            if to is None:
+                comm.barrier(timeout_s=timeout_s)
+            else:
+                hello = torch.zeros(1, dtype=torch.uint8)  # root -> to, then back (a send waits for its recv)
+                for sender in (root, to):
+                    if comm.rank == sender:
+                        comm.send(hello, root + to - sender, tag=0x7EA0, timeout_s=timeout_s).wait()
+                    else:
+                        comm.recv(hello, sender, tag=0x7EA0, timeout_s=timeout_s).wait()
             t0 = time.perf_counter()
-            comm.broadcast(buf, root, timeout_s=timeout_s).wait()
+            if to is None:
+                comm.broadcast(buf, root, timeout_s=timeout_s).wait()
+            else:
+                # in NET_CHUNK messages all posted at once, as ftstate's point-to-point route sends,
+                # so the two differ only in what ftstate adds (manifest, hashing, vote, load, proof)
+                op = comm.send if comm.rank == root else comm.recv
+                peer = to if comm.rank == root else root
+                pending = [op(buf[i : i + NET_CHUNK], peer, tag=0x7EB0 + k, timeout_s=timeout_s)
+                           for k, i in enumerate(range(0, nbytes, NET_CHUNK))]
+                for pend in pending:
+                    pend.wait()
             return time.perf_counter() - t0
 
         return await asyncio.to_thread(run)

@@ -19,6 +19,16 @@ GPU, so what one GPU can check is a world of one, through the project's own code
 * an NCCL initialisation that never completes (a member registered in the store but never
   called ``ncclCommInitRank``) ends as a RendezvousTimeout at ``init_timeout_s``, in a process
   of its own (the helper thread stays blocked in NCCL until that process exits).
+
+What this file does **not** prove: that NCCL moves a byte between ranks. At a world of one a
+broadcast is a no-op on the root's own buffer and nobody receives, votes or commits, so the
+names below say "at world one" and the transfer test checks the sender's side only (manifest,
+bucketing, hashing off the device, the vote with nobody). The transfer claims between processes
+on one GPU are carried by ``test_cuda_ipc.py`` (two reader processes get the state bit-exact
+through CUDA IPC slots; a sender killed mid-bucket commits nothing). What two ranks would need:
+two GPUs (NCCL refuses two ranks on one device), then the same tests at world 2 with a receiver
+per rank: a broadcast received bit-exact, a damaged bucket refused by the receiver's checksum,
+a peer killed mid-transfer ending the version on both sides (docs/benchmarks.md says the same).
 """
 
 from __future__ import annotations
@@ -120,7 +130,7 @@ def test_asking_for_nccl_where_cupy_imports_forms_a_communicator_through_the_sto
     assert comm.aborted
 
 
-def test_the_primitives_move_real_cuda_tensors_at_world_one(store, group):
+def test_the_primitives_run_on_real_cuda_tensors_at_world_one_where_a_broadcast_moves_no_bytes(store, group):
     comm = form(store, group, 1)
     try:
         dev = comm.device
@@ -137,7 +147,7 @@ def test_the_primitives_move_real_cuda_tensors_at_world_one(store, group):
 
 
 @pytest.mark.parametrize("authenticated", [False, True], ids=["plain", "authenticated"])
-def test_the_transfer_code_broadcasts_a_state_of_cuda_tensors(store, group, authenticated):
+def test_the_senders_side_of_a_transfer_of_cuda_tensors_at_world_one(store, group, authenticated):
     from ftstate.transport import Sender, auth, state_checksum
 
     if authenticated:

@@ -126,6 +126,27 @@ def test_a_reserved_staging_buffer_is_the_one_the_next_transfer_fills(server):
     assert state_checksum(got.tensors) == state_checksum(state(2))
 
 
+def test_the_gaps_of_a_recycled_staging_buffer_are_zeroed_before_a_resend_from_it(server):
+    """A recycled buffer holds the last transfer's bytes; the alignment gaps between tensors are
+    never sent, so unless they are zeroed a resend from this buffer (to a newcomer) leaks them."""
+    comms = form(server, 2)
+    sender, receiver = Sender(bucket_size=BUCKET), Receiver()
+    # two tensors of buckets of their own, the first ending off alignment: the gap after it is
+    # in no bucket, so nothing sent ever overwrites it
+    weights = {"a": torch.randn(BUCKET // 4 + 1), "b": torch.randn(BUCKET // 4 + 3), **state(1)}
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    receiver.reserve(nbytes + 4096, torch.device("cpu"))
+    receiver._spare[0].fill_(0xA5)  # what an earlier transfer left behind
+    _, got = sync(comms, sender, receiver, weights, 1)
+    end = max(e.end for e in got._entries)
+    sent = torch.zeros(end, dtype=torch.bool)
+    for e in got._entries:
+        sent[e.offset : e.end] = True
+    gaps = got._flat[:end][~sent]
+    assert gaps.numel() > 0, "the state has no alignment gap: the test proves nothing"
+    assert int(gaps.count_nonzero()) == 0, f"{int(gaps.count_nonzero())} stale byte(s) left in the gaps"
+
+
 class _SlowReserve:
     """The receiver's reserve lock, held 0.5 s longer than the allocation takes (a reserve of a
     large buffer, page-faulting on a busy machine): what the transfer meets right after it."""

@@ -1,20 +1,23 @@
-"""Mutation check (the cheap form): break each core claim in a scratch copy and prove the suite notices.
+"""Mutation check (the cheap form): break each claim in a scratch copy and prove the suite notices.
 
-For every claim ftstate makes (two-phase commit, the transport's checksum comparison, the
-held-bytes comparison at commit, the writer hashing its source rather than the shared-memory
-slot, MAC verification, replay on a new trainer, RESYNCED-only admission, the fail-fast
-deadline, the claims issue 22 found unguarded, and the device digest's position binding and its
-staying on the device), :data:`MUTATIONS` names one small edit that
-breaks it and the tests that
-must then fail. Each mutation is applied to a fresh copy of the checkout (the files git
-knows), the named tests are run there (that copy first on ``PYTHONPATH``, so Ray's worker
-processes import the mutant too), and the mutation is *caught* only if pytest reports failed
-tests (exit status 1) or the run exceeds its bound (a claim whose loss makes a test hang).
-An edit that no longer applies (the code moved) fails the check loudly, so the list cannot
-silently rot. The unmutated tests pass in the main suite, which runs first.
+For every claim the README's "What it does" makes, :data:`MUTATIONS` names one small edit that
+breaks it and the tests that must then fail. First the named tests of every chosen mutation run
+on an unmutated copy of the checkout (the files git knows); the check refuses to start unless
+they all pass, since a test that fails or is skipped as the code stands tells no mutant apart.
+Then each mutation is applied to a fresh copy and its tests run there (that copy first on
+``PYTHONPATH``, so Ray's worker processes import the mutant too; the verl and vLLM suites'
+tests in their own venvs, :data:`VENVS`).
+
+pytest writes a junit report, and a mutation is *caught* only where a named test failed with
+an assertion (or ``pytest.fail``/``DID NOT RAISE``) or one of ftstate's own errors: the test
+said why. A collection error, a set-up or fixture error, a start-up failure, any other
+exception or a run past :data:`RUN_TIMEOUT_S` is *unknown*: it would read the same with the
+claim intact, so it is shown as such and fails the check, like a mutation that survived. The
+report names the test that caught each mutation. An edit that no longer applies (the code
+moved) fails the check loudly, so the list cannot silently rot.
 
 Run: ``python tests/mutation/check_mutations.py`` (``make mutation-check``, part of ``make
-test``; ~10 min on 2 cores). ``--only NAME`` runs one mutation.
+test``; ~12 min on 2 cores). ``--only NAME`` (repeatable) runs the named mutations only.
 """
 
 from __future__ import annotations
@@ -22,16 +25,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Bound on one mutation's test run, seconds (a mutant that hangs a test counts as caught).
+#: Bound on one mutation's test run, seconds (a run past it is unknown, never caught).
 RUN_TIMEOUT_S = 300
+#: The suites that run in venvs of their own (the Makefile's VERL_VENV and VLLM_VENV).
+VENVS = {"verl": ".venv-verl", "vllm": ".venv-vllm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,8 @@ class Mutation:
     claim: str
     edits: tuple[Edit, ...]
     tests: tuple[str, ...]
+    #: The venv the tests run in: ``core`` (this interpreter's), ``verl`` or ``vllm`` (:data:`VENVS`).
+    venv: str = "core"
 
 
 MUTATIONS = (
@@ -72,7 +81,7 @@ MUTATIONS = (
               '    """None when everything matches, else what did not (first failing bucket first). ``state``:\n'
               '    the receiver\'s own whole-state checksum of ``tensor_sums``."""\n    return None\n'),
          Edit("ftstate/controller/sync.py",
-              '                    torn = [n for n, r in staged.items() if r["checksum"] != sent["checksum"]]\n',
+              '                    torn = [n for n, r in staged.items() if r.checksum != sent.checksum]\n',
               "                    torn = []\n")),
         ("tests/integration/test_runtime.py::TestAtomicSync::"
          "test_a_corrupted_bucket_aborts_the_sync_and_every_rollout_keeps_the_previous_version",),
@@ -142,7 +151,7 @@ MUTATIONS = (
     Mutation(
         "held bytes not compared",
         "a rollout is recorded as holding a version only if the bytes it holds hash to the sender's checksum",
-        (Edit("ftstate/controller/sync.py", '            if r["checksum"] != checksum:\n', "            if False:\n"),),
+        (Edit("ftstate/controller/sync.py", '            if r.checksum != checksum:\n', "            if False:\n"),),
         ("tests/integration/test_held_weights.py::"
          "test_an_engine_that_corrupts_its_own_copy_is_taken_out_of_serving_at_commit",),
     ),
@@ -186,7 +195,7 @@ MUTATIONS = (
     Mutation(
         "restored rank admitted unproven",
         "a trainer rank restored from a rollout rejoins only if what it then owns hashes to the part it sent",
-        (Edit("ftstate/controller/ranks.py", '            if got["checksum"] != expected:\n', "            if False:\n"),),
+        (Edit("ftstate/controller/ranks.py", '            if got.checksum != expected:\n', "            if False:\n"),),
         ("tests/integration/test_sharded_failover.py::"
          "test_a_restored_rank_that_does_not_reproduce_its_part_is_never_admitted",),
     ),
@@ -359,6 +368,105 @@ MUTATIONS = (
         ("tests/integration/test_transport_cudaipc.py::TestTheDigestWhereTheWeightsAre::"
          "test_a_sync_through_device_slots_is_proved_with_nh64_and_copies_no_byte_to_the_host",),
     ),
+    # Claims issue 47 broke with every test green, and claims of the README that had no mutation.
+    Mutation(
+        "a config digest blind to the config",
+        "a run's first record tells two configs apart by their digest (and one config's runs compare equal)",
+        (Edit("ftstate/core/config.py", "hashlib.sha256(canonical.encode())", 'hashlib.sha256(b"")'),),
+        ("tests/unit/test_config.py::TestTheDigestTellsConfigsApart",),
+    ),
+    Mutation(
+        "a manifest larger than its tensors",
+        "a manifest whose total_bytes runs past its tensors and buckets is refused (a peer cannot make each "
+        "receiver allocate staging it never fills)",
+        (Edit("ftstate/transport/manifest.py", "    if total != end:\n", "    if total < end:\n"),),
+        ("tests/unit/test_decoders_fuzz.py::TestManifest::test_the_reported_attacks_are_typed_errors",),
+    ),
+    Mutation(
+        "a recycled staging buffer's gaps left stale",
+        "the alignment gaps of a recycled staging buffer are zeroed before it is filled, so a resend from it "
+        "leaks nothing of an earlier transfer",
+        (Edit("ftstate/transport/sync.py", "            flat[cursor : e.offset].zero_()\n", "            pass\n"),),
+        ("tests/integration/test_transport_threads.py::"
+         "test_the_gaps_of_a_recycled_staging_buffer_are_zeroed_before_a_resend_from_it",),
+    ),
+    Mutation(
+        "a whole-state checksum blind to names",
+        "the held-bytes proof tells apart an engine that swapped two same-shaped tensors (q/k, gate/up)",
+        (Edit("ftstate/transport/checksum.py", "rows = sorted([name, dtype,", 'rows = sorted(["", dtype,'),),
+        ("tests/unit/test_integrity.py::TestTheWholeStateChecksumBindsNames",),
+    ),
+    Mutation(
+        "a rendezvous that gave up forms anyway",
+        "a first rendezvous that misses a rank past init_timeout_s fails with RendezvousTimeout naming who "
+        "joined and who did not",
+        (Edit("ftstate/transport/store.py", "    if not missing:  # everyone arrived just as the wait gave up\n",
+              "    if True:  # everyone arrived just as the wait gave up\n"),),
+        ("tests/integration/test_transport_store.py::"
+         "test_the_controller_bounds_a_rendezvous_and_names_who_is_missing",),
+    ),
+    Mutation(
+        "a seal of another transfer believed",
+        "a seal recorded from another transfer and played back, even of the same weights version, closes nothing",
+        (Edit("ftstate/transport/manifest.py", "    if transfer != manifest.transfer:\n", "    if False:\n"),),
+        ("tests/unit/test_manifest.py::TestValidationNamesTheField::"
+         "test_a_seal_of_another_transfer_is_refused_even_for_the_same_weights_version",),
+    ),
+    Mutation(
+        "an audit check blind to serving without RESYNCED",
+        "ftstate audit --check reports a member that entered a serving state other than through RESYNCED",
+        (Edit("ftstate/core/audit_check.py",
+              "next((s for s in (src, prev) if s not in spec.serving_states and s != RESYNCED), None)",
+              "None"),),
+        ("tests/unit/test_audit_check.py::TestResyncedIsTheOnlyWayBackToServing",),
+    ),
+    Mutation(
+        "an audit check blind to stale serving",
+        "ftstate audit --check reports a rollout admitted to serve a version other than the current one",
+        (Edit("ftstate/core/audit_check.py", "        elif wv not in allowed and m.pending not in allowed:",
+              "        elif False:"),),
+        ("tests/unit/test_audit_check.py::TestNoStaleServing",),
+    ),
+    Mutation(
+        "an audit check blind to held bytes that differ",
+        "ftstate audit --check reports a rollout serving at a commit with a checksum other than the sender's",
+        (Edit("ftstate/core/audit_check.py",
+              "                elif other.weights_version == self._run.current and checksum is not None \\\n"
+              "                        and other.checksum != checksum:\n",
+              "                elif False:\n"),),
+        ("tests/unit/test_audit_check.py::TestHeldIsSent::"
+         "test_a_rollout_committed_with_a_checksum_of_its_own_is_flagged_when_the_group_commits",),
+    ),
+    Mutation(
+        "a failover budget that never runs out",
+        "each promotion spends one of max_failovers, and a run whose budget is spent fails naming what it "
+        "went to",
+        (Edit("ftstate/core/budget.py", "        self.spent_on.append(reason)\n", "        pass  # nothing charged\n"),),
+        ("tests/unit/test_machine.py::TestBudgets",),
+    ),
+    Mutation(
+        "a placement the cluster can never hold accepted",
+        "a placement the cluster can never meet fails start() at once with PlacementUnsatisfiable",
+        (Edit("ftstate/controller/feasibility.py",
+              "    elif sum(_capacity(n, pool.bundle) for n in fits) < pool.slots:\n", "    elif False:\n"),),
+        ("tests/unit/test_placement_rules.py::TestFeasibility",),
+    ),
+    Mutation(
+        "an oversubscribed start-up said nothing of it",
+        "start-up warns when the workers asked for far outnumber the cluster's CPUs",
+        (Edit("ftstate/controller/progress.py",
+              "        if cpus <= 0 or processes <= OVERSUBSCRIBED_RATIO * cpus:\n", "        if True:\n"),),
+        ("tests/unit/test_progress.py",),
+    ),
+    Mutation(
+        "a checkpoint that rolls the run back admitted",
+        "a trainer rebuilt from a checkpoint older than the current version is refused (StaleCheckpointRefused), "
+        "never admitted to roll the run back",
+        (Edit("ftstate/controller/failover.py", "        if expected is None or held == expected:\n",
+              "        if True:\n"),),
+        ("tests/integration/test_replay.py::TestCheckpointRecovery::"
+         "test_an_older_checkpoint_is_refused_naming_the_version_it_holds",),
+    ),
 )
 
 
@@ -384,44 +492,213 @@ def apply(copy: Path, m: Mutation) -> None:
         path.write_text(text.replace(e.old, e.new), encoding="utf-8")
 
 
-def run(m: Mutation) -> tuple[bool, str, float]:
+# -- reading what pytest says ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One test case of a junit report: ``kind`` is passed, failed, error or skipped; ``raised``
+    the exception that ended it (pytest's last traceback line, ``path:line: Name``)."""
+
+    test: str
+    kind: str
+    message: str = ""
+    raised: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """``caught`` (a named test failed for the mutation's sake), ``survived`` or ``unknown``."""
+
+    kind: str
+    detail: str
+    by: tuple[str, ...] = ()
+
+
+def ftstate_errors() -> frozenset[str]:
+    """The names of ftstate's own exception classes (``FTError`` and everything under it)."""
+    from ftstate.core import errors
+
+    return frozenset(name for name, obj in vars(errors).items()
+                     if isinstance(obj, type) and issubclass(obj, errors.FTError))
+
+
+#: pytest's last traceback line: ``path:line: Name`` (Ray's wrapper: ``RayTaskError(Name)``).
+_WHERE = re.compile(r"^\S.*:\d+: ([\w.]+(?:\(\w+\))?)$")
+#: ``Name`` or ``pkg.Wrapper(Name)``: the name that counts is the innermost.
+_NAME = re.compile(r"^(?:[\w.]+\.)?(\w+)(?:\((\w+)\))?$")
+#: What a test says when its own check fails: an assertion, or pytest.fail / pytest.raises' DID NOT RAISE.
+_ASSERTIONS = frozenset({"AssertionError", "Failed"})
+
+
+def is_claim_failure(raised: str, own: frozenset[str]) -> bool:
+    """Whether a failure ended in a test's own check (an assertion) or in one of ftstate's typed
+    errors; anything else (a TypeError of a broken edit, a Ray start-up error, a timeout) says
+    nothing about the claim."""
+    match = _NAME.match(raised)
+    if match is None:
+        return False
+    name = match.group(2) or match.group(1)
+    return name in _ASSERTIONS or name in own
+
+
+def read_junit(text: str) -> list[Outcome]:
+    """The test cases of a junit report (``-o junit_family=xunit1``: cases carry their file)."""
+    out = []
+    for case in ElementTree.fromstring(text).iter("testcase"):
+        file, cls, name = case.get("file", ""), case.get("classname", ""), case.get("name", "")
+        module = file[:-3].replace("/", ".") if file.endswith(".py") else ""
+        inner = cls[len(module) + 1:] if module and cls.startswith(module + ".") else ""
+        test = "::".join(filter(None, (file or cls, inner, name)))
+        kind, message, raised = "passed", "", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                kind = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                lines = (child.text or "").strip().splitlines()
+                message = child.get("message") or (lines[0] if lines else "")
+                where = _WHERE.match(lines[-1]) if lines else None
+                raised = where.group(1) if where and kind != "skipped" else ""
+                break
+        out.append(Outcome(test, kind, message, raised))
+    return out
+
+
+def classify(outcomes: list[Outcome], returncode: int | None, own: frozenset[str]) -> Verdict:
+    """What a mutant's run of its named tests says. ``returncode`` None: the run timed out.
+
+    Caught only where a named test *failed* (not errored in set-up, not skipped) with an
+    assertion or an ftstate error; a run that collected nothing, timed out, errored or failed
+    in any other way is unknown, because it would read the same with the claim intact."""
+    caught = [o for o in outcomes if o.kind == "failed" and is_claim_failure(o.raised, own)]
+    if caught:
+        return Verdict("caught", caught[0].message.splitlines()[0][:160] if caught[0].message else "",
+                       tuple(o.test for o in caught))
+    if returncode is None:
+        return Verdict("unknown", f"the tests ran past {RUN_TIMEOUT_S}s (a hang, or a loaded machine)")
+    others = [o for o in outcomes if o.kind in ("failed", "error")]
+    if others:
+        o = others[0]
+        return Verdict("unknown", f"{o.test} {o.kind} ({o.raised or 'no exception named'}), not on an "
+                                  f"assertion or an ftstate error: {o.message.splitlines()[0][:160] if o.message else ''}")
+    if returncode != 0 or not outcomes:
+        return Verdict("unknown", f"pytest exited {returncode} with {len(outcomes)} test(s) reported "
+                                  "(a collection or start-up error)")
+    skipped = [o.test for o in outcomes if o.kind == "skipped"]
+    if skipped:
+        return Verdict("unknown", f"skipped: {', '.join(skipped)}")
+    return Verdict("survived", f"{len(outcomes)} test(s) passed")
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def python_of(venv: str) -> Path:
+    """The interpreter of a suite's venv (the verl and vLLM suites run in venvs of their own)."""
+    if venv == "core":
+        return Path(sys.executable)
+    return ROOT / VENVS[venv] / "bin" / "python"
+
+
+def pytest_run(copy: Path, venv: str, tests: list[str], report: Path,
+               timeout_s: float = RUN_TIMEOUT_S) -> tuple[list[Outcome], int | None, str]:
+    """Run ``tests`` in ``copy`` with that copy first on ``PYTHONPATH`` (Ray's worker processes
+    import it too): the outcomes, pytest's exit status (None: timed out) and its output's tail."""
+    env = {**os.environ, "PYTHONPATH": str(copy), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           **({"HF_HUB_OFFLINE": "1"} if venv == "vllm" else {})}
+    # -x: a mutant whose first failure is caught need not wait out tests it also hangs
+    cmd = [str(python_of(venv)), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
+           f"--junitxml={report}", *tests]
+    report.unlink(missing_ok=True)
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return (read_junit(report.read_text()) if report.exists() else []), None, out[-3000:]
+    outcomes = read_junit(report.read_text()) if report.exists() else []
+    return outcomes, proc.returncode, (proc.stdout[-3000:] + proc.stderr[-2000:])
+
+
+def session_of(m: Mutation) -> tuple[str, str]:
+    # a driver joins one Ray cluster only: the multinode suites run in sessions of their own
+    multinode = any(t.split("/")[1].endswith("multinode") for t in m.tests)
+    return m.venv, "multinode" if multinode else "main"
+
+
+def baseline(chosen: list[Mutation]) -> list[str]:
+    """Run every chosen mutation's tests on an unmutated copy; the problems found (a named test
+    that does not pass as it stands could never tell a mutant from the code)."""
+    problems = []
+    for venv in sorted({m.venv for m in chosen}):
+        if not python_of(venv).exists():
+            problems.append(f"the {venv} suite's venv is missing ({python_of(venv)}): make test-{venv}")
+    if problems:
+        return problems
+    sessions: dict[tuple[str, str], list[str]] = {}
+    counts: dict[tuple[str, str], int] = {}
+    for m in chosen:
+        sessions.setdefault(session_of(m), [])
+        sessions[session_of(m)] += [t for t in m.tests if t not in sessions[session_of(m)]]
+        counts[session_of(m)] = counts.get(session_of(m), 0) + 1
+    with tempfile.TemporaryDirectory(prefix="ftstate-unmutated-") as tmp:
+        copy = Path(tmp) / "copy"
+        scratch_copy(copy)
+        for (venv, session), tests in sessions.items():
+            t0 = time.monotonic()
+            # one session runs every mutation's tests: each mutation's own bound, added up
+            outcomes, code, tail = pytest_run(copy, venv, tests, Path(tmp) / "baseline.xml",
+                                              RUN_TIMEOUT_S * counts[(venv, session)])
+            bad = [o for o in outcomes if o.kind != "passed"]
+            print(f"unmutated {venv:<5} {session:<9} {len(outcomes)} test(s) {time.monotonic() - t0:5.0f}s  "
+                  f"{'ok' if code == 0 and outcomes and not bad else 'NOT PASSING'}", flush=True)
+            problems += [f"{o.test}: {o.kind} {o.message.splitlines()[0][:200] if o.message else ''}" for o in bad]
+            if code != 0 and not bad:
+                why = "ran past its bound" if code is None else f"exited {code}"
+                problems.append(f"pytest {why} on the unmutated copy ({venv}, {session}):\n{tail}")
+    return problems
+
+
+def run(m: Mutation, own: frozenset[str]) -> tuple[Verdict, float]:
     with tempfile.TemporaryDirectory(prefix="ftstate-mutant-") as tmp:
-        copy = Path(tmp)
+        copy = Path(tmp) / "copy"
         scratch_copy(copy)
         apply(copy, m)
-        env = {**os.environ, "PYTHONPATH": str(copy), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
         t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return True, f"a test hung past {RUN_TIMEOUT_S}s", time.monotonic() - t0
-        seconds = time.monotonic() - t0
-        tail = (proc.stdout.strip().splitlines() or [""])[-1]
-        if proc.returncode == 1:
-            return True, tail, seconds
-        if proc.returncode == 0:
-            return False, f"SURVIVED: {tail}", seconds
-        raise SystemExit(f"mutation {m.name!r}: pytest could not run the tests (exit {proc.returncode}):\n"
-                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        outcomes, code, tail = pytest_run(copy, m.venv, list(m.tests), Path(tmp) / "mutant.xml")
+        verdict = classify(outcomes, code, own)
+        if verdict.kind == "unknown" and not outcomes:
+            verdict = dataclasses.replace(verdict, detail=f"{verdict.detail}\n{tail}")
+        return verdict, time.monotonic() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", help="run the mutation of this name only")
+    parser.add_argument("--only", action="append", help="run the mutation of this name only (repeatable)")
     args = parser.parse_args(argv)
-    chosen = [m for m in MUTATIONS if args.only in (None, m.name)]
-    if not chosen:
-        parser.error(f"no mutation named {args.only!r}; names: {', '.join(m.name for m in MUTATIONS)}")
-    survived = []
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    missing = set(args.only or ()) - {m.name for m in MUTATIONS}
+    if missing or not chosen:
+        parser.error(f"no mutation named {sorted(missing)}; names: {', '.join(m.name for m in MUTATIONS)}")
+    problems = baseline(chosen)
+    if problems:
+        print("\nthe named tests do not pass on the unmutated copy; no mutation was tried:\n  "
+              + "\n  ".join(problems), flush=True)
+        return 2
+    own = ftstate_errors()
+    results = []
     for m in chosen:
-        caught, detail, seconds = run(m)
-        print(f"{'caught  ' if caught else 'SURVIVED'} {m.name:<26} {seconds:5.0f}s  {detail}", flush=True)
-        if not caught:
-            survived.append(m)
-    for m in survived:
-        print(f"\nno test noticed {m.name!r}: the claim {m.claim!r} is not tested by {', '.join(m.tests)}")
-    return 1 if survived else 0
+        verdict, seconds = run(m, own)
+        results.append((m, verdict))
+        label = {"caught": "caught  ", "survived": "SURVIVED", "unknown": "UNKNOWN "}[verdict.kind]
+        print(f"{label} {m.name:<40} {seconds:5.0f}s  {verdict.detail}", flush=True)
+        for test in verdict.by:
+            print(f"{'':9} by {test}", flush=True)
+    for m, v in results:
+        if v.kind == "survived":
+            print(f"\nno test noticed {m.name!r}: the claim {m.claim!r} is not tested by {', '.join(m.tests)}")
+        elif v.kind == "unknown":
+            print(f"\n{m.name!r} is unknown: its tests neither passed nor failed on an assertion or an "
+                  f"ftstate error ({v.detail.splitlines()[0]})")
+    return 0 if all(v.kind == "caught" for _, v in results) else 1
 
 
 if __name__ == "__main__":

@@ -166,3 +166,18 @@ class TestMaintenanceKeys:
         with pytest.raises(ConfigError) as info:
             build({"fault_tolerance": data})
         assert str(info.value).startswith(message), str(info.value)
+
+
+class TestTheDigestTellsConfigsApart:
+    """A run's first record carries the config's digest: equal configs compare equal, and one
+    setting changed anywhere (top level or nested) changes it."""
+
+    def test_the_same_config_has_the_same_digest(self):
+        assert build({"rollout_workers": 3}).digest() == build({"rollout_workers": 3}).digest()
+
+    def test_one_setting_changed_changes_the_digest(self):
+        base = build({"rollout_workers": 3})
+        others = [build({"rollout_workers": 4}), build({"rollout_workers": 3, "sync_timeout_s": 30}),
+                  build({"rollout_workers": 3, "fault_tolerance": {"max_failovers": 9}})]
+        digests = {base.digest(), *(c.digest() for c in others)}
+        assert len(digests) == 1 + len(others), digests

@@ -53,6 +53,20 @@ def weights() -> torch.Tensor:
     return torch.randint(0, 255, (layout()[2],), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
 
 
+class TestTheWholeStateChecksumBindsNames:
+    """The held-bytes proof compares whole-state checksums: an engine that swaps two tensors of
+    one shape and dtype (q/k, gate/up) holds the same bytes under other names and must not pass."""
+
+    def test_two_same_shaped_tensors_swapped_change_it(self):
+        q, k = torch.arange(12.0).reshape(3, 4), -torch.arange(12.0).reshape(3, 4)
+        assert checksum.state_checksum({"q": q, "k": k}) != checksum.state_checksum({"q": k, "k": q})
+
+    def test_a_tensor_renamed_changes_it_and_the_order_of_the_mapping_does_not(self):
+        q, k = torch.ones(4), torch.zeros(4)
+        assert checksum.state_checksum({"q": q, "k": k}) == checksum.state_checksum({"k": k, "q": q})
+        assert checksum.state_checksum({"q": q, "k": k}) != checksum.state_checksum({"q": q, "v": k})
+
+
 class TestAnOutsiderCannotMatchAKeyedDigest:
     def test_the_same_bytes_under_another_secret_do_not_match(self, keyed):
         flat = weights()
