@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftstate.transport.digest import CHUNK_BYTES, CHUNK_WORDS, SHIFT
-
 
 @triton.jit
 def _nh_kernel(words_ptr, k1_ptr, k2_ptr, out_ptr, first, CW: tl.constexpr, SH: tl.constexpr):
@@ -51,15 +49,18 @@ def _nh_kernel(words_ptr, k1_ptr, k2_ptr, out_ptr, first, CW: tl.constexpr, SH: 
     tl.store(out_ptr + 2 * c + 1, a1.to(tl.int64, bitcast=True))
 
 
-def full_chunks(words_u8: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
-    """``(z_0, z_1)`` of the whole chunks in ``words_u8`` (first one: chunk ``first``), int64 on its device."""
-    n = words_u8.numel() // CHUNK_BYTES
+def full_chunks(words_u8: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.Tensor, *,
+                chunk_words: int, shift: int) -> torch.Tensor:
+    """``(z_0, z_1)`` of the whole chunks in ``words_u8`` (first one: chunk ``first``), int64 on its
+    device. ``chunk_words`` / ``shift``: nh64's (passed in: this module imports nothing of ftstate)."""
+    chunk_bytes = 4 * chunk_words
+    n = words_u8.numel() // chunk_bytes
     if n == 0:
         return torch.zeros(2, dtype=torch.int64, device=words_u8.device)
     if words_u8.data_ptr() % 4:
         words_u8 = words_u8.clone()
-    words = words_u8[: n * CHUNK_BYTES].view(torch.int32)
+    words = words_u8[: n * chunk_bytes].view(torch.int32)
     out = torch.empty((n, 2), dtype=torch.int64, device=words_u8.device)
     with torch.cuda.device(words_u8.device):  # a hashing thread's current device may be another GPU
-        _nh_kernel[(n,)](words, k1, k2, out, first, CW=CHUNK_WORDS, SH=SHIFT)
+        _nh_kernel[(n,)](words, k1, k2, out, first, CW=chunk_words, SH=shift)
     return out.sum(dim=0)

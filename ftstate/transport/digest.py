@@ -50,6 +50,7 @@ everything in registers. On the host xxh3 stays (see ``docs/benchmarks.md``: nh6
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -190,7 +191,8 @@ def _triton():
             try:
                 from ftstate.transport import _digest_triton
 
-                _triton_fn = _checked(_digest_triton.full_chunks)
+                _triton_fn = _checked(functools.partial(_digest_triton.full_chunks, chunk_words=CHUNK_WORDS,
+                                                        shift=SHIFT))
             except ImportError:
                 _triton_fn = None
     return _triton_fn
