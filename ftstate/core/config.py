@@ -302,76 +302,45 @@ class RuntimeConfig:
         "gloo", "Collective backend: gloo (CPU, torch) or nccl (GPU, through cupy; extra ftstate[gpu])."
     )
     bucket_size_mb: float = _field(
-        256.0, "Size of one broadcast bucket in MiB; larger tensors are chunked across buckets. Also the "
-        "part size of a device engine's load from the host (a rollout with weights_device() and "
-        "load_weights_part): it takes at most 2 x bucket_size_mb of device memory beyond its weights (the larger of "
-        "the bucket and its largest tensor), none after the load and none for a warm spare. Trade-off: smaller "
-        "bounds the device memory (and the staging) tighter but costs more copies and more calls into the engine "
-        "per sync; larger is faster and asks more memory next to the KV cache.", gt=0
+        256.0, "Size of one broadcast bucket in MiB (larger tensors are chunked), and of one part of "
+               "a device engine's load from the host (at most 2 buckets of device memory beside its "
+               "weights). Smaller: less staging and device memory, more copies and calls.", gt=0
     )
     shared_memory: Literal["auto", "off", "require"] = _field(
         "auto",
-        "Same-host route of a weight sync. auto: rollouts on the trainer's node (and a newcomer "
-        "resynced from a rollout on its node) read each bucket from shared memory (/dev/shm), "
-        "written once by the sender; on every other node one rollout (the lowest rank there) "
-        "gets it over the collective and relays it through that node's shared memory to the "
-        "others (one copy per node crosses the network); a node with one rollout gets it over "
-        "the collective; when a segment cannot be made (no /dev/shm, full, weights on a GPU) "
-        "those rollouts take the collective for that sync and the audit trail records why "
-        "(shm_fallback). off: always the collective, one copy per rollout. require: such a sync "
-        "fails with SharedMemoryUnavailable instead. Its waits are bounded by sync_timeout_s "
-        "(failover_timeout_s for a resync).",
+        "Same-host route of a sync. auto: rollouts on the trainer's node read each bucket from shared"
+        " memory, and on every other node one relay gets it over the collective and shares it there; "
+        "where a segment cannot be made the collective is taken and the trail says why "
+        "(shm_fallback). off: always the collective. require: such a sync fails with "
+        "SharedMemoryUnavailable instead.",
     )
     staging: Literal["private", "node"] = _field(
         "private",
-        "Where a rollout stages an incoming weights version until the vote commits it. private: "
-        "each rollout copies it into a buffer of its own and keeps it as its committed copy, plus "
-        "a spare buffer for the next sync (about 2x the weights per rollout beyond its engine's, "
-        "on every node). node: on the trainer's node the version lands once in one full-size "
-        "shared-memory node copy (/dev/shm) that every rollout there verifies in place and loads "
-        "from after the vote; the committed copy stays as the source of newcomers on that node "
-        "(resynced by checksum, no transfer). Extra memory: 1x the weights per node at rest, 2x "
-        "during a sync, whatever the number of rollouts; a rollout keeps no private copy. Costs a "
-        "fresh allocation of the weights' size per sync (/dev/shm must hold two copies) and a "
-        "small actor per node that owns the copy. On another node with several rollouts the relay "
-        "receives the version into that node's copy and its peers verify it in place, the same "
-        "way. A lone rollout on another node, a lone rollout on the trainer's node whose engine holds its "
-        "weights (held_weights(): as atomic, and nothing beside its engine at rest, 1x during the sync), "
-        "several trainer ranks, and a node that cannot get a node copy (no room, weights on a GPU, the node's agent unreachable) stage privately "
-        "(that sync; the audit trail records why: shm_fallback, node_copy_fallback). Needs "
-        "shared_memory auto or require.",
+        "Where a rollout stages an incoming version until the vote commits it. private: a buffer of "
+        "its own (about 2x the weights per rollout beside its engine's). node: one shared-memory copy"
+        " per node that every rollout there verifies in place and that newcomers there resync from "
+        "(1x the weights per node at rest, 2x during a sync); where a node copy cannot be had the "
+        "sync stages privately and the trail says why. Needs shared_memory auto or require "
+        "(docs/operations.md, 'The same-host route').",
     )
     node_copy_spare: bool = _field(
         False,
-        "staging: node only. false: every sync allocates a new node copy and the previous one is "
-        "freed once the new one is committed (1x the weights per node at rest, 2x during a sync); "
-        "the allocation and the first touch of fresh memory are paid on the sync's path (measured "
-        "here: about 1.5 s per GiB more than private staging, see docs/benchmarks.md). true: the "
-        "previous copy is kept as a spare and rewritten as the next one, its pages already mapped "
-        "by the trainer and every rollout (2x the weights per node at rest, whatever the number of "
-        "rollouts; no faster way exists to move a version within a node: the rollouts only hash).",
+        "staging: node only. false: every sync allocates a fresh node copy (its first touch on the "
+        "sync's path); true: the previous copy is kept and rewritten as the next (2x the weights per "
+        "node at rest).",
     )
     staging_spare: bool = _field(
         False,
-        "A rollout that stages privately and whose engine holds its weights (held_weights()): "
-        "false: the staging buffer is let go once the engine loaded the version (no full copy "
-        "beside the engine's at rest), so every sync stages into fresh memory and pays its first "
-        "touch. true: the buffer is kept as the next sync's staging, its pages already mapped "
-        "(1x the weights per rollout at rest). Choose true on a host that returns freed memory to "
-        "its hypervisor (free page reporting, e.g. Firecracker VMs): there re-touching it cost up "
-        "to 1 s per 311 MB between syncs seconds apart, 3x vLLM's own reload (docs/benchmarks.md). "
-        "A rollout without held_weights() always keeps its buffers (its committed copy and a spare).",
+        "A rollout staging privately whose engine holds its weights (held_weights()): keep the "
+        "staging buffer for the next sync (1x the weights at rest) instead of letting it go after "
+        "each load. Choose true where touching fresh memory is dear (hosts that return freed pages to"
+        " a hypervisor).",
     )
     resync_shared_memory_min_mb: float = _field(
         1024.0,
-        "A failover's point-to-point resync of a newcomer on its source's node goes through "
-        "shared memory only for weights of at least this many MiB; smaller ones take the "
-        "collective (point to point over loopback, into the newcomer's reserved staging). Every "
-        "resync runs under a new group version, so shared memory means new slots, whose pages "
-        "both processes pay for: measured on the 2-core dev machine, ~100 ms more per resync than "
-        "the collective at 64 MiB, still more at 512 MiB, even at about 1 GiB "
-        "(docs/benchmarks.md, 'Failover tails'). 0: always shared memory (shared_memory auto); "
-        "shared_memory require ignores it. A sync to several rollouts always uses shared memory.",
+        "A newcomer on its source's node is resynced through shared memory only for weights of at "
+        "least this many MiB; smaller ones take the collective (cheaper there: docs/benchmarks.md, "
+        "'Failover tails'). 0: always shared memory.",
         ge=0,
     )
     worker_cpus: float = _field(
@@ -416,29 +385,17 @@ class RuntimeConfig:
     )
     gc_pause_s: float = _field(
         30.0,
-        "The controller's Python garbage collector is paused while a sync() runs, while a heartbeat "
-        "round awaits its answers and while a failover round runs, each time for at most this many "
-        "seconds (then it runs again, for a sync that waits on a long transfer or a round on a cold "
-        "start); 0: never paused. At thousands of members the calls "
-        "in flight live through the collector's young collections and are promoted, to be walked again by "
-        "full collections of the whole heap: paused, they die by reference counting when their call ends "
-        "(10,000 members: a third of a sync's CPU, and the full collections that landed between syncs; "
-        "docs/benchmarks.md, 'Controller at scale'). Process-wide, as timeit's pause: reference counting "
-        "frees as before, cycles made meanwhile wait for the next collection, and a collector the process "
-        "had turned off stays off (ftstate.controller.collector).",
+        "The controller's garbage collector is paused while a sync, a heartbeat round or a failover "
+        "round runs, for at most this many seconds each time; 0: never. At thousands of members this "
+        "keeps full collections off those paths (docs/benchmarks.md, 'Controller at scale').",
         ge=0,
     )
     held_weights_proof: Literal["every_sync", "admission"] = _field(
         "every_sync",
-        "When the bytes a rollout serves from are proven, for a rollout whose engine keeps its own copy "
-        "(a held_weights() hook, e.g. VLLMRollout): what held_weights() returns is hashed and must equal the "
-        "sender's checksum, else the rollout goes STALE. Reading an engine back can cost more than the "
-        "transfer (vLLM on CPU: 0.6-0.9 s per 300 MB, docs/benchmarks.md). every_sync: after every load. "
-        "admission: when a rollout is admitted to serving (its process's first load, a resync of a newcomer, "
-        "the fresh hash that re-admits a SUSPECT rollout, and the first load after a proof that failed), plus "
-        "held_weights_proof_fraction of the other loads; an unproven load reports the checksum of what it "
-        "received (verified bucket by bucket). A rollout without the hook hashes the tensors it was given "
-        "every time either way (cheap).",
+        "When a rollout whose engine keeps its own copy (held_weights()) is proven by hashing what it"
+        " returns. every_sync: after every load. admission: at admission to serving (a first load, a "
+        "resync, a re-admission, the load after a failed proof) and a held_weights_proof_fraction of "
+        "the other loads. A rollout without the hook hashes what it was given every time.",
     )
     held_weights_proof_fraction: float = _field(
         0.0,
@@ -447,36 +404,19 @@ class RuntimeConfig:
         ge=0,
     )
     rollout_updates: Literal["barrier", "in_flight"] = _field(
-        "barrier",
-        "How a committed version reaches a rollout busy in a user call. barrier: the commit waits for the "
-        "call to end, so sync() returns with every rollout on the new version. in_flight: sync() does not "
-        "wait; the rollout loads it at its call's next safe_point() (between two steps), or when the call "
-        "ends, and an idle rollout at once (docs/concepts.md, 'Two update modes').",
-    )
+        "barrier", "How a committed version reaches a rollout busy in a call. barrier: the commit waits for the call "
+        "to end. in_flight: it loads at the call's next safe_point() or its end (docs/concepts.md).")
     max_staleness: int = _field(
-        1,
-        "With rollout_updates: in_flight, how many versions behind the current one a rollout may be and "
-        "still be given new calls; one further behind gets none until it swaps.",
-        ge=0,
-    )
+        1, "in_flight: how many versions behind a rollout may be and still be given calls.", ge=0)
     safe_point_timeout_s: float = _field(
-        60.0,
-        "With rollout_updates: in_flight, how long a rollout may hold a committed version back without "
-        "reaching a safe point: then it is suspected, as a wedged engine is, and serves nothing until it "
-        "swaps (or is declared lost and replaced).",
-        gt=0,
-    )
+        60.0, "in_flight: how long a rollout may hold a committed version back before it is suspected.", gt=0)
     heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker; bounds each heartbeat call "
                                          "(a node agent's reply for its members: two intervals).", gt=0)
     heartbeat_agent_min_members: int = _field(
         4,
         "A node with at least this many members (a lone member excepted) has their heartbeats asked, "
-        "and a sync's calls made, in one call of its liveness agent (a small Ray actor per node, no "
-        "CPU; docs/operations.md); a node with fewer has each member asked directly. 0: never an "
-        "agent. One call a node is what keeps the controller's heartbeat round and sync cheap at "
-        "thousands of members "
-        "(docs/benchmarks.md, 'Controller at scale'); for two or three members the agent's "
-        "process costs the node more than it saves the controller.",
+        "and a sync's calls made, through one call of its liveness agent (a small actor, no CPU); "
+        "fewer are asked directly. 0: never an agent.",
         ge=0,
     )
     heartbeat_timeout_s: float = _field(
