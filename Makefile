@@ -66,7 +66,7 @@ lint: $(STAMP)
 install-check: $(STAMP)
 	PY=$(PY) PIP=$(abspath $(BIN))/pip bash tests/install/check_plain_install.sh
 
-# Each core claim broken in turn in a scratch copy; the tests named for it must fail (~10 min).
+# Each claim broken in turn in a scratch copy; a test named for it must fail saying why (27 min on 2 shared cores).
 mutation-check: $(STAMP)
 	$(BIN)/python tests/mutation/check_mutations.py
 
