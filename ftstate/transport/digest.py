@@ -50,10 +50,8 @@ everything in registers. On the host xxh3 stays (see ``docs/benchmarks.md``: nh6
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-import os
 import struct
 import threading
 from collections.abc import Iterable
@@ -178,40 +176,10 @@ def _full_torch(words_u8: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.
     return total
 
 
-_triton_fn = None
-_triton_tried = False
-
-
 def _triton():
-    """The fused kernel's entry point, or None (no Triton, or ``FTSTATE_DIGEST_TRITON=0``)."""
-    global _triton_fn, _triton_tried
-    if not _triton_tried:
-        _triton_tried = True
-        if os.environ.get("FTSTATE_DIGEST_TRITON", "1") != "0":
-            try:
-                from ftstate.transport import _digest_triton
-
-                _triton_fn = _checked(functools.partial(_digest_triton.full_chunks, chunk_words=CHUNK_WORDS,
-                                                        shift=SHIFT))
-            except ImportError:
-                _triton_fn = None
-    return _triton_fn
-
-
-def _checked(fn):
-    """``fn`` if it gives the torch form's bits on a CUDA buffer, else None (logged): a kernel that
-    does not compile or disagrees must not decide a sync; the device check asserts it is used."""
-    if not torch.cuda.is_available():
-        return fn
-    try:
-        key = public_key()
-        k1, k2 = key.tables(torch.device("cuda"), 64)
-        data = torch.randint(-128, 128, (37 * CHUNK_BYTES,), dtype=torch.int8, device="cuda").view(torch.uint8)
-        if torch.equal(fn(data, 3, k1, k2), _full_torch(data, 3, k1, k2)):
-            return fn
-        log.error("nh64: the Triton kernel disagrees with the torch form; using torch")
-    except Exception:
-        log.exception("nh64: the Triton kernel failed; using torch")
+    """The fused kernel's entry point: None. A Triton kernel lands with the device check that
+    proves it bit for bit (triton belongs to the gpu extra: imported lazily, named in its error);
+    until then nh64 runs in torch's integer ops on the device."""
     return None
 
 

@@ -38,19 +38,6 @@ def test_cpu_cuda_and_the_kernel_agree_bit_for_bit(n):
         assert digest.tensor_digest(data.to(GPU)) == cpu
 
 
-def test_the_fused_kernel_is_used_and_agrees_with_the_torch_form_at_every_grid_edge():
-    assert digest.uses_triton(GPU), "the Triton kernel did not load or failed its self-check (see the log)"
-    from ftstate.transport import _digest_triton
-
-    key = digest.public_key()
-    for chunks in (1, 3, 4, 5, 1023, 4097):
-        for first in (0, 7):
-            k1, k2 = key.tables(GPU, first + chunks + 1)
-            for data in adversarial(chunks * digest.CHUNK_BYTES):
-                d = data.to(GPU)
-                assert torch.equal(_digest_triton.full_chunks(d, first, k1, k2), digest._full_torch(d, first, k1, k2))
-
-
 def test_a_state_on_the_gpu_and_its_cpu_copy_have_one_whole_state_checksum():
     g = torch.Generator().manual_seed(3)
     cpu = {"embed": torch.randn(1000, 64, generator=g).to(torch.bfloat16), "norm": torch.randn(7, generator=g),

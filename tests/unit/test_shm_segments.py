@@ -229,6 +229,7 @@ class TestChunks:
         from ftstate.transport import samehost
         from ftstate.transport.buckets import bucket_segments, plan_layout
         from ftstate.transport.checksum import StreamHasher
+        from ftstate.transport.sync import feed_bucket
 
         entries, windows, total = plan_layout(((f"t{i}", "uint8", (n,)) for i, n in enumerate([700, 2_500, 90])), 1024)
         buckets = bucket_segments(entries, windows)
@@ -243,5 +244,5 @@ class TestChunks:
         for b in buckets:
             samehost._hash(b, flat[b.start : b.stop], whole)
         for b, lo, hi in chunks:
-            samehost._hash_range(b, flat[b.start : b.stop], cut, lo, hi)
+            feed_bucket(cut, b, flat[b.start : b.stop], lo, hi)
         assert cut.tensor_digests() == whole.tensor_digests()
