@@ -4,8 +4,7 @@ xxh3 (:mod:`ftstate.transport.checksum`) runs on the host: a bucket on a GPU wou
 copied to host memory to be hashed (6.7 GB/s pageable, ~50 GB/s pinned on an H200), then
 hashed at ~19 GB/s on one core, 10-100x the device-to-device copy it proves. ``nh64`` is
 computed by the device that holds the bytes, in torch integer ops (int64 wraps modulo 2**64
-identically on CPU and CUDA, and integer sums do not depend on the reduction order), with an
-optional fused Triton kernel that must agree with the torch code bit for bit.
+identically on CPU and CUDA, and integer sums do not depend on the reduction order).
 
 **Construction** (UMAC's, Black et al. CRYPTO '99; RFC 4418). The bytes are read as 32-bit
 little-endian words ``m``, in chunks of :data:`CHUNK_WORDS` (4 KiB) at fixed places *within
@@ -41,9 +40,8 @@ tables are key material, not weights: they go to the device once per run and dev
 
 **Speed.** The torch form reads each word once and makes int64 temporaries (~8x the input),
 so it is processed in :data:`STEP_CHUNKS` steps; host memory takes the same arithmetic in
-numpy (:func:`_full_numpy`, 5-10x faster there); on a GPU the Triton kernel (when ``triton``
-imports and ``FTSTATE_DIGEST_TRITON`` is not ``0``) reads each word once and keeps
-everything in registers. On the host xxh3 stays (see ``docs/benchmarks.md``: nh64 on a CPU is
+numpy (:func:`_full_numpy`, 5-10x faster there); a fused kernel on the GPU is not shipped yet.
+On the host xxh3 stays (see ``docs/benchmarks.md``: nh64 on a CPU is
 ~30x slower than xxh3), so the function of a transfer is chosen by where its buffers are
 (:func:`ftstate.transport.checksum.function_for`).
 """
@@ -51,7 +49,6 @@ everything in registers. On the host xxh3 stays (see ``docs/benchmarks.md``: nh6
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
 import threading
 from collections.abc import Iterable
@@ -72,7 +69,6 @@ SHIFT = 4
 #: Chunks hashed per torch step (64 MiB of input, ~0.5 GiB of temporaries).
 STEP_CHUNKS = 16384
 
-log = logging.getLogger("ftstate.transport")
 
 _M32 = 0xFFFFFFFF
 _PERSON = b"ftstate-nh64-v1"
@@ -176,18 +172,6 @@ def _full_torch(words_u8: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.
     return total
 
 
-def _triton():
-    """The fused kernel's entry point: None. A Triton kernel lands with the device check that
-    proves it bit for bit (triton belongs to the gpu extra: imported lazily, named in its error);
-    until then nh64 runs in torch's integer ops on the device."""
-    return None
-
-
-def uses_triton(device: torch.device) -> bool:
-    """Whether whole chunks on ``device`` go through the fused kernel."""
-    return device.type == "cuda" and _triton() is not None
-
-
 #: Chunks per numpy step on the host: 4 MiB of input, its uint64 temporaries in a few MiB.
 HOST_STEP_CHUNKS = 1024
 
@@ -228,8 +212,7 @@ def _full_numpy(words_u8: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.
 def _full(body: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
     if body.device.type == "cpu" and body.data_ptr() % 4 == 0:
         return _full_numpy(body, first, k1, k2)
-    fn = _triton() if body.device.type == "cuda" else None
-    return fn(body, first, k1, k2) if fn is not None else _full_torch(body, first, k1, k2)
+    return _full_torch(body, first, k1, k2)
 
 
 # -- one tensor, hashed in segments ------------------------------------------------------------
@@ -353,6 +336,5 @@ __all__ = [
     "keyed",
     "public_key",
     "tensor_digest",
-    "uses_triton",
     "values",
 ]
