@@ -160,7 +160,7 @@ async def test_a_rank_killed_mid_step_with_an_all_reduce_in_flight(ray_cluster, 
         await rt.trainer("train_step", 1)
         before = await facts(rt)
         # straight to rank 1's process, not through rt.trainer: a logged call would be replayed
-        await rt.handle("trainer-1").call.remote("mark_and_wait_in_step", (str(marker),), {})
+        await rt.handle("trainer-1").call.remote(UserCall("mark_and_wait_in_step", (str(marker),)))
         step = asyncio.ensure_future(rt.trainer("train_step", 2))
         for _ in range(600):
             if marker.exists() and marker.read_text():
@@ -204,7 +204,7 @@ async def test_a_rank_lost_while_the_ranks_are_recovered_joins_that_round(ray_cl
         await holds(rt, [], 3)
         await rt.trainer("train_step", 1)
         before = await facts(rt)
-        await rt.handle("trainer-2").call.remote("hold_next_setup", (str(marker),), {})  # not logged: not replayed
+        await rt.handle("trainer-2").call.remote(UserCall("hold_next_setup", (str(marker),)))  # not logged: not replayed
         kill(before[1]["pid"])
         for _ in range(1200):
             if marker.exists() and marker.read_text():
