@@ -66,10 +66,10 @@ _FAILED_STATES = {"FAILED", "LOST"}
 _ERROR_EVENTS = {DEADLINE_EXPIRED, ERROR, BUDGET_EXHAUSTED}
 EVENT_STYLES.update({"failover": "bold magenta", "chaos": "bold red", RUN_START: "bold cyan",
                      "sync_retry": "yellow", "call_retry": "yellow", "transfer_abandoned": "yellow",
-                     "sync_gave_up": "red", "node_lost": "red"})
+                     "sync_gave_up": "red", "node_lost": "red", "node_quarantined": "red"})
 #: Group triggers and events that belong to the failover story (``--failovers``).
 FAILOVER_TRIGGERS = ("member_lost", "promote", "promoted", "promotion_failed", "resume", "shrink")
-FAILOVER_EVENTS = ("failover", "chaos", "node_lost", "failover_joined", "spare_unavailable", "spare_abandoned",
+FAILOVER_EVENTS = ("failover", "chaos", "node_lost", "node_quarantined", "failover_joined", "spare_unavailable", "spare_abandoned",
                    "budget_spent", "budget_exhausted", "sync_retry", "call_retry", "transfer_abandoned",
                    "trainer_replay", "sync_gave_up")
 #: Fields every record may carry: not repeated in a detail made of the others.
@@ -241,6 +241,8 @@ def _detail(rec: Mapping[str, Any], failovers: Mapping[Any, Mapping[str, Any]] |
         parts.append(
             f"{_short(rec['budget'], 40)} {_short(spent) if spent is not None else ''}/"
             f"{_short(limit) if limit is not None else ''}".strip()
+            + (f", {_short(rec['in_window'])} in the window" if rec.get("in_window") is not None else "")
+            + (f", slot {_short(rec['slot'], 40)}" if rec.get("slot") else "")
         )
     if rec.get("message"):
         parts.append(_short(rec["message"], 400))

@@ -436,10 +436,14 @@ def simulate(
     mix: Annotated[str, typer.Option("--mix", help="The failure mix: llama3 (Llama 3's 54 days on 16,384 "
                                      "GPUs; docs/simulation.md).")] = "llama3",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the failure schedule and the answer times.")] = 1,
+    seeds: Annotated[str | None, typer.Option("--seeds", help="Several seeds, one run each, and the spread "
+                                              "(1-5 or 1,3,7); instead of --seed.", show_default=False)] = None,
+    poisoned_nodes: Annotated[int, typer.Option("--poisoned-nodes", min=0, help="Nodes that kill every member "
+                                                "on them (a crash loop), added at seeded times.")] = 0,
     gpus_per_member: Annotated[float, typer.Option("--gpus-per-member", min=0.001, help="GPUs each member holds "
                                                    "(a member fails that many times as often).")] = 1.0,
-    max_failovers: Annotated[int | None, typer.Option("--max-failovers", min=0, help="Failover budget of the "
-                                                      "run (default: the config's, 5).", show_default=False)] = None,
+    max_failovers: Annotated[int | None, typer.Option("--max-failovers", min=0, help="A total failover "
+                                                      "budget (default: none; the window's limits).", show_default=False)] = None,
     start_s: Annotated[float, typer.Option("--start-s", min=0.0, help="A new worker process up (cold start).")] = 3.0,
     detect_s: Annotated[float, typer.Option("--detect-s", min=0.0, help="A death to its detection.")] = 0.015,
     bandwidth_gbps: Annotated[float, typer.Option("--bandwidth-gbps", min=0.001, help="Weights transfer rate, "
@@ -462,9 +466,10 @@ def simulate(
     Draws a seeded failure schedule from the mix for the job's GPUs and days, replays every
     failure through the real controller on a simulated cluster (virtual time: no Ray, no
     GPUs), and costs the same schedule for the status quo. Maintenance notices drain their
-    node; a failure that exhausts max_failovers ends the run as it would for real.
+    node, poisoned nodes are quarantined; a failure the failover budget cannot pay for ends the
+    run as it would for real.
     """
-    from ftstate.cli.simulate import SimulateOptions
+    from ftstate.cli.simulate import SimulateOptions, parse_seeds
     from ftstate.cli.simulate import simulate as run_simulation
     from ftstate.simulation.costs import Costs
     from ftstate.simulation.goodput import StatusQuo
@@ -477,7 +482,7 @@ def simulate(
                   weights_bytes=int(weights_gb * 1e9) or 1, train_step_s=step_s)
     lines, _ = run_simulation(SimulateOptions(
         members=members, nodes=nodes, days=days, mix=mix, seed=seed, gpus_per_member=gpus_per_member,
-        max_failovers=max_failovers, costs=costs,
+        seeds=parse_seeds(seeds) if seeds else (), poisoned_nodes=poisoned_nodes, max_failovers=max_failovers, costs=costs,
         status_quo=StatusQuo(checkpoint_interval_s=checkpoint_interval_s, restart_s=restart_s),
         plot=plot, json_path=json_path, audit=audit))
     for line in lines:

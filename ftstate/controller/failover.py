@@ -44,6 +44,7 @@ from ftstate.controller.ranks import recover_ranks
 from ftstate.controller.sync import device_field, plan_for
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
+from ftstate.core.budget import FAILOVER_KEY, Budget, Charge
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
     ChecksumMismatch,
@@ -99,6 +100,10 @@ class FailoverRecord:
     #: whatever it came by (point to point, the node copy adopted or fetched), as
     #: ``SyncReport.device_bytes``; None for a load whole (or no load: nothing to resync).
     device_bytes: int | None = None
+    #: The failover budget right after this failover (:meth:`ftstate.core.budget.Budget.state`):
+    #: spent in all and inside the window, the limits, slots replaced again, node strikes,
+    #: quarantined nodes.
+    budget: dict[str, Any] | None = None
 
 
 class Failover:
@@ -160,10 +165,50 @@ class Failover:
         self.unreachable_nodes: set[str] = set()
         #: Ray ids of nodes being drained (a maintenance notice): nothing new goes there.
         self.draining_nodes: set[str] = set()
+        #: Ray ids of nodes quarantined since the runtime last drained them (it takes them).
+        self.to_drain: list[str] = []
+        self._slots: dict[str, str] = {}  # replacement -> the slot it took (slot_of)
 
     @property
     def ft(self) -> Any:
         return self.config.fault_tolerance
+
+    @property
+    def budget(self) -> Budget:
+        """The run's failover budget (the group's: :mod:`ftstate.core.budget`)."""
+        return self.membership.group.budget(FAILOVER_KEY)
+
+    def slot_of(self, m: Member) -> str:
+        """The member slot ``m`` holds: the name of the first member that held it (``rollout-1``);
+        a replacement inherits it (ranks are renumbered with each group version: no identity)."""
+        return self._slots.get(m.name, m.name)
+
+    def _slot_charge(self, lost: Member, reason: str) -> Charge:
+        cls = getattr(self.launcher, "classes", {}).get(lost.role)
+        return Charge(reason=f"{lost.name}: {reason}", slot=self.slot_of(lost), cls=getattr(cls, "__name__", None))
+
+    def strike(self, m: Member, why: str) -> None:
+        """A death that blames ``m``'s node (a spare or a replacement that died young, members
+        that died together while the node stays up): the node's strike; at
+        ``max_node_failures`` inside the window it is quarantined: recorded, avoided from now
+        on, and its remaining members drained by the runtime (:attr:`to_drain`)."""
+        node = self.launcher.node_of(m)
+        alive = self.launcher.alive_nodes()
+        if node is None or node not in alive:
+            return  # unknown, or gone whole: nothing left to place there
+        budget = self.budget
+        elsewhere = bool(alive - self.avoided_nodes() - {node})
+        if budget.strike(node, self.membership.group.clock.now(), f"{m.name}: {why}", elsewhere=elsewhere):
+            self.to_drain.append(node)
+            self.audit.record("node_quarantined", node=node, member=m.name, strikes=budget.per_node,
+                              window_s=budget.window_s, reason=f"{budget.per_node} members lost there within "
+                              f"failover_window_s; the last: {m.name}: {why}"[:500])
+            # its spares died of the node, not of their class: the role may start spares again
+            self._cold_starts = dict.fromkeys(self._cold_starts, 0)
+
+    @property
+    def quarantined_nodes(self) -> set[str]:
+        return set(self.budget.quarantined)
 
     # -- spares --------------------------------------------------------------------------
 
@@ -188,7 +233,8 @@ class Failover:
         a spare (``spare_unavailable`` in the trail) and a later failover starts a fresh
         actor, or shrinks the group, as with none left."""
         role = m.role
-        if m.name not in self._warm_seconds:
+        self.strike(m, str(m.machine.error) if m.machine.error else "spare died")
+        if m.name not in self._warm_seconds and m.node_id not in self.quarantined_nodes:
             self._cold_starts[role] += 1
             if self._cold_starts[role] >= self.ft.spare_start_attempts:
                 self.audit.record("spare_unavailable", role=role, attempts=self._cold_starts[role],
@@ -363,8 +409,8 @@ class Failover:
         summary = "; ".join(f"{m.name}: {reasons[m.name]}" for m in losts)
         if group.can("member_lost"):
             await group.fire("member_lost", reason=summary, member_lost=names)
-        # Spends one of max_failovers per member (or FAILED when not that many are left).
-        await group.fire("promote", reason=summary, spend_on=[f"{m.name}: {reasons[m.name]}" for m in losts])
+        # One unit per member slot, one per node lost whole (or FAILED when a limit would break).
+        await group.fire("promote", reason=summary, spend_on=self._charges(losts, reasons))
         if group.terminal:
             raise group.error or FTError(f"failover of {names} failed")
         loop = asyncio.get_running_loop()
@@ -389,6 +435,7 @@ class Failover:
                         continue
                     replacement.set_rank(lost.rank)
                     replacements[lost.name] = replacement
+                    self._slots[replacement.name] = self.slot_of(lost)
                 if dropped:
                     await self._check_enough_rollouts(losts, replacements, dropped, reasons)
                 if not replacements:
@@ -441,18 +488,28 @@ class Failover:
                     if dead:
                         # A replacement itself died (a spare killed before anyone noticed, or
                         # during the re-rendezvous): retire it and take the next candidate.
+                        charges = []
                         for n in dead:
                             r = replacements.pop(n)
                             resynced.pop(n, None)
                             self._pending = [(p, t) for p, t in self._pending if p is not r]
                             await self._retire(r)
+                            # its slot's loss again: a class whose every replacement dies ends at
+                            # max_slot_failovers (CrashLoop), not at failover_timeout_s
+                            why = f"{r.name}, its replacement, died: {self._reason(r)}"
+                            self.strike(r, why)
+                            charges.append(self._slot_charge(next(m for m in losts if m.name == n), why))
+                        if not await group.spend(charges):
+                            raise group.error or FTError(f"no failover left for {', '.join(dead)}") from exc
                         continue
-                    if self._pending:
+                    pending = {m.name for m, _ in self._pending}
+                    stuck = hit is not None and hit.gone and hit.name not in pending  # no round will bring it
+                    if self._pending and (await self._take_in_ranks(losts, detected, reasons) or not stuck):
                         # Another member died during the re-rendezvous or the transfer: form
                         # the group again without it (its own failover comes next), unless
                         # it is a trainer rank: the ranks are recovered together, so this
-                        # round takes it in.
-                        await self._take_in_ranks(losts, detected, reasons)
+                        # round takes it in. (A version refused for a rank nobody lost in
+                        # this round is not retried blindly: that would spin.)
                         continue
                     if unsettled and transfer_tries < self.ft.resync_retries:
                         transfer_tries += 1  # it answered again: form the version again, boundedly
@@ -470,6 +527,7 @@ class Failover:
         await group.fire("promoted", replacement=", ".join(r.name for r in replacements.values()), lost=names,
                          dropped=sorted(dropped))
         await group.fire("resume")
+        budget = self.budget.state(group.clock.now())
         for lost in losts:
             replacement = replacements.get(lost.name)
             if replacement is None:
@@ -480,37 +538,64 @@ class Failover:
                 detected_at=detected_at, rerendezvous_s=t_reformed - t0, transfer_s=t_done - t_reformed,
                 total_s=t_done - detected_at, group_version=group.group_version, resynced=resynced[lost.name],
                 stages=self._stages.pop(replacement.name, None), device_bytes=self._device.pop(replacement.name, None),
+                budget=budget,
             ))
             self.audit.record("failover", lost=lost.name, replacement=replacement.name, role=lost.role,
                               rerendezvous_s=round(t_reformed - t0, 6), transfer_s=round(t_done - t_reformed, 6),
                               total_s=round(t_done - detected_at, 6), group_version=group.group_version,
                               weights_version=group.weights_version, resynced=resynced[lost.name],
                               batch=len(losts), stages=self.records[-1].stages,
+                              budget={k: budget[k] for k in ("spent", "in_window", "quarantined")},
                               **device_field(self.records[-1].device_bytes))
         if self.ft.mode == "standby":
             for role in sorted({lost.role for lost in losts}):
                 self.replenish(role)
 
-    async def _take_in_ranks(self, losts: list[Member], detected: dict[str, float], reasons: dict[str, str]) -> None:
+    def _charges(self, losts: list[Member], reasons: dict[str, str]) -> list[Charge]:
+        """What a round costs: one unit per member slot, but the members of a node lost whole one
+        unit between them (a node lost is one failure, not eight), and those of a node
+        quarantined already none (a round costs one at least). A serving member lost alone is
+        attrition, not its node's fault; members that died together on a node that stays up are
+        each a strike (:meth:`strike`), as are spares and replacements that die young."""
+        charges, by_node = [], {}
+        quarantined = self.quarantined_nodes
+        for m in losts:
+            node = m.node_id
+            if node in quarantined:
+                continue  # the quarantine's own consequence, paid for by the strikes that led to it
+            if node is not None and node in self.lost_nodes:
+                by_node.setdefault(node, []).append(m.name)
+                if node not in self.unreachable_nodes:
+                    # every member reported dead together, the node still up and answering:
+                    # not a node gone but a node that kills what runs there
+                    self.strike(m, reasons[m.name])
+                continue
+            charges.append(self._slot_charge(m, reasons[m.name]))
+        charges += [Charge(reason=f"node {node[:12]} lost: {', '.join(names)}", node=node)
+                    for node, names in by_node.items()]
+        return charges
+
+    async def _take_in_ranks(self, losts: list[Member], detected: dict[str, float], reasons: dict[str, str]) -> bool:
         """Several trainer ranks: a rank lost while this round ran joins it (one of
         ``max_failovers`` spent on it, as on entry), since every rank must be in place before
         any is recovered; a later round would find this one waiting for it forever."""
         if self.config.trainer_workers <= 1:
-            return
+            return False
         ranks = [(m, t) for m, t in self._pending if m.role == "trainer"]
         if not ranks:
-            return
+            return False
         self._pending = [(m, t) for m, t in self._pending if m.role != "trainer"]
         group = self.membership.group
         for m, t in ranks:
             detected[m.name], reasons[m.name] = t, self._reason(m)
-        if not await group.spend([f"{m.name}: {reasons[m.name]}" for m, _ in ranks]):
+        if not await group.spend(self._charges([m for m, _ in ranks], reasons)):
             raise group.error or FTError(f"no failover left for {', '.join(m.name for m, _ in ranks)}")
         self.audit.record("failover_joined", machine="group", member="group", members=[m.name for m, _ in ranks],
                           reason="trainer ranks lost while the ranks were being recovered")
         for m, _ in ranks:
             losts.append(m)
             await self._retire(m)
+        return True
 
     async def _check_enough_rollouts(
         self, losts: list[Member], replacements: dict[str, Member], dropped: dict[str, str], reasons: dict[str, str]
@@ -534,9 +619,10 @@ class Failover:
     def avoided_nodes(self) -> set[str]:
         """Nodes no replacement or spare goes to: lost, unreachable or being drained; but when
         that leaves no node at all (one node, a hung process on it), only the lost ones."""
-        avoid = {n for n in self.lost_nodes | self.unreachable_nodes | self.draining_nodes if n}
+        quarantined = self.quarantined_nodes
+        avoid = {n for n in self.lost_nodes | self.unreachable_nodes | self.draining_nodes | quarantined if n}
         if avoid and not self.launcher.alive_nodes() - avoid:
-            return {n for n in self.lost_nodes if n}
+            return {n for n in self.lost_nodes | quarantined if n}
         return avoid
 
     async def replacement_for(self, lost: Member) -> Member:
@@ -621,6 +707,7 @@ class Failover:
     async def resync(self, newcomer: Member) -> bool:
         """Move the current version to the newcomer only; False when it must wait for the next sync."""
         group = self.membership.group
+        _still_up(newcomer)
         # Idempotent on a retry: the newcomer may be anywhere between RENDEZVOUS and STALE.
         if newcomer.machine.state == "RENDEZVOUS":
             await newcomer.machine.fire("joined")
@@ -665,6 +752,7 @@ class Failover:
         if small and src.node_id is not None and src.node_id == newcomer.node_id:
             record["collective"] = (f"{self.weights_bytes} bytes, below resync_shared_memory_min_mb "
                                     f"({self.config.resync_shared_memory_min_mb:g} MiB)")
+        _still_up(newcomer)
         await newcomer.machine.fire("resync", source=src.name, plan=record)
         timeout = self.config.sync_timeout_s
         shm = plan.uses_shm
@@ -736,6 +824,7 @@ class Failover:
         ``node_copy_fallback`` record (False: the caller tries the next source)."""
         plan = {"sender": source, "node": copy.node_id[:8], "mode": self.config.shared_memory,
                 "routes": {newcomer.name: route}, "segment": copy.name}
+        _still_up(newcomer)
         await newcomer.machine.fire("resync", source=source, plan=plan)
         try:
             got = await load()
@@ -860,6 +949,15 @@ def replacement_failed(replacement: Member, lost: Member, exc: Exception) -> Rep
                              method=getattr(exc, "ftstate_method", None) or "its code", exc_type=type(exc).__name__,
                              message=bounded(message.removeprefix(prefix), 1000),
                              where=getattr(exc, "ftstate_where", "") or "")
+
+
+def _still_up(newcomer: Member) -> None:
+    """A newcomer that died while it was being brought up (its death reached its machine
+    between two steps of the round) is the round's MemberLost: the next candidate takes over."""
+    if newcomer.gone:
+        error = newcomer.machine.error
+        raise MemberLost(newcomer.name, error.reason if isinstance(error, MemberLost) else
+                         str(error or "died while being brought up"))
 
 
 async def _constructor_failed(m: Member, exc: WorkerInitError) -> None:

@@ -6,7 +6,7 @@ gate is shut while rollouts commit); ``rt.trainer(...)`` goes to the live traine
 logged in the membership's replay log until the next committed sync.
 
 With fault tolerance on, a call cut short by a lost worker is made again once the failover
-completed: a call at most ``fault_tolerance.max_failovers`` times, a ``rollout_map`` shard
+completed: a call at most ``FaultToleranceConfig.call_retries`` times, a ``rollout_map`` shard
 at most once more than that (each retry follows a failover, and each failover spends one
 of that budget, so a larger bound could never be used); with it off, the loss is raised.
 """
@@ -128,9 +128,9 @@ class Router:
                     results[j] = r if ran_under is None else Versioned(r, ran_under)
             if failed:
                 attempts += 1
-                if attempts > ft.max_failovers + 1:
+                if attempts > ft.call_retries + 1:
                     raise MemberLost(", ".join(shards), f"{method}() kept losing rollouts ({attempts} tries, "
-                                                        f"max_failovers={ft.max_failovers})")
+                                                        f"at most {ft.call_retries + 1})")
                 self.audit.record("call_retry", method=method, items=len(failed), attempt=attempts)
                 await self.recover()
             todo = sorted(failed)
@@ -154,7 +154,7 @@ class Router:
                     waited_for_verdict = True
                     await self.settle()
                     continue
-                if not ft.enable or attempts > ft.max_failovers:
+                if not ft.enable or attempts > ft.call_retries:
                     raise
                 # A suspect worker (its node may be gone) is either cleared or declared LOST
                 # within heartbeat_timeout_s; wait for that instead of asking it again at once.

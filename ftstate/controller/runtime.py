@@ -64,6 +64,7 @@ from ftstate.controller.routing import Router
 from ftstate.controller.sync import SyncReport, WeightSync
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
+from ftstate.core.budget import FAILOVER_KEY
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
     ConfigError,
@@ -549,7 +550,28 @@ class Runtime:
                                      lost=f.lost, replacement=f.replacement, seconds=round(f.total_s, 6))
             if self._notices is not None:  # replacements may have landed on nodes not watched yet
                 self._spawn(self._notices.watch_nodes())
+            await self._drain_quarantined(failover)
         self._raise_if_failed()
+
+    async def _drain_quarantined(self, failover: Failover) -> None:
+        """Move the members still on nodes the failover budget quarantined off them (a drain:
+        replacements elsewhere first; none to be had and the drain is undone, the members stay)."""
+        assert self._drainer is not None
+        while failover.to_drain:
+            node = failover.to_drain.pop(0)
+            if any(not m.gone for m in self._require_membership().on_node(node)):
+                with contextlib.suppress(FTError):  # recorded by the drain; the run goes on
+                    await self._drainer.drain(node, source="failover budget", kind="quarantine",
+                                              reason="node quarantined (max_node_failures)", deadline=None)
+
+    @property
+    def failover_budget(self) -> dict[str, Any]:
+        """The failover budget now (:meth:`ftstate.core.budget.Budget.state`): spent in all and
+        inside ``failover_window_s``, the limits, slots replaced more than once, node strikes,
+        quarantined nodes. Each :class:`~ftstate.controller.failover.FailoverRecord` keeps it
+        as it was after that failover."""
+        group = self._require_group()
+        return group.budget(FAILOVER_KEY).state(group.clock.now())
 
     async def _settle(self) -> None:
         """Until the trainer is not suspect and some rollout serves, or suspects are declared

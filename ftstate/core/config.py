@@ -178,12 +178,37 @@ class FaultToleranceConfig:
         "Recover a lost trainer's weights from a rollout that holds the last committed "
         "version (checksum-proven) instead of from a checkpoint directory.",
     )
-    max_failovers: int = _field(
-        5,
-        "Failovers (entries into PROMOTING) the run may spend; the next loss after that "
-        "fails the run with FailoverBudgetExhausted. It also bounds how often one user call cut "
-        "short by a loss is made again (rt.trainer / rt.rollout; a rollout_map shard once more).",
+    max_failovers: int | None = _field(
+        None,
+        "Failovers (members replaced; a node lost whole is one) the whole run may spend; the next "
+        "loss after that fails the run with FailoverBudgetExhausted. None: no total, only the "
+        "window's limits below (a run of weeks loses GPUs steadily). Set, it also bounds how often "
+        "one user call cut short by a loss is made again (else max_failovers_per_window does).",
         ge=0,
+    )
+    failover_window_s: float = _field(
+        3600.0,
+        "The sliding window the limits below count over: a failure older than this no longer "
+        "counts against max_failovers_per_window, max_slot_failovers or max_node_failures.",
+        gt=0,
+    )
+    max_failovers_per_window: int = _field(
+        20,
+        "Failovers the run may spend inside any failover_window_s; one more fails the run with "
+        "FailoverBudgetExhausted (failures come faster than replacements can heal them).",
+        ge=0,
+    )
+    max_slot_failovers: int = _field(
+        3,
+        "Times one member slot (a role and rank) may be replaced inside failover_window_s; one "
+        "more fails the run with CrashLoop naming the slot and its class (every replacement dies).",
+        ge=1,
+    )
+    max_node_failures: int = _field(
+        3,
+        "Members (spares too) a node may lose inside failover_window_s before it is quarantined: "
+        "nothing is placed there again and its remaining members are drained off it.",
+        ge=1,
     )
     optimizer_state: Literal["reset", "checkpoint"] = _field(
         "reset",
@@ -232,6 +257,12 @@ class FaultToleranceConfig:
         "many rollouts serve; below it the run fails.",
         ge=1,
     )
+
+    @property
+    def call_retries(self) -> int:
+        """How often one user call cut short by a loss is made again: ``max_failovers`` when set,
+        else ``max_failovers_per_window`` (more tries than the window allows cannot all heal)."""
+        return self.max_failovers if self.max_failovers is not None else self.max_failovers_per_window
 
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]

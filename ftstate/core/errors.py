@@ -14,7 +14,8 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     │   ├── SyncTimeout          sync_timeout_s: one weight sync did not finish
     │   ├── FailoverTimeout      failover_timeout_s: a replacement did not serve current weights in time
     │   └── HeartbeatTimeout     heartbeat_timeout_s: a worker stopped making progress
-    ├── FailoverBudgetExhausted  max_failovers spent; names the failures it was spent on
+    ├── FailoverBudgetExhausted  max_failovers (or the window's rate) spent; names the failures it went to
+    │   └── CrashLoop            one member slot replaced max_slot_failovers times in the window (slot, class)
     ├── MemberLost               a worker died or was declared lost and nothing replaced it
     ├── WorkerInitError          a worker class's constructor raised (member, class, the user's exception and frame)
     ├── ReplacementFailed        a replacement's own code raised while it was brought up (not retried: not a fault)
@@ -44,6 +45,8 @@ the same facts are kept as attributes so code need not parse messages.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+from ftstate.core.text import listed
 
 
 class FTError(Exception):
@@ -158,16 +161,44 @@ class HeartbeatTimeout(DeadlineExceeded):
 
 
 class FailoverBudgetExhausted(FTError):
-    """Raised when a loss would need a failover but ``max_failovers`` are already spent."""
+    """Raised when a loss would need a failover the budget cannot pay for: ``max_failovers`` spent,
+    or ``max_failovers_per_window`` inside ``failover_window_s`` (a storm faster than healing).
 
-    def __init__(self, *, limit: int, spent_on: Sequence[str], member: str = "") -> None:
+    limit: the limit broken; spent_on: every failure counted against it (the message shows the
+    first few); key: its config key; window_s: the window it counts over (None: the whole run)."""
+
+    def __init__(self, *, limit: int, spent_on: Sequence[str], member: str = "",
+                 key: str = "fault_tolerance.max_failovers", window_s: float | None = None) -> None:
         self.limit = limit
         self.spent_on = tuple(spent_on)
         self.member = member
-        spent = "; ".join(self.spent_on) or "nothing"
+        self.key = key
+        self.window_s = window_s
+        spent = listed(self.spent_on) or "nothing"
         who = f" by {member}" if member else ""
+        within = f" within failover_window_s={window_s:g}" if window_s is not None else ""
         super().__init__(
-            f"failover budget exhausted{who}: max_failovers={limit} already spent on: {spent}"
+            f"failover budget exhausted{who}: {key.rpartition('.')[2]}={limit}{within} already spent on: {spent}"
+        )
+
+
+class CrashLoop(FailoverBudgetExhausted):
+    """Raised when one member slot was replaced ``max_slot_failovers`` times inside
+    ``failover_window_s`` and is lost again: every replacement of its class dies, so more would
+    only churn. slot: the slot (``rollout-2``); cls: its user class; spent_on: its losses."""
+
+    def __init__(self, *, slot: str, cls: str | None, limit: int, spent_on: Sequence[str], window_s: float | None,
+                 member: str = "") -> None:
+        self.slot = slot
+        self.cls = cls
+        self.limit, self.spent_on, self.member, self.window_s = limit, tuple(spent_on), member, window_s
+        self.key = "fault_tolerance.max_slot_failovers"
+        within = f" within {window_s:g} s" if window_s is not None else ""
+        of = f" (class {cls})" if cls else ""
+        FTError.__init__(
+            self,
+            f"crash loop: slot {slot}{of} lost {len(self.spent_on)} times{within}, more than "
+            f"max_slot_failovers={limit} replacements: every replacement dies; its losses: {listed(self.spent_on)}",
         )
 
 
@@ -511,6 +542,7 @@ __all__ = [
     "ChecksumMismatch",
     "CommunicatorAborted",
     "ConfigError",
+    "CrashLoop",
     "DeadlineExceeded",
     "EngineRefused",
     "EngineTorn",

@@ -49,7 +49,7 @@ from ftstate.core.audit import (
     AuditTrail,
     plain,
 )
-from ftstate.core.budget import Budget
+from ftstate.core.budget import Budget, Charge, Refusal, budget_for
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.deadline import Clock, Deadline, LoopClock
 from ftstate.core.errors import FTError, InvalidTransition
@@ -299,7 +299,7 @@ class StateMachine:
         *,
         reason: str = "",
         error: FTError | None = None,
-        spend_on: Sequence[str] = (),
+        spend_on: Sequence[str | Charge] = (),
         **fields: Any,
     ) -> str:
         """Apply one event; returns the state entered.
@@ -307,9 +307,10 @@ class StateMachine:
         Raises :class:`~ftstate.core.errors.InvalidTransition` when the current state does not accept
         ``trigger``. ``error`` is recorded as the machine's error (a fault that caused it);
         ``fields`` are added to the audit record. ``spend_on``: when the state entered has a
-        budget, what each unit it costs is spent on (one entry replacing a whole node's members
-        costs one unit per member); default one unit, spent on ``reason``. Entering is refused
-        (the budget's ``on_exhausted`` trigger instead) unless every unit is left.
+        budget, what each unit it costs is spent on (a reason, or a :class:`~ftstate.core.budget.Charge`
+        naming the slot replaced or the node lost whole); default one unit, spent on ``reason``.
+        Entering is refused (the budget's ``on_exhausted`` trigger instead) when a unit would
+        break one of the budget's limits.
 
         A transition is applied in one step of the event loop, without waiting on anything, so
         two events (or an event and a deadline's expiry) never interleave: no lock is needed,
@@ -319,25 +320,29 @@ class StateMachine:
         return self._fire(trigger, reason, error, fields, tuple(spend_on))
 
     def _fire(
-        self, trigger: str, reason: str, error: FTError | None, fields: Mapping[str, Any], spend_on: tuple[str, ...] = ()
+        self, trigger: str, reason: str, error: FTError | None, fields: Mapping[str, Any],
+        spend_on: tuple[str | Charge, ...] = (),
     ) -> str:
         src = self.state
         dest = self.spec.next_state(src, trigger)
         if dest is None:
             raise InvalidTransition(self.spec.name, self.member, src, trigger, self.spec.triggers_from(src))
         budget_spec = self.spec.states[dest].budget
-        if budget_spec is not None and dest != src and self._budget(budget_spec.key).remaining < max(1, len(spend_on)):
-            return self._exhausted(dest, trigger)
+        units = spend_on or (reason or trigger,)
+        if budget_spec is not None and dest != src:
+            refused = self.budget(budget_spec.key).refusal(units, self.clock.now())
+            if refused is not None:
+                return self._exhausted(dest, trigger, refused)
         # The edge was checked against the spec above, and the compiled machine has no callbacks
         # or conditions: its async ``trigger`` would do what this assignment does after ~70 µs
         # of event plumbing (a third of a transition's cost), its ``set_state`` after a lookup.
         self._model.state = dest
         self._transition(src, dest, trigger, reason, error, fields)
         if budget_spec is not None and dest != src:
-            self._spend(dest, spend_on or (reason or trigger,))
+            self._spend(dest, units)
         return dest
 
-    async def spend(self, units: Sequence[str]) -> bool:
+    async def spend(self, units: Sequence[str | Charge]) -> bool:
         """Spend ``units`` more of the budget of the state the machine is in, one per entry
         (a failover round that takes in a loss that came while it ran pays for it as if it
         had been there on entry). With fewer left, the budget's ``on_exhausted`` trigger fires
@@ -345,40 +350,54 @@ class StateMachine:
         budget_spec = self.spec.states[self.state].budget
         if budget_spec is None:
             raise FTError(f"{self.spec.name} {self.member}: state {self.state} has no budget to spend")
-        if self._budget(budget_spec.key).remaining < len(units):
-            self._exhausted(self.state, "spend")
+        refused = self.budget(budget_spec.key).refusal(tuple(units), self.clock.now())
+        if refused is not None:
+            self._exhausted(self.state, "spend", refused)
             return False
         self._spend(self.state, units)
         return True
 
-    def _exhausted(self, dest: str, trigger: str) -> str:
-        """Entering (or staying in) ``dest`` would overspend its budget: its ``on_exhausted``."""
+    def _exhausted(self, dest: str, trigger: str, refused: Refusal) -> str:
+        """Entering (or staying in) ``dest`` would overspend its budget (``refused`` says which
+        limit): its ``on_exhausted``, with the spec's error (or CrashLoop for a slot's limit)."""
         budget_spec = self.spec.states[dest].budget
         assert budget_spec is not None
-        budget = self._budget(budget_spec.key)
-        exc = getattr(errors, budget_spec.error)(limit=budget.limit, spent_on=budget.spent_on, member=self.member)
+        budget = self.budget(budget_spec.key)
+        if refused.kind == "slot":
+            exc: FTError = errors.CrashLoop(slot=refused.subject or "?", cls=refused.cls, limit=refused.limit,
+                                            spent_on=refused.spent_on, window_s=refused.window_s, member=self.member)
+        else:
+            exc = getattr(errors, budget_spec.error)(limit=refused.limit, spent_on=refused.spent_on,
+                                                     member=self.member, key=refused.key, window_s=refused.window_s)
         self.error = exc
         self._record(
             BUDGET_EXHAUSTED,
             state=self.state,
             trigger=trigger,
             budget=budget.key,
-            limit=budget.limit,
-            spent_on=list(budget.spent_on),
+            limit=refused.limit,
+            limit_key=refused.key,
+            spent_on=list(refused.spent_on),
             error=type(exc).__name__,
             message=str(exc),
+            **({"slot": refused.subject} if refused.subject else {}),
         )
         return self._fire(budget_spec.on_exhausted, str(exc), exc, {})
 
-    def _spend(self, state: str, units: Sequence[str]) -> None:
+    def _spend(self, state: str, units: Sequence[str | Charge]) -> None:
         budget_spec = self.spec.states[state].budget
         assert budget_spec is not None
-        budget = self._budget(budget_spec.key)
+        budget = self.budget(budget_spec.key)
+        now = self.clock.now()
         for unit in units:
-            remaining = budget.spend(unit)
+            remaining = budget.spend(unit, now)
+            where = {"slot": unit.slot} if isinstance(unit, Charge) and unit.slot else {}
+            if isinstance(unit, Charge) and unit.node:
+                where["node_lost"] = unit.node
             self._record(
                 BUDGET_SPENT, state=state, budget=budget.key, limit=budget.limit, spent=budget.spent,
-                remaining=remaining, reason=unit,
+                remaining=remaining, in_window=len(budget.recent) if budget.window_s is not None else None,
+                reason=unit.reason if isinstance(unit, Charge) else unit, **where,
             )
 
     def _transition(
@@ -476,9 +495,10 @@ class StateMachine:
             **fields,
         )
 
-    def _budget(self, key: str) -> Budget:
+    def budget(self, key: str) -> Budget:
+        """The budget of config key ``key`` this machine spends (created from the config)."""
         if key not in self.budgets:
-            self.budgets[key] = Budget(key=key, limit=int(self.config.get(key)))
+            self.budgets[key] = budget_for(key, self.config)
         return self.budgets[key]
 
     # -- waiting -----------------------------------------------------------------------

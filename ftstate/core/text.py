@@ -10,6 +10,7 @@ Every message and record goes through :func:`clean` before it is kept, and
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 #: ANSI/VT100 escape sequences: CSI (``ESC [ ... final``), OSC (``ESC ] ... BEL|ST``) and
 #: the two-byte ones (``ESC x``).
@@ -35,4 +36,13 @@ def bounded(text: str, limit: int = 2000) -> str:
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
-__all__ = ["bounded", "clean", "strip_ansi"]
+def listed(items: Iterable[object], first: int = 5, sep: str = "; ") -> str:
+    """The first ``first`` of ``items`` joined by ``sep``, then "and N more": a message that
+    lists members or failures stays one readable line however many there are (the full list
+    belongs in the error's attributes and the trail)."""
+    items = [str(i) for i in items]
+    shown = sep.join(bounded(i, 300) for i in items[:first])
+    return f"{shown}{sep}and {len(items) - first} more" if len(items) > first else shown
+
+
+__all__ = ["bounded", "clean", "listed", "strip_ansi"]

@@ -102,6 +102,8 @@ class SimulatedCluster(ClusterBackend):
         self._lost: set[str] = set()
         #: Nodes being drained (:meth:`drain_node`), with their deadlines in epoch ms (0: none).
         self.draining: dict[str, int] = {}
+        #: Poisoned nodes (:meth:`poison_node`): each kills what runs there this long after it starts.
+        self.poisoned: dict[str, float] = {}
 
     def changes_on(self, node_id: str) -> NodeChanges:
         """The count of changes its members' heartbeats would show on node ``node_id`` (:class:`NodeChanges`)."""
@@ -170,6 +172,8 @@ class SimulatedCluster(ClusterBackend):
         up_at = self.loop.time() + self.costs.start_s if up else float("inf")
         member = SimulatedMember(self, name, role, node["node_id"], node["address"], next(self._pids), up_at)
         self.members[name] = member
+        if up and node_id in self.poisoned:
+            self.loop.call_at(up_at + self.poisoned[node_id], member.die, f"poisoned node {node_id}")
         if node_id is not None:
             self._by_node[node_id][name] = member
         return member
@@ -270,6 +274,18 @@ class SimulatedCluster(ClusterBackend):
     def hang_member(self, name: str) -> None:
         """The member's process stays up and stops answering."""
         self.member(name).hang()
+
+    def poison_node(self, node_id: str, after_s: float = 0.5) -> list[str]:
+        """The node stays up but kills every member process on it: those there now die together
+        ``after_s`` from now, and every one started there later ``after_s`` after it is up (a
+        crash loop of the node, e.g. a bad driver); returns the members there now."""
+        if not self.alive(node_id):
+            raise FTError(f"no live simulated node {node_id!r}")
+        self.poisoned[node_id] = after_s
+        there = [m for m in self._by_node[node_id].values() if m.alive]
+        for m in there:
+            self.loop.call_at(self.loop.time() + after_s, m.die, f"poisoned node {node_id}")
+        return [m.name for m in there]
 
     def drain_node(self, node_id: str, deadline_ms: int = 0) -> None:
         """The cluster starts draining the node (as Ray's ``DrainNode``: the ``ray`` maintenance

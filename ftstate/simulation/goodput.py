@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ftstate.core.budget import FAILOVER_KEY
 from ftstate.core.errors import ConfigError, FTError
 from ftstate.simulation.costs import Costs
 from ftstate.simulation.mix import Failure
@@ -72,6 +73,8 @@ class Result:
     outcomes: tuple[Outcome, ...]
     ended_at: float | None = None
     error: str | None = None
+    #: ftstate: the failover budget at the end (:attr:`ftstate.controller.runtime.Runtime.failover_budget`).
+    budget: dict[str, Any] | None = None
 
     def progress_curve(self, seconds: float) -> list[tuple[float, float]]:
         """(time, progress so far) at each failure and at the end, for the plot."""
@@ -122,6 +125,8 @@ async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: 
     outcomes: list[Outcome] = []
     ended_at: float | None = None
     error: str | None = None
+    #: ftstate: the failover budget at the end (:attr:`ftstate.controller.runtime.Runtime.failover_budget`).
+    budget: dict[str, Any] | None = None
     started = False
     try:
         await rt.start()
@@ -130,8 +135,13 @@ async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: 
         await cycle()
         steady = loop.time() - t0
         started = True
+        budget = rt.group.budget(FAILOVER_KEY)
+        last_at, last_t = 0.0, loop.time()
         for f in schedule:
             await asyncio.sleep(settle)  # the quiet time before it: spares warm again
+            # the job's clock jumps to the failure; the failover budget's window must see it
+            budget.skip((f.at - last_at) - (loop.time() - last_t))
+            last_at, last_t = f.at, loop.time()
             target = await _inject_during_a_step(rt, cluster, f, rng.random() * costs.train_step_s, cycle,
                                                  cycles)
             took = target[1]
@@ -140,11 +150,12 @@ async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: 
         ended_at = schedule[len(outcomes)].at if started and len(outcomes) < len(schedule) else 0.0
         error = f"{type(exc).__name__}: {exc}"
     finally:
+        budget = rt.failover_budget if started else None
         await rt.close()
     lost = sum(o.downtime_s for o in outcomes)
     made = (ended_at if ended_at is not None else seconds) - lost
     return Result(goodput=max(0.0, made) / seconds if seconds else 1.0, outcomes=tuple(outcomes),
-                  ended_at=ended_at, error=error)
+                  ended_at=ended_at, error=error, budget=budget)
 
 
 async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: float, cycle: Any,
@@ -174,6 +185,9 @@ def _hit(rt: Any, cluster: Any, f: Failure) -> tuple[str, asyncio.Future[Any] | 
     node = nodes[int(f.pick * len(nodes))]
     if f.effect == "node":
         cluster.lose_node(node)
+        return node, None
+    if f.effect == "poison":
+        cluster.poison_node(node)
         return node, None
 
     async def maintenance() -> None:  # notice, drain, then the node goes for its maintenance

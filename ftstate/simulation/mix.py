@@ -12,7 +12,11 @@ has on an ftstate job:
   system memory, disk);
 - ``hang``: the process stops answering but stays up (an NCCL watchdog timeout);
 - ``maintenance``: the node is taken for host maintenance with notice: ftstate drains it
-  (``detect_node_maintenance``), the status quo loses its work since the last checkpoint.
+  (``detect_node_maintenance``), the status quo loses its work since the last checkpoint;
+- ``poison``: a crash loop of one node: it stays up but kills every member process on it
+  (those there now, and each placed there later, within a second of starting). No published
+  mix has it; ``ftstate simulate --poisoned-nodes N`` adds N at seeded times
+  (:func:`add_poisoned_nodes`), so the report shows quarantine at work.
 
 Rates are per GPU-day (Llama 3's: 419 / (54 × 16,384) ≈ 4.7e-4, one interruption every ~3
 hours for the whole job); a member holding ``gpus_per_member`` GPUs fails that many times as
@@ -27,7 +31,7 @@ from collections.abc import Mapping
 
 from ftstate.core.errors import ConfigError
 
-EFFECTS = ("member", "node", "hang", "maintenance")
+EFFECTS = ("member", "node", "hang", "maintenance", "poison")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,4 +129,16 @@ def draw_schedule(mix: FailureMix, *, gpus: float, seconds: float, seed: int) ->
     return out
 
 
-__all__ = ["EFFECTS", "LLAMA3", "MIXES", "Failure", "FailureMix", "draw_schedule", "get_mix"]
+#: The cause a poisoned node is recorded under.
+POISON_CAUSE = "poisoned node (crash loop)"
+
+
+def add_poisoned_nodes(schedule: list[Failure], count: int, *, seconds: float, seed: int) -> list[Failure]:
+    """``schedule`` with ``count`` poisoned nodes (effect ``poison``) at seeded uniform times."""
+    rng = random.Random(f"poison-{seed}")
+    extra = [Failure(at=rng.uniform(0.0, seconds), cause=POISON_CAUSE, effect="poison", pick=rng.random())
+             for _ in range(count)]
+    return sorted([*schedule, *extra], key=lambda f: f.at)
+
+
+__all__ = ["EFFECTS", "LLAMA3", "MIXES", "POISON_CAUSE", "Failure", "FailureMix", "add_poisoned_nodes", "draw_schedule", "get_mix"]

@@ -441,7 +441,7 @@ MUTATIONS = (
         "a failover budget that never runs out",
         "each promotion spends one of max_failovers, and a run whose budget is spent fails naming what it "
         "went to",
-        (Edit("ftstate/core/budget.py", "        self.spent_on.append(reason)\n", "        pass  # nothing charged\n"),),
+        (Edit("ftstate/core/budget.py", "        self.spent_on.append(charge.reason)\n", "        pass  # nothing charged\n"),),
         ("tests/unit/test_machine.py::TestBudgets",),
     ),
     Mutation(

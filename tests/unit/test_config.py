@@ -22,8 +22,10 @@ class TestDefaults:
         assert (cfg.init_timeout_s, cfg.sync_timeout_s, cfg.failover_timeout_s) == (600, 600, 120)
         assert (cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s) == (1, 10)
         ft = cfg.fault_tolerance
-        assert (ft.enable, ft.mode, ft.max_failovers, ft.standby_workers, ft.min_rollout_workers) == (
-            False, "standby", 5, 1, 1)
+        assert (ft.enable, ft.mode, ft.standby_workers, ft.min_rollout_workers) == (False, "standby", 1, 1)
+        # issue 43: no total by default; a window's rate, a slot's and a node's limits instead
+        assert (ft.max_failovers, ft.failover_window_s, ft.max_failovers_per_window, ft.max_slot_failovers,
+                ft.max_node_failures) == (None, 3600, 20, 3, 3)
 
     def test_verls_field_names_are_in_the_fault_tolerance_block(self):
         names = {row["path"] for row in describe()}

@@ -568,7 +568,11 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         "syncs_failed": syncs_failed,
         "syncs_failed_explained": failed_syncs,
         "maintenance": maintenance_summary,
-        "budget_left": cfg.fault_tolerance.max_failovers - len(failovers),
+        "budget_left": None if cfg.fault_tolerance.max_failovers is None else
+        cfg.fault_tolerance.max_failovers - (failovers[-1].budget or {}).get("spent", 0) if failovers else
+        cfg.fault_tolerance.max_failovers,
+        # the failover budget after the last failover (spent, in the window, quarantined nodes)
+        "budget": failovers[-1].budget if failovers else None,
         "final_checksum": final_checksum,
         "serving_checksums": serving,
         "fault_free_checksum": reference["checksum"] if reference else None,
@@ -624,7 +628,12 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         where = f" of {nodes['cluster_nodes']} in the cluster" if nodes["cluster_nodes"] else ""
         place = cfg.address or (f"a local {len(NODES)}-node cluster" if maintenance is not None else "a local cluster")
         table.add_row("nodes", f"{nodes['count']}{where} ({place})")
-    table.add_row("budget left", f"{summary['budget_left']} of {cfg.fault_tolerance.max_failovers}")
+    budget = summary["budget"] or {"spent": 0, "in_window": 0, "quarantined": []}
+    left = (f"{summary['budget_left']} of {cfg.fault_tolerance.max_failovers} left; "
+            if summary["budget_left"] is not None else "")
+    table.add_row("failover budget", f"{left}{budget['spent']} spent, {budget['in_window']} in the last "
+                  f"{cfg.fault_tolerance.failover_window_s:g} s; quarantined: "
+                  f"{', '.join(n[:12] for n in budget['quarantined']) or 'none'}")
     table.add_row("audit --check", "passed" if not violations else f"{len(violations)} violations")
     held_ok = engine is None or engine["held_all_equal"]
     if engine is not None:

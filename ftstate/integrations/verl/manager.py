@@ -58,7 +58,7 @@ from verl.utils.ray_utils import auto_await
 from ftstate.controller.ray import cluster
 from ftstate.controller.runtime import run_facts
 from ftstate.core.audit import AuditTrail
-from ftstate.core.budget import Budget
+from ftstate.core.budget import budget_for
 from ftstate.core.errors import (
     ConfigError,
     FailoverBudgetExhausted,
@@ -137,7 +137,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
                              **run_facts(self.cfg, cluster.node_address()))
         self._backstop = self.cfg.replace(init_timeout_s=2 * self.cfg.init_timeout_s,
                                           sync_timeout_s=2 * self.cfg.sync_timeout_s)
-        self.budget = Budget(key=BUDGET_KEY, limit=self.cfg.fault_tolerance.max_failovers)
+        self.budget = budget_for(BUDGET_KEY, self.cfg)
         #: Replicas removed after a loss: ``{"replica": rank, "workers": [...], "reason": ...}``.
         self.removed: list[dict[str, Any]] = []
         #: The group machine of the last update attempt.
@@ -401,11 +401,14 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
             if m.replica is not None and m.replica not in replicas:
                 replicas.append(m.replica)
         reason = "; ".join(f"{name}: {why}" for name, why in lost.why.items())
-        if self.budget.exhausted:
-            exc = FailoverBudgetExhausted(limit=self.budget.limit, spent_on=self.budget.spent_on, member=lost.dead[0].name)
+        now = asyncio.get_running_loop().time()
+        refused = self.budget.refusal([reason], now)
+        if refused is not None:
+            exc = FailoverBudgetExhausted(limit=refused.limit, spent_on=refused.spent_on, member=lost.dead[0].name,
+                                          key=refused.key, window_s=refused.window_s)
             await group.fire("budget_exhausted", reason=reason, error=exc)
             raise exc
-        self.budget.spend(reason)
+        self.budget.spend(reason, now)
         self.audit.record("budget_spent", machine="group", member=group.member, key=BUDGET_KEY, reason=reason,
                           remaining=self.budget.remaining)
         for replica in replicas:
