@@ -28,7 +28,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from ftstate.core.errors import FTError
+from ftstate.core.errors import AuditFileError, FTError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -239,9 +239,9 @@ def audit(
     records, bad = load_records(file)
     if not records:
         if not bad:
-            raise FTError(f"{file}: no audit records (the file is empty)")
-        raise FTError(f"{file}: not an audit trail: none of its lines is a record (line {bad[0].line}: "
-                      f"{bad[0].problem})")
+            raise AuditFileError(str(file), "no audit records (the file is empty)")
+        raise AuditFileError(str(file), f"not an audit trail: none of its lines is a record (line {bad[0].line}: "
+                             f"{bad[0].problem})")
     if not check:
         for v in bad[:20]:
             typer.echo(f"warning: {file}:{v} (skipped)", err=True)
@@ -252,7 +252,7 @@ def audit(
         runs = [(rid, recs) for rid, recs in runs if rid == run]
         if not runs:
             known = ", ".join(rid or "(no id)" for rid, _ in split_runs(records)[:10])
-            raise FTError(f"{file}: no run {run!r} (runs: {known})")
+            raise AuditFileError(str(file), f"no run {run!r} (runs: {known})")
     filtered = bool(member or event or since is not None or until is not None or failovers)
     tty = sys.stdout.isatty() or "COLUMNS" in os.environ
     from rich.console import Console
@@ -291,7 +291,7 @@ def audit(
         try:
             written = plot_timeline(shown, plot, title=str(file))
         except ValueError as exc:
-            raise FTError(f"cannot draw {file}: {exc}") from exc
+            raise AuditFileError(str(file), f"cannot draw it: {exc}") from exc
         typer.echo(f"timeline picture: {written}")
     if not check:
         return
