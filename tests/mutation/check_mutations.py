@@ -297,10 +297,19 @@ MUTATIONS = (
         "a vouched round not counted",
         "a worker whose quiet answers its node's round vouched for is silent only since the vouch last moved",
         (Edit("ftstate/core/liveness.py",
-              "or None.\"\"\"\n        if self.vouch is not None:\n            self._vouched()\n", "or None.\"\"\"\n"),),
+              "checksum aside.\"\"\"\n        if self.vouch is not None:\n            self._vouched()\n",
+              "checksum aside.\"\"\"\n"),),
         ("tests/unit/test_liveness.py::TestVouch",
          "tests/unit/test_watchdog_rounds.py::"
          "test_after_a_long_quiet_stretch_a_hung_spare_is_lost_after_the_timeout_and_a_hung_rollout_at_once"),
+    ),
+    Mutation(
+        "a suspected trainer held to the committed checksum",
+        "a trainer rank suspected mid-sync is proven by the version it sends, not made STALE",
+        (Edit("ftstate/core/liveness.py", "proven = heartbeat.weights_version >= current_version",
+              "proven = heartbeat.weights_version == current_version and heartbeat.checksum == current_checksum"),),
+        ("tests/unit/test_liveness.py::TestComingBack::"
+         "test_a_suspect_trainer_mid_sync_is_verified_by_the_version_it_sends",),
     ),
     Mutation(
         "a suspect's unproven answer believed",
