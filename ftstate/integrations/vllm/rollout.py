@@ -20,6 +20,12 @@ What the class guarantees, and why:
   The dtype must be the engine's: the proof compares bytes, so the trainer sends what the engine
   holds (bf16 copies of fp32 masters, say).
 * **The prefix cache is reset** after every load: cached KV blocks were computed by the old weights.
+* **In-flight updates** (``rollout_updates: in_flight``): a version committed while ``generate``
+  runs is loaded between two ``llm_engine.step()`` calls, at a safe point taken as a pause
+  (``safe_point(pause=True)``): the running requests are preempted with the prefix cache reset
+  (``reset_prefix_cache(reset_running_requests=True)``), so their KV is recomputed on the new
+  weights and they go on with their tokens so far. Each answer says the versions it spans
+  (``weights_version``: the last; ``weights_versions``: every one, in order).
 * **The proof reads the kernels.** ``held_weights()`` returns what the engine computes with,
   under the trainer's names (:mod:`ftstate.integrations.vllm.held`), so ftstate's held-bytes
   check compares the engine, not the tensors it was handed.
@@ -92,8 +98,10 @@ class VLLMRollout(RolloutWorker):
         os.environ.setdefault(MULTIPROCESSING_ENV, "0")
         self.model_path = model
         self.llm = LLM(model=model, dtype=dtype, load_format=load_format, seed=seed, **kwargs)
-        self._lock = threading.Lock()
+        # re-entrant: an in-flight swap loads inside generate(), on the thread that holds it
+        self._lock = threading.RLock()
         self._generating = False
+        self._versions: list[int] = []  # the versions the generate() under way ran on, in order
         self._steps = 0  # the engine's steps taken (read by activity(), on another thread)
         # vLLM's offline loop calls ``self.llm_engine.step()`` by attribute each time: counting it
         # on the instance sees every step without touching vLLM's classes.
@@ -116,13 +124,18 @@ class VLLMRollout(RolloutWorker):
             try:
                 self.llm.collective_rpc("reload_weights", kwargs={
                     "weights_iterator": self._weights(state), "is_checkpoint_format": True})
-                self.llm.reset_prefix_cache()
+                # a swap between two steps: the running requests are preempted to recompute their KV
+                if not self.llm.reset_prefix_cache(reset_running_requests=self._generating) and self._generating:
+                    raise RuntimeError("vLLM kept its prefix cache after preempting the running requests: their "
+                                       "KV would mix two versions")
             except Exception as exc:
                 self._torn = EngineTorn(weights_version=version, cause=f"{type(exc).__name__}: {exc}"[:300])
                 raise
             self._torn = None
             self._names = list(state)
             self.weights_version = version
+            if self._generating:
+                self._versions.append(version)
 
     def held_weights(self) -> dict[str, torch.Tensor] | None:
         """What the engine computes with now, under the names the last load gave, read from
@@ -143,22 +156,24 @@ class VLLMRollout(RolloutWorker):
     ) -> list[dict[str, Any]]:
         """Generate for each prompt (text, or token ids) with ``vllm.SamplingParams(max_tokens,
         temperature, **sampling)`` (temperature 0: greedy). One dict per prompt: ``token_ids``,
-        ``text`` and the ``weights_version`` that produced it. Raises
+        ``text``, the ``weights_version`` that produced its last tokens and ``weights_versions``,
+        every version it ran on (two or more when an in-flight update swapped mid-way). Raises
         :class:`~ftstate.core.errors.EngineTorn` on an engine whose last load stopped part-way."""
         inputs: list[Any] = [p if isinstance(p, str) else {"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling)
         with self._lock:
             if self._torn is not None:
                 raise self._torn
+            self._versions = [self.safe_point(pause=True)]
             self._generating = True
             self._steps += 1  # its start moves too: a batch's admission is not a wedge
             try:
                 outputs = self.llm.generate(inputs, params, use_tqdm=False)
             finally:
                 self._generating = False
-            version = self.weights_version
-        return [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text, "weights_version": version}
-                for o in outputs]
+            versions, version = list(self._versions), self.weights_version
+        return [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text, "weights_version": version,
+                 "weights_versions": versions} for o in outputs]
 
     def activity(self) -> tuple[bool, int]:
         """(a ``generate`` under way, the engine steps taken so far): see the module docstring."""
@@ -184,7 +199,10 @@ class VLLMRollout(RolloutWorker):
         return iter(sorted(state.items(), key=lambda kv: order[kv[0]]))
 
     def _engine_step(self) -> Any:
-        """One step of the engine (vLLM's ``LLMEngine.step``), counted once it returns."""
+        """One step of the engine (vLLM's ``LLMEngine.step``), counted once it returns; before
+        it, the safe point where an in-flight update waiting for this rollout is loaded."""
+        if self._generating:
+            self.safe_point(pause=True)
         out = self._step()
         self._steps += 1
         return out
