@@ -223,8 +223,14 @@ class Failover:
         """Start spares of ``role`` until its count (``RuntimeConfig.spares``) are warm or
         warming (after one was used or lost; never more, so the standby pool's slots suffice)."""
         have = len(self.membership.spares(role, "INIT", "STANDBY"))
-        for _ in range(self.config.spares(role) - have):
+        for _ in range(self.spare_target(role) - have):
             self.start_spare(role)
+
+    def spare_target(self, role: str) -> int:
+        """How many spares of ``role`` the pool keeps now: rollout spares follow the fleet's
+        size (``rt.add_rollouts``; :meth:`RuntimeConfig.spares`)."""
+        live = len(self.membership.live("rollout")) if role == "rollout" else None
+        return self.config.spares(role, live)
 
     def spare_lost(self, m: Member) -> None:
         """A spare died: start another, unless the last ``spare_start_attempts`` spares
@@ -323,6 +329,16 @@ class Failover:
     @property
     def pending(self) -> bool:
         return bool(self._pending)
+
+    def forget_loss(self, m: Member) -> None:
+        """``m``'s loss needs no failover: it was being removed on purpose
+        (:mod:`ftstate.controller.scaling`), so nothing is replaced and no budget spent."""
+        self._pending = [(p, t) for p, t in self._pending if p is not m]
+
+    def resync_facts(self, newcomer: str) -> tuple[dict[str, Any] | None, int | None]:
+        """The stage timings and load-by-parts device bytes :meth:`resync` kept for
+        ``newcomer`` (for a record other than a :class:`FailoverRecord`), taken out."""
+        return self._stages.pop(newcomer, None), self._device.pop(newcomer, None)
 
     async def recover(self) -> int:
         """Replace every pending loss; the caller holds the runtime's membership lock.
