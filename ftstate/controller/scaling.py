@@ -405,21 +405,34 @@ class Scaler:
     # -- the fleet ---------------------------------------------------------------------------
 
     async def _fit_spares(self) -> None:
-        """Keep the standby pool's ratio to the fleet: start spares, or retire warm ones (a
-        spare still warming is left to finish: counted, it is retired at the next change)."""
+        """Keep the standby pool's ratio to the fleet: start spares, or retire the surplus
+        (those still warming first: the least spent on them)."""
         ft = self.config.fault_tolerance
         if not (ft.enable and ft.mode == "standby"):
             return
         target = self.failover.spare_target("rollout")
-        have = len(self.membership.spares("rollout", "INIT", "STANDBY"))
-        if have < target:
+        spares = self.membership.spares("rollout", "INIT", "STANDBY")
+        if len(spares) < target:
             self.failover.replenish("rollout")
             return
-        surplus = self.membership.spares("rollout", "STANDBY")[:have - target]
+        surplus = sorted(spares, key=lambda m: m.machine.state == "STANDBY")[:len(spares) - target]
         for m in surplus:
-            await m.machine.fire("retire", reason="the fleet shrank: the standby pool keeps its ratio "
-                                 "(standby_workers per rollout_workers)")
+            await self._retire_spare(m)
+        if surplus:
+            self.audit.record("spares_retired", members=[m.name for m in surplus], target=target,
+                              reason="the fleet shrank: the standby pool keeps standby_workers per rollout_workers")
+
+    async def _retire_spare(self, m: Member) -> None:
+        why = "the fleet shrank (standby_workers per rollout_workers)"
+        self.changing.add(m.name)  # its loss (one still warming is stopped first) is no spare's loss
+        try:
+            if not m.machine.can("retire"):
+                self.launcher.kill(m)
+                if m.machine.can("died"):
+                    await m.machine.fire("died", reason=f"stopped while warming: {why}")
+            if m.machine.can("retire"):
+                await m.machine.fire("retire", reason=why)
             self.launcher.kill(m)
             self.launcher.give_back(m)
-        if surplus:
-            self.audit.record("spares_retired", members=[m.name for m in surplus], target=target)
+        finally:
+            self.changing.discard(m.name)
