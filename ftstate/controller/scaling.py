@@ -127,6 +127,7 @@ class Scaler:
         self.changing: set[str] = set()
         self._pools = 0
         self._seq = 0
+        self._stages: dict[str, dict[str, Any]] = {}  # newcomer -> its transfer's stage timings
 
     # -- adding ----------------------------------------------------------------------------
 
@@ -148,6 +149,7 @@ class Scaler:
         self.audit.record("scale_add_started", n=n, pool=pool, group_version=ms.group_version,
                           weights_version=ms.weights_version)
         started: list[Member] = []
+        newcomers: list[Member] = []
         restarted: list[str] = []
         try:
             outcomes = await asyncio.gather(*(self._start(pool, started, restarted) for _ in range(n)),
@@ -164,8 +166,11 @@ class Scaler:
             raise
         finally:
             self.changing.difference_update(m.name for m in started)
+            for m in started:
+                if m not in newcomers:
+                    self._stages.pop(m.name, None)
         names = [m.name for m in newcomers]
-        stages = {name: facts for name in names if (facts := self.failover.resync_facts(name)[0]) is not None}
+        stages = {name: self._stages.pop(name) for name in names if name in self._stages}
         trainer = {m.name for m in ms.role("trainer")}
         record = ScaleRecord(kind="add", members=tuple(names), seconds=loop.time() - t0,
                              group_version=ms.group_version, weights_version=ms.weights_version,
@@ -243,7 +248,10 @@ class Scaler:
                         if exc.member == m.name or m.gone:
                             raise _NewcomerLost(m, exc.reason) from exc
                         raise
-                    sources[m.name] = self._source(m) if fed else None
+                    source, stages, _ = self.failover.resync_facts(m.name)
+                    sources[m.name] = source if fed else None
+                    if stages is not None:
+                        self._stages[m.name] = stages
                 return sources
             except _NewcomerLost as lost:
                 i = newcomers.index(lost.member)
@@ -261,18 +269,11 @@ class Scaler:
             except (MemberLost, TransportError) as exc:
                 # Not a newcomer's loss: a source died, or a transfer failed with nobody lost.
                 tries += 1
-                if tries > self.config.fault_tolerance.resync_retries + 1:
-                    raise
+                if not self.config.fault_tolerance.enable or tries > self.config.fault_tolerance.resync_retries + 1:
+                    raise  # fault tolerance off: that loss fails the run (the runtime's), no retry here
                 await self._settle(exc)
                 self.audit.record("scale_retry", reason=f"{type(exc).__name__}: {exc}"[:500],
                                   members=[m.name for m in newcomers if m.name not in sources])
-
-    def _source(self, m: Member) -> str | None:
-        """Who fed ``m``: its last ``resync`` record's source."""
-        for r in reversed(self.audit.records):
-            if r.get("member") == m.name and r.get("trigger") == "resync" and r.get("event") == "transition":
-                return r.get("source")
-        return None
 
     async def _settle(self, exc: FTError) -> None:
         """A member other than a newcomer was found lost: the watchdog's verdict on one nobody
@@ -301,6 +302,7 @@ class Scaler:
 
     async def _drop(self, m: Member, why: str) -> None:
         """A newcomer that will not serve: its process stopped, its machine retired, its slot back."""
+        self.failover.resync_facts(m.name)  # what a transfer to it left behind goes with it
         self.launcher.kill(m)
         if not m.gone and m.machine.can("died"):
             await m.machine.fire("died", reason=why)

@@ -60,3 +60,53 @@ def test_a_run_syncing_every_step_scales_two_to_eight_to_two_and_every_sync_comm
         await rt.close()
 
     clock.run(main())
+
+
+class TestRefusals:
+    """What cannot be done is refused before anything changes, naming the field and what it expected."""
+
+    def test_bad_requests_and_a_removal_below_the_minimum_change_nothing(self):
+        import pytest
+
+        from ftstate.core.errors import ScaleRefused
+
+        async def main():
+            rt, _ = simulated_runtime(Shape(rollouts=3, nodes=2, headroom=4), keep_records=True,
+                                      overrides={"fault_tolerance": {"min_rollout_workers": 2}})
+            await rt.start()
+            await rt.sync()
+            version, members = rt.group_version, len(rt.members())
+            for n in (0, -1, True, 1.5):
+                with pytest.raises(ScaleRefused, match=r"^n: expected a positive int"):
+                    await rt.add_rollouts(n)
+            for names, got in ((["rollout-9"], "rollout-9"), (["rollout-0", "rollout-0"], "rollout-0, rollout-0"),
+                               (["trainer-0"], "trainer-0")):
+                with pytest.raises(ScaleRefused, match=rf"^names: expected distinct rollouts of the fleet .*got {got}$"):
+                    await rt.remove_rollouts(names)
+            with pytest.raises(ScaleRefused, match=r"^names: expected a non-empty list"):
+                await rt.remove_rollouts([])
+            with pytest.raises(ScaleRefused) as info:
+                await rt.remove_rollouts(["rollout-0", "rollout-1"])
+            assert info.value.field == "fault_tolerance.min_rollout_workers"
+            assert "at least 2 rollouts left" in str(info.value) and "1 left" in str(info.value)
+            with pytest.raises(ScaleRefused, match="min_rollout_workers"):
+                await rt.scale_rollouts(1)
+            assert (rt.group_version, len(rt.members())) == (version, members)
+            assert len(rt.serving_rollouts()) == 3 and not rt.scalings
+            assert await rt.scale_rollouts(3) is None  # already there: nothing to do
+            await rt.close()
+
+        clock.run(main())
+
+    def test_a_newcomer_before_the_first_sync_waits_stale_and_the_first_sync_brings_it_up(self):
+        async def main():
+            rt, _ = simulated_runtime(Shape(rollouts=2, nodes=2, headroom=4), keep_records=True)
+            await rt.start()
+            [name] = await rt.add_rollouts(1)
+            assert rt.scalings[0].sources == {name: None}  # nothing committed to feed it yet
+            assert {m.member: m.state for m in rt.members()}[name] == "STALE"
+            report = await rt.sync()
+            assert name in report.rollouts and name in rt.serving_rollouts()
+            await rt.close()
+
+        clock.run(main())
