@@ -128,6 +128,7 @@ class Scaler:
         self._pools = 0
         self._seq = 0
         self._stages: dict[str, dict[str, Any]] = {}  # newcomer -> its transfer's stage timings
+        self._placing: tuple[set[str], int] | None = None  # this addition's nodes to avoid, last rank given
 
     # -- adding ----------------------------------------------------------------------------
 
@@ -150,6 +151,7 @@ class Scaler:
                           weights_version=ms.weights_version)
         started: list[Member] = []
         newcomers: list[Member] = []
+        self._placing = None
         restarted: list[str] = []
         try:
             outcomes = await asyncio.gather(*(self._start(pool, started, restarted) for _ in range(n)),
@@ -202,17 +204,19 @@ class Scaler:
         raise AssertionError("unreachable")
 
     def _launch(self, pool: str) -> Member:
-        names = {m.name for m in self.membership}
-        while (name := f"rollout-{self.config.rollout_workers + self._seq}") in names:
+        while (name := f"rollout-{self.config.rollout_workers + self._seq}") in self.membership:
             self._seq += 1
         self._seq += 1
         self.changing.add(name)
-        # Spread like the rollout pool: off the nodes of the rollouts there are, where another fits.
-        spread = self.config.placement.rollout.strategy in ("SPREAD", "STRICT_SPREAD")
-        avoid = self.failover.avoided_nodes() | (
-            {m.node_id for m in self.membership.live("rollout") if m.node_id} if spread else set())
-        rank = 1 + max((m.rank for m in self.membership.group_members()), default=0)
-        return self.launcher.start("rollout", rank, name, pool=pool, avoid_nodes=avoid)
+        if self._placing is None:  # once an addition, not once a newcomer: O(members) each
+            # Spread like the rollout pool: off the nodes of the rollouts there are, where another fits.
+            spread = self.config.placement.rollout.strategy in ("SPREAD", "STRICT_SPREAD")
+            avoid = self.failover.avoided_nodes() | (
+                {m.node_id for m in self.membership.live("rollout") if m.node_id} if spread else set())
+            self._placing = (avoid, max((m.rank for m in self.membership.group_members()), default=0))
+        avoid, rank = self._placing
+        self._placing = (avoid, rank + 1)  # ranks past every member's: the next reform renumbers them
+        return self.launcher.start("rollout", rank + 1, name, pool=pool, avoid_nodes=avoid)
 
     async def _constructed(self, m: Member) -> Member:
         try:
