@@ -244,8 +244,15 @@ class Scaler:
             try:
                 await self._reform(newcomers)
                 for m in newcomers:
+                    # in the group now: STALE (no deadline) while the others are fed one by one,
+                    # not RENDEZVOUS, whose init_timeout_s would run out behind a long queue
+                    if m.machine.state == "RENDEZVOUS":
+                        await m.machine.fire("joined")
+                for m in newcomers:
                     if m.name in sources:
                         continue
+                    if m.machine.state == "SUSPECT":  # a heartbeat missed while it waited its turn
+                        await self.watchdog.verdict([m])  # back to STALE, or LOST (heartbeat_timeout_s)
                     try:
                         fed = await self.failover.resync(m)
                     except MemberLost as exc:
