@@ -22,6 +22,7 @@ from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import ScaleRefused
 from tests.integration.test_failover import assert_consistent, budget_spends, spares_warm
 from tests.integration.test_runtime import assert_gone, wait_until
+from tests.integration.test_runtime_nodecopy import committed_copies, node_copies, sweep_run
 from tests.integration.workers import DyingRollout, TinyTrainer
 
 pytestmark = pytest.mark.ray
@@ -178,6 +179,38 @@ class TestGrowAndShrink:
             await assert_consistent(rt)
         finally:
             await finish(rt, tmp_path)
+
+
+class TestNodeCopy:
+    async def test_with_node_staging_a_newcomer_adopts_its_nodes_copy_with_no_transfer(
+        self, ray_cluster, tmp_path
+    ):
+        rt = runtime(config(tmp_path, staging="node", fault_tolerance={"mode": "cold"}))
+        await rt.start()
+        try:
+            await rt.sync()
+            kept = committed_copies(rt)[-1:]
+            [name] = await rt.add_rollouts(1)
+            [resync] = [r for r in rt.audit.records if r["event"] == "transition" and r.get("member") == name
+                        and r.get("trigger") == "resync"]
+            assert resync["source"] == "node copy" and resync["plan"]["routes"] == {name: "node_copy"}, resync
+            assert resync["plan"]["segment"] == kept[0] and node_copies() == kept
+            assert rt.scalings[0].sources == {name: "node copy"} and rt.scalings[0].trainer_sources == 0
+            await assert_consistent(rt)
+            await rt.trainer("train_step")
+            report = await rt.sync()
+            assert name in report.rollouts
+            await assert_consistent(rt)
+            await rt.remove_rollouts([name])
+            await rt.trainer("train_step")
+            await rt.sync()
+            await assert_consistent(rt)
+        finally:
+            try:
+                await finish(rt, tmp_path)
+            finally:
+                sweep_run(rt.run_id)  # a failed test leaves no node copy behind either
+        assert node_copies() == []
 
 
 class TestFaultsWhileScaling:

@@ -110,3 +110,28 @@ class TestRefusals:
             await rt.close()
 
         clock.run(main())
+
+
+def test_with_fault_tolerance_off_the_fleet_still_grows_and_shrinks_and_a_newcomer_lost_fails_nothing():
+    """Scaling is no failover: it works with fault tolerance off, and a newcomer lost while it is
+    started is started again there too, where any other loss would fail the run."""
+    async def main():
+        rt, cluster = simulated_runtime(Shape(rollouts=2, nodes=2, headroom=4, spares=0), keep_records=True,
+                                        overrides={"fault_tolerance": {"enable": False}})
+        await rt.start()
+        await rt.sync()
+        adding = asyncio.ensure_future(rt.add_rollouts(2))
+        while not any(m.member == "rollout-2" and m.state == "RENDEZVOUS" for m in rt.members()):
+            await asyncio.sleep(0.01)
+        cluster.kill_member("rollout-2")  # a newcomer lost before it was fed
+        names = await adding
+        assert "rollout-2" not in names and len(names) == 2 and rt.scalings[0].restarted == ("rollout-2",)
+        assert rt.state == "READY" and len(rt.serving_rollouts()) == 4
+        report = await rt.sync()
+        assert set(names) <= set(report.rollouts)
+        await rt.remove_rollouts(names)
+        assert sorted(rt.serving_rollouts()) == ["rollout-0", "rollout-1"]
+        assert (await rt.sync()).rollouts == ("rollout-0", "rollout-1")
+        await rt.close()
+
+    clock.run(main())
