@@ -344,7 +344,8 @@ class Scaler:
         if isinstance(names, str) or not isinstance(names, Sequence) or not names:
             raise ScaleRefused(field="names", expected="a non-empty list of rollout names", got=repr(names))
         rollouts = {m.name: m for m in ms.role("rollout")}
-        unknown = [n for n in names if n not in rollouts or rollouts[n].machine.state == "RETIRED"]
+        # LOST is taken (a dead member is removed, not replaced); retired, failed or stopped is no member
+        unknown = [n for n in names if n not in rollouts or rollouts[n].machine.state in ("RETIRED", "FAILED", "STOPPED")]
         if unknown or len(set(names)) != len(names):
             raise ScaleRefused(field="names", expected=f"distinct rollouts of the fleet "
                                f"({', '.join(m.name for m in ms.live('rollout')) or 'none'})",
