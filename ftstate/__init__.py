@@ -14,6 +14,7 @@ from ftstate.core.budget import Budget
 from ftstate.core.config import FaultToleranceConfig, RuntimeConfig
 from ftstate.core.deadline import Deadline, LoopClock, ManualClock
 from ftstate.core.errors import (
+    AuditFileError,
     AuditViolation,
     BackendUnavailable,
     ChecksumMismatch,
@@ -37,6 +38,7 @@ from ftstate.core.errors import (
     OwnershipError,
     PeerLost,
     PlacementUnsatisfiable,
+    ProtocolError,
     RankNotRecoverable,
     RendezvousTimeout,
     ReplacementFailed,
@@ -48,6 +50,7 @@ from ftstate.core.errors import (
     StateDictError,
     SyncTimeout,
     TransportError,
+    UserCodeError,
     WorkerInitError,
 )
 from ftstate.core.machine import StateMachine
@@ -81,6 +84,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AuditFileError",
     "AuditTrail",
     "AuditViolation",
     "BackendUnavailable",
@@ -112,6 +116,7 @@ __all__ = [
     "OwnershipError",
     "PeerLost",
     "PlacementUnsatisfiable",
+    "ProtocolError",
     "RankNotRecoverable",
     "RendezvousTimeout",
     "ReplacementFailed",
@@ -130,6 +135,7 @@ __all__ = [
     "SyncTimeout",
     "TrainerWorker",
     "TransportError",
+    "UserCodeError",
     "WorkerInitError",
     "get_spec",
     "load_machines",

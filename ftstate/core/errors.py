@@ -18,6 +18,8 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     │   └── CrashLoop            one member slot replaced max_slot_failovers times in the window (slot, class)
     ├── MemberLost               a worker died or was declared lost and nothing replaced it
     ├── WorkerInitError          a worker class's constructor raised (member, class, the user's exception and frame)
+    ├── UserCodeError            a worker's own method returned what its contract forbids, or is missing (member, method)
+    ├── ProtocolError            a worker was asked out of the protocol's order (member, request, what it holds)
     ├── ReplacementFailed        a replacement's own code raised while it was brought up (not retried: not a fault)
     ├── LossyRecoveryRefused     reverse recovery would rebuild a trainer from lossy weights
     ├── RankNotRecoverable       a trainer rank would have to be restored with no committed version
@@ -37,7 +39,8 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     │   ├── ManifestError        a message (manifest, seal, offer, signal, store value) is malformed (.field, .peer)
     │   ├── PeerLost             a peer died or vanished mid-collective (.group, .rank, .op, .peer)
     │   └── CommunicatorAborted  a transfer on a communicator that was aborted: form a new version
-    └── AuditViolation           an audit trail breaks an invariant of the machines
+    ├── AuditViolation           an audit trail breaks an invariant of the machines
+    └── AuditFileError           a file given as an audit trail is not one (empty, no records, no such run)
 
 Every message names what, who, how long and which version where those apply;
 the same facts are kept as attributes so code need not parse messages.
@@ -236,6 +239,29 @@ class WorkerInitError(FTError):
         self.traceback = traceback
         at = f" (at {where})" if where else ""
         super().__init__(f"{member}: {cls}.__init__() raised {exc_type}: {message}{at}")
+
+
+class UserCodeError(FTError):
+    """Raised when a method of the user's worker returned what its contract forbids, or a call
+    names a method it does not have: ``member``, ``method`` (``Class.method``) and ``problem``."""
+
+    def __init__(self, member: str, method: str, problem: str) -> None:
+        self.member = member
+        self.method = method
+        self.problem = problem
+        super().__init__(f"{member}: {method} {problem}")
+
+
+class ProtocolError(FTError):
+    """Raised in a worker asked out of the controller's protocol order (a commit of a version it
+    did not stage, a send of a part it did not prepare): ``member``, ``request`` and ``problem``.
+    A bug in ftstate or a message from an older controller, never the user's doing."""
+
+    def __init__(self, member: str, request: str, problem: str) -> None:
+        self.member = member
+        self.request = request
+        self.problem = problem
+        super().__init__(f"{member}: {request}: {problem}")
 
 
 class ReplacementFailed(FTError):
@@ -550,7 +576,17 @@ class AuditViolation(FTError):
         super().__init__(f"{source}:{line}: {problem}")
 
 
+class AuditFileError(FTError, ValueError):
+    """Raised when a file given as an audit trail is not one: ``path`` and ``problem``."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
+
+
 __all__ = [
+    "AuditFileError",
     "AuditViolation",
     "BackendUnavailable",
     "ChecksumMismatch",
@@ -573,6 +609,7 @@ __all__ = [
     "OwnershipError",
     "PeerLost",
     "PlacementUnsatisfiable",
+    "ProtocolError",
     "RankNotRecoverable",
     "RendezvousTimeout",
     "ReplacementFailed",
@@ -583,5 +620,6 @@ __all__ = [
     "StateDictError",
     "SyncTimeout",
     "TransportError",
+    "UserCodeError",
     "WorkerInitError",
 ]

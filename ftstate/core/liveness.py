@@ -14,7 +14,8 @@ with the trigger to fire on the worker's machine, if any:
   ``heartbeat_timeout_s`` -> ``unresponsive`` (straight to LOST: a hung spare promoted later,
   or a newcomer hung in the re-rendezvous, would only burn the failover deadline);
 - an answer showing progress from a SUSPECT worker -> ``verified`` only if it reports the
-  current weights version with the current checksum, else ``alive_stale``. A worker that
+  current weights version with the current checksum (a trainer rank: that version or a later
+  one), else ``alive_stale``. A worker that
   merely answers proves nothing about its weights; it must show them: a suspect rollout's
   checksum is hashed afresh from the bytes it holds when it answers (the watchdog asks it to
   prove), not the value it cached at its last commit.
@@ -101,8 +102,12 @@ class Liveness:
         state: str,
         current_version: int,
         current_checksum: str | None,
+        source: bool = False,
     ) -> str | None:
-        """Record one poll's outcome; returns the trigger to fire on the worker, or None."""
+        """Record one poll's outcome; returns the trigger to fire on the worker, or None.
+        ``source``: the worker is a trainer rank, whose weights move ahead of the committed
+        version by design (mid-sync it reports the version it is sending): it is proven by an
+        answer at the committed version or later, checksum aside."""
         if self.vouch is not None:
             self._vouched()
         if heartbeat is None:
@@ -125,9 +130,12 @@ class Liveness:
         if stalled:
             return "heartbeat_missed" if state in WATCHED else None
         if state == "SUSPECT":
-            proven = heartbeat.weights_version == current_version and (
-                current_checksum is None or heartbeat.checksum == current_checksum
-            )
+            if source:
+                proven = heartbeat.weights_version >= current_version
+            else:
+                proven = heartbeat.weights_version == current_version and (
+                    current_checksum is None or heartbeat.checksum == current_checksum
+                )
             return "verified" if proven else "alive_stale"
         return None
 

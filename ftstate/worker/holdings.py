@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from ftstate.core.errors import FTError
+from ftstate.core.errors import ProtocolError, UserCodeError
 from ftstate.core.protocol import Checksum, Commit, Discard, Loaded, TrainerChecksum
 from ftstate.worker.inflight import PendingSwap
 from ftstate.worker.part import HostPart
@@ -49,7 +49,7 @@ class Holdings(HostPart):
         staged = self._staged
         if staged is None or staged.weights_version != req.weights_version:
             have = "nothing" if staged is None else f"version {staged.weights_version}"
-            raise FTError(f"{self.member}: asked to commit weights version {req.weights_version} but staged {have}")
+            raise ProtocolError(self.member, f"commit of weights version {req.weights_version}", f"it staged {have}")
         if self._in_flight and self._lock().locked():
             self._staged = None
             self._pending.offer(staged)
@@ -216,8 +216,8 @@ class Holdings(HostPart):
         returned = await self._engine_weights()
         held = returned if returned is not None else given
         if held is None:
-            raise FTError(f"{self.member}: {type(self.user).__name__}.held_weights() returned None, but the "
-                          "transport kept no copy of the weights it loaded (the engine held them before)")
+            raise UserCodeError(self.member, f"{type(self.user).__name__}.held_weights()", "returned None, but "
+                                "the transport kept no copy of the weights it loaded (the engine held them before)")
         if like is None:
             return await asyncio.to_thread(state_checksum, held), returned is not None
         return await asyncio.to_thread(state_checksum_like, held, like), returned is not None
@@ -282,7 +282,7 @@ class Holdings(HostPart):
             async with self._lock():
                 state = await self._engine_weights()
             if state is None:
-                raise FTError(f"{self.member}: {type(self.user).__name__}.held_weights() returned None; it held "
-                              f"weights version {self.weights_version} and the transport kept no copy")
+                raise UserCodeError(self.member, f"{type(self.user).__name__}.held_weights()", "returned None; it "
+                                    f"held weights version {self.weights_version} and the transport kept no copy")
             return state, self.weights_version
-        raise FTError(f"{self.member}: holds no committed weights to send")
+        raise ProtocolError(self.member, "a send of its committed weights", "it holds none")

@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ftstate.core.errors import FTError, WorkerInitError
+from ftstate.core.errors import UserCodeError, WorkerInitError
 from ftstate.core.liveness import Heartbeat
 from ftstate.core.protocol import Beat, Info, Located, UserCall, Versioned, Vigil
 from ftstate.core.text import bounded
@@ -175,8 +175,8 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
             return None
         if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], bool)
                 and isinstance(value[1], int) and not isinstance(value[1], bool)):
-            raise FTError(f"{self.member}: {type(self.user).__name__}.activity() returned {bounded(repr(value), 200)}; "
-                          f"expected None or (busy: bool, progress: int)")
+            raise UserCodeError(self.member, f"{type(self.user).__name__}.activity()", f"returned "
+                                f"{bounded(repr(value), 200)}; expected None or (busy: bool, progress: int)")
         return value
 
     async def vigil(self, req: Vigil) -> None:
@@ -208,7 +208,7 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
             raise self._init_error
         fn = getattr(self.user, method, None)
         if fn is None or method.startswith("_") or not callable(fn):
-            raise FTError(f"{self.member}: {type(self.user).__name__} has no public method {method!r}")
+            raise UserCodeError(self.member, type(self.user).__name__, f"has no public method {method!r}")
         async with self._lock():
             await self._swap_now()
             self._pending.call_versions = versions = [self.weights_version]

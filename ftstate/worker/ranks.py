@@ -9,7 +9,7 @@ import asyncio
 import os
 from typing import Any
 
-from ftstate.core.errors import FTError
+from ftstate.core.errors import ProtocolError
 from ftstate.core.protocol import (
     CallCounts,
     CallsSinceCommit,
@@ -70,8 +70,8 @@ class TrainerRank(HostPart):
         comm = self._require_comm()
         part, self._shard_part = self._shard_part, None
         if part is None:
-            raise FTError(f"{self.member}: asked to send its part of weights version {weights_version} "
-                          "but prepared none")
+            raise ProtocolError(self.member, f"a send of its part of weights version {weights_version}",
+                                "it prepared none")
         self.busy = True
         try:
             report = await asyncio.to_thread(send_part, self._shard_senders, comm, list(req.peers), part,

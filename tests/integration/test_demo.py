@@ -98,6 +98,26 @@ def test_two_trainer_ranks_survive_losing_rank_1_mid_step_and_match_the_two_rank
     assert report["audit_violations"] == [] and check_trail(out / "audit.jsonl") == [], what
 
 
+def test_the_async_demo_samples_while_it_trains_and_is_the_replay_of_its_stamps(ray_cluster, tmp_path):
+    # ftstate demo --async: step s + 1 generates while step s trains and syncs (in-flight updates),
+    # through the same three kills; which version a sample ran on depends on when its rollout
+    # reached a safe point, so the proof is the replay of the stamps the run recorded
+    out = tmp_path / "demo"
+    assert run_demo(out=str(out), steps=6, faults=True, in_flight=True, **SMALL) == 0
+    report = json.loads((out / "report.json").read_text())
+    flight = report["in_flight"]
+    assert flight["stamp_problems"] == [] and set(flight["samples_by_staleness"]) <= {"0", "1"}
+    assert flight["samples_by_staleness"].get("1", 0) > 0, flight  # it did generate on the old version
+    assert [len(row) for row in flight["stamps"]] == [SMALL["batch_size"]] * 6
+    assert [f["role"] for f in report["failovers"]] == ["rollout", "rollout", "trainer"]
+    assert report["identical_to_fault_free"] is True and set(report["serving_checksums"]) == {report["final_checksum"]}
+    # the stamps are in the trail too: the run can be replayed from its seed and its trail
+    from ftstate.core.audit import as_records
+
+    stamped = [r["stamps"] for r in as_records(out / "audit.jsonl") if r["event"] == "samples_stamped"]
+    assert stamped == flight["stamps"] and check_trail(out / "audit.jsonl") == []
+
+
 def test_the_fleet_grows_and_shrinks_mid_run_and_the_run_stays_identical_to_the_fixed_fleet(ray_cluster, tmp_path):
     """`--grow-to 4`: two rollouts added at step 2 (fed by the rollouts, not the trainer), two
     removed at step 4; the weights and rewards equal the fault-free run with a fixed fleet."""

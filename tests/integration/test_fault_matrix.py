@@ -92,8 +92,10 @@ def config(tmp_path) -> ftstate.RuntimeConfig:
             "heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
             "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
             "audit_log": str(tmp_path / "audit.jsonl"),
+            # the matrix kills the same slots over and over on purpose: the crash-loop limit
+            # (max_slot_failovers, tested in tests/unit/test_failover_budget.py) is set above it
             "fault_tolerance": {"enable": True, "reverse_weight_sync": True, "max_failovers": 20,
-                                "standby_workers": 1},
+                                "max_slot_failovers": 20, "standby_workers": 1},
         },
         environ={},
     )
@@ -285,19 +287,23 @@ def promotions(rt) -> int:
                and r["to"] == "PROMOTING")
 
 
-def paid_for(rt) -> list[str]:
+def paid_for(rt) -> tuple[list[str], list[str]]:
     """The members the budget's units went to: one a unit, or every member of a node lost whole
-    (one unit between them: ``node <id> lost: a, b``)."""
-    out: list[str] = []
+    (one unit between them: ``node <id> lost: a, b``); and, apart, the replacements that died
+    before they served (``a: b, its replacement, died``), a unit each: a slot's crash-loop strike."""
+    lost: list[str] = []
+    replacements: list[str] = []
     for r in rt.audit.records:
         if r["event"] != "budget_spent":
             continue
         reason = str(r.get("reason", ""))
         if reason.startswith("node ") and " lost: " in reason:
-            out += reason.split(" lost: ", 1)[1].split(", ")
+            lost += reason.split(" lost: ", 1)[1].split(", ")
+        elif ", its replacement, died" in reason:
+            replacements.append(reason.split(": ", 1)[1].split(", its replacement", 1)[0])
         else:
-            out.append(reason.split(":", 1)[0])
-    return out
+            lost.append(reason.split(":", 1)[0])
+    return lost, replacements
 
 
 def budget_ok(rt, cell: Cell, failovers_before: int, promoted_before: int) -> None:
@@ -305,9 +311,11 @@ def budget_ok(rt, cell: Cell, failovers_before: int, promoted_before: int) -> No
     # Every replaced member paid for once (members lost together on their node: one unit between
     # them); one entry into PROMOTING per failover round.
     rounds = {f.group_version for f in rt.failovers}
-    paid = paid_for(rt)
+    paid, replacements = paid_for(rt)
     assert sorted(paid) == sorted(f.lost for f in rt.failovers) and promoted == len(rounds), (
         paid, promoted, [f.lost for f in rt.failovers], rounds)
+    died = {r.get("member") for r in rt.audit.records if r["event"] == "transition" and r.get("to") == "LOST"}
+    assert set(replacements) <= died and len(replacements) == len(set(replacements)), (replacements, died)
     # Members lost together (the "two rollouts" target) are replaced in one round, not one
     # round each; only in the rendezvous phase is a second loss, during the first round's
     # re-rendezvous, a round of its own.

@@ -231,6 +231,22 @@ class TestTrainingIsReproducible:
         assert_same_state(one.model, two.model)
         assert_same_state(one.model, three.model)
 
+    def test_a_replay_of_stamps_samples_each_prompt_on_the_weights_it_names(self):
+        # ftstate demo --async: a stamp per prompt, the steps taken before its weights
+        ids = [[pid for pid, _ in task.make_prompts(step, 16, SEED)] for step in range(3)]
+        current = train_local(SEED, 3, batch_size=16, stamps=[dict.fromkeys(p, s) for s, p in enumerate(ids)])
+        plain = train_local(SEED, 3, batch_size=16)
+        assert current.rewards == plain.rewards
+        assert_same_state(current.model, plain.model)
+        # one step off-policy for every other prompt (step 0 has no earlier weights)
+        lagged = [{pid: max(0, s - (i % 2)) for i, pid in enumerate(p)} for s, p in enumerate(ids)]
+        stale = train_local(SEED, 3, batch_size=16, stamps=lagged)
+        assert stale.rewards[0] == plain.rewards[0] and stale.rewards[1:] != plain.rewards[1:]
+        again = train_local(SEED, 3, batch_size=16, stamps=lagged)
+        assert_same_state(stale.model, again.model)
+        with pytest.raises(ValueError, match="no weights after 2 steps"):
+            train_local(SEED, 2, batch_size=16, stamps=[dict.fromkeys(ids[0], 0), dict.fromkeys(ids[1], 2)])
+
     def test_reinforce_step_puts_the_batch_in_prompt_id_order(self):
         batch = task.make_prompts(0, 16, SEED)
         ids, prompts = [p for p, _ in batch], [t for _, t in batch]

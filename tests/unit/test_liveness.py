@@ -45,6 +45,17 @@ class TestComingBack:
     def test_a_suspect_with_the_right_version_but_wrong_bytes_is_stale(self):
         assert observe(Liveness(1.0, 5.0), 1, hb(version=3, checksum="torn"), state="SUSPECT") == "alive_stale"
 
+    def test_a_suspect_trainer_mid_sync_is_verified_by_the_version_it_sends(self):
+        # its weights move ahead of the committed version by design: a trainer suspected while
+        # it sends version 4 shows 4 and that version's checksum, not the committed 3's
+        lv = Liveness(1.0, 5.0)
+        beat = hb(version=4, checksum="next")
+        assert lv.observe(1, beat, state="SUSPECT", current_version=3, current_checksum="abc", source=True) == "verified"
+        assert observe(Liveness(1.0, 5.0), 1, beat, state="SUSPECT") == "alive_stale"  # a rollout: not proven
+        behind = hb(version=2, checksum="old")
+        assert lv.observe(2, behind, state="SUSPECT", current_version=3, current_checksum="abc",
+                          source=True) == "alive_stale"
+
     def test_a_suspect_still_stalled_stays_suspect(self):
         lv = Liveness(1.0, 5.0)
         observe(lv, 0, hb(progress=1, busy=True), state="SYNCING")

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -280,6 +281,7 @@ def train_local(
     shards: int = 1,
     shard_order: Sequence[int] | None = None,
     trainer_ranks: int = 1,
+    stamps: Sequence[Mapping[int, int]] | None = None,
     **size: float,
 ) -> RunResult:
     """The demo's loop in one process: per step, make the prompts, deal them into
@@ -290,6 +292,11 @@ def train_local(
 
     The result does not depend on ``shards`` or ``shard_order``: that is the property the
     tests pin.
+
+    ``stamps`` replays an asynchronous run (``ftstate demo --async``): per step, each prompt id's
+    weights as the number of steps taken before they were synced (a prompt of step ``s`` sampled
+    on the weights of step ``s - 1`` has stamp ``s - 1``); without it every prompt of step ``s``
+    is sampled on the weights after ``s`` steps.
     """
     if trainer_ranks < 1:
         raise ValueError(f"trainer_ranks must be >= 1, got {trainer_ranks}")
@@ -299,6 +306,7 @@ def train_local(
         raise ValueError(f"shard_order {order} is not a permutation of range({shards})")
     rewards: list[float] = []
     stats: list[StepStats] = []
+    past = _PastWeights(model, seed, size) if stamps is not None else None
     for step in range(steps):
         batch = task.make_prompts(step, batch_size, seed)
         parts = [batch[i::shards] for i in range(shards)]
@@ -309,15 +317,13 @@ def train_local(
             part = parts[k]
             ids += [pid for pid, _ in part]
             prompts += [toks for _, toks in part]
-            completions += sample(
-                model,
-                [toks for _, toks in part],
-                step,
-                [pid for pid, _ in part],
-                task.N_DIGITS,
-                temperature,
-                seed=seed,
-            )
+            if past is None or stamps is None:
+                completions += sample(model, [toks for _, toks in part], step, [pid for pid, _ in part],
+                                      task.N_DIGITS, temperature, seed=seed)
+                continue
+            for pid, toks in part:
+                completions += sample(past.at(stamps[step][pid]), [toks], step, [pid], task.N_DIGITS,
+                                      temperature, seed=seed)
         scores = [task.reward(p, c) for p, c in zip(prompts, completions, strict=True)]
         if trainer_ranks == 1:
             st = reinforce_step(model, prompts, completions, scores, lr, prompt_ids=ids, update=update)
@@ -326,4 +332,37 @@ def train_local(
                                         prompt_ids=ids, update=update)
         rewards.append(st.mean_reward)
         stats.append(st)
+        if past is not None and stamps is not None:
+            past.keep(step + 1, oldest=min((min(s.values()) for s in stamps[step + 1:] if s), default=step + 1))
     return RunResult(model=model, rewards=rewards, stats=stats)
+
+
+class _PastWeights:
+    """The weights after each step a replayed asynchronous run may still sample on: a model per
+    step count, built on demand; those no later stamp names are dropped (the ballast makes each
+    tens of megabytes)."""
+
+    def __init__(self, model: nn.Module, seed: int, size: Mapping[str, Any]) -> None:
+        self.model, self.seed, self.size = model, seed, size
+        self.states: dict[int, dict[str, torch.Tensor]] = {0: _copy(model)}
+        self.models: dict[int, nn.Module] = {}
+
+    def keep(self, steps_done: int, oldest: int) -> None:
+        self.states[steps_done] = _copy(self.model)
+        for k in [k for k in self.states if k < oldest]:
+            del self.states[k]
+            self.models.pop(k, None)
+
+    def at(self, steps_done: int) -> nn.Module:
+        if steps_done not in self.states:
+            raise ValueError(f"no weights after {steps_done} steps to replay a stamp with "
+                             f"(kept: {sorted(self.states)})")
+        if steps_done not in self.models:
+            m = build_policy(self.seed, **self.size)  # type: ignore[arg-type]
+            m.load_state_dict(self.states[steps_done])
+            self.models[steps_done] = m
+        return self.models[steps_done]
+
+
+def _copy(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

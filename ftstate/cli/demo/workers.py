@@ -87,6 +87,18 @@ class PolicyRollout(RolloutWorker):
         completions = sample(self.model, prompts, step, ids, task.N_DIGITS, seed=self.seed)
         return [(pid, c, task.reward(p, c)) for pid, p, c in zip(ids, prompts, completions, strict=True)]
 
+    def generate_stamped(self, step: int, shard: Sequence[tuple[int, Sequence[int]]]) -> list[tuple[int, list[int], float, int]]:
+        """:meth:`generate` for ``ftstate demo --async``: a safe point before each prompt, where a
+        version committed meanwhile is loaded, and each sample stamped with the weights version it
+        ran on: ``[(prompt_id, completion, reward, version)]``. A prompt is sampled alone
+        (:func:`~ftstate.cli.demo.policy.sample`), so its stamp is all a replay needs."""
+        out = []
+        for pid, tokens in shard:
+            version = self.safe_point()
+            completion = sample(self.model, [list(tokens)], step, [pid], task.N_DIGITS, seed=self.seed)[0]
+            out.append((pid, completion, task.reward(list(tokens), completion), version))
+        return out
+
     def checksum(self) -> str:
         return state_checksum({k: v.detach() for k, v in self.model.state_dict().items()})
 
