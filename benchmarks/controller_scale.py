@@ -27,6 +27,10 @@ measures the process's CPU seconds (``time.process_time``: real CPU, not virtual
   watchdog's CPU per second), which is the round's own cost; each the median of ``--failovers``
   rounds (default 3, each of a member not touched before: one round's CPU moves by up to 2x
   from one to the next), each round's CPU kept in ``failover_*_rounds_s``;
+- scaling (issue 44): the fleet grown by a tenth of its rollouts in one ``rt.add_rollouts``
+  (started, one group version formed, each newcomer fed by a rollout holding the version and
+  proven; ``scale_add_s``, its virtual duration ``scale_add_virtual_s``) and those removed again
+  (``scale_remove_s``);
 
 The CPU is the whole process's: the controller's and the simulated members' own (a member's
 answer is one future and one timer, a fraction of the controller's work for it), so it is an
@@ -238,6 +242,20 @@ async def measure(members: int, syncs: int, intervals: int, trail: str, freeze: 
             share = shares[kind]
             out[f"failover_{kind}_members_share"] = share.share
             out[f"failover_{kind}_controller_s"] = out[f"failover_{kind}_s"] * (1 - share.share - share.watchdog_share)
+    # The fleet grown by a tenth and shrunk back (issue 44): rt.add_rollouts (each newcomer
+    # started, fed by a holder, proven) and rt.remove_rollouts, CPU and virtual time of each.
+    added = max(1, shape.rollouts // 10)
+    t, v = cpu(), loop.time()
+    with _CallCount() as counted:
+        names = await rt.add_rollouts(added)
+    out["scale_added"] = added
+    out["scale_add_s"], out["scale_add_virtual_s"], out["scale_add_calls"] = cpu() - t, loop.time() - v, counted.calls
+    assert rt.scalings[-1].trainer_sources == 0, rt.scalings[-1]
+    t, v = cpu(), loop.time()
+    with _CallCount() as counted:
+        await rt.remove_rollouts(names)
+    out["scale_remove_s"], out["scale_remove_virtual_s"], out["scale_remove_calls"] = (
+        cpu() - t, loop.time() - v, counted.calls)
     await rt.close()
     return out
 
@@ -396,7 +414,7 @@ FIGURES = ("start_s", "sync_s", "sync_net_s", "sync_controller_s", "sync_members
            "heartbeat_interval_gc_off_s", "failover_member_s",
            "failover_member_net_s", "failover_member_controller_s", "failover_rank_s", "failover_rank_net_s",
            "failover_rank_controller_s", "failover_node_s", "failover_node_net_s", "failover_node_controller_s",
-           "audit_bytes_per_sync")
+           "scale_add_s", "scale_add_virtual_s", "scale_remove_s", "audit_bytes_per_sync")
 
 #: The figures whose ratio the goal (×10 members costs ≤ ×12) is about, shown run by run with ``--repeat``.
 GOAL_FIGURES = ("sync_controller_s", "heartbeat_interval_controller_s", "failover_member_controller_s",
@@ -404,7 +422,7 @@ GOAL_FIGURES = ("sync_controller_s", "heartbeat_interval_controller_s", "failove
 
 #: What ``--calls`` counts instead (:class:`_CallCount`).
 CALL_FIGURES = ("sync_calls", "heartbeat_interval_calls", "failover_member_calls", "failover_rank_calls",
-                "failover_node_calls")
+                "failover_node_calls", "scale_add_calls", "scale_remove_calls")
 
 
 def _in_own_process(n: int, args: argparse.Namespace) -> dict[str, Any]:

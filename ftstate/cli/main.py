@@ -3,7 +3,7 @@
     ftstate diagram [--machine NAME] [--format mermaid|dot]
     ftstate audit FILE [--check] [--summary/--no-summary] [--timeline/--no-timeline]
     ftstate config [FILE]
-    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--trainers N] [--address auto|HOST:PORT]
+    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--trainers N] [--grow-to N] [--address auto|HOST:PORT]
                  [--maintenance] [--engine policy|vllm]
     ftstate simulate [--members N] [--nodes N] [--days D] [--mix llama3] [--seed N] [--plot PNG] ...
 
@@ -385,6 +385,12 @@ def demo(
                      "loopback GCE metadata server; one announces host maintenance mid-run and ftstate drains "
                      "that node while training goes on (no kills unless --faults)."),
     ] = False,
+    grow_to: Annotated[
+        int,
+        typer.Option("--grow-to", min=0, help="The elastic fleet: grow to this many rollouts a third of the way in "
+                     "(newcomers fed by the rollouts, not the trainer) and shrink back to --rollouts two thirds in; "
+                     "0: a fixed fleet."),
+    ] = 0,
     engine: Annotated[
         str,
         typer.Option("--engine", help="The policy and its rollouts: 'policy' (a tiny transformer, a dict of "
@@ -416,6 +422,9 @@ def demo(
     With --maintenance, a cloud's maintenance notice instead of (or, with --faults, besides) the
     kills: the node it names is drained, its members replaced on another node before they go.
 
+    With --grow-to N the fleet grows to N rollouts mid-run and shrinks back, each newcomer fed
+    by a rollout holding the weights and proven before it serves; still bit-identical.
+
     Proves nothing was lost by comparing the final weights' checksum and the reward curve with
     the same seeds run without faults; exits 1 if they differ, 2 if the run failed. Writes the
     audit trail, the state diagrams, a timeline picture (with matplotlib, the plot extra:
@@ -426,7 +435,7 @@ def demo(
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
                               pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live,
                               address=address, maintenance=maintenance, trainers=trainers, engine=engine,
-                              in_flight=in_flight))
+                              in_flight=in_flight, grow_to=grow_to))
 
 
 # -- simulate ----------------------------------------------------------------------------

@@ -146,6 +146,7 @@ class Failover:
         self.records: list[FailoverRecord] = []
         self._stages: dict[str, dict[str, Any]] = {}  # newcomer -> its resync's stage timings
         self._device: dict[str, int] = {}  # newcomer -> the device bytes of its resync's load by parts
+        self._fed_by: dict[str, str] = {}  # newcomer -> who its last resync read from (a member, a node copy)
         #: Bytes of the last committed weights version (the runtime sets it at each commit): what
         #: a resync moves, for its route (``resync_shared_memory_min_mb``).
         self.weights_bytes = 0
@@ -223,8 +224,14 @@ class Failover:
         """Start spares of ``role`` until its count (``RuntimeConfig.spares``) are warm or
         warming (after one was used or lost; never more, so the standby pool's slots suffice)."""
         have = len(self.membership.spares(role, "INIT", "STANDBY"))
-        for _ in range(self.config.spares(role) - have):
+        for _ in range(self.spare_target(role) - have):
             self.start_spare(role)
+
+    def spare_target(self, role: str) -> int:
+        """How many spares of ``role`` the pool keeps now: rollout spares follow the fleet's
+        size (``rt.add_rollouts``; :meth:`RuntimeConfig.spares`)."""
+        live = len(self.membership.live("rollout")) if role == "rollout" else None
+        return self.config.spares(role, live)
 
     def spare_lost(self, m: Member) -> None:
         """A spare died: start another, unless the last ``spare_start_attempts`` spares
@@ -323,6 +330,17 @@ class Failover:
     @property
     def pending(self) -> bool:
         return bool(self._pending)
+
+    def forget_loss(self, m: Member) -> None:
+        """``m``'s loss needs no failover: it was being removed on purpose
+        (:mod:`ftstate.controller.scaling`), so nothing is replaced and no budget spent."""
+        self._pending = [(p, t) for p, t in self._pending if p is not m]
+
+    def resync_facts(self, newcomer: str) -> tuple[str | None, dict[str, Any] | None, int | None]:
+        """Who fed ``newcomer`` in its last :meth:`resync` (None: nobody yet), and the stage
+        timings and load-by-parts device bytes kept for it (for a record other than a
+        :class:`FailoverRecord`), taken out."""
+        return self._fed_by.pop(newcomer, None), self._stages.pop(newcomer, None), self._device.pop(newcomer, None)
 
     async def recover(self) -> int:
         """Replace every pending loss; the caller holds the runtime's membership lock.
@@ -533,6 +551,7 @@ class Failover:
             if replacement is None:
                 continue
             detected_at = detected[lost.name]
+            self._fed_by.pop(replacement.name, None)  # the record's stages say it (scaling asks for its own)
             self.records.append(FailoverRecord(
                 lost=lost.name, role=lost.role, replacement=replacement.name, reason=reasons[lost.name],
                 detected_at=detected_at, rerendezvous_s=t_reformed - t0, transfer_s=t_done - t_reformed,
@@ -753,6 +772,7 @@ class Failover:
             record["collective"] = (f"{self.weights_bytes} bytes, below resync_shared_memory_min_mb "
                                     f"({self.config.resync_shared_memory_min_mb:g} MiB)")
         _still_up(newcomer)
+        self._fed_by[newcomer.name] = src.name
         await newcomer.machine.fire("resync", source=src.name, plan=record)
         timeout = self.config.sync_timeout_s
         shm = plan.uses_shm
@@ -825,6 +845,7 @@ class Failover:
         plan = {"sender": source, "node": copy.node_id[:8], "mode": self.config.shared_memory,
                 "routes": {newcomer.name: route}, "segment": copy.name}
         _still_up(newcomer)
+        self._fed_by[newcomer.name] = source
         await newcomer.machine.fire("resync", source=source, plan=plan)
         try:
             got = await load()

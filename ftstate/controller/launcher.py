@@ -80,6 +80,23 @@ class ActorLauncher:
             self.pools[name] = kind(self.run_id, name, slots, cpus=cfg.worker_cpus, gpus=cfg.worker_gpus,
                                     placement=placement)
 
+    def add_pool(self, name: str, role: str, slots: int) -> Pool:
+        """A pool of ``slots`` more workers of ``role`` while the run goes (``rt.add_rollouts``):
+        each slot placed when taken by the role's own placement (labels, resources), off the
+        nodes it is told to avoid; refuses at once what the cluster could never place."""
+        cfg = self.config
+        pool = self.backend.spare_pool(self.run_id, name, slots, cpus=cfg.worker_cpus, gpus=cfg.worker_gpus,
+                                       placement=getattr(cfg.placement, role))
+        self.pools[name] = pool
+        return pool
+
+    def grow_pool(self, name: str, slots: int) -> None:
+        """Let pool ``name`` (one placed slot by slot: the standby pool, an added one) hold
+        ``slots`` more (a negative number: fewer, never below what it holds)."""
+        pool = self.pools.get(name)
+        if pool is not None:
+            pool.slots = max(0, pool.slots + slots)
+
     def describe_pools(self) -> str:
         """What the run asks of the cluster, and what it has (for a placement that never comes)."""
         from ftstate.controller.feasibility import describe_cluster

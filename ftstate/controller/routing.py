@@ -67,6 +67,10 @@ class Router:
         self._trainer_inflight = 0
         self._trainer_idle = asyncio.Event()
         self._trainer_idle.set()
+        # User calls running on each member, and a wake-up at each call's end: what a rollout
+        # being removed waits on (rt.remove_rollouts lets calls in progress end).
+        self._busy: dict[str, int] = {}
+        self._call_ended = asyncio.Event()
 
     async def rollout(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         return await self._with_failover(self._rollout_once, check_method(method), args, kwargs)
@@ -231,6 +235,7 @@ class Router:
         ends on a user error is then explained by its trail alone. A death is the machine's
         own transition (``died``), not recorded twice. ``logged``: a trainer call of the
         replay log (the host counts it)."""
+        self._busy[m.name] = self._busy.get(m.name, 0) + 1
         try:
             return await self.calls.call(m.name, m.handle, UserCall(method, tuple(args), dict(kwargs), logged,
                                                                     versions))
@@ -239,3 +244,18 @@ class Router:
         except Exception as exc:
             m.machine.record_error(exc, call=method)
             raise
+        finally:
+            left = self._busy.pop(m.name) - 1
+            if left:
+                self._busy[m.name] = left
+            self._call_ended.set()
+
+    def busy(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` with a user call running now."""
+        return [n for n in names if self._busy.get(n)]
+
+    async def calls_ended(self, names: Sequence[str]) -> None:
+        """Until no user call runs on any of ``names`` (unbounded: the caller's timeout bounds it)."""
+        while self.busy(names):
+            self._call_ended.clear()
+            await self._call_ended.wait()

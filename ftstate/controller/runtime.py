@@ -61,6 +61,7 @@ from ftstate.controller.notices import NoticeMonitor
 from ftstate.controller.progress import Progress
 from ftstate.controller.ranks import ShardedSync, form_trainer_group
 from ftstate.controller.routing import Router
+from ftstate.controller.scaling import Scaler, ScaleRecord
 from ftstate.controller.sync import SyncReport, WeightSync
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
@@ -230,6 +231,7 @@ class Runtime:
         self._chaos: Chaos | None = None
         self._drainer: Drainer | None = None
         self._notices: NoticeMonitor | None = None
+        self._scaler: Scaler | None = None
         #: Start-up phases as they happen (:mod:`ftstate.controller.progress`): listen to show them.
         self.progress = Progress()
 
@@ -300,6 +302,9 @@ class Runtime:
         self._drainer = Drainer(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                                 launcher=self._launcher, formation=self._formation, failover=self._failover,
                                 pause_trainer=self._router.pause_trainer)
+        self._scaler = Scaler(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
+                              launcher=self._launcher, formation=self._formation, failover=self._failover,
+                              watchdog=self._watchdog, router=self._router, recover_locked=self._recover_locked)
         self._launcher.make_pools()
         for i in range(cfg.trainer_workers):
             self._launcher.start("trainer", i, f"trainer-{i}")
@@ -617,6 +622,72 @@ class Runtime:
         """Rollouts in a serving state holding the current weights version, in rank order."""
         return self._require_membership().serving_rollouts()
 
+    # -- scaling -------------------------------------------------------------------------
+
+    async def add_rollouts(self, n: int) -> list[str]:
+        """Start ``n`` more rollouts while the run goes and return their names, once each serves.
+
+        They are placed by the rollout role's placement (its labels and resources), and each is
+        fed the current committed weights version from rollouts that hold it (through the node
+        copy on its node, or point to point), never from the trainer while a rollout holds it;
+        each is admitted to serving only once its own checksum of what it holds matches. Before
+        any sync (or with no rollout holding the version) a newcomer waits STALE and the next
+        sync brings it up to date. Spends nothing of the failover budget; a newcomer lost while
+        brought up is started again (at most ``fault_tolerance.spare_start_attempts`` times).
+        A sync called meanwhile waits for the addition, then reaches the newcomers too. Each
+        newcomer's start is bounded by ``init_timeout_s``, its transfer by ``sync_timeout_s``;
+        an addition that fails is undone (none of its newcomers stays) and raises.
+        :mod:`ftstate.controller.scaling` has the whole procedure."""
+        return await self._scale(lambda scaler: scaler.add(n), recover_first=True)
+
+    async def remove_rollouts(self, names: Sequence[str]) -> None:
+        """Take the rollouts ``names`` out of the fleet: out of serving first (routing deals them
+        nothing new), then, once the calls they run ended (at most ``remove_calls_timeout_s``;
+        a call still running then ends with MemberLost and, with fault tolerance on, is dealt
+        again over the serving rollouts), out of the group, and then their processes stop.
+        Spends nothing of the failover budget. Refuses with
+        :class:`~ftstate.core.errors.ScaleRefused`, before changing anything, to leave fewer
+        than ``fault_tolerance.min_rollout_workers`` rollouts or to remove a name that is not a
+        rollout of the fleet."""
+        await self._scale(lambda scaler: scaler.remove(list(names) if not isinstance(names, str) else names))
+
+    async def scale_rollouts(self, n: int) -> ScaleRecord | None:
+        """Grow or shrink the fleet to ``n`` live rollouts (:meth:`add_rollouts` /
+        :meth:`remove_rollouts`; the newest go first, those not serving before them). Returns
+        the change's :class:`~ftstate.controller.scaling.ScaleRecord` (None: it had ``n``)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            from ftstate.core.errors import ScaleRefused
+
+            raise ScaleRefused(field="n", expected="a rollout count (an int >= 0)", got=repr(n))
+        live = self._require_membership().live("rollout")
+        if n > len(live):
+            await self.add_rollouts(n - len(live))
+        elif n < len(live):
+            order = sorted(live, key=lambda m: (m.machine.serving, -m.rank))
+            await self.remove_rollouts([m.name for m in order[:len(live) - n]])
+        else:
+            return None
+        return self.scalings[-1]
+
+    @property
+    def scalings(self) -> list[ScaleRecord]:
+        """Every change of the fleet so far (:class:`~ftstate.controller.scaling.ScaleRecord`);
+        none is a failover and none spent budget."""
+        return list(self._scaler.records) if self._scaler is not None else []
+
+    async def _scale(self, change: Any, *, recover_first: bool = False) -> Any:
+        self._raise_if_failed()
+        assert self._scaler is not None
+        async with self._sync_lock:
+            if recover_first:  # a loss before an addition is replaced first (a removal may take it away instead)
+                await self._recover_locked()
+            result = await change(self._scaler)
+        if self._failover is not None and self._failover.pending:  # a loss the change left to the failover
+            self._spawn(self._recover_in_background())
+        if self._notices is not None:  # newcomers may have landed on nodes not watched yet
+            self._spawn(self._notices.watch_nodes())
+        return result
+
     # -- maintenance ---------------------------------------------------------------------
 
     async def drain(self, node_id: str, *, reason: str = "requested", deadline: float | None = None,
@@ -730,9 +801,14 @@ class Runtime:
 
     def _on_worker_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:
         if dest == "LOST":
-            ms, _, _, _, failover, _ = self._parts()
+            ms, _, launcher, _, failover, _ = self._parts()
             m = ms.get(machine.member)
             ms.changed()
+            if self._scaler is not None and m.name in self._scaler.changing:
+                # Being added or removed on purpose: the scaler retires it (or starts another);
+                # neither a failover nor, with fault tolerance off, a failed run.
+                launcher.kill(m)
+                return
             if self.config.fault_tolerance.enable:
                 # Noted now, not in the task: a sync that fails because of this loss must find it.
                 failover.note_loss(m, asyncio.get_running_loop().time(), trigger)

@@ -126,7 +126,9 @@ class FaultToleranceConfig:
     standby_workers: int = _field(
         1, "Prewarmed spares kept per role in standby mode: the losses of a role covered at spare speed "
         "within one refill window (a promoted spare is replaced at once, but the new one takes seconds to warm: "
-        "a further loss meanwhile waits for it, or starts a fresh actor).", ge=0)
+        "a further loss meanwhile waits for it, or starts a fresh actor). Rollout spares follow the fleet: "
+        "as rt.add_rollouts / remove_rollouts change it, standby_workers spares per rollout_workers rollouts "
+        "(rounded up, at least one) are kept, started or retired at each change.", ge=0)
     trainer_ranks_per_spare: int = _field(
         8,
         "Standby mode with several trainer ranks: standby_workers trainer spares per this many "
@@ -441,6 +443,10 @@ class RuntimeConfig:
         1, "in_flight: how many versions behind a rollout may be and still be given calls.", ge=0)
     safe_point_timeout_s: float = _field(
         60.0, "in_flight: how long a rollout may hold a committed version back before it is suspected.", gt=0)
+    remove_calls_timeout_s: float = _field(
+        60.0, "rt.remove_rollouts: how long a rollout taken out of serving may finish the calls it is running "
+        "before its process is stopped; a call still running then ends with MemberLost (dealt again over the "
+        "serving rollouts with fault tolerance on).", gt=0)
     heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker; bounds each heartbeat call "
                                          "(a node agent's reply for its members: two intervals).", gt=0)
     heartbeat_agent_min_members: int = _field(
@@ -531,15 +537,19 @@ class RuntimeConfig:
         canonical = json.dumps(self.to_dict(), sort_keys=True, default=str)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
-    def spares(self, role: str) -> int:
+    def spares(self, role: str, rollouts: int | None = None) -> int:
         """Prewarmed spares kept for ``role`` in standby mode (0 otherwise): ``standby_workers``,
-        and for the trainer ranks that many per ``trainer_ranks_per_spare`` ranks."""
+        and for the trainer ranks that many per ``trainer_ranks_per_spare`` ranks. ``rollouts``:
+        the fleet's size now (it grows and shrinks: ``rt.add_rollouts``); the rollout spares keep
+        the configured ratio, ``standby_workers`` per ``rollout_workers``, rounded up, at least one."""
         ft = self.fault_tolerance
         if not (ft.enable and ft.mode == "standby"):
             return 0
         if role == "trainer":
             return ft.standby_workers * -(-self.trainer_workers // ft.trainer_ranks_per_spare)
-        return ft.standby_workers
+        if rollouts is None or rollouts == self.rollout_workers or not ft.standby_workers:
+            return ft.standby_workers
+        return max(1, -(-ft.standby_workers * rollouts // self.rollout_workers))
 
     def get(self, dotted: str) -> Any:
         """The value at a dotted path, e.g. ``cfg.get('fault_tolerance.max_failovers')``."""

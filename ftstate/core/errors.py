@@ -25,6 +25,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── RankNotRecoverable       a trainer rank would have to be restored with no committed version
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
     ├── PlacementUnsatisfiable   the cluster can never place a resource pool as configured
+    ├── ScaleRefused             add/remove/scale_rollouts asked for what the run cannot do (field, expected)
     ├── IntegrationUnavailable   an integration's framework (verl, vllm) cannot be imported; names the extra
     ├── EngineRefused            an inference engine set up in a mode ftstate cannot keep safe (setting, value, why)
     ├── EngineTorn               a request reached an engine whose last weight load stopped part-way
@@ -349,6 +350,19 @@ class PlacementUnsatisfiable(FTError):
         super().__init__(f"cannot place resource pool {pool!r}: {problem}; asked {asked}; the cluster has {cluster}")
 
 
+class ScaleRefused(FTError, ValueError):
+    """Raised by ``rt.add_rollouts`` / ``remove_rollouts`` / ``scale_rollouts`` before anything
+    changed, when the request cannot be met as asked: ``field`` (what was wrong: ``names``,
+    ``n``, or the setting it would break, e.g. ``fault_tolerance.min_rollout_workers``),
+    ``expected`` (what was expected) and ``got`` (what was asked)."""
+
+    def __init__(self, *, field: str, expected: str, got: str) -> None:
+        self.field = field
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{field}: expected {expected}, got {got}")
+
+
 class IntegrationUnavailable(FTError):
     """Raised when an integration is loaded (e.g. verl importing ``ftstate.integrations.verl``)
     but its framework cannot be imported. ``framework``: what is missing; ``extra``: the
@@ -599,6 +613,7 @@ __all__ = [
     "RankNotRecoverable",
     "RendezvousTimeout",
     "ReplacementFailed",
+    "ScaleRefused",
     "SharedMemoryUnavailable",
     "SpecError",
     "StaleGroupVersion",

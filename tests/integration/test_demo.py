@@ -116,3 +116,22 @@ def test_the_async_demo_samples_while_it_trains_and_is_the_replay_of_its_stamps(
 
     stamped = [r["stamps"] for r in as_records(out / "audit.jsonl") if r["event"] == "samples_stamped"]
     assert stamped == flight["stamps"] and check_trail(out / "audit.jsonl") == []
+
+
+def test_the_fleet_grows_and_shrinks_mid_run_and_the_run_stays_identical_to_the_fixed_fleet(ray_cluster, tmp_path):
+    """`--grow-to 4`: two rollouts added at step 2 (fed by the rollouts, not the trainer), two
+    removed at step 4; the weights and rewards equal the fault-free run with a fixed fleet."""
+    out = tmp_path / "demo"
+    code = run_demo(out=str(out), steps=6, faults=False, grow_to=4, **{**SMALL, "batch_size": 16, "pad_mb": 0.5})
+    report = json.loads((out / "report.json").read_text())
+    what = json.dumps({k: report[k] for k in ("error", "scaling", "failovers", "identical_to_fault_free",
+                                               "audit_violations")}, indent=1)
+    assert code == 0, what
+    added, removed = report["scaling"]
+    assert added["event"] == "rollouts_added" and len(added["members"]) == 2, what
+    assert added["trainer_sources"] == 0 and all(s.startswith("rollout-") for s in added["sources"].values()), what
+    assert removed["event"] == "rollouts_removed" and sorted(removed["members"]) == sorted(added["members"]), what
+    assert report["failovers"] == [] and report["syncs_failed"] == 0, what
+    assert report["identical_to_fault_free"] is True, what
+    assert len(report["serving_checksums"]) == 2 and set(report["serving_checksums"]) == {report["final_checksum"]}
+    assert check_trail(out / "audit.jsonl") == []

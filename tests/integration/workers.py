@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import zlib
 
@@ -643,3 +644,23 @@ class InFlightRollout(TinyRollout):
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.02)
         return self.version
+
+
+class DyingRollout(SteppingRollout):
+    """A :class:`SteppingRollout` that dies in its load once: while ``die_marker`` exists, the
+    first rollout to load removes it and SIGKILLs itself (a newcomer killed while it is fed)."""
+
+    def __init__(self, die_marker: str | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._die_marker = die_marker
+
+    def load_weights(self, state, version: int) -> None:
+        marker = self._die_marker
+        if marker is not None and os.path.exists(marker):
+            try:
+                os.remove(marker)  # once: the one started in its place loads normally
+            except FileNotFoundError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        super().load_weights(state, version)

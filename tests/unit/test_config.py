@@ -45,6 +45,15 @@ class TestSpares:
             "enable": True, "standby_workers": standby, "trainer_ranks_per_spare": per}}, environ={})
         assert (cfg.spares("trainer"), cfg.spares("rollout")) == (expected, standby)
 
+    @pytest.mark.parametrize(("rollouts", "standby", "fleet", "expected"), [
+        (2, 1, 2, 1), (2, 1, 8, 4), (2, 1, 7, 4), (2, 1, 1, 1), (4, 2, 2, 1), (4, 2, 12, 6), (2, 3, 4, 6)])
+    def test_rollout_spares_keep_their_ratio_as_the_fleet_grows_and_shrinks(self, rollouts, standby, fleet, expected):
+        cfg = RuntimeConfig.from_dict({"rollout_workers": rollouts, "fault_tolerance": {
+            "enable": True, "standby_workers": standby}}, environ={})
+        assert cfg.spares("rollout", fleet) == expected
+        assert cfg.spares("rollout", rollouts) == cfg.spares("rollout") == standby
+        assert cfg.spares("trainer", fleet) == cfg.spares("trainer")  # the trainer's spares follow its ranks only
+
     def test_no_spares_without_standby(self):
         cold = {"enable": True, "mode": "cold"}
         for ft in ({"enable": False}, cold):

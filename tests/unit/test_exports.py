@@ -64,6 +64,8 @@ def test_every_error_crosses_a_process_boundary_with_its_fields():
         errors.PlacementUnsatisfiable(pool="rollout", asked="pool 'rollout': 2 x {CPU=1, gpu_node=1}, SPREAD",
                                       cluster="1 alive node(s): node 01234567 (127.0.0.1): {CPU=2}",
                                       problem="no node can hold even one bundle"),
+        errors.ScaleRefused(field="fault_tolerance.min_rollout_workers", expected="at least 2 rollouts left",
+                            got="removing 2 of 3"),
         errors.SharedMemoryUnavailable(path="/dev/shm/ftstate-weights-v3-p12-g1-s0", nbytes=4096,
                                        problem="No space left on device (0 bytes free in /dev/shm)"),
     ]

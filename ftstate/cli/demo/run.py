@@ -43,6 +43,14 @@ RL loop never stops. The report says the notices, the drains and their outcome, 
 proof holds: a drain changes nothing of the training. Without ``faults`` given, the scenario
 injects no kills (``--maintenance --faults`` does both).
 
+**The elastic fleet** (``grow_to``, ``ftstate demo --grow-to N``): a third of the way in the
+fleet grows to ``N`` rollouts (``rt.add_rollouts``: each newcomer is fed the current weights by
+a rollout that holds them, never by the trainer, and proven by checksum before it serves), and
+two thirds in it shrinks back to ``rollouts`` (``rt.scale_rollouts``: out of serving, out of the
+group, then the processes stop). Samples are seeded per prompt, never per worker, so the same
+proof holds: the run stays bit-identical to the fault-free one with a fixed fleet. The report
+lists each change (who, fed by whom, how long) under ``scaling``.
+
 Output folder: ``audit.jsonl`` (the trail), ``group.mmd``/``worker.mmd`` (the machines),
 ``timeline.png`` (states over time, failovers, the reward curve; needs matplotlib, the
 ``plot`` extra: without it the picture is skipped with one line, and ``report.json`` says
@@ -73,7 +81,8 @@ class DemoOptions:
     ranks (``trainer_workers``; more than 1 shards the policy over them); engine: the policy and
     its rollouts, ``policy`` (a dict of tensors) or ``vllm`` (a tiny Qwen2 served by vLLM
     engines: :mod:`ftstate.cli.demo.engine_run`); in_flight: ``--async``, the asynchronous loop
-    (:func:`stamp_steps`)."""
+    (:func:`stamp_steps`); grow_to: grow the fleet to this many rollouts a third of the way in
+    and shrink it back two thirds in (0: a fixed fleet)."""
 
     out: str = "ftstate-demo"
     steps: int = 24
@@ -89,6 +98,7 @@ class DemoOptions:
     trainers: int = 1
     engine: str = "policy"
     in_flight: bool = False
+    grow_to: int = 0
 
 
 #: The demo's engines (``--engine``): the dict-of-tensors policy, or a causal LM served by vLLM.
@@ -116,6 +126,13 @@ def fault_plan(steps: int) -> dict[int, str]:
     }
 
 
+def scale_plan(steps: int, rollouts: int, grow_to: int) -> dict[int, int]:
+    """At which step's start the fleet is scaled to how many rollouts (``grow_to``: none when 0)."""
+    if not grow_to:
+        return {}
+    return {max(0, steps // 3): grow_to, max(1, (2 * steps) // 3): rollouts}
+
+
 def trainer_to_kill(trainers: int) -> int:
     """The trainer rank the "kill trainer mid-step" fault kills: the trainer, or rank 1 of
     several (rank 0 survives, its all-gather cut short by the loss)."""
@@ -138,6 +155,15 @@ def check_options(opts: DemoOptions) -> None:
     if opts.trainers > opts.batch_size:
         raise ConfigError("trainers", f"{opts.trainers} trainer ranks each train on a slice of the batch: "
                           f"batch_size must be at least that, got {opts.batch_size}")
+    if opts.grow_to and (isinstance(opts.grow_to, bool) or not isinstance(opts.grow_to, int)
+                         or opts.grow_to <= opts.rollouts):
+        raise ConfigError("grow_to", f"must be more than rollouts ({opts.rollouts}) to grow the fleet, or 0, "
+                          f"got {opts.grow_to!r}")
+    if opts.grow_to and opts.engine != "policy":
+        raise ConfigError("grow_to", f"the elastic fleet runs with --engine policy, got {opts.engine!r}")
+    if opts.grow_to and opts.in_flight:
+        # the asynchronous loop keeps a generation running across the change: not tried yet
+        raise ConfigError("grow_to", "the elastic fleet runs with the synchronous loop (drop --async)")
     if opts.maintenance and opts.address is not None:
         raise ConfigError("address", "the maintenance scenario starts a local 3-node cluster of its own, each "
                           "node with its own loopback metadata server; it cannot join a running cluster "
@@ -354,6 +380,7 @@ async def _main(opts: DemoOptions, console: Any) -> int:
     stamps: list[list[tuple[int, int]]] = []
     # --async: the next step's generation, started before this step trains and syncs
     ahead: asyncio.Future[Any] | None = None
+    scaling = scale_plan(opts.steps, opts.rollouts, opts.grow_to)
     try:
         with view:
             await rt.start()
@@ -365,6 +392,13 @@ async def _main(opts: DemoOptions, console: Any) -> int:
                 note = fault or ""
                 if step == announce_at and scenario is not None:
                     note = scenario.announce(rt, step) or note
+                if step in scaling:
+                    view.update(step=step, note=f"scaling the fleet to {scaling[step]} rollouts")
+                    change = await rt.scale_rollouts(scaling[step])
+                    if change is not None:
+                        note = (f"{change.kind} {', '.join(change.members)} in {change.seconds:.2f}s"
+                                + (f", fed by {', '.join(sorted({str(s) for s in change.sources.values()}))}"
+                                   if change.sources else ""))
                 view.update(step=step, note=note)
                 batch = task.make_prompts(step, opts.batch_size, opts.seed)
                 if not opts.in_flight:
@@ -624,6 +658,10 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         "faults_injected": [{"member": m, "fault": f} for _, m, f in injected],
         "failovers": rows,
         "drains": drains,
+        # every change of the fleet (rt.add_rollouts / remove_rollouts): who, fed by whom, how long
+        "scaling": [{k: r.get(k) for k in ("event", "members", "sources", "trainer_sources", "restarted", "seconds",
+                                           "group_version", "weights_version") if k in r}
+                    for r in records if r.get("event") in ("rollouts_added", "rollouts_removed")],
         "syncs_failed": syncs_failed,
         "syncs_failed_explained": failed_syncs,
         "maintenance": maintenance_summary,
@@ -683,6 +721,12 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
             kept = ("same process" if t["same_process"]
                     else f"replaced: {t['member_end']} pid {t['pid_end']}")
             table.add_row(f"trainer rank {t['rank']}", f"{t['member_start']} pid {t['pid_start']} -> {kept}")
+    for i, c in enumerate(summary["scaling"], 1):
+        fed = sorted({str(v) for v in (c.get("sources") or {}).values()})
+        table.add_row(f"scaling {i}", escape(f"{'added' if c['event'] == 'rollouts_added' else 'removed'} "
+                                             f"{', '.join(c['members'])} in {c['seconds']:.2f}s"
+                                             + (f", fed by {', '.join(fed)} (trainer bytes: none)"
+                                                if fed and not c.get("trainer_sources") else "")))
     table.add_row("syncs failed", escape(f"{syncs_failed}" + (f": {'; '.join(failed_syncs)}" if failed_syncs else "")))
     if nodes["count"] is not None:
         where = f" of {nodes['cluster_nodes']} in the cluster" if nodes["cluster_nodes"] else ""
