@@ -304,6 +304,14 @@ MUTATIONS = (
          "test_after_a_long_quiet_stretch_a_hung_spare_is_lost_after_the_timeout_and_a_hung_rollout_at_once"),
     ),
     Mutation(
+        "an async sample's staleness unchecked",
+        "ftstate demo --async fails a run whose samples ran more than max_staleness versions behind",
+        (Edit("ftstate/cli/demo/run.py",
+              "if version not in steps_of or not 0 <= pushed - version <= max_staleness:",
+              "if version not in steps_of:"),),
+        ("tests/unit/test_demo_rl.py::TestStamps::test_a_stamp_too_stale_ahead_or_unknown_is_named",),
+    ),
+    Mutation(
         "a suspected trainer held to the committed checksum",
         "a trainer rank suspected mid-sync is proven by the version it sends, not made STALE",
         (Edit("ftstate/core/liveness.py", "proven = heartbeat.weights_version >= current_version",

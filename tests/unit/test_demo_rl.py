@@ -526,3 +526,26 @@ class TestDemoOptions:
 
         assert run_demo(out=str(tmp_path / "x"), steps=1, trainers=0, live=False) == 2
         assert not (tmp_path / "x").exists()
+
+
+class TestStamps:
+    """``ftstate demo --async``: the stamps a run recorded, as its replay takes them, and the
+    stamps no run may record."""
+
+    def test_stamps_become_the_steps_taken_before_their_weights(self):
+        from ftstate.cli.demo.run import stamp_steps
+
+        # versions 1 (initial), 2 (after step 0), 3 (after step 1); step 1 sampled partly on 1
+        replay, problems = stamp_steps([1, 2, 3], [[(10, 1), (11, 1)], [(20, 1), (21, 2)]], 1)
+        assert problems == [] and replay == [{10: 0, 11: 0}, {20: 0, 21: 1}]
+
+    def test_a_stamp_too_stale_ahead_or_unknown_is_named(self):
+        from ftstate.cli.demo.run import stamp_steps
+
+        _, problems = stamp_steps([1, 2, 3, 4], [[(1, 1)], [(2, 2)], [(3, 1)], [(4, 9)]], 1)
+        assert problems == [
+            "step 2: prompt 3 ran on version 1, the trainer had pushed 3 (max_staleness 1)",
+            "step 3: prompt 4 ran on version 9, the trainer had pushed 4 (max_staleness 1)",
+        ]
+        _, ahead = stamp_steps([1, 2], [[(1, 2)]], 1)
+        assert ahead == ["step 0: prompt 1 ran on version 2, the trainer had pushed 1 (max_staleness 1)"]
