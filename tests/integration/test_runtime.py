@@ -308,7 +308,8 @@ class TestBadInput:
 
     async def test_an_unknown_method_names_the_worker(self, ray_cluster, tmp_path):
         async with runtime(config(tmp_path, rollout_workers=1)) as rt:
-            with pytest.raises(ftstate.FTError, match="trainer-0: TinyTrainer has no public method 'fly'"):
+            with pytest.raises(ftstate.UserCodeError, match="trainer-0: TinyTrainer has no public method 'fly'"):
                 await rt.trainer("fly")
             [err] = [r for r in rt.audit.records if r["event"] == "error"]
-            assert (err["member"], err["call"], err["error"], err["state"]) == ("trainer-0", "fly", "FTError", "READY")
+            assert (err["member"], err["call"], err["error"], err["state"]) == (
+                "trainer-0", "fly", "UserCodeError", "READY")
