@@ -238,7 +238,11 @@ class TestFaultsInFlight:
             assert report.pending == ("rollout-0",)
             await rt.chaos.hang("rollout", 0)
             try:
-                await wait_until(lambda: rt._membership.get("rollout-0").machine.state == "LOST", "LOST", 20)
+                # From the trail, not the live state: a replacement retires the lost member
+                # within milliseconds, faster than a poll can see LOST.
+                await wait_until(lambda: any(
+                    r["event"] == "transition" and r.get("member") == "rollout-0" and r.get("to") == "LOST"
+                    for r in rt.audit.records), "LOST", 20)
                 await wait_until(lambda: len(rt.serving_rollouts()) == 2, "a replacement serving",
                              self.replaced_within(rt))
                 names = rt.serving_rollouts()
