@@ -138,12 +138,12 @@ async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: 
         budget = rt.group.budget(FAILOVER_KEY)
         last_at, last_t = 0.0, loop.time()
         for f in schedule:
-            await asyncio.sleep(settle)  # the quiet time before it: spares warm again
+            await _settle(rt, cluster, settle)  # the quiet time before it: spares warm again
             # the job's clock jumps to the failure; the failover budget's window must see it
             budget.skip((f.at - last_at) - (loop.time() - last_t))
             last_at, last_t = f.at, loop.time()
             target = await _inject_during_a_step(rt, cluster, f, rng.random() * costs.train_step_s, cycle,
-                                                 cycles)
+                                                 cycles, steady)
             took = target[1]
             outcomes.append(Outcome(f.at, f.cause, f.effect, target[0], max(0.0, took - cycles * steady)))
     except FTError as exc:  # the job ends at the failure it could not survive (or at its start)
@@ -159,20 +159,58 @@ async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: 
 
 
 async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: float, cycle: Any,
-                                cycles: int) -> tuple[str, float]:
+                                cycles: int, steady_s: float) -> tuple[str, float]:
     """Run ``cycles`` steps with ``f`` injected ``after_s`` into the first; returns what it hit
-    and how long the steps took."""
+    and how long the steps took (a step after the job is steady again counted as ``steady_s``,
+    not replayed)."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     first = asyncio.ensure_future(cycle())
     await asyncio.sleep(after_s)
     target, drain = _hit(rt, cluster, f)
     await first
+    skipped = 0.0
     for _ in range(cycles - 1):
+        if drain is None and _steady(rt, cluster):
+            # Nothing of the failure is left: the cycles still to come are undisturbed ones
+            # and take the steady cycle's time, which the caller subtracts again.
+            skipped = (cycles - 1) * steady_s
+            break
         await cycle()
     if drain is not None:
         await drain
-    return target, loop.time() - t0
+    return target, loop.time() - t0 + skipped
+
+
+async def _settle(rt: Any, cluster: Any, bound_s: float) -> None:
+    """The calm before a failure: until the job is steady again (spares warm), ``bound_s`` at
+    most, in heartbeat intervals; nothing when it already is (the usual case at the end of a
+    failure's cycles, where sleeping through the bound replayed only quiet heartbeat rounds)."""
+    loop = asyncio.get_running_loop()
+    end, step = loop.time() + bound_s, rt.config.heartbeat_interval_s
+    while loop.time() < end and not _steady(rt, cluster):
+        await asyncio.sleep(min(step, end - loop.time()))
+
+
+def _steady(rt: Any, cluster: Any) -> bool:
+    """Whether nothing of a failure is left in flight, told by the controller's view and the
+    simulated cluster's truth together: the group ready, no failover pending, every member the
+    controller counts on READY at the current weights version (a spare STANDBY) with its
+    process up and answering, and none on a node that kills what it hosts."""
+    ms, *_, failover, _ = rt._parts()  # the simulator's own look, one walk of the members
+    if rt.state != "READY" or failover.pending:
+        return False
+    version, now = ms.weights_version, cluster.loop.time()
+    for m in ms:
+        state = m.machine.state
+        if state in _GONE:
+            continue
+        if state != ("READY" if m.rank >= 0 else "STANDBY") or (m.rank >= 0 and m.machine.weights_version != version):
+            return False
+        p = cluster.members.get(m.name)
+        if p is None or not p.alive or p.hung or p.cut_off or p.up_at > now or p.node_id in cluster.poisoned:
+            return False
+    return True
 
 
 def _hit(rt: Any, cluster: Any, f: Failure) -> tuple[str, asyncio.Future[Any] | None]:
