@@ -10,7 +10,9 @@ undisturbed. The run carries its state from failure to failure (spares spent and
 ``max_failovers`` spent): a failure that exhausts the budget ends the job there, as it would
 for real, and the rest of its time makes no progress. The quiet time between failures is not
 replayed step by step (a simulated week would be 600,000 heartbeat intervals): the spares get
-``settle_s`` to warm up again, and the job's clock jumps to the next failure.
+up to ``settle_s`` to warm up again, and the job's clock jumps to the next failure. Nor is what
+would be undisturbed: the calm ends once the job is steady, and a step after it is steady again
+counts as the steady step it is (docs/simulation.md, "What a replay runs").
 
 **The status quo**: one failure kills the job, which restarts from its last checkpoint
 (``checkpoint_interval_s`` of progress apart): each failure loses the progress since that
