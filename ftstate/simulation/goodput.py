@@ -34,6 +34,8 @@ from ftstate.simulation.costs import Costs
 from ftstate.simulation.mix import Failure
 from ftstate.simulation.scenario import Shape, simulated_runtime
 
+#: A step's calls all go out at the instant it starts; the fault comes this much after them.
+_CALLS_OUT_S = 1e-6
 #: Worker states that are not a process to hit (gone already).
 _GONE = frozenset({"LOST", "RETIRED", "FAILED", "STOPPED"})
 
@@ -167,10 +169,14 @@ async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: floa
     not replayed)."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
+    # The step's head before the fault is undisturbed: not replayed. Its trainer ranks' calls,
+    # made now, end as they would have after_s from now, and the fault comes at once.
+    cluster.step_under_way = (t0, after_s)
     first = asyncio.ensure_future(cycle())
-    await asyncio.sleep(after_s)
+    await asyncio.sleep(_CALLS_OUT_S)
     target, drain = _hit(rt, cluster, f)
     await first
+    cluster.step_under_way = None
     skipped = 0.0
     for _ in range(cycles - 1):
         if drain is None and _steady(rt, cluster):
@@ -181,7 +187,7 @@ async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: floa
         await cycle()
     if drain is not None:
         await drain
-    return target, loop.time() - t0 + skipped
+    return target, loop.time() - t0 - _CALLS_OUT_S + after_s + skipped
 
 
 async def _settle(rt: Any, cluster: Any, bound_s: float) -> None:

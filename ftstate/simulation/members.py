@@ -334,13 +334,14 @@ class SimulatedMember:
             self.cluster.timers.call_at(now + timeout, _time_out, fut, timeout)
         return fut
 
-    def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Outcome) -> None:
+    def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Outcome, less: float = 0.0) -> None:
         # Each answer takes its cost stretched by up to Costs.jitter (the cluster's seeded
         # draw): real answers trickle in, and code that is cheap only when they all arrive at
-        # once (one wake-up for a whole batch) must not look cheap here.
+        # once (one wake-up for a whole batch) must not look cheap here. less: the part of it
+        # already done (a step under way), taken off after the stretch.
         loop = self.cluster.loop
         seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
-        when = max(loop.time(), self.up_at) + seconds
+        when = max(loop.time(), self.up_at) + seconds - less
         if fut is self._answering:
             self._answer_at = when
         if type(fut) is AgentReply and fut.answer_at(self, outcome):
@@ -532,14 +533,19 @@ class SimulatedMember:
     def _on_call(self, fut: asyncio.Future[Any], req: UserCall) -> None:
         costs = self.cluster.costs
         logged = req.logged
-        seconds = costs.call_s + (costs.train_step_s if self.role == "trainer" and req.name == "train_step" else 0.0)
+        seconds, less = costs.call_s, 0.0
+        if self.role == "trainer" and req.name == "train_step":
+            seconds += costs.train_step_s
+            under_way = self.cluster.step_under_way
+            if under_way is not None and under_way[0] == self.cluster.loop.time():
+                less = under_way[1]
         self.calls_started += logged
 
         def done() -> None:
             self.progress += 1
             self.calls_done += logged
 
-        self._after(fut, seconds, done)
+        self._after(fut, seconds, done, less)
 
     # -- several trainer ranks (WorkerHost's sharded methods; ftstate.controller.ranks) ----
     # The weights are one tensor ``w`` of weights_bytes / 4 float32 elements, split along its
