@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -226,14 +227,12 @@ def _watched(name: str) -> property:
     """A member's attribute whose every assignment counts as a change on its node (NodeChanges)."""
     slot = "_" + name
 
-    def get(self: SimulatedMember) -> Any:
-        return getattr(self, slot)
-
     def set_(self: SimulatedMember, value: Any) -> None:
         setattr(self, slot, value)
         self.changes.count += 1
 
-    return property(get, set_, doc=f"the member's {name} (a change is counted on its node: NodeChanges)")
+    # read through a C getter: a heartbeat round reads each member's several times
+    return property(operator.attrgetter(slot), set_, doc=f"the member's {name} (a change is counted on its node: NodeChanges)")
 
 
 class SimulatedMember:
@@ -298,7 +297,7 @@ class SimulatedMember:
         loop = self.cluster.loop
         fut: asyncio.Future[Any] = loop.create_future() if reply is None else reply
         now = loop.time()
-        if not self.alive:
+        if not self._alive:
             self.cluster.timers.call_at(now + self.cluster.costs.death_detect_s, _fail, fut,
                                         ActorDied(self.death or "dead"))
             return fut
@@ -309,10 +308,10 @@ class SimulatedMember:
             for f in [f for f in self._pending if f.done()]:
                 del self._pending[f]
         self._pending[fut] = None
-        if self.hung or self.cut_off:
+        if self._hung or self._cut_off:
             if timeout is not None:
                 self.cluster.timers.call_at(now + timeout, _time_out, fut, timeout)
-            if self.cut_off:  # its node is gone and Ray does not know it yet: no answer, then unreachable
+            if self._cut_off:  # its node is gone and Ray does not know it yet: no answer, then unreachable
                 self.cluster.timers.call_at(now + self.cluster.costs.unreachable_s, _fail, fut, ActorUnreachable(
                     "the actor is temporarily unavailable (its node does not answer)"))
             return fut
@@ -369,6 +368,14 @@ class SimulatedMember:
         for fut in list(self._pending):
             self.cluster.timers.call_at(when, _fail, fut, ActorDied(reason))
         self._pending.clear()
+        if self.rank >= 0:
+            # Its sockets closed with it: a collective of its group version waiting for it (a
+            # broadcast it never entered, because it hung first) breaks for those already in
+            # it, as gloo's peers hear a reset; one started later fails at once (gone_ranks).
+            for key, c in list(self.cluster._collectives.items()):
+                if key[1] == self.group_version and c.started_at is None and self.rank not in c.arrivals:
+                    c._left(self, None)
+            self.cluster.gone_ranks.setdefault(self.group_version, set()).add(self.rank)
 
     def hang(self) -> None:
         """The process stays up and answers nothing from now on."""
@@ -404,22 +411,22 @@ class SimulatedMember:
     def local_heartbeat(self, req: Beat, now: float, timeout: float) -> Any:
         """What this member's heartbeat, asked by its node's agent, ended in by ``now``: its
         answer, or the exception its call had (dead; no answer within ``timeout``)."""
-        if not self.alive:
+        if not self._alive:
             return ActorDied(self.death or "dead")
-        if self.hung or self.cut_off or self.up_at > now:
+        if self._hung or self._cut_off or self.up_at > now:
             return CallTimedOut(f"no answer within {timeout:g}s")
         return self._beat()
 
     def _beat(self) -> Heartbeat:
         now = self.cluster.loop.time()
         busy = bool(self.collectives)
-        progress = self.progress
+        progress = self._progress
         for c in self.collectives:
             if c.progressing(now):
                 progress += int((now - c.started_at) / self.cluster.costs.bucket_s())  # type: ignore[operator]
         # it drops nothing as forged here, so whether the watchdog asked for it changes nothing
-        return Heartbeat(progress=progress, busy=busy, weights_version=self.weights_version,
-                         checksum=self.checksum, pid=self.pid)
+        return Heartbeat(progress=progress, busy=busy, weights_version=self._weights_version,
+                         checksum=self._checksum, pid=self.pid)
 
     def _on_vigil(self, fut: asyncio.Future[Any], req: Vigil) -> None:
         return None  # pending until the process dies
@@ -687,7 +694,7 @@ class SimulatedLivenessAgent(SimulatedMember):
         # real agent's gather does. Each answer is what the member is at the reply's time.
         loop = self.cluster.loop
         answers = (SimulatedLivenessAgent._answers, self, handles, args, timeout, mark, since)
-        if not self._unchanged(handles, since) and any(h.alive and (h.hung or h.cut_off) for h in handles):
+        if not self._unchanged(handles, since) and any(h._alive and (h._hung or h._cut_off) for h in handles):
             self.cluster.timers.call_at(loop.time() + timeout, _settle, fut, answers)
         else:
             self._after(fut, self.cluster.costs.call_s, answers)
