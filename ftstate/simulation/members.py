@@ -15,7 +15,8 @@ its node's agent answers into the agent's batch, an :class:`AgentReply`, not a f
   version (a rank that never calls, because it hangs, blocks the others, as a real broadcast
   does); ``send_weights_to`` / ``receive_weights_from`` one of two;
 - a member that dies fails its pending calls with ``ActorDied`` after ``Costs.death_detect_s``,
-  and every collective it was in with ``PeerLost`` for the others; a hung member answers
+  and every collective it was in, or that its group version has waiting for it, with
+  ``PeerLost`` for the others; a hung member answers
   nothing (calls with a ``timeout`` end in ``CallTimedOut``), a vigil stays pending until death;
   a member whose node was lost answers nothing either, and new calls to it fail as unreachable,
   until Ray would declare the node dead (then it dies), as measured on a real 3-node cluster
