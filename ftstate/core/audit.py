@@ -124,6 +124,8 @@ class AuditTrail:
             # unbuffered: each record is one write() of its whole line, as a flushed text file did
             self._file = self.path.open("ab", buffering=0)
         self._wall_clock = wall_clock if wall_clock is not None else time.time
+        #: Neither kept nor written (a long simulation's trail): a record is not even built.
+        self._silent = self._file is None and not self._keep
 
     def begin_run(self, run: str, **facts: Any) -> None:
         """Start a run in this trail: every later record carries ``run``, and this writes its
@@ -138,6 +140,8 @@ class AuditTrail:
         # One dict, built in the order the line is written (time, event and who first), with
         # each value cleaned as it goes in: a 10,000-member sync writes 20,000 of these, and
         # every intermediate dict or call per field was a measurable part of its CPU.
+        if self._silent:
+            return
         rec = self._head(event)
         for key in _FRONT_FIELDS:
             if key in fields:
@@ -152,6 +156,8 @@ class AuditTrail:
         identity, cleaned once when it is bound, and its spec's names). ``fields`` and ``more``
         follow, cleaned as :meth:`record` cleans every field. What a state machine writes at
         each transition: 20,000 records a 10,000-member sync, a third cheaper this way."""
+        if self._silent:
+            return
         rec = self._head(event)
         rec.update(plain)
         if fields:

@@ -104,6 +104,10 @@ class SimulatedCluster(ClusterBackend):
         self.draining: dict[str, int] = {}
         #: Poisoned nodes (:meth:`poison_node`): each kills what runs there this long after it starts.
         self.poisoned: dict[str, float] = {}
+        #: A trainer step already under way when it is called (virtual time, seconds): a
+        #: ``train_step`` call made at that instant ends that much sooner (the replay's first step
+        #: of a failure, whose undisturbed head it does not run: ftstate.simulation.goodput).
+        self.step_under_way: tuple[float, float] | None = None
 
     def changes_on(self, node_id: str) -> NodeChanges:
         """The count of changes its members' heartbeats would show on node ``node_id`` (:class:`NodeChanges`)."""

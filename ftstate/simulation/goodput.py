@@ -10,7 +10,9 @@ undisturbed. The run carries its state from failure to failure (spares spent and
 ``max_failovers`` spent): a failure that exhausts the budget ends the job there, as it would
 for real, and the rest of its time makes no progress. The quiet time between failures is not
 replayed step by step (a simulated week would be 600,000 heartbeat intervals): the spares get
-``settle_s`` to warm up again, and the job's clock jumps to the next failure.
+up to ``settle_s`` to warm up again, and the job's clock jumps to the next failure. Nor is what
+would be undisturbed: the calm ends once the job is steady, and a step after it is steady again
+counts as the steady step it is (docs/simulation.md, "What a replay runs").
 
 **The status quo**: one failure kills the job, which restarts from its last checkpoint
 (``checkpoint_interval_s`` of progress apart): each failure loses the progress since that
@@ -32,6 +34,8 @@ from ftstate.simulation.costs import Costs
 from ftstate.simulation.mix import Failure
 from ftstate.simulation.scenario import Shape, simulated_runtime
 
+#: A step's calls all go out at the instant it starts; the fault comes this much after them.
+_CALLS_OUT_S = 1e-6
 #: Worker states that are not a process to hit (gone already).
 _GONE = frozenset({"LOST", "RETIRED", "FAILED", "STOPPED"})
 
@@ -138,12 +142,12 @@ async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: 
         budget = rt.group.budget(FAILOVER_KEY)
         last_at, last_t = 0.0, loop.time()
         for f in schedule:
-            await asyncio.sleep(settle)  # the quiet time before it: spares warm again
+            await _settle(rt, cluster, settle)  # the quiet time before it: spares warm again
             # the job's clock jumps to the failure; the failover budget's window must see it
             budget.skip((f.at - last_at) - (loop.time() - last_t))
             last_at, last_t = f.at, loop.time()
             target = await _inject_during_a_step(rt, cluster, f, rng.random() * costs.train_step_s, cycle,
-                                                 cycles)
+                                                 cycles, steady)
             took = target[1]
             outcomes.append(Outcome(f.at, f.cause, f.effect, target[0], max(0.0, took - cycles * steady)))
     except FTError as exc:  # the job ends at the failure it could not survive (or at its start)
@@ -159,20 +163,62 @@ async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: 
 
 
 async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: float, cycle: Any,
-                                cycles: int) -> tuple[str, float]:
+                                cycles: int, steady_s: float) -> tuple[str, float]:
     """Run ``cycles`` steps with ``f`` injected ``after_s`` into the first; returns what it hit
-    and how long the steps took."""
+    and how long the steps took (a step after the job is steady again counted as ``steady_s``,
+    not replayed)."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
+    # The step's head before the fault is undisturbed: not replayed. Its trainer ranks' calls,
+    # made now, end as they would have after_s from now, and the fault comes at once.
+    cluster.step_under_way = (t0, after_s)
     first = asyncio.ensure_future(cycle())
-    await asyncio.sleep(after_s)
+    await asyncio.sleep(_CALLS_OUT_S)
     target, drain = _hit(rt, cluster, f)
     await first
+    cluster.step_under_way = None
+    skipped = 0.0
     for _ in range(cycles - 1):
+        if drain is None and _steady(rt, cluster):
+            # Nothing of the failure is left: the cycles still to come are undisturbed ones
+            # and take the steady cycle's time, which the caller subtracts again.
+            skipped = (cycles - 1) * steady_s
+            break
         await cycle()
     if drain is not None:
         await drain
-    return target, loop.time() - t0
+    return target, loop.time() - t0 - _CALLS_OUT_S + after_s + skipped
+
+
+async def _settle(rt: Any, cluster: Any, bound_s: float) -> None:
+    """The calm before a failure: until the job is steady again (spares warm), ``bound_s`` at
+    most, in heartbeat intervals; nothing when it already is (the usual case at the end of a
+    failure's cycles, where sleeping through the bound replayed only quiet heartbeat rounds)."""
+    loop = asyncio.get_running_loop()
+    end, step = loop.time() + bound_s, rt.config.heartbeat_interval_s
+    while loop.time() < end and not _steady(rt, cluster):
+        await asyncio.sleep(min(step, end - loop.time()))
+
+
+def _steady(rt: Any, cluster: Any) -> bool:
+    """Whether nothing of a failure is left in flight, told by the controller's view and the
+    simulated cluster's truth together: the group ready, no failover pending, every member the
+    controller counts on READY at the current weights version (a spare STANDBY) with its
+    process up and answering, and none on a node that kills what it hosts."""
+    ms, *_, failover, _ = rt._parts()  # the simulator's own look, one walk of the members
+    if rt.state != "READY" or failover.pending:
+        return False
+    version, now = ms.weights_version, cluster.loop.time()
+    for m in ms:
+        state = m.machine.state
+        if state in _GONE:
+            continue
+        if state != ("READY" if m.rank >= 0 else "STANDBY") or (m.rank >= 0 and m.machine.weights_version != version):
+            return False
+        p = cluster.members.get(m.name)
+        if p is None or not p.alive or p.hung or p.cut_off or p.up_at > now or p.node_id in cluster.poisoned:
+            return False
+    return True
 
 
 def _hit(rt: Any, cluster: Any, f: Failure) -> tuple[str, asyncio.Future[Any] | None]:

@@ -15,7 +15,8 @@ its node's agent answers into the agent's batch, an :class:`AgentReply`, not a f
   version (a rank that never calls, because it hangs, blocks the others, as a real broadcast
   does); ``send_weights_to`` / ``receive_weights_from`` one of two;
 - a member that dies fails its pending calls with ``ActorDied`` after ``Costs.death_detect_s``,
-  and every collective it was in with ``PeerLost`` for the others; a hung member answers
+  and every collective it was in, or that its group version has waiting for it, with
+  ``PeerLost`` for the others; a hung member answers
   nothing (calls with a ``timeout`` end in ``CallTimedOut``), a vigil stays pending until death;
   a member whose node was lost answers nothing either, and new calls to it fail as unreachable,
   until Ray would declare the node dead (then it dies), as measured on a real 3-node cluster
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -226,14 +228,12 @@ def _watched(name: str) -> property:
     """A member's attribute whose every assignment counts as a change on its node (NodeChanges)."""
     slot = "_" + name
 
-    def get(self: SimulatedMember) -> Any:
-        return getattr(self, slot)
-
     def set_(self: SimulatedMember, value: Any) -> None:
         setattr(self, slot, value)
         self.changes.count += 1
 
-    return property(get, set_, doc=f"the member's {name} (a change is counted on its node: NodeChanges)")
+    # read through a C getter: a heartbeat round reads each member's several times
+    return property(operator.attrgetter(slot), set_, doc=f"the member's {name} (a change is counted on its node: NodeChanges)")
 
 
 class SimulatedMember:
@@ -298,7 +298,7 @@ class SimulatedMember:
         loop = self.cluster.loop
         fut: asyncio.Future[Any] = loop.create_future() if reply is None else reply
         now = loop.time()
-        if not self.alive:
+        if not self._alive:
             self.cluster.timers.call_at(now + self.cluster.costs.death_detect_s, _fail, fut,
                                         ActorDied(self.death or "dead"))
             return fut
@@ -309,10 +309,10 @@ class SimulatedMember:
             for f in [f for f in self._pending if f.done()]:
                 del self._pending[f]
         self._pending[fut] = None
-        if self.hung or self.cut_off:
+        if self._hung or self._cut_off:
             if timeout is not None:
                 self.cluster.timers.call_at(now + timeout, _time_out, fut, timeout)
-            if self.cut_off:  # its node is gone and Ray does not know it yet: no answer, then unreachable
+            if self._cut_off:  # its node is gone and Ray does not know it yet: no answer, then unreachable
                 self.cluster.timers.call_at(now + self.cluster.costs.unreachable_s, _fail, fut, ActorUnreachable(
                     "the actor is temporarily unavailable (its node does not answer)"))
             return fut
@@ -334,13 +334,14 @@ class SimulatedMember:
             self.cluster.timers.call_at(now + timeout, _time_out, fut, timeout)
         return fut
 
-    def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Outcome) -> None:
+    def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Outcome, less: float = 0.0) -> None:
         # Each answer takes its cost stretched by up to Costs.jitter (the cluster's seeded
         # draw): real answers trickle in, and code that is cheap only when they all arrive at
-        # once (one wake-up for a whole batch) must not look cheap here.
+        # once (one wake-up for a whole batch) must not look cheap here. less: the part of it
+        # already done (a step under way), taken off after the stretch.
         loop = self.cluster.loop
         seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
-        when = max(loop.time(), self.up_at) + seconds
+        when = max(loop.time(), self.up_at) + seconds - less
         if fut is self._answering:
             self._answer_at = when
         if type(fut) is AgentReply and fut.answer_at(self, outcome):
@@ -368,6 +369,14 @@ class SimulatedMember:
         for fut in list(self._pending):
             self.cluster.timers.call_at(when, _fail, fut, ActorDied(reason))
         self._pending.clear()
+        if self.rank >= 0:
+            # Its sockets closed with it: a collective of its group version waiting for it (a
+            # broadcast it never entered, because it hung first) breaks for those already in
+            # it, as gloo's peers hear a reset; one started later fails at once (gone_ranks).
+            for key, c in list(self.cluster._collectives.items()):
+                if key[1] == self.group_version and c.started_at is None and self.rank not in c.arrivals:
+                    c._left(self, None)
+            self.cluster.gone_ranks.setdefault(self.group_version, set()).add(self.rank)
 
     def hang(self) -> None:
         """The process stays up and answers nothing from now on."""
@@ -403,22 +412,22 @@ class SimulatedMember:
     def local_heartbeat(self, req: Beat, now: float, timeout: float) -> Any:
         """What this member's heartbeat, asked by its node's agent, ended in by ``now``: its
         answer, or the exception its call had (dead; no answer within ``timeout``)."""
-        if not self.alive:
+        if not self._alive:
             return ActorDied(self.death or "dead")
-        if self.hung or self.cut_off or self.up_at > now:
+        if self._hung or self._cut_off or self.up_at > now:
             return CallTimedOut(f"no answer within {timeout:g}s")
         return self._beat()
 
     def _beat(self) -> Heartbeat:
         now = self.cluster.loop.time()
         busy = bool(self.collectives)
-        progress = self.progress
+        progress = self._progress
         for c in self.collectives:
             if c.progressing(now):
                 progress += int((now - c.started_at) / self.cluster.costs.bucket_s())  # type: ignore[operator]
         # it drops nothing as forged here, so whether the watchdog asked for it changes nothing
-        return Heartbeat(progress=progress, busy=busy, weights_version=self.weights_version,
-                         checksum=self.checksum, pid=self.pid)
+        return Heartbeat(progress=progress, busy=busy, weights_version=self._weights_version,
+                         checksum=self._checksum, pid=self.pid)
 
     def _on_vigil(self, fut: asyncio.Future[Any], req: Vigil) -> None:
         return None  # pending until the process dies
@@ -532,14 +541,19 @@ class SimulatedMember:
     def _on_call(self, fut: asyncio.Future[Any], req: UserCall) -> None:
         costs = self.cluster.costs
         logged = req.logged
-        seconds = costs.call_s + (costs.train_step_s if self.role == "trainer" and req.name == "train_step" else 0.0)
+        seconds, less = costs.call_s, 0.0
+        if self.role == "trainer" and req.name == "train_step":
+            seconds += costs.train_step_s
+            under_way = self.cluster.step_under_way
+            if under_way is not None and under_way[0] == self.cluster.loop.time():
+                less = under_way[1]
         self.calls_started += logged
 
         def done() -> None:
             self.progress += 1
             self.calls_done += logged
 
-        self._after(fut, seconds, done)
+        self._after(fut, seconds, done, less)
 
     # -- several trainer ranks (WorkerHost's sharded methods; ftstate.controller.ranks) ----
     # The weights are one tensor ``w`` of weights_bytes / 4 float32 elements, split along its
@@ -681,7 +695,7 @@ class SimulatedLivenessAgent(SimulatedMember):
         # real agent's gather does. Each answer is what the member is at the reply's time.
         loop = self.cluster.loop
         answers = (SimulatedLivenessAgent._answers, self, handles, args, timeout, mark, since)
-        if not self._unchanged(handles, since) and any(h.alive and (h.hung or h.cut_off) for h in handles):
+        if not self._unchanged(handles, since) and any(h._alive and (h._hung or h._cut_off) for h in handles):
             self.cluster.timers.call_at(loop.time() + timeout, _settle, fut, answers)
         else:
             self._after(fut, self.cluster.costs.call_s, answers)
