@@ -55,7 +55,7 @@ from ftstate.controller.drain import Drainer, DrainRecord
 from ftstate.controller.failover import Failover
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
-from ftstate.controller.membership import GROUP, Member, Membership
+from ftstate.controller.membership import GONE, GROUP, Member, Membership
 from ftstate.controller.nodecopies import NodeCopies
 from ftstate.controller.notices import NoticeMonitor
 from ftstate.controller.progress import Progress
@@ -624,10 +624,15 @@ class Runtime:
 
     # -- scaling -------------------------------------------------------------------------
 
-    async def add_rollouts(self, n: int) -> list[str]:
+    async def add_rollouts(self, n: int, *, nodes: Sequence[str] | None = None) -> list[str]:
         """Start ``n`` more rollouts while the run goes and return their names, once each serves.
 
-        They are placed by the rollout role's placement (its labels and resources), and each is
+        They are placed by the rollout role's placement (its labels and resources), on the Ray
+        nodes ``nodes`` only when it is given (a node that joined the cluster: :meth:`nodes`
+        says which there are; a node id that is not alive, that the failover avoids or that
+        cannot hold a rollout is refused with :class:`~ftstate.core.errors.ScaleRefused` before
+        anything changes; a named node that stays full fails the addition at ``init_timeout_s``,
+        undone). Each is
         fed the current committed weights version from rollouts that hold it (through the node
         copy on its node, or point to point), never from the trainer while a rollout holds it;
         each is admitted to serving only once its own checksum of what it holds matches. Before
@@ -638,7 +643,7 @@ class Runtime:
         newcomer's start is bounded by ``init_timeout_s``, its transfer by ``sync_timeout_s``;
         an addition that fails is undone (none of its newcomers stays) and raises.
         :mod:`ftstate.controller.scaling` has the whole procedure."""
-        return await self._scale(lambda scaler: scaler.add(n), recover_first=True)
+        return await self._scale(lambda scaler: scaler.add(n, nodes), recover_first=True)
 
     async def remove_rollouts(self, names: Sequence[str]) -> None:
         """Take the rollouts ``names`` out of the fleet: out of serving first (routing deals them
@@ -756,6 +761,17 @@ class Runtime:
                        m.machine.group_version, m.pid, m.node, m.node_id, m.reserved_bytes)
             for m in sorted(members, key=lambda m: (m.rank < 0, m.rank, m.name))
         ]
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The cluster's alive nodes, ``{node_id, address, resources, labels, members}``
+        (``members``: the live workers of this run there, by name): how a loop sees a node that
+        joined (the autoscaler, ``ray start``) and gives it rollouts with
+        ``add_rollouts(n, nodes=[node_id])``."""
+        on: dict[str, list[str]] = {}
+        for m in (self._membership or ()):
+            if m.node_id and m.machine.state not in GONE:
+                on.setdefault(m.node_id, []).append(m.name)
+        return [{**node, "members": sorted(on.get(node["node_id"], []))} for node in self.backend.nodes()]
 
     def handle(self, member: str) -> Any:
         """The Ray actor handle of a member (tests and chaos use it)."""

@@ -46,6 +46,7 @@ from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.failover import Failover
+from ftstate.controller.feasibility import fits_one
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import Member, Membership
@@ -129,14 +130,17 @@ class Scaler:
         self._seq = 0
         self._stages: dict[str, dict[str, Any]] = {}  # newcomer -> its transfer's stage timings
         self._placing: tuple[set[str], int] | None = None  # this addition's nodes to avoid, last rank given
+        self._only: set[str] | None = None  # this addition's nodes asked for (None: any)
 
     # -- adding ----------------------------------------------------------------------------
 
-    async def add(self, n: int) -> list[str]:
+    async def add(self, n: int, nodes: Sequence[str] | None = None) -> list[str]:
         """Start ``n`` rollouts, feed each the current version from a holder and admit it; their
-        names. See the module docstring."""
+        names. ``nodes``: Ray node ids the newcomers must go to (a node that just joined, say),
+        else where the placement finds room. See the module docstring."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ScaleRefused(field="n", expected="a positive int (rollouts to add)", got=repr(n))
+        self._only = None if nodes is None else self._named_nodes(nodes)
         ms = self.membership
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -209,14 +213,42 @@ class Scaler:
         self._seq += 1
         self.changing.add(name)
         if self._placing is None:  # once an addition, not once a newcomer: O(members) each
-            # Spread like the rollout pool: off the nodes of the rollouts there are, where another fits.
-            spread = self.config.placement.rollout.strategy in ("SPREAD", "STRICT_SPREAD")
-            avoid = self.failover.avoided_nodes() | (
-                {m.node_id for m in self.membership.live("rollout") if m.node_id} if spread else set())
+            if self._only is not None:  # the nodes asked for and no other
+                avoid = self.launcher.alive_nodes() - self._only
+            else:  # spread like the rollout pool: off the nodes of the rollouts there are, where another fits
+                spread = self.config.placement.rollout.strategy in ("SPREAD", "STRICT_SPREAD")
+                avoid = self.failover.avoided_nodes() | (
+                    {m.node_id for m in self.membership.live("rollout") if m.node_id} if spread else set())
             self._placing = (avoid, max((m.rank for m in self.membership.group_members()), default=0))
         avoid, rank = self._placing
         self._placing = (avoid, rank + 1)  # ranks past every member's: the next reform renumbers them
-        return self.launcher.start("rollout", rank + 1, name, pool=pool, avoid_nodes=avoid)
+        return self.launcher.start("rollout", rank + 1, name, pool=pool, avoid_nodes=avoid,
+                                   strict=self._only is not None)
+
+    def _named_nodes(self, nodes: Sequence[str]) -> set[str]:
+        """The node ids of ``add(n, nodes=...)``, each checked before anything changes: alive,
+        not avoided by the failover (lost, unreachable, draining, quarantined), and able to hold
+        a rollout (its labels and resources)."""
+        if isinstance(nodes, str) or not isinstance(nodes, Sequence | set | frozenset) or not nodes \
+                or not all(isinstance(x, str) for x in nodes):
+            raise ScaleRefused(field="nodes", expected="a non-empty list of Ray node ids", got=repr(nodes))
+        cfg = self.config
+        bundle = {"CPU": cfg.worker_cpus, **cfg.placement.rollout.resources}
+        if cfg.worker_gpus:
+            bundle["GPU"] = cfg.worker_gpus
+        alive = {node["node_id"]: node for node in self.launcher.backend.nodes()}
+        avoided = self.failover.avoided_nodes()
+        for node_id in nodes:
+            node = alive.get(node_id)
+            problem = ("not an alive node of the cluster" if node is None
+                       else "a node the failover avoids (lost, unreachable, draining or quarantined)"
+                       if node_id in avoided
+                       else "a node that cannot hold a rollout (its placement's labels and resources)"
+                       if not fits_one(node, bundle, cfg.placement.rollout.labels) else None)
+            if problem is not None:
+                raise ScaleRefused(field="nodes", expected=f"alive node ids that can hold a rollout "
+                                   f"({len(alive)} alive)", got=f"{node_id!r}: {problem}")
+        return set(nodes)
 
     async def _constructed(self, m: Member) -> Member:
         try:

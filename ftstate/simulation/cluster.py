@@ -299,6 +299,20 @@ class SimulatedCluster(ClusterBackend):
             raise FTError(f"no live simulated node {node_id!r}")
         self.draining[node_id] = int(deadline_ms)
 
+    def add_node(self, *, cpus: float | None = None, labels: Mapping[str, str] | None = None) -> str:
+        """A node joins the cluster (the autoscaler, ``ray start``): ``cpus`` (default: the
+        first node's) and ``labels`` of its own; returns its id."""
+        first = next(iter(self._nodes.values()))
+        i = len(self._nodes)
+        nid = node_name(i)
+        resources = {**first["resources"], **({"CPU": float(cpus)} if cpus is not None else {})}
+        self._nodes[nid] = {"node_id": nid, "address": f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}",
+                            "resources": resources, "labels": dict(labels or {})}
+        self._room[nid] = dict(resources)
+        self._by_node[nid] = {}
+        self._alive_list = None
+        return nid
+
     def lose_node(self, node_id: str, reason: str = "node lost") -> list[str]:
         """The node goes, with every process on it (see the module docstring); returns the
         members it took."""

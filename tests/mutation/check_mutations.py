@@ -304,6 +304,14 @@ MUTATIONS = (
          "test_after_a_long_quiet_stretch_a_hung_spare_is_lost_after_the_timeout_and_a_hung_rollout_at_once"),
     ),
     Mutation(
+        "rollouts added for a node placed anywhere",
+        "rt.add_rollouts(n, nodes=[...]) puts the newcomers on the nodes named and nowhere else",
+        (Edit("ftstate/controller/scaling.py", "avoid = self.launcher.alive_nodes() - self._only",
+              "avoid = set()"),),
+        ("tests/simulation/test_scaling_sim.py::"
+         "test_a_node_that_joins_is_given_rollouts_by_name_and_a_bad_node_is_refused_before_anything_changes",),
+    ),
+    Mutation(
         "an async sample's staleness unchecked",
         "ftstate demo --async fails a run whose samples ran more than max_staleness versions behind",
         (Edit("ftstate/cli/demo/run.py",

@@ -135,3 +135,42 @@ def test_with_fault_tolerance_off_the_fleet_still_grows_and_shrinks_and_a_newcom
         await rt.close()
 
     clock.run(main())
+
+
+def test_a_node_that_joins_is_given_rollouts_by_name_and_a_bad_node_is_refused_before_anything_changes():
+    """The user's loop sees a node join (``rt.nodes()``) and adds rollouts there only
+    (``add_rollouts(n, nodes=[...])``); a node id that is not alive, or that cannot hold a
+    rollout (a cpu-less node here), is refused with ScaleRefused naming ``nodes``."""
+    import pytest
+
+    from ftstate.core.errors import ScaleRefused
+
+    async def main():
+        rt, cluster = simulated_runtime(Shape(rollouts=2, nodes=2, headroom=4), keep_records=True)
+        await rt.start()
+        report = await rt.sync()
+        before = {n["node_id"] for n in rt.nodes()}
+        joined = cluster.add_node(cpus=1)  # the least room: without `nodes` the placement would go elsewhere
+        tiny = cluster.add_node(cpus=0.001)
+        [new] = [n for n in rt.nodes() if n["node_id"] == joined]
+        assert joined not in before and new["members"] == []
+        version, members = rt.group_version, len(rt.members())
+        for nodes, got in ((["n9999999"], "'n9999999': not an alive node"), ([tiny], f"'{tiny}': a node that cannot"),
+                           ([], "[]"), (joined, repr(joined))):
+            with pytest.raises(ScaleRefused, match=r"^nodes: expected .*got " + got.replace("[", r"\[").replace("]", r"\]")):
+                await rt.add_rollouts(1, nodes=nodes)
+        assert (rt.group_version, len(rt.members())) == (version, members) and not rt.scalings
+        names = await rt.add_rollouts(2, nodes=[joined])
+        on = {m.member: m.node_id for m in rt.members()}
+        assert {on[n] for n in names} == {joined}
+        assert next(n for n in rt.nodes() if n["node_id"] == joined)["members"] == sorted(names)
+        record = rt.scalings[-1]
+        assert record.trainer_sources == 0 and all(record.sources.values())
+        assert set(names) <= set(rt.serving_rollouts())
+        held = {m.member: m.weights_version for m in rt.members()}
+        assert {held[n] for n in rt.serving_rollouts()} == {report.weights_version}
+        after = await rt.sync()  # the next sync reaches them too
+        assert set(names) <= set(after.rollouts)
+        await rt.close()
+
+    clock.run(main())
