@@ -723,8 +723,9 @@ class Failover:
             await lost.machine.fire("retire", reason="replaced")
         self.launcher.give_back(lost)
 
-    async def resync(self, newcomer: Member) -> bool:
-        """Move the current version to the newcomer only; False when it must wait for the next sync."""
+    async def resync(self, newcomer: Member, source: Member | None = None) -> bool:
+        """Move the current version to the newcomer only; False when it must wait for the next
+        sync. ``source``: the holder to send it, when it still holds it (else one is chosen)."""
         group = self.membership.group
         _still_up(newcomer)
         # Idempotent on a retry: the newcomer may be anywhere between RENDEZVOUS and STALE.
@@ -761,7 +762,8 @@ class Failover:
         elif not sources:
             return False  # no survivor holds it: the next sync resyncs the newcomer
         # a holder on the newcomer's node first: the plan then reads shared memory, no socket
-        src = min(sources, key=lambda m: m.node_id is None or m.node_id != newcomer.node_id)
+        src = source if source in sources else min(
+            sources, key=lambda m: m.node_id is None or m.node_id != newcomer.node_id)
         # under the new group version shared memory means new slots, dearer than the collective
         # for one newcomer below resync_shared_memory_min_mb (measured, docs/benchmarks.md)
         small = self.config.shared_memory == "auto" \

@@ -12,6 +12,8 @@ with them, and feeds each the current committed version by the newcomer path a f
 replacement takes (:meth:`~ftstate.controller.failover.Failover.resync`): the node copy on
 its node, or point to point from a rollout that holds it, never from the trainer while a
 rollout holds it, and proven by the newcomer's own checksum before it is admitted to serving.
+Newcomers are fed in waves (:meth:`Scaler._feed`): every holder feeds one at a time, and a
+newcomer fed holds the version for the next wave, so a large addition takes about log2 waves.
 With no version committed yet, or none held by any rollout, a newcomer waits STALE and the
 next sync brings it up to date: it never serves without the current weights.
 
@@ -72,8 +74,9 @@ class ScaleRecord:
     process stopped); sources: each newcomer's source (a rollout's name, ``node copy…``, or
     None: it waits STALE for the next sync); trainer_sources: newcomers fed by the trainer (0
     while a rollout holds the version); restarted: newcomers lost while brought up and started
-    again; calls_cut: removed rollouts whose calls were still running at the bound;
-    group_version / weights_version: after the change."""
+    again; promoted: newcomers that were warm spares (no process started for them); calls_cut:
+    removed rollouts whose calls were still running at the bound; group_version /
+    weights_version: after the change."""
 
     kind: str
     members: tuple[str, ...]
@@ -84,6 +87,7 @@ class ScaleRecord:
     trainer_sources: int = 0
     restarted: tuple[str, ...] = ()
     calls_cut: tuple[str, ...] = ()
+    promoted: tuple[str, ...] = ()
     stages: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -157,13 +161,16 @@ class Scaler:
         newcomers: list[Member] = []
         self._placing = None
         restarted: list[str] = []
+        promoted: list[Member] = []
         try:
-            outcomes = await asyncio.gather(*(self._start(pool, started, restarted) for _ in range(n)),
+            if nodes is None:
+                promoted = await self._promote_spares(n, started)
+            outcomes = await asyncio.gather(*(self._start(pool, started, restarted) for _ in range(n - len(promoted))),
                                             return_exceptions=True)
             failed = [o for o in outcomes if isinstance(o, BaseException)]
             if failed:
                 raise failed[0]
-            newcomers = [o for o in outcomes if isinstance(o, Member)]
+            newcomers = [*promoted, *(o for o in outcomes if isinstance(o, Member))]
             sources = await self._bring_up(newcomers, pool, started, restarted)
         except BaseException as exc:
             await self._undo(started, f"{type(exc).__name__}: {exc}")
@@ -181,10 +188,11 @@ class Scaler:
         record = ScaleRecord(kind="add", members=tuple(names), seconds=loop.time() - t0,
                              group_version=ms.group_version, weights_version=ms.weights_version,
                              sources=sources, trainer_sources=sum(1 for s in sources.values() if s in trainer),
-                             restarted=tuple(restarted), stages=stages)
+                             restarted=tuple(restarted), stages=stages,
+                             promoted=tuple(m.name for m in promoted if m in newcomers))
         self.records.append(record)
         self.audit.record("rollouts_added", members=names, sources=sources, trainer_sources=record.trainer_sources,
-                          restarted=list(restarted), seconds=round(record.seconds, 6),
+                          restarted=list(restarted), promoted=list(record.promoted), seconds=round(record.seconds, 6),
                           group_version=ms.group_version, weights_version=ms.weights_version)
         await self._fit_spares()
         return names
@@ -207,23 +215,54 @@ class Scaler:
                                      group_version=self.membership.group_version) from None
         raise AssertionError("unreachable")
 
+    async def _promote_spares(self, n: int, started: list[Member]) -> list[Member]:
+        """Up to ``n`` warm spares (standby mode) made newcomers: no process to start, so they
+        pay only their transfer, as a failover's replacement does; the standby pool is refilled
+        after the addition (:meth:`_fit_spares`)."""
+        ft = self.config.fault_tolerance
+        if not (ft.enable and ft.mode == "standby"):
+            return []
+        promoted: list[Member] = []
+        avoid = self.failover.avoided_nodes()
+        while len(promoted) < n and (spare := self.failover.spare_for("rollout", avoid)) is not None:
+            self.changing.add(spare.name)  # its loss from now on is this addition's, not a spare's
+            started.append(spare)
+            spare.reserved_bytes = 0  # its staging becomes the transfer's: a member reserves none
+            rank = self._next_rank()
+            await spare.machine.fire("promote", reason="added to the fleet (rt.add_rollouts)")
+            spare.set_rank(rank)
+            await spare.machine.fire("join", reason="added to the fleet (rt.add_rollouts), a warm spare")
+            promoted.append(spare)
+        return promoted
+
+    def _next_rank(self) -> int:
+        """A rank past every member's for this addition's next newcomer (the next reform renumbers them)."""
+        if self._placing is None:
+            self._plan_placing()
+        avoid, rank = self._placing  # type: ignore[misc]
+        self._placing = (avoid, rank + 1)
+        return rank + 1
+
     def _launch(self, pool: str) -> Member:
         while (name := f"rollout-{self.config.rollout_workers + self._seq}") in self.membership:
             self._seq += 1
         self._seq += 1
         self.changing.add(name)
-        if self._placing is None:  # once an addition, not once a newcomer: O(members) each
-            if self._only is not None:  # the nodes asked for and no other
-                avoid = self.launcher.alive_nodes() - self._only
-            else:  # spread like the rollout pool: off the nodes of the rollouts there are, where another fits
-                spread = self.config.placement.rollout.strategy in ("SPREAD", "STRICT_SPREAD")
-                avoid = self.failover.avoided_nodes() | (
-                    {m.node_id for m in self.membership.live("rollout") if m.node_id} if spread else set())
-            self._placing = (avoid, max((m.rank for m in self.membership.group_members()), default=0))
-        avoid, rank = self._placing
-        self._placing = (avoid, rank + 1)  # ranks past every member's: the next reform renumbers them
-        return self.launcher.start("rollout", rank + 1, name, pool=pool, avoid_nodes=avoid,
+        rank = self._next_rank()
+        avoid, _ = self._placing  # type: ignore[misc]
+        return self.launcher.start("rollout", rank, name, pool=pool, avoid_nodes=avoid,
                                    strict=self._only is not None)
+
+    def _plan_placing(self) -> None:
+        """This addition's nodes to avoid and the last rank given, once an addition, not once a
+        newcomer: O(members) each."""
+        if self._only is not None:  # the nodes asked for and no other
+            avoid = self.launcher.alive_nodes() - self._only
+        else:  # spread like the rollout pool: off the nodes of the rollouts there are, where another fits
+            spread = self.config.placement.rollout.strategy in ("SPREAD", "STRICT_SPREAD")
+            avoid = self.failover.avoided_nodes() | (
+                {m.node_id for m in self.membership.live("rollout") if m.node_id} if spread else set())
+        self._placing = (avoid, max((m.rank for m in self.membership.group_members()), default=0))
 
     def _named_nodes(self, nodes: Sequence[str]) -> set[str]:
         """The node ids of ``add(n, nodes=...)``, each checked before anything changes: alive,
@@ -276,25 +315,11 @@ class Scaler:
             try:
                 await self._reform(newcomers)
                 for m in newcomers:
-                    # in the group now: STALE (no deadline) while the others are fed one by one,
+                    # in the group now: STALE (no deadline) while the others are fed wave by wave,
                     # not RENDEZVOUS, whose init_timeout_s would run out behind a long queue
                     if m.machine.state == "RENDEZVOUS":
                         await m.machine.fire("joined")
-                for m in newcomers:
-                    if m.name in sources:
-                        continue
-                    if m.machine.state == "SUSPECT":  # a heartbeat missed while it waited its turn
-                        await self.watchdog.verdict([m])  # back to STALE, or LOST (heartbeat_timeout_s)
-                    try:
-                        fed = await self.failover.resync(m)
-                    except MemberLost as exc:
-                        if exc.member == m.name or m.gone:
-                            raise _NewcomerLost(m, exc.reason) from exc
-                        raise
-                    source, stages, _ = self.failover.resync_facts(m.name)
-                    sources[m.name] = source if fed else None
-                    if stages is not None:
-                        self._stages[m.name] = stages
+                await self._feed([m for m in newcomers if m.name not in sources], sources)
                 return sources
             except _NewcomerLost as lost:
                 i = newcomers.index(lost.member)
@@ -317,6 +342,54 @@ class Scaler:
                 await self._settle(exc)
                 self.audit.record("scale_retry", reason=f"{type(exc).__name__}: {exc}"[:500],
                                   members=[m.name for m in newcomers if m.name not in sources])
+
+    async def _feed(self, waiting: list[Member], sources: dict[str, str | None]) -> None:
+        """Feed the ``waiting`` newcomers the current version in waves, recording each one's
+        source in ``sources``. In a wave every holder feeds one newcomer and no two transfers
+        share a node (shared-memory slots, node copies and a node's links stay one transfer's);
+        a newcomer fed holds the version for the next wave, so n newcomers take about log2(n)
+        waves, not n transfers in a row. The first error of a wave is raised once all of it ended."""
+        while waiting:
+            wave: list[tuple[Member, Member | None]] = []
+            busy: set[str | None] = set()
+            free = self.membership.holders()
+            for m in waiting:
+                if m.node_id is not None and m.node_id in busy:
+                    continue
+                # a holder beside it first (shared memory), else any whose node is free
+                ok = [h for h in free if h.node_id is None or h.node_id not in busy]
+                src = min(ok, key=lambda h: h.node_id is None or h.node_id != m.node_id, default=None)
+                if src is None and wave:
+                    break  # every holder feeds one already: the next wave
+                wave.append((m, src))
+                busy.update({m.node_id, *((src.node_id,) if src is not None else ())} - {None})
+                if src is None:
+                    break  # nothing to pair it with: it alone, and the failover's resync decides
+                free.remove(src)
+            outcomes = await asyncio.gather(*(self._feed_one(m, src) for m, src in wave), return_exceptions=True)
+            for (m, _), outcome in zip(wave, outcomes, strict=True):
+                if not isinstance(outcome, BaseException):
+                    sources[m.name] = outcome
+            waiting = [m for m in waiting if m.name not in sources]
+            failed = [o for o in outcomes if isinstance(o, BaseException)]
+            if failed:
+                raise failed[0]
+
+    async def _feed_one(self, m: Member, src: Member | None) -> str | None:
+        """Resync one newcomer (from ``src`` when it still holds the version); its source, or
+        None when it waits STALE for the next sync."""
+        if m.machine.state == "SUSPECT":  # a heartbeat missed while it waited its turn
+            await self.watchdog.verdict([m])  # back to STALE, or LOST (heartbeat_timeout_s)
+        try:
+            fed = await self.failover.resync(m, src)
+        except MemberLost as exc:
+            if exc.member == m.name or m.gone:
+                raise _NewcomerLost(m, exc.reason) from exc
+            raise
+        source, stages, _ = self.failover.resync_facts(m.name)
+        if stages is not None:
+            self._stages[m.name] = stages
+        return source if fed else None
 
     async def _settle(self, exc: FTError) -> None:
         """A member other than a newcomer was found lost: the watchdog's verdict on one nobody

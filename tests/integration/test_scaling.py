@@ -104,15 +104,19 @@ class TestGrowAndShrink:
             await rt.sync()
             t0 = time.monotonic()
             [one] = await rt.add_rollouts(1)
-            add_one_s = time.monotonic() - t0
+            add_spare_s = time.monotonic() - t0
+            # the warm rollout spare went first: no process started for it
+            assert rt.scalings[0].promoted == (one,) and one.startswith("spare-rollout-")
+            t0 = time.monotonic()
             names = [one, *await rt.add_rollouts(1)]
+            add_one_s = time.monotonic() - t0
             assert len(set(names)) == 2 and set(names) <= set(rt.serving_rollouts())
             await assert_consistent(rt)
             assert await rt.trainer("checksum") == rt.checksum
             # fed by the rollouts holding the version: the trainer sent nothing for them
             sources = resync_sources(rt, names)
             assert set(sources) == set(names) and not {"trainer-0"} & set(sources.values())
-            assert all(s.startswith("rollout-") for s in sources.values()), sources
+            assert all(s.startswith(("rollout-", "spare-rollout-")) for s in sources.values()), sources
             assert [r.trainer_sources for r in rt.scalings] == [0, 0]
             assert sum(len(r["members"]) for r in records(rt, "rollouts_added")) == 2
             # spares follow the fleet: 1 per 2 rollouts, 4 rollouts -> 2
@@ -143,7 +147,8 @@ class TestGrowAndShrink:
             await rt.chaos.kill("rollout", 1)
             await wait_until(lambda: len(rt.failovers) == 1 and rt.state == "READY", 30, "the failover")
             f = rt.failovers[0]
-            print(f"add one rollout {add_one_s:.3f}s (transfer {rt.scalings[0].stages}); "
+            print(f"add one rollout: a warm spare {add_spare_s:.3f}s, a new process {add_one_s:.3f}s "
+                  f"(promoted {rt.scalings[1].promoted}; transfer {rt.scalings[1].stages}); "
                   f"failover total {f.total_s:.3f}s, transfer {f.transfer_s:.3f}s")
             await assert_consistent(rt)
         finally:

@@ -312,6 +312,22 @@ MUTATIONS = (
          "test_a_node_that_joins_is_given_rollouts_by_name_and_a_bad_node_is_refused_before_anything_changes",),
     ),
     Mutation(
+        "newcomers fed one at a time",
+        "rollouts added are fed in waves: every holder feeds one, and each newcomer fed feeds the next",
+        (Edit("ftstate/controller/scaling.py", "                if src is None and wave:\n",
+              "                if wave:\n"),),
+        ("tests/simulation/test_scaling_sim.py::"
+         "test_newcomers_are_fed_in_waves_each_holder_feeding_one_and_each_newcomer_fed_feeding_the_next",),
+    ),
+    Mutation(
+        "warm spares passed over by an addition",
+        "rt.add_rollouts takes warm standby spares first: no process to start, only their transfer",
+        (Edit("ftstate/controller/scaling.py", "promoted = await self._promote_spares(n, started)",
+              "promoted = []"),),
+        ("tests/simulation/test_scaling_sim.py::"
+         "test_a_run_syncing_every_step_scales_two_to_eight_to_two_and_every_sync_commits",),
+    ),
+    Mutation(
         "an async sample's staleness unchecked",
         "ftstate demo --async fails a run whose samples ran more than max_staleness versions behind",
         (Edit("ftstate/cli/demo/run.py",

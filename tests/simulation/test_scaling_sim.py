@@ -39,7 +39,10 @@ def test_a_run_syncing_every_step_scales_two_to_eight_to_two_and_every_sync_comm
         grown = await rt.scale_rollouts(8)
         assert grown is not None and grown.kind == "add" and len(grown.members) == 6
         assert fleet(rt) == 8 and grown.trainer_sources == 0  # (a sync may be committing: not all serve now)
-        assert all(s is not None and s.startswith(("rollout-", "node copy")) for s in grown.sources.values()), grown.sources
+        # each fed by a rollout (a warm spare promoted may feed the next wave) or a node copy
+        assert all(s is not None and s.startswith(("rollout-", "spare-rollout-", "node copy"))
+                   for s in grown.sources.values()), grown.sources
+        assert grown.promoted and set(grown.promoted) <= set(grown.members)  # the warm spares went first
         while len(reports[-1].rollouts) != 8:  # a sync of the grown fleet
             await asyncio.sleep(0.1)
         assert rollout_spares(rt) == 4  # one per two rollouts, as configured (1 per 2)
@@ -171,6 +174,40 @@ def test_a_node_that_joins_is_given_rollouts_by_name_and_a_bad_node_is_refused_b
         assert {held[n] for n in rt.serving_rollouts()} == {report.weights_version}
         after = await rt.sync()  # the next sync reaches them too
         assert set(names) <= set(after.rollouts)
+        await rt.close()
+
+    clock.run(main())
+
+
+def test_newcomers_are_fed_in_waves_each_holder_feeding_one_and_each_newcomer_fed_feeding_the_next():
+    """Eight newcomers on their own nodes, two rollouts holding the version: the first wave has
+    two transfers at once, the next four (the two fed among the sources), then the rest, never
+    two on one node, and none from the trainer; every newcomer proven."""
+    async def main():
+        rt, cluster = simulated_runtime(Shape(rollouts=2, nodes=2, headroom=4), keep_records=True)
+        await rt.start()
+        report = await rt.sync()
+        joined = [cluster.add_node(cpus=2) for _ in range(8)]
+        names = await rt.add_rollouts(8, nodes=joined)
+        record = rt.scalings[-1]
+        assert record.trainer_sources == 0 and set(names) <= set(rt.serving_rollouts())
+        assert set(record.sources.values()) & set(names), record.sources  # a newcomer fed another
+        on = {m.member: m.node_id for m in rt.members()}
+        began, ended, most, running = {}, {}, 0, set()
+        for r in rt.audit.records:  # the transfers in flight at once, from the newcomers' transitions
+            if r["event"] != "transition" or r.get("member") not in names:
+                continue
+            if r["to"] == "RESYNCING":
+                running.add(r["member"])
+                began[r["member"]] = r.get("source")
+                assert len({on[n] for n in running}) == len(running)  # never two on one node
+                most = max(most, len(running))
+            elif r["from"] == "RESYNCING":
+                running.discard(r["member"])
+                ended[r["member"]] = r["to"]
+        assert most >= 4 and set(ended) == set(names) and set(ended.values()) == {"RESYNCED"}, (most, ended)
+        held = {m.member: m.weights_version for m in rt.members()}
+        assert {held[n] for n in names} == {report.weights_version}
         await rt.close()
 
     clock.run(main())
