@@ -211,3 +211,29 @@ def test_newcomers_are_fed_in_waves_each_holder_feeding_one_and_each_newcomer_fe
         await rt.close()
 
     clock.run(main())
+
+
+def test_with_several_trainer_ranks_the_fleet_grows_and_shrinks_fed_by_rollouts_only():
+    """A sharded trainer (two ranks) changes nothing of scaling: newcomers are fed by the
+    rollouts, the next sync reaches them, and a removal leaves the ranks as they were."""
+    async def main():
+        rt, _ = simulated_runtime(Shape(rollouts=2, nodes=4, headroom=4, trainers=2), keep_records=True)
+        await rt.start()
+        await rt.trainer("train_step")
+        await rt.sync()
+        names = await rt.add_rollouts(3)
+        record = rt.scalings[-1]
+        trainers = {m.member for m in rt.members() if m.role == "trainer" and m.rank >= 0}
+        assert len(trainers) == 2 and record.trainer_sources == 0
+        assert all(s is not None and s not in trainers for s in record.sources.values()), record.sources
+        await rt.trainer("train_step")
+        report = await rt.sync()
+        assert set(names) <= set(report.rollouts) and len(report.rollouts) == 5
+        await rt.remove_rollouts(names[:2])
+        after = await rt.sync()
+        assert sorted(after.rollouts) == sorted(rt.serving_rollouts()) and len(after.rollouts) == 3
+        assert {m.member for m in rt.members() if m.role == "trainer" and m.rank >= 0} == trainers
+        assert rt.failovers == [] and after.weights_version == report.weights_version + 1
+        await rt.close()
+
+    clock.run(main())
