@@ -7,8 +7,8 @@
                  [--maintenance] [--engine policy|vllm]
     ftstate simulate [--members N] [--nodes N] [--days D] [--mix llama3] [--seed N] [--plot PNG] ...
 
-Errors ftstate knows about (any :class:`~ftstate.core.errors.FTError`, a missing or unreadable
-file) end the command with one line ``error: ...`` on stderr and exit status 2; ``--debug``
+Errors ftstate knows about (any :class:`~ftstate.core.errors.FTError` or
+:class:`~ftstate.core.errors.UsageError`, a missing or unreadable file) end the command with one line ``error: ...`` on stderr and exit status 2; ``--debug``
 (before the command) shows the full traceback instead. ``audit --check`` exits 1 when the
 trail breaks an invariant. Heavy modules (the runtime, Ray) are imported only by the command
 that needs them, so ``ftstate --help`` stays fast. This is the one module that prints.
@@ -28,7 +28,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from ftstate.core.errors import AuditFileError, FTError
+from ftstate.core.errors import AuditFileError, FTError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,7 +99,7 @@ def _message(exc: BaseException) -> str:
 def _clean_errors() -> Iterator[None]:
     try:
         yield
-    except (FTError, OSError, UnicodeDecodeError) as exc:
+    except (FTError, UsageError, OSError, UnicodeDecodeError) as exc:
         if _DEBUG.get():
             raise
         typer.echo(f"error: {_message(exc)}", err=True)

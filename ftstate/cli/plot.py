@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ftstate.core.audit import DEADLINE_EXPIRED, TRANSITION, as_records
-from ftstate.core.errors import FTError
+from ftstate.core.errors import ExtraUnavailable
 
 #: How to get the picture on an install without matplotlib (the ``plot`` extra).
 INSTALL_HINT = "pip install 'ftstate[plot]'"
@@ -283,8 +283,8 @@ def _rewards(records: list[Mapping[str, Any]]) -> list[tuple[float, float, Any]]
     return sorted(out, key=lambda x: x[0])
 
 
-def _no_matplotlib(exc: ImportError) -> FTError:
-    return FTError(f"the timeline picture needs matplotlib ({exc}): {INSTALL_HINT}")
+def _no_matplotlib(exc: ImportError) -> ExtraUnavailable:
+    return ExtraUnavailable(feature="the timeline picture", package="matplotlib", extra="plot", cause=str(exc))
 
 
 def require_matplotlib() -> None:

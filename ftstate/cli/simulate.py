@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ftstate.core.errors import ConfigError, FTError
+from ftstate.core.errors import ConfigError, ExtraUnavailable
 from ftstate.core.text import bounded, listed
 from ftstate.simulation import clock
 from ftstate.simulation.costs import Costs
@@ -143,7 +143,8 @@ def plot_goodput(ours: Result, theirs: Result, seconds: float, out: str | os.Pat
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise FTError(f"the goodput picture needs matplotlib ({exc}): pip install 'ftstate[plot]'") from None
+        raise ExtraUnavailable(feature="the goodput picture", package="matplotlib", extra="plot",
+                               cause=str(exc)) from None
 
     fig = Figure(figsize=(10, 4.5))
     FigureCanvasAgg(fig)

@@ -15,7 +15,7 @@ import signal
 
 from ftstate.controller.membership import Member, Membership
 from ftstate.core.audit import AuditTrail
-from ftstate.core.errors import FTError
+from ftstate.core.errors import UsageError
 from ftstate.core.protocol import ChaosCorrupt, ChaosHang, ChaosKill
 
 
@@ -47,7 +47,7 @@ class Chaos:
             return by_name[name]
         if rank < len(live):
             return live[rank]
-        raise FTError(f"chaos: no live {role} with index {rank}; live: {', '.join(by_name) or 'none'}")
+        raise UsageError(f"chaos: no live {role} with index {rank}; live: {', '.join(by_name) or 'none'}")
 
     def _note(self, m: Member, fault: str) -> None:
         self.injected.append((asyncio.get_running_loop().time(), m.name, fault))

@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from ftstate.core.errors import FTError, InvalidTransition, MemberLost
+from ftstate.core.errors import InvalidTransition, MemberLost, UsageError
 from ftstate.core.liveness import Liveness
 from ftstate.core.machine import StateMachine
 from ftstate.core.protocol import Located
@@ -199,7 +199,7 @@ class Membership:
         try:
             return self._members[name]
         except KeyError:
-            raise FTError(f"no member named {name!r}; members: {', '.join(self._members) or 'none'}") from None
+            raise UsageError(f"no member named {name!r}; members: {', '.join(self._members) or 'none'}") from None
 
     def find(self, name: str) -> Member | None:
         return self._members.get(name)

@@ -22,7 +22,7 @@ from ftstate.controller.calls import ActorCalls, name_all
 from ftstate.controller.membership import Member, Membership, TrainerCall
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
-from ftstate.core.errors import FTError, MemberLost, NoServingWorkers
+from ftstate.core.errors import MemberLost, NoServingWorkers, UserCodeError
 from ftstate.core.protocol import UserCall, Versioned
 
 
@@ -126,8 +126,8 @@ class Router:
                     out, ran_under = out.value, out.versions
                 if not isinstance(out, (list, tuple)) or len(out) != len(idx):
                     got = f"{len(out)} results" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
-                    raise FTError(f"{name}: {method}() answered {got} for a shard of {len(idx)} items; "
-                                  "expected a list with one result per item, in order")
+                    raise UserCodeError(name, f"{method}()", f"answered {got} for a shard of {len(idx)} items; "
+                                        "expected a list with one result per item, in order")
                 for j, r in zip(idx, out, strict=True):
                     results[j] = r if ran_under is None else Versioned(r, ran_under)
             if failed:

@@ -74,6 +74,7 @@ from ftstate.core.errors import (
     MemberLost,
     SyncTimeout,
     TransportError,
+    UsageError,
 )
 from ftstate.core.machine import StateMachine
 from ftstate.core.protocol import Info
@@ -248,7 +249,7 @@ class Runtime:
         """Start the cluster (if needed), the store and every actor, and form group version 1.
         On any failure everything started is torn down before the error propagates."""
         if self.group is not None:
-            raise FTError("the runtime is already started; a Runtime runs once (make a new one)")
+            raise UsageError("the runtime is already started; a Runtime runs once (make a new one)")
         try:
             await self._start()
         except BaseException:
@@ -750,7 +751,7 @@ class Runtime:
     def chaos(self) -> Chaos:
         """Fault injection for tests, benchmarks and the demo (``rt.chaos.kill("rollout", 1)``)."""
         if self._chaos is None:
-            raise FTError("the runtime is not started: use `async with Runtime(...)` or `await rt.start()`")
+            raise UsageError("the runtime is not started: use `async with Runtime(...)` or `await rt.start()`")
         return self._chaos
 
     def members(self) -> list[MemberInfo]:
@@ -789,7 +790,7 @@ class Runtime:
 
     def _require_membership(self) -> Membership:
         if self._membership is None:
-            raise FTError("the runtime is not started: use `async with Runtime(...)` or `await rt.start()`")
+            raise UsageError("the runtime is not started: use `async with Runtime(...)` or `await rt.start()`")
         return self._membership
 
     def _require_group(self) -> StateMachine:

@@ -23,10 +23,14 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── ReplacementFailed        a replacement's own code raised while it was brought up (not retried: not a fault)
     ├── LossyRecoveryRefused     reverse recovery would rebuild a trainer from lossy weights
     ├── RankNotRecoverable       a trainer rank would have to be restored with no committed version
+    ├── StaleCheckpointRefused   a replaced trainer's checkpoint holds an older version (rollback off)
     ├── NoServingWorkers         a call needs a serving worker with current weights and none is
     ├── PlacementUnsatisfiable   the cluster can never place a resource pool as configured
     ├── ScaleRefused             add/remove/scale_rollouts asked for what the run cannot do (field, expected)
     ├── IntegrationUnavailable   an integration's framework (verl, vllm) cannot be imported; names the extra
+    ├── ExtraUnavailable         a feature needs a package of an extra that is not installed (feature, package, extra)
+    ├── NoFreeSlot               a resource pool has no slot for another worker (pool, why)
+    ├── InternalError            an invariant of ftstate's own code broke: a bug to report, not a fault to handle
     ├── EngineRefused            an inference engine set up in a mode ftstate cannot keep safe (setting, value, why)
     ├── EngineTorn               a request reached an engine whose last weight load stopped part-way
     ├── StateDictError           user code handed weights the transport cannot send (also a TypeError)
@@ -36,14 +40,20 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     │   ├── SharedMemoryUnavailable  /dev/shm is missing, full or too small for the same-host route
     │   ├── StaleGroupVersion    a message or collective from an older group version (fencing)
     │   ├── ChecksumMismatch     a bucket's bytes do not hash to the manifest's checksum
+    │   │   └── HeldWeightsMismatch  what a member holds after loading does not hash to the sender's checksum
     │   ├── ManifestError        a message (manifest, seal, offer, signal, store value) is malformed (.field, .peer)
     │   ├── PeerLost             a peer died or vanished mid-collective (.group, .rank, .op, .peer)
     │   └── CommunicatorAborted  a transfer on a communicator that was aborted: form a new version
     ├── AuditViolation           an audit trail breaks an invariant of the machines
     └── AuditFileError           a file given as an audit trail is not one (empty, no records, no such run)
 
+    UsageError                   ftstate used the wrong way (a runtime not started, or started twice;
+                                 a member, node or chaos target that does not exist): outside the tree
+
 Every message names what, who, how long and which version where those apply;
-the same facts are kept as attributes so code need not parse messages.
+the same facts are kept as attributes so code need not parse messages. A usage error is a
+programming error, not a fault: it is deliberately no FTError (httpx's way), so a handler that
+retries or fails over on FTError never takes it for one.
 """
 
 from __future__ import annotations
@@ -380,6 +390,42 @@ class IntegrationUnavailable(FTError):
         )
 
 
+class ExtraUnavailable(FTError):
+    """Raised when a feature needs a package that one of ftstate's extras installs and it
+    cannot be imported: ``feature`` (e.g. ``the timeline picture``), ``package``, ``extra``
+    and ``cause`` (the import's own message)."""
+
+    def __init__(self, *, feature: str, package: str, extra: str, cause: str) -> None:
+        self.feature = feature
+        self.package = package
+        self.extra = extra
+        self.cause = cause
+        super().__init__(f"{feature} needs {package} ({cause}): pip install 'ftstate[{extra}]'")
+
+
+class NoFreeSlot(FTError):
+    """Raised when a resource pool has no slot for another worker: ``pool`` (its name) and
+    ``why`` (all in use, or none off the nodes to avoid). A failover that meets it goes on
+    without a replacement where it may (a rollout), or fails."""
+
+    def __init__(self, pool: str, why: str) -> None:
+        self.pool = pool
+        self.why = why
+        super().__init__(f"resource pool {pool!r} has no free slot ({why})")
+
+
+class InternalError(FTError):
+    """Raised when an invariant of ftstate's own code broke (a state machine asked to spend a
+    budget its state does not have, say): a bug to report, with the run's audit trail."""
+
+
+class UsageError(RuntimeError):
+    """Raised when ftstate is used the wrong way, before anything was tried: a runtime used
+    before ``start()`` or started twice, a member, node or chaos target named that does not
+    exist, a local cluster asked for where Ray would not bind loopback. Deliberately not an
+    :class:`FTError` (see the module docstring)."""
+
+
 class EngineRefused(FTError, ValueError):
     """Raised when a rollout's inference engine is asked for in a mode whose failures ftstate
     cannot detect or clean up (e.g. vLLM's multiprocess engine: its core processes outlive a
@@ -596,15 +642,19 @@ __all__ = [
     "DeadlineExceeded",
     "EngineRefused",
     "EngineTorn",
+    "ExtraUnavailable",
     "FTError",
     "FailoverBudgetExhausted",
     "FailoverTimeout",
     "HeartbeatTimeout",
+    "HeldWeightsMismatch",
     "IntegrationUnavailable",
+    "InternalError",
     "InvalidTransition",
     "LossyRecoveryRefused",
     "ManifestError",
     "MemberLost",
+    "NoFreeSlot",
     "NoServingWorkers",
     "OwnershipError",
     "PeerLost",
@@ -616,10 +666,12 @@ __all__ = [
     "ScaleRefused",
     "SharedMemoryUnavailable",
     "SpecError",
+    "StaleCheckpointRefused",
     "StaleGroupVersion",
     "StateDictError",
     "SyncTimeout",
     "TransportError",
+    "UsageError",
     "UserCodeError",
     "WorkerInitError",
 ]

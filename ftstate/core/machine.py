@@ -52,7 +52,7 @@ from ftstate.core.audit import (
 from ftstate.core.budget import Budget, Charge, Refusal, budget_for
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.deadline import Clock, Deadline, LoopClock
-from ftstate.core.errors import FTError, InvalidTransition
+from ftstate.core.errors import FTError, InternalError, InvalidTransition
 from ftstate.core.spec import MachineSpec
 
 
@@ -349,7 +349,7 @@ class StateMachine:
         as it would have on entry, and False is returned."""
         budget_spec = self.spec.states[self.state].budget
         if budget_spec is None:
-            raise FTError(f"{self.spec.name} {self.member}: state {self.state} has no budget to spend")
+            raise InternalError(f"{self.spec.name} {self.member}: state {self.state} has no budget to spend")
         refused = self.budget(budget_spec.key).refusal(tuple(units), self.clock.now())
         if refused is not None:
             self._exhausted(self.state, "spend", refused)

@@ -31,7 +31,7 @@ from typing import Any
 from ftstate.controller.backend import ClusterBackend, Pool
 from ftstate.controller.feasibility import check_feasible, label_matches
 from ftstate.core.config import RolePlacement
-from ftstate.core.errors import ConfigError, FTError, PlacementUnsatisfiable
+from ftstate.core.errors import ConfigError, NoFreeSlot, PlacementUnsatisfiable, UsageError
 from ftstate.core.protocol import Beat, Request
 from ftstate.simulation.clock import TimerQueue
 from ftstate.simulation.costs import Costs
@@ -184,12 +184,12 @@ class SimulatedCluster(ClusterBackend):
 
     async def call(self, handle: Any, req: Request, timeout: float | None) -> Any:
         if not isinstance(handle, SimulatedMember):
-            raise FTError(f"not a simulated member: {handle!r}")
+            raise UsageError(f"not a simulated member: {handle!r}")
         return await handle.answer(req.method, (req,), timeout)
 
     async def call_helper(self, handle: Any, method: str, args: Sequence[Any], timeout: float | None) -> Any:
         if not isinstance(handle, SimulatedMember):
-            raise FTError(f"not a simulated member: {handle!r}")
+            raise UsageError(f"not a simulated member: {handle!r}")
         return await handle.answer(method, tuple(args), timeout)
 
     def kill(self, handle: Any, *, pid: int | None, node: str | None) -> None:
@@ -223,7 +223,7 @@ class SimulatedCluster(ClusterBackend):
         # (an async generator and its wrappers were five more objects a node's call in flight).
         for h in handles:
             if not isinstance(h, SimulatedMember):
-                raise FTError(f"not a simulated member: {h!r}")
+                raise UsageError(f"not a simulated member: {h!r}")
         return AgentBatch(self.loop, self._agent(node_id), handles, requests)
 
     def close(self) -> None:
@@ -234,7 +234,7 @@ class SimulatedCluster(ClusterBackend):
     def start_node_agent(self, name: str, node_id: str) -> Any:
         # node-local staging is Ray-only (docs/simulation.md): the controller falls back to
         # private staging, recorded as node_copy_fallback
-        raise FTError(f"a simulated node has no node copies (node {node_id[:8]}): staging: node is Ray-only")
+        raise ConfigError("staging", f"node: a simulated node has no node copies (node {node_id[:8]}); staging: node is Ray-only")
 
     def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
         # A watcher is a light process (no torch): modelled as up at once. It runs no source
@@ -269,7 +269,7 @@ class SimulatedCluster(ClusterBackend):
         try:
             return self.members[name]
         except KeyError:
-            raise FTError(f"no simulated member named {name!r}") from None
+            raise UsageError(f"no simulated member named {name!r}") from None
 
     def kill_member(self, name: str, reason: str = "SIGKILL") -> None:
         """The member's process dies (as a SIGKILL would)."""
@@ -284,7 +284,7 @@ class SimulatedCluster(ClusterBackend):
         ``after_s`` from now, and every one started there later ``after_s`` after it is up (a
         crash loop of the node, e.g. a bad driver); returns the members there now."""
         if not self.alive(node_id):
-            raise FTError(f"no live simulated node {node_id!r}")
+            raise UsageError(f"no live simulated node {node_id!r}")
         self.poisoned[node_id] = after_s
         there = [m for m in self._by_node[node_id].values() if m.alive]
         for m in there:
@@ -296,7 +296,7 @@ class SimulatedCluster(ClusterBackend):
         source reports it at its next poll, and nothing new is placed on it); ``deadline_ms``:
         epoch milliseconds, 0 for none."""
         if not self.alive(node_id):
-            raise FTError(f"no live simulated node {node_id!r}")
+            raise UsageError(f"no live simulated node {node_id!r}")
         self.draining[node_id] = int(deadline_ms)
 
     def add_node(self, *, cpus: float | None = None, labels: Mapping[str, str] | None = None) -> str:
@@ -317,7 +317,7 @@ class SimulatedCluster(ClusterBackend):
         """The node goes, with every process on it (see the module docstring); returns the
         members it took."""
         if not self.alive(node_id):
-            raise FTError(f"no live simulated node {node_id!r}")
+            raise UsageError(f"no live simulated node {node_id!r}")
         self.lost_nodes.append(node_id)
         self._lost.add(node_id)
         self._alive_list = None
@@ -413,7 +413,7 @@ class SimulatedResourcePool(_SimulatedPool):
 
     def take(self, avoid_nodes: Collection[str] = (), *, strict: bool = False) -> int:
         if not self._free:
-            raise FTError(f"resource pool {self.name!r} has no free slot (all {self.slots} in use)")
+            raise NoFreeSlot(self.name, f"all {self.slots} in use")
         if avoid_nodes:
             for slot in sorted(self._free):
                 node = self._nodes.get(slot)
@@ -423,7 +423,7 @@ class SimulatedResourcePool(_SimulatedPool):
                     self._is_free.discard(slot)
                     return slot
             if strict:
-                raise FTError(f"resource pool {self.name!r} has no free slot off the nodes to avoid")
+                raise NoFreeSlot(self.name, "none off the nodes to avoid")
         slot = heapq.heappop(self._free)
         self._is_free.discard(slot)
         return slot
@@ -471,7 +471,7 @@ class SimulatedSparePool(_SimulatedPool):
 
     def take(self, avoid_nodes: Collection[str] = (), *, strict: bool = False) -> int:
         if not self.has_free_slot():
-            raise FTError(f"resource pool {self.name!r} has no free slot (all {self.slots} in use)")
+            raise NoFreeSlot(self.name, f"all {self.slots} in use")
         avoid = set(avoid_nodes)
         slot = self._next
         self._next += 1

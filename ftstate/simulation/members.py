@@ -43,7 +43,13 @@ from ftstate.controller.backend import (
     CallTimedOut,
     RemoteError,
 )
-from ftstate.core.errors import CommunicatorAborted, FTError, PeerLost, RendezvousTimeout, StaleGroupVersion
+from ftstate.core.errors import (
+    CommunicatorAborted,
+    PeerLost,
+    ProtocolError,
+    RendezvousTimeout,
+    StaleGroupVersion,
+)
 from ftstate.core.liveness import Heartbeat
 from ftstate.core.protocol import (
     Abandon,
@@ -319,7 +325,7 @@ class SimulatedMember:
         self._answering, self._answer_at = fut, float("inf")
         handler = getattr(self, f"_on_{method}", None)
         if handler is None:
-            exc = FTError(f"{self.name}: the simulated member has no method {method}()")
+            exc = ProtocolError(self.name, f"{method}()", "the simulated member has no such method")
             self._after(fut, self.cluster.costs.call_s, _raiser(RemoteError(exc, str(exc))))
         else:
             handler(fut, *args)
@@ -495,8 +501,8 @@ class SimulatedMember:
 
     def _committed(self, weights_version: int) -> Loaded:
         if self.staged != weights_version:
-            exc = FTError(f"{self.name}: asked to commit weights version {weights_version} but staged "
-                          f"{'nothing' if self.staged is None else f'version {self.staged}'}")
+            have = "nothing" if self.staged is None else f"version {self.staged}"
+            exc = ProtocolError(self.name, f"commit of weights version {weights_version}", f"it staged {have}")
             raise RemoteError(exc, str(exc))
         self.weights_version, self.checksum, self.staged = weights_version, checksum_of(weights_version), None
         self.progress += 1
@@ -597,8 +603,8 @@ class SimulatedMember:
     def _on_send_shards(self, fut: asyncio.Future[Any], req: SendShards) -> None:
         weights_version = req.weights_version
         if not self.prepared:
-            exc = FTError(f"{self.name}: asked to send its part of weights version {weights_version} "
-                          "but prepared none")
+            exc = ProtocolError(self.name, f"a send of its part of weights version {weights_version}",
+                                "it prepared none")
             self._after(fut, self.cluster.costs.call_s, _raiser(RemoteError(exc, str(exc))))
             return
         self.prepared = False

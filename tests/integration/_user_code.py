@@ -62,6 +62,10 @@ class RolloutCountingShards(TinyRollout):
     def boom(self) -> None:
         raise RuntimeError(f"engine crashed in pid {os.getpid()}")
 
+    def generate_one_short(self, prompts: list[str]) -> list[str]:
+        """Answers one result fewer than it was given prompts (a bug rt.rollout_map must name)."""
+        return [p.upper() for p in prompts][:-1]
+
 
 class TrainerThatCannotTakeWeightsBack(TinyTrainer):
     """``load_state_dict`` raises in every process (its model renamed a parameter): every

@@ -303,8 +303,9 @@ class TestBadInput:
 
     async def test_calling_before_start_says_so(self, tmp_path):
         rt = runtime(config(tmp_path))
-        with pytest.raises(ftstate.FTError, match="the runtime is not started"):
+        with pytest.raises(ftstate.UsageError, match="the runtime is not started") as info:
             await rt.sync()
+        assert not isinstance(info.value, ftstate.FTError)  # a programming error, not a fault
 
     async def test_an_unknown_method_names_the_worker(self, ray_cluster, tmp_path):
         async with runtime(config(tmp_path, rollout_workers=1)) as rt:

@@ -196,3 +196,8 @@ async def test_rollout_map_never_calls_a_rollout_with_an_empty_shard(ray_cluster
             await rt.rollout("boom")
         assert all(f"rollout-{i}" in str(info.value) for i in range(3)), str(info.value)
         assert "RolloutCountingShards.boom()" in "\n".join(info.value.__notes__)
+        # a shard answered with the wrong count is the user's method's fault, named as such
+        with pytest.raises(ftstate.UserCodeError, match=r"^rollout-\d: generate_one_short\(\) answered 1 results "
+                           r"for a shard of 2 items; expected a list with one result per item") as bad:
+            await rt.rollout_map("generate_one_short", ["a", "b", "c", "d"])
+        assert bad.value.method == "generate_one_short()"

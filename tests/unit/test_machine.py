@@ -16,8 +16,8 @@ from ftstate.core.deadline import ManualClock
 from ftstate.core.errors import (
     FailoverBudgetExhausted,
     FailoverTimeout,
-    FTError,
     HeartbeatTimeout,
+    InternalError,
     InvalidTransition,
     RendezvousTimeout,
     SyncTimeout,
@@ -285,7 +285,7 @@ class TestBudgets:
     async def test_spending_outside_a_state_with_a_budget_is_refused(self, clock, audit):
         g = group(clock, audit)
         await drive(g, "start", "rendezvous_done")
-        with pytest.raises(FTError, match="state READY has no budget"):
+        with pytest.raises(InternalError, match="state READY has no budget"):
             await g.spend(["x"])
 
     async def test_a_zero_budget_fails_on_the_first_loss(self, clock, audit):

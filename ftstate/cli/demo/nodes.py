@@ -146,9 +146,9 @@ def start_local_cluster(names: Sequence[str] = ("a", "b", "c"), *, env: Mapping[
     if "ray" not in sys.modules:
         os.environ.setdefault(_LOOPBACK_ENV, "0")
     if os.environ.get(_LOOPBACK_ENV) != "0":
-        from ftstate.core.errors import FTError
+        from ftstate.core.errors import UsageError
 
-        raise FTError(f"a local Ray cluster must bind loopback: set {_LOOPBACK_ENV}=0 before Ray is imported")
+        raise UsageError(f"a local Ray cluster must bind loopback: set {_LOOPBACK_ENV}=0 before Ray is imported")
     import ray
     from ray.cluster_utils import Cluster
 

@@ -40,7 +40,7 @@ from ftstate.controller.backend import (
 )
 from ftstate.controller.ray import cluster
 from ftstate.core.config import RolePlacement
-from ftstate.core.errors import FTError
+from ftstate.core.errors import NoFreeSlot
 from ftstate.core.protocol import Beat, Request
 
 
@@ -198,7 +198,7 @@ class RayBackend(ClusterBackend):
 
         address = next((n["address"] for n in self.nodes() if n["node_id"] == node_id), None)
         if address is None:
-            raise FTError(f"no alive node {node_id[:8]} to start a node agent on")
+            raise NoFreeSlot(f"node agent {name}", f"no alive node {node_id[:8]} to start it on")
         return ray.remote(NodeAgent).options(
             name=name, namespace="ftstate", num_cpus=0, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from ftstate.core.errors import ConfigError, FTError
+from ftstate.core.errors import ConfigError, UsageError
 
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -36,7 +36,7 @@ def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: 
         return False
     if address is None:
         if os.environ.get(_LOOPBACK_ENV) != "0":
-            raise FTError(
+            raise UsageError(
                 f"a local Ray cluster must bind loopback: set {_LOOPBACK_ENV}=0 before Ray is imported "
                 "(import ftstate.controller.ray.cluster first, or set it in the environment)"
             )

@@ -26,7 +26,7 @@ from typing import Any
 
 from ftstate.controller.feasibility import check_feasible, describe_cluster, fits_one
 from ftstate.core.config import RolePlacement
-from ftstate.core.errors import PlacementUnsatisfiable
+from ftstate.core.errors import NoFreeSlot, PlacementUnsatisfiable
 
 
 class _Pool:
@@ -106,9 +106,7 @@ class ResourcePool(_Pool):
         """Reserve a free slot, one on a node outside ``avoid_nodes`` when there is one
         (``strict``: only such a one); returns its bundle index."""
         if not self._free:
-            from ftstate.core.errors import FTError
-
-            raise FTError(f"resource pool {self.name!r} has no free slot (all {self.slots} in use)")
+            raise NoFreeSlot(self.name, f"all {self.slots} in use")
         if avoid_nodes:
             nodes = self.slot_nodes()
             for slot in self._free:
@@ -116,9 +114,7 @@ class ResourcePool(_Pool):
                     self._free.remove(slot)
                     return slot
             if strict:
-                from ftstate.core.errors import FTError
-
-                raise FTError(f"resource pool {self.name!r} has no free slot off the nodes to avoid")
+                raise NoFreeSlot(self.name, "none off the nodes to avoid")
         return self._free.pop(0)
 
     def has_free_slot(self) -> bool:
@@ -186,9 +182,7 @@ class SparePool(_Pool):
         from ray.util.placement_group import placement_group
 
         if not self.has_free_slot():
-            from ftstate.core.errors import FTError
-
-            raise FTError(f"resource pool {self.name!r} has no free slot (all {self.slots} in use)")
+            raise NoFreeSlot(self.name, f"all {self.slots} in use")
         selector = dict(self.placement.labels)
         avoid = set(avoid_nodes)
         slot = self._next
