@@ -32,7 +32,9 @@ def config(tmp_path, **ft) -> ftstate.RuntimeConfig:
             "sync_timeout_s": 30,
             "failover_timeout_s": 30,
             "heartbeat_interval_s": 0.2,
-            "heartbeat_timeout_s": 2.0,
+            # the trainer's death is found by the calls it cuts; a rollout starved of CPU while a
+            # cold replacement imports torch must not be taken for lost (the claim is the replay)
+            "heartbeat_timeout_s": 10.0,
             "audit_log": str(tmp_path / "audit.jsonl"),
             "fault_tolerance": {"enable": True, "mode": "cold", "max_failovers": 5, "reverse_weight_sync": True, **ft},
         },

@@ -119,7 +119,10 @@ async def test_a_node_with_two_rollouts_is_drained_while_serving(restore_nodes, 
         assert {after[n].member for n in serving} == set(record.moved.values())
         assert rt.group_version >= v0 + 2 and len(served) >= 4
         states = [r["to"] for r in rt.audit.records if r.get("member") == "rollout-0" and r["event"] == "transition"]
-        assert states[-2:] == ["DRAINING", "RETIRED"]
+        # drained, then retired, never lost (a heartbeat missed on a loaded box may pass it
+        # through SUSPECT and back to READY on the way: the drain goes on from there)
+        drained = states[states.index("DRAINING"):]
+        assert drained[-1] == "RETIRED" and "LOST" not in drained, states
         assert_retired_after_replacements_served(rt, record.moved)
         await consistent(rt)
         # The node then goes: nothing of the run was there any more, so no failover is needed.
