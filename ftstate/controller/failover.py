@@ -307,7 +307,7 @@ class Failover:
     def spare_for(self, role: str, avoid: set[str] | frozenset[str] = frozenset()) -> Member | None:
         spares = [m for m in self.membership.spares(role, "STANDBY") if m.node_id not in avoid]
         # one whose staging is ready for the current size first: a spare still reserving it
-        # would stage into fresh memory (or wait for its reserve), the tail of issue 28
+        # would stage into fresh memory (or wait for its reserve): a slow failover's tail
         ready = [m for m in spares if m.reserved_bytes >= self.staging_bytes or self._adopts(role, m.node_id)]
         return (ready or spares or [None])[0]
 

@@ -4,7 +4,7 @@ With ``staging: node`` the incoming version is verified and voted on in the node
 (:mod:`ftstate.transport.nodecopy`); only then does each engine load it. An engine whose
 weights live on a device must not be handed the whole version on that device first: that is
 a second full copy beside its weights, next to a KV cache that already took most of the GPU
-(issue 24: a 70B model in bf16 is 140 GB). :func:`load_by_buckets` moves it instead in parts of
+(a 70B model in bf16 is 140 GB). :func:`load_by_buckets` moves it instead in parts of
 at most ``bucket_bytes`` (``bucket_size_mb``) through two device buffers, used in turn. So the
 device holds at most ``2 x bucket_bytes`` beyond the engine's weights, for as long as the load
 lasts, and nothing afterwards (a warm spare reserves nothing on the device either: its staging

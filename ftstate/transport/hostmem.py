@@ -2,7 +2,7 @@
 that moves bulk bytes between host buffers on one thread.
 
 A receiver that keeps no spare (its engine holds the committed version, so the transport lets
-go of its own copy: issue 24) stages every sync into memory it has never touched, and the
+go of its own copy) stages every sync into memory it has never touched, and the
 first write into each 4 KiB page is a page fault: about 120 ms per 311 MB on the 2-core
 development machine, a third of what vLLM's own reload of those bytes costs. Asking the kernel
 for 2 MiB pages (``madvise(MADV_HUGEPAGE)`` on an anonymous mapping) takes 512 times fewer
@@ -22,8 +22,7 @@ the cores (the trainer packing the next bucket while a rollout copies the last o
 slot, on any host with fewer free cores than torch has threads) the part on that core waits for
 a time slice, once per piece: a 311 MB copy in 2 MiB pieces beside one busy process took
 119-1518 ms with ``copy_`` (2 threads) against 33-42 ms with one ``memmove`` per piece, same
-process, same buffers (the vLLM engine's rollout made 3x its native reload out of that wait,
-issue 23). The transport already runs its copies beside each other, in separate processes, and
+process, same buffers (the vLLM engine's rollout made 3x its native reload out of that wait). The transport already runs its copies beside each other, in separate processes, and
 hashes on one thread; one thread per copy is what it wants.
 """
 

@@ -798,9 +798,8 @@ class Receiver:
         self._committed: CommittedWeights | None = None
         self._spare: tuple[torch.Tensor, int] | None = None
         # Held while :meth:`reserve` makes the spare: a transfer arriving meanwhile waits for
-        # that buffer instead of allocating a second one beside it (both then page-faulted at
-        # once on the same cores: a 512 MiB failover right after the first sync took 1.3-1.9 s
-        # to stage instead of 0.4 s, issue 28's stage timings).
+        # that buffer instead of allocating a second one beside it (both page-faulted at once
+        # on the same cores stage several times slower: docs/benchmarks.md).
         self._reserving = threading.Lock()
         self._corrupt_next = False
         self._peak = 0

@@ -238,9 +238,8 @@ class Holdings(HostPart):
     def _hand_over(self, staged: Any) -> dict[str, Any]:
         """A trainer's weights received back: its ``state_dict()`` is the copy that counts, so
         the receiver lets go of the buffer they landed in (it would stage the next transfer
-        there) and the tensors are the trainer's own, not cloned. A clone here was 512 MiB of
-        fresh memory per 512 MiB trainer failover: 0.7-1.0 s of page faults and copying on the
-        2-core machine, the largest stage of a trainer's failover (issue 28's stage timings)."""
+        there) and the tensors are the trainer's own, not cloned: a clone is fresh memory the size of
+        the weights, the largest stage of a trainer's failover (docs/benchmarks.md)."""
         if self._receiver is not None:
             self._receiver.release()
         return dict(staged.tensors)
