@@ -36,6 +36,7 @@ from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.collector import CollectorPause
+from ftstate.controller.feasibility import fits_one
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import Member, Membership, walk_proven
@@ -256,15 +257,31 @@ class Failover:
         if not self.launcher.has_free_slot(pool):
             pool = role
         # Off the nodes of the members it covers (and of nodes lost), where the pool has room.
-        covered = {self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()
-        m = self.launcher.start(role, -1, name, pool=pool, avoid_nodes=covered - {None})
-        if m.slot in getattr(self.launcher.pools[pool], "colocated", ()):
+        covered = ({self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()) - {None}
+        colocated = False
+        never = {n for n in self.lost_nodes | self.quarantined_nodes if n}
+        if never and not self._placeable(pool, covered):
+            # Sharing a node with the members it covers, where no other node can hold it: never a
+            # lost or quarantined one, where it would die at once and be started again forever.
+            if not self._placeable(pool, never):
+                self.audit.record("spare_unavailable", role=role, attempts=0,
+                                  reason="every node that could hold a spare is lost or quarantined")
+                return
+            covered, colocated = never, True
+        m = self.launcher.start(role, -1, name, pool=pool, avoid_nodes=covered)
+        if colocated or m.slot in getattr(self.launcher.pools[pool], "colocated", ()):
             self.audit.record("spare_colocated", member=name, role=role,
                               reason="no other node can hold it: it shares a node with the members it covers")
         self._started_at[name] = asyncio.get_running_loop().time()
         task = asyncio.get_running_loop().create_task(self._warm(m))
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
+
+    def _placeable(self, pool: str, avoid: set[str]) -> set[str]:
+        """The alive nodes off ``avoid`` that could hold a worker of ``pool`` (its labels and resources)."""
+        p = self.launcher.pools[pool]
+        return {n["node_id"] for n in self.launcher.backend.nodes()
+                if n["node_id"] not in avoid and fits_one(n, p.bundle, p.placement.labels)}
 
     async def _warm(self, m: Member) -> None:
         try:

@@ -328,6 +328,14 @@ MUTATIONS = (
          "test_a_run_syncing_every_step_scales_two_to_eight_to_two_and_every_sync_commits",),
     ),
     Mutation(
+        "a spare sharing a node sent to a quarantined one",
+        "a quarantined node gets no spare, even where a spare must share a node with the members it covers",
+        (Edit("ftstate/controller/failover.py", "        if never and not self._placeable(pool, covered):\n",
+              "        if False:\n"),),
+        ("tests/simulation/test_quarantine_sim.py::"
+         "test_a_spare_that_must_share_a_node_goes_to_a_healthy_one_never_to_the_quarantined_one",),
+    ),
+    Mutation(
         "an async sample's staleness unchecked",
         "ftstate demo --async fails a run whose samples ran more than max_staleness versions behind",
         (Edit("ftstate/cli/demo/run.py",
