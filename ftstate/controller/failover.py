@@ -259,13 +259,13 @@ class Failover:
         # Off the nodes of the members it covers (and of nodes lost), where the pool has room.
         covered = ({self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()) - {None}
         colocated = False
-        never = {n for n in self.lost_nodes | self.quarantined_nodes if n}
+        never = self.quarantined_nodes
         if never and not self._placeable(pool, covered):
             # Sharing a node with the members it covers, where no other node can hold it: never a
-            # lost or quarantined one, where it would die at once and be started again forever.
+            # quarantined one, where it would die at once and be started again forever.
             if not self._placeable(pool, never):
                 self.audit.record("spare_unavailable", role=role, attempts=0,
-                                  reason="every node that could hold a spare is lost or quarantined")
+                                  reason="every node that could hold a spare is quarantined")
                 return
             covered, colocated = never, True
         m = self.launcher.start(role, -1, name, pool=pool, avoid_nodes=covered)
