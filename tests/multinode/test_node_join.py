@@ -51,7 +51,8 @@ async def test_a_node_that_joins_is_given_rollouts_by_the_users_loop_and_they_se
             pids = [members[n].pid for n in names]
             await rt.remove_rollouts(names)
             assert not next(m for m in rt.nodes() if m["node_id"] == joined)["members"]
-            assert not any(pid_alive(p) for p in pids if p)
+            # their processes are stopped last, by Ray, a moment after the call returns
+            await wait_until(lambda: not any(pid_alive(p) for p in pids if p), 15, "the removed processes gone")
             await consistent(rt)
         assert_nothing_left(ray, rt.run_id, pids)
     finally:
