@@ -36,7 +36,6 @@ from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.collector import CollectorPause
-from ftstate.controller.feasibility import fits_one
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import Member, Membership, walk_proven
@@ -260,10 +259,10 @@ class Failover:
         covered = ({self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()) - {None}
         colocated = False
         never = self.quarantined_nodes
-        if never and not self._placeable(pool, covered):
+        if never and not self.launcher.placeable(pool, covered):
             # Sharing a node with the members it covers, where no other node can hold it: never a
             # quarantined one, where it would die at once and be started again forever.
-            if not self._placeable(pool, never):
+            if not self.launcher.placeable(pool, never):
                 self.audit.record("spare_unavailable", role=role, attempts=0,
                                   reason="every node that could hold a spare is quarantined")
                 return
@@ -276,12 +275,6 @@ class Failover:
         task = asyncio.get_running_loop().create_task(self._warm(m))
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
-
-    def _placeable(self, pool: str, avoid: set[str]) -> set[str]:
-        """The alive nodes off ``avoid`` that could hold a worker of ``pool`` (its labels and resources)."""
-        p = self.launcher.pools[pool]
-        return {n["node_id"] for n in self.launcher.backend.nodes()
-                if n["node_id"] not in avoid and fits_one(n, p.bundle, p.placement.labels)}
 
     async def _warm(self, m: Member) -> None:
         try:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ftstate.controller.backend import ClusterBackend, Pool
+from ftstate.controller.feasibility import fits_one
 from ftstate.controller.membership import Member, Membership
 from ftstate.core.audit import AuditTrail
 from ftstate.core.config import RuntimeConfig
@@ -159,6 +160,12 @@ class ActorLauncher:
             return pool.slot_nodes().get(member.slot) if pool is not None else None
         except Exception:  # noqa: BLE001 - the pool may be gone with the cluster
             return None
+
+    def placeable(self, pool: str, avoid: Collection[str] = ()) -> set[str]:
+        """The alive nodes off ``avoid`` that could hold a worker of ``pool`` (its labels and resources)."""
+        p = self.pools[pool]
+        return {n["node_id"] for n in self.backend.nodes()
+                if n["node_id"] not in avoid and fits_one(n, p.bundle, p.placement.labels)}
 
     def alive_nodes(self) -> set[str]:
         """Ray ids of the nodes Ray counts alive."""

@@ -48,7 +48,6 @@ from typing import Any
 
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.failover import Failover
-from ftstate.controller.feasibility import fits_one
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
 from ftstate.controller.membership import Member, Membership
@@ -271,19 +270,15 @@ class Scaler:
         if isinstance(nodes, str) or not isinstance(nodes, Sequence | set | frozenset) or not nodes \
                 or not all(isinstance(x, str) for x in nodes):
             raise ScaleRefused(field="nodes", expected="a non-empty list of Ray node ids", got=repr(nodes))
-        cfg = self.config
-        bundle = {"CPU": cfg.worker_cpus, **cfg.placement.rollout.resources}
-        if cfg.worker_gpus:
-            bundle["GPU"] = cfg.worker_gpus
-        alive = {node["node_id"]: node for node in self.launcher.backend.nodes()}
+        alive = self.launcher.alive_nodes()
         avoided = self.failover.avoided_nodes()
+        fit = self.launcher.placeable("rollout")
         for node_id in nodes:
-            node = alive.get(node_id)
-            problem = ("not an alive node of the cluster" if node is None
+            problem = ("not an alive node of the cluster" if node_id not in alive
                        else "a node the failover avoids (lost, unreachable, draining or quarantined)"
                        if node_id in avoided
                        else "a node that cannot hold a rollout (its placement's labels and resources)"
-                       if not fits_one(node, bundle, cfg.placement.rollout.labels) else None)
+                       if node_id not in fit else None)
             if problem is not None:
                 raise ScaleRefused(field="nodes", expected=f"alive node ids that can hold a rollout "
                                    f"({len(alive)} alive)", got=f"{node_id!r}: {problem}")

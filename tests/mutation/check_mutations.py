@@ -330,7 +330,7 @@ MUTATIONS = (
     Mutation(
         "a spare sharing a node sent to a quarantined one",
         "a quarantined node gets no spare, even where a spare must share a node with the members it covers",
-        (Edit("ftstate/controller/failover.py", "        if never and not self._placeable(pool, covered):\n",
+        (Edit("ftstate/controller/failover.py", "        if never and not self.launcher.placeable(pool, covered):\n",
               "        if False:\n"),),
         ("tests/simulation/test_quarantine_sim.py::"
          "test_a_spare_that_must_share_a_node_goes_to_a_healthy_one_never_to_the_quarantined_one",),
