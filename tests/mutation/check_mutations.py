@@ -244,8 +244,8 @@ MUTATIONS = (
         "spares on the nodes they cover",
         "a spare keeps off the nodes of the members it covers, where another node can hold it",
         (Edit("ftstate/controller/failover.py",
-              "        covered = {self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()\n",
-              "        covered = self.avoided_nodes()\n"),),
+              "        covered = ({self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()) - {None}\n",
+              "        covered = self.avoided_nodes() - {None}\n"),),
         ("tests/multinode/test_node_loss.py::"
          "test_spares_keep_off_the_nodes_of_the_members_they_cover_whatever_ray_would_choose",),
     ),
@@ -533,13 +533,24 @@ def scratch_copy(dest: Path) -> None:
             shutil.copy2(src, target)
 
 
+def stale(m: Mutation, tree: Path = ROOT) -> str | None:
+    """Why ``m`` no longer applies to the sources under ``tree``, or None: each edit's text must
+    occur exactly once, or the mutant would differ from what its claim says."""
+    for e in m.edits:
+        count = (tree / e.path).read_text(encoding="utf-8").count(e.old)
+        if count != 1:
+            return (f"mutation {m.name!r} no longer applies: {e.path} holds its text {count} times, "
+                    f"expected once; update tests/mutation/check_mutations.py")
+    return None
+
+
 def apply(copy: Path, m: Mutation) -> None:
+    why = stale(m, copy)
+    if why:
+        raise SystemExit(why)
     for e in m.edits:
         path = copy / e.path
         text = path.read_text(encoding="utf-8")
-        if text.count(e.old) != 1:
-            raise SystemExit(f"mutation {m.name!r} no longer applies: {e.path} holds its text "
-                             f"{text.count(e.old)} times, expected once; update tests/mutation/check_mutations.py")
         path.write_text(text.replace(e.old, e.new), encoding="utf-8")
 
 
@@ -729,6 +740,11 @@ def main(argv: list[str] | None = None) -> int:
     missing = set(args.only or ()) - {m.name for m in MUTATIONS}
     if missing or not chosen:
         parser.error(f"no mutation named {sorted(missing)}; names: {', '.join(m.name for m in MUTATIONS)}")
+    # checked before the unmutated run, so that a moved line fails in a second, not after it
+    stale_edits = [why for why in map(stale, chosen) if why]
+    if stale_edits:
+        print("\n".join(stale_edits), flush=True)
+        return 2
     problems = baseline(chosen)
     if problems:
         print("\nthe named tests do not pass on the unmutated copy; no mutation was tried:\n  "

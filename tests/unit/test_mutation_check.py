@@ -6,7 +6,7 @@ of each kind a mutant's run can give (the shape pytest 9 writes with ``junit_fam
 
 from __future__ import annotations
 
-from tests.mutation.check_mutations import MUTATIONS, VENVS, classify, ftstate_errors, read_junit
+from tests.mutation.check_mutations import MUTATIONS, VENVS, classify, ftstate_errors, read_junit, stale
 
 OWN = ftstate_errors()
 
@@ -83,3 +83,9 @@ def test_every_mutation_names_a_known_venv_and_a_claim():
     for m in MUTATIONS:
         assert m.venv == "core" or m.venv in VENVS, m.name
         assert m.tests and m.claim and m.edits, m.name
+
+
+def test_every_mutation_applies_to_the_code_as_it_is():
+    # the main suite fails in a second where a line a mutation edits has moved, rather than the
+    # mutation check failing at its end
+    assert [why for why in map(stale, MUTATIONS) if why] == []
