@@ -26,17 +26,21 @@ class ProbedRollout(VLLMRollout):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._tamper_next = False
+        self._tamper_next: int | None = None
         self._kill_after: int | None = None
         self._load_s = 0.0
 
-    def tamper_now(self, layer: str = "model.layers.0.mlp.down_proj") -> None:
+    def tamper_now(self, layer: str = "model.layers.0.mlp.down_proj", rank: int = 0) -> None:
         """Change one weight of ``layer`` inside the engine, behind ftstate's back: the layer's
         packed kernel is rebuilt from a copy with one element negated (on CPU the parameter is
-        empty: the kernel's own copy is the only one)."""
+        empty: the kernel's own copy is the only one); under tensor parallelism, in the slice
+        of tensor-parallel rank ``rank`` only."""
         def tamper(model: torch.nn.Module) -> None:
+            from vllm.distributed import get_tensor_model_parallel_rank
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+            if get_tensor_model_parallel_rank() != rank:
+                return
             module = model.get_submodule(layer)
             k = module.input_size_per_partition
             slot = held.Slot(layer, "weight", True, (0, module.output_size_per_partition),
@@ -47,10 +51,10 @@ class ProbedRollout(VLLMRollout):
             dispatch_cpu_unquantized_gemm(module, remove_weight=True)
 
         with self._lock:
-            self._on_model(tamper)
+            self._on_ranks(tamper)
 
-    def tamper_next_load(self) -> None:
-        self._tamper_next = True
+    def tamper_next_load(self, rank: int = 0) -> None:
+        self._tamper_next = rank
 
     def kill_during_next_load(self, after: int = 5) -> None:
         """SIGKILL this process after ``after`` tensors of the next load reached vLLM's loader."""
@@ -60,9 +64,9 @@ class ProbedRollout(VLLMRollout):
         t0 = time.perf_counter()
         super().load_weights(state, version)
         self._load_s = time.perf_counter() - t0
-        if self._tamper_next:
-            self._tamper_next = False
-            self.tamper_now()
+        if self._tamper_next is not None:
+            rank, self._tamper_next = self._tamper_next, None
+            self.tamper_now(rank=rank)
 
     def _weights(self, state):
         pairs = super()._weights(state)
