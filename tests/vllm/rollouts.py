@@ -103,8 +103,9 @@ class ProbedRollout(VLLMRollout):
         with self._lock:
             for _ in range(reps):
                 t0 = time.perf_counter()
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs),
-                                                                  "is_checkpoint_format": True})
+                # every rank's process gets its own copy of the pairs (as load_weights sends them)
+                self.llm.collective_rpc("reload_weights", kwargs={
+                    "weights_iterator": iter(pairs) if self.tp == 1 else pairs, "is_checkpoint_format": True})
                 self.llm.reset_prefix_cache()
                 times.append(time.perf_counter() - t0)
         return times

@@ -22,15 +22,12 @@ import pytest_asyncio
 import ftstate
 from tests.integration.test_held_weights import state_of, user_call
 from tests.integration.test_runtime import assert_gone, wait_until
-from tests.vllm.harness import ENGINE_KWARGS, PROMPTS, QwenTrainer
+from tests.vllm.harness import PROMPTS, QwenTrainer, rollout_kwargs
 from tests.vllm.test_vllm_failover import assert_engines_hold_the_trainers_weights, shm_left, vllm_processes
 from tests.vllm.test_vllm_sync import config, sync_proven
 
 pytestmark = [pytest.mark.ray, pytest.mark.asyncio(loop_scope="module")]
 
-#: One NUMA node here: vLLM's automatic binding refuses two workers, so each rank gets one core.
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_HOST_IP": "127.0.0.1"}
-TP_KWARGS = {"engine_kwargs": {**ENGINE_KWARGS, "tensor_parallel_size": 2}, "engine_env": TP_ENV}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -39,10 +36,12 @@ async def run(ray_cluster, tiny_model, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("vllm-tp")
     shm_before = set(os.listdir("/dev/shm"))
-    cfg = config(tmp, rollout_workers=1, init_timeout_s=300, failover_timeout_s=300,
+    # heartbeat_timeout_s: a TP=2 step here (two ranks on two shared cores) can stand still for
+    # seconds under load; a death is noticed by its own signal, not by this bound
+    cfg = config(tmp, rollout_workers=1, init_timeout_s=300, failover_timeout_s=300, heartbeat_timeout_s=10.0,
                  fault_tolerance={"enable": True, "mode": "standby", "standby_workers": 1})
     rt = ftstate.Runtime(cfg, trainer=QwenTrainer, rollout=ProbedRollout, trainer_args=(tiny_model,),
-                         rollout_args=(tiny_model,), rollout_kwargs=TP_KWARGS)
+                         rollout_args=(tiny_model,), rollout_kwargs=rollout_kwargs(tp=2))
     await rt.start()
     state = {"rt": rt, "cfg": cfg, "shm_before": shm_before, "pids": set()}
     try:

@@ -64,6 +64,7 @@ pays the engine start (~2.5 s warm here, plus ``import vllm``) on every replacem
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -288,7 +289,9 @@ class VLLMRollout(RolloutWorker):
 
     def _on_ranks(self, fn: Any, *args: Any) -> list[Any]:
         """``fn(model, *args)`` in each rank's worker, in rank order."""
-        return list(self.llm.collective_rpc(_call_on_model, args=(fn, *args)))
+        # ``fn`` inside the method, which vLLM's multiprocess executor cloudpickles (a closure
+        # travels); its args go through plain pickle
+        return list(self.llm.collective_rpc(functools.partial(_call_on_model, fn), args=args))
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
         what = "load_weights()"
@@ -374,7 +377,7 @@ def _how_it_ended(watch: tree.Watch | None, proc: tree.Proc) -> str:
     return "died"
 
 
-def _call_on_model(worker: Any, fn: Any, *args: Any) -> Any:
+def _call_on_model(fn: Any, worker: Any, *args: Any) -> Any:
     return fn(worker.model_runner.model, *args)
 
 

@@ -146,7 +146,14 @@ class Reaper:
     def __init__(self) -> None:
         # its own session: not reached by a kill of the actor's process group
         self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid())],
-                                      stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+                                      close_fds=True)
+        # it watches the actor once it says so: nothing of the engine starts before that
+        assert self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], REAP_S)
+        if not ready or self._proc.stdout.readline() != b"ready\n":
+            self._proc.kill()
+            raise RuntimeError(f"the engine's reaper process did not start within {REAP_S:g}s")
 
     @property
     def pid(self) -> int:
@@ -217,6 +224,8 @@ def _reaper_main(actor: int) -> None:
         actor_fd = os.pidfd_open(actor)
     except OSError:
         return
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
     known: dict[int, Proc] = {}
     scanning = True
     stdin = sys.stdin.buffer
