@@ -28,6 +28,7 @@ class ProbedRollout(VLLMRollout):
         super().__init__(*args, **kwargs)
         self._tamper_next: int | None = None
         self._kill_after: int | None = None
+        self._kill_rank: int | None = None
         self._load_s = 0.0
 
     def tamper_now(self, layer: str = "model.layers.0.mlp.down_proj", rank: int = 0) -> None:
@@ -56,9 +57,11 @@ class ProbedRollout(VLLMRollout):
     def tamper_next_load(self, rank: int = 0) -> None:
         self._tamper_next = rank
 
-    def kill_during_next_load(self, after: int = 5) -> None:
-        """SIGKILL this process after ``after`` tensors of the next load reached vLLM's loader."""
+    def kill_during_next_load(self, after: int = 5, rank: int | None = None) -> None:
+        """SIGKILL this process (``rank`` None) or the worker process of tensor-parallel rank
+        ``rank`` after ``after`` tensors of the next load reached vLLM's loader."""
         self._kill_after = after
+        self._kill_rank = rank
 
     def load_weights(self, state, version: int) -> None:
         t0 = time.perf_counter()
@@ -73,6 +76,8 @@ class ProbedRollout(VLLMRollout):
         if self._kill_after is None:
             return pairs
         after, self._kill_after = self._kill_after, None
+        if self._kill_rank is not None:
+            return KillingPairs(list(pairs), after, self._kill_rank)
 
         def killing():
             for i, pair in enumerate(pairs):
@@ -87,9 +92,18 @@ class ProbedRollout(VLLMRollout):
         stuck on the device would, while the actor goes on answering its heartbeats."""
         self._wedged = True
 
+    def kill_at_next_step(self, process: str) -> None:
+        """SIGKILL the engine's process named ``process`` (``VLLM::Worker_TP1``) at the next
+        engine step, from inside the generate that takes it: a rank dying under a request."""
+        self._kill_at_step = dict(self.engine_processes())[process]
+
     def _engine_step(self):
         if getattr(self, "_wedged", False):
             time.sleep(3600)
+        pid = getattr(self, "_kill_at_step", None)
+        if pid is not None:
+            self._kill_at_step = None
+            os.kill(pid, signal.SIGKILL)
         return super()._engine_step()
 
     def native_reload(self, reps: int = 3) -> list[float]:
@@ -119,6 +133,24 @@ class ProbedRollout(VLLMRollout):
         t0 = time.perf_counter()
         self.held_weights()
         return time.perf_counter() - t0
+
+
+class KillingPairs:
+    """A load's ``(name, tensor)`` pairs, sent as they are to every tensor-parallel rank and
+    iterated there by vLLM's loader: the process of rank ``rank`` SIGKILLs itself after
+    ``after`` pairs (a rank dying inside the reload, the others' loads complete)."""
+
+    def __init__(self, pairs: list, after: int, rank: int) -> None:
+        self.pairs, self.after, self.rank = pairs, after, rank
+
+    def __iter__(self):
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        mine = get_tensor_model_parallel_rank() == self.rank
+        for i, pair in enumerate(self.pairs):
+            if mine and i == self.after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield pair
 
 
 class PlainLayoutRollout(VLLMRollout):

@@ -48,7 +48,8 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie holds nothing: it waits for its parent to reap it)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -71,13 +72,13 @@ def test_an_actor_sigkilled_takes_its_engine_processes_and_their_shm_files_with_
         t0 = time.monotonic()
         os.kill(actor.pid, signal.SIGKILL)
         actor.wait()
-        while [p for p in pids if _running(p)] or os.path.exists(path):
-            assert time.monotonic() - t0 < tree.REAP_S, f"left: {[p for p in pids if _running(p)]}, {path}"
+        while [p for p in pids if running(p)] or os.path.exists(path):
+            assert time.monotonic() - t0 < tree.REAP_S, f"left: {[p for p in pids if running(p)]}, {path}"
             time.sleep(0.01)
     finally:
         actor.kill()
         for p in pids if "pids" in locals() else []:
-            if _running(p):
+            if running(p):
                 os.kill(p, signal.SIGKILL)
         if os.path.exists(path):
             os.unlink(path)

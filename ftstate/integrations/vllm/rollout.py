@@ -47,8 +47,10 @@ What the class guarantees, and why:
   unlinks their ``/dev/shm`` files when the actor dies, SIGKILL included; and a watch on their
   pidfds sees one die while the actor lives: the rest of the engine is killed, the call in
   flight and every later one raise :class:`~ftstate.core.errors.EngineProcessDied` naming the
-  process, and the worker declares itself lost (:meth:`~ftstate.RolloutWorker.declare_lost`), so
-  the member is LOST at once and a spare takes its place. A worker process stopped (SIGSTOP)
+  process (the controller takes that error as the member's death), and the worker declares
+  itself lost (:meth:`~ftstate.RolloutWorker.declare_lost`: at once when idle, else
+  ``DEATH_NOTICE_S`` after the call in flight answered, so that its answer lands before the
+  actor is killed), so the member is LOST within about a second and a spare takes its place. A worker process stopped (SIGSTOP)
   leaves the others waiting in a collective: the generate's steps stand still, which the
   activity rule above catches.
 * **Refused.** vLLM's engine core in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING``
@@ -83,7 +85,10 @@ MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 #: Engine arguments ftstate cannot supervise or prove beyond one: the value allowed.
 _ONE_ONLY = {"pipeline_parallel_size": 1, "data_parallel_size": 1}
 #: Seconds a failed engine call waits for the watch to name an engine process that died (the
-#: peers' collective can fail a moment before the dead process's pidfd says so).
+#: peers' collective can fail a moment before the dead process's pidfd says so); also how long
+#: a call in flight at the death gets to bring its typed error to its caller (whose controller
+#: then declares the member lost) before the worker declares itself lost (which kills the
+#: actor, and would turn that answer into Ray's death notice).
 DEATH_NOTICE_S = 2.0
 
 
@@ -123,6 +128,9 @@ class VLLMRollout(RolloutWorker):
         self._procs: list[tree.Proc] = []
         self._dead: EngineProcessDied | None = None
         self._died = threading.Event()
+        self._in_flight = 0  # engine calls under way (_engine_call), read by the watch
+        self._ended_one = False  # a call ended after an engine process died (its error is on its way)
+        self._calls_done = threading.Condition()
         self._reaper: tree.Reaper | None = None
         self._watch: tree.Watch | None = None
         if self.tp > 1:
@@ -132,6 +140,8 @@ class VLLMRollout(RolloutWorker):
         if self._reaper is not None:
             self._procs = [p for p in tree.descendants(os.getpid()) if p.pid != self._reaper.pid]
             self._reaper.settle(self._procs)
+            # the engine's message queues: unlinked when it dies (a dead process shows no maps)
+            self._shm: set[str] = set().union(*(tree.shm_files(p.pid) for p in self._procs))
             self._watch = tree.Watch(self._procs, self._on_death)
         # re-entrant: an in-flight swap loads inside generate(), on the thread that holds it
         self._lock = threading.RLock()
@@ -166,9 +176,10 @@ class VLLMRollout(RolloutWorker):
             try:
                 self._check_alive()
                 weights = self._weights(state)
-                # every rank's process needs its own copy of the pairs: an iterator cannot travel
+                if self.tp > 1 and isinstance(weights, Iterator):
+                    weights = list(weights)  # every rank's process gets its own copy: an iterator cannot travel
                 self._engine_call(lambda: self.llm.collective_rpc("reload_weights", kwargs={
-                    "weights_iterator": weights if self.tp == 1 else list(weights), "is_checkpoint_format": True}))
+                    "weights_iterator": weights, "is_checkpoint_format": True}))
                 # a swap between two steps: the running requests are preempted to recompute their KV
                 if not self.llm.reset_prefix_cache(reset_running_requests=self._generating) and self._generating:
                     raise RuntimeError("vLLM kept its prefix cache after preempting the running requests: their "
@@ -249,7 +260,11 @@ class VLLMRollout(RolloutWorker):
         are killed, every call raises the typed error, and the member is declared lost."""
         self._dead = EngineProcessDied(process=proc.name, pid=proc.pid, how=_how_it_ended(self._watch, proc))
         self._died.set()
-        tree.kill_tree([p for p in self._procs if p.pid != proc.pid])
+        tree.kill_tree([p for p in self._procs if p.pid != proc.pid], files=self._shm)
+        with self._calls_done:
+            if self._calls_done.wait_for(lambda: self._in_flight == 0, DEATH_NOTICE_S) and self._ended_one:
+                # a call's typed error is on its way to the caller: let it land before the actor is killed
+                self._calls_done.wait(DEATH_NOTICE_S)
         self.declare_lost(self._dead)
 
     def _check_alive(self) -> None:
@@ -258,18 +273,27 @@ class VLLMRollout(RolloutWorker):
 
     def _engine_call(self, call: Any) -> Any:
         """``call()``; when it raises with an engine process dead, the typed error naming it."""
+        with self._calls_done:
+            self._in_flight += 1
         try:
             return call()
         except Exception as exc:
             if self._procs and self._died.wait(DEATH_NOTICE_S):
                 raise self._dead from exc  # type: ignore[misc]
             raise
+        finally:
+            with self._calls_done:
+                self._in_flight -= 1
+                self._ended_one = self._dead is not None
+                self._calls_done.notify_all()
 
     # -- for subclasses ------------------------------------------------------------------
 
     def _weights(self, state: Mapping[str, Any]) -> Iterable[tuple[str, torch.Tensor]]:
         """The ``(name, tensor)`` pairs handed to vLLM's loader, in the engine's module order
-        (so each fused group arrives together). A subclass may wrap it (e.g. to watch a load)."""
+        (so each fused group arrives together). A subclass may wrap it (e.g. to watch a load);
+        under tensor parallelism an iterator is listed in the actor and the list sent to every
+        rank, any other iterable is sent as it is (pickled) and iterated in each rank's process."""
         order = {name: i for i, name in enumerate(self._slots)}
         return iter(sorted(state.items(), key=lambda kv: order[kv[0]]))
 

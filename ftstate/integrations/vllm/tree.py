@@ -109,17 +109,20 @@ def open_fd(proc: Proc) -> int | None:
     return fd
 
 
-def kill_tree(procs: Iterable[Proc], fds: dict[int, int] | None = None, *, within: float = REAP_S) -> list[Proc]:
+def kill_tree(procs: Iterable[Proc], fds: dict[int, int] | None = None, *, files: Iterable[str] = (),
+              within: float = REAP_S) -> list[Proc]:
     """SIGKILL every process of ``procs`` (through a pidfd: never a reused pid), wait up to
-    ``within`` seconds for them to be gone, then unlink the /dev/shm files they had mapped.
+    ``within`` seconds for them to be gone, then unlink the /dev/shm files they have mapped and
+    ``files`` (those they had mapped when the engine was up: a process already dead shows none).
     ``fds``: pidfds already open, by pid (closed here). Returns those still alive after ``within``."""
+    procs = list(procs)
     fds = dict(fds or {})
     for p in procs:
         if p.pid not in fds:
             fd = open_fd(p)
             if fd is not None:
                 fds[p.pid] = fd
-    shm: set[str] = set()
+    shm: set[str] = set(files)
     for pid in fds:
         shm |= shm_files(pid)
     for fd in fds.values():
@@ -160,7 +163,8 @@ class Reaper:
         return self._proc.pid
 
     def settle(self, procs: Iterable[Proc]) -> None:
-        """The engine is up: these are its processes; the reaper stops scanning."""
+        """The engine is up: these are its processes; the reaper stops scanning (and records
+        the /dev/shm files they map now, for when they are gone)."""
         self._send("settle " + " ".join(f"{p.pid}:{p.start}" for p in procs))
 
     def close(self) -> None:
@@ -227,6 +231,7 @@ def _reaper_main(actor: int) -> None:
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     known: dict[int, Proc] = {}
+    files: set[str] = set()  # the engine's /dev/shm files, recorded when it settled
     scanning = True
     stdin = sys.stdin.buffer
     os.set_blocking(stdin.fileno(), False)
@@ -254,10 +259,11 @@ def _reaper_main(actor: int) -> None:
                         pid, start = item.split(":")
                         info = read_proc(int(pid))
                         known[int(pid)] = Proc(int(pid), int(start), info[2] if info else "?")
+                        files |= shm_files(int(pid))
                 elif cmd == "reap":
-                    kill_tree(known.values())
+                    kill_tree(known.values(), files=files)
                     return
-    kill_tree(known.values())
+    kill_tree(known.values(), files=files)
 
 
 if __name__ == "__main__":
