@@ -41,7 +41,8 @@ async def run(ray_cluster, tiny_model, tmp_path_factory):
     # heartbeat_timeout_s: a TP=2 step here (two ranks on two shared cores) can stand still for
     # seconds under load; a death is noticed by its own signal, not by this bound
     cfg = config(tmp, rollout_workers=1, init_timeout_s=300, failover_timeout_s=300, heartbeat_timeout_s=10.0,
-                 fault_tolerance={"enable": True, "mode": "standby", "standby_workers": 1})
+                 # one slot is replaced four times here, on purpose: no crash loop
+                 fault_tolerance={"enable": True, "mode": "standby", "standby_workers": 1, "max_slot_failovers": 8})
     rt = ftstate.Runtime(cfg, trainer=QwenTrainer, rollout=ProbedRollout, trainer_args=(tiny_model,),
                          rollout_args=(tiny_model,), rollout_kwargs=rollout_kwargs(tp=2))
     await rt.start()
@@ -71,6 +72,14 @@ async def gone(pids, files, within: float) -> None:
         await wait_until(lambda: not left(), within, "the engine's processes and files gone")
     except AssertionError as exc:
         raise AssertionError(f"{exc}: left {left()} of {sorted(pids)}, {sorted(files)}") from None
+
+
+async def serving_engine(rt) -> tuple[str, int, dict[str, int], set[str], int]:
+    """Once a spare is warm: the serving member, its actor's pid, its engine's processes and
+    /dev/shm files (:func:`engine_of`), and the number of failovers so far."""
+    await spare_ready(rt)
+    (member,) = rt.serving_rollouts()
+    return (member, *await engine_of(rt, member), len(rt.failovers))
 
 
 async def serving_again(rt) -> None:
@@ -123,10 +132,7 @@ async def test_a_tp_worker_sigkilled_fails_the_generate_naming_it_and_the_spare_
     from ftstate.integrations.vllm.tree import REAP_S
 
     rt, cfg = run["rt"], run["cfg"]
-    await spare_ready(rt)
-    (member,) = rt.serving_rollouts()
-    actor, procs, files = await engine_of(rt, member)
-    before = len(rt.failovers)
+    member, actor, procs, files, before = await serving_engine(rt)
     # rank 1's process SIGKILLed at the generate's first engine step, from inside the actor
     await user_call(rt, member, "kill_at_next_step", "VLLM::Worker_TP1")
     t0 = time.monotonic()
@@ -150,11 +156,8 @@ async def test_the_actor_sigkilled_takes_every_engine_process_and_shm_file_with_
     from ftstate.integrations.vllm.tree import REAP_S
 
     rt = run["rt"]
-    await spare_ready(rt)
-    (member,) = rt.serving_rollouts()
-    actor, procs, files = await engine_of(rt, member)
+    member, actor, procs, files, before = await serving_engine(rt)
     assert files, "a multiprocess engine maps its message queues from /dev/shm"
-    before = len(rt.failovers)
     t0 = time.monotonic()
     os.kill(actor, signal.SIGKILL)
     await gone([actor, *procs.values()], files, REAP_S)
@@ -169,10 +172,7 @@ async def test_a_rank_killed_inside_vllms_reload_is_replaced_and_the_next_sync_s
     from ftstate.integrations.vllm.tree import REAP_S
 
     rt = run["rt"]
-    await spare_ready(rt)
-    (member,) = rt.serving_rollouts()
-    actor, procs, files = await engine_of(rt, member)
-    before = len(rt.failovers)
+    member, actor, procs, files, before = await serving_engine(rt)
     # rank 1's process SIGKILLs itself 5 tensors into the reload; rank 0's load goes on
     await user_call(rt, member, "kill_during_next_load", 5, 1)
     await rt.trainer("train_step")
@@ -192,10 +192,7 @@ async def test_a_tp_worker_stopped_stalls_the_generate_and_the_member_is_lost_an
     from ftstate.integrations.vllm.tree import REAP_S
 
     rt, cfg = run["rt"], run["cfg"]
-    await spare_ready(rt)
-    (member,) = rt.serving_rollouts()
-    actor, procs, files = await engine_of(rt, member)
-    before = len(rt.failovers)
+    member, actor, procs, files, before = await serving_engine(rt)
     stopped = procs["VLLM::Worker_TP1"]
     os.kill(stopped, signal.SIGSTOP)
     try:
