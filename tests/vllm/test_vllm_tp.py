@@ -38,9 +38,10 @@ async def run(ray_cluster, tiny_model, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("vllm-tp")
     shm_before = set(os.listdir("/dev/shm"))
-    # heartbeat_timeout_s: a TP=2 step here (two ranks on two shared cores) can stand still for
-    # seconds under load; a death is noticed by its own signal, not by this bound
-    cfg = config(tmp, rollout_workers=1, init_timeout_s=300, failover_timeout_s=300, heartbeat_timeout_s=10.0,
+    # heartbeat_timeout_s: a TP=2 step here (two ranks pinned to two shared cores) stood still
+    # for over 5 s on a host loaded 5x over, which the activity rule takes for a wedge at half
+    # the bound; a death is noticed by its own signal, not by this bound
+    cfg = config(tmp, rollout_workers=1, init_timeout_s=600, failover_timeout_s=300, heartbeat_timeout_s=15.0,
                  # one slot is replaced four times here, on purpose: no crash loop
                  fault_tolerance={"enable": True, "mode": "standby", "standby_workers": 1, "max_slot_failovers": 8})
     rt = ftstate.Runtime(cfg, trainer=QwenTrainer, rollout=ProbedRollout, trainer_args=(tiny_model,),
@@ -78,8 +79,18 @@ async def serving_engine(rt) -> tuple[str, int, dict[str, int], set[str], int]:
     """Once a spare is warm: the serving member, its actor's pid, its engine's processes and
     /dev/shm files (:func:`engine_of`), and the number of failovers so far."""
     await spare_ready(rt)
-    (member,) = rt.serving_rollouts()
+    member = await serving_member(rt)
     return (member, *await engine_of(rt, member), len(rt.failovers))
+
+
+async def serving_member(rt) -> str:
+    """The one serving rollout. A generation slowed past half ``heartbeat_timeout_s`` by a
+    loaded host leaves it STALE (busy, it could not prove its weights when suspected): a sync
+    brings it back, proven."""
+    if not rt.serving_rollouts():
+        await rt.sync()
+    (member,) = rt.serving_rollouts()
+    return member
 
 
 async def serving_again(rt) -> None:
@@ -112,7 +123,7 @@ async def test_a_sync_reaches_both_ranks_and_the_assembled_read_back_is_the_trai
 
 async def test_one_ranks_corrupt_slice_takes_the_whole_engine_out_of_serving(run):
     rt = run["rt"]
-    (member,) = rt.serving_rollouts()
+    member = await serving_member(rt)
     # rank 1's slice of down_proj changed right after vLLM's reload returned: rank 0 is intact
     await user_call(rt, member, "tamper_next_load", 1)
     await rt.trainer("train_step")

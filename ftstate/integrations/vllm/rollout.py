@@ -74,6 +74,7 @@ from typing import Any
 
 import torch
 from vllm import LLM, SamplingParams
+from vllm.distributed import get_tensor_model_parallel_rank
 
 from ftstate.core.errors import EngineProcessDied, EngineRefused, EngineTorn, StateDictError
 from ftstate.core.worker import RolloutWorker
@@ -373,8 +374,6 @@ def check_one_process(engine_kwargs: Mapping[str, Any]) -> None:
 
 def _read_own(model: Any, rank_slots: list[dict[str, held.Slot]], names: list[str]) -> dict[str, torch.Tensor]:
     """:func:`~ftstate.integrations.vllm.held.read` of this rank's own slots (its tensor-parallel rank)."""
-    from vllm.distributed import get_tensor_model_parallel_rank
-
     return held.read(model, rank_slots[get_tensor_model_parallel_rank()], names)
 
 

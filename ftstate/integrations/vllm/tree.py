@@ -167,18 +167,6 @@ class Reaper:
         the /dev/shm files they map now, for when they are gone)."""
         self._send("settle " + " ".join(f"{p.pid}:{p.start}" for p in procs))
 
-    def close(self) -> None:
-        """The engine was shut down by the actor: the reaper kills whatever of it is left, and exits."""
-        with contextlib.suppress(OSError, ValueError):
-            self._send("reap")
-            assert self._proc.stdin is not None
-            self._proc.stdin.close()
-        try:
-            self._proc.wait(REAP_S)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-
     def _send(self, line: str) -> None:
         assert self._proc.stdin is not None
         self._proc.stdin.write(line.encode() + b"\n")
@@ -247,7 +235,7 @@ def _reaper_main(actor: int) -> None:
         if stdin.fileno() in ready:
             chunk = os.read(stdin.fileno(), 65536)
             if not chunk:
-                break  # the actor's pipe closed: it is gone (or it closed the engine)
+                break  # the actor's pipe closed: it is gone
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:
@@ -260,9 +248,6 @@ def _reaper_main(actor: int) -> None:
                         info = read_proc(int(pid))
                         known[int(pid)] = Proc(int(pid), int(start), info[2] if info else "?")
                         files |= shm_files(int(pid))
-                elif cmd == "reap":
-                    kill_tree(known.values(), files=files)
-                    return
     kill_tree(known.values(), files=files)
 
 
