@@ -189,25 +189,15 @@ class Watch:
         else:
             self._dead = None
         self._on_death = on_death
-        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="engine-process-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         if self._dead is None:
             by_fd = {fd: p for p in self.procs for pid, fd in self.fds.items() if pid == p.pid}
-            ready, _, _ = select.select([*by_fd, self._wake_r], [], [])
-            dead = [by_fd[fd] for fd in ready if fd in by_fd]
-            if not dead:
-                return  # stopped
-            self._dead = dead[0]
+            ready, _, _ = select.select(list(by_fd), [], [])
+            self._dead = by_fd[ready[0]]
         self._on_death(self._dead)
-
-    def stop(self) -> None:
-        """Stop watching (the actor is shutting the engine down itself)."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-        self._thread.join(5.0)
 
 
 def _reaper_main(actor: int) -> None:
@@ -220,34 +210,35 @@ def _reaper_main(actor: int) -> None:
     sys.stdout.flush()
     known: dict[int, Proc] = {}
     files: set[str] = set()  # the engine's /dev/shm files, recorded when it settled
-    scanning = True
-    stdin = sys.stdin.buffer
-    os.set_blocking(stdin.fileno(), False)
+    settled = False
+    stdin = sys.stdin.buffer.fileno()
+    os.set_blocking(stdin, False)
     buf = b""
     while True:
-        if scanning:
+        if not settled:
             for p in descendants(actor):
-                if p.pid not in known and p.pid != os.getpid():
-                    known[p.pid] = p
-        ready, _, _ = select.select([actor_fd, stdin.fileno()], [], [], SCAN_S if scanning else None)
-        if actor_fd in ready:
-            break
-        if stdin.fileno() in ready:
-            chunk = os.read(stdin.fileno(), 65536)
-            if not chunk:
-                break  # the actor's pipe closed: it is gone
+                if p.pid != os.getpid():
+                    known.setdefault(p.pid, p)
+        ready, _, _ = select.select([actor_fd, stdin], [], [], None if settled else SCAN_S)
+        # what the actor wrote before it died counts: read the pipe before acting on the death
+        try:
+            chunk = os.read(stdin, 65536) if stdin in ready or actor_fd in ready else None
+        except BlockingIOError:
+            chunk = None
+        if chunk:
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:
                 cmd, _, rest = line.decode().partition(" ")
-                if cmd == "settle":
-                    scanning = False
-                    known = {}
+                if cmd == "settle":  # the engine's processes, from the actor: added to those scanned
+                    settled = True
                     for item in rest.split():
-                        pid, start = item.split(":")
-                        info = read_proc(int(pid))
-                        known[int(pid)] = Proc(int(pid), int(start), info[2] if info else "?")
-                        files |= shm_files(int(pid))
+                        pid, start = (int(x) for x in item.split(":"))
+                        info = read_proc(pid)
+                        known[pid] = Proc(pid, start, info[2] if info else "?")
+                        files |= shm_files(pid)
+        if actor_fd in ready or chunk == b"":  # the actor died, or its pipe closed: it is gone
+            break
     kill_tree(known.values(), files=files)
 
 
