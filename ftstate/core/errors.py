@@ -33,6 +33,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     ├── InternalError            an invariant of ftstate's own code broke: a bug to report, not a fault to handle
     ├── EngineRefused            an inference engine set up in a mode ftstate cannot keep safe (setting, value, why)
     ├── EngineTorn               a request reached an engine whose last weight load stopped part-way
+    ├── EngineProcessDied        a process of a rollout's engine (core, TP worker) died under a live actor (process, pid)
     ├── StateDictError           user code handed weights the transport cannot send (also a TypeError)
     ├── OwnershipError           trainer ranks' state_dicts overlap, leave a gap or disagree (tensor, ranks)
     ├── TransportError           moving weights failed
@@ -450,6 +451,21 @@ class EngineTorn(FTError):
         self.cause = cause
         super().__init__(f"the engine's load of weights version {weights_version} stopped part-way ({cause}); "
                          "it serves nothing until a complete load")
+
+
+class EngineProcessDied(FTError):
+    """Raised by a rollout whose inference engine runs processes of its own (vLLM's tensor-parallel
+    workers) when one of them dies while the actor lives: by the call that was using the engine
+    (``generate`` in flight), by every later call, and by the worker's vigil, which makes the
+    controller declare the member lost at once (the rest of the engine's processes are killed
+    first). ``process``: the process's name (``VLLM::Worker_TP1``); ``pid``; ``member``: the
+    rollout, when known; ``how``: how it ended, as far as the actor can tell."""
+
+    def __init__(self, *, process: str, pid: int, how: str, member: str = "") -> None:
+        self.process, self.pid, self.how, self.member = process, pid, how, member
+        who = f"{member}: " if member else ""
+        super().__init__(f"{who}engine process {process} (pid {pid}) {how}; the engine is stopped, its other "
+                         "processes killed, and the member is lost (a spare takes its place)")
 
 
 class StateDictError(FTError, TypeError):

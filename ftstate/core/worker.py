@@ -111,6 +111,15 @@ class RolloutWorker(Worker):
         gate = self.__dict__.get("_ftstate_gate")
         return gate.reached(pause) if gate is not None else self.weights_version
 
+    def declare_lost(self, error: Exception) -> None:
+        """This worker cannot go on (a process of its engine died, say): ftstate declares the
+        member lost now, as if its process had died, kills its actor and replaces it. ``error``:
+        an :class:`~ftstate.core.errors.FTError` saying what happened (it is what the run
+        records). Callable from any thread; outside a run it does nothing."""
+        gate = self.__dict__.get("_ftstate_gate")
+        if gate is not None:
+            gate.lost(error)
+
     @property
     def weights_version(self) -> int:
         """The weights version this worker computes with now (0 before its first load)."""

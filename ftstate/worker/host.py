@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ftstate.core.errors import UserCodeError, WorkerInitError
+from ftstate.core.errors import FTError, UserCodeError, WorkerInitError
 from ftstate.core.liveness import Heartbeat
 from ftstate.core.protocol import Beat, Info, Located, UserCall, Versioned, Vigil
 from ftstate.core.text import bounded
@@ -84,6 +84,10 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
         self._init_error: WorkerInitError | None = None
         self._in_flight = in_flight
         self._pending = PendingSwap()
+        # a user worker that declared itself lost (declare_lost): what the vigil raises, and its wake-up
+        self._lost_error: FTError | None = None
+        self._lost_event: asyncio.Event | None = None
+        self._vigil_loop: asyncio.AbstractEventLoop | None = None
         self._swap_tasks: set[asyncio.Task[None]] = set()
         try:
             self.user = user_cls(*args, **dict(kwargs))
@@ -182,8 +186,22 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
     async def vigil(self, req: Vigil) -> None:
         """Never returns while this process lives: the controller keeps this call pending so
         that a death surfaces as Ray's ``ActorDiedError`` at once, idle or not
-        (:mod:`ftstate.controller.vigil`)."""
-        await asyncio.Event().wait()
+        (:mod:`ftstate.controller.vigil`). It raises the error of a user worker that declared
+        itself lost (:meth:`~ftstate.core.worker.RolloutWorker.declare_lost`), which the
+        controller takes as this member's death."""
+        self._vigil_loop = asyncio.get_running_loop()
+        if self._lost_event is None:
+            self._lost_event = asyncio.Event()
+        if self._lost_error is None:
+            await self._lost_event.wait()
+        raise self._lost_error
+
+    def declare_lost(self, error: FTError) -> None:
+        """The user worker cannot go on (from any thread): every vigil raises ``error``."""
+        self._lost_error = error  # set before the loop is read: the vigil reads them the other way round
+        loop = self._vigil_loop
+        if loop is not None and self._lost_event is not None:
+            loop.call_soon_threadsafe(self._lost_event.set)
 
     def _lock(self) -> asyncio.Lock:
         if self._user_lock is None:

@@ -62,6 +62,10 @@ class SafePointGate:
         same: the call's versions show its requests span two)."""
         return int(self._host.swap_at_safe_point(pause))
 
+    def lost(self, error: Any) -> None:
+        """The rollout declared itself lost: the host's vigil raises ``error``."""
+        self._host.declare_lost(error)
+
     @property
     def weights_version(self) -> int:
         return int(self._host.weights_version)

@@ -15,7 +15,14 @@ import pytest
 from ftstate.controller.backend import QUIET
 from ftstate.controller.calls import ActorCalls
 from ftstate.controller.ray.backend import RayBackend
-from ftstate.core.errors import CommunicatorAborted, MemberLost, PeerLost, StaleGroupVersion, SyncTimeout
+from ftstate.core.errors import (
+    CommunicatorAborted,
+    EngineProcessDied,
+    MemberLost,
+    PeerLost,
+    StaleGroupVersion,
+    SyncTimeout,
+)
 from ftstate.core.liveness import Heartbeat
 from ftstate.core.protocol import Beat, UserCall
 
@@ -42,6 +49,8 @@ class Raiser(UserMethods):
             raise StaleGroupVersion("weights", got=3, current=4, peer="rank 1")
         if kind == "aborted":
             raise CommunicatorAborted("weights", 4, 1, "peer lost during bucket 2/5")
+        if kind == "engine":
+            raise EngineProcessDied(process="VLLM::Worker_TP1", pid=4242, how="was killed by SIGKILL")
         if kind == "peer":
             raise PeerLost("rank 1: a peer was lost", group="weights", group_version=4, rank=1, op="seal", peer=0)
         raise SyncTimeout("weight transfer", key="sync_timeout_s", seconds=2.0, member="rank 1", group_version=4)
@@ -67,6 +76,13 @@ async def test_worker_errors_come_back_typed_with_their_fields(ray_cluster):
             await calls.call("rollout-1", handle, UserCall("fail", ("timeout",)))
         assert (timeout.value.key, timeout.value.seconds) == ("sync_timeout_s", 2.0)
         assert died == []
+
+        # a worker whose engine process died says so: the typed error, and its member reported dead
+        with pytest.raises(EngineProcessDied) as engine:
+            await calls.call("rollout-2", handle, UserCall("fail", ("engine",)))
+        assert (engine.value.process, engine.value.pid) == ("VLLM::Worker_TP1", 4242)
+        assert [m for m, _ in died] == ["rollout-2"] and "VLLM::Worker_TP1" in died[0][1]
+        died.clear()
 
         pid = await calls.call("rollout-1", handle, UserCall("pid"))
         os.kill(pid, signal.SIGKILL)

@@ -20,6 +20,18 @@ from ftstate.transport import state_checksum
 
 #: Engine arguments for the tiny model on this machine: small KV cache, no graph capture.
 ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 256, "kv_cache_memory_bytes": 32 << 20}
+#: A tensor-parallel engine here: vLLM's automatic CPU binding refuses two workers on one NUMA
+#: node, so each rank gets one core; its message queues' address stays on the loopback.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def rollout_kwargs(tp: int = 1) -> dict:
+    """VLLMRollout's keyword arguments for the suite's engines, at tensor-parallel size ``tp``."""
+    if tp == 1:
+        return {"engine_kwargs": ENGINE_KWARGS}
+    return {"engine_kwargs": {**ENGINE_KWARGS, "tensor_parallel_size": tp}, "engine_env": TP_ENV}
+
+
 #: Prompts as token ids (the tiny model's WordLevel tokenizer is not what vLLM loads for Qwen2).
 PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [4000, 17]]
 

@@ -26,17 +26,22 @@ class ProbedRollout(VLLMRollout):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._tamper_next = False
+        self._tamper_next: int | None = None
         self._kill_after: int | None = None
+        self._kill_rank: int | None = None
         self._load_s = 0.0
 
-    def tamper_now(self, layer: str = "model.layers.0.mlp.down_proj") -> None:
+    def tamper_now(self, layer: str = "model.layers.0.mlp.down_proj", rank: int = 0) -> None:
         """Change one weight of ``layer`` inside the engine, behind ftstate's back: the layer's
         packed kernel is rebuilt from a copy with one element negated (on CPU the parameter is
-        empty: the kernel's own copy is the only one)."""
+        empty: the kernel's own copy is the only one); under tensor parallelism, in the slice
+        of tensor-parallel rank ``rank`` only."""
         def tamper(model: torch.nn.Module) -> None:
+            from vllm.distributed import get_tensor_model_parallel_rank
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+            if get_tensor_model_parallel_rank() != rank:
+                return
             module = model.get_submodule(layer)
             k = module.input_size_per_partition
             slot = held.Slot(layer, "weight", True, (0, module.output_size_per_partition),
@@ -47,28 +52,32 @@ class ProbedRollout(VLLMRollout):
             dispatch_cpu_unquantized_gemm(module, remove_weight=True)
 
         with self._lock:
-            self._on_model(tamper)
+            self._on_ranks(tamper)
 
-    def tamper_next_load(self) -> None:
-        self._tamper_next = True
+    def tamper_next_load(self, rank: int = 0) -> None:
+        self._tamper_next = rank
 
-    def kill_during_next_load(self, after: int = 5) -> None:
-        """SIGKILL this process after ``after`` tensors of the next load reached vLLM's loader."""
+    def kill_during_next_load(self, after: int = 5, rank: int | None = None) -> None:
+        """SIGKILL this process (``rank`` None) or the worker process of tensor-parallel rank
+        ``rank`` after ``after`` tensors of the next load reached vLLM's loader."""
         self._kill_after = after
+        self._kill_rank = rank
 
     def load_weights(self, state, version: int) -> None:
         t0 = time.perf_counter()
         super().load_weights(state, version)
         self._load_s = time.perf_counter() - t0
-        if self._tamper_next:
-            self._tamper_next = False
-            self.tamper_now()
+        if self._tamper_next is not None:
+            rank, self._tamper_next = self._tamper_next, None
+            self.tamper_now(rank=rank)
 
     def _weights(self, state):
         pairs = super()._weights(state)
         if self._kill_after is None:
             return pairs
         after, self._kill_after = self._kill_after, None
+        if self._kill_rank is not None:
+            return KillingPairs(list(pairs), after, self._kill_rank)
 
         def killing():
             for i, pair in enumerate(pairs):
@@ -83,9 +92,18 @@ class ProbedRollout(VLLMRollout):
         stuck on the device would, while the actor goes on answering its heartbeats."""
         self._wedged = True
 
+    def kill_at_next_step(self, process: str) -> None:
+        """SIGKILL the engine's process named ``process`` (``VLLM::Worker_TP1``) at the next
+        engine step, from inside the generate that takes it: a rank dying under a request."""
+        self._kill_at_step = dict(self.engine_processes())[process]
+
     def _engine_step(self):
         if getattr(self, "_wedged", False):
             time.sleep(3600)
+        pid = getattr(self, "_kill_at_step", None)
+        if pid is not None:
+            self._kill_at_step = None
+            os.kill(pid, signal.SIGKILL)
         return super()._engine_step()
 
     def native_reload(self, reps: int = 3) -> list[float]:
@@ -99,8 +117,9 @@ class ProbedRollout(VLLMRollout):
         with self._lock:
             for _ in range(reps):
                 t0 = time.perf_counter()
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(pairs),
-                                                                  "is_checkpoint_format": True})
+                # every rank's process gets its own copy of the pairs (as load_weights sends them)
+                self.llm.collective_rpc("reload_weights", kwargs={
+                    "weights_iterator": iter(pairs) if self.tp == 1 else pairs, "is_checkpoint_format": True})
                 self.llm.reset_prefix_cache()
                 times.append(time.perf_counter() - t0)
         return times
@@ -114,6 +133,24 @@ class ProbedRollout(VLLMRollout):
         t0 = time.perf_counter()
         self.held_weights()
         return time.perf_counter() - t0
+
+
+class KillingPairs:
+    """A load's ``(name, tensor)`` pairs, sent as they are to every tensor-parallel rank and
+    iterated there by vLLM's loader: the process of rank ``rank`` SIGKILLs itself after
+    ``after`` pairs (a rank dying inside the reload, the others' loads complete)."""
+
+    def __init__(self, pairs: list, after: int, rank: int) -> None:
+        self.pairs, self.after, self.rank = pairs, after, rank
+
+    def __iter__(self):
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        mine = get_tensor_model_parallel_rank() == self.rank
+        for i, pair in enumerate(self.pairs):
+            if mine and i == self.after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield pair
 
 
 class PlainLayoutRollout(VLLMRollout):

@@ -164,7 +164,7 @@ async def test_engines_killed_mid_update_and_stopped_are_replaced_by_prewarmed_e
     assert shm_left(shm_before, pids) == []
 
 
-def test_the_multiprocess_engine_is_refused_naming_the_setting_and_why(monkeypatch, tiny_model):
+def test_a_separate_engine_core_and_pipeline_or_data_parallelism_are_refused_naming_the_setting_and_why(monkeypatch, tiny_model):
     from ftstate.integrations.vllm import VLLMRollout
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
@@ -172,7 +172,12 @@ def test_the_multiprocess_engine_is_refused_naming_the_setting_and_why(monkeypat
         VLLMRollout(tiny_model)
     assert info.value.setting == "VLLM_ENABLE_V1_MULTIPROCESSING"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    for kwargs, setting in (({"tensor_parallel_size": 2}, "engine_kwargs.tensor_parallel_size"),
+    # refused before any engine starts: settings ftstate neither supervises nor proves
+    for kwargs, setting in (({"pipeline_parallel_size": 2}, "engine_kwargs.pipeline_parallel_size"),
+                            ({"data_parallel_size": 2}, "engine_kwargs.data_parallel_size"),
+                            ({"tensor_parallel_size": 0}, "engine_kwargs.tensor_parallel_size"),
+                            ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
+                             "engine_kwargs.distributed_executor_backend"),
                             ({"distributed_executor_backend": "mp"}, "engine_kwargs.distributed_executor_backend")):
         with pytest.raises(ftstate.EngineRefused, match=setting):
             VLLMRollout(tiny_model, engine_kwargs=kwargs)

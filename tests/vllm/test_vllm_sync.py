@@ -50,6 +50,18 @@ async def rt(ray_cluster, tiny_model, tmp_path_factory):
         yield rt
 
 
+async def sync_proven(rt, *, engines: int, step: bool) -> ftstate.SyncReport:
+    """One sync (after a train step when ``step``), proven: what each of the ``engines`` serving
+    engines holds, read back from its kernels (not what it was handed), hashes to the trainer's."""
+    if step:
+        await rt.trainer("train_step")
+    report = await rt.sync()
+    trainer = await rt.trainer("checksum")
+    assert report.checksum == trainer
+    assert await rt.rollout("held_checksum") == [trainer] * engines
+    return report
+
+
 async def reference_generation(ray, rt, tmp_path, name: str) -> list[list[int]]:
     """Greedy tokens of an engine started from a checkpoint of the trainer's current weights."""
     from ftstate.integrations.vllm import VLLMRollout
@@ -67,13 +79,7 @@ async def test_each_sync_reaches_every_engine_bit_for_bit_and_it_generates_as_an
     rt, ray_cluster, tmp_path
 ):
     for step in range(2):
-        if step:
-            await rt.trainer("train_step")
-        report = await rt.sync()
-        trainer = await rt.trainer("checksum")
-        assert report.checksum == trainer
-        # read back from the engines' kernels, not from what they were handed
-        assert await rt.rollout("held_checksum") == [trainer, trainer]
+        report = await sync_proven(rt, engines=2, step=bool(step))
         got = await rt.rollout("generate", PROMPTS, max_tokens=12)
         assert [o["weights_version"] for out in got for o in out] == [report.weights_version] * 6
         tokens = [[o["token_ids"] for o in out] for out in got]

@@ -22,8 +22,21 @@ what ``model.named_parameters()`` shows, and not what ``load_weights`` was given
 
 :func:`layout` maps every checkpoint name the engine holds to where it lives (one
 :class:`Slot` each), once per engine; :func:`read` reads a set of slots back. Both run inside
-the engine's worker (``llm.collective_rpc``), in the process of an in-process engine. Tensor
-parallelism is not handled (one worker holds everything; ``VLLMRollout`` refuses more).
+the engine's worker (``llm.collective_rpc``): in the actor's process for an in-process engine,
+in each rank's process under tensor parallelism.
+
+**Tensor parallelism: assembled, then compared whole.** Each rank holds a slice: column-parallel
+layers (q/k/v, gate/up, the vocabulary of the embedding and ``lm_head``) a block of rows,
+row-parallel ones (``o_proj``, ``down_proj``) a block of columns, the rest (norms, a row-parallel
+bias) a full copy. :func:`layout` gives each rank's slots with the dimension they are split on
+(``Slot.split``), :func:`merge` the trainer's view of them, and :func:`assemble` puts the ranks'
+read-backs together under the trainer's names: the ranks' slices concatenated in rank order, a
+replicated tensor once (or, where the ranks disagree, all copies stacked: a shape the trainer's
+never has, so the proof fails). Assembled, the engine's state hashes to the one checksum the
+trainer sealed its send with, so the proof is ftstate's usual one and needs nothing from the
+sender per rank; comparing each rank's slice with a checksum of the same slice of the sender's
+tensors would need the sender to know the engine's partitioning. The cost is one full copy in
+the actor while the proof reads (the in-process engine's proof costs the same).
 
 This module imports torch and vLLM's layer classes; it is loaded only through the
 ``ftstate.integrations.vllm`` package, which checks vLLM is importable first.
@@ -35,7 +48,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.layers.linear import LinearBase, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
@@ -45,7 +58,9 @@ class Slot(NamedTuple):
     module: the vLLM module's dotted name; attr: its parameter (``weight``/``bias``);
     kernel: read through the module's CPU kernel (``cpu_linear``) rather than the parameter;
     rows: the rows of the (fused, padded) tensor that are this checkpoint tensor;
-    shape, dtype: the checkpoint tensor's, as the trainer must send it.
+    shape, dtype: the checkpoint tensor's, as the trainer must send it (under tensor
+    parallelism: this rank's slice of it); split: the dimension the ranks split it on (None: each
+    rank holds all of it).
     """
 
     module: str
@@ -54,6 +69,7 @@ class Slot(NamedTuple):
     rows: tuple[int, int]
     shape: tuple[int, ...]
     dtype: torch.dtype
+    split: int | None = None
 
 
 def layout(model: torch.nn.Module) -> dict[str, Slot]:
@@ -67,24 +83,35 @@ def layout(model: torch.nn.Module) -> dict[str, Slot]:
         if isinstance(module, LinearBase):
             kernel = hasattr(module, "cpu_linear")
             k = int(module.input_size_per_partition)
+            tp = int(getattr(module, "tp_size", 1) or 1)
+            row_parallel = isinstance(module, RowParallelLinear)
+            split_w = None if tp == 1 or isinstance(module, ReplicatedLinear) else (1 if row_parallel else 0)
             parts = packed.get(leaf)
-            sizes = list(getattr(module, "output_sizes", None) or [module.output_size_per_partition])
+            # output_sizes are the whole layer's: a column-parallel rank holds 1/tp of each part
+            div = tp if split_w == 0 else 1
+            sizes = [int(s) // div for s in getattr(module, "output_sizes", None) or []] or \
+                [int(module.output_size_per_partition)]
             if parts is None or len(parts) != len(sizes):
                 parts, sizes = [leaf], [int(module.output_size_per_partition)]
+            split_b = None if row_parallel else split_w  # a row-parallel bias is whole on every rank
             start = 0
             for part, size in zip(parts, sizes, strict=True):
                 name = f"{parent}.{part}" if parent else part
-                rows = (start, start + int(size))
-                slots[f"{name}.weight"] = Slot(prefix, "weight", kernel, rows, (int(size), k), dtype)
+                rows = (start, start + size)
+                slots[f"{name}.weight"] = Slot(prefix, "weight", kernel, rows, (size, k), dtype, split_w)
                 if getattr(module, "bias", None) is not None:
-                    slots[f"{name}.bias"] = Slot(prefix, "bias", False, rows, (int(size),), dtype)
-                start += int(size)
+                    slots[f"{name}.bias"] = Slot(prefix, "bias", False, rows, (size,), dtype, split_b)
+                start += size
         elif isinstance(module, VocabParallelEmbedding):
             # lm_head computes the logits through its packed copy (CPU); the embedding
             # gathers rows from its parameter, which vLLM leaves in place.
             kernel = isinstance(module, ParallelLMHead) and hasattr(module, "cpu_linear")
             n = int(getattr(module, "num_embeddings", module.weight.shape[0]))
-            slots[f"{prefix}.weight"] = Slot(prefix, "weight", kernel, (0, n), (n, int(module.embedding_dim)), dtype)
+            split = None
+            if int(getattr(module, "tp_size", 1) or 1) > 1:  # this rank's block of the vocabulary
+                n, split = int(module.shard_indices.num_org_elements), 0
+            slots[f"{prefix}.weight"] = Slot(prefix, "weight", kernel, (0, n), (n, int(module.embedding_dim)), dtype,
+                                             split)
         else:
             for attr, p in module.named_parameters(recurse=False):
                 if p.numel() == 0:
@@ -109,6 +136,39 @@ def read(model: torch.nn.Module, slots: Mapping[str, Slot], names: Iterable[str]
         whole = fused[key]
         t = whole if whole.dim() == 0 else whole[slot.rows[0]:slot.rows[1]]
         out[name] = _as_checkpoint(t, slot.dtype).reshape(slot.shape).contiguous().cpu()
+    return out
+
+
+def merge(ranks: list[dict[str, Slot]]) -> dict[str, Slot]:
+    """The trainer's view of the ranks' :func:`layout`: each name once, rank 0's slot with the
+    whole tensor's shape (the ranks' slices summed along ``split``)."""
+    merged: dict[str, Slot] = {}
+    for name, slot in ranks[0].items():
+        if slot.split is None:
+            merged[name] = slot
+            continue
+        shape = list(slot.shape)
+        shape[slot.split] = sum(r[name].shape[slot.split] for r in ranks)
+        merged[name] = slot._replace(shape=tuple(shape))
+    return merged
+
+
+def assemble(merged: Mapping[str, Slot], ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The ranks' :func:`read` results put together under the trainer's names (see the module
+    docstring): slices concatenated in rank order; a replicated tensor once, or all its copies
+    stacked where the ranks disagree (so that no copy hides another)."""
+    if len(ranks) == 1:
+        return ranks[0]
+    out: dict[str, torch.Tensor] = {}
+    for name in ranks[0]:
+        parts = [r[name] for r in ranks]
+        split = merged[name].split
+        if split is not None:
+            out[name] = torch.cat(parts, dim=split)
+        elif all(p.dtype == parts[0].dtype and torch.equal(p, parts[0]) for p in parts[1:]):
+            out[name] = parts[0]
+        else:
+            out[name] = torch.stack([p.to(parts[0].dtype) for p in parts])
     return out
 
 

