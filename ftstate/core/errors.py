@@ -656,6 +656,7 @@ __all__ = [
     "ConfigError",
     "CrashLoop",
     "DeadlineExceeded",
+    "EngineProcessDied",
     "EngineRefused",
     "EngineTorn",
     "ExtraUnavailable",
