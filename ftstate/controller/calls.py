@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, Protocol
 
 from ftstate.controller.backend import (
@@ -188,7 +188,7 @@ class ActorCalls:
         by_node: dict[str | None, list[int]] = {}
         for i, t in enumerate(targets):
             by_node.setdefault(t.node_id, []).append(i)
-        jobs = []
+        jobs: list[Awaitable[None]] = []
         for node, idx in by_node.items():
             if node is None or not self.through_agent(len(idx)):
                 jobs.extend(self._direct(i, targets, requests, out, on_end) for i in idx)

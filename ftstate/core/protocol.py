@@ -20,10 +20,8 @@ from typing import Any, ClassVar, Protocol
 
 from ftstate.core.liveness import Heartbeat
 
-_frozen = dataclasses.dataclass(frozen=True, slots=True)
 
-
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Request:
     """Base of every request; ``method`` names the worker's method that answers it."""
 
@@ -33,21 +31,21 @@ class Request:
 # -- identity and liveness -----------------------------------------------------------------
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Info(Request):
     """Who and where the worker is (raises the constructor's WorkerInitError, if it raised)."""
 
     method: ClassVar[str] = "info"
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Prewarm(Request):
     """A spare's warm-up: the transport imported now, not on promotion; answers as :class:`Info`."""
 
     method: ClassVar[str] = "prewarm"
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Located:
     """pid, the node's address and Ray node id (several nodes may share an address);
     holds_weights: a rollout whose engine gives its weights back (``held_weights()``)."""
@@ -60,7 +58,7 @@ class Located:
     holds_weights: bool = False
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Beat(Request):
     """One heartbeat. prove: hash the held weights afresh (a SUSPECT rollout shows them);
     forged: hand over the forged messages dropped since the last ask."""
@@ -70,7 +68,7 @@ class Beat(Request):
     forged: bool = False
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Vigil(Request):
     """Never answered while the process lives: its death surfaces at once on this call."""
 
@@ -80,7 +78,7 @@ class Vigil(Request):
 # -- group versions and a sync --------------------------------------------------------------
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Join(Request):
     """Form group version ``version`` of ``group`` as ``rank`` of ``world_size`` on the store at
     ``store_host:store_port``; ``timeout_s`` bounds the transport's own wait."""
@@ -95,20 +93,20 @@ class Join(Request):
     timeout_s: float
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class JoinTrainerGroup(Join):
     """A trainer rank forms the ranks' own group version and hands it to the user's ``setup``."""
 
     method: ClassVar[str] = "setup_trainer_group"
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Joined:
     group_version: int
     rank: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Abandon(Request):
     """Give up the transfer in flight on this group version (another participant failed)."""
 
@@ -116,7 +114,7 @@ class Abandon(Request):
     reason: str
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class SendWeights(Request):
     """Trainer: broadcast ``state_dict()`` as ``weights_version``. same_host: the plan's ranks on
     this node, reading shared memory (require_shm: fail rather than fall back); relays:
@@ -133,7 +131,7 @@ class SendWeights(Request):
     node_copy_spare: bool = False
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class NodeCopySize:
     """A node copy's bytes (read on its node) and whether the writer's spare was rewritten."""
 
@@ -141,7 +139,7 @@ class NodeCopySize:
     recycled: bool
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Sent:
     """What a trainer's broadcast did: the state checksum, bytes, receivers that rejected it
     (rank → why), each receiver's route, why shared memory fell back (empty: it did not), the
@@ -159,7 +157,7 @@ class Sent:
     host_bytes: int = 0
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReceiveWeights(Request):
     """Rollout: receive and verify ``weights_version`` from rank ``src``, staged. planned: the
     sender's same-host route says how it reads; node_copy_owner: its node agent's pid when it
@@ -173,7 +171,7 @@ class ReceiveWeights(Request):
     node_copy_owner: int | None = None
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Staged:
     """A verified version staged: its checksum and bytes; staging_bytes: the most transport
     memory held meanwhile; node_copy: the node copy it is in (``staging: node``)."""
@@ -187,7 +185,7 @@ class Staged:
     host_bytes: int = 0  # as :attr:`Sent.host_bytes`, on this receiver
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Commit(Request):
     """Rollout: hand the staged ``weights_version`` to ``load_weights``."""
 
@@ -195,14 +193,14 @@ class Commit(Request):
     weights_version: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Discard(Request):
     """Rollout: drop a staged version; the committed one stays."""
 
     method: ClassVar[str] = "discard_weights"
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Loaded:
     """A version loaded: ``checksum`` what the worker holds now (hashed when proven), received:
     what it was received with, held_bytes: the transport's memory kept beside the user's,
@@ -225,7 +223,7 @@ class Loaded:
 # -- a newcomer's resync, a spare ----------------------------------------------------------
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReserveStaging(Request):
     """A spare: allocate and touch its staging buffer for ``nbytes`` of weights now."""
 
@@ -233,7 +231,7 @@ class ReserveStaging(Request):
     nbytes: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class SendTo(Request):
     """Send the committed version this worker holds to rank ``peer`` only, through shared
     memory when ``same_host`` (require_shm: fail rather than fall back)."""
@@ -245,7 +243,7 @@ class SendTo(Request):
     require_shm: bool = False
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class SentTo:
     checksum: str
     nbytes: int
@@ -253,7 +251,7 @@ class SentTo:
     stages: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReceiveFrom(Request):
     """Receive ``weights_version`` from rank ``src``, prove it is ``checksum``, and load it."""
 
@@ -265,7 +263,7 @@ class ReceiveFrom(Request):
     same_host: bool = False
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class AdoptNodeCopy(Request):
     """Rollout newcomer: take the committed version from its node's copy ``name`` (owned by pid
     ``owner``), proven to be ``weights_version`` with ``checksum``, and load it."""
@@ -278,7 +276,7 @@ class AdoptNodeCopy(Request):
     checksum: str
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class FetchNodeCopy(Request):
     """Rollout newcomer: receive another node's copy ``name`` from the agent serving it
     (``served``: where it listens) point to point, proven by ``checksum``, and load it."""
@@ -293,14 +291,14 @@ class FetchNodeCopy(Request):
     timeout_s: float
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class TrainerChecksum(Request):
     """Trainer: the checksum of what its ``state_dict()`` returns now."""
 
     method: ClassVar[str] = "trainer_checksum"
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Checksum:
     checksum: str
 
@@ -308,7 +306,7 @@ class Checksum:
 # -- several trainer ranks -------------------------------------------------------------------
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class PrepareShards(Request):
     """Trainer rank: call ``state_dict()`` and keep this rank's part for :class:`SendShards`."""
 
@@ -316,7 +314,7 @@ class PrepareShards(Request):
     trainer_rank: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Prepared:
     """The pieces a rank owns (records of name, dtype, shape, slice) and their bytes."""
 
@@ -324,7 +322,7 @@ class Prepared:
     nbytes: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class SendShards(Request):
     """Trainer rank: send the prepared part to every rank in ``peers`` at once."""
 
@@ -334,7 +332,7 @@ class SendShards(Request):
     timeout_s: float
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class PartSent:
     """A part sent: its checksum (None: it owned nothing), bytes, and receivers that rejected it."""
 
@@ -343,7 +341,7 @@ class PartSent:
     rejected: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReceiveShards(Request):
     """Rollout: receive every owning rank's part at once, assemble and stage the full state."""
 
@@ -353,7 +351,7 @@ class ReceiveShards(Request):
     timeout_s: float
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class NoteWeights(Request):
     """Trainer rank: its part went into committed ``weights_version`` with ``checksum``."""
 
@@ -362,20 +360,20 @@ class NoteWeights(Request):
     checksum: str
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class CallsSinceCommit(Request):
     """Trainer rank: user calls started and completed since its part was last committed."""
 
     method: ClassVar[str] = "calls_since_commit"
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class CallCounts:
     started: int
     done: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class SendPart(Request):
     """Rollout: send what trainer rank ``trainer_rank`` owned of the committed version to ``peer``."""
 
@@ -386,7 +384,7 @@ class SendPart(Request):
     timeout_s: float
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReceivePart(Request):
     """Trainer rank: receive its part of ``weights_version`` from rollout rank ``src``, proven to
     be what it sent then (``checksum``; None: it owned nothing), into ``load_state_dict``."""
@@ -400,13 +398,13 @@ class ReceivePart(Request):
     timeout_s: float
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class PartLoaded:
     received: str | None
     tensors: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class PartChecksum(Request):
     """Trainer rank: the checksum of what it owns now (None: nothing) and how many pieces."""
 
@@ -414,13 +412,13 @@ class PartChecksum(Request):
     trainer_rank: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class PartHeld:
     checksum: str | None
     pieces: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class DiscardShards(Request):
     """Trainer rank: drop a prepared part (the sync was refused or abandoned)."""
 
@@ -430,7 +428,7 @@ class DiscardShards(Request):
 # -- the user's calls, benchmarks and chaos --------------------------------------------------
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class UserCall(Request):
     """A public method of the user's worker. logged: a trainer call kept in the replay log."""
 
@@ -443,7 +441,7 @@ class UserCall(Request):
     versions: bool = False
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Versioned:
     """A user call's result and the weights versions it ran under, in order: one, or more when
     it swapped at a safe point (``rollout_updates: in_flight``)."""
@@ -452,7 +450,7 @@ class Versioned:
     versions: tuple[int, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class RawBroadcast(Request):
     """Benchmarks: a bare broadcast of ``nbytes`` from ``root`` (every member calls it), or a bare
     point-to-point send to rank ``to``; seconds."""
@@ -464,7 +462,7 @@ class RawBroadcast(Request):
     to: int | None = None  # a bare point-to-point send from root to this rank instead
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class ChaosKill(Request):
     """SIGKILL the process: at once, or once ``after_progress`` more units of progress are made."""
 
@@ -472,7 +470,7 @@ class ChaosKill(Request):
     after_progress: int | None = None
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class ChaosHang(Request):
     """SIGSTOP the process: at once, or once ``after_progress`` more units of progress are made."""
 
@@ -480,7 +478,7 @@ class ChaosHang(Request):
     after_progress: int | None = None
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class ChaosCorrupt(Request):
     """Corrupt the next bucket this worker receives."""
 

@@ -194,6 +194,7 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
             self._lost_event = asyncio.Event()
         if self._lost_error is None:
             await self._lost_event.wait()
+        assert self._lost_error is not None  # set before the event
         raise self._lost_error
 
     def declare_lost(self, error: FTError) -> None:
