@@ -166,7 +166,7 @@ def drain_times(rt: ftstate.Runtime, marker: str, moved: dict[str, str]) -> dict
     """Seconds from the marker record to the drain's start, the last replacement admitted
     (serving) and the drain's end, all in the audit trail's clock."""
     recs = rt.audit.records
-    i0 = next(i for i, r in enumerate(recs) if r["event"] == marker)
+    i0 = next(i for i, r in enumerate(recs) if r["event"] == "note" and r.get("mark") == marker)
     t0 = recs[i0]["t"]
     after = recs[i0:]
     started = next(r["t"] for r in after if r["event"] == "drain_started")
@@ -226,7 +226,7 @@ async def drain_round(args: argparse.Namespace, lc: LocalCluster, floats: int, o
             # The notice lands anywhere in the loop's cycle (mid-sync too), not just after a sync.
             await asyncio.sleep(phase.uniform(0.0, cycle(traffic)))
             t0 = loop.time()
-            rt.audit.record("bench_notice", node=node)
+            rt.audit.record("note", mark="bench_notice", node=node)
             record = await rt.drain(node, reason="benchmark: host maintenance", deadline=time.time() + NOTICE_S,
                                     source="api", kind="terminate")
             t1 = loop.time()
@@ -266,7 +266,7 @@ async def gce_round(args: argparse.Namespace, lc: LocalCluster, servers: dict[st
         async with Traffic(rt, args.pause) as traffic:
             await asyncio.sleep(phase.uniform(0.0, cycle(traffic)))
             t0 = time.monotonic()
-            rt.audit.record("bench_announce", node=node, name=name)
+            rt.audit.record("note", mark="bench_announce", node=node, name=name)
             server.announce("TERMINATE_ON_HOST_MAINTENANCE", seconds=NOTICE_S)
             await wait_for(lambda: any(d.node == node for d in rt.drains), WAIT_S, "the drain", rt)
             t1 = asyncio.get_running_loop().time()
@@ -276,7 +276,7 @@ async def gce_round(args: argparse.Namespace, lc: LocalCluster, servers: dict[st
         if record.outcome != "drained":
             raise NotReady(f"drain {record.outcome}: {record.reason}")
         read = server.first_answer.get(("maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE"))
-        marker = next(r["t"] for r in rt.audit.records[since:] if r["event"] == "bench_announce")
+        marker = next(r["t"] for r in rt.audit.records[since:] if r["event"] == "note" and r.get("mark") == "bench_announce")
         notice = next(r["t"] for r in rt.audit.records[since:] if r["event"] == "maintenance_notice")
         times = drain_times(rt, "bench_announce", record.moved)
         await consistent(rt, node)

@@ -42,36 +42,22 @@ from ftstate.core.audit import (
     TRANSITION,
     as_records,
 )
+from ftstate.core.events import KINDS, in_story
 from ftstate.core.text import bounded, clean
 
-#: Row style per event; transitions into a terminal failure are styled like errors.
-EVENT_STYLES = {
-    DEADLINE_EXPIRED: "bold red",
-    ERROR: "red",
-    BUDGET_EXHAUSTED: "bold red",
-    BUDGET_SPENT: "yellow",
-    "maintenance_announced": "dark_orange",
-    "maintenance_notice": "bold dark_orange",
-    "maintenance_withdrawn": "yellow",
-    "maintenance_problem": "yellow",
-    "drain_started": "dark_orange",
-    "drain_drained": "green",
-    "drain_failed": "red",
-    "drain_cancelled": "yellow",
-}
+#: Row style per tone of a record kind (:mod:`ftstate.core.events`); transitions into a terminal
+#: failure are styled like errors.
+TONE_STYLES = {"fatal": "bold red", "fault": "red", "warning": "yellow", "notice": "dark_orange",
+               "alert": "bold dark_orange", "failover": "bold magenta", "good": "green", "start": "bold cyan"}
+EVENT_STYLES = {name: TONE_STYLES[kind.tone] for name, kind in KINDS.items() if kind.tone in TONE_STYLES}
 #: The maintenance and drain events (:mod:`ftstate.controller.notices`, :mod:`ftstate.controller.drain`).
 NOTICE_EVENTS = ("maintenance_notice", "maintenance_withdrawn")
 DRAIN_ENDS = ("drain_drained", "drain_failed", "drain_cancelled")
 _FAILED_STATES = {"FAILED", "LOST"}
 _ERROR_EVENTS = {DEADLINE_EXPIRED, ERROR, BUDGET_EXHAUSTED}
-EVENT_STYLES.update({"failover": "bold magenta", "chaos": "bold red", RUN_START: "bold cyan",
-                     "sync_retry": "yellow", "call_retry": "yellow", "transfer_abandoned": "yellow",
-                     "sync_gave_up": "red", "node_lost": "red", "node_quarantined": "red"})
 #: Group triggers and events that belong to the failover story (``--failovers``).
 FAILOVER_TRIGGERS = ("member_lost", "promote", "promoted", "promotion_failed", "resume", "shrink")
-FAILOVER_EVENTS = ("failover", "chaos", "node_lost", "node_quarantined", "failover_joined", "spare_unavailable", "spare_abandoned",
-                   "budget_spent", "budget_exhausted", "sync_retry", "call_retry", "transfer_abandoned",
-                   "trainer_replay", "sync_gave_up")
+FAILOVER_EVENTS = in_story("failover")
 #: Fields every record may carry: not repeated in a detail made of the others.
 _IDENTITY = {"ts", "t", "event", "machine", "member", "role", "rank", "pid", "node", "node_id", "from", "to",
              "trigger", "group_version", "weights_version", "seconds_in_state", "state", "run"}

@@ -60,6 +60,8 @@ from typing import IO, Any
 
 import orjson
 
+from ftstate.core.errors import InternalError
+from ftstate.core.events import KINDS
 from ftstate.core.text import clean
 
 #: Events that change a machine's state; everything else is context.
@@ -167,6 +169,8 @@ class AuditTrail:
         self._write(rec)
 
     def _head(self, event: str) -> dict[str, Any]:
+        if event not in KINDS:  # the vocabulary is declared once (ftstate.core.events), for every reader
+            raise InternalError(f"audit record kind {event!r} is not declared in ftstate.core.events")
         return {"ts": _iso(self._wall_clock()), "t": round(self._clock() - self._t0, 6), "event": event}
 
     def _write(self, rec: dict[str, Any]) -> None:

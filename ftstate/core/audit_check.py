@@ -5,8 +5,8 @@ so it can be replayed: this module walks it record by record, keeps each member'
 (a member is a ``(machine, member)`` pair) and reports every record that breaks one of
 these invariants, naming its line:
 
-- **well-formed**: each line is a JSON object with an ``event``; a record naming a
-  ``machine`` names one that has a spec;
+- **well-formed**: each line is a JSON object with an ``event`` of a kind declared in
+  :mod:`ftstate.core.events`; a record naming a ``machine`` names one that has a spec;
 - **continuity**: only ``transition`` records change state, and each one leaves the state
   the member's previous transition entered (the first leaves the spec's initial state);
 - **legality**: ``(from, trigger, to)`` is a transition of the spec
@@ -55,6 +55,7 @@ from typing import Any
 
 from ftstate.core.audit import RUN_START, TRANSITION, AuditTrail, parse_lines, record_problem
 from ftstate.core.errors import AuditViolation
+from ftstate.core.events import KINDS
 from ftstate.core.spec import RESYNCED, MachineSpec, load_machines
 
 #: The machine whose records carry the run's current weights version.
@@ -179,6 +180,9 @@ class TrailChecker:
         event = rec["event"]
         machine = rec.get("machine")
         name = str(rec.get("member") or "")
+        if event not in KINDS:
+            self._report(line, name, f"unknown record kind {event!r} (not declared in ftstate.core.events)")
+            return
         if machine is None:
             if event == TRANSITION:
                 self._report(line, name, "transition record without a 'machine' field")

@@ -178,7 +178,7 @@ async def scenario(rt, strikes) -> dict[str, Any]:
     report = await rt.sync()
     out["sync_s"], out["nbytes"] = report.seconds, report.nbytes
     await strikes.quiet()
-    rt.audit.record("scenario", fault="SIGKILL rollout-1")  # the trail's own clock, for calibrated_costs
+    rt.audit.record("note", fault="SIGKILL rollout-1")  # the trail's own clock, for calibrated_costs
     strikes.kill(rt, "rollout-1")
     await wait_until(settled(rt, 1), "rollout-1 replaced")
     await rt.sync()
@@ -238,7 +238,7 @@ def calibrated_costs(rt, measured: dict[str, Any]):
     from ftstate.simulation.costs import Costs
 
     records = rt.audit.records
-    killed = next(i for i, r in enumerate(records) if r["event"] == "scenario")
+    killed = next(i for i, r in enumerate(records) if r["event"] == "note")
     died = next(r for r in records[killed:] if r["event"] == "transition" and r.get("member") == "rollout-1"
                 and r["trigger"] == "died")
     # Each spare started to replace a promoted one: from its failover round to it warm (the

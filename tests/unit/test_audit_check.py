@@ -91,7 +91,7 @@ def good_run() -> list[Record]:
         tr("spare-3", "RESYNCED", "admit", "READY", gv=2, wv=1),
         tr("group", "RESYNCED", "resume", "READY", gv=2, wv=1),
         tr("rollout-2", "LOST", "retire", "RETIRED", wv=1),
-        {"event": "runtime_stopping", "reason": "done"},  # a runtime event: no machine, no state
+        {"event": "note", "reason": "done"},  # a runtime event: no machine, no state
         tr("trainer-0", "READY", "stop", "STOPPED", gv=2, wv=1),
         tr("rollout-1", "READY", "stop", "STOPPED", gv=2, wv=1),
         tr("spare-3", "READY", "stop", "STOPPED", gv=2, wv=1),

@@ -96,7 +96,7 @@ class TestHowARecordIsWritten:
 
         path = tmp_path / "audit.jsonl"
         with AuditTrail(path) as trail:
-            trail.record("sync_start", plan=Plan(3), at=datetime.datetime(2026, 1, 2, 3, 4, 5), where=Path("/x"))
+            trail.record("note", plan=Plan(3), at=datetime.datetime(2026, 1, 2, 3, 4, 5), where=Path("/x"))
             trail.record("note", nbytes=2**70, n=7, keys={1: "one"})  # past 64 bits: orjson refuses
             trail.record("note", reason="\udc80 lone surrogate")  # not UTF-8 encodable: orjson refuses
         lines = path.read_bytes().splitlines()

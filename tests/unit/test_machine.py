@@ -385,7 +385,7 @@ class TestAudit:
         with AuditTrail(path, keep=5) as trail:
             lengths = []
             for i in range(23):
-                trail.record("tick", n=i)
+                trail.record("note", n=i)
                 lengths.append(len(trail.records))
             assert max(lengths) < 10 and trail.records[-1]["n"] == 22  # never past 2x, the latest last
             assert [r["n"] for r in trail.records] == list(range(23 - len(trail.records), 23))
@@ -393,7 +393,7 @@ class TestAudit:
         assert [rec["n"] for _, rec in read_trail(path)] == list(range(23))  # the file has them all
         unbounded = AuditTrail(keep=True)
         for i in range(23):
-            unbounded.record("tick", n=i)
+            unbounded.record("note", n=i)
         assert len(unbounded.records) == 23 and AuditTrail(keep=0).records == []
 
     def test_the_runtime_bounds_its_records_by_its_setting(self):
@@ -403,7 +403,7 @@ class TestAudit:
         cfg = RuntimeConfig.from_dict({"audit_records_kept": 4}, environ={})
         trail = Runtime(cfg, trainer=TrainerWorker, rollout=RolloutWorker).audit  # built, never started
         for i in range(20):
-            trail.record("tick", n=i)
+            trail.record("note", n=i)
         assert 4 <= len(trail.records) < 8 and trail.records[-1]["n"] == 19
 
 
