@@ -71,12 +71,12 @@ install-check: $(STAMP)
 mutation-check: $(STAMP)
 	$(BIN)/python tests/mutation/check_mutations.py
 
-# Two pytest sessions: a driver joins one Ray cluster only, and tests/multinode runs its own
+# Two pytest sessions (each names its slowest tests, where time in CI is won): a driver joins one Ray cluster only, and tests/multinode runs its own
 # (3 raylets on 127.0.0.1, ~10 s to start). ARGS goes to the first, MULTINODE_ARGS to the second;
 # the verl and vLLM suites run first, each in its own venv (test-verl, VERL_ARGS; test-vllm, VLLM_ARGS).
 test: $(STAMP) lint install-check test-verl test-vllm
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --ignore=tests/multinode --ignore=tests/verl --ignore=tests/verl_multinode --ignore=tests/vllm $(ARGS)
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q tests/multinode $(MULTINODE_ARGS)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --durations=30 --ignore=tests/multinode --ignore=tests/verl --ignore=tests/verl_multinode --ignore=tests/vllm $(ARGS)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --durations=10 tests/multinode $(MULTINODE_ARGS)
 	$(MAKE) mutation-check
 
 # Seeded random fault schedules on a 3-node cluster of this machine, invariants after every step
