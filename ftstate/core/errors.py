@@ -467,6 +467,10 @@ class EngineProcessDied(FTError):
         super().__init__(f"{who}engine process {process} (pid {pid}) {how}; the engine is stopped, its other "
                          "processes killed, and the member is lost (a spare takes its place)")
 
+    def for_member(self, member: str) -> EngineProcessDied:
+        """The same death, naming the member (an engine does not know which member it serves)."""
+        return EngineProcessDied(process=self.process, pid=self.pid, how=self.how, member=member)
+
 
 class StateDictError(FTError, TypeError):
     """Raised where user code hands ftstate weights that cannot travel, before anything is sent.

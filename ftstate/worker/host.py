@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ftstate.core.errors import FTError, UserCodeError, WorkerInitError
+from ftstate.core.errors import EngineProcessDied, FTError, UserCodeError, WorkerInitError
 from ftstate.core.liveness import Heartbeat
 from ftstate.core.protocol import Beat, Info, Located, UserCall, Versioned, Vigil
 from ftstate.core.text import bounded
@@ -199,6 +199,8 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
 
     def declare_lost(self, error: FTError) -> None:
         """The user worker cannot go on (from any thread): every vigil raises ``error``."""
+        if isinstance(error, EngineProcessDied) and not error.member:
+            error = error.for_member(self.member)
         self._lost_error = error  # set before the loop is read: the vigil reads them the other way round
         loop = self._vigil_loop
         if loop is not None and self._lost_event is not None:

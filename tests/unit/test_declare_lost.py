@@ -36,8 +36,10 @@ def test_a_vigil_waiting_ends_with_the_error_declared_from_another_thread():
         await asyncio.sleep(0)  # the vigil is waiting
         assert not vigil.done()
         threading.Thread(target=h.user.declare_lost, args=(died(),)).start()
-        with pytest.raises(EngineProcessDied, match=r"VLLM::Worker_TP1 \(pid 4242\) was killed by SIGKILL"):
+        with pytest.raises(EngineProcessDied, match=r"^rollout-0: engine process VLLM::Worker_TP1 \(pid 4242\) "
+                                                     r"was killed by SIGKILL") as caught:
             await asyncio.wait_for(vigil, 10)
+        assert caught.value.member == "rollout-0"  # the engine did not know; the host names it
 
     asyncio.run(main())
 
