@@ -42,8 +42,7 @@ class AgentMemory:
         self.answers: list[Any] | None = None
 
     def reply(self, handles: list[Any], answers: list[Any], mark: int | None, since: int | None) -> Any:
-        """What to send back for this round's ``answers``: :data:`QUIET_WIRE` or the answers, kept under
-        ``mark``."""
+        """This round's reply to send: :data:`QUIET_WIRE` or the ``answers``, kept under ``mark``."""
         quiet = since is not None and since == self.mark and handles == self.handles and answers == self.answers
         if mark is not None:
             self.mark, self.handles, self.answers = mark, handles, answers
@@ -72,8 +71,8 @@ class RemoteError(Exception):
 
 
 class Pool(Protocol):
-    """Worker slots of one role (or the spares); ``colocated``: spare slots placed on a node meant to be
-    avoided."""
+    """Worker slots of one role (or the spares); ``colocated``: spares placed on a node meant to be avoided.
+    """
 
     name: str
     slots: int
@@ -90,8 +89,7 @@ class Pool(Protocol):
 
 
 class ClusterBackend(abc.ABC):
-    """What the controller needs of a cluster; a call ends in its result or one of this module's exceptions.
-    """
+    """What the controller needs of a cluster; a call ends in its result or this module's exceptions."""
 
     # -- the cluster -----------------------------------------------------------------------
 
@@ -137,8 +135,7 @@ class ClusterBackend(abc.ABC):
     @abc.abstractmethod
     def start_actor(self, *, name: str, run_id: str, pool: Pool, slot: int, role: str, user_class: type,
                     args: Sequence[Any], kwargs: Mapping[str, Any], host: Mapping[str, Any]) -> Any:
-        """Start member ``name``'s worker host in ``slot`` of ``pool`` (runs ``user_class(*args, **kwargs)``).
-        """
+        """Start member ``name``'s worker host in ``slot`` of ``pool``, constructing ``user_class`` there."""
 
     @abc.abstractmethod
     async def call(self, handle: Any, req: Request, timeout: float | None) -> Any:

@@ -37,8 +37,7 @@ class GroupFormation:
         self._spoiled: str | None = None
 
     async def join(self, m: Member, version: int, world_size: int) -> None:
-        """Have ``m`` join ``version`` at its rank (its transport bounds its own wait by ``init_timeout_s``).
-        """
+        """Have ``m`` join ``version`` at its rank (its transport's wait is bounded by ``init_timeout_s``)."""
         address = self.store.address
         await self.calls.call(m.name, m.handle, Join(address.host, address.port, GROUP, version, m.rank,
                                                       world_size, self.config.init_timeout_s))

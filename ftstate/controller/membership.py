@@ -105,7 +105,7 @@ class Membership:
         self._members: dict[str, Member] = {}
         #: Checksum of the current weights version (None before the first sync).
         self.checksum: str | None = None
-        #: Every committed version's checksum → that version (a trainer's checkpoint is matched against them).
+        #: Every committed version's checksum → that version (a trainer's checkpoint is matched to it).
         self.versions_by_checksum: dict[str, int] = {}
         #: Trainer calls since the last committed sync, in order.
         self.trainer_calls: list[TrainerCall] = []

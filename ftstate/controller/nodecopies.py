@@ -16,8 +16,7 @@ from ftstate.core.errors import FTError
 
 
 class NodeAgent:
-    """Actor on one node that owns, by its pid, the node copies made there; ``address``: where :meth:`serve`
-    listens."""
+    """Actor that owns, by its pid, the node copies made on its node; :meth:`serve` listens on ``address``."""
 
     def __init__(self, node_id: str, address: str) -> None:
         self.node_id = node_id
@@ -104,8 +103,7 @@ class NodeCopies:
         return copy
 
     def remote_source(self, node_id: str | None, weights_version: int, checksum: str | None) -> CommittedCopy | None:
-        """Another node's copy of that version to serve point to point to a newcomer on ``node_id``, if any.
-        """
+        """Another node's copy of that version, to serve a newcomer on ``node_id`` point to point."""
         for other, copy in sorted(self.committed.items()):
             if other != node_id and self.source_for(other, weights_version, checksum) is not None:
                 return copy

@@ -140,8 +140,8 @@ class Router:
             except MemberLost:
                 attempts += 1
                 if not ft.enable and not waited_for_verdict and self._trainer_suspect():
-                    # Without failover a suspect trainer is cleared or declared LOST within heartbeat_timeout_s:
-                    # the call is made again once, after that verdict.
+                    # Without failover a suspect trainer is cleared or declared LOST within
+                    # heartbeat_timeout_s: the call is made again once, after that verdict.
                     waited_for_verdict = True
                     await self.settle()
                     continue

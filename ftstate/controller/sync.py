@@ -358,8 +358,7 @@ class WeightSync:
         self, trainer: Member, rollouts: Sequence[Member], previous: int, failures: Mapping[str, BaseException],
         *, senders: Sequence[Member] = (),
     ) -> None:
-        """Nobody committed: every survivor keeps ``previous`` as current (``senders``: other trainer ranks).
-        """
+        """Nobody committed: survivors keep ``previous`` as current (``senders``: other trainer ranks)."""
         group = self.membership.group
         for m in [trainer, *rollouts]:
             if m.gone:

@@ -122,8 +122,7 @@ class Watchdog:
             self._all_replied.set_result(None)
 
     async def _judge_reply(self, node: NodeRound, reply: asyncio.Future[Any], now: float) -> None:
-        """Fire the events a non-quiet reply implies; members the agent could not answer for are asked
-        directly."""
+        """Fire what a non-quiet reply implies; members the agent could not answer for are asked directly."""
         answers = await self.calls.heartbeat_answers(node.names, node.args, self.config.heartbeat_interval_s,
                                                      node.since, reply)
         if answers is None or answers is QUIET:
@@ -236,8 +235,7 @@ class Watchdog:
             await m.machine.fire("admit")
 
     async def _swapped(self, m: Member, beat: Heartbeat) -> None:
-        """``m`` loaded a held-back version at a safe point: it serves once its own checksum matches, else
-        not."""
+        """``m`` loaded a held-back version at a safe point: it serves only once its own checksum matches."""
         version, m.pending_version = beat.weights_version, None
         if self.membership.versions_by_checksum.get(beat.checksum or "") != version:
             if m.machine.can("invalidate"):
@@ -252,8 +250,7 @@ class Watchdog:
             await walk_proven(m.machine, "READY", checksum=beat.checksum)
 
     async def _overdue_swaps(self, now: float) -> None:
-        """A rollout holding a committed version back past ``safe_point_timeout_s`` is suspected, as a wedged
-        engine is."""
+        """Suspect, as a wedged engine, a rollout holding a version back past ``safe_point_timeout_s``."""
         bound = self.config.safe_point_timeout_s
         for m in self.membership.pending_swaps():
             if now - m.pending_since >= bound and m.machine.serving and m.machine.can("heartbeat_missed"):

@@ -71,7 +71,7 @@ class AuditTrail:
         self.run: str | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # unbuffered: each record is one write() of its whole line, as a flushed text file did
+            # unbuffered: each record is one write() of its whole line, on disk before the next event
             self._file = self.path.open("ab", buffering=0)
         self._wall_clock = wall_clock if wall_clock is not None else time.time
         #: Neither kept nor written (a long simulation's trail): a record is not even built.
@@ -151,8 +151,7 @@ _ISO_SECOND: list[Any] = [None, ""]  # the last whole second formatted, and its 
 
 
 def _iso(epoch: float) -> str:
-    """``epoch`` as ISO 8601 UTC with ``Z`` (microseconds, omitted when 0); the whole second's text is cached.
-    """
+    """``epoch`` as ISO 8601 UTC with ``Z`` (microseconds omitted when 0); the second's text is cached."""
     second = int(epoch // 1)
     micro = round((epoch - second) * 1e6)
     if micro >= 1_000_000:
@@ -175,8 +174,7 @@ def _put(rec: dict[str, Any], fields: Mapping[str, Any]) -> None:
 
 
 def plain(value: Any) -> Any:
-    """``value`` as a record holds it: strings (also nested) cleaned of terminal escapes and control
-    characters."""
+    """``value`` as a record holds it: strings (also nested) without terminal escapes or controls."""
     return _cleaned(value)
 
 
@@ -192,8 +190,7 @@ def _cleaned(value: Any, depth: int = 0) -> Any:
     return value
 
 
-#: A record's line: compact orjson; what it cannot encode (dataclasses, datetimes, enums) goes
-#: through ``str`` as ``json``'s ``default=str`` did.
+#: A record's line: compact orjson; what it cannot encode (dataclasses, datetimes, enums) as ``str``.
 _ORJSON_OPTIONS = (orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
                    | orjson.OPT_PASSTHROUGH_DATETIME)
 #: What orjson refuses goes through the standard library's encoder: a record is never lost to its encoding.

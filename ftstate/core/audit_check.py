@@ -76,8 +76,8 @@ class _Run:
 
 
 class TrailChecker:
-    """Replays records one at a time (:meth:`feed`) and collects :attr:`violations`; ``specs`` default to the
-    machines'."""
+    """Replays records one at a time (:meth:`feed`) and collects :attr:`violations` (``specs``: the machines).
+    """
 
     def __init__(self, specs: Mapping[str, MachineSpec] | None = None) -> None:
         self.specs: Mapping[str, MachineSpec] = specs if specs is not None else load_machines()

@@ -41,8 +41,8 @@ class LoopClock:
             return time.monotonic()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
-        """Call ``callback`` at ``when`` (its millisecond's shared timer); a :class:`SharedTimer` is its own
-        entry."""
+        """Call ``callback`` at ``when`` on its millisecond's shared timer (a :class:`SharedTimer` is its
+        own)."""
         entry = callback if isinstance(callback, SharedTimer) else _SharedHandle(callback)
         loop = asyncio.get_running_loop()
         timers = self._timers

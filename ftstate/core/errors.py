@@ -173,8 +173,7 @@ class FailoverBudgetExhausted(FTError):
 
 
 class CrashLoop(FailoverBudgetExhausted):
-    """Raised when one member slot was replaced ``max_slot_failovers`` times in the window and is lost again.
-    """
+    """Raised when one member slot was replaced ``max_slot_failovers`` times in the window and is lost."""
 
     def __init__(self, *, slot: str, cls: str | None, limit: int, spent_on: Sequence[str], window_s: float | None,
                  member: str = "") -> None:
@@ -240,8 +239,7 @@ class ProtocolError(FTError):
 
 
 class ReplacementFailed(FTError):
-    """Raised when a replacement's own code raised before it ever served; not retried, since it would fail
-    again."""
+    """Raised when a replacement's own code raised before it served; not retried (it would fail again)."""
 
     def __init__(self, *, member: str, replaces: str, method: str, exc_type: str, message: str,
                  where: str = "") -> None:
@@ -257,8 +255,7 @@ class ReplacementFailed(FTError):
 
 
 class LossyRecoveryRefused(FTError):
-    """Raised when a trainer would be rebuilt from lossy rollout weights and ``allow_lossy_recovery`` is off.
-    """
+    """Raised when a trainer would be rebuilt from lossy weights and ``allow_lossy_recovery`` is off."""
 
 
 class RankNotRecoverable(FTError):
@@ -320,8 +317,7 @@ class ScaleRefused(FTError, ValueError):
 
 
 class IntegrationUnavailable(FTError):
-    """Raised when an integration's framework cannot be imported; not an ImportError, so it is not taken for
-    "plugin absent"."""
+    """Raised when an integration's framework cannot be imported; not an ImportError (no "plugin absent")."""
 
     def __init__(self, *, framework: str, extra: str, cause: str) -> None:
         self.framework = framework
@@ -358,13 +354,11 @@ class InternalError(FTError):
 
 
 class UsageError(RuntimeError):
-    """Raised when ftstate is used the wrong way; deliberately not an :class:`FTError` (a programming error,
-    not a fault)."""
+    """Raised when ftstate is used the wrong way; deliberately no :class:`FTError`: a bug, not a fault."""
 
 
 class EngineRefused(FTError, ValueError):
-    """Raised when a rollout's engine is asked for in a mode whose failures ftstate cannot detect or clean up.
-    """
+    """Raised when an engine is asked for in a mode whose failures ftstate cannot detect or clean up."""
 
     def __init__(self, *, setting: str, value: object, why: str) -> None:
         self.setting = setting
@@ -483,8 +477,7 @@ class ManifestError(TransportError):
 
 
 class PeerLost(TransportError):
-    """Raised when a peer dies or vanishes mid-collective; ``peer`` is None where the transport cannot name
-    the rank."""
+    """Raised when a peer dies or vanishes mid-collective; ``peer`` is None where no rank can be named."""
 
     def __init__(
         self,

@@ -117,8 +117,7 @@ def _names_of(spec: MachineSpec) -> _PlainNames:
 
 
 class _Model:
-    """What ``transitions`` decorates with triggers, apart so triggers never shadow :class:`StateMachine`'s
-    methods."""
+    """What ``transitions`` decorates with triggers, apart so triggers never shadow the machine's methods."""
 
     __slots__ = ("__dict__", "state")
 
@@ -303,7 +302,7 @@ class StateMachine:
         return True
 
     def _exhausted(self, dest: str, trigger: str, refused: Refusal) -> str:
-        """Entering ``dest`` would overspend (``refused`` says which limit): its ``on_exhausted``, with the
+        """Entering ``dest`` would overspend (``refused``: which limit): take its ``on_exhausted``, with the
         error."""
         budget_spec = self.spec.states[dest].budget
         assert budget_spec is not None

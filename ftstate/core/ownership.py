@@ -13,8 +13,7 @@ from ftstate.core.errors import OwnershipError
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Slice ``index`` of ``count`` of a full tensor along ``dim``; ``tensor`` is the slice this rank holds.
-    """
+    """Slice ``index`` of ``count`` of a full tensor along ``dim``; ``tensor``: the slice this rank holds."""
 
     tensor: Any
     dim: int

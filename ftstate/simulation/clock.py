@@ -22,8 +22,7 @@ POLL_EVERY = 64
 
 
 class _JumpingSelector(selectors.DefaultSelector):
-    """The loop's selector: polls without waiting, and moves the clock by the time the loop would have slept.
-    """
+    """The loop's selector: polls without waiting and moves the clock by the time it would sleep."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -286,8 +286,7 @@ class SimulatedCluster(ClusterBackend):
         return nid
 
     def lose_node(self, node_id: str, reason: str = "node lost") -> list[str]:
-        """The node goes, with every process on it (see the module docstring); returns the
-        members it took."""
+        """The node goes, with every process on it; returns the members it took."""
         if not self.alive(node_id):
             raise UsageError(f"no live simulated node {node_id!r}")
         self.lost_nodes.append(node_id)
@@ -337,8 +336,7 @@ class _SimulatedPool:
 
 
 class SimulatedResourcePool(_SimulatedPool):
-    """A role's pool: every slot placed at once, or none (:meth:`ready` then waits, as a Ray placement group).
-    """
+    """A role's pool: every slot placed at once or none (then :meth:`ready` waits, as in Ray)."""
 
     def __init__(self, cluster: SimulatedCluster, name: str, slots: int, *, cpus: float, gpus: float,
                  placement: RolePlacement) -> None:

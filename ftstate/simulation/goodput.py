@@ -50,8 +50,7 @@ class Outcome:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """A job's goodput (progress / time) and each failure's cost; ``ended_at``: when a failure ended the job,
-    else None."""
+    """A job's goodput and each failure's cost; ``ended_at``: when a failure ended the job, else None."""
 
     goodput: float
     outcomes: tuple[Outcome, ...]
@@ -167,8 +166,7 @@ async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: floa
 
 
 async def _settle(rt: Any, cluster: Any, bound_s: float) -> None:
-    """The calm before a failure: until the job is steady again, ``bound_s`` at most, in heartbeat intervals.
-    """
+    """The calm before a failure: until the job is steady again, at most ``bound_s``, in intervals."""
     loop = asyncio.get_running_loop()
     end, step = loop.time() + bound_s, rt.config.heartbeat_interval_s
     while loop.time() < end and not _steady(rt, cluster):

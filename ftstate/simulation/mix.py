@@ -16,8 +16,7 @@ EFFECTS = ("member", "node", "hang", "maintenance", "poison")
 
 @dataclasses.dataclass(frozen=True)
 class FailureMix:
-    """A named mix: interruption counts by cause (cause → (count, effect)) over ``gpu_days``, and their
-    ``source``."""
+    """A named mix: interruptions by cause (cause → (count, effect)) over ``gpu_days``, with ``source``."""
 
     name: str
     causes: Mapping[str, tuple[int, str]]
@@ -81,8 +80,7 @@ def get_mix(name: str) -> FailureMix:
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    """One failure at ``at`` seconds: ``cause``, its ``effect``, and ``pick`` in [0, 1) choosing whom it hits.
-    """
+    """One failure at ``at`` seconds: ``cause``, ``effect``, and ``pick`` in [0, 1) choosing whom it hits."""
 
     at: float
     cause: str

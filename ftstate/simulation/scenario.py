@@ -71,8 +71,7 @@ class Shape:
 
 
 def config_for(shape: Shape, overrides: Mapping[str, Any] | None = None) -> RuntimeConfig:
-    """The run's config: fault tolerance on (standby with spares), defaults, then ``overrides`` (nested dict).
-    """
+    """The run's config: fault tolerance on (standby with spares), then ``overrides`` (a nested dict)."""
     base: dict[str, Any] = {
         "trainer_workers": shape.trainers,
         "rollout_workers": shape.rollouts,

@@ -141,8 +141,7 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
                          pid=os.getpid(), forged=tuple(auth.drain_forged()) if req.forged else ())
 
     def _user_activity(self) -> tuple[bool, int] | None:
-        """The user worker's ``activity()``, checked: anything but None or ``(bool, int)`` raises an FTError.
-        """
+        """The user worker's ``activity()``, checked: anything but None or ``(bool, int)`` is an FTError."""
         activity = getattr(self.user, "activity", None)
         if activity is None or self._init_error is not None:
             return None

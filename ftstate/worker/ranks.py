@@ -117,8 +117,7 @@ class TrainerRank(HostPart):
         return CallCounts(started=self._calls_started, done=self._calls_done)
 
     async def send_part_to(self, req: SendPart) -> PartSent:
-        """Rollout: send trainer rank ``trainer_rank``'s part of its committed version to ``peer``, point to
-        point."""
+        """Rollout: send rank ``trainer_rank``'s part of its committed version to ``peer``, point to point."""
         peer, trainer_rank, timeout_s = req.peer, req.trainer_rank, req.timeout_s
         from ftstate.core.ownership import Ownership
         from ftstate.transport import Sender

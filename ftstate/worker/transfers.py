@@ -292,8 +292,7 @@ class Transfers(HostPart):
 
     async def _receive_proven(self, src: int, weights_version: int, checksum: str, *, timeout_s: float,
                               same_host: bool = False, what: str = "weights") -> Any:
-        """Point to point from ``src``, then proof that it is ``what`` of ``weights_version`` (``checksum``).
-        """
+        """Point to point from ``src``, then proof that it is ``what`` of ``weights_version``."""
         from ftstate.core.errors import ChecksumMismatch
 
         if same_host:
@@ -307,8 +306,7 @@ class Transfers(HostPart):
         return staged
 
     async def _receive(self, how: str, *args: Any, timeout_s: float, **kwargs: Any) -> Any:
-        """One transfer into this worker's Receiver, in a thread, marked busy, with any chaos corruption
-        applied."""
+        """One transfer into this worker's Receiver, in a thread, marked busy, chaos corruption applied."""
         import functools
 
         from ftstate.transport import Receiver, samehost

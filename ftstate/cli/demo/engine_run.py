@@ -169,8 +169,7 @@ def _trainer_ranks(first: list[Any], last: list[Any]) -> list[dict[str, Any]]:
 
 
 async def _arm_kill_mid_update(rt: Any) -> dict[str, Any]:
-    """Arm the first serving engine to SIGKILL itself inside vLLM's loader at the next sync, recorded as
-    chaos."""
+    """Arm the first serving engine to SIGKILL itself in vLLM's loader at the next sync (a chaos record)."""
     import asyncio
 
     member = rt.serving_rollouts()[0]

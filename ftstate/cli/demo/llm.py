@@ -87,8 +87,7 @@ def reward(answer: Sequence[int]) -> float:
 
 def reinforce_step(model: Any, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
                    rewards: Sequence[float], lr: float) -> float:
-    """One REINFORCE step on ``model`` in place (mean baseline, ``lr * sign(grad)``), on one thread; the loss.
-    """
+    """One REINFORCE step on ``model`` (mean baseline, ``lr * sign(grad)``) on one thread; the loss."""
     import torch
 
     from ftstate.cli.demo.policy import single_thread

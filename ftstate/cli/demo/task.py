@@ -49,8 +49,7 @@ def target(prompt_tokens: Sequence[int]) -> list[int]:
 
 
 def reward(prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -> float:
-    """Fraction of the answer's positions holding the sorted digits (0.0 to 1.0); missing positions score
-    nothing."""
+    """Fraction of the answer's positions holding the sorted digits (0.0 to 1.0); missing ones score 0."""
     want = target(prompt_tokens)
     if not want:
         raise ValueError(f"prompt {list(prompt_tokens)} holds no digits")

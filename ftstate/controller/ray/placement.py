@@ -87,8 +87,7 @@ class ResourcePool(_Pool):
         return {int(k): v for k, v in (table.get("bundles_to_node_id") or {}).items()}
 
     def take(self, avoid_nodes: Collection[str] = (), *, strict: bool = False) -> int:
-        """Reserve a free slot, off ``avoid_nodes`` when one is (``strict``: only such a one); its bundle
-        index."""
+        """Reserve a free slot off ``avoid_nodes`` when one is (``strict``: only such); its bundle index."""
         if not self._free:
             raise NoFreeSlot(self.name, f"all {self.slots} in use")
         if avoid_nodes:
@@ -122,8 +121,7 @@ NODE_ID_LABEL = "ray.io/node-id"
 
 
 class SparePool(_Pool):
-    """The standby pool: up to ``slots`` spares, each in a one-bundle placement group of its own, off given
-    nodes."""
+    """The standby pool: up to ``slots`` spares, each in a one-bundle placement group off given nodes."""
 
     def __init__(
         self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float, placement: RolePlacement

@@ -64,8 +64,7 @@ def _ray_node_address() -> str:
 
 
 def driver_store(host: str | None = None) -> StoreServer:
-    """The store hosted by this (driver) process for ``host``, started on first use, kept for the process's
-    life."""
+    """The store this driver process hosts for ``host``, started on first use, kept for the process's life."""
     host = host or _ray_node_address()
     with _STORES_LOCK:
         server = _STORES.get(host)
@@ -526,8 +525,7 @@ class FTStateCheckpointEngine(CheckpointEngine):
     # -- chaos and inspection -------------------------------------------------------------
 
     def corrupt_next_bucket(self, skip_chunks: int = 0) -> None:
-        """Test hook: flip one byte of the chunk after ``skip_chunks`` in the next update, before it is
-        checked."""
+        """Test hook: flip a byte of the chunk after ``skip_chunks`` in the next update, before its check."""
         self._corrupt_at = skip_chunks
 
     def stall_after_chunks(self, chunks: int, seconds: float) -> None:
@@ -548,8 +546,7 @@ class FTStateCheckpointEngine(CheckpointEngine):
             self._comm.abandon(reason)
 
     def describe(self) -> dict[str, Any]:
-        """Where this engine stands: rank, group version, communicator held, signing run (None:
-        unauthenticated)."""
+        """Where this engine stands: rank, group version, communicator, signing run (None: unsigned)."""
         from ftstate.transport import auth
 
         key = auth.current()

@@ -62,8 +62,7 @@ def segments_of(group: str, group_version: int | None = None) -> list[str]:
 
 
 def remove_update(group: str, group_version: int) -> list[str]:
-    """Unlink every staged segment of ``group`` at ``group_version`` here (a SIGKILLed writer cannot); the
-    names."""
+    """Unlink every staged segment of ``group`` at ``group_version`` here (a SIGKILLed writer cannot)."""
     names = segments_of(group, group_version)
     unlink_names(names)
     return names
@@ -112,8 +111,7 @@ class StageWriter:
         return node.data
 
     def add(self, chunk: CommittedWeights) -> None:
-        """One verified chunk: kept in its segment, or copied into a new one (a device transport's staging).
-        """
+        """One verified chunk: kept in its segment, or copied into a new one (device staging)."""
         entries, flat = chunk._entries, chunk._flat
         if entries is None or flat is None:
             raise TransportError("staged node copy: a received chunk has no flat layout")

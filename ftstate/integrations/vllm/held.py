@@ -16,15 +16,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 
 
 class Slot(NamedTuple):
-    """Where one checkpoint tensor lives in the engine.
-
-    module: the vLLM module's dotted name; attr: its parameter (``weight``/``bias``);
-    kernel: read through the module's CPU kernel (``cpu_linear``) rather than the parameter;
-    rows: the rows of the (fused, padded) tensor that are this checkpoint tensor;
-    shape, dtype: the checkpoint tensor's, as the trainer must send it (under tensor
-    parallelism: this rank's slice of it); split: the dimension the ranks split it on (None: each
-    rank holds all of it).
-    """
+    """Where one checkpoint tensor lives in the engine: the vLLM ``module`` and its parameter ``attr``,
+    whether to read through its CPU ``kernel``, the ``rows`` of the fused, padded tensor that are this tensor,
+    its checkpoint ``shape``/``dtype`` (this rank's slice under TP) and the ``split`` dim (None: every rank
+    holds it whole)."""
 
     module: str
     attr: str

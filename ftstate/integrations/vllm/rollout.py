@@ -260,8 +260,7 @@ class VLLMRollout(RolloutWorker):
 
 
 def check_one_process(engine_kwargs: Mapping[str, Any]) -> None:
-    """Refuse, with :class:`~ftstate.core.errors.EngineRefused`, any setting ftstate cannot supervise or
-    prove."""
+    """Refuse any setting ftstate cannot supervise or prove (:class:`~ftstate.core.errors.EngineRefused`)."""
     mp = os.environ.get(MULTIPROCESSING_ENV)
     if mp is not None and mp.strip() not in ("0", "false", "False"):
         raise EngineRefused(

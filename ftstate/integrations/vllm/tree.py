@@ -140,8 +140,7 @@ class Reaper:
         return self._proc.pid
 
     def settle(self, procs: Iterable[Proc]) -> None:
-        """The engine is up: these are its processes; the reaper stops scanning and records their /dev/shm
-        files."""
+        """The engine is up: the reaper stops scanning and records these processes' /dev/shm files."""
         self._send("settle " + " ".join(f"{p.pid}:{p.start}" for p in procs))
 
     def _send(self, line: str) -> None:
