@@ -1,28 +1,8 @@
-"""Human views of an audit trail: a timeline of every record and a summary per member.
-
-Each row's detail column says what the record holds, whatever its event: a failover's
-lost -> replacement, its cause (the lost member's own LOST record) and its phases
-(detection, from the fault injected to LOST when the trail holds the injection;
-re-rendezvous, transfer, total), a chaos fault's kind, a reward, a retry's reason, an
-abandoned transfer, a run's start (config digest, versions, nodes); an event this module
-does not know shows its fields as ``key=value``. :func:`failover_rows` is the one place
-failover durations are read from the trail: the timeline picture and the demo's report use
-it too, so they print the same figures. :func:`select` filters records (member, event, time
-window, failovers only); :func:`plain_lines` is the view without a terminal: one line per
-record, nothing wrapped, no colour. Values come from a file anyone may have written: every
-one is shown through :func:`_short` (bounded, no markup).
-
-Both take the records as :func:`ftstate.core.audit.read_trail` or
-:func:`ftstate.core.audit_check.load_records` give them (``(line, record)`` pairs) or as plain
-dicts (``AuditTrail.records``), and return a ``rich`` renderable; printing is the caller's
-business (``ftstate audit``). Deadline expiries, errors and budget events are highlighted,
-so the record that explains a failed run stands out among the transitions; so are maintenance
-notices and drains, which :func:`render_maintenance` also lists on their own (each notice with
-its source, kind, node and deadline, each drain with what moved where, how it ended and how
-long it took).
-
-This module imports neither Ray nor torch.
-"""
+"""Human views of an audit trail for ``ftstate audit``: a timeline of every record with a one-line detail per
+event, a summary per member, and the maintenance story. :func:`failover_rows` is the one place failover
+durations are read, so the picture and the demo report print the same figures. Trail values are untrusted:
+each is shown bounded, without markup. Returns ``rich`` renderables; printing is the caller's. Imports neither
+Ray nor torch."""
 
 from __future__ import annotations
 
@@ -85,11 +65,9 @@ def _secs(value: Any) -> str:
 
 
 def failover_rows(records: Iterable[Any]) -> list[dict[str, Any]]:
-    """One row per failover of the trail, from its ``failover`` records: t, lost, replacement,
-    role, cause (the reason on the lost member's LOST record), detection_s (its LOST record's
-    t minus the t of the last ``chaos`` fault injected into it, None when none was),
-    rerendezvous_s, transfer_s, total_s, group_version. The report, the picture and the view
-    all read failover durations here."""
+    """One row per ``failover`` record: t, lost, replacement, role, cause (the lost member's LOST reason),
+    detection_s (LOST minus the last injected fault into it, or None), rerendezvous_s, transfer_s, total_s,
+    group_version."""
     lost_at: dict[str, tuple[float, str]] = {}
     injected: dict[str, float] = {}
     rows = []
@@ -187,8 +165,7 @@ def _maintenance_detail(rec: Mapping[str, Any]) -> str | None:
 
 
 def _detail(rec: Mapping[str, Any], failovers: Mapping[Any, Mapping[str, Any]] | None = None) -> str:
-    """What the record holds, in one line (see the module docstring). ``failovers``: the
-    trail's failover rows by their record's key (for the cause and detection)."""
+    """What the record holds, in one line; ``failovers``: the trail's failover rows by record key."""
     event = rec.get("event")
     maintenance = _maintenance_detail(rec)
     if maintenance is not None:
@@ -247,12 +224,9 @@ def select(
     records: Iterable[Any], *, members: Sequence[str] = (), events: Sequence[str] = (), since: float | None = None,
     until: float | None = None, failovers: bool = False,
 ) -> list[dict[str, Any]]:
-    """The records that pass every filter given: ``members`` (names or shell patterns, e.g.
-    ``rollout-*``; a record of the group passes a member filter when it names the member,
-    as a failover does), ``events`` (event names, or triggers of transitions, or shell
-    patterns of either), ``since``/``until`` (the record's ``t``, seconds since the trail
-    opened, inclusive), ``failovers`` (only the failover story: losses, promotions, failover
-    records, faults injected, budget spends, retries)."""
+    """The records that pass every filter given: ``members`` and ``events`` (names or shell patterns; a group
+    record passes when it names the member), ``since``/``until`` (``t``, inclusive) and ``failovers`` (only
+    the failover story)."""
     out = []
     for rec in as_records(records):
         if members:
@@ -298,8 +272,7 @@ def _cells(rec: Mapping[str, Any], rows: Mapping[Any, Mapping[str, Any]]) -> tup
 
 
 def _rows_by_record(records: list[dict[str, Any]], context: Iterable[Any] | None) -> dict[Any, Mapping[str, Any]]:
-    """Failover rows keyed by their record's (t, lost, replacement), computed over ``context``
-    (the whole run: a filtered view still shows each failover's cause and detection)."""
+    """Failover rows keyed by (t, lost, replacement) over the whole run ``context``."""
     source = as_records(context) if context is not None else records
     return {(row["t"], _short(row["lost"]), _short(row["replacement"])): row for row in failover_rows(source)}
 
@@ -311,9 +284,7 @@ def _failover_key(rec: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 def plain_lines(records: Iterable[Any], *, context: Iterable[Any] | None = None) -> Iterator[str]:
-    """The timeline without a terminal: a header, then one tab-separated line per record
-    (t, member, event, from → to, trigger, g/w versions, seconds in state, detail), nothing
-    wrapped or cut but the detail's own bound; for ``grep`` and ``cut``."""
+    """The timeline without a terminal: a header, then one tab-separated line per record, for ``grep``."""
     recs = as_records(records)
     rows = _rows_by_record(recs, context)
     yield "\t".join(("t", "member", "event", "from→to", "trigger", "g/w", "in_state", "detail"))
@@ -323,9 +294,8 @@ def plain_lines(records: Iterable[Any], *, context: Iterable[Any] | None = None)
 
 def render_timeline(records: Iterable[Any], *, title: str | None = "audit timeline",
                     context: Iterable[Any] | None = None) -> Table:
-    """A table with one row per record: t, member, event, from → to, trigger, versions
-    (group/weights), seconds in the state left, and the detail (what the record holds).
-    ``context``: the whole run when ``records`` is a filtered part of it."""
+    """A table with one row per record and its detail; ``context``: the whole run when ``records`` is a
+    filtered part of it."""
     table = Table(title=title, show_lines=False, header_style="bold", expand=False)
     table.add_column("t (s)", justify="right", no_wrap=True)
     table.add_column("member", no_wrap=True)
@@ -348,9 +318,8 @@ def render_timeline(records: Iterable[Any], *, title: str | None = "audit timeli
 
 
 def summarize(records: Iterable[Any]) -> dict[str, dict[str, Any]]:
-    """Per member (in order of first appearance): machine, role, rank, pid, states visited,
-    seconds spent per state (from ``seconds_in_state`` of the records leaving it),
-    transition count, final state and errors (messages of expiries, errors and exhausted budgets)."""
+    """Per member, in order of appearance: machine, role, rank, pid, states visited, seconds per state,
+    transitions, final state and error messages."""
     out: dict[str, dict[str, Any]] = {}
     for rec in as_records(records):
         member = rec.get("member")
@@ -388,8 +357,7 @@ def summarize(records: Iterable[Any]) -> dict[str, dict[str, Any]]:
 
 
 def render_summary(records: Iterable[Any], *, title: str | None = "per member") -> Table:
-    """A table with one row per member: role, rank, pid, states visited, time per state,
-    transitions, final state and errors."""
+    """A table with one row per member (see :func:`summarize`)."""
     table = Table(title=title, header_style="bold", expand=False)
     table.add_column("member", no_wrap=True)
     table.add_column("role", no_wrap=True)
@@ -420,8 +388,7 @@ def render_summary(records: Iterable[Any], *, title: str | None = "per member") 
 
 
 def maintenance_rows(records: Iterable[Any]) -> list[dict[str, Any]]:
-    """The trail's maintenance story in order: every notice, withdrawal, source problem and
-    drain outcome, as ``{t, what, node, detail, style}``."""
+    """The trail's notices, withdrawals, source problems and drain outcomes, in order."""
     rows = []
     for rec in as_records(records):
         event = str(rec.get("event", ""))
@@ -441,8 +408,7 @@ def maintenance_rows(records: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def render_maintenance(records: Iterable[Any], *, title: str | None = "maintenance") -> Table | None:
-    """A table of the trail's maintenance notices, withdrawals, warnings and drains (see
-    :func:`maintenance_rows`); None when the trail has none."""
+    """A table of :func:`maintenance_rows`; None when the trail has none."""
     rows = maintenance_rows(records)
     if not rows:
         return None

@@ -1,19 +1,7 @@
-"""Generate the reference docs from the code's own declarations: ``python -m ftstate.cli.docs``.
-
-Two files, both generated, neither edited by hand:
-
-- ``docs/state-machines.md`` from the specs in ``machines/`` (:mod:`ftstate.core.spec`): per
-  machine its description, its Mermaid diagram (:mod:`ftstate.core.diagram`), a table of its
-  states and one of its transitions; then why ``RESYNCED`` is the only way back to serving;
-- ``docs/configuration.md`` from :func:`ftstate.core.config.describe`: every field with its type,
-  default, bounds, environment override and doc, and the commented default YAML that
-  ``ftstate config`` prints (:func:`render_default_config_yaml`, also used by the CLI).
-
-``tests/unit/test_docs_current.py`` compares the files with :func:`render_state_machines_md`
-and :func:`render_configuration_md`, so a change to a spec or a config field without
-``make docs`` fails the tests. The output depends on nothing but the declarations (no
-paths, no clock, no environment). This module imports neither Ray nor torch.
-"""
+"""Generate the reference docs from the code's own declarations (``python -m ftstate.cli.docs``):
+``docs/state-machines.md`` from the specs and ``docs/configuration.md`` from the config fields. The output
+depends on nothing but the declarations, and ``tests/unit/test_docs_current.py`` fails when a spec or field
+changed without ``make docs``. Imports neither Ray nor torch."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""The ``ftstate`` command: diagrams, audit trails, configuration, the demo and the simulation.
+"""The ``ftstate`` command (diagram, audit, config, demo, simulate), run in the user's shell.
 
-    ftstate diagram [--machine NAME] [--format mermaid|dot]
-    ftstate audit FILE [--check] [--summary/--no-summary] [--timeline/--no-timeline]
-    ftstate config [FILE]
-    ftstate demo [--out PATH] [--steps N] [--faults/--no-faults] [--trainers N] [--grow-to N] [--address auto|HOST:PORT]
-                 [--maintenance] [--engine policy|vllm]
-    ftstate simulate [--members N] [--nodes N] [--days D] [--mix llama3] [--seed N] [--plot PNG] ...
-
-Errors ftstate knows about (any :class:`~ftstate.core.errors.FTError` or
-:class:`~ftstate.core.errors.UsageError`, a missing or unreadable file) end the command with one line ``error: ...`` on stderr and exit status 2; ``--debug``
-(before the command) shows the full traceback instead. ``audit --check`` exits 1 when the
-trail breaks an invariant. Heavy modules (the runtime, Ray) are imported only by the command
-that needs them, so ``ftstate --help`` stays fast. This is the one module that prints.
-"""
+FTError, UsageError and unreadable files end a command with one ``error: ...`` line and exit 2 (``--debug``
+shows the traceback). Heavy modules load only in the command that needs them, so ``--help`` stays fast. This
+is the one module that prints."""
 
 from __future__ import annotations
 
@@ -32,8 +22,8 @@ from ftstate.core.errors import AuditFileError, FTError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: The demo's steps when --steps is 0 (ftstate.cli.demo.run.DemoOptions.steps; a test pins them equal,
-#: so that ``--help`` says the real default without importing the demo, which loads Ray and torch).
+#: The demo's steps when --steps is 0 (a test pins it to DemoOptions.steps), so ``--help`` says
+#: the real default without importing Ray and torch.
 DEMO_STEPS = 24
 #: Set by the global ``--debug`` option for the command being run.
 _DEBUG: contextvars.ContextVar[bool] = contextvars.ContextVar("ftstate_cli_debug", default=False)
@@ -52,8 +42,7 @@ class _Group(typer.core.TyperGroup):
 
 
 class _Command(typer.core.TyperCommand):
-    """Every subcommand; its ``--help`` shows as a flag (every boolean option of ours passes
-    ``metavar=""`` for the same reason)."""
+    """Every subcommand; its ``--help`` shows as a flag (our boolean options pass an empty metavar too)."""
 
     get_help_option = _untyped_help
 
@@ -203,21 +192,13 @@ def audit(
                                  "column of run_start; default: every run, one after another).", show_default=False)
     ] = None,
 ) -> None:
-    """Show what happened in a run: a timeline of every record (each row's detail says what it
-    holds) and a summary per member (and, when the run had maintenance notices, each notice and
-    drain and how it ended). A file that several runs appended to is shown run by run.
+    """Show what happened in a run: a timeline of every record and a summary per member (and any maintenance
+    notices and drains), run by run. Piped, the timeline is tab-separated lines. Filters select timeline rows
+    and --json records.
 
-    On a terminal (or with COLUMNS set) the tables fit its width; piped, the timeline is plain
-    tab-separated lines, one per record. Filters (--member, --event, --since/--until,
-    --failovers) select timeline rows and --json records.
-
-    With --check, also replay the trail against the machines' specs, each run from fresh
-    machines: continuity of each member's states, legal transitions only, nothing after a
-    terminal state, serving states entered only through RESYNCED, and no rollout serving a
-    weights version other than the group's current one. Each violation is printed with its
-    line number. Exit status: 0 passed, 1 violations, 2 a file that cannot be read or holds no
-    audit record (one line on stderr).
-    """
+    With --check, also replay each run against the machines' specs from fresh machines and print each
+    violation with its line number. Exit status: 0 passed, 1 violations, 2 an unreadable file or one with no
+    audit record."""
     import json
 
     from ftstate.cli.audit_view import (
@@ -325,11 +306,9 @@ def config(
 ) -> None:
     """Print the default configuration as commented YAML, or validate a config file.
 
-    Without FILE: every field at its default, each under a comment giving its meaning, type,
-    bounds and environment override (save it, edit it, pass it to the runtime). With FILE:
-    print "valid", or the first problem (naming the field) and exit 2. Environment overrides
-    (FTSTATE_INIT_TIMEOUT_S) apply, as they would at run time.
-    """
+    Without FILE: every field at its default, under a comment with its meaning, type, bounds and environment
+    override. With FILE: print "valid", or the first problem and exit 2. Environment overrides apply, as at
+    run time."""
     if file is None:
         from ftstate.cli.docs import render_default_config_yaml
 
@@ -404,32 +383,16 @@ def demo(
                      "weights version it ran on, and the reference replays the stamps."),
     ] = False,
 ) -> None:
-    """Real RL (a tiny transformer learning to sort digits) on a local Ray cluster, or on a running
-    one with --address: one trainer, rollouts and a prewarmed spare each, with faults injected and
-    recovered from; the report says on how many nodes the workers ran.
+    """Real RL (a tiny transformer learning to sort digits) on a local Ray cluster, or on a running one with
+    --address, with faults injected and recovered from.
 
-    With --trainers N the policy is sharded over N trainer ranks (each holds a dim-0 slice of
-    every tensor; gradients all-gathered and added in rank order), each rank sends its part in
-    every sync, and the trainer fault kills rank 1 mid-step: it is replaced while rank 0 keeps
-    its process, and the run still matches the N-rank fault-free run bit for bit.
+    --trainers N shards the policy over N trainer ranks and kills rank 1 mid-step; --engine vllm serves a tiny
+    causal LM from vLLM engines and proves every engine's held weights after each sync; --maintenance drains a
+    node on a cloud's maintenance notice; --grow-to N grows the fleet mid-run and shrinks it back.
 
-    With --engine vllm, the policy is a real causal LM (a tiny Qwen2 written offline, trained in
-    transformers) and the rollouts are vLLM engines reloaded in place; the faults kill an engine
-    while it generates, an engine inside vLLM's loader mid-update, and the trainer mid-step, and
-    the report shows every engine's held weights (read back from the engine) equal to the
-    trainer's after each sync.
-
-    With --maintenance, a cloud's maintenance notice instead of (or, with --faults, besides) the
-    kills: the node it names is drained, its members replaced on another node before they go.
-
-    With --grow-to N the fleet grows to N rollouts mid-run and shrinks back, each newcomer fed
-    by a rollout holding the weights and proven before it serves; still bit-identical.
-
-    Proves nothing was lost by comparing the final weights' checksum and the reward curve with
-    the same seeds run without faults; exits 1 if they differ, 2 if the run failed. Writes the
-    audit trail, the state diagrams, a timeline picture (with matplotlib, the plot extra:
-    pip install 'ftstate[plot]') and report.json under --out.
-    """
+    Proves nothing was lost by comparing the final weights' checksum and reward curve with a fault-free run of
+    the same seeds; exits 1 if they differ, 2 if the run failed. Writes the audit trail, state diagrams, a
+    timeline picture (pip install 'ftstate[plot]') and report.json under --out."""
     from ftstate.cli.demo import run_demo  # lazy: Ray and torch load only here
 
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
@@ -476,15 +439,11 @@ def simulate(
     audit: Annotated[str | None, typer.Option("--audit", help="Write the replay's audit trail here.",
                                               show_default=False)] = None,
 ) -> None:
-    """The goodput of a job under a published failure mix: ftstate against restarting from the
-    last checkpoint.
+    """The goodput of a job under a published failure mix: ftstate against restarting from the last
+    checkpoint.
 
-    Draws a seeded failure schedule from the mix for the job's GPUs and days, replays every
-    failure through the real controller on a simulated cluster (virtual time: no Ray, no
-    GPUs), and costs the same schedule for the status quo. Maintenance notices drain their
-    node, poisoned nodes are quarantined; a failure the failover budget cannot pay for ends the
-    run as it would for real.
-    """
+    Replays a seeded failure schedule through the real controller on a simulated cluster (virtual time: no
+    Ray, no GPUs) and costs the same schedule for the status quo."""
     from ftstate.cli.simulate import SimulateOptions, parse_seeds
     from ftstate.cli.simulate import simulate as run_simulation
     from ftstate.simulation.costs import Costs

@@ -1,34 +1,10 @@
-"""The timeline picture of an audit trail: who was in which state when, and what it cost.
+"""The timeline picture of an audit trail, drawn in the CLI's process: one lane per worker coloured by state,
+the group's lane on top, failovers and drains as labelled bands, deadline expiries as red crosses, notices as
+lines, and the demo's reward curve beneath on the same time axis.
 
-:func:`plot_timeline` draws, from the records of :mod:`ftstate.core.audit`, one horizontal lane
-per worker (``machine == "worker"``), coloured by state over time, with the group's own
-state as a thin lane on top. Every failover (the group entering ``PROMOTING`` until it is
-``READY`` again) is a shaded band across all lanes, labelled with its number, its reason and
-how long it took; every deadline expiry is a red cross on its member's lane (a dashed red
-line for the group's). When the trail holds ``reward`` records (``step``, ``reward``, ``t``:
-the demo writes one per training step), the mean reward is plotted beneath on the same time
-axis, so a failover lines up with what training did meanwhile.
-
-Maintenance (:mod:`ftstate.controller.drain`): every notice (``maintenance_notice``: source,
-kind, node) is a dash-dotted orange line across the lanes with a triangle on top, and every
-drain (``drain_started`` until ``drain_drained``/``drain_failed``/``drain_cancelled``) an orange
-band labelled with what moved where and how long it took (a drain that did not finish says
-so). A member in ``DRAINING`` (serving while its replacement is made ready) has a colour of
-its own.
-
-Colours are fixed per state, so two pictures read the same way: serving states green
-(``DRAINING``, serving on a node that is going, olive),
-the way back into serving (``RESYNCING``, ``RESYNCED``) teal, ``STALE``/``SUSPECT``/
-``DEGRADED`` amber, ``LOST``/``FAILED`` red, ``STANDBY`` and ``RETIRED`` grey. A state no
-spec knew when this was written gets a colour from its spec's serving flag.
-
-A state shorter than 0.2 % of the time axis is drawn that wide, so that a 5 ms ``LOST``
-in a minute-long run is still visible; its real length is in the trail.
-
-matplotlib (the ``plot`` extra) is imported inside :func:`plot_timeline` (and drawn on an Agg
-canvas, without pyplot or a global backend switch), so ``import ftstate`` stays light and a
-plain install without it gets one line saying how to get the picture, not a traceback.
-"""
+Colours are fixed per state so two pictures read alike; a very short state (a 5 ms ``LOST``) is drawn at least
+0.2 % of the axis wide. matplotlib (the ``plot`` extra) is imported only inside :func:`plot_timeline`, on an
+Agg canvas, so ``import ftstate`` stays light."""
 
 from __future__ import annotations
 
@@ -175,8 +151,7 @@ def _num(value: Any) -> float | None:
 
 
 def _spec_flags() -> tuple[set[str], list[str]]:
-    """(serving states, every state in spec order) over the loaded machines; empty if the
-    specs cannot be loaded (the picture then uses the fixed colours only)."""
+    """(serving states, every state in spec order) of the loaded machines; empty when they cannot load."""
     from ftstate.core.errors import SpecError
     from ftstate.core.spec import load_machines
 
@@ -244,9 +219,7 @@ def _failovers(records: list[Mapping[str, Any]], end: float) -> list[_Failover]:
             current = None
     if current is not None:
         out.append(current)
-    # The runtime's `failover` records name who was replaced by whom (a shorter label) and
-    # how long it took from LOST to serving: the band and its label show exactly that, the
-    # figure the report and `ftstate audit` print (audit_view.failover_rows, one reading).
+    # The runtime's `failover` records: who replaced whom and LOST-to-serving time, as the report prints it.
     from ftstate.cli.audit_view import failover_rows
 
     for fo, row in zip(out, failover_rows(records), strict=False):
@@ -288,8 +261,7 @@ def _no_matplotlib(exc: ImportError) -> ExtraUnavailable:
 
 
 def require_matplotlib() -> None:
-    """Raise :class:`~ftstate.core.errors.FTError` (one line naming the ``plot`` extra) unless
-    matplotlib can be imported: a caller checks before it does work the picture depends on."""
+    """Raise :class:`~ftstate.core.errors.FTError` naming the ``plot`` extra unless matplotlib imports."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
@@ -297,16 +269,9 @@ def require_matplotlib() -> None:
 
 
 def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | None = None) -> Path:
-    """Draw the timeline of ``records`` to the PNG ``out_path`` and return its path.
-
-    records: the trail as a path to a JSON-lines file, an :class:`~ftstate.core.audit.AuditTrail`,
-    or its records (dicts, or ``(line, record)`` pairs as :func:`~ftstate.core.audit.read_trail`
-    yields them). title: the picture's title (default: the file's name and the time span).
-    The picture is :data:`WIDTH_IN` × :data:`DPI` pixels wide; :func:`figure_size` gives its
-    height. Raises ValueError when the trail has no worker transitions to draw, and
-    :class:`~ftstate.core.errors.FTError` (one line ending in :data:`INSTALL_HINT`) when
-    matplotlib, the ``plot`` extra, cannot be imported.
-    """
+    """Draw the timeline of ``records`` (a trail path, an ``AuditTrail``, records or ``(line, record)`` pairs)
+    to the PNG ``out_path``; returns its path. Raises ValueError with no worker transitions to draw, and
+    :class:`~ftstate.core.errors.FTError` (ending in :data:`INSTALL_HINT`) without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -402,15 +367,13 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
         ax.set_xlabel("time (s since the trail opened)")
 
     def place(t: float, gap: float) -> tuple[float, str]:
-        """A label's x offset and alignment: to the right of ``t``, or to its left near the
-        right edge, so that it never runs into the legend."""
+        """A label's x offset and alignment: right of ``t``, or left of it near the legend."""
         return (gap, "left") if t < t0 + span * 0.75 else (-gap, "right")
 
     axis_px = width_px * 0.69  # subplots_adjust(left=0.14, right=0.83)
 
     def place_text(t: float, gap: float, text: str, fontsize: float = 8) -> tuple[float, str]:
-        """Like ``place``, from the label's own width: to the right of ``t`` when it fits
-        before the legend, else to its left."""
+        """Like ``place``, from the label's own width."""
         x_px = (t - (t0 - span * 0.01)) / (end - (t0 - span * 0.01)) * axis_px
         fits = x_px + gap + len(text) * fontsize * DPI / 72 * 0.6 < axis_px
         return (gap, "left") if fits else (-gap, "right")

@@ -1,12 +1,6 @@
-"""``ftstate simulate``: a job's goodput under a published failure mix, ftstate against the
-status quo (restart from the last checkpoint), and its picture.
-
-The failures are drawn from the mix (:mod:`ftstate.simulation.mix`), replayed through the real
-controller on a simulated cluster in virtual time (:func:`ftstate.simulation.goodput.replay_ftstate`)
-and costed for the status quo (:func:`ftstate.simulation.goodput.status_quo`). The picture
-(matplotlib, the ``plot`` extra, imported only here) is progress against time for both, a
-mark at each failure.
-"""
+"""``ftstate simulate``, from the CLI: a job's goodput under a failure mix, ftstate (replayed through the real
+controller in virtual time) against restarting from the last checkpoint, and its picture (matplotlib, the
+``plot`` extra, imported only here)."""
 
 from __future__ import annotations
 

@@ -1,32 +1,9 @@
-"""Actor calls: the one place every call from the controller to a worker goes through.
-
-The cluster reports a worker's failure as an exception on whatever call was pending when it
-happened. Letting each call site catch its own subset would lose some of them, so every
-call goes through :meth:`ActorCalls.call`, which asks the cluster's backend
-(:mod:`~ftstate.controller.backend`: Ray, or the simulation) and turns what it reports
-
-- :class:`~ftstate.controller.backend.ActorDied` (the process is gone: SIGKILL, OOM, node
-  lost) into a ``died`` event on the worker's machine and a
-  :class:`~ftstate.core.errors.MemberLost` for the caller;
-- :class:`~ftstate.controller.backend.ActorUnreachable` (unreachable for now) and an expired
-  ``timeout`` into
-  :class:`~ftstate.core.errors.MemberLost` without a state change: the heartbeat watchdog decides
-  whether an unreachable worker is suspect or lost, from repeated evidence;
-- an ftstate error raised inside the worker (``PeerLost``, ``ChecksumMismatch``…) back into
-  that error, so callers catch ftstate's classes, never Ray's wrappers;
-- any other exception raised inside the worker (the user's code, a library it needs) back
-  into itself: its own class and message, prefixed with the member's name, with a note
-  naming the user's method that raised it (``MyRollout.load_weights()``, not ftstate's
-  internal call) and the frame in the user's file, and the user's own frames as a second
-  note. Ray's coloured remote traceback is not chained (it would print first, ftstate's
-  frames and ANSI escapes before the user's line); it is kept, cleaned, as
-  ``remote_traceback``. Never a bare ``RayTaskError``.
-
-Every message made here has its terminal escapes removed (:func:`ftstate.core.text.clean`).
-
-Detection latency for a SIGKILLed worker with a call pending is Ray's (~10-20 ms here);
-an idle one is found by the next heartbeat poll.
-"""
+"""Actor calls, in the controller: the one place every call to a worker goes through, so no failure is lost to
+a call site that catches only part of them. A dead actor becomes a ``died`` event and
+:class:`~ftstate.core.errors.MemberLost`; an unreachable one or a timeout becomes ``MemberLost`` with no state
+change (the watchdog judges); an ftstate error raised in the worker is re-raised as itself; any other (user)
+exception keeps its class, gains the member's name and notes naming the user's method and frames, and never
+surfaces as Ray's ``RayTaskError``."""
 
 from __future__ import annotations
 
@@ -62,9 +39,7 @@ _SEAM_ERRORS = (ActorDied, ActorUnreachable, RemoteError, CallTimedOut)
 
 
 class CallTarget(Protocol):
-    """Whom :meth:`ActorCalls.fan_out` calls: a member's name, its actor handle and its node's
-    id (None: not known yet). The membership's :class:`~ftstate.controller.membership.Member`
-    is one."""
+    """Whom :meth:`ActorCalls.fan_out` calls: name, actor handle and node id (None: not known yet)."""
 
     @property
     def name(self) -> str: ...
@@ -75,58 +50,43 @@ class CallTarget(Protocol):
 
 
 class ActorCalls:
-    """Routes calls to worker actors and reports deaths.
-
-    backend: the cluster the actors run on (:mod:`~ftstate.controller.backend`); on_died:
-    called once per member with (member, reason) when the backend says its process is gone;
-    the runtime fires the worker's ``died`` event from it.
-    """
+    """Routes calls to worker actors and reports deaths; ``on_died(member, reason)`` is called once per member
+    whose process the backend says is gone."""
 
     def __init__(self, on_died: Callable[[str, str], Any], backend: ClusterBackend, *,
                  agent_min_members: int = 4) -> None:
         self._on_died = on_died
         self._backend = backend
         self._reported: set[str] = set()
-        #: :meth:`fan_out` goes through a node's agent for at least this many members there
-        #: (``heartbeat_agent_min_members``; 0: never).
+        #: :meth:`fan_out` goes through a node's agent for at least this many members there (0: never).
         self.agent_min_members = agent_min_members
 
     async def call(self, member: str, handle: Any, req: Request, *, timeout: float | None = None) -> Any:
-        """Send ``req`` to the member's actor (its :class:`~ftstate.core.protocol.WorkerAPI` method);
-        ``timeout`` (seconds) bounds only this call (heartbeat polls use it; everything else is
-        bounded by its state's deadline)."""
+        """Send ``req`` to the member's actor; ``timeout`` (seconds) bounds only this call (heartbeats use it;
+        everything else is bounded by its state's deadline)."""
         try:
             return await self._backend.call(handle, req, timeout)
         except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
             await self._raise_for(member, req.method, _what(req), exc, timeout)
 
     async def call_helper(self, name: str, handle: Any, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """Call ``method(*args)`` on one of ftstate's own helper actors (a node's copy agent),
-        its outcomes translated as a worker call's are."""
+        """Call ``method(*args)`` on a helper actor, its outcomes translated as a worker call's."""
         try:
             return await self._backend.call_helper(handle, method, args, timeout)
         except (ActorDied, ActorUnreachable, RemoteError, CallTimedOut) as exc:
             await self._raise_for(name, method, f"{method}()", exc, timeout)
 
     def through_agent(self, members: int) -> bool:
-        """Whether ``members`` members of one known node are called through its agent: at least
-        :attr:`agent_min_members` of them, a lone member never (0: never)."""
+        """Whether ``members`` members of one known node go through its agent (never a lone member)."""
         return self.agent_min_members != 0 and members >= max(self.agent_min_members, 2)
 
     async def heartbeats(self, node_id: str, members: Sequence[str], handles: Sequence[Any],
                          args: Sequence[Beat], timeout: float, *, mark: int | None = None,
                          since: int | None = None) -> Any:
-        """One heartbeat of each of ``members`` (names; their ``handles``, all on node ``node_id``)
-        through the node's agent (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`):
-        each member's answer, or the error :meth:`call` would have raised for it (a death
-        reported as there). An unreachable agent means its node does not answer: every member
-        there is unreachable for now (the watchdog judges from repeated evidence, as for a
-        direct call). None when the agent could not answer otherwise (gone, starting, a bug):
-        ask each member directly. :data:`~ftstate.controller.backend.QUIET` (only when ``since``
-        was given): every answer equal to that of the reply marked ``since``.
-
-        The two halves, for a caller that waits on many nodes without a task each (the
-        watchdog's round): :meth:`ask_heartbeats`, then :meth:`heartbeat_answers` of its reply."""
+        """One heartbeat of each of ``members`` on ``node_id`` through its agent: each answer, or the error
+        :meth:`call` would raise. An unreachable agent makes every member there unreachable for now; None
+        means ask each member directly; :data:`~ftstate.controller.backend.QUIET` when nothing changed since
+        ``since``. Split in :meth:`ask_heartbeats` and :meth:`heartbeat_answers`."""
         reply = self.ask_heartbeats(node_id, handles, args, timeout, mark=mark, since=since)
         with contextlib.suppress(Exception):  # the reply's error is read by heartbeat_answers
             await reply
@@ -134,9 +94,7 @@ class ActorCalls:
 
     def ask_heartbeats(self, node_id: str, handles: Sequence[Any], args: Sequence[Beat],
                        timeout: float, *, mark: int | None = None, since: int | None = None) -> asyncio.Future[Any]:
-        """:meth:`heartbeats`' call of the agent, started: the future of the agent's reply
-        (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats_future`), failed with the
-        backend's error if it could not even be asked."""
+        """Start :meth:`heartbeats`' agent call: the future of its reply (failed if it could not be asked)."""
         try:
             return self._backend.heartbeats_future(node_id, handles, args, timeout, mark=mark, since=since)
         except Exception as exc:  # noqa: BLE001 - the call's outcome: heartbeat_answers reads it
@@ -169,21 +127,11 @@ class ActorCalls:
 
     async def fan_out(self, targets: Sequence[CallTarget], requests: Sequence[Request],
                       on_end: Callable[[int, Any], None] | None = None) -> list[Any]:
-        """``requests[i]`` to each member of ``targets`` (:class:`CallTarget`),
-        all at once; returns each one's outcome in order: its result, or the error :meth:`call`
-        would have raised for it (deaths reported as there). ``on_end(i, outcome)`` is called as
-        each ends, in the order they end.
-
-        The members of a node with at least :attr:`agent_min_members` of them (a lone member
-        excepted) are called through that node's agent, in one call
-        (:meth:`~ftstate.controller.backend.ClusterBackend.calls`), which reports each member's
-        outcome as it ends; the others, and those of a node whose agent is not up, directly. At
-        thousands of members this is what keeps a sync's calls in flight few (one a node, not
-        one a member: each call in flight is a task, coroutines and contexts that the collector
-        scans and promotes; docs/benchmarks.md, "Controller at scale"). An agent that fails
-        while its members' calls are under way (dead, its node unreachable) leaves those not yet
-        reported unreachable (:class:`~ftstate.core.errors.MemberLost`, no state change): a
-        death among them is reported by the member's own vigil (:mod:`~ftstate.controller.vigil`)."""
+        """``requests[i]`` to each of ``targets`` at once; returns each outcome (result or the error
+        :meth:`call` would raise) in order, calling ``on_end(i, outcome)`` as each ends. Members of a node
+        with at least :attr:`agent_min_members` go through its agent in one call, which keeps a large sync's
+        calls in flight few; a failed agent leaves its unreported members unreachable (their vigils report
+        deaths)."""
         out: list[Any] = [None] * len(targets)
         by_node: dict[str | None, list[int]] = {}
         for i, t in enumerate(targets):
@@ -241,9 +189,7 @@ class ActorCalls:
 
     async def _each_direct(self, idx: list[int], targets: Sequence[CallTarget], requests: Sequence[Request],
                            out: list[Any], on_end: Callable[[int, Any], None] | None) -> None:
-        # Its own method, not an inline generator in _through_agent: a generator there makes
-        # every variable it reads a cell of every call of _through_agent (six a node, a sync's
-        # fan-outs at 1,250 nodes: 30,000 objects for the collector), used or not.
+        # A method of its own: an inline generator would make its variables cells of every node's call.
         await asyncio.gather(*(self._direct(i, targets, requests, out, on_end) for i in idx))
 
     async def _translated(self, i: int, exc: Exception, targets: Sequence[CallTarget],
@@ -257,8 +203,8 @@ class ActorCalls:
 
     async def _raise_for(self, member: str, method: str, what: str, exc: Exception,
                          timeout: float | None) -> NoReturn:
-        """Raise what the backend's outcome ``exc`` of ``method`` on ``member`` means (the module
-        docstring); ``what``: the method the user knows it by, for an error their code raised."""
+        """Raise what the backend's outcome ``exc`` of ``method`` on ``member`` means; ``what``: the method
+        the user knows it by."""
         if isinstance(exc, ActorDied):
             reason = f"process died during {method}(): {_first_line(exc)}"
             await self._report(member, reason)
@@ -268,8 +214,7 @@ class ActorCalls:
         if isinstance(exc, RemoteError):
             cause = exc.cause
             if isinstance(cause, EngineProcessDied) or (method == "vigil" and isinstance(cause, FTError)):
-                # the worker declared itself lost (an engine process of its own died): a death,
-                # reported now, not at the heartbeat deadline
+                # The worker declared itself lost (an engine process died): a death, reported now.
                 await self._report(member, f"{method}(): {_first_line(cause)}")
             if isinstance(cause, FTError):
                 raise _naming(member, cause) from exc
@@ -291,15 +236,12 @@ class ActorCalls:
 
 def _picked(idx: list[int], targets: Sequence[CallTarget],
             requests: Sequence[Request]) -> tuple[list[Any], list[Request]]:
-    """The handles and requests of the members ``idx``. A function of its own: the
-    comprehensions in the coroutine that awaits the node's stream would make what they read
-    cells of it, alive (and promoted) as long as the node's calls are."""
+    """The handles and requests of members ``idx`` (a function, so the awaiting coroutine keeps no cells)."""
     return [targets[i].handle for i in idx], [requests[i] for i in idx]
 
 
 def _naming(member: str, exc: FTError) -> FTError:
-    """The worker's error with the member's name in front (transport errors inside a worker
-    only know their rank), for the classes whose only argument is the message."""
+    """The worker's error with the member's name in front, for classes whose only argument is the message."""
     if type(exc) in (TransportError, PeerLost, ChecksumMismatch, ManifestError, FTError) and member not in str(exc):
         named = copy.copy(exc)  # keeps the structured fields (PeerLost.peer, ManifestError.field…)
         named.args = (f"{member}: {exc}",)
@@ -313,10 +255,8 @@ def _what(req: Request) -> str:
 
 
 def _worker_exception(member: str, called: str, exc: Exception) -> Exception:
-    """The worker's own exception, named: same class, message prefixed with the member (when
-    the class keeps its message as its only argument, as nearly all do) and cleaned of
-    terminal escapes, a note naming the user's method that raised it and where, and a note
-    with the user's frames (what the host marked, :func:`ftstate.worker.host.mark_user_error`)."""
+    """The worker's own exception, named and cleaned, with notes naming the user's method, where it raised,
+    and the user's frames (:func:`ftstate.worker.host.mark_user_error`)."""
     what = getattr(exc, "ftstate_method", None) or called
     where = getattr(exc, "ftstate_where", "")
     frames = getattr(exc, "ftstate_frames", "")
@@ -335,9 +275,8 @@ def _worker_exception(member: str, called: str, exc: Exception) -> Exception:
 
 
 def name_all(errors: Sequence[BaseException], members: Sequence[str]) -> BaseException:
-    """One error for several members whose user code raised in the same step (every rollout's
-    ``load_weights``): the first, its message naming every member that raised and a note per
-    other member with its own exception."""
+    """One error for several members whose user code raised in the same step: the first, naming every member,
+    with a note per other member's exception."""
     first = errors[0]
     if len(errors) == 1:
         return first

@@ -1,10 +1,6 @@
-"""Which of several failures is the cause: a sync's or a group formation's members fail
-together, and the caller is told one error, the one that explains the others.
-
-A member that died explains its peers' broken connections; a member's own error (a bug in
-user code, a missing library) explains the sender's "connection reset"; among transport
-errors the first to arrive is the cause and the rest its echoes.
-"""
+"""Which of several failures is the cause, for the controller's sync and formation: a death explains its
+peers' broken connections, a member's own error the sender's "connection reset", and among transport errors
+the first to arrive is the cause and the rest its echoes."""
 
 from __future__ import annotations
 
@@ -22,9 +18,7 @@ def _rank_of_cause(exc: BaseException) -> int:
 
 
 def root_cause(failures: Mapping[str, BaseException], order: Sequence[str] = ()) -> dict[str, BaseException]:
-    """``failures`` ordered cause first (see the module docstring). ``order``: the members
-    in the order their failures arrived; among transport errors the first one is the cause
-    (the others were abandoned because of it, or saw its broken connection)."""
+    """``failures`` ordered cause first; ``order``: the members in the order their failures arrived."""
     arrival = {name: i for i, name in enumerate(order)}
     return dict(sorted(failures.items(),
                        key=lambda kv: (_rank_of_cause(kv[1]), arrival.get(kv[0], len(arrival)))))

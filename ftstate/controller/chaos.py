@@ -1,10 +1,5 @@
-"""Chaos: fault injection on a running runtime, with real signals to real processes.
-
-Tests, benchmarks and the demo use it (``rt.chaos.kill("rollout", 1)``): SIGKILL, SIGSTOP
-(hung: alive, no progress, no answers) and a corrupted bucket, now or after a number of
-units of progress so a fault lands in the middle of a transfer. Every injection is an audit
-record (``chaos``), so a trail says which faults were made on purpose.
-"""
+"""Chaos, from the controller: real faults on a running runtime (SIGKILL, SIGSTOP, a corrupted bucket), now or
+after some progress so they land mid-transfer; each is a ``chaos`` audit record."""
 
 from __future__ import annotations
 
@@ -20,14 +15,9 @@ from ftstate.core.protocol import ChaosCorrupt, ChaosHang, ChaosKill
 
 
 class Chaos:
-    """Fault injection on a running runtime: real signals to real processes.
-
-    ``role``/``rank``: the worker by role and its index within the role (``("rollout", 1)`` is
-    ``rollout-1``; the trainer is ``("trainer", 0)``, trainer rank 1 ``("trainer", 1)``), or a
-    member name (its replacement keeps the index). Each is usable before
-    or during a sync; ``after_progress`` delays a kill until the worker made that many more
-    units of progress (buckets, calls), which lands it in the middle of a transfer.
-    """
+    """Fault injection on a running runtime. A worker is named by role and index (``("rollout", 1)``; trainer
+    rank 1 is ``("trainer", 1)``) or by member name; ``after_progress`` delays a kill until that many more
+    units of progress, landing it mid-transfer."""
 
     def __init__(self, membership: Membership, audit: AuditTrail) -> None:
         self.membership = membership
@@ -69,7 +59,7 @@ class Chaos:
 
     async def hang(self, role: str, rank: int | None = None, *, after_progress: int | None = None) -> str:
         """Stop the worker's process (SIGSTOP): alive, no progress, no answers (now, or after
-        ``after_progress`` more units of progress)."""
+        ``after_progress``)."""
         m = self._member(role, rank)
         if after_progress is not None:
             await m.handle.chaos_hang.remote(ChaosHang(after_progress))

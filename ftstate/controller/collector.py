@@ -1,29 +1,8 @@
-"""The controller's garbage collector, paused while calls are in flight (``gc_pause_s``):
-during a sync, a failover round, and a heartbeat round while it awaits the nodes' answers.
-
-Why: each of them keeps one call in flight per member or node (a task, its coroutines, a
-future, a reply) for as long as the members take to answer. CPython's collector examines the
-young objects every few hundred allocations and moves those still alive to the next
-generation; at thousands of members nearly every call in flight is alive at a young
-collection, so the calls end up in the oldest generation, and every object promoted there is
-walked again, with every other live object of the process, by the full collections that
-promotions set off (one per a quarter of the long-lived heap promoted). Measured at 10,000
-simulated members (``benchmarks/controller_scale.py``): 170,000 objects promoted a sync and a
-third of its CPU in full collections; the heartbeat rounds' and the failover rounds'
-promotions set off more. With the collector paused, those objects die by reference counting
-when their call ends, before any collection sees them; what is left alive at the end is
-examined once, by the first young collection after.
-
-What it changes for the process: the automatic collector (``gc.enable``) is off while a pause
-holds, at most ``gc_pause_s`` seconds of the event loop's clock each time (then it is on
-again: a sync that waits on a slow transfer, a round that waits on a cold start), as the
-standard library's ``timeit`` turns it off around what it times. Reference counting frees
-everything that is not in a cycle as before; cycles made meanwhile wait for the next
-collection. ``gc.collect()`` still collects. The pause is process-wide and counted: two
-pauses at once (a sync and a heartbeat round, two runtimes in one process) share one, the
-collector is turned back on when the last ends, and only if it was on when the first began (a
-process that turned it off itself keeps it off).
-"""
+"""The controller's garbage collector, paused while calls are in flight (``gc_pause_s``): during a sync, a
+failover round and a heartbeat round. At thousands of members every call in flight is alive at a young
+collection and gets promoted, to be walked again by every full collection; paused, they die by reference
+counting first (docs/benchmarks.md, "Controller at scale"). A pause lasts at most ``gc_pause_s`` of loop time,
+is process-wide and counted, and leaves the collector off if the process had turned it off itself."""
 
 from __future__ import annotations
 
@@ -54,9 +33,8 @@ def _end() -> None:
 
 
 class CollectorPause:
-    """One pause of the collector, at most ``max_s`` seconds of the running loop's clock
-    (0: no pause at all). Entered and left as an ``async with`` around a sync or a round; ending
-    it twice (the bound, then the exit) ends it once."""
+    """One pause of at most ``max_s`` loop seconds (0: none), used as ``async with`` around a sync or a round;
+    ending it twice ends it once."""
 
     def __init__(self, max_s: float) -> None:
         self.max_s = max_s

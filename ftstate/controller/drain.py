@@ -1,24 +1,7 @@
-"""The proactive drain: a node that announced maintenance or preemption is emptied before it goes.
-
-A notice (a cloud's maintenance event, a spot interruption, a Ray node drain, a file an
-operator wrote; see :mod:`ftstate.controller.maintenance`) names a node and, usually, a
-deadline. Every group member on that node goes READY -> DRAINING and keeps serving; for each
-one a replacement is taken (a warm spare, else a fresh actor) on another node, the group
-forms version N+1 with both, the newcomer gets the current weights point to point from a
-rollout that holds them (checksum-proven; a new trainer the same way in reverse, then the
-trainer calls since the last sync replayed), and only then is the draining member retired
-and the group formed again without it. Spares on the node are retired and started again
-elsewhere.
-
-A drain is not a failure: it spends nothing of ``max_failovers`` (drains are counted on
-their own, :attr:`Drainer.records`), no sync fails because of it (it runs under the
-membership lock, so a sync waits for it), and every call keeps being served (DRAINING is a
-serving state). It is bounded by the notice's deadline and by the DRAINING state's own
-(``failover_timeout_s``). A drain that cannot finish (no room elsewhere, too little time, a
-replacement that dies) is recorded (``drain_failed``) and undone: the members serve on where
-they are, and if the node then dies that is an ordinary failover. A notice withdrawn before
-the drain completed cancels it the same way (``drain_cancelled``).
-"""
+"""The proactive drain, in the controller: a node that announced maintenance or preemption is emptied before
+it goes. Members keep serving as DRAINING while replacements elsewhere are resynced and admitted; a drain
+spends no failover budget, and one that cannot finish is undone (docs/operations.md, "Maintenance and
+preemption notices")."""
 
 from __future__ import annotations
 
@@ -40,9 +23,8 @@ from ftstate.core.errors import FTError
 
 @dataclasses.dataclass(frozen=True)
 class DrainRecord:
-    """One drain. node: Ray's node id; source / kind / reason: the notice's; outcome:
-    ``drained``, ``failed`` or ``cancelled``; moved: {draining member: its replacement};
-    seconds: notice to the last draining member retired (or the drain undone)."""
+    """One drain: ``node`` (Ray's id), the notice's ``source``/``kind``/``reason``, ``outcome`` (``drained``,
+    ``failed``, ``cancelled``), ``moved`` (member → replacement) and ``seconds``."""
 
     node: str
     source: str
@@ -59,9 +41,8 @@ class _Withdrawn(Exception):  # control flow inside this module, never raised ou
 
 
 class Drainer:
-    """Drains nodes for one runtime. pause_trainer: an async context manager factory that
-    holds new trainer calls and waits for those in flight (a trainer moved ahead of time
-    must replay every call the old one took)."""
+    """Drains nodes for one runtime. ``pause_trainer``: holds new trainer calls and waits for those in flight
+    (a trainer moved ahead of time must replay every call the old one took)."""
 
     def __init__(
         self,
@@ -93,9 +74,8 @@ class Drainer:
 
     async def drain(self, node: str, *, source: str, kind: str, reason: str,
                     deadline: float | None = None) -> DrainRecord:
-        """Drain ``node`` (Ray's node id); the caller holds the membership lock. ``deadline``:
-        wall-clock epoch seconds by which the node goes (None: unknown; the DRAINING state's
-        own ``failover_timeout_s`` bounds it)."""
+        """Drain ``node``; the caller holds the membership lock. ``deadline``: epoch seconds by which the node
+        goes (None: DRAINING's ``failover_timeout_s`` bounds it)."""
         t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
         self._withdrawn.discard(node)
         group = self.membership.group
@@ -169,12 +149,9 @@ class Drainer:
                 self.failover.replenish(role)
 
     async def _move_ranks(self, ranks: Sequence[Member], moved: dict[str, Member], node: str) -> None:
-        """Several trainer ranks: a rank's part lives in its process only, and two processes
-        cannot hold one rank of the trainer group, so the draining rank retires first (trainer
-        calls are paused meanwhile) and its replacement takes its rank and gets its part back
-        from a rollout, as after a loss (:func:`ftstate.controller.ranks.recover_ranks`), but
-        spending nothing. If that fails once the rank is gone, the rank is handed to the
-        failover as a loss: never left missing."""
+        """Several trainer ranks: a rank cannot serve beside its replacement, so it retires first (calls
+        paused) and its replacement recovers its part as after a loss, spending nothing; if that fails, the
+        rank goes to the failover as a loss."""
         for m in ranks:
             self._check(node)
             moved[m.name] = await self.failover.replacement_for(m)

@@ -1,12 +1,5 @@
-"""The launcher: starting and killing the run's worker actors, in the run's resource pools.
-
-It owns the placement (one resource pool per role plus the standby pool, made by the
-cluster's backend: :mod:`~ftstate.controller.backend`), the user's classes and constructor
-arguments. Each actor it starts comes with its worker machine, added to the
-:class:`~ftstate.controller.membership.Membership`; the caller decides what to do with it
-(join a group, warm up as a spare). How an actor is started, placed and killed is the
-backend's (Ray's: :mod:`~ftstate.controller.ray.backend`; kills are immediate).
-"""
+"""The launcher, in the controller: starts and kills the run's worker actors in its resource pools (through
+the cluster backend), each with its worker machine added to the membership."""
 
 from __future__ import annotations
 
@@ -25,11 +18,8 @@ from ftstate.core.spec import get_spec
 
 
 class ActorLauncher:
-    """Starts worker actors for one run.
-
-    classes / args: the user's worker class and ``(args, kwargs)`` per role. on_transition:
-    listener attached to every worker machine. backend: the cluster the actors run on.
-    """
+    """Starts worker actors for one run: ``classes``/``args`` per role, ``on_transition`` attached to every
+    worker machine, ``backend`` the cluster they run on."""
 
     def __init__(
         self,
@@ -52,9 +42,7 @@ class ActorLauncher:
         self.backend = backend
         self._on_transition = on_transition
         self.pools: dict[str, Pool] = {}
-        # The run's secret (security.authenticate), made here, at start(): installed in this
-        # process (the store it hosts) and handed to every member as a constructor argument,
-        # i.e. over Ray's channel, never over ftstate's own sockets (ftstate.transport.auth).
+        # The run's secret (security.authenticate), made at start() and handed to members over Ray's channel.
         from ftstate.transport import auth
 
         self._secret = auth.new_secret() if config.security.authenticate else None
@@ -64,15 +52,13 @@ class ActorLauncher:
             auth.uninstall()
 
     def make_pools(self) -> None:
-        """One placement group per role, plus the standby pool (fault tolerance on): a slot per
-        spare of each role (:meth:`RuntimeConfig.spares`) and one per member (replacements
-        kept off a lost node, or a spare started while another is promoted out of its slot)."""
+        """One placement group per role, plus the standby pool: a slot per spare and per member (for
+        replacements kept off a lost node)."""
         cfg, ft = self.config, self.config.fault_tolerance
         sizes = {"trainer": (cfg.trainer_workers, cfg.placement.trainer),
                  "rollout": (cfg.rollout_workers, cfg.placement.rollout)}
         if ft.enable or ft.detect_node_maintenance:
-            # Spares (standby mode), and replacements that must keep off a lost or draining
-            # node: each in a placement group of its own, made when needed (placement.SparePool).
+            # Spares and replacements that must keep off a node: a placement group each, made when needed.
             spares = cfg.spares("trainer") + cfg.spares("rollout")
             sizes[ft.standby_resource_pool] = (spares + cfg.trainer_workers + cfg.rollout_workers,
                                                cfg.placement.standby)
@@ -82,9 +68,8 @@ class ActorLauncher:
                                     placement=placement)
 
     def add_pool(self, name: str, role: str, slots: int) -> Pool:
-        """A pool of ``slots`` more workers of ``role`` while the run goes (``rt.add_rollouts``):
-        each slot placed when taken by the role's own placement (labels, resources), off the
-        nodes it is told to avoid; refuses at once what the cluster could never place."""
+        """A pool of ``slots`` more ``role`` workers mid-run, each slot placed when taken off the avoided
+        nodes; refuses at once what the cluster could never place."""
         cfg = self.config
         pool = self.backend.spare_pool(self.run_id, name, slots, cpus=cfg.worker_cpus, gpus=cfg.worker_gpus,
                                        placement=getattr(cfg.placement, role))
@@ -92,8 +77,7 @@ class ActorLauncher:
         return pool
 
     def grow_pool(self, name: str, slots: int) -> None:
-        """Let pool ``name`` (one placed slot by slot: the standby pool, an added one) hold
-        ``slots`` more (a negative number: fewer, never below what it holds)."""
+        """Let slot-by-slot pool ``name`` hold ``slots`` more (negative: fewer, never below what it holds)."""
         pool = self.pools.get(name)
         if pool is not None:
             pool.slots = max(0, pool.slots + slots)

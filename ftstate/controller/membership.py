@@ -1,22 +1,7 @@
-"""The membership: who is in the run, at which rank, in which state, holding which versions.
-
-One :class:`Membership` per runtime, passed to every part that needs it (the sync, the
-failover, routing, the watchdog, chaos) so that none of them reaches into another's
-internals. It holds:
-
-- every :class:`Member` the run started (group members by rank, spares with rank -1, the
-  retired and lost kept for the record), each with its worker machine and actor handle;
-- the group machine, whose ``group_version`` is the membership version and whose
-  ``weights_version`` is the current (last committed) weights version;
-- the current version's checksum, and the trainer calls made since it was committed (the
-  replay log a replacement trainer catches up with);
-- an ``epoch``: bumped whenever a member is lost or the group changes shape, so "did the
-  membership change while I was trying" is one integer compare (the sync's retry policy
-  asks exactly that).
-
-It performs no I/O: starting and killing actors is :mod:`~ftstate.controller.launcher`'s,
-forming group versions :mod:`~ftstate.controller.formation`'s.
-"""
+"""The membership, held by the controller: who is in the run, at which rank, in which state, holding which
+versions; one per runtime, passed to every part that needs it. Its ``epoch`` is bumped on every loss or change
+of shape, so "did membership change while I tried" is one integer compare. No I/O: the launcher starts actors,
+the formation forms versions."""
 
 from __future__ import annotations
 
@@ -34,25 +19,15 @@ from ftstate.core.protocol import Located
 GROUP = "weights"
 #: Worker states that hold no place in the group: nothing is sent to them or asked of them.
 GONE = frozenset({"LOST", "RETIRED", "FAILED", "STOPPED"})
-#: The states whose entry or exit changes whom the watchdog polls (not gone, constructed) or
-#: asks to prove its weights (SUSPECT): :attr:`Membership.roster` moves with them.
+#: States whose entry or exit changes whom the watchdog polls or asks to prove: they move the roster.
 _ROSTER_STATES = GONE | {"INIT", "SUSPECT"}
 
 
 async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None:
-    """Take a member whose load of the current version was proven (checksums matched: a
-    newcomer's point-to-point resync, a rollout's commit) to ``target`` (RESYNCED or READY)
-    by the worker machine's own edges, from wherever it is.
-
-    The watchdog keeps watching a member while it loads: on a starved machine a missed
-    heartbeat makes it SUSPECT, and an answer given before its version was recorded makes
-    it STALE. The load is proven all the same, so the failover goes the legal way round
-    (STALE -> RESYNCING -> RESYNCED) instead of firing an edge that no longer exists and
-    leaving the group in PROMOTING until its deadline. ``fields`` (the member's own checksum)
-    go on the record of every edge it fires, so the trail shows what it holds on the edge
-    that puts it back into serving whichever way round it went. Raises MemberLost when the newcomer was lost (or stopped)
-    meanwhile; the failover then tries the next replacement.
-    """
+    """Take a member whose load of the current version was proven to ``target`` (RESYNCED or READY) by its
+    machine's own edges, from wherever the watchdog moved it meanwhile (SUSPECT, STALE), so the failover goes
+    the legal way round. ``fields`` go on every edge's record. Raises MemberLost when it was lost or stopped
+    meanwhile."""
     order = ("RESYNCED", "READY")
     step = {"STALE": "resync", "RESYNCING": "verified", "SUSPECT": "verified", "RESYNCED": "admit"}
     for _ in range(8):  # each pass moves one edge forward unless the watchdog moved it too
@@ -69,12 +44,9 @@ async def walk_proven(machine: StateMachine, target: str, **fields: Any) -> None
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Member:
-    """One worker actor. rank: its rank in the current group version (-1 for a spare);
-    pool / slot: where the launcher placed it; pid / node (address) / node_id (Ray's id of
-    its node: several nodes may share an address): known once it answered. reserved_bytes: a
-    spare's staging buffer made ready for the next transfer to it (``reserve_staging``).
-    pending_version / pending_since: ``rollout_updates: in_flight``: the committed version it
-    holds back for its call's next safe point, and since when (the loop's clock)."""
+    """One worker actor: ``rank`` in the current group version (-1 for a spare), ``pool``/``slot``,
+    ``pid``/``node``/``node_id`` once known; ``reserved_bytes``: a spare's ready staging;
+    ``pending_version``/``pending_since``: a committed version held back for a safe point."""
 
     name: str
     role: str
@@ -101,8 +73,7 @@ class Member:
         self.machine.bind(rank=rank)
 
     def located(self, info: Located) -> None:
-        """Record where its process runs (from its ``info``/``prewarm`` answer); every later
-        audit record of its machine carries them."""
+        """Record where its process runs; every later record of its machine carries it."""
         self.pid, self.node, self.node_id = info.pid, info.node, info.node_id
         self.holds_weights = info.holds_weights
         self.machine.bind(pid=self.pid, node=self.node, node_id=self.node_id)
@@ -119,10 +90,8 @@ class TrainerCall:
 
 @dataclasses.dataclass(frozen=True)
 class CommittedParts:
-    """With several trainer ranks: who owned what in the current weights version
-    (``ownership``: :meth:`ftstate.core.ownership.Ownership.record`) and the checksum of each
-    trainer rank's part as it sent it (None: it owned nothing). A replaced rank gets its part
-    back from a rollout and is proven on it."""
+    """Several trainer ranks: who owned what in the current version and each rank's part's checksum as sent
+    (None: owned nothing), so a replaced rank's part is proven."""
 
     ownership: dict[str, Any]
     checksums: dict[int, str | None]
@@ -136,8 +105,7 @@ class Membership:
         self._members: dict[str, Member] = {}
         #: Checksum of the current weights version (None before the first sync).
         self.checksum: str | None = None
-        #: Every committed version's checksum → that version (a trainer's checkpoint is matched
-        #: against them: which version does it hold?). One short string per sync.
+        #: Every committed version's checksum → that version (a trainer's checkpoint is matched to it).
         self.versions_by_checksum: dict[str, int] = {}
         #: Trainer calls since the last committed sync, in order.
         self.trainer_calls: list[TrainerCall] = []
@@ -145,10 +113,8 @@ class Membership:
         self.parts: CommittedParts | None = None
         #: Bumped on every loss and every change of the group's shape.
         self.epoch = 0
-        #: Bumped whenever whom the watchdog polls, where, or whom it asks to prove may have
-        #: changed: a member added or located, a member's machine entering or leaving INIT,
-        #: SUSPECT or a gone state. While it holds, the watchdog's per-node lists hold without
-        #: a walk of the members (:class:`~ftstate.controller.watchdog.NodeRounds`).
+        #: Bumped whenever whom the watchdog polls, where, or whom it asks to prove may have changed;
+        #: while it holds, the watchdog's per-node lists hold without a walk of the members.
         self.roster = 0
 
     # -- changing ----------------------------------------------------------------------
@@ -171,18 +137,13 @@ class Membership:
         self.epoch += 1
 
     def current(self, weights_version: int, checksum: str | None) -> None:
-        """Make ``weights_version`` with ``checksum`` the current version: the two change
-        together, never one alone, because a suspect's heartbeat is judged against the pair
-        (:mod:`ftstate.core.liveness`). The vote makes a version current before the rollouts'
-        loads end: a trainer suspected meanwhile answers with the new version and its checksum,
-        and judged against the new version with the old checksum it went STALE (the run then
-        failed at its next ``train_step``)."""
+        """Make ``weights_version`` with ``checksum`` current; the two change together, since a suspect's
+        heartbeat is judged against the pair."""
         self.group.weights_version = weights_version
         self.checksum = checksum
 
     def committed(self, weights_version: int, checksum: str) -> None:
-        """A sync committed ``weights_version``: it is current, and the trainer's work up to
-        here is in it (nothing left to replay)."""
+        """A sync committed ``weights_version``: it is current and the trainer has nothing left to replay."""
         self.current(weights_version, checksum)
         self.versions_by_checksum[checksum] = weights_version
         self.trainer_calls.clear()
@@ -220,8 +181,7 @@ class Membership:
         return [m for m in self.role(role) if not m.gone]
 
     def any_in(self, state: str) -> bool:
-        """Whether any member (spares and the gone included) is in ``state``: one walk, no list
-        and no sort (a sync asks whether anyone is SUSPECT twice, with 10,000 members)."""
+        """Whether any member (spares and the gone included) is in ``state``: one walk, no list."""
         return any(m.machine.state == state for m in self._members.values())
 
     def group_members(self) -> list[Member]:
@@ -242,8 +202,7 @@ class Membership:
         return live[0]
 
     def trainer_ranks(self, expected: int, why: str) -> list[Member]:
-        """The live trainer ranks when all ``expected`` are there; else MemberLost naming the
-        members that last held the missing ranks (``why``: what cannot go on without them)."""
+        """The live trainer ranks when all ``expected`` are there; else MemberLost naming the missing."""
         live = self.live("trainer")
         if len(live) >= expected:
             return live
@@ -255,15 +214,14 @@ class Membership:
                          group_version=self.group_version)
 
     def serving_rollouts(self, max_lag: int = 0) -> list[str]:
-        """Rollouts in a serving state holding the current weights version, in rank order;
-        ``max_lag`` (``rollout_updates: in_flight``): or a version at most that many behind."""
+        """Rollouts serving the current version, by rank; ``max_lag`` (in-flight updates) admits those at most
+        that many versions behind."""
         version = self.weights_version
         return [m.name for m in self.role("rollout") if m.machine.serving
                 and version - max_lag <= m.machine.weights_version <= version]
 
     def holders(self, exclude: Member | None = None) -> list[Member]:
-        """Serving rollouts that hold the current version (the sources of a resync): loaded, or
-        waiting for a safe point (verified and committed: it is what they send)."""
+        """Serving rollouts holding the current version, loaded or awaiting a safe point: resync sources."""
         version = self.weights_version
         return [m for m in self.role("rollout") if m is not exclude and m.machine.serving
                 and version in (m.machine.weights_version, m.pending_version)]

@@ -1,34 +1,6 @@
-"""The run's node copies: one agent per node owns them, the controller says which one stays.
-
-With ``staging: node`` a weights version lands once per node in a shared-memory *node copy*
-(:mod:`ftstate.transport.nodecopy`) that the rollouts there verify in place and load from.
-The copy of the committed version must outlive every worker on the node (a newcomer there
-resyncs from it after a rollout, or the trainer, was SIGKILLed), so it is owned by neither:
-each node that holds one gets a :class:`NodeAgent`, an actor pinned to the node (started
-through the cluster's backend, :meth:`~ftstate.controller.backend.ClusterBackend.start_node_agent`;
-on Ray ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, no CPU, no torch: it lists and
-unlinks files), whose pid is in the copies' names. Ownership then follows the process:
-
-* the writer (the trainer) unlinks a copy whose transfer failed or was rejected, and its own
-  previous one once a new one is committed; a reader unlinks the copy of a writer that died;
-* after every sync attempt the controller has the agent keep only the committed copy
-  (:meth:`NodeCopies.committed_on`, :meth:`NodeCopies.failed_on`): whatever a writer that
-  died left (a previous trainer's copy, a failed one) goes there;
-* at the run's end (:meth:`NodeCopies.close`, from ``Runtime.close``) every agent unlinks
-  what it owns and is killed; an agent that could not be reached, or was SIGKILLed, leaves
-  orphans (their owner pid is dead) that :func:`~ftstate.transport.shm.sweep_orphans` removes
-  (every member sweeps when it joins a group version, the controller when the run ends).
-
-The agent is also the committed copy's sender for newcomers on *other* nodes (a node with
-neither a copy nor a holder): :meth:`NodeCopies.serve` has it serve the copy once, point to
-point (:func:`ftstate.transport.nodecopy.serve`: a one-time token, ``sendfile`` from
-``/dev/shm``, bounded by ``sync_timeout_s``), and the newcomer proves what it got by checksum
-(checkpoint-engine's P2P mode; ``resync`` source ``node copy on <node>``).
-
-A node whose agent cannot be started or reached within its bound (``init_timeout_s`` for the
-start, ``heartbeat_timeout_s`` for a call) gets no node copy: its rollouts stage privately
-for that sync, recorded as ``node_copy_fallback``; never a hang and never silent.
-"""
+"""The run's node copies (``staging: node``), managed from the controller: one agent actor per node owns them
+by its pid, the controller says which copy stays, and the agent serves the committed copy to newcomers
+elsewhere (docs/concepts.md, "Node copies")."""
 
 from __future__ import annotations
 
@@ -44,8 +16,7 @@ from ftstate.core.errors import FTError
 
 
 class NodeAgent:
-    """Actor on one node: owns, by its pid, the node copies made there. address: the node's
-    address (where :meth:`serve` listens)."""
+    """Actor that owns, by its pid, the node copies made on its node; :meth:`serve` listens on ``address``."""
 
     def __init__(self, node_id: str, address: str) -> None:
         self.node_id = node_id
@@ -67,8 +38,7 @@ class NodeAgent:
         return self.settle([])
 
     def serve(self, name: str, timeout_s: float) -> dict[str, Any]:
-        """Serve node copy ``name`` once, point to point, to a newcomer on another node
-        (:func:`ftstate.transport.nodecopy.serve`), on this node's address."""
+        """Serve node copy ``name`` once, point to point, to a newcomer on another node."""
         from ftstate.transport.nodecopy import serve
 
         return serve(name, host=self.address, timeout_s=timeout_s)
@@ -106,9 +76,8 @@ class NodeCopies:
         return self.config.staging == "node" and self.config.shared_memory != "off"
 
     async def owner(self, node_id: str | None) -> int | None:
-        """The pid of ``node_id``'s agent (started now if it has none), or None: no node copy
-        there this time (``staging: private``, an unknown node, or an agent that could not be
-        had within ``init_timeout_s``: recorded as ``node_copy_fallback``)."""
+        """The pid of ``node_id``'s agent (started now if needed), or None: no node copy there this time
+        (private staging, unknown node, or no agent within ``init_timeout_s``: ``node_copy_fallback``)."""
         if not self.enabled or node_id is None:
             return None
         known = self._agents.get(node_id)
@@ -134,25 +103,23 @@ class NodeCopies:
         return copy
 
     def remote_source(self, node_id: str | None, weights_version: int, checksum: str | None) -> CommittedCopy | None:
-        """For a newcomer on ``node_id`` with no committed node copy there: another node's copy
-        of that version to serve it point to point (checkpoint-engine's P2P mode), if any."""
+        """Another node's copy of that version, to serve a newcomer on ``node_id`` point to point."""
         for other, copy in sorted(self.committed.items()):
             if other != node_id and self.source_for(other, weights_version, checksum) is not None:
                 return copy
         return None
 
     async def serve(self, copy: CommittedCopy) -> dict[str, Any]:
-        """Have ``copy``'s agent serve it once (within ``sync_timeout_s``); its address and
-        one-time token for the newcomer. Bounded by ``heartbeat_timeout_s``; raises FTError."""
+        """Have ``copy``'s agent serve it once (within ``sync_timeout_s``); its address and one-time token.
+        The call is bounded by ``heartbeat_timeout_s``; raises FTError."""
         name, handle, _ = self._agents[copy.node_id]
         return await self.calls.call_helper(name, handle, "serve", copy.name, self.config.sync_timeout_s,
                                      timeout=self.config.heartbeat_timeout_s)
 
     async def committed_on(self, node_id: str, name: str, *, group: str, weights_version: int,
                            checksum: str, spare: str | None = None) -> None:
-        """A sync committed ``weights_version`` through node copy ``name`` on ``node_id``: it is
-        that node's source for newcomers, and every other copy the agent owns goes but the
-        writer's ``spare`` (``node_copy_spare``)."""
+        """A sync committed through copy ``name`` on ``node_id``: that node's source for newcomers; every
+        other copy there goes but the writer's ``spare``."""
         agent = self._agents.get(node_id)
         if agent is None:
             return
@@ -160,16 +127,14 @@ class NodeCopies:
         await self._settle(node_id, [name, *([spare] if spare else [])])
 
     async def failed_on(self, node_id: str | None) -> None:
-        """A sync attempt failed: only the committed copy stays on ``node_id`` (whatever a
-        writer that died could not unlink goes)."""
+        """A sync attempt failed: only the committed copy stays on ``node_id``."""
         if node_id is None or node_id not in self._agents:
             return
         copy = self.committed.get(node_id)
         await self._settle(node_id, [copy.name, *([copy.spare] if copy.spare else [])] if copy is not None else [])
 
     async def forget(self, node_id: str | None) -> None:
-        """A sync committed without a node copy on ``node_id`` (a fallback): the one there is
-        of an older version and goes."""
+        """A sync committed without a node copy on ``node_id``: the older one there goes."""
         if node_id is not None and self.committed.pop(node_id, None) is not None:
             await self._settle(node_id, [])
 
@@ -183,8 +148,8 @@ class NodeCopies:
             self.committed.pop(node_id, None)
 
     async def close(self) -> None:
-        """The run ends: every agent unlinks what it owns (bounded by ``heartbeat_timeout_s``)
-        and is killed; what an unreachable one owned is swept as orphans."""
+        """The run ends: every agent unlinks what it owns (within ``heartbeat_timeout_s``) and is killed; an
+        unreachable one's copies are swept as orphans."""
         agents, self._agents = self._agents, {}
         self.committed.clear()
         for node_id, (name, handle, _) in agents.items():

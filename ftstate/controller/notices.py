@@ -1,19 +1,8 @@
-"""From maintenance notices to drains: the runtime's side of :mod:`ftstate.controller.maintenance`.
-
-With ``fault_tolerance.detect_node_maintenance`` on, :class:`NoticeMonitor` runs the
-watchers: the driver's own (the nodes Ray is draining) and one light
-:class:`~ftstate.controller.maintenance.node_actor.NodeWatcherActor` on every node that hosts
-members (a metadata server answers only the VM it runs on; a node's own
-``GCE_METADATA_HOST``/``AWS_EC2_METADATA_SERVICE_ENDPOINT`` is honoured there), all polled
-every ``maintenance_check_interval`` by one
-:class:`~ftstate.controller.maintenance.runner.MaintenanceWatcher`. It records what it runs
-(one ``maintenance_sources`` record per place: "not on GCE, AWS or Azure" off-cloud, never a
-warning per interval), every notice (``maintenance_notice``: source, kind, deadline, node),
-every withdrawal and every source that could not be read (``maintenance_problem``, once per
-run of failures: a warning, never a notice and never a crash), and hands notices for a
-node hosting members to ``drain`` and withdrawals to ``withdraw``. An Azure event is
-acknowledged once its node is drained (it lets the event start early).
-"""
+"""From maintenance notices to drains, in the controller's runtime (``detect_node_maintenance``):
+:class:`NoticeMonitor` runs the driver's watcher and one light watcher actor per node hosting members, records
+what it runs, every notice, withdrawal and unreadable source (once per run of failures: a warning, never a
+notice), hands notices to ``drain`` and withdrawals to ``withdraw``, and acknowledges an Azure event once its
+node is drained."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""Progress of a run, for people: what the runtime is doing and what it waits for.
-
-Start-up can take a while (a Ray cluster, then one process per worker importing torch and
-building the user's model: seconds each, more when workers outnumber CPUs), and a run that
-says nothing meanwhile looks hung. The runtime reports each phase here: connecting to the
-cluster, ``starting 24 workers: 7 ready`` as each worker answers, the group formed; then
-each completed sync (``weights version 3 synced to 2 rollouts in 0.084s``) and each failover
-(who was lost, why, who serves now and after how long). Each
-report is logged through structlog on the standard ``logging`` logger ``ftstate`` (INFO;
-silent unless the application configures logging, as a library's logs should be; a warning
-reaches stderr through logging's last-resort handler) and handed to every listener
-(:meth:`Progress.listen`: the demo prints them as plain lines without a terminal and shows the
-latest in its live view on one).
-
-It also warns when the run asks for far more worker processes than the cluster has CPUs
-(:data:`OVERSUBSCRIBED_RATIO`): each is a full Python process with torch, so 50 rollouts on
-2 CPUs take minutes and gigabytes to start, whatever ``worker_cpus`` lets Ray place.
-"""
+"""Progress of a run for people, reported by the controller's runtime: each phase (cluster, workers starting,
+group formed, each sync and failover) is logged on the ``ftstate`` logger at INFO (silent unless the
+application configures logging) and handed to listeners (the demo's view), so a slow start-up does not look
+hung. It also warns when workers far outnumber CPUs."""
 
 from __future__ import annotations
 
@@ -39,10 +25,8 @@ _log = structlog.wrap_logger(
 
 @dataclasses.dataclass(frozen=True)
 class ProgressEvent:
-    """One report: phase (``cluster``, ``workers``, ``group``, ``oversubscribed``, ``sync``,
-    ``failover``), message
-    (one line for a person), level (``info`` or ``warning``), facts (the numbers in it), and
-    when (``time.monotonic()``)."""
+    """One report: ``phase``, a one-line ``message``, ``level`` (``info`` or ``warning``), ``facts`` (its
+    numbers) and ``when`` (``time.monotonic()``)."""
 
     phase: str
     message: str
@@ -74,8 +58,7 @@ class Progress:
                 _log.exception("progress listener failed", phase=phase)
 
     def check_capacity(self, processes: int, cpus: float) -> bool:
-        """Warn when ``processes`` worker processes far exceed ``cpus`` (see
-        :data:`OVERSUBSCRIBED_RATIO`); True when it warned."""
+        """Warn when ``processes`` far exceed ``cpus`` (:data:`OVERSUBSCRIBED_RATIO`); True when it warned."""
         if cpus <= 0 or processes <= OVERSUBSCRIBED_RATIO * cpus:
             return False
         self.report("oversubscribed",

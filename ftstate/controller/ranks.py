@@ -1,53 +1,7 @@
-"""Several trainer ranks (``trainer_workers > 1``): their own group, and the multi-sender sync.
-
-**The trainer group.** :func:`form_trainer_group` forms a gloo group of the trainer ranks only
-(group ``trainers``, versioned like the weights group: its version is the weights group's
-version it was formed under, in the same store, fenced the same way) and has every rank hand
-it to the user's ``TrainerWorker.setup(group, rank, world_size)``, before the first sync.
-The transport bounds the rendezvous by ``init_timeout_s``.
-
-**The sync.** :class:`ShardedSync` is :class:`~ftstate.controller.sync.WeightSync` with the
-transfer step replaced (the vote and the commit are the same code):
-
-1. every trainer rank's ``state_dict()`` is called together (``prepare_shards``); each
-   keeps its part and reports its pieces;
-2. :func:`~ftstate.core.ownership.plan_ownership` checks the union before a byte is sent:
-   overlap, gap, a tensor twice, mismatched shapes or dtypes raise
-   :class:`~ftstate.core.errors.OwnershipError` (the attempt is aborted, every rollout keeps
-   the version it holds);
-3. every owning rank sends its part to every rollout at once, point to point
-   (:mod:`ftstate.transport.shards`); each rollout assembles and stages the full state and
-   reports the checksum of the full state; all rollouts must agree (each part was already
-   verified against its sender's seal);
-4. the commit, as for one trainer: ``load_weights`` of the full state, held-bytes proof.
-
-**Replacing a rank** (:func:`recover_ranks`, run by the failover with fault tolerance on).
-The weights group has formed its next version with the replacement in the lost rank's
-place; then, as one reconciliation for every rank lost at once:
-
-1. the trainer group re-forms under the new version and every rank's ``setup`` is called
-   with it (survivors rebuild their DDP/FSDP on it; their processes stay);
-2. the ranks to restore are chosen. Always the newcomers. A survivor too when it holds a
-   state no replay reproduces: it started or finished a call the controller did not log
-   as done on every rank (a collective cut short by the dead peer, or a call that completed
-   on it only and is about to be retried on all). And, unless the trainer class declares
-   ``rank_local_calls``, every rank as soon as any call was made since the last sync: a
-   trainer call is called on all ranks together and may hold collectives, so replaying it
-   on the newcomer alone would hang (or, with a world of one, compute something else);
-3. each rank restored gets its part of the last committed version back from a rollout,
-   point to point, only its tensors and slices, checksum-proven against what that rank sent
-   at the commit, and then in ``load_state_dict`` in the form its ``state_dict()`` returned;
-   every rank's ``state_dict()`` is then called together and each restored rank's part must
-   hash to what it sent (:class:`~ftstate.core.errors.HeldWeightsMismatch` otherwise);
-4. the newcomers' optimizers follow ``fault_tolerance.optimizer_state``; survivors keep
-   theirs;
-5. the calls since the last sync are replayed, in order, on the restored ranks together:
-   exactly once per rank, since every rank either kept them (untouched) or was taken back
-   to before them.
-
-Before the first sync there is no committed part to restore: a newcomer starts from its
-construction (like the first ranks), and a survivor that would need restoring fails the run.
-"""
+"""Several trainer ranks (``trainer_workers > 1``), in the controller: the ranks' own group
+(:func:`form_trainer_group`), the multi-sender sync (:class:`ShardedSync`: ownership checked before a byte
+moves, every part sent point to point, then the usual vote and commit) and the replacement of lost ranks
+(:func:`recover_ranks`); docs/concepts.md, "Several trainer ranks"."""
 
 from __future__ import annotations
 
@@ -91,10 +45,8 @@ TRAINER_GROUP = "trainers"
 
 async def form_trainer_group(*, membership: Membership, formation: GroupFormation, calls: ActorCalls,
                              audit: AuditTrail, timeout_s: float) -> int:
-    """Form the trainer ranks' group at the weights group's current version (older versions
-    of it fenced) and call every rank's ``setup``; returns the version. Recorded as
-    ``trainer_group_formed``. ``timeout_s``: ``init_timeout_s``, the transport's bound on the
-    rendezvous."""
+    """Form the trainer ranks' group at the weights group's current version (older ones fenced) and call every
+    rank's ``setup``; returns the version. ``timeout_s`` bounds the rendezvous."""
     trainers = membership.live("trainer")
     version = membership.group_version
     formation.store.fence(TRAINER_GROUP, version)
@@ -111,12 +63,9 @@ async def form_trainer_group(*, membership: Membership, formation: GroupFormatio
 async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit: AuditTrail,
                         membership: Membership, calls: ActorCalls, formation: GroupFormation,
                         rank_local_calls: bool, new_optimizer: Callable[[Member], Awaitable[None]]) -> None:
-    """Bring replaced trainer ranks (``newcomers``, already in the weights group's new
-    version) and any survivor that needs it to the state of the calls logged since the last
-    sync; see the module docstring. ``rank_local_calls``: the trainer class's attribute;
-    ``new_optimizer``: the optimizer policy, for newcomers only. Raises MemberLost (a rank or
-    the source died: the failover forms the group again), TransportError (a part was
-    damaged: the transfer is made again) or RankNotRecoverable (nothing committed to restore to)."""
+    """Bring replaced ranks (``newcomers``) and any survivor that needs it to the state of the calls logged
+    since the last sync. Raises MemberLost (re-form and retry), TransportError (a part damaged: transfer
+    again) or RankNotRecoverable (nothing committed yet)."""
     ms = membership
     trainers = ms.trainer_ranks(config.trainer_workers, "the ranks are recovered together")
     fresh = {m.name for m in newcomers}
@@ -149,8 +98,7 @@ async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit
             await m.machine.fire("verified", reason="no committed version yet: constructed weights")
     else:
         await _restore_parts(restore, parts, config=config, membership=ms, calls=calls)
-        # Proof, not trust: every rank's state_dict() together (it may be collective), and each
-        # restored rank must own exactly what it sent at the commit.
+        # Proof, not trust: every restored rank must own exactly what it sent at the commit.
         owned = await asyncio.gather(*(calls.call(m.name, m.handle, PartChecksum(m.rank)) for m in trainers))
         for m, got in zip(trainers, owned, strict=True):
             if m not in restore:
@@ -177,8 +125,7 @@ async def recover_ranks(newcomers: list[Member], *, config: RuntimeConfig, audit
 
 async def _restore_parts(ranks: list[Member], parts: CommittedParts, *, config: RuntimeConfig,
                          membership: Membership, calls: ActorCalls) -> None:
-    """Each rank in ``ranks`` gets its part of the current version from a serving rollout,
-    spread over the holders (one transfer at a time per holder: one Sender each)."""
+    """Each of ``ranks`` gets its part of the current version from a serving rollout, spread over holders."""
     ms = membership
     holders = ms.holders()
     if not holders:
@@ -252,8 +199,7 @@ class ShardedSync(WeightSync):
                     t.machine.weights_version = target
                     if t.machine.state == "SYNCING":
                         await t.machine.fire("committed", checksum=sent["checksum"])
-                # each rank's heartbeat then reports the committed version and full checksum
-                # (a rank suspected later is re-admitted on it, as a single trainer is)
+                # Each rank's heartbeat then reports the committed version and full checksum.
                 failed: list[BaseException] = []  # in the order they end: the first to fail is raised
 
                 def note_failure(_: int, outcome: Any) -> None:
@@ -287,8 +233,7 @@ class ShardedSync(WeightSync):
         )
 
     async def _prepare(self, trainers: list[Member], rollouts: list[Member], previous: int) -> dict[str, Any]:
-        """Every rank's state_dict() together, then the ownership check (before any byte moves);
-        returns the ownership's record (what each rollout is told to expect)."""
+        """Every rank's state_dict() together, then the ownership check; returns the ownership's record."""
         results = await self._fan_out(trainers, [PrepareShards(i) for i in range(len(trainers))])
         failures = self._failures(trainers, results)
         if not failures:

@@ -1,15 +1,7 @@
-"""Routing: user calls reach only workers that serve the current weights.
-
-``rt.rollout(...)`` and ``rt.rollout_map(...)`` go to rollouts in a serving state holding the
-current weights version (never one that is stale, suspect, resyncing or mid-commit: the
-gate is shut while rollouts commit); ``rt.trainer(...)`` goes to the live trainer and is
-logged in the membership's replay log until the next committed sync.
-
-With fault tolerance on, a call cut short by a lost worker is made again once the failover
-completed: a call at most ``FaultToleranceConfig.call_retries`` times, a ``rollout_map`` shard
-at most once more than that (each retry follows a failover, and each failover spends one
-of that budget, so a larger bound could never be used); with it off, the loss is raised.
-"""
+"""Routing, in the controller: user calls reach only workers that serve the current weights, and trainer calls
+are logged for replay until the next committed sync. With fault tolerance on, a call cut short by a loss is
+made again after the failover, at most ``call_retries`` times (a ``rollout_map`` shard once more, since each
+retry follows a failover that spends the budget)."""
 
 from __future__ import annotations
 
@@ -34,10 +26,8 @@ def check_method(method: object) -> str:
 
 
 class Router:
-    """User calls for one runtime. recover: runs pending failovers (taking the membership
-    lock); failover_pending: whether a loss awaits one; raise_if_failed: raises the run's
-    failure, if any; settle: waits (bounded) until suspects are cleared or declared lost.
-    """
+    """User calls for one runtime; ``recover`` runs pending failovers, ``settle`` waits (bounded) until
+    suspects are cleared or declared lost."""
 
     def __init__(
         self,
@@ -67,8 +57,7 @@ class Router:
         self._trainer_inflight = 0
         self._trainer_idle = asyncio.Event()
         self._trainer_idle.set()
-        # User calls running on each member, and a wake-up at each call's end: what a rollout
-        # being removed waits on (rt.remove_rollouts lets calls in progress end).
+        # User calls running on each member, and a wake-up at each end: what a removal waits on.
         self._busy: dict[str, int] = {}
         self._call_ended = asyncio.Event()
 
@@ -151,17 +140,14 @@ class Router:
             except MemberLost:
                 attempts += 1
                 if not ft.enable and not waited_for_verdict and self._trainer_suspect():
-                    # Without failover a suspect trainer is not lost yet: one that only missed a
-                    # heartbeat (a loaded host) is cleared within heartbeat_timeout_s, a hung one
-                    # declared LOST. The call is made again once, after that verdict (settle is
-                    # bounded by heartbeat_timeout_s plus an interval).
+                    # Without failover a suspect trainer is cleared or declared LOST within
+                    # heartbeat_timeout_s: the call is made again once, after that verdict.
                     waited_for_verdict = True
                     await self.settle()
                     continue
                 if not ft.enable or attempts > ft.call_retries:
                     raise
-                # A suspect worker (its node may be gone) is either cleared or declared LOST
-                # within heartbeat_timeout_s; wait for that instead of asking it again at once.
+                # A suspect worker is cleared or declared LOST within heartbeat_timeout_s: wait for that.
                 await self.settle()
                 await self.recover()
                 self.audit.record("call_retry", method=method, attempt=attempts)
@@ -189,8 +175,7 @@ class Router:
         self.raise_if_failed()
         await self._trainer_open.wait()
         m = self.membership.trainer()
-        # A call on some ranks alone would hang in its collectives (or diverge them): with a
-        # rank gone, MemberLost has the caller wait for the failover.
+        # A call on some ranks alone would hang in its collectives: MemberLost waits for the failover.
         ranks = self.membership.trainer_ranks(self.config.trainer_workers, "a trainer call runs on every rank")
         for r in ranks:
             if not r.machine.serving:
@@ -218,9 +203,8 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def pause_trainer(self) -> AsyncIterator[None]:
-        """Hold new trainer calls and wait for those in flight, for the enclosed block (a
-        trainer moved ahead of time replays the calls since the last sync: none may slip
-        past it). The wait is bounded by the caller's deadline."""
+        """Hold new trainer calls and wait for those in flight for the block (a trainer moved ahead of time
+        must replay every call); bounded by the caller's deadline."""
         self._trainer_open.clear()
         try:
             await self._trainer_idle.wait()
@@ -230,11 +214,8 @@ class Router:
 
     async def _user_call(self, m: Member, method: str, args: Any, kwargs: Any, *, logged: bool = False,
                          versions: bool = False) -> Any:
-        """One call of the user's code on a worker. A call that raises changes no state, but
-        the trail still says so (an ``error`` record on the worker's machine): a run that
-        ends on a user error is then explained by its trail alone. A death is the machine's
-        own transition (``died``), not recorded twice. ``logged``: a trainer call of the
-        replay log (the host counts it)."""
+        """One call of the user's code on a worker. A raise changes no state but writes an ``error`` record,
+        so the trail alone explains a run that ends on a user error. ``logged``: a replay-log trainer call."""
         self._busy[m.name] = self._busy.get(m.name, 0) + 1
         try:
             return await self.calls.call(m.name, m.handle, UserCall(method, tuple(args), dict(kwargs), logged,

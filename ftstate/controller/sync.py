@@ -1,24 +1,5 @@
-"""One weight sync: the trainer's ``state_dict()`` to every rollout, committed in two phases.
-
-:meth:`WeightSync.attempt` makes one try at weights version N+1 within ``sync_timeout_s``
-(the group's SYNCING deadline):
-
-1. **transfer**: the trainer broadcasts, every rollout stages and verifies every bucket (its
-   previous version stays in place). As soon as one participant fails, the others are told
-   to abandon the transfer: a collective whose member died or left does not reliably fail
-   on the others, and each would otherwise wait, busy and making no progress, until the
-   watchdog took it for hung;
-2. **vote**: every rollout staged the version with the checksum the trainer sent; any
-   failure before here leaves every rollout on the previous version, which stays current;
-3. **commit**: routing pauses, every rollout hands the staged version to ``load_weights``;
-   one whose ``load_weights`` raises (or that dies) is taken out of serving (STALE, or LOST)
-   while the others serve the new version.
-
-Whether a failed attempt is tried again is the runtime's policy, not this module's. What an
-attempt raises is the failure's *cause*: a member that died explains its peers' broken
-connections; a receiver's own error (a bug, a missing library) explains the sender's
-"connection reset"; so :func:`~ftstate.controller.causes.root_cause` orders them.
-"""
+"""One weight sync, run in the controller: the trainer's ``state_dict()`` to every rollout, in transfer, vote
+and commit phases (docs/concepts.md, "One weight sync")."""
 
 from __future__ import annotations
 
@@ -48,20 +29,9 @@ from ftstate.core.protocol import Abandon, Commit, Discard, ReceiveWeights, Requ
 
 @dataclasses.dataclass(frozen=True)
 class SyncReport:
-    """What one ``sync()`` did.
-
-    weights_version: the version every serving rollout now holds; checksum: its whole-state
-    checksum; nbytes: bytes sent per receiver; seconds: wall time; failovers: failovers this
-    sync needed; group_version: the membership version it ran under; rollouts: who got it;
-    stale: rollouts that loaded it but do not hold it (their checksum after ``load_weights`` or
-    ``held_weights()`` differed from the sender's), taken out of serving until resynced;
-    routes: how each of them got it (``shm``: from shared memory on the trainer's node,
-    ``collective``: over gloo/NCCL, ``relay``: from shared memory written by its node's relay,
-    which got it over the collective; see :mod:`ftstate.core.plan`); shm_fallback: why rollouts
-    planned on shared memory took the collective instead (``shared_memory: auto``), else None;
-    pending: with ``rollout_updates: in_flight``, the rollouts among ``rollouts`` that were busy
-    in a call and load it at its next safe point (the others loaded it before ``sync()`` returned).
-    """
+    """What one ``sync()`` did. ``nbytes`` is bytes sent per receiver; ``stale`` lists rollouts whose held
+    checksum differed after loading; ``routes`` says how each got it (``shm``, ``collective``, ``relay``;
+    :mod:`ftstate.core.plan`); ``pending`` lists in-flight rollouts that load it at their next safe point."""
 
     weights_version: int
     checksum: str
@@ -74,40 +44,23 @@ class SyncReport:
     routes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     shm_fallback: str | None = None
     pending: tuple[str, ...] = ()
-    #: Weight bytes copied to host memory on this sync's path (the sender's and every receiver's,
-    #: hashing included): 0 for a sync whose bytes stay on GPUs (nh64 digests on the device).
+    #: Weight bytes copied to host memory on this sync's path, hashing included (0: stayed on GPUs).
     host_bytes: int = 0
-    #: Memory the transport used beside the rollouts' own weights, in bytes (``docs/benchmarks.md``):
-    #: staging_bytes: each rollout's peak during this sync (the staging buffer the version landed
-    #: in plus the committed copy it kept meanwhile); node_staging_bytes: the same summed by node
-    #: (Ray node id), plus, with ``staging: node``, that node's copies during the sync (the
-    #: incoming version's, and the committed one it kept meanwhile where the node had one: 2x
-    #: the weights, counted once per node whatever the number of rollouts); held_bytes: what each rollout keeps after it (0 for a rollout whose engine
-    #: gives its weights back through ``held_weights()``: the engine's copy is the only one).
+    #: Transport memory beside the rollouts' own weights, in bytes: each rollout's peak during the
+    #: sync, the same summed per node (with node copies), and what each keeps after it.
     staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     node_staging_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     held_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    #: device_bytes: each rollout whose engine loads by parts (``weights_device()`` and
-    #: ``load_weights_part``): the device memory its two buckets took during the load
-    #: (:func:`~ftstate.transport.devicebuckets.load_by_buckets`: at most two of the larger of a
-    #: bucket and the largest tensor), freed when the load ends. A rollout loaded whole is absent.
+    #: Device memory each rollout that loads by parts took for its two buckets (absent: loaded whole).
     device_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    #: ``staging: node``: the node copy this sync committed on each node (Ray node id), which the
-    #: node holds beside its engines (counted once there, not per rollout): ``segment`` (its
-    #: name in /dev/shm), ``nbytes`` (its size: header page, manifest, the flat layout) and
-    #: ``recycled`` (the writer's spare rewritten, ``node_copy_spare``: nothing allocated by this
-    #: sync; false: a fresh copy). Empty with ``staging: private``.
+    #: ``staging: node``: the node copy this sync committed on each node (empty with private staging).
     node_copies: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def memory_fields(rollouts: Sequence[Member], staging: Mapping[str, int], held: Mapping[str, int],
                   device: Mapping[str, int] | None = None,
                   node_copies: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """The memory fields of a :class:`SyncReport` (and of the group's ``sync_done`` record) from
-    what each rollout reported: peak staging per rollout and per node, what each keeps, and the
-    device bytes of each one that loaded by parts (only the ``rollouts`` given: those that loaded).
-    ``node_copies``: the bytes each node's copies took during the sync (``staging: node``), added
-    to that node's staging."""
+    """The memory fields of a :class:`SyncReport` (and of ``sync_done``) from what each rollout reported."""
     nodes: dict[str, int] = dict(node_copies or {})
     for m in rollouts:
         if m.name in staging:
@@ -127,16 +80,13 @@ def memory_record(memory: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def device_field(nbytes: int | None) -> dict[str, int]:
-    """The ``device_bytes`` field of a member's record that says it holds a version it loaded
-    by parts (its ``committed`` edge, a resync's ``verified``): the device memory that load's
-    two buckets took; nothing for a load whole (None)."""
+    """The ``device_bytes`` field of a record of a load by parts (None for a load whole)."""
     return {} if nbytes is None else {"device_bytes": int(nbytes)}
 
 
 def plan_for(config: RuntimeConfig, sender: Member, receivers: Sequence[Member],
              shared_memory: SharedMemoryMode | None = None) -> Plan:
-    """The route plan of a transfer from ``sender`` to ``receivers`` (by the nodes they run on),
-    under ``shared_memory`` (default: the config's)."""
+    """The route plan from ``sender`` to ``receivers`` under ``shared_memory`` (default: the config's)."""
     return plan_transfer(Endpoint(sender.name, sender.rank, sender.node_id),
                          [Endpoint(m.name, m.rank, m.node_id) for m in receivers],
                          shared_memory or config.shared_memory)
@@ -169,8 +119,7 @@ class WeightSync:
         self.raise_if_failed = raise_if_failed
         # Members whose calls of the current transfer failed, in the order they failed.
         self._arrival: list[str] = []
-        #: The last attempt's failures by member, cause first (what the runtime's retry policy
-        #: reads to find members that were unreachable rather than dead).
+        #: The last attempt's failures by member, cause first (the retry policy reads it).
         self.failures: dict[str, BaseException] = {}
         #: Bytes each rollout's transport keeps after the last commit (SyncReport.held_bytes).
         self.held_bytes: dict[str, int] = {}
@@ -201,8 +150,7 @@ class WeightSync:
             async with group.deadline_scope():
                 if copies is not None:  # staging: node, on the trainer's node and every relay's
                     owner, relaying = await self._node_copy_owners(trainer, rollouts, plan)
-                # the same-host route only where the plan has a rollout read shared memory (on the
-                # trainer's node, or from its node's relay)
+                # the same-host route only where the plan has a rollout read shared memory
                 send = SendWeights(target, timeout, same_host=tuple(plan.same_host_ranks),
                                    require_shm=plan.require_shm,
                                    relays=tuple((r, tuple(p)) for r, p in plan.relay_ranks),
@@ -255,12 +203,10 @@ class WeightSync:
                          **({"pending": list(self.pending)} if self.pending else {}),
                          **({"node_copy_bytes": {n[:8]: c["nbytes"] for n, c in node_copies.items()}}
                             if node_copies else {}))
-        # A held-weights mismatch is a fault of that rollout's engine, handled here (it is
-        # STALE, out of serving, resynced by the next sync) and reported in ``stale``.
+        # A held-weights mismatch is that rollout's engine's fault: STALE, reported in ``stale``.
         user_errors = {n: e for n, e in not_loaded.items() if not isinstance(e, (MemberLost, HeldWeightsMismatch))}
         if user_errors:
-            # The version is committed on the others and the group is consistent; the caller
-            # still hears of every rollout whose own load_weights raised (its bug, not a fault).
+            # Committed on the others; the caller still hears of every rollout whose own load_weights raised.
             raise name_all(list(user_errors.values()), list(user_errors))
         return SyncReport(
             weights_version=target,
@@ -281,14 +227,8 @@ class WeightSync:
 
     async def _node_copy_owners(self, trainer: Member, rollouts: Sequence[Member],
                                 plan: Plan) -> tuple[int | None, dict[str, int]]:
-        """``staging: node``: the pid of the agent owning the trainer's node's copy (None: no
-        rollout reads there, a lone rollout there whose engine holds its weights, or no agent
-        to be had) and of each relay's node's.
-
-        A lone rollout that holds its weights (``held_weights()``) stages privately: as atomic
-        (its staging is voted on before anything loads), and it keeps nothing beside its engine
-        at rest and 1x the weights during the sync, where a node copy would keep 1x at rest and
-        2x during it (``benchmarks/memory.py``); its node's newcomers resync from its engine."""
+        """``staging: node``: the pid of the agent owning the trainer's node's copy and each relay's (None
+        where no copy is wanted: a lone rollout whose engine holds its weights stages privately)."""
         copies = self.node_copies
         assert copies is not None
         lone_holder = len(plan.same_host_ranks) == 1 and all(
@@ -314,11 +254,8 @@ class WeightSync:
 
     async def _keep_node_copy(self, node: str | None, result: Sent | Staged, target: int, checksum: str,
                               kept: dict[str, dict[str, Any]]) -> None:
-        """The vote passed: the node copy the version went through on ``node`` (the trainer's, or
-        a relay's: ``result`` is what the writer reported) is that node's source for newcomers
-        (every other copy there goes, but the writer's spare) and goes into ``kept`` (by node,
-        for :attr:`SyncReport.node_copies`); when that node fell back to private staging, the
-        older copy there goes."""
+        """The vote passed: the node copy on ``node`` becomes that node's source for newcomers and goes into
+        ``kept``; other copies there go, but the writer's spare."""
         copies = self.node_copies
         assert copies is not None and node is not None
         name = result.node_copy
@@ -337,9 +274,8 @@ class WeightSync:
 
     async def _begin(self, senders: Sequence[Member], target: int,
                      plan: Callable[[list[Member]], dict[str, object]]) -> list[Member]:
-        """Open the attempt at weights version ``target``: every sender must be READY, some
-        rollout must be able to receive; ``sync_start`` (with ``plan`` of the receivers) and
-        the members' ``sync``/``resync`` are fired. Returns the receiving rollouts."""
+        """Open the attempt at ``target``: senders must be READY and some rollout able to receive; fires
+        ``sync_start`` and the members' edges. Returns the receiving rollouts."""
         ms = self.membership
         group = ms.group
         # Never a transfer under a version that was abandoned or never completed.
@@ -351,8 +287,7 @@ class WeightSync:
         rollouts = [m for m in ms.role("rollout") if m.machine.state in ("READY", "STALE")]
         if not rollouts:
             raise NoServingWorkers(f"no rollout can receive weights version {target}: {ms.states_text()}")
-        # The sync_start record names the version being pushed; until it is committed the
-        # group's (and routing's) current version stays the previous one.
+        # Until committed, the group's (and routing's) current version stays the previous one.
         previous, group.weights_version = group.weights_version, target
         await group.fire("sync_start", rollouts=[m.name for m in rollouts], plan=plan(rollouts))
         group.weights_version = previous
@@ -364,18 +299,10 @@ class WeightSync:
         return rollouts
 
     async def _transfer(self, members: Sequence[Member], requests: Sequence[Request]) -> list[Any]:
-        """Run the participants' calls of one transfer (``requests[i]`` to ``members[i]``);
-        results (or exceptions) in order.
-
-        As soon as one fails (other than by a checksum mismatch, which the protocol itself
-        reports after the vote), the others are told to abandon the transfer. The abandoned
-        group version is replaced by the caller (failover or :meth:`_abort`).
-
-        The calls go out through :meth:`~ftstate.controller.calls.ActorCalls.fan_out` (one call
-        a node through its agent, at scale), which reports each call's end as it comes: waiting
-        again on every call still pending after each end would cost O(n) an end, O(n²) a
-        transfer to n rollouts whose answers trickle in, and a node's batch reports a member's
-        failure as soon as it happens, not when the node's other calls end."""
+        """Run one transfer's calls (``requests[i]`` to ``members[i]``); results or exceptions in order. On
+        the first failure (other than a checksum mismatch) the others are told to abandon, since a collective
+        with a dead member does not reliably fail on the rest; the caller replaces the group version. Ends are
+        taken as they come, so n trickling answers cost O(n), not O(n²)."""
         loop = asyncio.get_running_loop()
         ended = [False] * len(members)
         first_failure: asyncio.Future[tuple[int, BaseException]] = loop.create_future()
@@ -409,8 +336,7 @@ class WeightSync:
 
     def _fan_out(self, members: Sequence[Member], requests: Sequence[Request],
                  on_end: Callable[[int, Any], None] | None = None) -> Any:
-        """:meth:`~ftstate.controller.calls.ActorCalls.fan_out` to ``members``: each one's
-        outcome (result or exception) in order."""
+        """:meth:`~ftstate.controller.calls.ActorCalls.fan_out` to ``members``: outcomes in order."""
         return self.calls.fan_out(members, requests, on_end)
 
     def _to_each(self, members: Sequence[Member], req: Request,
@@ -432,8 +358,7 @@ class WeightSync:
         self, trainer: Member, rollouts: Sequence[Member], previous: int, failures: Mapping[str, BaseException],
         *, senders: Sequence[Member] = (),
     ) -> None:
-        """Nobody committed: every survivor keeps ``previous``, which stays the current version.
-        ``senders``: the other trainer ranks of the transfer (several ranks)."""
+        """Nobody committed: survivors keep ``previous`` as current (``senders``: other trainer ranks)."""
         group = self.membership.group
         for m in [trainer, *rollouts]:
             if m.gone:
@@ -451,12 +376,8 @@ class WeightSync:
         if group.state == "SYNCING":
             await group.fire("sync_failed", reason=f"{first[0]}: {type(first[1]).__name__}: {first[1]}")
         if any(not isinstance(e, ChecksumMismatch) for e in failures.values()):
-            # The transfer was abandoned mid-stream (communicators aborted, a member dead or
-            # unreachable): the version cannot carry another transfer. The next one is formed
-            # by whoever goes next (a failover, or the next attempt's ensure_formed), not
-            # here: a member that is unreachable but not yet declared lost would fail it,
-            # and its verdict is the watchdog's to give. (A checksum mismatch leaves the
-            # stream aligned and the group usable.)
+            # The abandoned version cannot carry another transfer; whoever goes next forms the next one,
+            # since an unreachable member's verdict is the watchdog's (a checksum mismatch leaves it usable).
             first_name, first_err = next(iter(failures.items()))
             self.formation.spoil(f"transfer of weights version {previous + 1} abandoned: "
                                  f"{first_name}: {type(first_err).__name__}")
@@ -464,10 +385,8 @@ class WeightSync:
     async def _commit(
         self, trainer: Member, rollouts: Sequence[Member], version: int, checksum: str
     ) -> dict[str, BaseException]:
-        """Hand the staged version to every rollout's ``load_weights``; returns the rollouts
-        whose commit failed. The vote already made ``version`` current: one that failed here
-        (its ``load_weights`` raised, or it died) is taken out of serving, STALE until a later
-        sync resyncs it (or LOST), while the others serve ``version``."""
+        """Hand the staged version to every rollout's ``load_weights``; returns those whose commit failed
+        (STALE or LOST) while the others serve ``version``."""
         self.routing_open.clear()
         self._arrival = []
         try:
@@ -509,33 +428,28 @@ class WeightSync:
                 continue
             m.machine.weights_version = version
             m.pending_version = None
-            # Each member's own checksum (hashed from what it holds) goes on its record, and
-            # the device bytes of a load by parts, whichever edge says it holds the version.
+            # Each member's own checksum, and a load by parts' device bytes, go on its record.
             device = device_field(self.device_bytes.get(m.name))
             if m.machine.state == "SYNCING":
                 await m.machine.fire("committed", checksum=held[m.name], **device)
             elif m.machine.serving:
-                # Suspected and re-admitted by the watchdog during the sync on the version it
-                # held before: no edge to fire, but the trail must show what it holds now.
+                # Re-admitted by the watchdog on its earlier version during the sync: record what it holds
+                # now.
                 m.machine.record("weights_loaded", checksum=held[m.name], **device)
             else:
-                # A STALE rollout brought up to date (RESYNCING), or one the watchdog moved
-                # meanwhile (suspected while busy, then re-admitted on the version it held):
-                # its load is proven all the same, so it is walked to READY by legal edges.
+                # Brought up to date, or moved by the watchdog meanwhile: its load is proven, walk it to
+                # READY.
                 await walk_proven(m.machine, "READY", checksum=held[m.name], **device)
         trainer.machine.weights_version = version
         if trainer.machine.state == "SYNCING":
             await trainer.machine.fire("committed", checksum=checksum)
         elif not trainer.gone:
-            # Suspected while it waited on a hung peer and re-admitted by the watchdog (or
-            # still suspect: the watchdog settles it); no edge to fire. A trainer that died
-            # after the vote is the failover's to replace.
+            # Suspect, or re-admitted after waiting on a hung peer: the watchdog settles it (no edge here).
             trainer.machine.record("weights_sent", checksum=checksum)
         return failed
 
     async def _defer(self, m: Member, version: int) -> None:
-        """``m`` committed ``version`` while busy in a call: it keeps computing with the version it
-        holds and loads this one at the call's next safe point (recorded as ``swap_pending``)."""
+        """``m`` committed ``version`` while busy in a call: it loads it at the call's next safe point."""
         if m.machine.state == "SYNCING":
             await m.machine.fire("committed", swap_pending=version)
         else:

@@ -1,29 +1,5 @@
-"""The watchdog: heartbeats into liveness events on the worker machines.
-
-Every ``heartbeat_interval_s`` each member that is not gone (and not still constructing) is
-polled with a ``heartbeat`` call bounded by one interval. On a node with at least
-``heartbeat_agent_min_members`` members it is asked of the node's agent together with the
-node's other members (one call a node, not one a member:
-:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`; the agent's reply bounded by
-two intervals, after which each member is asked directly, within one more); on a smaller node
-each member is asked directly (an agent is one more process on the node, and for two or three
-members it saves the controller next to nothing). The answer, or its absence, goes to
-the member's :class:`~ftstate.core.liveness.Liveness`, whose trigger (if any) is fired on
-its machine. An answer through an agent that is the same as the member's last one and not busy
-is not handed over one by one: the node's round vouches for it (:class:`~ftstate.core.liveness.Vouch`,
-:meth:`Watchdog._judge_round`). Once every answer of a node was vouched for, the next round names
-that reply to the agent, which answers :data:`~ftstate.controller.backend.QUIET` while nothing
-changed; and the per-node lists are walked again only when :attr:`Membership.roster` moved. So a
-quiet round at 10,000 members touches nothing of theirs: one call and one vouch a node. The rules
-are the core's; this module only carries them out. A process that
-*died* is reported by the failing call (:mod:`~ftstate.controller.calls`), not here: every
-member has one call kept pending for that (:mod:`~ftstate.controller.vigil`, renewed at
-each interval); heartbeats are for the hung.
-
-:meth:`Watchdog.settle_suspects` resolves SUSPECT members at once (a sync or a failover
-wants to know now, not at the watchdog's pace), bounded by ``heartbeat_timeout_s`` plus one
-interval: by then the SUSPECT state's own deadline has declared a silent one LOST.
-"""
+"""The watchdog, run in the controller: heartbeats into liveness events on the worker machines
+(docs/concepts.md, "Heartbeats"). Deaths come from the failing calls; heartbeats are for the hung."""
 
 from __future__ import annotations
 
@@ -66,8 +42,8 @@ class Watchdog:
         self._rounds = NodeRounds(self._replied)
         #: The number of the round under way: its calls' ``mark`` (:meth:`ActorCalls.heartbeats`).
         self._mark = 0
-        # The round under way (:meth:`_round`): its time, the replies not come yet, the future
-        # set when all came, and the tasks judging the replies with news.
+        # The round under way (:meth:`_round`): its time, pending replies, the all-came future, the judging
+        # tasks.
         self._now = 0.0
         self._unanswered = 0
         self._all_replied: asyncio.Future[None] | None = None
@@ -79,10 +55,8 @@ class Watchdog:
         loop = asyncio.get_running_loop()
         rounds = self._rounds
         try:
-            # One walk of the membership a round (NodeRounds.of) decides whom to poll, where,
-            # and which node has a suspect; the vigils follow the same list, and do nothing
-            # while it stays the same and none of them ended (at 10,000 members each walk is
-            # 10,000 members' machines brought back into the cache).
+            # One walk of the membership a round (NodeRounds.of) decides whom to poll, where, and which node
+            # has a suspect; the vigils follow the same list.
             rounds.of(self.membership)
             self.vigils.keep(rounds.polled, rounds.generation)
             while True:
@@ -98,17 +72,10 @@ class Watchdog:
             await self.vigils.close()
 
     async def _round(self, nodes: Sequence[NodeRound], now: float, mark: int) -> None:
-        """One heartbeat round of ``nodes`` at ``now`` (``mark``: its number): each node's
-        members asked in one call of its agent, or directly (those of a node with fewer than
-        ``heartbeat_agent_min_members``, or whose node is unknown), and the events their
-        answers imply.
-
-        A node's reply is waited on as the backend's future, with a callback, not in a task of
-        its own: a :data:`QUIET` reply (nothing changed on the node) is judged in the callback,
-        and only a node with news gets a task (:meth:`_judge_reply`), started as its reply comes.
-        At 10,000 members a quiet round is then 1,250 futures and callbacks, where a task, its
-        coroutines and their frames a node were most of the round's cost. The round ends when
-        every reply came (each bounded by the backend: two intervals) and what they started ended."""
+        """One heartbeat round of ``nodes`` (``mark``: its number): each node's members asked through its
+        agent, or directly on small or unknown nodes, and the events their answers imply. Replies are awaited
+        as futures with callbacks; only a node with news gets a task (:meth:`_judge_reply`). Ends when every
+        reply came (each bounded by the backend: two intervals) and its work ended."""
         self._now = now
         direct: list[asyncio.Future[Any]] = []
         asked: list[asyncio.Future[Any]] = []
@@ -116,10 +83,8 @@ class Watchdog:
             if node.node_id is None or not self.calls.through_agent(len(node.members)):
                 direct.append(asyncio.ensure_future(self._poll_each(node.members, now)))
                 continue
-            # What stays alive while the node's answer is awaited is scanned by the collector at
-            # every collection meanwhile (for 10,000 members, ~1,250 calls in flight at once): the
-            # round's lists are the node's, kept from round to round (NodeRounds), and the
-            # arguments shared tuples; only a round with a suspect makes a list of its own.
+            # The round's lists are the node's, kept from round to round, and the arguments shared tuples:
+            # what stays alive while replies are awaited is scanned by every collection meanwhile.
             node.args = _asks(node.members) if node.suspect else node.ask
             node.since = None if node.suspect else node.quiet_since
             node.quiet_since = None  # until this round's reply says otherwise
@@ -148,8 +113,7 @@ class Watchdog:
         if reply.cancelled():
             pass
         elif node.since is not None and reply.exception() is None and reply.result() is QUIET:
-            # Every answer is the one of the reply marked ``since``, each of which was vouched
-            # for: the vouch answers for them all again.
+            # Every answer is the one of the reply marked ``since``, all vouched for: the vouch answers again.
             node.vouch.at = self._now
             node.quiet_since = node.mark
         else:
@@ -158,8 +122,7 @@ class Watchdog:
             self._all_replied.set_result(None)
 
     async def _judge_reply(self, node: NodeRound, reply: asyncio.Future[Any], now: float) -> None:
-        """The events ``node``'s reply (not quiet) implies, fired; its members asked directly when
-        the agent could not answer for them."""
+        """Fire what a non-quiet reply implies; members the agent could not answer for are asked directly."""
         answers = await self.calls.heartbeat_answers(node.names, node.args, self.config.heartbeat_interval_s,
                                                      node.since, reply)
         if answers is None or answers is QUIET:
@@ -174,13 +137,10 @@ class Watchdog:
 
     def _judge_round(self, node: NodeRound, args: Sequence[Beat], answers: Sequence[Any],
                      now: float, mark: int) -> list[tuple[Member, str, Heartbeat | None]]:
-        """Each of ``node``'s answers judged, in one step of the loop (nothing in between moves a
-        vouch); returns the events to fire. An answer the same as the member's last one in these
-        rounds, not busy, in a round without a suspect, is not handed to its liveness: the node's
-        :class:`~ftstate.core.liveness.Vouch` answers for it (:mod:`ftstate.core.liveness`), so a
-        quiet round touches nothing of its members but their answers. Any other answer takes the
-        vouch back, after its liveness has read it. When every answer was vouched for, the reply
-        (``mark``) is the one the next round names to the agent (``NodeRound.quiet_since``)."""
+        """Judge each of ``node``'s answers in one loop step; returns the events to fire. An answer equal to
+        the member's last, not busy, in a round without a suspect is vouched for by the node's
+        :class:`~ftstate.core.liveness.Vouch` instead of handed over; any other takes the vouch back. When all
+        were vouched for, ``mark`` becomes the reply the next round names to the agent."""
         members, prev, vouched, vouch = node.members, node.prev, node.vouched, node.vouch
         same_counts = not node.suspect
         all_vouched = same_counts
@@ -214,9 +174,7 @@ class Watchdog:
         return fires
 
     async def _poll_each(self, members: Sequence[Member], now: float) -> None:
-        # A method of its own, as _asks is a function: a generator or a
-        # comprehension in poll_node would make what it reads cells of every node's round
-        # (1,250 an interval at 10,000 members), alive while the node's answer is awaited.
+        # A method of its own: a comprehension here would keep cells of every node's round alive meanwhile.
         await asyncio.gather(*(self.poll(m, now) for m in members), return_exceptions=True)
 
     async def poll(self, m: Member, now: float) -> bool:
@@ -231,8 +189,8 @@ class Watchdog:
         return await self.observe(m, now, raw, proved=prove)
 
     async def observe(self, m: Member, now: float, raw: Heartbeat | None, *, proved: bool = True) -> bool:
-        """The event ``m``'s heartbeat answer ``raw`` (None: none came) implies, fired on its
-        machine; returns whether it answered. ``proved``: it was asked to hash its weights afresh."""
+        """Fire the event ``m``'s heartbeat answer ``raw`` (None: none came) implies; returns whether it
+        answered. ``proved``: it was asked to hash its weights afresh."""
         answered, trigger, beat = self._judge(m, now, raw, proved)
         if trigger is not None:
             await self._fire(m, trigger, beat)
@@ -240,9 +198,8 @@ class Watchdog:
 
     def _judge(self, m: Member, now: float, raw: Heartbeat | None,
                proved: bool) -> tuple[bool, str | None, Heartbeat | None]:
-        """``m``'s answer ``raw`` handed to its liveness: whether it answered, the trigger to
-        fire on its machine (None: nothing to do) and the heartbeat. ``proved``: it was asked to
-        hash its weights afresh."""
+        """``m``'s answer handed to its liveness: (answered, the trigger to fire or None, the heartbeat).
+        ``proved``: it was asked to hash its weights afresh."""
         beat = raw
         if raw is not None and raw.forged:
             record_forged(m, list(raw.forged))
@@ -250,8 +207,8 @@ class Watchdog:
         if state in GONE:
             return False, None, beat
         if state == "SUSPECT" and not proved and beat is not None:
-            # Suspected while its answer was on the way: it shows the checksum it cached, not
-            # one hashed afresh, and proves nothing; the next poll asks it to prove.
+            # Suspected while its answer was on the way: its cached checksum proves nothing; the next poll
+            # asks.
             return True, None, beat
         trigger = m.liveness.observe(
             now, beat, state=state, current_version=self.membership.weights_version,
@@ -278,8 +235,7 @@ class Watchdog:
             await m.machine.fire("admit")
 
     async def _swapped(self, m: Member, beat: Heartbeat) -> None:
-        """``m`` loaded the version it held back at a safe point: it serves it once its own
-        checksum (hashed after the load) is that version's, else it is taken out of serving."""
+        """``m`` loaded a held-back version at a safe point: it serves only once its own checksum matches."""
         version, m.pending_version = beat.weights_version, None
         if self.membership.versions_by_checksum.get(beat.checksum or "") != version:
             if m.machine.can("invalidate"):
@@ -294,9 +250,7 @@ class Watchdog:
             await walk_proven(m.machine, "READY", checksum=beat.checksum)
 
     async def _overdue_swaps(self, now: float) -> None:
-        """A rollout that held a committed version back longer than ``safe_point_timeout_s``
-        reaches no safe point: it is suspected, as a wedged engine is (it serves nothing until
-        it swaps, proven, or is declared lost)."""
+        """Suspect, as a wedged engine, a rollout holding a version back past ``safe_point_timeout_s``."""
         bound = self.config.safe_point_timeout_s
         for m in self.membership.pending_swaps():
             if now - m.pending_since >= bound and m.machine.serving and m.machine.can("heartbeat_missed"):
@@ -305,11 +259,9 @@ class Watchdog:
                     f"reaching a safe point (safe_point_timeout_s={bound:g})"))
 
     async def verdict(self, members: list[Member]) -> None:
-        """Wait for the watchdog's verdict on ``members``, which a call just found lost (dead or
-        unreachable) though nobody declared them LOST: each is polled every interval until it
-        is gone (a silent one goes SUSPECT, and the SUSPECT deadline declares it LOST), or it
-        answered and is not suspect. Bounded by ``heartbeat_timeout_s`` plus two intervals:
-        by then a silent member's SUSPECT deadline has expired."""
+        """Wait for the verdict on ``members``, which a call found lost though nobody declared them LOST: each
+        is polled until gone or answering and not suspect. Bounded by ``heartbeat_timeout_s`` plus two
+        intervals, when a silent member's SUSPECT deadline has expired."""
         loop = asyncio.get_running_loop()
         interval = self.config.heartbeat_interval_s
         until = loop.time() + self.config.heartbeat_timeout_s + 2 * interval
@@ -323,11 +275,9 @@ class Watchdog:
             await asyncio.sleep(interval)
 
     async def settle_suspects(self, done: Callable[[], bool] | None = None) -> None:
-        """Resolve suspects now rather than at the watchdog's pace: members that were only
-        blocked behind a hung peer answer again and prove their weights (verified), while a
-        hung one runs into its SUSPECT deadline (LOST, then a failover). Polls until no member
-        is suspect or ``done()`` holds (default: the trainer is not suspect; suspect rollouts
-        are simply left out of a sync), for at most ``heartbeat_timeout_s`` plus an interval."""
+        """Resolve suspects now: members only blocked behind a hung peer answer and prove their weights, a
+        hung one runs into its SUSPECT deadline. Polls until no member is suspect or ``done()`` holds
+        (default: the trainer is not suspect), for at most ``heartbeat_timeout_s`` plus an interval."""
         loop = asyncio.get_running_loop()
         interval = self.config.heartbeat_interval_s
         until = loop.time() + self.config.heartbeat_timeout_s + interval
@@ -347,12 +297,9 @@ class Watchdog:
 
 
 class NodeRound:
-    """What one round asks of one node: its polled members in order, their names and handles,
-    the arguments when none of them is suspect (read-only: the backend is handed them),
-    whether one of them was SUSPECT when the round was taken (``suspect``: it is asked to
-    prove its weights), and what the rounds remember of the answers (``prev``, ``vouched``,
-    ``vouch``: :meth:`Watchdog._judge_round`; ``quiet_since``: the mark of the agent's last
-    reply whose every answer was vouched for, None when the last was not such a one)."""
+    """What one round asks of one node: its polled members, their arguments (read-only), whether one was
+    SUSPECT, and what the rounds remember of their answers (``prev``, ``vouched``, ``vouch``; ``quiet_since``:
+    the mark of the agent's last fully vouched reply, or None)."""
 
     __slots__ = ("args", "ask", "handles", "mark", "members", "names", "node_id", "prev", "quiet_since", "replied",
                  "since", "suspect", "vouch", "vouched")
@@ -375,24 +322,15 @@ class NodeRound:
         self.args: Sequence[Beat] = self.ask
         self.since: int | None = None
         self.mark = 0
-        #: The callback of this node's replies, ``on_reply(self, reply)`` (made once, not a
-        #: partial each round).
+        #: The callback of this node's replies, ``on_reply(self, reply)`` (made once, not a partial each
+        #: round).
         self.replied = functools.partial(on_reply, self) if on_reply is not None else None
 
 
 class NodeRounds:
-    """The rounds' per-node lists, kept while the members to poll stay the same: each round
-    checks, without allocating, that the members it would poll (not gone, constructed) are the
-    same objects in the same order on the same nodes, and builds the lists again otherwise. So a
-    member that joins, leaves, finishes starting or is located on a node is in the very round
-    that first sees it, as if nothing were kept; while nothing changes, a round makes no new
-    list that its calls in flight would keep alive. The same walk notes which nodes have a
-    suspect member (:attr:`NodeRound.suspect`). Given a membership whose ``roster`` has not moved
-    since the last walk (:attr:`~ftstate.controller.membership.Membership.roster`), nothing the
-    walk reads changed: the lists are handed back without it.
-
-    ``polled``: the members the last rounds poll, in membership order; ``generation``: bumped
-    each time the lists are built again (who is polled, or where, changed)."""
+    """The rounds' per-node lists, rebuilt only when the members to poll (their objects, order or nodes)
+    changed, so a quiet round makes no new list its calls keep alive; an unmoved ``Membership.roster`` skips
+    the walk. ``generation`` is bumped at each rebuild."""
 
     def __init__(self, on_reply: Callable[[NodeRound, asyncio.Future[Any]], None] | None = None) -> None:
         #: What each round's :attr:`NodeRound.replied` calls (the watchdog's).
@@ -405,8 +343,7 @@ class NodeRounds:
         self._roster: int | None = None  # the membership's roster at the last walk
 
     def of(self, members: Any) -> list[NodeRound]:
-        """The rounds for ``members`` (an iterable of :class:`Member`; a
-        :class:`~ftstate.controller.membership.Membership`'s roster spares the walk), by node."""
+        """The rounds for ``members`` by node (a :class:`Membership`'s roster spares the walk)."""
         roster = getattr(members, "roster", None)
         if roster is not None and roster == self._roster:
             return self._rounds
@@ -442,16 +379,14 @@ class NodeRounds:
 
 
 def record_forged(m: Member, forged: Any) -> None:
-    """Audit what ``m`` dropped as forged since its last heartbeat as ``forged_message`` records
-    (security.authenticate)."""
+    """Audit what ``m`` dropped as forged since its last heartbeat (``forged_message`` records)."""
     for entry in forged if isinstance(forged, list) else []:
         if isinstance(entry, dict):
             m.machine.record("forged_message", **{k: v for k, v in entry.items() if k != "t"})
 
 
 def record_controller_forged(membership: Membership) -> None:
-    """Audit what this controller process dropped as forged (its store reads) since the last
-    heartbeat round, as ``forged_message`` records of the group (once a round, not a member)."""
+    """Audit what this controller dropped as forged since the last round, once a round."""
     from ftstate.transport import auth
 
     for entry in auth.drain_forged():

@@ -1,52 +1,9 @@
-"""The audit trail: one JSON line for everything that happened, written where it happened.
-
-Every transition, deadline expiry, budget spend and error of every machine is one record,
-written by :class:`ftstate.core.machine.StateMachine` at the one place its state changes (and by
-the runtime for events that are not transitions). The trail is the evidence an operator
-reads at 3 a.m. and the input of ``ftstate audit --check``, so each line is flushed as it is
-written: a run that dies still leaves everything up to its last event.
-
-Record fields (absent when they do not apply):
-
-=====================  ============================================================
-``ts``                 wall-clock time, ISO 8601 UTC
-``t``                  seconds since the trail was opened (monotonic clock)
-``event``              ``transition``, ``deadline_expired``, ``budget_spent``,
-                       ``budget_exhausted``, ``error`` or a runtime event name
-``machine``            the spec's name (``group``, ``worker``)
-``member``             who: ``group`` or ``rollout-1``; plus ``role``, ``rank``, ``pid``, ``node``
-``from`` / ``to``      the states left and entered; ``trigger`` the event that moved it
-``group_version``      membership version at the time
-``weights_version``    the weights version the member holds (group: the current one)
-``seconds_in_state``   time spent in the state that was left
-``error``/``message``  the error class and its message, for expiries and errors
-``reason``             why, in one line
-``detail``             the rest of a multi-line ``reason`` or ``message`` (a remote
-                       traceback), kept apart so every other field stays one line
-``run``                the run's id, on every record written after :meth:`AuditTrail.begin_run`
-=====================  ============================================================
-
-**One run, one trail of its own inside the file.** A run's first record is ``run_start``
-(its id, what started: config digest, versions, hosts, the workers asked for), and every
-record of the run carries its ``run``. A file given as ``audit_log`` to several runs one after
-another is appended to, never overwritten (a trail is evidence): ``ftstate audit --check``
-and the views take its runs one by one (:func:`split_runs`), so two runs into one file are
-two valid trails, not one broken one. Terminal escapes and control characters are removed
-from every string a record holds (:func:`ftstate.core.text.clean`): a remote traceback's
-colours or a hostile message must not move the cursor of whoever reads the trail.
-
-**Reading is bounded** (:func:`parse_lines`): a line longer than :data:`MAX_LINE_BYTES` is
-reported and skipped without being read whole, a record nested deeper than
-:data:`MAX_DEPTH` or holding a known field of the wrong type (:func:`record_problem`) is
-reported and skipped, and bytes that are not UTF-8 are reported; nothing in a trail file can
-make a reader raise anything but :class:`~ftstate.core.errors.AuditViolation` (or ``OSError``
-for a file that cannot be opened).
-
-Writing is one compact JSON line per record, encoded by orjson and written with one
-``write()`` (~2 µs: it was structlog's JSON renderer, ~60 µs a record with its processor chain,
-then the standard library's encoder and a flushed text file, ~5 µs, which a 10,000-member sync
-pays 20,000 times; ``benchmarks/controller_scale.py``); this module imports neither Ray nor torch.
-"""
+"""The audit trail: one JSON line for everything that happened, written where it happened (the controller, or
+the process whose machine changed). Each line is flushed as written, so a run that dies leaves everything up
+to its last event; several runs append to one file, each its own trail (:func:`split_runs`). Strings are
+cleaned of terminal escapes, and reading is bounded: nothing in a trail file makes a reader raise but
+:class:`~ftstate.core.errors.AuditViolation` (or ``OSError``). The fields are listed in docs/operations.md
+("Reading the audit trail"). Imports neither Ray nor torch."""
 
 from __future__ import annotations
 
@@ -74,8 +31,7 @@ ERROR = "error"
 RUN_START = "run_start"
 #: Fields written as one line (their further lines go to ``detail``).
 ONE_LINE_FIELDS = ("reason", "message")
-#: The longest line a reader takes (a record is a few hundred bytes; one with a remote
-#: traceback in ``detail`` a few tens of KB).
+#: The longest line a reader takes (a record is a few hundred bytes; a traceback's, tens of KB).
 MAX_LINE_BYTES = 1 << 20
 #: The deepest nesting of lists and objects a record may have (the runtime writes at most 3).
 MAX_DEPTH = 32
@@ -92,16 +48,10 @@ _NO_FIELDS: Mapping[str, Any] = {}
 
 
 class AuditTrail:
-    """Appends records to a JSON-lines file (or only to memory when ``path`` is None).
-
-    path: the file; its parent folders are created. keep: also keep records in ``self.records``
-    (the tests and the views read them): True every one, False or 0 none, an int N the latest N
-    at least (the list is cut back to N once it holds 2N, so memory stays bounded for a run of
-    any length: a 10,000-member sync writes 20,000 records; ``audit_records_kept``). clock: a monotonic
-    clock in seconds for the ``t`` field (injected by tests). wall_clock: epoch seconds for
-    the ``ts`` field (default: the real wall clock; a simulation passes its virtual one, so a
-    seeded run writes the same trail byte for byte).
-    """
+    """Appends records to a JSON-lines file (or only to memory when ``path`` is None; parents created).
+    ``keep``: also keep records in ``self.records`` (True all, False/0 none, N at least the latest N, cut back
+    at 2N). ``clock``: monotonic seconds for ``t``; ``wall_clock``: epoch seconds for ``ts`` (a simulation
+    passes its virtual one, so a seeded run's trail is byte-identical)."""
 
     def __init__(
         self,
@@ -123,25 +73,21 @@ class AuditTrail:
         self.run: str | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            # unbuffered: each record is one write() of its whole line, as a flushed text file did
+            # unbuffered: each record is one write() of its whole line, on disk before the next event
             self._file = self.path.open("ab", buffering=0)
         self._wall_clock = wall_clock if wall_clock is not None else time.time
         #: Neither kept nor written (a long simulation's trail): a record is not even built.
         self._silent = self._file is None and not self._keep
 
     def begin_run(self, run: str, **facts: Any) -> None:
-        """Start a run in this trail: every later record carries ``run``, and this writes its
-        ``run_start`` record with ``facts`` (what started: config digest, versions, hosts)."""
+        """Start a run: later records carry ``run``; writes ``run_start`` with ``facts``."""
         self.run = run
         self.record(RUN_START, **facts)
 
     def record(self, event: str, **fields: Any) -> None:
-        """Write one record. ``fields`` may use ``from``/``to`` via ``**{"from": ...}``.
-        A multi-line ``reason`` or ``message`` keeps its first line; the rest goes to ``detail``.
-        Strings are cleaned of terminal escapes and control characters."""
-        # One dict, built in the order the line is written (time, event and who first), with
-        # each value cleaned as it goes in: a 10,000-member sync writes 20,000 of these, and
-        # every intermediate dict or call per field was a measurable part of its CPU.
+        """Write one record (``from``/``to`` via ``**{"from": ...}``); a multi-line ``reason`` or ``message``
+        keeps its first line, the rest goes to ``detail``; strings are cleaned."""
+        # One dict in line order, each value cleaned as it goes in: this is the trail's hot path.
         if self._silent:
             return
         rec = self._head(event)
@@ -153,11 +99,9 @@ class AuditTrail:
 
     def record_plain(self, event: str, plain: dict[str, Any], fields: Mapping[str, Any] = _NO_FIELDS,
                      **more: Any) -> None:
-        """Write one record whose ``plain`` fields are already fit for a line, in the order
-        they are written: numbers, None, or strings that :func:`plain` returned (a machine's
-        identity, cleaned once when it is bound, and its spec's names). ``fields`` and ``more``
-        follow, cleaned as :meth:`record` cleans every field. What a state machine writes at
-        each transition: 20,000 records a 10,000-member sync, a third cheaper this way."""
+        """Write one record whose ``plain`` fields are already line-fit (numbers, None, strings from
+        :func:`plain`), then ``fields`` and ``more`` cleaned as :meth:`record` does; what a state machine
+        writes at each transition, a third cheaper."""
         if self._silent:
             return
         rec = self._head(event)
@@ -211,9 +155,7 @@ _ISO_SECOND: list[Any] = [None, ""]  # the last whole second formatted, and its 
 
 
 def _iso(epoch: float) -> str:
-    """``epoch`` as ISO 8601 UTC with a ``Z`` (the form structlog's ``TimeStamper`` wrote:
-    microseconds, omitted when 0). The whole second's text is kept from the last call (records
-    come thousands a second)."""
+    """``epoch`` as ISO 8601 UTC with ``Z`` (microseconds omitted when 0); the second's text is cached."""
     second = int(epoch // 1)
     micro = round((epoch - second) * 1e6)
     if micro >= 1_000_000:
@@ -236,8 +178,7 @@ def _put(rec: dict[str, Any], fields: Mapping[str, Any]) -> None:
 
 
 def plain(value: Any) -> Any:
-    """``value`` as a record holds it: strings (also inside lists, tuples and dicts) without
-    terminal escapes or control characters (:func:`ftstate.core.text.clean`)."""
+    """``value`` as a record holds it: strings (also nested) without terminal escapes or controls."""
     return _cleaned(value)
 
 
@@ -253,15 +194,10 @@ def _cleaned(value: Any, depth: int = 0) -> Any:
     return value
 
 
-#: A record's line: orjson, what it cannot encode as the standard library would (dataclasses
-#: and datetimes through ``str`` as ``default=str`` did; enums by value) passed to ``str``. A
-#: 10,000-member sync writes 20,000 records, and a record took ~3.4 µs in ``json``'s C encoder
-#: against ~0.5 µs here (``benchmarks/controller_scale.py``). Compact (``{"ts":"...","t":1.5}``).
+#: A record's line: compact orjson; what it cannot encode (dataclasses, datetimes, enums) as ``str``.
 _ORJSON_OPTIONS = (orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
                    | orjson.OPT_PASSTHROUGH_DATETIME)
-#: What orjson refuses (an integer past 64 bits, a lone surrogate, nesting past its limit) goes
-#: through the standard library's encoder, in the same compact form: a record is never lost to
-#: its encoding.
+#: What orjson refuses goes through the standard library's encoder: a record is never lost to its encoding.
 _FALLBACK = json.JSONEncoder(default=str, separators=(",", ":"))
 
 
@@ -272,14 +208,12 @@ def _line(rec: Mapping[str, Any]) -> bytes:
         return (_FALLBACK.encode(rec) + "\n").encode("utf-8")
 
 
-#: The fields written first after ``ts``, ``t`` and ``event``, so a human reading the raw file
-#: sees time, event and who first.
+#: The fields written after ``ts``, ``t`` and ``event``, so a reader of the raw file sees who first.
 _FRONT_FIELDS = ("machine", "member", "from", "to", "trigger")
 
 
 def as_records(trail: Any) -> list[dict[str, Any]]:
-    """Records from whatever a caller holds: a trail file's path, an :class:`AuditTrail`, or an
-    iterable of records or of ``(line, record)`` pairs (what :func:`read_trail` yields)."""
+    """Records from a trail file's path, an :class:`AuditTrail`, or records or ``(line, record)`` pairs."""
     if isinstance(trail, (str, os.PathLike)):
         return [rec for _, rec in read_trail(trail)]
     if isinstance(trail, AuditTrail):
@@ -294,8 +228,8 @@ def as_records(trail: Any) -> list[dict[str, Any]]:
 
 
 def read_trail(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, record)`` for each line of a trail; a malformed line (see
-    :func:`parse_lines`) raises :class:`~ftstate.core.errors.AuditViolation` naming it."""
+    """Yield ``(line_number, record)`` per line; a malformed line raises
+    :class:`~ftstate.core.errors.AuditViolation`."""
     from ftstate.core.errors import AuditViolation
 
     p = Path(path)
@@ -307,10 +241,8 @@ def read_trail(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, An
 
 
 def parse_lines(f: IO[bytes]) -> Iterator[tuple[int, dict[str, Any] | None, str | None]]:
-    """``(line, record, None)`` for each record of a trail opened in binary, ``(line, None,
-    problem)`` for each line that is not one: longer than :data:`MAX_LINE_BYTES` (skipped
-    without being read whole), not UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH`,
-    not an object with an ``event``, or a known field of the wrong type. Blank lines are skipped."""
+    """``(line, record, None)`` per record of a binary trail, ``(line, None, problem)`` per line that is not
+    one (too long: skipped unread; not UTF-8 or JSON; too deep; no ``event``; a mistyped field)."""
     lineno = 0
     while True:
         raw = f.readline(MAX_LINE_BYTES + 1)
@@ -347,10 +279,8 @@ def parse_lines(f: IO[bytes]) -> Iterator[tuple[int, dict[str, Any] | None, str 
 
 
 def record_problem(rec: Any) -> str | None:
-    """Why ``rec`` is not a readable audit record (None when it is): not an object, no
-    string ``event``, nested deeper than :data:`MAX_DEPTH`, or a known field
-    (:data:`FIELD_TYPES`) of the wrong type. Views and the checker may then use every known
-    field as its type without checking again."""
+    """Why ``rec`` is not a readable audit record, or None; past it, views may use every known field as its
+    type without checking again."""
     if not isinstance(rec, dict) or "event" not in rec:
         return "not an audit record (no 'event' field)"
     if _too_deep(rec):
@@ -382,10 +312,8 @@ def _too_deep(value: Any) -> bool:
 
 
 def split_runs(items: Iterable[Any]) -> list[tuple[str, list[tuple[int, dict[str, Any]]]]]:
-    """The runs of a trail, in order of their first record: ``(run id, its (line, record)
-    pairs)``. A record's run is its ``run`` field; records without one (a trail written before
-    runs were recorded, or records before any ``run_start``) belong to the run opened by the
-    last ``run_start`` without an id, else to ``""``."""
+    """The runs of a trail in order: ``(run id, its (line, record) pairs)``. Records without ``run`` go to the
+    run opened by the last id-less ``run_start``, else to ``""``."""
     runs: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     current = ""
     anonymous = 0

@@ -1,49 +1,6 @@
-"""Check an audit trail against the machines: did every member only ever do what its spec allows?
-
-The trail (:mod:`ftstate.core.audit`) is written at the one place each machine's state changes,
-so it can be replayed: this module walks it record by record, keeps each member's state
-(a member is a ``(machine, member)`` pair) and reports every record that breaks one of
-these invariants, naming its line:
-
-- **well-formed**: each line is a JSON object with an ``event`` of a kind declared in
-  :mod:`ftstate.core.events`; a record naming a ``machine`` names one that has a spec;
-- **continuity**: only ``transition`` records change state, and each one leaves the state
-  the member's previous transition entered (the first leaves the spec's initial state);
-- **legality**: ``(from, trigger, to)`` is a transition of the spec
-  (``spec.next_state(from, trigger) == to``);
-- **terminal is final**: no record of a member after it entered a terminal state;
-- **the serving rule**: a serving state entered from a non-serving state must be entered
-  from ``RESYNCED``. The spec cannot contain such an edge (:mod:`ftstate.core.spec` refuses it);
-  this checks that the running system did not take one anyway, and says so in those words;
-- **no stale serving**: the group's current weights version is the latest
-  ``weights_version`` on the group's records (its ``sync_start`` carries the version being
-  pushed, its ``sync_done`` the one committed; a sync the group leaves any other way
-  committed nothing, so the version from before it is current again). A rollout entering a
-  serving state must hold that version (while the group syncs, the version before the sync
-  is also accepted: a rollout keeps serving it until it commits); and when the group commits
-  version v (``sync_done`` into READY), every rollout in a serving state must have last
-  reported v, or (``rollout_updates: in_flight``) hold v back for its call's next safe point
-  (a record with ``swap_pending`` v; it keeps serving the version it last reported);
-- **held is sent**: every rollout reports the checksum of the bytes it holds (hashed by the
-  rollout itself after it loaded them) on the records that change what it holds, and the
-  group's ``sync_done`` carries the sender's checksum of the version it commits. When the
-  group commits version v, every serving rollout must last have reported v's checksum; a
-  rollout entering a serving state when v's checksum is known must have too. (A trail that
-  admits a rollout whose own checksum differs from the sender's is flagged, whatever state
-  the records claim.)
-
-Checking is streaming (:class:`TrailChecker` takes one record at a time) and never stops at
-the first problem: a malformed line is reported and skipped, a broken transition is reported
-and the member's state follows the record, so one fault yields one report, not a cascade.
-
-A file holds one run or several appended one after another (:mod:`ftstate.core.audit`: each
-starts with ``run_start`` and every record carries its ``run``): each run is replayed on its
-own, from fresh machines, so a second run's ``trainer-0`` starting in INIT is not a
-continuity break of the first's. Reading is bounded and hostile input is a violation, never
-an exception: an over-long line, bytes that are not UTF-8, deep nesting, a known field of the
-wrong type (:func:`ftstate.core.audit.record_problem`).
-This module imports neither Ray nor torch.
-"""
+"""Check an audit trail against the machines: did every member only ever do what its spec allows? Replays each
+run record by record and reports every broken invariant with its line, never raising on hostile input
+(docs/concepts.md, "Checking a trail"). Imports neither Ray nor torch."""
 
 from __future__ import annotations
 
@@ -120,9 +77,7 @@ class _Run:
 
 
 class TrailChecker:
-    """Replays records one at a time (:meth:`feed`) and collects :attr:`violations`.
-
-    specs: the machines by name (default: :func:`ftstate.core.spec.load_machines`).
+    """Replays records one at a time (:meth:`feed`) and collects :attr:`violations` (``specs``: the machines).
     """
 
     def __init__(self, specs: Mapping[str, MachineSpec] | None = None) -> None:
@@ -280,8 +235,7 @@ class TrailChecker:
             and trigger != GROUP_COMMIT
             and self._run.before_sync is not None
         ):
-            # The sync was abandoned (failed, timed out, a member lost): nothing was committed,
-            # so the version before it is still current, whatever the record carries.
+            # The sync was abandoned: nothing was committed, so the version before it is still current.
             self._run.current = self._run.before_sync
         elif wv is not None:
             self._run.current = wv
@@ -353,12 +307,8 @@ def _illegal(spec: MachineSpec, src: str, trigger: str, dst: str, expected: str 
 
 
 def load_records(path: str | os.PathLike[str]) -> tuple[list[tuple[int, dict[str, Any]]], list[Violation]]:
-    """Read a trail leniently: ``(line, record)`` for every good line, a violation for every bad one
-    (:func:`ftstate.core.audit.parse_lines`: bounded line length, nesting and field types).
-
-    (:func:`ftstate.core.audit.read_trail` stops at the first malformed line; a checker and a
-    viewer want everything else too.) A file that cannot be opened raises :class:`OSError`.
-    """
+    """Read a trail leniently: ``(line, record)`` per good line, a violation per bad one (unlike
+    ``read_trail``, which stops at the first). An unopenable file raises :class:`OSError`."""
     records: list[tuple[int, dict[str, Any]]] = []
     bad: list[Violation] = []
     with Path(path).open("rb") as f:
@@ -371,11 +321,8 @@ def load_records(path: str | os.PathLike[str]) -> tuple[list[tuple[int, dict[str
 
 
 def numbered(trail: Trail) -> tuple[list[tuple[int, Any]], list[Violation]]:
-    """Any accepted form of a trail as ``(line, record)`` pairs, plus unreadable lines.
-
-    A path is read with :func:`load_records`; an :class:`~ftstate.core.audit.AuditTrail` or a list
-    of records is numbered from 1; ``(line, record)`` pairs (as from ``read_trail``) are kept.
-    """
+    """Any accepted form of a trail as ``(line, record)`` pairs plus unreadable lines: a path is read, a trail
+    or list numbered from 1, pairs kept."""
     if isinstance(trail, (str, os.PathLike)):
         return load_records(trail)  # type: ignore[return-value]
     items = trail.records if isinstance(trail, AuditTrail) else trail

@@ -1,26 +1,7 @@
-"""Budgets: what a run may spend on failures (``fault_tolerance.max_failovers`` and its window),
-and what it was spent on.
-
-A state that declares a budget in its spec spends one unit on every entry. When a unit would
-break a limit, the machine does not enter that state: it takes the spec's ``on_exhausted``
-trigger instead and records the error, which names the limit and the failures the budget went
-to (the first few in its message, all of them in its attributes and the trail).
-
-A run of weeks loses a GPU every few hours, so a fixed total turns fault tolerance into a
-countdown; what a budget must stop is a run that is *not healing*. The failover budget
-therefore has a time dimension and a place (all limits over the sliding window
-``failover_window_s``, every one a config key):
-
-- a rate, ``max_failovers_per_window``: a storm of failures faster than replacements warm;
-- a member slot (role and rank) replaced ``max_slot_failovers`` times: a crash loop (every
-  replacement of that class dies), which ends the run with :class:`~ftstate.core.errors.CrashLoop`;
-- a node where members were lost ``max_node_failures`` times is quarantined (not an error:
-  nothing is placed there again, :meth:`Budget.strike`);
-- ``max_failovers``, when set, a total over the whole run as before.
-
-A unit is a :class:`Charge` (or a bare reason): a node lost whole is one charge, not one per
-member. The budget is pure: the caller passes the clock's ``now``.
-"""
+"""Budgets: what a run may spend on failures and what it was spent on, spent by the state machines. A state
+with a budget spends a unit on entry; a unit that would break a limit (total, rate in ``failover_window_s``,
+per slot, or a node quarantine) takes ``on_exhausted`` instead (docs/concepts.md, "Budgets"). Pure: the caller
+passes ``now``."""
 
 from __future__ import annotations
 
@@ -34,9 +15,8 @@ FAILOVER_KEY = "fault_tolerance.max_failovers"
 
 @dataclasses.dataclass(frozen=True)
 class Charge:
-    """One unit of a budget. reason: what it was spent on; slot: the member slot replaced
-    (``rollout-3``: role and rank); cls: the user class of that slot; node: the node lost whole
-    (then slot is None: the node is the unit)."""
+    """One unit of a budget: ``reason``; ``slot`` (``rollout-3``) and its ``cls``; or ``node``, lost whole
+    (then ``slot`` is None)."""
 
     reason: str
     slot: str | None = None
@@ -46,10 +26,8 @@ class Charge:
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """Why units were refused. kind: ``total`` (max_failovers), ``rate``
-    (max_failovers_per_window) or ``slot`` (max_slot_failovers); key: that config key; limit:
-    its value; subject: the slot (kind slot); cls: its class; spent_on: the reasons that count
-    against the limit (the window's, or the slot's)."""
+    """Why units were refused: ``kind`` (``total``, ``rate`` or ``slot``), its config ``key`` and ``limit``,
+    the ``subject`` slot and ``cls``, and the reasons counted against it."""
 
     kind: str
     key: str
@@ -62,9 +40,8 @@ class Refusal:
 
 @dataclasses.dataclass
 class Budget:
-    """key: the config key it came from; limit: how many units the run may spend in all (None:
-    no total). window_s / per_window / per_slot / per_node: the sliding window and its limits
-    (None: that limit is off; see the module docstring)."""
+    """``key``: its config key; ``limit``: units for the whole run (None: no total); ``window_s``,
+    ``per_window``, ``per_slot``, ``per_node``: the sliding window and its limits (None: off)."""
 
     key: str
     limit: int | None
@@ -103,8 +80,7 @@ class Budget:
             del self.strikes[node]
 
     def refusal(self, units: list[str | Charge] | tuple[str | Charge, ...], now: float = 0.0) -> Refusal | None:
-        """Why spending ``units`` at ``now`` would break a limit, or None when they may be spent.
-        The slot's limit is checked first: a crash loop is the more precise cause."""
+        """Why spending ``units`` at ``now`` would break a limit (the slot's first), or None."""
         self._prune(now)
         charges = [_charge(u) for u in units]
         if self.per_slot is not None:
@@ -136,10 +112,8 @@ class Budget:
         return self.remaining
 
     def strike(self, node: str, now: float = 0.0, why: str = "", *, elsewhere: bool = True) -> bool:
-        """A member on ``node`` was lost (or died starting) at ``now``. True when this strike
-        quarantines the node (``per_node`` strikes inside the window); a node quarantined
-        already is not struck again. ``elsewhere``: whether another node could take its members;
-        without one the node is not quarantined (a run on one node would have nowhere to go)."""
+        """A member on ``node`` was lost at ``now``; True when this quarantines the node. ``elsewhere``:
+        whether another node could take its members (else no quarantine)."""
         if self.per_node is None or node in self.quarantined:
             return False
         self._prune(now)
@@ -152,8 +126,7 @@ class Budget:
         return True
 
     def skip(self, seconds: float) -> None:
-        """Time passed that the caller's clock did not see (a simulation that jumps over the
-        quiet time between failures): every unit and strike inside the window ages by it."""
+        """Time the caller's clock did not see (a simulation's jump): every unit and strike ages by it."""
         if seconds <= 0:
             return
         self.recent = collections.deque((t - seconds, c) for t, c in self.recent)
@@ -165,9 +138,7 @@ class Budget:
         return len(self.recent)
 
     def state(self, now: float) -> dict[str, Any]:
-        """What the budget holds at ``now``, for records and reports: spent in all and in the
-        window, the limits, the slots replaced more than once and nodes struck inside the
-        window, and the quarantined nodes."""
+        """What the budget holds at ``now``, for records and reports."""
         self._prune(now)
         slots = collections.Counter(ch.slot for _, ch in self.recent if ch.slot is not None)
         return {
@@ -180,8 +151,7 @@ class Budget:
 
 
 def budget_for(key: str, config: Any) -> Budget:
-    """The budget of config key ``key``: the failover budget carries its window and places
-    (``fault_tolerance.failover_window_s`` and the limits beside it), any other a plain total."""
+    """The budget of config key ``key``: the failover budget with its window and places, any other a total."""
     limit = config.get(key)
     if key != FAILOVER_KEY:
         return Budget(key=key, limit=None if limit is None else int(limit))

@@ -1,17 +1,6 @@
-"""Deadlines: an absolute point on a monotonic clock, owned by one stay in one state.
-
-A deadline belongs to a state the way trio's deadline belongs to a cancel scope, not to
-each call: entering a state that declares one arms it (``seconds`` from the config key the
-spec names), leaving the state disarms it, and expiry makes the machine take the spec's
-named transition and record a typed error. Code that waits on something outside the
-process while the machine is in that state runs inside
-:meth:`ftstate.core.machine.StateMachine.deadline_scope`, which cancels it explicitly on expiry
-and raises the recorded error; nobody sprinkles ``asyncio.wait_for`` over calls.
-
-The clock is injected. :class:`LoopClock` uses the running asyncio loop; tests use
-:class:`ManualClock` and advance time by hand, so no test sleeps to see a deadline pass.
-This module imports neither Ray nor torch.
-"""
+"""Deadlines, used by the state machines: an absolute point on a monotonic clock, owned by one stay in one
+state, armed on entry and disarmed on exit (docs/concepts.md, "Deadlines"). The clock is injected:
+:class:`LoopClock` in a run, :class:`ManualClock` in tests. Imports neither Ray nor torch."""
 
 from __future__ import annotations
 
@@ -38,17 +27,11 @@ class Clock(Protocol):
 
 
 class LoopClock:
-    """The running asyncio loop's monotonic clock (create machines inside the loop).
-
-    Callbacks due in the same millisecond share one loop timer (:class:`_SharedTimers`; never
-    early, at most 1 ms late): a sync arms a deadline per member at once, and a loop timer each
-    (a handle and a context copy, pushed on the loop's heap and promoted by the collector while
-    the state lasts) is what that costs at thousands of members. A :class:`Deadline` is its
-    own entry there (:meth:`call_at`): one object an armed deadline."""
+    """The running asyncio loop's monotonic clock. Callbacks due in the same millisecond share one loop timer
+    (never early, at most 1 ms late), since a loop timer per member's deadline is costly at scale."""
 
     def __init__(self) -> None:
-        #: The last running loop's shared timers: a deadline armed on the same loop (all of them,
-        #: but in tests) skips the lookup by loop, ~0.5 µs of its ~3 µs.
+        #: The last running loop's shared timers, which spares a deadline on that loop the lookup by loop.
         self._timers: _SharedTimers | None = None
 
     def now(self) -> float:
@@ -58,8 +41,8 @@ class LoopClock:
             return time.monotonic()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
-        """Call ``callback`` at ``when`` (its millisecond's shared timer). A callback that is a
-        :class:`SharedTimer` itself (a :class:`Deadline`) is its own entry and handle."""
+        """Call ``callback`` at ``when`` on its millisecond's shared timer (a :class:`SharedTimer` is its
+        own)."""
         entry = callback if isinstance(callback, SharedTimer) else _SharedHandle(callback)
         loop = asyncio.get_running_loop()
         timers = self._timers
@@ -197,13 +180,8 @@ class ExpiryOwner(Protocol):
 
 
 class Deadline(SharedTimer):
-    """One armed deadline.
-
-    state: the state it belongs to; key: the config key that set it; seconds: its length;
-    armed_at / expires_at: absolute times on the machine's clock; entry: the state entry
-    it belongs to (a later entry into the same state has a new deadline). On expiry it calls
-    its owner's ``_on_expiry(entry)``.
-    """
+    """One armed deadline: its ``state``, config ``key``, ``seconds``, ``armed_at``/``expires_at`` on the
+    machine's clock and the state ``entry`` it belongs to; on expiry it calls ``_on_expiry(entry)``."""
 
     __slots__ = ("_handle", "_owner_machine", "armed_at", "entry", "expires_at", "key", "seconds", "state")
 
@@ -223,9 +201,8 @@ class Deadline(SharedTimer):
     def arm(cls, clock: Clock, *, state: str, key: str, seconds: float, entry: int, owner: ExpiryOwner) -> Deadline:
         now = clock.now()
         d = cls(state, key, seconds, now, now + seconds, entry, owner)
-        # The deadline is its own callback, and on a loop's clock its own timer entry (no handle,
-        # no bound method: a member's deadline lives as long as its state, 10,000 of them through
-        # a sync at scale, promoted and walked by the collector).
+        # The deadline is its own callback and timer entry: no handle or bound method lives as long as its
+        # state.
         d._handle = clock.call_at(d.expires_at, d)
         return d
 

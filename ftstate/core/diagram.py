@@ -1,27 +1,7 @@
-"""Diagrams of the machines, drawn from their specs: Mermaid ``stateDiagram-v2`` or Graphviz DOT.
-
-The specs in ``machines/`` are the single source of truth, so the diagrams are drawn from
-a :class:`~ftstate.core.spec.MachineSpec` alone, never from a live machine: the same spec gives
-the same text, byte for byte (the generated docs and their freshness test rely on it).
-
-Why a hand-written renderer rather than ``transitions``' diagram extension: its DOT
-backends need Graphviz (``pygraphviz`` or ``graphviz`` plus the system ``dot``), which
-ftstate does not want as a dependency for writing text; its Mermaid engine draws from a
-built machine and knows nothing of what the spec adds: deadlines (a config key per
-state), budgets, serving and terminal states. Here each of those is drawn:
-
-- ``[*] --> INIT`` for the initial state, ``X --> [*]`` for each terminal state;
-- one edge per (source, dest) pair, its triggers joined on the label in spec order;
-  a deadline's expiry trigger carries its config key (``rendezvous_timeout
-  (init_timeout_s)``), a budget's exhaustion trigger the budget's key;
-- a state's deadline and budget written on the state itself;
-- serving states styled with the ``serving`` class, terminal ones with ``terminal``;
-- the ``"*"`` wildcards (``fail``, ``stop`` from every non-terminal state) collapsed into
-  one note per destination instead of an edge from every state.
-
-Nothing here needs Graphviz installed to produce DOT text; render it with ``dot -Tsvg``
-wherever Graphviz is available. This module imports neither Ray nor torch.
-"""
+"""Diagrams of the machines (Mermaid ``stateDiagram-v2`` or Graphviz DOT), drawn from their specs alone, so
+the same spec gives the same text byte for byte. Hand-written rather than ``transitions``' extension, which
+needs Graphviz and knows nothing of deadlines, budgets, serving and terminal states; each of those is drawn
+here, and the ``"*"`` wildcards are collapsed into one note per destination. Imports neither Ray nor torch."""
 
 from __future__ import annotations
 
@@ -58,11 +38,8 @@ def render(spec: MachineSpec, fmt: str = "mermaid") -> str:
 
 
 def edges(spec: MachineSpec) -> list[tuple[str, str, list[str]]]:
-    """The explicit edges: ``(source, dest, labels)`` in spec order, one per pair.
-
-    Labels are the triggers, a deadline's or budget's key appended to the trigger that
-    fires when it runs out. Wildcard transitions are left out (see :func:`wildcards`).
-    """
+    """The explicit edges, ``(source, dest, labels)`` in spec order, one per pair; a deadline's or budget's
+    key is appended to the trigger that fires when it runs out. Wildcards are left out."""
     pairs: dict[tuple[str, str], list[str]] = {}
     for t in spec.transitions:
         if t.wildcard:

@@ -1,9 +1,4 @@
-"""Every error ftstate raises, in one tree.
-
-A caller that wants "anything ftstate could not do" catches :class:`FTError`; one
-that wants to react to a particular fault catches the most specific class. Lower
-layers (torch, Ray, ZMQ, YAML) are translated into these classes with
-``raise ... from exc`` so the original traceback stays attached.
+"""Every error ftstate raises, in one tree; catch :class:`FTError` or the most specific class.
 
     FTError
     ├── ConfigError              a config value is missing, unknown, mistyped or out of range
@@ -51,10 +46,7 @@ layers (torch, Ray, ZMQ, YAML) are translated into these classes with
     UsageError                   ftstate used the wrong way (a runtime not started, or started twice;
                                  a member, node or chaos target that does not exist): outside the tree
 
-Every message names what, who, how long and which version where those apply;
-the same facts are kept as attributes so code need not parse messages. A usage error is a
-programming error, not a fault: it is deliberately no FTError (httpx's way), so a handler that
-retries or fails over on FTError never takes it for one.
+Messages name what, who, how long and which version; the same facts are attributes.
 """
 
 from __future__ import annotations
@@ -65,13 +57,8 @@ from ftstate.core.text import listed
 
 
 class FTError(Exception):
-    """Base of every error ftstate raises.
-
-    Errors cross process boundaries (raised in a worker actor, re-raised by the
-    controller), so each one pickles as its class, its message and its attributes, without
-    calling ``__init__`` again: the subclasses' constructors take the facts, not the
-    message, and the default exception pickling would call them with the message alone.
-    """
+    """Base of every error ftstate raises; pickles with its attributes, since subclasses' constructors take
+    facts, not the message."""
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild, (type(self), self.args, self.__dict__))
@@ -85,10 +72,7 @@ def _rebuild(cls: type[FTError], args: tuple[object, ...], state: dict[str, obje
 
 
 class ConfigError(FTError, ValueError):
-    """Raised when a config value is missing, unknown, of the wrong type or out of range.
-
-    ``path`` is the dotted field path, e.g. ``fault_tolerance.max_failovers``.
-    """
+    """Raised when a config value is missing, unknown, mistyped or out of range (``path``: dotted field)."""
 
     def __init__(self, path: str, problem: str) -> None:
         self.path = path
@@ -122,12 +106,7 @@ class InvalidTransition(FTError):
 
 
 class DeadlineExceeded(FTError, TimeoutError):
-    """Raised (or recorded) when a state's deadline expires.
-
-    Attributes: ``what`` (the wait that timed out), ``key`` (the config key that set it),
-    ``seconds`` (how long it was), ``member`` (whose machine), ``group_version``,
-    ``missing`` (who did not arrive or answer) and ``arrived`` (who did).
-    """
+    """Raised (or recorded) when a state's deadline expires; ``key`` is the config key that set it."""
 
     def __init__(
         self,
@@ -176,11 +155,7 @@ class HeartbeatTimeout(DeadlineExceeded):
 
 
 class FailoverBudgetExhausted(FTError):
-    """Raised when a loss would need a failover the budget cannot pay for: ``max_failovers`` spent,
-    or ``max_failovers_per_window`` inside ``failover_window_s`` (a storm faster than healing).
-
-    limit: the limit broken; spent_on: every failure counted against it (the message shows the
-    first few); key: its config key; window_s: the window it counts over (None: the whole run)."""
+    """Raised when a loss needs a failover that ``max_failovers`` (or the window's rate) cannot pay for."""
 
     def __init__(self, *, limit: int, spent_on: Sequence[str], member: str = "",
                  key: str = "fault_tolerance.max_failovers", window_s: float | None = None) -> None:
@@ -198,9 +173,7 @@ class FailoverBudgetExhausted(FTError):
 
 
 class CrashLoop(FailoverBudgetExhausted):
-    """Raised when one member slot was replaced ``max_slot_failovers`` times inside
-    ``failover_window_s`` and is lost again: every replacement of its class dies, so more would
-    only churn. slot: the slot (``rollout-2``); cls: its user class; spent_on: its losses."""
+    """Raised when one member slot was replaced ``max_slot_failovers`` times in the window and is lost."""
 
     def __init__(self, *, slot: str, cls: str | None, limit: int, spent_on: Sequence[str], window_s: float | None,
                  member: str = "") -> None:
@@ -229,14 +202,7 @@ class MemberLost(FTError):
 
 
 class WorkerInitError(FTError):
-    """Raised when the user's worker class raised in its constructor: ``start()`` fails with it
-    at once (fault tolerance on or off: a member that never served was not lost, its class
-    failed), and so does a failover whose trainer replacement cannot be constructed.
-
-    member / role: who; cls: the class's name; exc_type / message: the user's exception
-    (ANSI escapes removed); where: the frame in the user's code that raised it
-    (``file:line in function``, empty when none is outside ftstate and the standard
-    library); traceback: the user's frames, as ``traceback`` formats them."""
+    """Raised when the user's worker class raised in its constructor (``where``: the user's frame)."""
 
     def __init__(
         self, *, member: str, role: str, cls: str, exc_type: str, message: str, where: str = "", traceback: str = "",
@@ -253,8 +219,7 @@ class WorkerInitError(FTError):
 
 
 class UserCodeError(FTError):
-    """Raised when a method of the user's worker returned what its contract forbids, or a call
-    names a method it does not have: ``member``, ``method`` (``Class.method``) and ``problem``."""
+    """Raised when a user worker's method returned what its contract forbids, or is missing."""
 
     def __init__(self, member: str, method: str, problem: str) -> None:
         self.member = member
@@ -264,9 +229,7 @@ class UserCodeError(FTError):
 
 
 class ProtocolError(FTError):
-    """Raised in a worker asked out of the controller's protocol order (a commit of a version it
-    did not stage, a send of a part it did not prepare): ``member``, ``request`` and ``problem``.
-    A bug in ftstate or a message from an older controller, never the user's doing."""
+    """Raised in a worker asked out of protocol order: a bug in ftstate, never the user's doing."""
 
     def __init__(self, member: str, request: str, problem: str) -> None:
         self.member = member
@@ -276,15 +239,7 @@ class ProtocolError(FTError):
 
 
 class ReplacementFailed(FTError):
-    """Raised when a replacement's own code raised while it was being brought up, before it
-    ever served: its ``load_weights`` / ``load_state_dict`` on the resync, its optimizer
-    policy, or a replayed trainer call. The run ends with it at once: code that raises for
-    the current weights raises the same way in every further replacement, so spending
-    ``max_failovers`` on it (or waiting out ``failover_timeout_s``) would only bury the cause.
-
-    member: the replacement; replaces: the member it was to replace; method: the user's
-    method that raised (``MyTrainer.load_state_dict()``); exc_type / message: the user's
-    exception; where: its frame in the user's code. The user's exception is ``__cause__``."""
+    """Raised when a replacement's own code raised before it served; not retried (it would fail again)."""
 
     def __init__(self, *, member: str, replaces: str, method: str, exc_type: str, message: str,
                  where: str = "") -> None:
@@ -300,14 +255,11 @@ class ReplacementFailed(FTError):
 
 
 class LossyRecoveryRefused(FTError):
-    """Raised when a trainer would be rebuilt from rollout weights that are a lossy copy of its
-    master weights and ``fault_tolerance.allow_lossy_recovery`` is off."""
+    """Raised when a trainer would be rebuilt from lossy weights and ``allow_lossy_recovery`` is off."""
 
 
 class RankNotRecoverable(FTError):
-    """Raised when, with several trainer ranks, a lost rank's recovery needs surviving ranks
-    taken back to the last committed version (trainer calls were made since, and they may
-    hold collectives) but no version was committed yet. members: the ranks it would restore."""
+    """Raised when a lost trainer rank's recovery needs a committed version and none exists yet."""
 
     def __init__(self, members: Sequence[str]) -> None:
         self.members = tuple(members)
@@ -318,12 +270,7 @@ class RankNotRecoverable(FTError):
 
 
 class StaleCheckpointRefused(FTError):
-    """Raised when a replaced trainer's ``checkpoint_dir`` does not hold the current weights
-    version (its weights hash to an older committed version, or to none) and
-    ``fault_tolerance.allow_checkpoint_rollback`` is off: admitting it would silently roll the
-    run back. member: the new trainer; checkpoint: the folder; held: the checksum of what it
-    loaded; expected: the current version's; matches_version: the committed version it
-    matches, if any."""
+    """Raised when a replaced trainer's checkpoint holds an older version and rollback is off."""
 
     def __init__(
         self, *, member: str, checkpoint: str, held: str, expected: str, current_version: int,
@@ -349,9 +296,7 @@ class NoServingWorkers(FTError):
 
 
 class PlacementUnsatisfiable(FTError):
-    """Raised by ``start()`` when no placement of a resource pool can exist on the cluster as
-    it is: ``asked`` (the pool's bundles, strategy and labels), ``cluster`` (what each alive
-    node has) and ``problem`` (why they cannot meet)."""
+    """Raised by ``start()`` when no placement of a resource pool can exist on the cluster as it is."""
 
     def __init__(self, *, pool: str, asked: str, cluster: str, problem: str) -> None:
         self.pool = pool
@@ -362,10 +307,7 @@ class PlacementUnsatisfiable(FTError):
 
 
 class ScaleRefused(FTError, ValueError):
-    """Raised by ``rt.add_rollouts`` / ``remove_rollouts`` / ``scale_rollouts`` before anything
-    changed, when the request cannot be met as asked: ``field`` (what was wrong: ``names``,
-    ``n``, or the setting it would break, e.g. ``fault_tolerance.min_rollout_workers``),
-    ``expected`` (what was expected) and ``got`` (what was asked)."""
+    """Raised by add/remove/scale_rollouts, before anything changed, when the request cannot be met."""
 
     def __init__(self, *, field: str, expected: str, got: str) -> None:
         self.field = field
@@ -375,11 +317,7 @@ class ScaleRefused(FTError, ValueError):
 
 
 class IntegrationUnavailable(FTError):
-    """Raised when an integration is loaded (e.g. verl importing ``ftstate.integrations.verl``)
-    but its framework cannot be imported. ``framework``: what is missing; ``extra``: the
-    ftstate extra that installs it (named in the message as ``pip install 'ftstate[extra]'``);
-    ``cause``: the import's own message. Deliberately not an ``ImportError``: a framework that
-    imports plugins optionally must not swallow it as "plugin absent"."""
+    """Raised when an integration's framework cannot be imported; not an ImportError (no "plugin absent")."""
 
     def __init__(self, *, framework: str, extra: str, cause: str) -> None:
         self.framework = framework
@@ -392,9 +330,7 @@ class IntegrationUnavailable(FTError):
 
 
 class ExtraUnavailable(FTError):
-    """Raised when a feature needs a package that one of ftstate's extras installs and it
-    cannot be imported: ``feature`` (e.g. ``the timeline picture``), ``package``, ``extra``
-    and ``cause`` (the import's own message)."""
+    """Raised when a feature needs a package of an ftstate extra that is not installed."""
 
     def __init__(self, *, feature: str, package: str, extra: str, cause: str) -> None:
         self.feature = feature
@@ -405,9 +341,7 @@ class ExtraUnavailable(FTError):
 
 
 class NoFreeSlot(FTError):
-    """Raised when a resource pool has no slot for another worker: ``pool`` (its name) and
-    ``why`` (all in use, or none off the nodes to avoid). A failover that meets it goes on
-    without a replacement where it may (a rollout), or fails."""
+    """Raised when a resource pool has no slot for another worker (``why``: all in use, or all avoided)."""
 
     def __init__(self, pool: str, why: str) -> None:
         self.pool = pool
@@ -416,22 +350,15 @@ class NoFreeSlot(FTError):
 
 
 class InternalError(FTError):
-    """Raised when an invariant of ftstate's own code broke (a state machine asked to spend a
-    budget its state does not have, say): a bug to report, with the run's audit trail."""
+    """Raised when an invariant of ftstate's own code broke: a bug to report, with the audit trail."""
 
 
 class UsageError(RuntimeError):
-    """Raised when ftstate is used the wrong way, before anything was tried: a runtime used
-    before ``start()`` or started twice, a member, node or chaos target named that does not
-    exist, a local cluster asked for where Ray would not bind loopback. Deliberately not an
-    :class:`FTError` (see the module docstring)."""
+    """Raised when ftstate is used the wrong way; deliberately no :class:`FTError`: a bug, not a fault."""
 
 
 class EngineRefused(FTError, ValueError):
-    """Raised when a rollout's inference engine is asked for in a mode whose failures ftstate
-    cannot detect or clean up (e.g. vLLM's multiprocess engine: its core processes outlive a
-    SIGKILLed actor and a dead core leaves ``generate()`` hanging). ``setting``: the environment
-    variable or engine argument; ``value``: what it was; ``why``: what goes wrong and what to use."""
+    """Raised when an engine is asked for in a mode whose failures ftstate cannot detect or clean up."""
 
     def __init__(self, *, setting: str, value: object, why: str) -> None:
         self.setting = setting
@@ -441,10 +368,7 @@ class EngineRefused(FTError, ValueError):
 
 
 class EngineTorn(FTError):
-    """Raised when a request reaches an inference engine whose last weight load stopped
-    part-way (its loader raised between the first and the last tensor): it holds a mix of two
-    versions and serves nothing until a complete load. ``weights_version``: the version whose
-    load stopped; ``cause``: the loader's error."""
+    """Raised when a request reaches an engine whose last weight load stopped part-way."""
 
     def __init__(self, *, weights_version: int, cause: str) -> None:
         self.weights_version = weights_version
@@ -454,12 +378,7 @@ class EngineTorn(FTError):
 
 
 class EngineProcessDied(FTError):
-    """Raised by a rollout whose inference engine runs processes of its own (vLLM's tensor-parallel
-    workers) when one of them dies while the actor lives: by the call that was using the engine
-    (``generate`` in flight), by every later call, and by the worker's vigil, which makes the
-    controller declare the member lost at once (the rest of the engine's processes are killed
-    first). ``process``: the process's name (``VLLM::Worker_TP1``); ``pid``; ``member``: the
-    rollout, when known; ``how``: how it ended, as far as the actor can tell."""
+    """Raised when a process of a rollout's engine (e.g. a vLLM TP worker) dies while the actor lives."""
 
     def __init__(self, *, process: str, pid: int, how: str, member: str = "") -> None:
         self.process, self.pid, self.how, self.member = process, pid, how, member
@@ -473,19 +392,7 @@ class EngineProcessDied(FTError):
 
 
 class StateDictError(FTError, TypeError):
-    """Raised where user code hands ftstate weights that cannot travel, before anything is sent.
-
-    A trainer's ``state_dict()`` (or any mapping given to the transport) must be a mapping of
-    non-empty ``str`` names to plain, dense (strided) ``torch.Tensor`` values with data, of a
-    dtype the manifest knows, on the device the backend sends from (gloo: cpu; nccl: cuda).
-
-    Attributes: ``member`` (who returned it; ``""`` where unknown), ``tensor`` (the name of
-    the offending tensor, or None when the whole state is at fault: not a mapping, empty, a
-    key that is not a str), ``got`` (what it is: type, layout, dtype or device), ``expected``
-    (what would have been accepted) and ``what`` (where the value came from,
-    ``"state_dict()"`` by default). It is not a :class:`TransportError`: nothing moved, and
-    sending the same state again cannot succeed, so the runtime does not retry it.
-    """
+    """Raised, before anything is sent, when user code hands weights that cannot travel; never retried."""
 
     def __init__(
         self, member: str, tensor: str | None, got: str, expected: str, *, what: str = "state_dict()"
@@ -501,9 +408,8 @@ class StateDictError(FTError, TypeError):
 
 
 class OwnershipError(FTError, ValueError):
-    """Raised when what the trainer ranks' ``state_dict()`` returned does not add up to one
-    weights version: a tensor or slice owned twice, a slice missing, slices that disagree on
-    shape or dtype (:mod:`ftstate.core.ownership`). ``tensor``: its name; ``ranks``: the ranks involved."""
+    """Raised when the trainer ranks' state_dicts overlap, leave a gap or disagree
+    (:mod:`ftstate.core.ownership`)."""
 
     def __init__(self, tensor: str, ranks: Iterable[int], problem: str) -> None:
         self.tensor = tensor
@@ -523,12 +429,7 @@ class BackendUnavailable(TransportError):
 
 
 class SharedMemoryUnavailable(TransportError):
-    """Raised when a shared-memory segment for the same-host route cannot be created.
-
-    path: the segment's path; nbytes: the size asked for; problem: what the system said
-    (with the space left). Raised only with ``shared_memory: require``; with ``auto`` the
-    sync takes the collective instead and the audit trail records why.
-    """
+    """Raised (with ``shared_memory: require``) when a same-host shared-memory segment cannot be created."""
 
     def __init__(self, *, path: str, nbytes: int, problem: str) -> None:
         self.path = path
@@ -556,10 +457,7 @@ class ChecksumMismatch(TransportError):
 
 
 class HeldWeightsMismatch(ChecksumMismatch):
-    """Raised (and recorded) when what a member holds after loading a version does not hash to
-    the checksum the sender sent: its ``load_weights`` (or its engine's own copy, read back
-    through ``held_weights()``) is not the verified state. member: who; weights_version; held:
-    the checksum of its bytes; expected: the sender's."""
+    """Raised (and recorded) when what a member holds after loading does not hash to the sender's checksum."""
 
     def __init__(self, member: str, *, weights_version: int, held: str, expected: str, what: str = "") -> None:
         self.member = member
@@ -574,13 +472,7 @@ class HeldWeightsMismatch(ChecksumMismatch):
 
 
 class ManifestError(TransportError):
-    """Raised when a message received is malformed: a manifest, seal, offer or vote, a message
-    header, a bucket signal, or a value read from the rendezvous store.
-
-    field: the offending field (``"group_version"``, ``"tensors[3].shape"``…) when one
-    field is at fault, else None (e.g. the bytes are not msgpack at all). peer: who sent it
-    (``"rank 2"``, ``"store key weights/current_version"``) when the receiver knows.
-    """
+    """Raised when a received message or store value is malformed (``field``, ``peer`` when known)."""
 
     def __init__(self, message: str, *, field: str | None = None, peer: str | None = None) -> None:
         self.field = field
@@ -589,14 +481,7 @@ class ManifestError(TransportError):
 
 
 class PeerLost(TransportError):
-    """Raised when a peer dies or disappears during a rendezvous or collective.
-
-    group / group_version / rank: the communicator it happened on and this member's rank;
-    op: what the transfer was doing (``"bucket 3/8"``, ``"barrier"``…); peer: the rank of the
-    peer that went away when it is known (the sender of a broadcast, the other end of a
-    point-to-point transfer), else None: gloo names a socket address, not a rank, and which
-    member died is the controller's to establish (the runtime's liveness, not the transport).
-    """
+    """Raised when a peer dies or vanishes mid-collective; ``peer`` is None where no rank can be named."""
 
     def __init__(
         self,
@@ -617,9 +502,7 @@ class PeerLost(TransportError):
 
 
 class CommunicatorAborted(TransportError):
-    """Raised when a transfer is started on a communicator that was aborted (a failed
-    transfer, a deadline, an explicit abandon). Its stream can no longer be trusted to be
-    aligned: form the next group version. reason: why it was aborted."""
+    """Raised when a transfer starts on an aborted communicator: form the next group version."""
 
     def __init__(self, group: str, group_version: int, rank: int, reason: str) -> None:
         self.group = group

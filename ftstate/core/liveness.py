@@ -1,38 +1,6 @@
-"""Liveness: turning heartbeats (or their absence) into worker events.
-
-The runtime polls every worker every ``heartbeat_interval_s`` and hands each answer, or the
-fact that none came within the interval, to that worker's :class:`Liveness`. It answers
-with the trigger to fire on the worker's machine, if any:
-
-- no answer within the interval -> ``heartbeat_missed`` (the worker becomes SUSPECT);
-- an answer while busy in a transfer whose progress counter has not moved for ``stall_s``
-  (half of ``heartbeat_timeout_s``, at least one interval) -> ``heartbeat_missed`` too: a
-  worker stuck in a collective answers pings but is hung. Half the timeout, not one
-  interval: a receiver legitimately waits while the sender packs a bucket or serves
-  another receiver, and a CPU-starved machine stretches that wait;
-- a spare (STANDBY), or a worker being promoted or joining a group version, silent for
-  ``heartbeat_timeout_s`` -> ``unresponsive`` (straight to LOST: a hung spare promoted later,
-  or a newcomer hung in the re-rendezvous, would only burn the failover deadline);
-- an answer showing progress from a SUSPECT worker -> ``verified`` only if it reports the
-  current weights version with the current checksum (a trainer rank: that version or a later
-  one), else ``alive_stale``. A worker that
-  merely answers proves nothing about its weights; it must show them: a suspect rollout's
-  checksum is hashed afresh from the bytes it holds when it answers (the watchdog asks it to
-  prove), not the value it cached at its last commit.
-
-An answer the same as the worker's last one, not busy, outside SUSPECT implies nothing but
-"it answered now". A watchdog polling thousands of workers a round need not hand each such
-answer over one by one: it gives the worker's liveness a :class:`Vouch` (one per node's round,
-whose time it moves each round), and until it takes the vouch back each time the vouch moved
-counts as such an answer; :meth:`Liveness.observe` reads it first. What a vouched round does not
-record is ``missed`` (reset by the next answer judged one by one; nothing decides by it).
-
-SUSPECT carries the ``heartbeat_timeout_s`` deadline in the worker spec, so a suspect that
-does not recover is declared LOST by the machine itself, not by this module. A process that
-died is reported by the failing call (``ActorDiedError``), not here.
-
-Pure: no clock of its own, no I/O. This module imports neither Ray nor torch.
-"""
+"""Liveness: heartbeats (or their absence) into worker events, for the controller's watchdog. Pure (no clock,
+no I/O, no Ray or torch); the rules are in docs/concepts.md, "Liveness rules". A node's round may
+:class:`Vouch` for unchanged, idle answers instead of handing each over."""
 
 from __future__ import annotations
 
@@ -48,12 +16,8 @@ QUIET = frozenset({"STANDBY", "PROMOTING", "RENDEZVOUS"})
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """One worker's answer to a heartbeat poll.
-
-    progress: a counter the worker bumps whenever its own work moves (a bucket sent or
-    received, a call finished); busy: in a weights transfer right now; weights_version /
-    checksum: what it holds committed.
-    """
+    """One worker's answer to a heartbeat poll: ``progress`` is a counter bumped whenever its own work moves,
+    ``busy`` means in a weights transfer now, and the version and checksum it holds committed."""
 
     progress: int
     busy: bool
@@ -65,8 +29,7 @@ class Heartbeat:
 
 
 class Vouch:
-    """When a round last answered for the workers it vouches for (``at``; None before its
-    first round): each of them answered then, the same as its last answer and not busy."""
+    """When a round last answered (``at``) for the workers it vouches for: unchanged and not busy then."""
 
     __slots__ = ("at",)
 
@@ -75,23 +38,21 @@ class Vouch:
 
 
 class Liveness:
-    """Per-worker heartbeat bookkeeping. stall_s: how long a busy worker may make no progress
-    before that counts as a missed heartbeat. timeout_s: how long a spare may stay silent
-    before it is ``unresponsive`` (a spare has no SUSPECT state: it serves nothing)."""
+    """Per-worker heartbeat bookkeeping. ``stall_s``: how long a busy worker may make no progress before that
+    counts as a miss; ``timeout_s``: how long a spare may stay silent before ``unresponsive``."""
 
     __slots__ = ("last_answer_at", "last_progress", "last_progress_at", "missed", "stall_s", "timeout_s", "vouch")
 
     def __init__(self, stall_s: float, timeout_s: float) -> None:
         self.stall_s = stall_s
         self.timeout_s = timeout_s
-        #: The progress counter of the last answer (not the answer itself: kept for an interval,
-        #: an object a member would be promoted and scanned by every full collection).
+        #: The last answer's progress counter (not the answer: a kept object would be scanned by every
+        #: collection).
         self.last_progress: int | None = None
         self.last_progress_at: float | None = None
         self.last_answer_at: float | None = None
         self.missed = 0
-        #: Set by the watchdog while this worker's answers in its node's rounds are the same as
-        #: its last one and not busy (the module docstring); None: every answer is handed over.
+        #: Set by the watchdog while this worker's answers are unchanged and idle; None: each is handed over.
         self.vouch: Vouch | None = None
 
     def observe(
@@ -104,10 +65,8 @@ class Liveness:
         current_checksum: str | None,
         source: bool = False,
     ) -> str | None:
-        """Record one poll's outcome; returns the trigger to fire on the worker, or None.
-        ``source``: the worker is a trainer rank, whose weights move ahead of the committed
-        version by design (mid-sync it reports the version it is sending): it is proven by an
-        answer at the committed version or later, checksum aside."""
+        """Record one poll's outcome; returns the trigger to fire, or None. ``source``: a trainer rank, proven
+        by an answer at the committed version or later, checksum aside."""
         if self.vouch is not None:
             self._vouched()
         if heartbeat is None:

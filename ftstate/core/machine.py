@@ -1,34 +1,8 @@
-"""State machines built from specs: one model per group or worker, events in, effects out.
-
-:class:`StateMachine` is the only place a group's or worker's state changes. It takes
-events (``await machine.fire("member_lost", reason=...)``), checks them against the spec,
-sets the model's state through a shared ``transitions`` ``AsyncMachine`` built once per spec
-(it has no callbacks: its async ``trigger`` would only spend ~70 µs reaching the same state,
-so the model is not even added to it), and then carries out the three effects every
-transition has:
-
-1. the deadline of the state left is disarmed and that of the state entered is armed
-   (:mod:`ftstate.core.deadline`); on expiry the spec's ``on_expiry`` trigger is fired and a
-   typed :class:`~ftstate.core.errors.DeadlineExceeded` recorded, naming what was waited for,
-   for how long, at which group version and who was missing;
-2. entering a state with a budget spends one unit (:mod:`ftstate.core.budget`); with nothing
-   left the ``on_exhausted`` trigger is taken instead and
-   :class:`~ftstate.core.errors.FailoverBudgetExhausted` recorded;
-3. one audit record is written (:mod:`ftstate.core.audit`).
-
-Events for one machine are serialised by an ``asyncio.Lock`` (FIFO): concurrent events are
-queued, never dropped, and never cancel each other (``transitions`` with ``queued=False``
-would cancel a model's in-flight callbacks on a new trigger; it never sees two at once here).
-A deadline expiry queued behind an event that has already left the state is discarded:
-leaving the state disarmed it.
-
-``transitions`` keeps its models in a list and ``add_model`` / ``remove_model`` scan it, so
-adding or removing n models costs O(n²); :class:`_SpecMachine` keeps an identity set beside
-the list so 10,000 worker machines cost linear time.
-
-This module imports neither Ray nor torch: the runtime drives it, tests drive it with a
-:class:`~ftstate.core.deadline.ManualClock` and no sleeps.
-"""
+"""State machines built from specs: one per group or worker, events in, effects out; driven by the
+controller's runtime, or by tests with a :class:`~ftstate.core.deadline.ManualClock`.
+:meth:`StateMachine.fire` is the only place a state changes, and there each transition disarms and arms
+deadlines, spends budgets and writes its audit record (docs/concepts.md, "Machines"). Imports neither Ray nor
+torch."""
 
 from __future__ import annotations
 
@@ -81,9 +55,8 @@ class _SpecMachine(AsyncMachine):
             self._model_ids.add(id(mod))
 
     def remove_model(self, model: Any) -> None:
-        # transitions' own removes each model by a scan of the list (O(n) a model: closing a
-        # run of 10,000 members was O(n²)); here removed models leave the list in one pass
-        # once half of it is gone, so n removals cost O(n).
+        # Removed models leave the list in one pass once half of it is gone, so n removals cost O(n), not
+        # O(n²).
         gone = {id(mod) for mod in (model if isinstance(model, list) else [model])} & self._model_ids
         if not gone:
             return
@@ -101,8 +74,7 @@ def _bound(fn: Any, model: Any) -> Any:
 
 
 def _per_spec(cache: dict[int, tuple[MachineSpec, Any]], spec: MachineSpec, make: Callable[[MachineSpec], Any]) -> Any:
-    """What ``make(spec)`` built for ``spec`` (once a spec; keyed by identity, checked against
-    the spec itself since an id can be reused once a spec is gone)."""
+    """What ``make(spec)`` built for ``spec``, once a spec (keyed by identity, checked against the spec)."""
     hit = cache.get(id(spec))
     if hit is None or hit[0] is not spec:
         hit = cache[id(spec)] = (spec, make(spec))
@@ -130,8 +102,7 @@ def _compiled_machine(spec: MachineSpec) -> _SpecMachine:
 
 
 class _PlainNames(dict[str, Any]):
-    """A spec's names (its own, its states', its triggers') as a record writes them (:func:`plain`),
-    each cleaned once, on first use."""
+    """A spec's names as a record writes them (:func:`plain`), each cleaned once, on first use."""
 
     def __missing__(self, name: str) -> Any:
         value = self[name] = plain(name)
@@ -146,24 +117,17 @@ def _names_of(spec: MachineSpec) -> _PlainNames:
 
 
 class _Model:
-    """What ``transitions`` decorates with triggers; kept apart so trigger names
-    (``stop``, ``fail``…) never shadow :class:`StateMachine`'s own methods."""
+    """What ``transitions`` decorates with triggers, apart so triggers never shadow the machine's methods."""
 
     __slots__ = ("__dict__", "state")
 
 
 class StateMachine:
-    """One group or worker, driven by events, with deadlines, budgets and an audit trail.
+    """One group or worker, driven by events, with deadlines, budgets and an audit trail. ``config`` gives
+    each deadline's seconds and budget's limit; ``budgets`` are shared by config key, so several machines
+    spend one run-wide budget; ``clock`` defaults to the running loop's."""
 
-    spec: the machine's spec. member: who this is (``group``, ``rollout-1``); role, rank:
-    for workers. config: gives each deadline's seconds and each budget's limit (the keys the
-    spec names). audit: where records go (an in-memory trail if omitted). clock: deadlines'
-    clock (the running loop's by default). budgets: shared budgets by config key, so several
-    machines can spend one run-wide budget; missing ones are created from the config.
-    """
-
-    # Slots, not a __dict__: a heartbeat round reads 10,000 machines' states, and each
-    # machine's attributes held in the object itself are one cache miss fewer a read.
+    # Slots, not a __dict__: a heartbeat round reads every machine's state.
     __slots__ = (
         "__weakref__",
         "_entered_at",
@@ -228,10 +192,8 @@ class StateMachine:
         self._expired: dict[int, errors.DeadlineExceeded] = {}
         self._listeners: list[Callable[[StateMachine, str, str, str], None]] = []
         self._model = _Model()
-        # Not added to the shared machine (add_model): that hangs a bound trigger per event on
-        # every model (~40 objects a machine, 400,000 for 10,000 members, which the garbage
-        # collector then walks on every full collection), and the triggers are never called:
-        # the state is set through the shared machine (_fire).
+        # Not added to the shared machine (add_model): that hangs a bound trigger per event on every
+        # model for the collector to walk, and the state is set through the shared machine (_fire).
         compile_spec(spec).set_state(spec.initial, model=self._model)
         self._arm(spec.initial)
 
@@ -265,16 +227,14 @@ class StateMachine:
         self._bound_identity()
 
     def _bound_identity(self) -> None:
-        # What every record carries, cleaned once here (a worker's node address comes from its
-        # own answer): a transition's record then writes these and the spec's names as they are.
+        # What every record carries, cleaned once here, so a transition's record writes it as it is.
         recorded = {k: plain(v) for k, v in self.identity.items() if v is not None}
         self._recorded = recorded
         self._identity_rest = {k: v for k, v in recorded.items() if k != "member"}
         self._member_plain = recorded.get("member")
 
     def listen(self, callback: Callable[[StateMachine, str, str, str], None]) -> None:
-        """Call ``callback(machine, src, dest, trigger)`` after every transition (the runtime
-        reacts to LOST or FAILED this way, whoever caused them). It must not block."""
+        """Call ``callback(machine, src, dest, trigger)`` after every transition; it must not block."""
         self._listeners.append(callback)
 
     def describe_wait(
@@ -284,11 +244,8 @@ class StateMachine:
         missing: Iterable[str] | Callable[[], Iterable[str]] = (),
         arrived: Iterable[str] | Callable[[], Iterable[str]] = (),
     ) -> None:
-        """Say what the current state is waiting for, so an expiry can name it and who is missing.
-
-        ``missing``/``arrived`` may be callables, asked at expiry (e.g. who registered in the
-        rendezvous store by then). Reset on every transition.
-        """
+        """Say what the current state waits for, so an expiry can name it; ``missing``/``arrived`` may be
+        callables asked at expiry. Reset on every transition."""
         self._wait = (what, missing, arrived)
 
     # -- events ------------------------------------------------------------------------
@@ -302,21 +259,11 @@ class StateMachine:
         spend_on: Sequence[str | Charge] = (),
         **fields: Any,
     ) -> str:
-        """Apply one event; returns the state entered.
-
-        Raises :class:`~ftstate.core.errors.InvalidTransition` when the current state does not accept
-        ``trigger``. ``error`` is recorded as the machine's error (a fault that caused it);
-        ``fields`` are added to the audit record. ``spend_on``: when the state entered has a
-        budget, what each unit it costs is spent on (a reason, or a :class:`~ftstate.core.budget.Charge`
-        naming the slot replaced or the node lost whole); default one unit, spent on ``reason``.
-        Entering is refused (the budget's ``on_exhausted`` trigger instead) when a unit would
-        break one of the budget's limits.
-
-        A transition is applied in one step of the event loop, without waiting on anything, so
-        two events (or an event and a deadline's expiry) never interleave: no lock is needed,
-        and none is taken (an ``asyncio.Lock`` was three coroutines a transition, 20,000
-        transitions a sync at 10,000 members).
-        """
+        """Apply one event; returns the state entered. Raises :class:`~ftstate.core.errors.InvalidTransition`
+        when the state does not accept ``trigger``. ``error`` is recorded as the machine's error; ``fields``
+        go on the record; ``spend_on`` says what each budget unit is spent on (default one unit, on
+        ``reason``), and entering is refused for ``on_exhausted`` when a limit would break. Applied in one
+        step of the event loop, so events never interleave and no lock is needed."""
         return self._fire(trigger, reason, error, fields, tuple(spend_on))
 
     def _fire(
@@ -333,9 +280,8 @@ class StateMachine:
             refused = self.budget(budget_spec.key).refusal(units, self.clock.now())
             if refused is not None:
                 return self._exhausted(dest, trigger, refused)
-        # The edge was checked against the spec above, and the compiled machine has no callbacks
-        # or conditions: its async ``trigger`` would do what this assignment does after ~70 µs
-        # of event plumbing (a third of a transition's cost), its ``set_state`` after a lookup.
+        # The edge was checked above and the compiled machine has no callbacks: setting the state is all its
+        # trigger would do.
         self._model.state = dest
         self._transition(src, dest, trigger, reason, error, fields)
         if budget_spec is not None and dest != src:
@@ -343,10 +289,8 @@ class StateMachine:
         return dest
 
     async def spend(self, units: Sequence[str | Charge]) -> bool:
-        """Spend ``units`` more of the budget of the state the machine is in, one per entry
-        (a failover round that takes in a loss that came while it ran pays for it as if it
-        had been there on entry). With fewer left, the budget's ``on_exhausted`` trigger fires
-        as it would have on entry, and False is returned."""
+        """Spend ``units`` more of the current state's budget (a loss taken in mid-round pays as on entry);
+        with too few left, ``on_exhausted`` fires and False is returned."""
         budget_spec = self.spec.states[self.state].budget
         if budget_spec is None:
             raise InternalError(f"{self.spec.name} {self.member}: state {self.state} has no budget to spend")
@@ -358,8 +302,8 @@ class StateMachine:
         return True
 
     def _exhausted(self, dest: str, trigger: str, refused: Refusal) -> str:
-        """Entering (or staying in) ``dest`` would overspend its budget (``refused`` says which
-        limit): its ``on_exhausted``, with the spec's error (or CrashLoop for a slot's limit)."""
+        """Entering ``dest`` would overspend (``refused``: which limit): take its ``on_exhausted``, with the
+        error."""
         budget_spec = self.spec.states[dest].budget
         assert budget_spec is not None
         budget = self.budget(budget_spec.key)
@@ -477,8 +421,7 @@ class StateMachine:
         self._fire(d.on_expiry, str(exc), exc, {})
 
     def record(self, event: str, **fields: Any) -> None:
-        """Write a record of this machine that changes no state (e.g. a serving member that
-        now holds a newer weights version), with the machine's identity and versions."""
+        """Write a record of this machine that changes no state, with its identity and versions."""
         self._record(event, state=self.state, **fields)
 
     def record_error(self, exc: BaseException, **fields: Any) -> None:
@@ -504,11 +447,8 @@ class StateMachine:
     # -- waiting -----------------------------------------------------------------------
 
     async def wait_for(self, *states: str) -> str:
-        """Wait until the machine is in one of ``states``; returns it.
-
-        Raises the machine's recorded error (or :class:`~ftstate.core.errors.FTError`) if it lands
-        in a terminal state that is not among ``states``.
-        """
+        """Wait until the machine is in one of ``states``; returns it. Raises the recorded error (or
+        :class:`~ftstate.core.errors.FTError`) on a terminal state not among them."""
         unknown = [s for s in states if s not in self.spec.states]
         if unknown:
             raise ValueError(f"{self.spec.name} machine has no state {unknown[0]!r}")
@@ -543,12 +483,8 @@ class StateMachine:
 
     @contextlib.asynccontextmanager
     async def deadline_scope(self) -> AsyncIterator[Deadline | None]:
-        """Bound the enclosed work by the current state's deadline.
-
-        If the deadline expires while the work runs, the machine takes its expiry transition,
-        the work is cancelled (explicitly, by the machine) and this raises the recorded
-        :class:`~ftstate.core.errors.DeadlineExceeded`. Leaving the state ends the bound.
-        """
+        """Bound the enclosed work by the current state's deadline: on expiry the machine takes its expiry
+        transition, cancels the work, and this raises the recorded ``DeadlineExceeded``."""
         task = asyncio.current_task()
         assert task is not None
         entry = self._entry

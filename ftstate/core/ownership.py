@@ -1,23 +1,6 @@
-"""Ownership: which trainer rank holds which tensor, or which slice of it, in one weights version.
-
-With ``trainer_workers: N`` every trainer rank's ``state_dict()`` returns only what that rank
-owns: a plain tensor (the rank owns all of it) or a :class:`Shard` (slice ``index`` of
-``count`` slices of the full tensor along ``dim``: FSDP/ZeRO dim-0 shards, tensor-parallel
-column or row splits). The union over the ranks is the weights version a rollout receives,
-always as full tensors.
-
-:func:`plan_ownership` turns what the ranks returned (as :class:`Piece` descriptors: names,
-dtypes, shapes, no data) into an :class:`Ownership`: per tensor, its full shape and dtype
-and which rank sends which slice. It is pure (no torch, no Ray, no I/O) and runs on the
-controller before a single byte is sent, so bad ownership fails the sync with
-:class:`~ftstate.core.errors.OwnershipError` (naming the tensor and the ranks) while every
-rollout keeps the version it holds.
-
-Slicing rule (torch's ``chunk`` rule): ``count`` slices of a full size ``F`` along ``dim`` are
-``s = ceil(F / count)`` long, the last ones shorter (``min(s, F - i*s)``); a slice may not be
-empty. The gather style (rank 0 returns everything, the others nothing) and pipeline stages
-(each rank its own layers) are just cases of this.
-"""
+"""Ownership, checked in the controller: which trainer rank holds which tensor, or which slice, in one weights
+version (a whole tensor or a :class:`Shard`, torch's ``chunk`` rule). Pure, so bad ownership fails the sync
+before a byte is sent (docs/concepts.md, "Several trainer ranks")."""
 
 from __future__ import annotations
 
@@ -30,8 +13,7 @@ from ftstate.core.errors import OwnershipError
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Slice ``index`` of ``count`` slices of a full tensor along ``dim``; ``tensor`` is the
-    slice this rank holds (its shape is the full shape with ``dim`` cut to this slice)."""
+    """Slice ``index`` of ``count`` of a full tensor along ``dim``; ``tensor``: the slice this rank holds."""
 
     tensor: Any
     dim: int
@@ -87,8 +69,7 @@ class Part:
 
 @dataclasses.dataclass(frozen=True)
 class TensorOwnership:
-    """A full tensor: its shape and dtype, the dim it is cut along (None: one rank owns it
-    whole) and its parts in slice order."""
+    """A full tensor: shape, dtype, the dim it is cut along (None: owned whole) and its parts in order."""
 
     name: str
     dtype: str
@@ -136,11 +117,9 @@ def piece_key(name: str, dim: int | None, index: int) -> str:
 
 
 def plan_ownership(pieces: Iterable[Piece], *, ranks: int) -> Ownership:
-    """Check what ``ranks`` trainer ranks returned and say who sends what; see the module
-    docstring. Raises OwnershipError naming the tensor and the ranks for: a tensor owned
-    whole by two ranks, or whole by one and sliced by another; a slice twice; a missing
-    slice; slices that disagree on count, dim, dtype or the other dims; slice lengths that
-    do not follow the slicing rule. Nothing owned at all is an error too."""
+    """Check what ``ranks`` trainer ranks returned and say who sends what. Raises OwnershipError, naming the
+    tensor and ranks, for a tensor or slice owned twice, a missing slice, slices that disagree or break the
+    slicing rule, or nothing owned at all."""
     by_name: dict[str, list[Piece]] = {}
     for p in pieces:
         if not 0 <= p.rank < ranks:

@@ -1,30 +1,9 @@
-"""The route plan of one weight transfer: which receiver gets the bytes how, from where members run.
-
-A transfer's bytes should cross a socket only where they must: once per node. The plan
-groups the receivers by the node (Ray's node id) they run on, against the sender's node:
-
-* a receiver on the **sender's node** reads every bucket from shared memory
-  (``shm``: :mod:`ftstate.transport.samehost`): written once by the sender, read by all of
-  them, no socket;
-* on **another node** with one receiver, that receiver gets it over the collective
-  (``collective``: gloo or NCCL, point to point from the sender);
-* on **another node** with two or more receivers, one copy crosses the network: the
-  receiver of the lowest rank there is that node's **relay** (route ``collective``); it
-  verifies each bucket and writes it into shared memory of its own node, and its node peers
-  (route ``relay``) read it from there. The peers still verify everything against the
-  *sender's* seal (it reaches every member over the collective), never the relay's word.
-
-When a relay cannot make its segments, ``auto`` moves its peers to the collective (the
-sender then sends to them as well, and says why in ``SyncReport.shm_fallback``);
-``require`` fails the sync with :class:`~ftstate.core.errors.SharedMemoryUnavailable`.
-With ``shared_memory: off`` every receiver takes the collective and nothing changes on the
-wire. A member whose node is unknown (outside Ray) is never assumed to share a host, with
-the sender or with another receiver.
-
-The plan is data: the sync's audit record (``sync_start``) carries :meth:`Plan.record`,
-and the runtime's ``SyncReport`` says which rollout got the weights how. This module is pure
-(no Ray, no torch): unit-tested with nodes given as strings.
-"""
+"""The route plan of one weight transfer, made in the controller: bytes cross a socket once per node.
+Receivers on the sender's node read shared memory (``shm``); a lone receiver elsewhere takes the collective;
+on a node with several, the lowest rank is the relay (``collective``) and its peers read its shared memory
+(``relay``), verifying against the sender's seal. ``auto`` falls back to the collective, ``require`` fails,
+and an unknown node never shares a host. Pure data, recorded on ``sync_start``; docs/operations.md ("Across
+nodes")."""
 
 from __future__ import annotations
 

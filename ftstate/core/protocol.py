@@ -1,16 +1,7 @@
-"""The calls between the controller and a worker process: one frozen request and one frozen
-reply per call, declared once here.
-
-The controller (:mod:`ftstate.controller.calls`) sends a request; the worker host
-(:class:`ftstate.worker.host.WorkerHost`) and the simulated member
-(:class:`ftstate.simulation.members.SimulatedMember`) each answer it with the method named by
-the request's class (:attr:`Request.method`), taking that request and returning its reply.
-:class:`WorkerAPI` lists those methods; a test holds both sides to it, so a call that one side
-lacks, or that takes or returns the wrong type, fails before anything runs.
-
-Pure data: no Ray, no torch. Values cross processes pickled by the cluster (Ray's), so fields
-are plain values, tuples and mappings of them.
-"""
+"""The calls between the controller and a worker process: one frozen request and one frozen reply per call,
+declared once here. The worker host and the simulated member answer each with the method the request names
+(:attr:`Request.method`); :class:`WorkerAPI` lists them and a test holds both sides to it. Pure data, pickled
+across processes, so fields are plain values."""
 
 from __future__ import annotations
 

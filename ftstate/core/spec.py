@@ -1,31 +1,6 @@
-"""Machine specs: the state machines as data, loaded from ``machines/*.yaml`` and validated.
-
-A spec is the single source of truth for a machine: its states, its transitions
-(trigger, source, dest), which states carry a deadline (a config key, the trigger that
-fires when it expires, the error it records), which carry a budget, which are terminal
-and which may serve traffic. :mod:`ftstate.core.machine` builds ``transitions`` machines from
-it and :mod:`ftstate.core.diagram` draws it; nothing else describes the machines.
-
-Validation happens once, at load, and a malformed spec fails with a
-:class:`~ftstate.core.errors.SpecError` naming the file, the state or transition, and what is
-wrong. The checks:
-
-- unknown keys, unknown states in a transition, an unknown initial state;
-- a trigger that leads from one state to two different states (ambiguous);
-- a state unreachable from the initial state;
-- a non-terminal state with no way out other than the ``"*"`` wildcards (``fail``,
-  ``stop``): a state that can only fail is a trap, not a state;
-- a terminal state with an explicit transition out;
-- a deadline naming a config key that does not exist, an expiry trigger the state does
-  not accept, or an error that is not a deadline error;
-- a budget whose exhaustion trigger is missing from a state that leads into it;
-- **the serving rule**: a serving state entered from a non-serving state other than
-  ``RESYNCED``. This is the transition that must not exist: a worker that is new,
-  restarted, stale or lost would then take traffic without a complete, checksum-verified
-  load of the current weights, which is how stale-weight rollouts poison training.
-
-This module imports neither Ray nor torch.
-"""
+"""Machine specs: the state machines as data, loaded from ``machines/*.yaml`` and validated once at load (a
+:class:`~ftstate.core.errors.SpecError` names the file, place and problem); the checks, the serving rule above
+all, are listed in docs/concepts.md ("Machines"). Imports neither Ray nor torch."""
 
 from __future__ import annotations
 
@@ -53,11 +28,8 @@ _TRANSITION_KEYS = {"trigger", "source", "dest"}
 
 @dataclasses.dataclass(frozen=True)
 class DeadlineSpec:
-    """A state's deadline: armed on entry, disarmed on exit.
-
-    key: the config field (dotted path) giving the seconds; on_expiry: the trigger fired
-    when it expires; error: the :class:`~ftstate.core.errors.DeadlineExceeded` subclass recorded.
-    """
+    """A state's deadline, armed on entry and disarmed on exit: ``key`` gives the seconds, ``on_expiry`` fires
+    when it expires, ``error`` is the recorded DeadlineExceeded subclass."""
 
     key: str
     on_expiry: str
@@ -66,11 +38,8 @@ class DeadlineSpec:
 
 @dataclasses.dataclass(frozen=True)
 class BudgetSpec:
-    """A budget spent once on every entry into its state.
-
-    key: the config field giving the limit; on_exhausted: the trigger taken instead of
-    entering the state once the budget is spent; error: the error recorded then.
-    """
+    """A budget spent on every entry into its state: ``key`` gives the limit, ``on_exhausted`` is taken
+    instead once it is spent, ``error`` is recorded then."""
 
     key: str
     on_exhausted: str

@@ -1,11 +1,6 @@
-"""Text that reaches a person: what ftstate puts in a message, a log line or an audit record.
-
-Remote tracebacks from Ray arrive coloured (``\\x1b[36mray::...``), and a user's own message can
-hold anything; a terminal escape in an error message or a trail record garbles the screen it is
-printed on, and in a trail it is a way to hide or fake lines (an escape that moves the cursor).
-Every message and record goes through :func:`clean` before it is kept, and
-:func:`bounded` keeps one hostile value from making a message of megabytes.
-"""
+"""Text that reaches a person (messages, logs, audit records), in any process: :func:`clean` strips terminal
+escapes, which would garble a screen or hide and fake trail lines, and :func:`bounded` keeps one hostile value
+from making a message of megabytes."""
 
 from __future__ import annotations
 
@@ -37,9 +32,8 @@ def bounded(text: str, limit: int = 2000) -> str:
 
 
 def listed(items: Iterable[object], first: int = 5, sep: str = "; ") -> str:
-    """The first ``first`` of ``items`` joined by ``sep``, then "and N more": a message that
-    lists members or failures stays one readable line however many there are (the full list
-    belongs in the error's attributes and the trail)."""
+    """The first ``first`` of ``items`` joined by ``sep``, then "and N more", so a message stays one line (the
+    full list belongs in attributes and the trail)."""
     items = [str(i) for i in items]
     shown = sep.join(bounded(i, 300) for i in items[:first])
     return f"{shown}{sep}and {len(items) - first} more" if len(items) > first else shown

@@ -1,19 +1,7 @@
-"""Virtual time: an asyncio event loop whose clock jumps to the next timer instead of waiting.
-
-The controller takes every time it needs from its event loop (``loop.time()``, deadlines on
-``loop.call_at``, ``asyncio.sleep``), so running it on :class:`VirtualTimeLoop` runs it in
-simulated time: when nothing is ready to run, the loop moves its clock straight to the next
-scheduled callback. A simulated day costs only the controller's own CPU, and a run is
-deterministic: the same schedule of callbacks gives the same order of events.
-
-Why not ``looptime`` (the well-kept library for this in tests): it polls the real selector and
-runs 42 no-op loop cycles before each jump of its clock (a guard for code that waits on real
-I/O or threads), which a simulation with no I/O at all does not need; measured on the
-1,000-member job (``benchmarks/controller_scale.py --sizes 1000 --loop looptime``, looptime
-0.9) a sync cost 0.72 s of CPU on it against 0.22 s on this loop, a heartbeat interval 0.28 s
-against 0.07 s. A simulation that waits on real I/O or a thread still
-runs, slowly: with no timer due, the loop waits for it in real time, 50 ms at a time.
-"""
+"""Virtual time, for the simulation: an asyncio event loop whose clock jumps to the next timer instead of
+waiting, so a simulated day costs only the controller's CPU and a run is deterministic. Chosen over
+``looptime``, whose per-jump polling a loop with no I/O does not need (docs/simulation.md). Real I/O or
+threads still work, waited for in real time, 50 ms at a time."""
 
 from __future__ import annotations
 
@@ -28,16 +16,13 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-#: With nothing registered but the loop's own self-pipe and no thread's wake-up seen, the real
-#: selector is polled once in this many loop passes (for a signal's byte written into the pipe
-#: by C, which no Python code sees): a poll is a system call, and a simulation makes one loop
-#: pass per modelled answer (~70,000 in a 10,000-member sync).
+#: With only the loop's self-pipe registered and no thread's wake-up seen, the real selector is
+#: polled once in this many passes (for a signal's byte written by C): a poll is a system call.
 POLL_EVERY = 64
 
 
 class _JumpingSelector(selectors.DefaultSelector):
-    """The loop's selector: polls without waiting, and moves the loop's clock by the time the
-    loop would have slept."""
+    """The loop's selector: polls without waiting and moves the clock by the time it would sleep."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,9 +42,8 @@ class _JumpingSelector(selectors.DefaultSelector):
         else:  # only the self-pipe, and nobody wrote to it from Python: nothing to read
             ready = []
         if timeout is None:
-            # Nothing scheduled and nothing ready: whatever is awaited waits on real I/O or a
-            # thread, which virtual time cannot advance (the loop's self-pipe is registered:
-            # a thread's call_soon_threadsafe still wakes it, after a real wait).
+            # Nothing scheduled or ready: what is awaited waits on real I/O or a thread, which virtual time
+            # cannot advance (a thread's call_soon_threadsafe still wakes it, after a real wait).
             return super().select(0.05)
         if timeout > 0:
             self.loop.advance(timeout)
@@ -89,15 +73,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 class TimerQueue:
-    """The simulation's own timers (modelled answers, detections, timeouts) behind one loop timer.
-
-    A simulated cluster of 10,000 members keeps ~20,000 answers pending in a sync. As loop
-    timers, each is a handle on the loop's heap, ordered by ``TimerHandle.__lt__`` in Python
-    (~370,000 comparisons a sync, a tenth of its CPU); here each is one tuple on a heap of this
-    queue's own, compared in C, and only the earliest holds a loop timer. A callback runs in
-    ``context`` at its time, after what the loop has ready, as a loop timer's would; one made
-    while the queue runs waits for the next pass. Timers cannot be cancelled: the modelled
-    outcomes check whether what they settle is still pending."""
+    """The simulation's own timers behind one loop timer: each a tuple on a heap compared in C, only the
+    earliest holding a loop timer (loop timers compare in Python, a tenth of a large sync's CPU). Callbacks
+    run in ``context`` as a loop timer's would; timers cannot be cancelled, so modelled outcomes check whether
+    what they settle is still pending."""
 
     def __init__(self, context: contextvars.Context) -> None:
         self.context = context

@@ -1,22 +1,8 @@
-"""The simulated cluster: the controller's backend (:class:`~ftstate.controller.backend.ClusterBackend`)
-with simulated nodes, resource pools, members and a rendezvous store, and the faults a
-schedule injects into them (deaths, hangs, node losses).
-
-Nodes are ``n0000000``, ``n0000001``… (unique in their first 8 characters, which is what the
-records show of a node id), each with ``cpus_per_node`` CPUs and ``gpus_per_node`` GPUs; the
-controller runs on a head node of its own that holds no worker. Placement follows Ray's
-strategies as far as the controller can tell them apart: ``PACK`` fills node after node,
-``SPREAD`` deals the slots round the nodes that have room, labels select nodes, and a pool
-no state of the cluster could hold is refused at once with the same
-:class:`~ftstate.core.errors.PlacementUnsatisfiable` (:func:`~ftstate.controller.feasibility.check_feasible`).
-A spare's slot goes to the node with the most room outside the nodes it must avoid.
-
-A lost node takes every member on it, as a real one does on Ray (measured, docs/benchmarks.md
-"Node loss"): its actors are not reported dead at once; calls to them get no answer (new ones
-fail as unreachable after ``Costs.unreachable_s``), so the controller finds them by their
-heartbeats, until Ray's health check declares the node dead (``Costs.node_dead_s``) and their
-calls fail as dead. Everything runs on the running event loop's clock.
-"""
+"""The simulated cluster, in the controller's process: a :class:`~ftstate.controller.backend.ClusterBackend`
+with simulated nodes, pools, members and store, and the faults a schedule injects. Placement follows Ray's
+strategies as far as the controller can tell them apart; a lost node's members go unanswered until its death
+is declared (``Costs.node_dead_s``), as measured on Ray (docs/benchmarks.md, "Node loss"). Everything runs on
+the event loop's clock; docs/simulation.md describes the model."""
 
 from __future__ import annotations
 
@@ -54,10 +40,8 @@ def node_name(index: int) -> str:
 
 
 class SimulatedCluster(ClusterBackend):
-    """``nodes`` simulated nodes (see the module docstring); costs: what each step costs;
-    seed: the seed of the answer times' jitter. per_node: for node i, the custom resources and
-    labels it has besides the common ones (``{"resources": {...}, "labels": {...}}``), so that
-    a placement aimed at one node (a real cluster's ``node_b`` resource) lands the same here."""
+    """``nodes`` simulated nodes (ids unique in their first 8 characters); ``costs``: what each step costs;
+    ``seed``: the answer-time jitter's; ``per_node``: node i's extra resources and labels."""
 
     def __init__(self, nodes: int, *, cpus_per_node: float = 8.0, gpus_per_node: float = 0.0,
                  costs: Costs | None = None, labels: Mapping[str, str] | None = None, seed: int = 0,
@@ -72,8 +56,7 @@ class SimulatedCluster(ClusterBackend):
         self.costs = costs if costs is not None else Costs()
         #: The cluster's one source of chance (answer times): a run is a function of its seed.
         self.rng = random.Random(seed)
-        #: The context every modelled answer runs in (they read no context variable): one for
-        #: all, where ``call_at`` would copy the caller's for each of thousands of calls in flight.
+        #: The one context every modelled answer runs in, instead of a copy per call in flight.
         self.context = contextvars.Context()
         #: The timers of every modelled answer, detection and timeout (:class:`TimerQueue`).
         self.timers = TimerQueue(self.context)
@@ -104,9 +87,8 @@ class SimulatedCluster(ClusterBackend):
         self.draining: dict[str, int] = {}
         #: Poisoned nodes (:meth:`poison_node`): each kills what runs there this long after it starts.
         self.poisoned: dict[str, float] = {}
-        #: A trainer step already under way when it is called (virtual time, seconds): a
-        #: ``train_step`` call made at that instant ends that much sooner (the replay's first step
-        #: of a failure, whose undisturbed head it does not run: ftstate.simulation.goodput).
+        #: A trainer step already under way when called (virtual seconds): a ``train_step`` made at that
+        #: instant ends that much sooner (a replayed failure's first step).
         self.step_under_way: tuple[float, float] | None = None
 
     def changes_on(self, node_id: str) -> NodeChanges:
@@ -171,8 +153,7 @@ class SimulatedCluster(ClusterBackend):
         node_id = pool.slot_nodes().get(slot)  # type: ignore[union-attr]
         up = node_id is not None and self.alive(node_id)
         node = self._nodes[node_id] if node_id is not None else HEAD
-        # A slot with no live node: the actor waits for a placement that never comes (its
-        # machine's INIT deadline decides), as a Ray actor in an unplaced bundle does.
+        # A slot with no live node waits for a placement that never comes, as in an unplaced Ray bundle.
         up_at = self.loop.time() + self.costs.start_s if up else float("inf")
         member = SimulatedMember(self, name, role, node["node_id"], node["address"], next(self._pids), up_at)
         self.members[name] = member
@@ -218,9 +199,7 @@ class SimulatedCluster(ClusterBackend):
 
     def calls(self, node_id: str, handles: Sequence[Any],
               requests: Sequence[Request]) -> AsyncIterator[list[tuple[int, Any]]]:
-        # The agent's hop on its node (a local call, ~1 ms) is not modelled: each outcome reaches
-        # the controller when the member's own call would have ended. The batch is the iteration
-        # (an async generator and its wrappers were five more objects a node's call in flight).
+        # The agent's local hop is not modelled: each outcome arrives when the member's own call would end.
         for h in handles:
             if not isinstance(h, SimulatedMember):
                 raise UsageError(f"not a simulated member: {h!r}")
@@ -232,13 +211,11 @@ class SimulatedCluster(ClusterBackend):
         self._agents.clear()
 
     def start_node_agent(self, name: str, node_id: str) -> Any:
-        # node-local staging is Ray-only (docs/simulation.md): the controller falls back to
-        # private staging, recorded as node_copy_fallback
+        # node-local staging is Ray-only: the controller falls back to private staging
         raise ConfigError("staging", f"node: a simulated node has no node copies (node {node_id[:8]}); staging: node is Ray-only")
 
     def start_node_watcher(self, node_id: str, options: Mapping[str, Any]) -> Any:
-        # A watcher is a light process (no torch): modelled as up at once. It runs no source
-        # of its own (no metadata server here); notices come from drain_node() (the ``ray`` source).
+        # A watcher is light (no torch): up at once; notices come from drain_node() (the ``ray`` source).
         node = self._nodes.get(node_id, HEAD)
         return SimulatedNodeWatcher(self, f"watcher-{node_id}", "watcher", node_id, node["address"],
                                     next(self._pids), self.loop.time())
@@ -255,8 +232,7 @@ class SimulatedCluster(ClusterBackend):
         return self._stores[port]
 
     def collective(self, key: tuple[Any, ...], what: str, expected: int, cost_s: float) -> Collective:
-        """The collective ``key`` (made on its first arrival; forgotten once finished, kept
-        while broken so that a late arrival hears it is)."""
+        """The collective ``key``, made on first arrival, kept while broken so a late arrival hears it."""
         c = self._collectives.get(key)
         if c is None:
             c = self._collectives[key] = Collective(self.loop, what, expected, cost_s, self.costs.death_detect_s,
@@ -280,9 +256,8 @@ class SimulatedCluster(ClusterBackend):
         self.member(name).hang()
 
     def poison_node(self, node_id: str, after_s: float = 0.5) -> list[str]:
-        """The node stays up but kills every member process on it: those there now die together
-        ``after_s`` from now, and every one started there later ``after_s`` after it is up (a
-        crash loop of the node, e.g. a bad driver); returns the members there now."""
+        """The node stays up but kills every member process on it ``after_s`` after it is up (a crash loop of
+        the node); returns the members there now."""
         if not self.alive(node_id):
             raise UsageError(f"no live simulated node {node_id!r}")
         self.poisoned[node_id] = after_s
@@ -292,16 +267,13 @@ class SimulatedCluster(ClusterBackend):
         return [m.name for m in there]
 
     def drain_node(self, node_id: str, deadline_ms: int = 0) -> None:
-        """The cluster starts draining the node (as Ray's ``DrainNode``: the ``ray`` maintenance
-        source reports it at its next poll, and nothing new is placed on it); ``deadline_ms``:
-        epoch milliseconds, 0 for none."""
+        """The cluster starts draining the node, as Ray's ``DrainNode``; ``deadline_ms``: epoch ms, 0 none."""
         if not self.alive(node_id):
             raise UsageError(f"no live simulated node {node_id!r}")
         self.draining[node_id] = int(deadline_ms)
 
     def add_node(self, *, cpus: float | None = None, labels: Mapping[str, str] | None = None) -> str:
-        """A node joins the cluster (the autoscaler, ``ray start``): ``cpus`` (default: the
-        first node's) and ``labels`` of its own; returns its id."""
+        """A node joins (``cpus`` default: the first node's; ``labels`` of its own); returns its id."""
         first = next(iter(self._nodes.values()))
         i = len(self._nodes)
         nid = node_name(i)
@@ -314,8 +286,7 @@ class SimulatedCluster(ClusterBackend):
         return nid
 
     def lose_node(self, node_id: str, reason: str = "node lost") -> list[str]:
-        """The node goes, with every process on it (see the module docstring); returns the
-        members it took."""
+        """The node goes, with every process on it; returns the members it took."""
         if not self.alive(node_id):
             raise UsageError(f"no live simulated node {node_id!r}")
         self.lost_nodes.append(node_id)
@@ -365,8 +336,7 @@ class _SimulatedPool:
 
 
 class SimulatedResourcePool(_SimulatedPool):
-    """A role's pool: every slot placed at once by the role's strategy, or none (then
-    :attr:`placed` is False and :meth:`ready` waits, as for a Ray placement group with no room)."""
+    """A role's pool: every slot placed at once or none (then :meth:`ready` waits, as in Ray)."""
 
     def __init__(self, cluster: SimulatedCluster, name: str, slots: int, *, cpus: float, gpus: float,
                  placement: RolePlacement) -> None:
@@ -443,8 +413,7 @@ class SimulatedResourcePool(_SimulatedPool):
 
 
 class SimulatedSparePool(_SimulatedPool):
-    """The standby pool: a slot per spare (or replacement), placed when taken on the node with
-    the most room outside the nodes to avoid (see the module docstring)."""
+    """The standby pool: a slot per spare, placed when taken on the roomiest node not to be avoided."""
 
     def __init__(self, cluster: SimulatedCluster, name: str, slots: int, *, cpus: float, gpus: float,
                  placement: RolePlacement) -> None:

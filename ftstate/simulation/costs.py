@@ -1,10 +1,6 @@
-"""What each modelled step of a simulated member costs, in seconds of virtual time.
-
-The defaults are this project's own measurements on 2 CPU cores (DESIGN.md, "Facts measured",
-and ``docs/benchmarks.md``); every one can be given on the command line of ``ftstate
-simulate`` or to :class:`Costs` directly. Where a figure depends on the weights' size it is a
-rate (bytes per second), applied to :attr:`Costs.weights_bytes`.
-"""
+"""What each modelled step of a simulated member costs, in seconds of virtual time; defaults are this
+project's measurements (docs/simulation.md, "The modelled costs' defaults"), each settable from ``ftstate
+simulate``. Size-dependent costs are rates applied to :attr:`Costs.weights_bytes`."""
 
 from __future__ import annotations
 
@@ -15,26 +11,11 @@ from ftstate.core.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Modelled costs (seconds unless named otherwise).
-
-    call_s: one actor round trip (Ray: ~3 ms). death_detect_s: from a process's death to the
-    failure of its pending calls (Ray: 15-20 ms after a SIGKILL). start_s: a new worker
-    process up and its class built (the new actor importing torch: 2.3-2.6 s, 3.0 s with its
-    first answer). group_form_s: a new group version formed once every rank joined (gloo:
-    0.02-0.03 s). bandwidth_Bps: a weights transfer's rate (gloo broadcast of 256 MB at world
-    2: ~2 GB/s); a broadcast takes ``weights_bytes / bandwidth_Bps`` plus ``hop_s`` per
-    doubling of the group and ``receiver_s`` per receiver (a transfer's fixed cost whatever its
-    size, per receiver: the sender's buckets, manifest and checksums for each, each receiver's
-    proof, on CPUs they share; 0 by default, where the bytes dominate; the agreement test fits
-    it to a real run of tiny weights, where it is all there is). load_Bps: a rollout's ``load_weights`` of the staged version
-    (memory copy). weights_bytes: the model's weights. train_step_s: one trainer step (a user
-    call between syncs). bucket_bytes: the transport's bucket (its progress counter moves
-    once a bucket). unreachable_s: a call to an actor on a lost node fails as unreachable after this
-(Ray: 1-2 s with ``ActorUnavailableError``; the calls already pending stay pending); node_dead_s:
-when Ray declares the lost node dead and its actors' calls fail as dead (its health check:
-~15 s). jitter: each answer's time is stretched by a seeded draw in
-    ``[0, jitter)`` of itself (answers of many members trickle in, as real ones do).
-    """
+    """Modelled costs, in seconds unless named otherwise: ``call_s`` (a round trip), ``death_detect_s``,
+    ``start_s``, ``group_form_s``; ``bandwidth_Bps`` and ``load_Bps`` (bytes/s) with ``hop_s`` per doubling of
+    the group and ``receiver_s`` per receiver; ``weights_bytes``, ``bucket_bytes``; ``train_step_s``;
+    ``unreachable_s`` and ``node_dead_s`` for a lost node's calls; ``jitter`` stretches each answer by a
+    seeded fraction in ``[0, jitter)``."""
 
     call_s: float = 0.003
     death_detect_s: float = 0.015

@@ -1,25 +1,7 @@
-"""Goodput: the fraction of a job's time that made progress, with ftstate and with the status
-quo it replaces (``ftstate simulate``).
-
-**ftstate** is measured, not modelled: every failure of the schedule is replayed through the
-real controller (:class:`~ftstate.controller.runtime.Runtime` on a
-:class:`~ftstate.simulation.cluster.SimulatedCluster`) while a trainer loop runs
-(``train_step`` then ``sync()``): the fault is injected at a drawn moment of a step, and the
-failure's downtime is how much longer the next ``cycles`` steps took than they take
-undisturbed. The run carries its state from failure to failure (spares spent and replaced,
-``max_failovers`` spent): a failure that exhausts the budget ends the job there, as it would
-for real, and the rest of its time makes no progress. The quiet time between failures is not
-replayed step by step (a simulated week would be 600,000 heartbeat intervals): the spares get
-up to ``settle_s`` to warm up again, and the job's clock jumps to the next failure. Nor is what
-would be undisturbed: the calm ends once the job is steady, and a step after it is steady again
-counts as the steady step it is (docs/simulation.md, "What a replay runs").
-
-**The status quo**: one failure kills the job, which restarts from its last checkpoint
-(``checkpoint_interval_s`` of progress apart): each failure loses the progress since that
-checkpoint plus ``restart_s``; a maintenance notice gives time to checkpoint first, so it loses
-only the restart. Both are on the same steady state (a step plus a sync is progress), so the
-figures compare what failures cost, not how fast a step is.
-"""
+"""Goodput, for ``ftstate simulate``: the fraction of a job's time that made progress, with ftstate (every
+failure replayed through the real controller on a simulated cluster, the budget carried from failure to
+failure, quiet time jumped over) and with the status quo (restart from the last checkpoint).
+docs/simulation.md ("What a replay runs") describes both."""
 
 from __future__ import annotations
 
@@ -42,10 +24,8 @@ _GONE = frozenset({"LOST", "RETIRED", "FAILED", "STOPPED"})
 
 @dataclasses.dataclass(frozen=True)
 class StatusQuo:
-    """The job without ftstate. checkpoint_interval_s: progress between checkpoints;
-    restart_s: from the failure to training again (this project's measurement of restarting
-    the whole Ray job from a checkpoint: 10.9-11.7 s plus ~3.5 s for a fresh driver,
-    DESIGN.md; minutes on a large job)."""
+    """The job without ftstate: ``checkpoint_interval_s`` of progress between checkpoints and ``restart_s``
+    from a failure to training again (docs/benchmarks.md has the measured restart)."""
 
     checkpoint_interval_s: float = 3600.0
     restart_s: float = 14.4
@@ -70,8 +50,7 @@ class Outcome:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """A job's goodput (progress / time) and each failure's cost; ended_at: when a failure
-    ended the job (ftstate: ``max_failovers`` exhausted, or the run failed), else None."""
+    """A job's goodput and each failure's cost; ``ended_at``: when a failure ended the job, else None."""
 
     goodput: float
     outcomes: tuple[Outcome, ...]
@@ -114,8 +93,7 @@ def status_quo(schedule: Sequence[Failure], seconds: float, sq: StatusQuo) -> Re
 async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: Shape, costs: Costs,
                          overrides: Mapping[str, Any] | None = None, seed: int = 0, cycles: int = 2,
                          settle_s: float | None = None, audit_path: str | None = None) -> Result:
-    """ftstate's goodput on ``schedule``, measured on the real controller (run it in a
-    :class:`~ftstate.simulation.clock.VirtualTimeLoop`; see the module docstring)."""
+    """ftstate's goodput on ``schedule``, measured on the real controller (run it in a VirtualTimeLoop)."""
     loop = asyncio.get_running_loop()
     rt, cluster = simulated_runtime(shape, costs=costs, overrides=overrides, seed=seed, audit_path=audit_path,
                                     keep_records=False)
@@ -164,13 +142,11 @@ async def replay_ftstate(schedule: Sequence[Failure], seconds: float, *, shape: 
 
 async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: float, cycle: Any,
                                 cycles: int, steady_s: float) -> tuple[str, float]:
-    """Run ``cycles`` steps with ``f`` injected ``after_s`` into the first; returns what it hit
-    and how long the steps took (a step after the job is steady again counted as ``steady_s``,
-    not replayed)."""
+    """Run ``cycles`` steps with ``f`` injected ``after_s`` into the first; returns what it hit and how long
+    the steps took (steps after the job is steady count as ``steady_s``)."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
-    # The step's head before the fault is undisturbed: not replayed. Its trainer ranks' calls,
-    # made now, end as they would have after_s from now, and the fault comes at once.
+    # The step's head before the fault is undisturbed, not replayed: its calls end as they would have.
     cluster.step_under_way = (t0, after_s)
     first = asyncio.ensure_future(cycle())
     await asyncio.sleep(_CALLS_OUT_S)
@@ -180,8 +156,7 @@ async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: floa
     skipped = 0.0
     for _ in range(cycles - 1):
         if drain is None and _steady(rt, cluster):
-            # Nothing of the failure is left: the cycles still to come are undisturbed ones
-            # and take the steady cycle's time, which the caller subtracts again.
+            # Nothing of the failure is left: the remaining cycles count as steady ones.
             skipped = (cycles - 1) * steady_s
             break
         await cycle()
@@ -191,9 +166,7 @@ async def _inject_during_a_step(rt: Any, cluster: Any, f: Failure, after_s: floa
 
 
 async def _settle(rt: Any, cluster: Any, bound_s: float) -> None:
-    """The calm before a failure: until the job is steady again (spares warm), ``bound_s`` at
-    most, in heartbeat intervals; nothing when it already is (the usual case at the end of a
-    failure's cycles, where sleeping through the bound replayed only quiet heartbeat rounds)."""
+    """The calm before a failure: until the job is steady again, at most ``bound_s``, in intervals."""
     loop = asyncio.get_running_loop()
     end, step = loop.time() + bound_s, rt.config.heartbeat_interval_s
     while loop.time() < end and not _steady(rt, cluster):
@@ -201,10 +174,9 @@ async def _settle(rt: Any, cluster: Any, bound_s: float) -> None:
 
 
 def _steady(rt: Any, cluster: Any) -> bool:
-    """Whether nothing of a failure is left in flight, told by the controller's view and the
-    simulated cluster's truth together: the group ready, no failover pending, every member the
-    controller counts on READY at the current weights version (a spare STANDBY) with its
-    process up and answering, and none on a node that kills what it hosts."""
+    """Whether nothing of a failure is left in flight, by the controller's view and the simulated cluster's
+    truth: group ready, no failover pending, every counted member READY (spares STANDBY) and answering, none
+    on a poisoned node."""
     ms, *_, failover, _ = rt._parts()  # the simulator's own look, one walk of the members
     if rt.state != "READY" or failover.pending:
         return False

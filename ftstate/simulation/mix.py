@@ -1,27 +1,7 @@
-"""Failure mixes (what fails, how often, with what effect on a job) and the schedules drawn
-from them.
-
-The default mix is Llama 3's: 54 days of pre-training on 16,384 H100 GPUs had 466 job
-interruptions, 419 of them unexpected, by root cause (Dubey et al., *The Llama 3 Herd of
-Models*, arXiv:2407.21783, 2024, section 3.3.4 and Table 5). Each cause is given the effect it
-has on an ftstate job:
-
-- ``member``: the process on a GPU dies (a faulty GPU, its HBM3 or SRAM, its system
-  processor, a software bug, silent data corruption that a checksum or the job catches…);
-- ``node``: the whole node goes (its network switch or cable, its NIC, power, chassis, CPU,
-  system memory, disk);
-- ``hang``: the process stops answering but stays up (an NCCL watchdog timeout);
-- ``maintenance``: the node is taken for host maintenance with notice: ftstate drains it
-  (``detect_node_maintenance``), the status quo loses its work since the last checkpoint;
-- ``poison``: a crash loop of one node: it stays up but kills every member process on it
-  (those there now, and each placed there later, within a second of starting). No published
-  mix has it; ``ftstate simulate --poisoned-nodes N`` adds N at seeded times
-  (:func:`add_poisoned_nodes`), so the report shows quarantine at work.
-
-Rates are per GPU-day (Llama 3's: 419 / (54 × 16,384) ≈ 4.7e-4, one interruption every ~3
-hours for the whole job); a member holding ``gpus_per_member`` GPUs fails that many times as
-often. A schedule is a seeded Poisson process over the job's duration.
-"""
+"""Failure mixes (what fails, how often, with what effect on a job: ``member``, ``node``, ``hang``,
+``maintenance`` or ``poison``) and the seeded Poisson schedules drawn from them, per GPU-day. The default is
+Llama 3's published mix (docs/simulation.md, "The default mix: Llama 3"); no published mix has poisoned nodes,
+so ``--poisoned-nodes`` adds them."""
 
 from __future__ import annotations
 
@@ -36,8 +16,7 @@ EFFECTS = ("member", "node", "hang", "maintenance", "poison")
 
 @dataclasses.dataclass(frozen=True)
 class FailureMix:
-    """A named mix: counts of interruptions by cause (cause → (count, effect)) observed over
-    ``gpu_days`` GPU-days; source: where the figures come from."""
+    """A named mix: interruptions by cause (cause → (count, effect)) over ``gpu_days``, with ``source``."""
 
     name: str
     causes: Mapping[str, tuple[int, str]]
@@ -101,8 +80,7 @@ def get_mix(name: str) -> FailureMix:
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    """One failure of a schedule: at ``at`` seconds, ``cause`` with its ``effect``; ``pick``: a
-    draw in [0, 1) that chooses which member or node it hits."""
+    """One failure at ``at`` seconds: ``cause``, ``effect``, and ``pick`` in [0, 1) choosing whom it hits."""
 
     at: float
     cause: str

@@ -1,15 +1,6 @@
-"""A run of the real controller on a simulated cluster: the shape of the job, its config, and
-the faults to inject at given virtual times.
-
-:func:`simulated_runtime` builds the :class:`~ftstate.controller.runtime.Runtime` exactly as a
-user would (a :class:`~ftstate.core.config.RuntimeConfig`, worker classes), handing it a
-:class:`~ftstate.simulation.cluster.SimulatedCluster` as its backend and an audit trail on the
-loop's virtual clock (``ts`` too: a seeded run writes the same bytes). The worker classes are
-never constructed: a simulated member only models what the controller sees of them.
-
-:class:`Shape` is the job: trainer ranks (several: the sharded sync and a rank's recovery of
-:mod:`ftstate.controller.ranks`), rollouts, spares per role, nodes and what each holds.
-"""
+"""A run of the real controller on a simulated cluster: the job's :class:`Shape`, its config, and
+:func:`simulated_runtime`, which builds the Runtime as a user would, with a SimulatedCluster backend and a
+trail on the virtual clock. The worker classes are never constructed."""
 
 from __future__ import annotations
 
@@ -29,9 +20,8 @@ from ftstate.simulation.costs import Costs
 #: Where the virtual clock's epoch lies (the trail's ``ts`` of virtual time 0): fixed, so that
 #: two runs of one seed write the same bytes.
 EPOCH = 1_767_225_600.0  # 2026-01-01T00:00:00Z
-#: The ratio :meth:`Shape.of` builds: one trainer rank (one GPU) for every 8 members, so 1/8 of
-#: the GPUs train and 7/8 generate (disaggregated RL is rollout-heavy: generation takes most
-#: of a step's GPU time), e.g. 1,250 trainer ranks among 10,000 members.
+#: The ratio :meth:`Shape.of` builds: one trainer rank per 8 members (disaggregated RL is
+#: rollout-heavy), e.g. 1,250 trainer ranks among 10,000 members.
 MEMBERS_PER_TRAINER_RANK = 8
 
 
@@ -45,11 +35,8 @@ class SimulatedRollout(RolloutWorker):
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """The job: ``rollouts`` rollout engines and ``trainers`` trainer ranks, ``spares``
-    prewarmed spares per role (standby mode; 0: cold mode; ``trainer_ranks_per_spare`` is set
-    to the ranks' number, so the trainer ranks share ``spares`` spares), on ``nodes``
-    nodes. Each node gets the CPUs its share of members needs plus ``headroom`` (room for
-    spares and replacements)."""
+    """The job: ``rollouts`` and ``trainers`` ranks, ``spares`` per role (0: cold mode; trainer ranks share
+    them), on ``nodes`` nodes, each with its members' CPUs plus ``headroom``."""
 
     rollouts: int
     nodes: int = 1
@@ -65,9 +52,8 @@ class Shape:
 
     @classmethod
     def of(cls, members: int, nodes: int | None = None) -> Shape:
-        """A job of ``members`` members in all, 8 members (GPUs) a node unless ``nodes`` is given:
-        one trainer rank per :data:`MEMBERS_PER_TRAINER_RANK` members, one spare per role per 200
-        members, the rest rollouts."""
+        """A job of ``members`` members, 8 a node unless ``nodes`` is given: a trainer rank per
+        :data:`MEMBERS_PER_TRAINER_RANK`, a spare per role per 200 members, the rest rollouts."""
         if not isinstance(members, int) or isinstance(members, bool) or members < 4:
             raise ConfigError("members", f"{members!r}: expected an integer >= 4")
         spares = max(1, members // 200)
@@ -85,8 +71,7 @@ class Shape:
 
 
 def config_for(shape: Shape, overrides: Mapping[str, Any] | None = None) -> RuntimeConfig:
-    """The run's config: fault tolerance on (standby when there are spares), the rest the
-    defaults, then ``overrides`` (a nested dict, as ``RuntimeConfig.from_dict`` takes)."""
+    """The run's config: fault tolerance on (standby with spares), then ``overrides`` (a nested dict)."""
     base: dict[str, Any] = {
         "trainer_workers": shape.trainers,
         "rollout_workers": shape.rollouts,
@@ -115,8 +100,7 @@ def simulated_runtime(shape: Shape, *, costs: Costs | None = None, overrides: Ma
 
 def runtime_on(cluster: SimulatedCluster, config: RuntimeConfig, *, audit_path: str | None = None,
                keep_records: bool = True, run_id: str = "sim") -> Runtime:
-    """The real runtime with ``config`` on ``cluster`` (a config the caller built, e.g. the very
-    one a real run used), its audit trail on the loop's virtual clock."""
+    """The real runtime with ``config`` on ``cluster``, its audit trail on the loop's virtual clock."""
     import asyncio
 
     loop = asyncio.get_running_loop()

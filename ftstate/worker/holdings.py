@@ -1,14 +1,6 @@
-"""What a rollout holds, and the proofs of it: the version staged by a transfer, the committed
-one (the transport's copy, or the user's engine's when ``held_weights()`` gives it back), and
-the checksum of the bytes it serves from.
-
-Weights are committed in two phases so no rollout ever holds a torn or a lone version: a
-transfer stages and verifies every bucket (the previous version stays in place);
-:meth:`Holdings.commit_weights` hands the staged state to ``load_weights`` only after the
-controller saw every rollout stage the same version; :meth:`Holdings.discard_weights` drops it
-otherwise. The user lock is held during the commit, so no user call runs against half-loaded
-weights.
-"""
+"""What a rollout's worker host holds, and the proofs of it: the staged version, the committed one (the
+transport's copy, or the engine's via ``held_weights()``) and the checksum of what it serves. Commit happens
+only after every rollout staged, under the user lock."""
 
 from __future__ import annotations
 
@@ -24,14 +16,13 @@ from ftstate.worker.usercode import mark_user_error, overrides
 
 
 class Holdings(HostPart):
-    """The staged and committed versions of a worker host (see the module docstring)."""
+    """The staged and committed versions of a worker host."""
 
     _staged: Any  # a transfer's verified version, not yet committed
-    # The committed version's tensors as the transport holds them: the source of resyncs and
-    # reverse recovery. None while the engine holds the only copy (``_engine_holds``).
+    # The committed tensors as the transport holds them (resync source); None while the engine holds the only
+    # copy.
     _loaded: Any
-    # True once ``held_weights()`` gave the committed version back: the engine's weights are then
-    # this rollout's copy and the transport keeps none (sends read ``held_weights()`` instead)
+    # True once ``held_weights()`` gave the committed version back: sends read it, the transport keeps none
     _engine_holds: bool
     _received: str | None  # the checksum the committed version was received with
     _held_mismatch: bool  # the last proven load did not hash to what was received
@@ -43,9 +34,8 @@ class Holdings(HostPart):
     _swap_tasks: set[asyncio.Task[None]]
 
     async def commit_weights(self, req: Commit) -> Loaded:
-        """Rollout: hand the staged version to ``load_weights``; the user lock pauses calls
-        meanwhile. With ``rollout_updates: in_flight`` and a user call running, it waits for
-        the call's next safe point instead (:mod:`ftstate.worker.inflight`): ``deferred``."""
+        """Rollout: hand the staged version to ``load_weights`` under the user lock; with in-flight updates
+        and a call running, it waits for the call's next safe point instead (``deferred``)."""
         staged = self._staged
         if staged is None or staged.weights_version != req.weights_version:
             have = "nothing" if staged is None else f"version {staged.weights_version}"
@@ -98,9 +88,8 @@ class Holdings(HostPart):
             self._tick()
 
     def swap_at_safe_point(self, pause: bool) -> int:
-        """In the user's thread, between two steps of its call: load the version waiting, if
-        any, as :meth:`_load_proven` does, and return the version in effect (``pause``: see
-        :meth:`~ftstate.worker.inflight.SafePointGate.reached`)."""
+        """In the user's thread between two steps: load the waiting version, if any, as :meth:`_load_proven`
+        does; returns the version in effect."""
         staged = self._pending.take()
         if staged is None:
             return self.weights_version
@@ -140,10 +129,8 @@ class Holdings(HostPart):
             returned, device_type=None, member=self.member, backend=self.backend, what="held_weights()")
 
     async def _load_weights(self, tensors: Mapping[str, Any], weights_version: int) -> int | None:
-        """Hand a verified version to the user: whole to ``load_weights``, or, for an engine on
-        a device (``weights_device()`` and ``load_weights_part``), part by part through two device
-        buckets (:func:`ftstate.transport.devicebuckets.load_by_buckets`); returns the device
-        bytes that took (None: a whole load)."""
+        """Hand a verified version to the user: whole to ``load_weights``, or part by part through two device
+        buckets for an engine on a device; returns the device bytes used (None: whole)."""
         device = await self._run(self.user.weights_device) if overrides(self.user, "load_weights_part") else None
         if device is None:
             await self._run(self.user.load_weights, dict(tensors), weights_version)
@@ -171,8 +158,7 @@ class Holdings(HostPart):
         self._staged = None
 
     async def trainer_checksum(self, req: TrainerChecksum) -> Checksum:
-        """Trainer: the checksum of what its ``state_dict()`` returns now (the proof that a
-        trainer loaded from a checkpoint holds the version it claims)."""
+        """Trainer: the checksum of what ``state_dict()`` returns now (proves a checkpoint's version)."""
         async with self._lock():
             return Checksum(await self._trainer_checksum())
 
@@ -187,12 +173,9 @@ class Holdings(HostPart):
         return await asyncio.to_thread(state_checksum, state, function_for(state.values()))
 
     def _proves(self, weights_version: int) -> bool:
-        """Whether the commit of ``weights_version`` hashes what this rollout holds
-        (``held_weights_proof``): always with ``every_sync``, and for a rollout without a
-        ``held_weights()`` hook (hashing the tensors it was given is cheap); with ``admission``,
-        a hook's first load in this process and the first after a proof that failed, else a
-        draw of ``held_weights_proof_fraction`` fixed by the run, member and version. (A
-        resync and a re-admission always prove: :meth:`receive_weights_from`, :meth:`heartbeat`.)"""
+        """Whether this commit hashes what the rollout holds: always with ``every_sync`` or without a
+        ``held_weights()`` hook; with ``admission``, a first load, the load after a failed proof, or a fixed
+        per-run draw of ``held_weights_proof_fraction``. Resyncs and re-admissions always prove."""
         mode, fraction = self._held_proof
         if mode == "every_sync" or not self._has_held_hook() or not self._holds_committed or self._held_mismatch:
             return True
@@ -204,12 +187,9 @@ class Holdings(HostPart):
         return overrides(self.user, "held_weights")
 
     async def _held_checksum(self, given: Mapping[str, Any] | None, like: str | None) -> tuple[str, bool]:
-        """The whole-state checksum of the bytes this rollout serves from, hashed now, and
-        whether they came from its engine: what its ``held_weights()`` returns when the user's
-        engine keeps its own copy, else the tensors handed to ``load_weights`` (``given``; a
-        ``load_weights`` that wrote into them shows here). Called with the user lock held or
-        with no user call running. ``like``: the checksum it is compared with, whose function
-        it is hashed with (nh64 on the engine's device for a version sent from a GPU)."""
+        """The whole-state checksum of what this rollout serves from, hashed now, and whether it came from its
+        engine (``held_weights()``) or the tensors given to ``load_weights``. ``like``: the checksum it is
+        compared with, whose hash function it uses. Call with the user lock held or no call running."""
         from ftstate.transport import state_checksum
         from ftstate.transport.checksum import state_checksum_like
 
@@ -223,8 +203,7 @@ class Holdings(HostPart):
         return await asyncio.to_thread(state_checksum_like, held, like), returned is not None
 
     async def _engine_weights(self) -> Mapping[str, Any] | None:
-        """What the user's ``held_weights()`` returns, checked like a state dict; None without
-        the hook or when it returns None."""
+        """What ``held_weights()`` returns, checked like a state dict; None without the hook."""
         from ftstate.transport.validate import check_state_dict
 
         if not self._has_held_hook():
@@ -236,19 +215,15 @@ class Holdings(HostPart):
                                 what="held_weights()")
 
     def _hand_over(self, staged: Any) -> dict[str, Any]:
-        """A trainer's weights received back: its ``state_dict()`` is the copy that counts, so
-        the receiver lets go of the buffer they landed in (it would stage the next transfer
-        there) and the tensors are the trainer's own, not cloned: a clone is fresh memory the size of
-        the weights, the largest stage of a trainer's failover (docs/benchmarks.md)."""
+        """A trainer's weights received back: its ``state_dict()`` is the copy that counts, so the receiver
+        lets go of the buffer and the tensors are handed over uncloned (a clone doubles the memory)."""
         if self._receiver is not None:
             self._receiver.release()
         return dict(staged.tensors)
 
     def _adopt(self, staged: Any, from_engine: bool, *, release: bool = True) -> None:
-        """Make ``staged`` the committed version. When the engine gave it back (``from_engine``)
-        the engine's weights are the copy: the transport lets go of its own (the receiver's
-        buffers, ``_loaded``), so a rollout holds the weights once, not three times; with
-        ``staging_spare`` it keeps the buffer, as the next sync's staging (twice, not three times)."""
+        """Make ``staged`` committed. When the engine gave it back, the transport lets go of its own buffers
+        so the weights are held once (twice with ``staging_spare``, the next sync's staging)."""
         self._engine_holds = from_engine
         self._received = staged.state_checksum
         if from_engine:

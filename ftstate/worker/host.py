@@ -1,20 +1,7 @@
-"""WorkerHost: the Ray actor that hosts one user worker, and its shell: identity, heartbeats,
-the vigil and the user's calls.
-
-The controller never talks to user code directly; it calls a host, which
-
-- constructs the user's :class:`~ftstate.core.worker.TrainerWorker` / ``RolloutWorker``; a
-  constructor that raises does not kill the process (Ray would report only "the actor died in
-  its creation task"): the host keeps the error and answers every call with a
-  :class:`~ftstate.core.errors.WorkerInitError` naming the member, the class and the user's line;
-- runs user methods one at a time, plain ones in a thread so the actor's event loop keeps
-  answering heartbeats (a blocking call in an async actor would freeze it);
-- answers heartbeats with a progress counter, whether it is busy, and the weights version and
-  checksum it holds committed.
-
-What it holds, how weights move and a trainer rank's part are the other modules of
-:mod:`ftstate.worker`, mixed in here.
-"""
+"""WorkerHost: the Ray actor that hosts one user worker (in its own process), and its shell: identity,
+heartbeats, the vigil and the user's calls. A raising user constructor is kept and reported on every call, not
+fatal to the process; user methods run one at a time, plain ones in a thread so heartbeats are answered.
+Holdings, transfers and rank parts are mixed in."""
 
 from __future__ import annotations
 
@@ -38,17 +25,10 @@ from ftstate.worker.usercode import init_error, mark_user_error
 
 
 class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
-    """One worker process.
-
-    member: its name (``rollout-1``); role: ``trainer`` or ``rollout``; user_cls, args,
-    kwargs: the user's class and constructor arguments; backend: ``gloo`` or ``nccl``;
-    bucket_bytes: broadcast bucket size; run, secret: the run's id and secret (installed for the
-    transport's MACs; None: the run does not authenticate); integrity: ``security.integrity``;
-    held_proof: ``(held_weights_proof, held_weights_proof_fraction)``, when a commit hashes what
-    the rollout's ``held_weights()`` returns; staging_spare: a rollout whose engine holds its
-    weights keeps its staging buffer for the next sync; in_flight: ``rollout_updates: in_flight``
-    (a version committed while a user call runs waits for its safe point).
-    """
+    """One worker process. ``bucket_bytes``: broadcast bucket size; ``run``/``secret``: the run's key for the
+    transport's MACs (None: unauthenticated); ``held_proof``: ``(held_weights_proof, fraction)``;
+    ``staging_spare``: keep the staging buffer when the engine holds the weights; ``in_flight``:
+    ``rollout_updates: in_flight``."""
 
     def __init__(
         self,
@@ -105,12 +85,9 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
         self._sender: Any = None
         self._receiver: Any = None
         self._staged: Any = None
-        # The committed version's tensors as the transport holds them: the source of resyncs and
-        # reverse recovery. None while the engine holds the only copy (``_engine_holds``).
+        # The committed tensors as the transport holds them; None while the engine holds the only copy.
         self._loaded: Any = None
-        # True once ``held_weights()`` gave the committed version back from the user's engine:
-        # the engine's weights are then this rollout's copy, and the transport keeps none (no
-        # second full copy beside the engine's; sends read ``held_weights()`` instead).
+        # True once ``held_weights()`` gave the committed version back: the transport then keeps no copy.
         self._engine_holds = False
         # the checksum the committed version was received with (what a fresh proof must find)
         self._received: str | None = None
@@ -132,24 +109,19 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
                 self._init_error = init_error(member, role, user_cls, exc)
 
     async def info(self, req: Info) -> Located:
-        """Who and where: pid, the node's address, and Ray's node id (several nodes may share
-        one address, e.g. a test cluster on one machine: only the id tells them apart).
-        Raises the :class:`~ftstate.core.errors.WorkerInitError` of a constructor that raised."""
+        """Who and where: pid, node address and Ray node id (nodes may share an address). Raises the
+        constructor's :class:`~ftstate.core.errors.WorkerInitError`, if it raised."""
         if self._init_error is not None:
             raise self._init_error
         node, node_id = where()
-        # holds_weights: a rollout whose engine gives its weights back (held_weights()): it keeps
-        # no copy of its own, which the sync's plan reads (a lone one stages privately)
+        # holds_weights: its engine gives its weights back, so it keeps no copy (the sync's plan reads it)
         return Located(pid=os.getpid(), node=node, node_id=node_id, member=self.member, role=self.role,
                        holds_weights=self.role == "rollout" and self._has_held_hook())
 
     async def heartbeat(self, req: Beat) -> Heartbeat:
-        """Progress, busy, and the weights version and checksum held committed. ``prove`` (the
-        watchdog asks a SUSPECT rollout): the checksum is hashed afresh from the bytes it holds
-        (:meth:`_held_checksum`, ~10 ms per 256 MiB here), not the one cached at its commit; a
-        rollout whose user code is busy (the ``held_weights()`` hook would wait for it) reports
-        no checksum, which does not prove it (it goes STALE and is resynced). A trainer reports
-        its last sent checksum: its weights move on with every step by design."""
+        """Progress, busy, and the committed weights version and checksum. ``prove`` (asked of a SUSPECT
+        rollout) hashes what it holds afresh; a rollout whose user code is busy reports no checksum, so it
+        goes STALE. A trainer reports its last sent checksum, since its weights move every step."""
         checksum = self.checksum
         if req.prove and self.role == "rollout":
             checksum = None
@@ -169,8 +141,7 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
                          pid=os.getpid(), forged=tuple(auth.drain_forged()) if req.forged else ())
 
     def _user_activity(self) -> tuple[bool, int] | None:
-        """The user worker's :meth:`~ftstate.core.worker.Worker.activity`, checked: anything but
-        None or ``(bool, int)`` is a :class:`~ftstate.core.errors.FTError` naming the method."""
+        """The user worker's ``activity()``, checked: anything but None or ``(bool, int)`` is an FTError."""
         activity = getattr(self.user, "activity", None)
         if activity is None or self._init_error is not None:
             return None
@@ -184,11 +155,8 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
         return value
 
     async def vigil(self, req: Vigil) -> None:
-        """Never returns while this process lives: the controller keeps this call pending so
-        that a death surfaces as Ray's ``ActorDiedError`` at once, idle or not
-        (:mod:`ftstate.controller.vigil`). It raises the error of a user worker that declared
-        itself lost (:meth:`~ftstate.core.worker.RolloutWorker.declare_lost`), which the
-        controller takes as this member's death."""
+        """Never returns while this process lives, so a death surfaces on this pending call at once. Raises
+        the error of a worker that declared itself lost, which the controller takes as its death."""
         self._vigil_loop = asyncio.get_running_loop()
         if self._lost_event is None:
             self._lost_event = asyncio.Event()
@@ -220,10 +188,8 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
             os.kill(os.getpid(), sig)
 
     async def call(self, req: UserCall) -> Any:
-        """A user method. ``logged``: a trainer call the controller keeps in its replay log
-        (``rt.trainer(...)``, or its replay), counted by :meth:`calls_since_commit`;
-        ``versions``: answer :class:`~ftstate.core.protocol.Versioned`, with the weights versions
-        it ran under. A version waiting for a safe point is loaded before the call starts."""
+        """A user method. ``logged``: a trainer call kept in the replay log; ``versions``: answer
+        :class:`~ftstate.core.protocol.Versioned`. A version waiting for a safe point loads first."""
         method, args, kwargs, logged = req.name, req.args, req.kwargs, req.logged
         if self._init_error is not None:
             raise self._init_error
@@ -240,8 +206,7 @@ class WorkerHost(Holdings, Transfers, TrainerRank, Chaos):
         return Versioned(result, tuple(versions)) if req.versions else result
 
     async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run a user method; an exception it raises is marked with the method and the user's
-        frames (:func:`mark_user_error`) for the controller's report."""
+        """Run a user method; its exception is marked with the method and user frames for the report."""
         if self._init_error is not None:
             raise self._init_error
         try:

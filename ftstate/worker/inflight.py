@@ -1,13 +1,7 @@
-"""In-flight updates (``rollout_updates: in_flight``): a committed version that reaches a rollout
-while one of its user calls runs waits here, and is loaded at the call's next safe point.
-
-The rule that keeps a generation whole: the swap happens only inside
-:meth:`~ftstate.core.worker.RolloutWorker.safe_point`, which the user's own loop calls between
-two steps, in the thread that computes them; so no step ever runs on a mix of two versions.
-Only a version the controller committed (every rollout staged and verified it) is offered; a
-newer one replaces an older one still waiting, so a swap always goes to the newest. When the
-call ends without reaching a safe point, the host loads what waits before its next call.
-"""
+"""In-flight updates in a rollout's worker host (``rollout_updates: in_flight``): a committed version that
+arrives while a user call runs waits here and is loaded at the call's next ``safe_point``, in the computing
+thread, so no step runs on two versions; a newer version replaces an older one waiting, and a call ending
+without a safe point loads it before the next."""
 
 from __future__ import annotations
 
@@ -16,9 +10,8 @@ from typing import Any
 
 
 class PendingSwap:
-    """The committed version waiting for its safe point (one at a time, the newest), and the
-    versions each user call ran under. Written on the actor's event loop, taken by the user's
-    thread: every access holds the lock."""
+    """The committed version waiting for its safe point (the newest) and the versions each call ran under;
+    written on the event loop, taken by the user's thread, always under the lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -57,9 +50,8 @@ class SafePointGate:
         self._host = host
 
     def reached(self, pause: bool) -> int:
-        """Load the version waiting, if any, and return the version now in effect. ``pause``:
-        the engine holds its requests around the load and resumes them (the swap itself is the
-        same: the call's versions show its requests span two)."""
+        """Load the waiting version, if any; returns the version now in effect. ``pause``: the engine holds
+        its requests around the load."""
         return int(self._host.swap_at_safe_point(pause))
 
     def lost(self, error: Any) -> None:

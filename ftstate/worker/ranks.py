@@ -47,9 +47,8 @@ class TrainerRank(HostPart):
     # _receive_proven, _committed_state, _hand_over, _on_bucket, _sender, _loaded, _staged
 
     async def prepare_shards(self, req: PrepareShards) -> Prepared:
-        """Trainer rank: call the user's ``state_dict()`` (every rank is called together: it may
-        be collective) and keep this rank's part for :meth:`send_shards`; returns the pieces
-        (names, dtypes, shapes, slices) for the controller's ownership check."""
+        """Trainer rank: call ``state_dict()`` (every rank together: it may be collective), keep this rank's
+        part for :meth:`send_shards`, and return its pieces for the ownership check."""
         trainer_rank = req.trainer_rank
         from ftstate.transport.shards import split_state
 
@@ -83,8 +82,7 @@ class TrainerRank(HostPart):
         return PartSent(checksum=report["checksum"], nbytes=report["nbytes"], rejected=report["rejected"])
 
     async def receive_shards(self, req: ReceiveShards) -> Staged:
-        """Rollout: receive every owning trainer rank's part at once, assemble the full state and
-        stage it (committed by :meth:`commit_weights`, like a broadcast)."""
+        """Rollout: receive every owning rank's part at once, assemble the full state and stage it."""
         weights_version = req.weights_version
         from ftstate.core.errors import ManifestError
         from ftstate.core.ownership import Ownership
@@ -107,24 +105,19 @@ class TrainerRank(HostPart):
         return Staged(checksum=staged.state_checksum, nbytes=staged.nbytes, weights_version=weights_version)
 
     async def note_weights(self, req: NoteWeights) -> None:
-        """Trainer rank: the version its part went into was committed with the full state's
-        ``checksum`` (what its heartbeat then reports, like a single trainer's after a send).
-        The calls counted since the previous commit are in it now."""
+        """Trainer rank: its part went into a version committed with the full ``checksum`` (what its heartbeat
+        reports); the calls counted so far are in it."""
         self.weights_version = req.weights_version
         self.checksum = req.checksum
         self._calls_started = self._calls_done = 0
 
     async def calls_since_commit(self, req: CallsSinceCommit) -> CallCounts:
-        """Trainer rank: user calls started, and completed without raising, since its part went
-        into the last committed version (or was restored to it). The controller compares them
-        with the calls it logged as completed on every rank: a rank that started more (a call
-        cut short by a peer's death, or one that completed here only) holds a state that no
-        replay from the log reproduces, so it is restored too."""
+        """Trainer rank: user calls started, and completed without raising, since its last committed (or
+        restored) part; a rank that started more than the controller logged is restored too."""
         return CallCounts(started=self._calls_started, done=self._calls_done)
 
     async def send_part_to(self, req: SendPart) -> PartSent:
-        """Rollout: send what trainer rank ``trainer_rank`` owned of the committed version this
-        rollout holds (its part only, sliced out of the full tensors) to ``peer``, point to point."""
+        """Rollout: send rank ``trainer_rank``'s part of its committed version to ``peer``, point to point."""
         peer, trainer_rank, timeout_s = req.peer, req.trainer_rank, req.timeout_s
         from ftstate.core.ownership import Ownership
         from ftstate.transport import Sender
@@ -151,10 +144,8 @@ class TrainerRank(HostPart):
         return PartSent(checksum=report.state_checksum, nbytes=report.nbytes)
 
     async def receive_part_from(self, req: ReceivePart) -> PartLoaded:
-        """Trainer rank: receive this rank's part of committed version ``weights_version`` from
-        rollout rank ``src``, prove it is the part this rank sent then (``checksum``: what it
-        sent; None: it owned nothing) and hand it to ``load_state_dict`` in the form
-        ``state_dict()`` returned it. The calls since the commit start over from here."""
+        """Trainer rank: receive its part of ``weights_version`` from rollout ``src``, prove it against
+        ``checksum`` (None: owned nothing), and hand it to ``load_state_dict``; call counts restart here."""
         src, weights_version, trainer_rank, checksum = req.src, req.weights_version, req.trainer_rank, req.checksum
         from ftstate.core.ownership import Ownership
         from ftstate.transport.shards import part_form
@@ -174,9 +165,8 @@ class TrainerRank(HostPart):
         return PartLoaded(received=checksum, tensors=len(part))
 
     async def part_checksum(self, req: PartChecksum) -> PartHeld:
-        """Trainer rank: the checksum of what this rank's ``state_dict()`` owns now (every rank
-        is called together: it may be collective); the proof that a restored rank holds its
-        part of the committed version. ``pieces``: how many it owns (0: nothing)."""
+        """Trainer rank: the checksum of what ``state_dict()`` owns now (collective), proving a restored part;
+        ``pieces``: how many it owns."""
         trainer_rank = req.trainer_rank
         from ftstate.transport import state_checksum
         from ftstate.transport.checksum import function_for
@@ -194,9 +184,8 @@ class TrainerRank(HostPart):
         self._shard_part = None
 
     async def setup_trainer_group(self, req: JoinTrainerGroup) -> Joined:
-        """Trainer rank: form the trainer ranks' own group version (gloo here) and hand it to the
-        user's ``setup(group, rank, world_size)``; ``RANK``, ``WORLD_SIZE`` and
-        ``FTSTATE_TRAINER_GROUP_VERSION`` are set in this process for libraries that read them."""
+        """Trainer rank: form the ranks' own gloo group version and hand it to the user's ``setup``; ``RANK``,
+        ``WORLD_SIZE`` and ``FTSTATE_TRAINER_GROUP_VERSION`` are set in the environment."""
         store_host, version, rank, world_size = req.store_host, req.version, req.rank, req.world_size
         from ftstate.transport import create_communicator
 

@@ -37,7 +37,7 @@ from ftstate.worker.place import device_host, node_copy_size
 
 
 class Transfers(HostPart):
-    """Group versions and transfers of a worker host (see the module docstring)."""
+    """Group versions and transfers of a worker host."""
 
     group_version: int
     _comm: Any  # the communicator of the group version joined last
@@ -76,11 +76,8 @@ class Transfers(HostPart):
         return Joined(group_version=version, rank=rank)
 
     async def abandon_transfer(self, req: Abandon) -> None:
-        """Give up the transfer in flight on this group version (the controller learned that
-        another participant failed): its waits end at once with CommunicatorAborted (gloo:
-        its connections closed, a millisecond's wait here), and the version is not used again
-        (the controller forms the next). Runs beside the transfer: the actor serves calls
-        concurrently."""
+        """Give up the transfer in flight on this group version (another participant failed): its waits end at
+        once with ``CommunicatorAborted`` and the version is not used again. Runs beside the transfer."""
         if self._comm is not None:
             self._comm.abandon(req.reason)
 
@@ -98,19 +95,11 @@ class Transfers(HostPart):
                 self._comm = None
 
     async def send_weights(self, req: SendWeights) -> Sent:
-        """Trainer: broadcast the user's ``state_dict()`` to the group as ``weights_version``.
-        ``timeout_s`` bounds the transfer (the controller passes what is left of sync_timeout_s).
-        ``same_host``: the plan's ranks on this node, which read shared memory
-        (:mod:`ftstate.transport.samehost`; ``require_shm``: fail rather than fall back);
-        ``relays``: ``(relay rank, its node peers' ranks)`` of the plan's other nodes.
-        ``node_copy_owner`` (``staging: node``): the pid of this node's agent, which owns the node
-        copy the same-host ranks verify in place (:mod:`ftstate.transport.nodecopy`); the result's
-        ``node_copy`` names it once committed; ``node_copy_spare``: the previous one is kept
-        (``node_spare``) and rewritten as the next.
-        A ``state_dict()`` the transport cannot send (not a mapping, empty, a value that is not
-        a dense tensor on the backend's device…) raises
-        :class:`~ftstate.core.errors.StateDictError` naming this member and the tensor, before
-        anything is sent."""
+        """Trainer: broadcast ``state_dict()`` as ``weights_version`` within ``timeout_s``. ``same_host``: the
+        plan's ranks on this node, which read shared memory (``require_shm``: no fallback); ``relays``:
+        ``(relay rank, its peers)`` per other node; ``node_copy_owner``: the pid of this node's copy agent
+        (``staging: node``), ``node_copy_spare`` rewrites the previous copy. Raises
+        :class:`~ftstate.core.errors.StateDictError` before sending a state that cannot travel."""
         weights_version, timeout_s, same_host, relays = req.weights_version, req.timeout_s, req.same_host, req.relays
         from ftstate.transport import Sender
         from ftstate.transport.validate import check_state_dict
@@ -153,13 +142,9 @@ class Transfers(HostPart):
                     node_copy_size=node_copy_size(report.node_copy, recycled=report.node_copy_recycled))
 
     async def receive_weights(self, req: ReceiveWeights) -> Staged:
-        """Rollout: receive and verify the broadcast of ``weights_version`` from rank ``src``.
-        It is staged: the user's ``load_weights`` is not called until :meth:`commit_weights`.
-        ``planned``: the sender uses the same-host route (its offer says how this member reads:
-        from the sender's shared memory, over the collective, or from its node's relay, or as the relay).
-        ``node_copy_owner`` (``staging: node``, this member its node's relay): the pid of its
-        node's agent, owner of the node copy it receives into for its peers; the result's
-        ``node_copy`` names the node copy its staged state is in (its own or one it read)."""
+        """Rollout: receive and verify ``weights_version`` from rank ``src``, staged until
+        :meth:`commit_weights`. ``planned``: the sender's same-host route; ``node_copy_owner``: this relay's
+        node agent; the result's ``node_copy`` names the copy its staged state is in."""
         weights_version, src, timeout_s = req.weights_version, req.src, req.timeout_s
         from ftstate.core.errors import ManifestError
 
@@ -176,29 +161,23 @@ class Transfers(HostPart):
             )
         self._staged = staged
         self._tick()
-        # staging_bytes: the most transport memory this rollout held during the transfer (the
-        # new version's staging plus the committed copy it kept meanwhile), for the records;
-        # node_copy: the node copy its staged state is in (staging: node), else None
+        # staging_bytes: this rollout's peak transport memory during the transfer; node_copy: the node
+        # copy its staged state is in (staging: node), else None
         return Staged(checksum=staged.state_checksum, nbytes=staged.nbytes, weights_version=staged.weights_version,
                       staging_bytes=self._receiver.peak_bytes, node_copy=staged._node, host_bytes=staged.host_bytes,
                       node_copy_size=node_copy_size(staged._node, recycled=False))  # a relay never recycles
 
     async def adopt_node_copy(self, req: AdoptNodeCopy) -> Loaded:
-        """Rollout newcomer: take the committed version from its node's copy ``name`` (owned by
-        pid ``owner``; :func:`ftstate.transport.nodecopy.adopt`: hashed in place, committed only
-        if it is ``weights_version`` with ``checksum``), then ``load_weights`` it. No transfer:
-        the result's ``route`` says so for the controller's records. Loaded as a sync's staged
-        version is (:meth:`commit_weights`): it is one, verified against the committed checksum."""
+        """Rollout newcomer: take the committed version from its node's copy ``name`` (hashed in place, only
+        if it is ``weights_version`` with ``checksum``), then load it as a staged version; no transfer."""
         from ftstate.transport import nodecopy
 
         return await self._load_node_copy("node_copy", nodecopy.adopt, req.name, group=req.group, owner=req.owner,
                                           weights_version=req.weights_version, checksum=req.checksum)
 
     async def fetch_node_copy(self, req: FetchNodeCopy) -> Loaded:
-        """Rollout newcomer on a node without the committed node copy: receive another node's
-        copy ``name`` point to point from the agent serving it (``served``;
-        :func:`ftstate.transport.nodecopy.fetch`, proven by ``checksum``), then load it as
-        :meth:`adopt_node_copy` does."""
+        """Rollout newcomer on a node without the committed copy: fetch another node's copy point to point
+        from its agent (proven by ``checksum``), then load it as :meth:`adopt_node_copy` does."""
         from ftstate.transport import nodecopy
 
         return await self._load_node_copy("node_copy_p2p", nodecopy.fetch, dict(req.served), name=req.name,
@@ -207,9 +186,7 @@ class Transfers(HostPart):
 
     async def _load_node_copy(self, route: str, take: Any, *args: Any, weights_version: int,
                               **kwargs: Any) -> Loaded:
-        """``take`` (a node copy's :func:`~ftstate.transport.nodecopy.adopt` or ``fetch``) the
-        committed version into this rollout's receiver, in a thread, then load it as a sync's
-        staged version is (:meth:`commit_weights`): it is one, proven by the committed checksum."""
+        """``take`` a node copy into this rollout's receiver in a thread, then load it as a staged version."""
         from ftstate.transport import Receiver
 
         if self._receiver is None:
@@ -230,10 +207,8 @@ class Transfers(HostPart):
         return await self.info(Info())
 
     async def reserve_staging(self, req: ReserveStaging) -> None:
-        """A spare: have its receiver's staging buffer for the next transfer allocated and
-        touched now (:meth:`ftstate.transport.Receiver.reserve`), sized for the current weights
-        version (``nbytes`` and slack for the manifest's alignment). Host memory only (gloo):
-        a GPU allocation has no page faults to pay in advance."""
+        """A spare: allocate and touch its receiver's staging for the current version's ``nbytes`` now (host
+        memory only: a GPU allocation has no page faults to pay in advance)."""
         nbytes = req.nbytes
         if self.backend != "gloo":
             return
@@ -246,9 +221,8 @@ class Transfers(HostPart):
         await asyncio.to_thread(self._receiver.reserve, nbytes + nbytes // 64 + (1 << 20), torch.device("cpu"))
 
     async def send_weights_to(self, req: SendTo) -> SentTo:
-        """Point to point: send the committed version this rollout holds to ``peer`` only
-        (recovery of a newcomer, or reverse recovery of a new trainer); through shared memory
-        when the plan puts ``peer`` on this node (``same_host``)."""
+        """Point to point: send this rollout's committed version to ``peer`` (a newcomer, or a new trainer),
+        through shared memory when ``same_host``."""
         peer, timeout_s = req.peer, req.timeout_s
         from ftstate.transport import Sender
 
@@ -284,9 +258,8 @@ class Transfers(HostPart):
                       stages={"state": round(t_state - t0, 6), "send": round(time.perf_counter() - t_state, 6)})
 
     async def receive_weights_from(self, req: ReceiveFrom) -> Loaded:
-        """Point to point: receive the current version from ``src``, prove it is that version
-        (``checksum``), and adopt it: a rollout through ``load_weights``, a trainer through
-        ``load_state_dict``."""
+        """Point to point: receive the current version from ``src``, prove it by ``checksum``, and load it
+        (``load_weights``, or a trainer's ``load_state_dict``)."""
         weights_version = req.weights_version
         t0 = time.perf_counter()
         staged = await self._receive_proven(req.src, weights_version, req.checksum, timeout_s=req.timeout_s,
@@ -309,10 +282,8 @@ class Transfers(HostPart):
             if self.role == "rollout":
                 self._adopt(staged, from_engine)
         self._tick()
-        # ``checksum``: what this member holds after loading, for the controller to compare.
-        # ``stages``: where the newcomer's time went: the transfer into staging (verified), the
-        # wait for the user lock, the user's load, the proof of what it holds then.
-        # ``device_bytes``: the device buckets a load by parts used, as at a commit, else absent.
+        # ``checksum``: what this member holds after loading; ``stages``: where the newcomer's time went;
+        # ``device_bytes``: a load by parts' device buckets, else absent.
         stages = {"receive": t_received - t0, "lock": t_locked - t_received, "load": t_loaded - t_locked,
                   "prove": t_proven - t_loaded}
         return Loaded(checksum=held, received=staged.state_checksum, nbytes=staged.nbytes,
@@ -321,8 +292,7 @@ class Transfers(HostPart):
 
     async def _receive_proven(self, src: int, weights_version: int, checksum: str, *, timeout_s: float,
                               same_host: bool = False, what: str = "weights") -> Any:
-        """Point to point from ``src`` (through shared memory when ``same_host``), then proof
-        that it is ``what`` of ``weights_version``: its checksum must be ``checksum``."""
+        """Point to point from ``src``, then proof that it is ``what`` of ``weights_version``."""
         from ftstate.core.errors import ChecksumMismatch
 
         if same_host:
@@ -336,9 +306,7 @@ class Transfers(HostPart):
         return staged
 
     async def _receive(self, how: str, *args: Any, timeout_s: float, **kwargs: Any) -> Any:
-        """One transfer into this worker's Receiver (``receive_broadcast``, ``receive_from``, or
-        ``samehost``: :func:`ftstate.transport.samehost.receive`), in a thread, marked busy for
-        the watchdog, with a pending chaos corruption applied."""
+        """One transfer into this worker's Receiver, in a thread, marked busy, chaos corruption applied."""
         import functools
 
         from ftstate.transport import Receiver, samehost
@@ -362,18 +330,14 @@ class Transfers(HostPart):
 
     def _require_comm(self) -> Any:
         if self._comm is None:
-            # The controller never transfers under a version it did not form (formation.py);
-            # should it happen, a transport error: the attempt is abandoned and the next one
-            # forms a new version, instead of an internal error ending the run.
+            # A version the controller did not form: a transport error, so the next attempt forms a new one.
             raise TransportError(f"{self.member}: not a member of any group version (its last join did not "
                                  f"complete); the next transfer forms a new one")
         return self._comm
 
     async def bench_raw_broadcast(self, req: RawBroadcast) -> float:
-        """Benchmarks only: a bare broadcast of ``nbytes`` on the current group version (every
-        member must call it), the baseline ftstate's transfers are compared with. Seconds.
-        ``to``: a bare point-to-point send from ``root`` to that rank instead (a failover's
-        baseline: the same bytes to the same newcomer); the other ranks return 0 at once."""
+        """Benchmarks only: a bare broadcast of ``nbytes`` on the current group version (every member calls
+        it), or a bare send from ``root`` to rank ``to``; returns seconds (0 on other ranks)."""
         import time
 
         import torch
@@ -384,16 +348,13 @@ class Transfers(HostPart):
         comm = self._require_comm()
 
         def run() -> float:
-            # made here, not on the event loop: 512 MiB filled there kept heartbeats from being
-            # answered for longer than heartbeat_interval_s (the benchmark's own members went SUSPECT)
+            # made here, not on the event loop: filling a large buffer there delays heartbeat answers
             if to is not None and comm.rank not in (root, to):
                 return 0.0
             buf = torch.empty(nbytes, dtype=torch.uint8)
-            # every rank touches its buffer before the clock starts, as ftstate's staging is
-            # (reserved and touched ahead): a fresh buffer would charge the baseline page faults
+            # every rank touches its buffer first, as ftstate's staging is: the baseline pays no page faults
             buf.fill_(7 if comm.rank == root else 0)
-            # both sides start the clock together: Ray delivers the calls tens of ms apart, which
-            # a clock started on arrival would add to the baseline
+            # both sides start the clock together: Ray delivers the calls tens of ms apart
             if to is None:
                 comm.barrier(timeout_s=timeout_s)
             else:
@@ -407,8 +368,7 @@ class Transfers(HostPart):
             if to is None:
                 comm.broadcast(buf, root, timeout_s=timeout_s).wait()
             else:
-                # in NET_CHUNK messages all posted at once, as ftstate's point-to-point route sends,
-                # so the two differ only in what ftstate adds (manifest, hashing, vote, load, proof)
+                # in NET_CHUNK messages posted at once, as ftstate's point-to-point route sends
                 op = comm.send if comm.rank == root else comm.recv
                 peer = to if comm.rank == root else root
                 pending = [op(buf[i : i + NET_CHUNK], peer, tag=0x7EB0 + k, timeout_s=timeout_s)

@@ -1,7 +1,5 @@
-"""The user's code as a worker host sees it: the errors it raises, marked with the method and
-the user's own frames (which the controller puts in front of the caller), and which optional
-hooks the user's class really overrides.
-"""
+"""The user's code as a worker host sees it: its errors marked with the method and user frames, and which
+optional hooks the user's class really overrides."""
 
 from __future__ import annotations
 
@@ -18,10 +16,8 @@ _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
 def user_frames(exc: BaseException) -> tuple[str, str]:
-    """The user's part of ``exc``'s traceback: ``(where, frames)``. frames: the frames outside
-    ftstate and the standard library, formatted as ``traceback`` does (bounded); where: the
-    innermost of them that is the user's own file (outside ``site-packages`` too: a library
-    the user called is not where they look first), ``file:line in function``."""
+    """The user's part of ``exc``'s traceback: ``(where, frames)``, frames outside ftstate and the standard
+    library (bounded), ``where`` the innermost in the user's own files (not site-packages)."""
     outside = [f for f in traceback.extract_tb(exc.__traceback__)
                if not f.filename.startswith("<")
                and not os.path.abspath(f.filename).startswith((_FTSTATE_DIR, _STDLIB_DIR))]
@@ -39,8 +35,8 @@ def init_error(member: str, role: str, user_cls: Any, exc: BaseException) -> Wor
 
 
 def mark_user_error(exc: BaseException, method: str) -> None:
-    """Note on ``exc`` (as attributes, which travel with it through Ray's pickling) which user
-    method raised it and where in the user's code; the first marking (the innermost call) wins."""
+    """Mark ``exc`` (attributes survive Ray's pickling) with the user method that raised it and where; the
+    innermost marking wins."""
     if getattr(exc, "ftstate_method", None):
         return
     where, frames = user_frames(exc)
@@ -53,9 +49,8 @@ def mark_user_error(exc: BaseException, method: str) -> None:
 
 
 def overrides(user: Any, hook: str) -> bool:
-    """Whether the user's class defines ``hook`` itself rather than inheriting the base
-    worker's default (which says "not provided"): the optional hooks (``held_weights``,
-    ``load_weights_part``) change what the host does, so only a real override counts."""
+    """Whether the user's class defines ``hook`` itself rather than inheriting the "not provided" default:
+    optional hooks change what the host does."""
     from ftstate.core import worker
 
     fn = getattr(type(user), hook, None)

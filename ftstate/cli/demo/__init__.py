@@ -1,15 +1,5 @@
-"""``ftstate demo``: the main job on the embedded default (see :mod:`ftstate.cli.demo.run`).
-
-``task`` (the toy task and its reward), ``policy`` (a tiny transformer and seeded
-sampling), ``reinforce`` (the policy-gradient step, on one trainer or several ranks), ``workers`` (the trainer, its sharded ranks and the rollout
-classes), ``live`` (the terminal view) and ``run`` (the job, its faults and its proof);
-for ``ftstate demo --engine vllm``, ``llm`` (a tiny Qwen2, its task and its transformers
-trainer), ``engine_rollout`` (a vLLM engine answering the task) and ``engine_run`` (that job,
-its faults and its proof, read back from the engines);
-for the maintenance scenario (``ftstate demo --maintenance``), ``nodes`` (a local multi-node
-cluster, each node with environment variables of its own) and ``metadata_server`` (a loopback
-GCE metadata server that announces host maintenance).
-"""
+"""``ftstate demo``: the main job, run from the driver (see :mod:`ftstate.cli.demo.run`; the vLLM engine demo
+in ``engine_run``, the maintenance scenario's cluster in ``nodes``)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""The rollout of ``ftstate demo --engine vllm``: a real vLLM engine answering the demo's task.
-
-:class:`EngineRollout` is :class:`~ftstate.integrations.vllm.VLLMRollout` as it is (its engine in
-the actor's process, weights reloaded in place, ``held_weights()`` read from the engine's
-kernels) plus what the demo needs of it: :meth:`EngineRollout.sample` answers a shard of a step's
-prompts with seeded sampling (one seed per (run, step, prompt), so a prompt re-dealt to another
-engine after a failover samples the same answer), and :meth:`EngineRollout.kill_during_next_load`
-arms the "engine killed mid-update" fault: a SIGKILL of this process from inside vLLM's own
-loader, part-way through the tensors of the next version.
-
-Imports vLLM (through the integration): loaded only in the demo's rollout actors and, for the
-fault-free reference, in the driver of an ``--engine vllm`` run.
-"""
+"""The rollout of ``ftstate demo --engine vllm``, in the demo's rollout actors (and the reference run's
+driver): :class:`~ftstate.integrations.vllm.VLLMRollout` plus seeded sampling per (run, step, prompt), so a
+re-dealt prompt samples the same answer, and the "killed mid-update" fault armed inside vLLM's own loader."""
 
 from __future__ import annotations
 

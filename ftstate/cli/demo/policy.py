@@ -1,26 +1,7 @@
-"""The demo's policy: a tiny causal transformer language model, and seeded sampling.
-
-Default size (``d_model=64, layers=2, heads=4``, vocabulary of 14, 16 positions): about
-0.1 M parameters, 0.4 MB of float32 — small enough that a REINFORCE step on one CPU core
-takes a fraction of a second. ``d_model``/``layers`` make it bigger, and ``pad_mb`` adds a
-ballast tensor (never read by :meth:`Policy.forward`, never trained, but part of the
-``state_dict`` and so of every weight sync) to reach the "tens of MB" a sync should move.
-
-The property the demo exists to show: **sampling is seeded per (run seed, step, prompt
-id), never per worker.** :func:`sample` draws each prompt's tokens from its own
-``torch.Generator`` seeded from those three numbers, and runs each prompt through the
-model on its own (batch of one), because a batch's composition changes the float results
-of its matmuls: two prompts that share a call would otherwise get different logits than
-when they are served apart. So the same weights give the same completions whichever
-rollout serves a prompt, in whatever shard and order, and a whole run is bit-for-bit
-reproducible. The price is speed (no batching across prompts), which at this size is small.
-
-Both :func:`sample` and :func:`logprobs` run with one intra-op thread
-(:func:`single_thread`): a reduction split across threads may add in a different order on
-a machine with a different core count, and the demo compares runs across processes.
-Bit-for-bit equality holds for one torch build on one kind of CPU; other builds or other
-instruction sets may round differently.
-"""
+"""The demo's policy, built in the demo's trainer and rollouts: a tiny causal transformer (about 0.1 M
+parameters by default; ``pad_mb`` adds a synced, never-read ballast) and sampling seeded per (run seed, step,
+prompt id), never per worker, one prompt at a time on one thread, so runs are bit-for-bit reproducible
+(docs/concepts.md, "The demo's training step")."""
 
 from __future__ import annotations
 
@@ -86,8 +67,8 @@ class Policy(nn.Module):
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
         if pad_mb > 0:
-            # Ballast for sync demos: synced like every weight, read by nothing.
-            # Random rather than zeros, so that a misplaced bucket changes the checksum.
+            # Ballast: synced like every weight, read by nothing; random, so a misplaced bucket changes the
+            # checksum.
             self.ballast = nn.Parameter(torch.randn(int(pad_mb * 2**20) // 4) * 0.02, requires_grad=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -110,8 +91,7 @@ def build_policy(
     pad_mb: float = 0.0,
     vocab_size: int = VOCAB_SIZE,
 ) -> Policy:
-    """A freshly initialised policy; the same ``seed`` and sizes give identical weights in
-    any process (the initialisation draws from a private generator, not the global one)."""
+    """A freshly initialised policy; the same ``seed`` and sizes give identical weights in any process."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed("policy", seed))
         model = Policy(vocab_size, d_model, layers, heads, max_len, pad_mb)
@@ -120,11 +100,8 @@ def build_policy(
 
 @contextlib.contextmanager
 def single_thread() -> Iterator[None]:
-    """Run the block with one intra-op thread, then restore the previous count.
-
-    The count is process-wide: call :func:`sample` and :func:`logprobs` from one thread
-    at a time (an actor's calls are serial; a second thread would restore the count
-    under the first)."""
+    """Run the block with one intra-op thread, then restore the count; process-wide, so call :func:`sample`
+    and :func:`logprobs` from one thread at a time."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -151,14 +128,9 @@ def sample(
     seed: int = 0,
     eos_id: int | None = None,
 ) -> list[list[int]]:
-    """Sample one completion per prompt; returns the new tokens only.
-
-    Each prompt is run alone with a generator seeded by :func:`sample_seed`, so a
-    prompt's completion depends on the weights, ``(seed, step, prompt_id)``, its tokens and
-    the sampling settings, and on nothing else (not on the other prompts of the call, nor
-    their order). ``temperature <= 0`` is greedy decoding. With ``eos_id``, a completion
-    stops after that token (included), so completions may differ in length.
-    """
+    """Sample one completion per prompt (the new tokens). Each prompt runs alone with its :func:`sample_seed`
+    generator, so its completion depends on nothing but the weights, its seed, tokens and settings.
+    ``temperature <= 0`` is greedy; with ``eos_id`` a completion stops after it."""
     if len(prompts) != len(prompt_ids):
         raise ValueError(f"{len(prompts)} prompts but {len(prompt_ids)} prompt ids")
     was_training = model.training
@@ -190,14 +162,8 @@ def sample(
 def logprobs(
     model: nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
 ) -> torch.Tensor:
-    """Sum of log-probabilities of each completion given its prompt: a tensor ``[batch]``
-    with gradients (the policy-gradient loss is built from it).
-
-    All sequences go through the model in one batch, right-padded to the longest; padding
-    sits after every real token, so causal attention never reads it, and it is masked out
-    of the sum. The result depends on the batch (its composition and order), which is why
-    the trainer always passes the whole step's batch in prompt-id order.
-    """
+    """Summed log-probabilities of each completion given its prompt (``[batch]``, with gradients), in one
+    right-padded batch; the result depends on the batch, so the trainer passes it in prompt-id order."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]

@@ -1,43 +1,6 @@
-"""The demo's trainer step: REINFORCE with a mean baseline and a stateless update.
-
-:func:`reinforce_step` takes one step's batch (prompts, their sampled completions and
-rewards), computes ``loss = -mean((reward - mean(reward)) * logprob(completion))`` and
-updates every trainable parameter with a rule that keeps no state between steps, so the
-model's ``state_dict`` is the whole training state: exactly what a weight sync moves and
-what a checksum covers, and a trainer rebuilt from synced weights continues the same run.
-
-Two rules, both stateless:
-
-- ``"sign"`` (the default): ``p -= lr * sign(grad)`` — signSGD, i.e. Adam with both betas
-  at zero. Every weight moves by ``lr`` whatever its gradient's scale, so the attention
-  and embedding weights learn as fast as the output head.
-- ``"sgd"``: plain ``p -= lr * grad``. On this model it learns within 30 steps only which
-  tokens go where (small digits first; mean reward ≈ 0.2) and stops there: the head's
-  gradients dominate, and a rate large enough to move the attention weights destabilises
-  the head. Measured over seeds 0-3, batch 128: lr 0.5 → 0.22 at step 30, lr 2 → 0.22,
-  lr 4 diverges; signSGD at 0.005 → 0.33-0.51.
-
-The step is deterministic: it runs on one thread (see :mod:`ftstate.cli.demo.policy`) and
-processes the batch in prompt-id order whatever order it arrived in, so the rollouts may
-return their shards in any order.
-
-:func:`train_local` is the whole demo loop without Ray — prompts, sampling split into
-shards as rollouts would serve them, rewards, step — used by the tests and to time a step.
-
-**Several trainer ranks** (``ftstate demo --trainers N``, :func:`sharded_reinforce_step`).
-Rank ``r`` of ``N`` computes the gradient of its slice of the batch only (items ``r::N`` in
-prompt-id order) with the whole batch's baseline (its mean reward) and the whole batch's
-size as the normaliser, so the ``N`` gradients add up to the full batch's: ``loss_r =
--sum((reward_i - mean(reward)) * logprob_i for i in slice r) / batch``. The gradients are
-added **in rank order** (``((g_0 + g_1) + g_2) + ...``), never in the order a collective
-happens to add them: float addition is not associative, and the demo's proof is bit-identity.
-Each rank then applies the same stateless update to the rows it owns (:func:`row_slices`:
-dim-0 slices by torch's ``chunk`` rule, a tensor with too few rows owned whole by rank 0).
-:func:`sharded_reinforce_step` is that arithmetic in one process, the fault-free reference
-for ``N`` ranks; :class:`~ftstate.cli.demo.workers.ShardedPolicyTrainer` runs it over a real
-trainer group. It is not bit-identical to the one-rank step (a batch's split changes the
-float results of its matmuls), only close to it; one rank keeps :func:`reinforce_step`.
-"""
+"""The demo's trainer step, run in the trainer actor (or in one process by :func:`train_local`): REINFORCE
+with a mean baseline and a stateless update, deterministic whatever order shards arrive in, and its sharded
+form for several trainer ranks (docs/concepts.md, "The demo's training step")."""
 
 from __future__ import annotations
 
@@ -110,13 +73,9 @@ def reinforce_step(
     prompt_ids: Sequence[int] | None = None,
     update: str = "sign",
 ) -> StepStats:
-    """One REINFORCE step with a mean baseline, in place on ``model``; ``update`` is
-    ``"sign"`` (signSGD) or ``"sgd"`` (plain SGD), see the module docstring.
-
-    With ``prompt_ids`` the batch is first put in prompt-id order, so the result does not
-    depend on the order the shards came back in; without it the caller must pass the
-    batch in a canonical order.
-    """
+    """One REINFORCE step with a mean baseline, in place on ``model``; ``update`` is ``"sign"`` (signSGD) or
+    ``"sgd"``. With ``prompt_ids`` the batch is put in prompt-id order first; without, the caller passes it in
+    canonical order."""
     prompts, completions, rewards = in_prompt_order(prompts, completions, rewards, prompt_ids, update)
     start = time.perf_counter()
     r = torch.tensor(rewards, dtype=torch.float32)
@@ -143,10 +102,8 @@ def reinforce_step(
 
 
 def row_slices(rows: int, ranks: int) -> list[tuple[int, int]] | None:
-    """How ``ranks`` trainer ranks split a tensor of ``rows`` rows (its dim 0): ``(start,
-    length)`` of each rank's slice by torch's ``chunk`` rule (slices of ``ceil(rows/ranks)``,
-    the last ones shorter), or None when that would leave a rank an empty slice (fewer rows
-    than that, or a 0-d tensor): rank 0 then owns the tensor whole. One rank owns it whole."""
+    """``(start, length)`` of each of ``ranks`` ranks' dim-0 slice of a ``rows``-row tensor by torch's
+    ``chunk`` rule, or None when a rank would get an empty slice (rank 0 then owns it whole)."""
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
     size = -(-rows // ranks) if rows > 0 else 0
@@ -157,9 +114,8 @@ def row_slices(rows: int, ranks: int) -> list[tuple[int, int]] | None:
 
 @dataclasses.dataclass
 class RankGradient:
-    """What one trainer rank computed for its slice of a batch: ``grads`` of every trainable
-    parameter (``model.parameters()`` order, zeros where the slice does not reach one) and
-    its share of the loss (the shares add up to the full batch's loss)."""
+    """One trainer rank's ``grads`` for its slice of a batch (every trainable parameter, zeros where the slice
+    does not reach) and its share of the loss."""
 
     grads: list[torch.Tensor]
     loss: torch.Tensor
@@ -178,9 +134,8 @@ def rank_gradient(
     rank: int,
     ranks: int,
 ) -> RankGradient:
-    """Rank ``rank`` of ``ranks``: the gradient of its slice ``r::ranks`` of a batch in
-    canonical (prompt-id) order, with the whole batch's baseline and size (module docstring).
-    Leaves the model's weights and ``.grad`` alone."""
+    """Rank ``rank``'s gradient of its slice ``r::ranks`` of a canonical batch, with the whole batch's
+    baseline and size; leaves weights and ``.grad`` alone."""
     if not 0 <= rank < ranks:
         raise ValueError(f"rank must be in [0, {ranks}), got {rank}")
     batch = len(prompts)
@@ -225,10 +180,8 @@ def sharded_reinforce_step(
     prompt_ids: Sequence[int] | None = None,
     update: str = "sign",
 ) -> StepStats:
-    """One step as ``ranks`` trainer ranks take it, in one process, in place on ``model``:
-    each rank's :func:`rank_gradient`, added in rank order, then each rank's update of the
-    rows it owns (:func:`row_slices`), slice by slice as the ranks apply it. The fault-free
-    reference of :class:`~ftstate.cli.demo.workers.ShardedPolicyTrainer`."""
+    """One step as ``ranks`` trainer ranks take it, in one process: gradients added in rank order, then each
+    rank's update of its rows; the reference of ``ShardedPolicyTrainer``."""
     prompts, completions, rewards = in_prompt_order(prompts, completions, rewards, prompt_ids, update)
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -261,9 +214,7 @@ class RunResult:
     stats: list[StepStats]
 
 
-#: Defaults of the demo run (seed aside). Measured on one core of the 2-core dev machine:
-#: 0.21 s a step (sampling 128 prompts ≈ 0.19 s, the trainer's step 17 ms); the mean reward
-#: goes from 0.06 at step 0 to 0.33-0.51 (mean of steps 25-29) for seeds 0-5 (seed 1: 0.51).
+#: Defaults of the demo run (seed aside); its timings and rewards are in docs/benchmarks.md.
 BATCH_SIZE = 128
 LR = 0.005
 UPDATE = "sign"
@@ -284,20 +235,10 @@ def train_local(
     stamps: Sequence[Mapping[int, int]] | None = None,
     **size: float,
 ) -> RunResult:
-    """The demo's loop in one process: per step, make the prompts, deal them into
-    ``shards`` shards (prompt ``i`` to shard ``i % shards``, as ``shards`` rollouts would
-    get them), sample the shards in ``shard_order`` (default 0, 1, ...), score, and take a
-    :func:`reinforce_step` (with ``trainer_ranks`` > 1, the :func:`sharded_reinforce_step` of
-    that many ranks). ``size`` goes to :func:`~ftstate.cli.demo.policy.build_policy`.
-
-    The result does not depend on ``shards`` or ``shard_order``: that is the property the
-    tests pin.
-
-    ``stamps`` replays an asynchronous run (``ftstate demo --async``): per step, each prompt id's
-    weights as the number of steps taken before they were synced (a prompt of step ``s`` sampled
-    on the weights of step ``s - 1`` has stamp ``s - 1``); without it every prompt of step ``s``
-    is sampled on the weights after ``s`` steps.
-    """
+    """The demo's loop in one process: prompts dealt into ``shards`` (prompt ``i`` to ``i % shards``), sampled
+    in ``shard_order``, scored, stepped (sharded with ``trainer_ranks`` > 1); the result does not depend on
+    ``shards`` or ``shard_order``. ``stamps`` replays a ``--async`` run: per step, the number of steps taken
+    before each prompt's weights."""
     if trainer_ranks < 1:
         raise ValueError(f"trainer_ranks must be >= 1, got {trainer_ranks}")
     model = build_policy(seed, **size)  # type: ignore[arg-type]
@@ -338,9 +279,8 @@ def train_local(
 
 
 class _PastWeights:
-    """The weights after each step a replayed asynchronous run may still sample on: a model per
-    step count, built on demand; those no later stamp names are dropped (the ballast makes each
-    tens of megabytes)."""
+    """The weights after each step a replayed asynchronous run may still sample on, built on demand and
+    dropped once no later stamp names them."""
 
     def __init__(self, model: nn.Module, seed: int, size: Mapping[str, Any]) -> None:
         self.model, self.seed, self.size = model, seed, size

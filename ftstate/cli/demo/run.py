@@ -1,61 +1,11 @@
-"""``ftstate demo``: real RL on a local Ray cluster, surviving real SIGKILLs, with proof.
+"""``ftstate demo``: real RL on a local (or joined) Ray cluster, surviving real SIGKILLs, with proof.
 
-One trainer (or ``trainers`` sharded ranks), two rollouts and one prewarmed spare per role, on the embedded default (a
-local Ray cluster on the CPU) or on a running Ray cluster it joins (``address``: ``auto``
-or ``host:port``; the report says on how many nodes the workers ran). Each step the rollouts sample completions of the toy task
-(:mod:`ftstate.cli.demo.task`: sort three digits) for a batch of prompts, seeded per
-(seed, step, prompt) and never per worker; the trainer takes a REINFORCE step; ``rt.sync()``
-pushes the weights. With faults on, the demo SIGKILLs a rollout while it generates, a
-rollout in the middle of a sync, and the trainer in the middle of a train step, and ftstate
-recovers from each.
-
-**Several trainer ranks** (``trainers``, ``ftstate demo --trainers N``; config
-``trainer_workers: N``): the policy is sharded FSDP/ZeRO-3 style over ``N`` ranks
-(:class:`~ftstate.cli.demo.workers.ShardedPolicyTrainer`: each rank holds its dim-0 slice of
-every tensor, a step gathers the full model on the trainer group, computes the gradient of its
-slice of the batch, and the ranks' gradients are all-gathered and added in rank order, so every
-rank applies the same bits to its own rows), and every sync sends each rank's part from that
-rank. The third fault then SIGKILLs trainer rank 1 as the step starts: rank 0's all-gather
-loses its peer mid-step, rank 1 is replaced, the group re-forms, both ranks get their part of
-the last sync back from a rollout and replay the steps since, and the step is made again. The
-report lists each rank's pid at the start and the end (the survivor's is unchanged), and the
-reference is the same ``N``-rank arithmetic run in one process
-(``train_local(..., trainer_ranks=N)``).
-
-**Proof that nothing was lost.** The same seeds are also run without faults and without
-Ray (:func:`~ftstate.cli.demo.reinforce.train_local`, the same sampling and step code). A
-failover that lost or repeated a step, or served stale weights, would change the samples
-and so the weights: the demo compares the final weights' checksum and the reward curve of
-both runs and exits non-zero if they differ.
-
-**The maintenance scenario** (``maintenance``, ``ftstate demo --maintenance``): a cloud
-announces host maintenance on one node mid-run and ftstate drains it while training goes on.
-A drain moves members to another node, so the scenario starts a local cluster of three
-nodes (``ray.cluster_utils.Cluster``, all on 127.0.0.1: :mod:`ftstate.cli.demo.nodes`): ``a``
-(the driver's; the trainer), ``b`` and ``c`` (the rollouts, spread), each with a loopback GCE
-metadata server of its own (:mod:`ftstate.cli.demo.metadata_server`, reached through the
-node's ``GCE_METADATA_HOST`` as on a real VM). The runtime watches them
-(``detect_node_maintenance``, ``maintenance_sources: [gce]``); at step ``steps // 3`` the
-server of a node holding a rollout answers ``TERMINATE_ON_HOST_MAINTENANCE`` with a window
-starting in :data:`NOTICE_DEADLINE_S`; the runtime drains the node (its rollout DRAINING and
-serving on while a replacement on another node gets the current weights, then retired) and the
-RL loop never stops. The report says the notices, the drains and their outcome, and the same
-proof holds: a drain changes nothing of the training. Without ``faults`` given, the scenario
-injects no kills (``--maintenance --faults`` does both).
-
-**The elastic fleet** (``grow_to``, ``ftstate demo --grow-to N``): a third of the way in the
-fleet grows to ``N`` rollouts (``rt.add_rollouts``: each newcomer is fed the current weights by
-a rollout that holds them, never by the trainer, and proven by checksum before it serves), and
-two thirds in it shrinks back to ``rollouts`` (``rt.scale_rollouts``: out of serving, out of the
-group, then the processes stop). Samples are seeded per prompt, never per worker, so the same
-proof holds: the run stays bit-identical to the fault-free one with a fixed fleet. The report
-lists each change (who, fed by whom, how long) under ``scaling``.
-
-Output folder: ``audit.jsonl`` (the trail), ``group.mmd``/``worker.mmd`` (the machines),
-``timeline.png`` (states over time, failovers, the reward curve; needs matplotlib, the
-``plot`` extra: without it the picture is skipped with one line, and ``report.json`` says
-why under ``timeline_picture_skipped``) and ``report.json``.
-"""
+Runs in the driver. Each step the rollouts sample the toy task (:mod:`ftstate.cli.demo.task`), the trainer
+takes a REINFORCE step and ``rt.sync()`` pushes the weights; the same seeds run without faults and without Ray
+(:func:`~ftstate.cli.demo.reinforce.train_local`) and the final weights must match. The trainer-rank,
+maintenance and elastic-fleet scenarios are described in docs/quickstart.md. Output: ``audit.jsonl``,
+``group.mmd``/``worker.mmd``, ``timeline.png`` (the ``plot`` extra; skipped with a note without it) and
+``report.json``."""
 
 from __future__ import annotations
 
@@ -72,17 +22,10 @@ from ftstate.core.errors import ConfigError, FTError
 
 @dataclasses.dataclass(frozen=True)
 class DemoOptions:
-    """out: output folder; steps: RL steps; faults: inject the three kills; seed: the run's
-    seed; batch_size: prompts per step; pad_mb: extra synced megabytes (a ballast tensor) to
-    make syncs move more; rollouts: rollout workers; max_failovers: the failover budget
-    (0 makes the first fault fatal); live: draw the live view; address: a running Ray
-    cluster to join (``auto``, ``host:port``), none starts a local one; maintenance: the
-    maintenance scenario (a local 3-node cluster, a GCE notice, a drain); trainers: trainer
-    ranks (``trainer_workers``; more than 1 shards the policy over them); engine: the policy and
-    its rollouts, ``policy`` (a dict of tensors) or ``vllm`` (a tiny Qwen2 served by vLLM
-    engines: :mod:`ftstate.cli.demo.engine_run`); in_flight: ``--async``, the asynchronous loop
-    (:func:`stamp_steps`); grow_to: grow the fleet to this many rollouts a third of the way in
-    and shrink it back two thirds in (0: a fixed fleet)."""
+    """The demo's options, one per ``ftstate demo`` flag: ``pad_mb`` adds synced megabytes (a ballast tensor);
+    ``max_failovers`` 0 makes the first fault fatal; ``address`` joins a running cluster (none: start a local
+    one); ``engine`` is ``policy`` or ``vllm``; ``in_flight`` is ``--async``; ``grow_to`` 0 keeps a fixed
+    fleet."""
 
     out: str = "ftstate-demo"
     steps: int = 24
@@ -115,8 +58,8 @@ def notice_step(steps: int) -> int:
 
 
 def fault_plan(steps: int) -> dict[int, str]:
-    """Which fault hits at which step (a step runs generate -> train -> sync). With several
-    trainer ranks, "kill trainer mid-step" hits :func:`trainer_to_kill`."""
+    """Which fault hits at which step (a step runs generate -> train -> sync); with several ranks the trainer
+    kill hits :func:`trainer_to_kill`."""
     if steps < 4:
         return {min(1, steps - 1): "kill rollout while generating"} if steps > 1 else {}
     return {
@@ -134,8 +77,7 @@ def scale_plan(steps: int, rollouts: int, grow_to: int) -> dict[int, int]:
 
 
 def trainer_to_kill(trainers: int) -> int:
-    """The trainer rank the "kill trainer mid-step" fault kills: the trainer, or rank 1 of
-    several (rank 0 survives, its all-gather cut short by the loss)."""
+    """The trainer rank the trainer kill hits: the trainer, or rank 1 of several (rank 0 survives)."""
     return 1 if trainers > 1 else 0
 
 
@@ -171,24 +113,21 @@ def check_options(opts: DemoOptions) -> None:
 
 
 def run_demo(out: str = "ftstate-demo", steps: int = 0, faults: bool | None = None, **options: Any) -> int:
-    """Run the demo; returns the exit code (0: it survived and matched the fault-free run).
-    faults: None injects the kills except in the maintenance scenario. The dict-of-tensors
-    policy only: ``ftstate.cli.demo.run_demo`` also runs ``engine="vllm"``."""
+    """Run the demo; returns the exit code (0: survived and matched the fault-free run). faults None: on,
+    except in the maintenance scenario."""
     return run_options(demo_options(out, steps, faults, options), _main)
 
 
 def demo_options(out: str, steps: int, faults: bool | None, options: dict[str, Any]) -> DemoOptions:
-    """The :class:`DemoOptions` of a call (steps 0: the default; faults None: on, except in
-    the maintenance scenario)."""
+    """The :class:`DemoOptions` of a call (steps 0: the default; faults None: on, except for maintenance)."""
     if faults is None:
         faults = not options.get("maintenance", False)
     return DemoOptions(out=out, steps=steps or DemoOptions.steps, faults=faults, **options)
 
 
 def run_options(opts: DemoOptions, main: Any, *, engine: str = "policy", before: Any = None) -> int:
-    """Check ``opts``, call ``before()`` (a check of what the run needs), then run
-    ``main(opts, console)``; returns its exit code, or 2 with one line for an FTError.
-    engine: the engine ``main`` runs (``opts.engine`` must be it)."""
+    """Check ``opts``, call ``before()``, then ``main(opts, console)``; returns its exit code, or 2 with one
+    line for an FTError."""
     from rich.console import Console
 
     console = Console()
@@ -213,12 +152,10 @@ def demo_config(opts: DemoOptions, folder: Path) -> RuntimeConfig:
     if opts.maintenance:
         from ftstate.cli.demo.nodes import LABEL
 
-        # Each node's GCE watcher finds its own server through the node's GCE_METADATA_HOST;
-        # an endpoint here would point every node at one server.
+        # Each node's GCE watcher finds its own server through the node's GCE_METADATA_HOST.
         maintenance = {"detect_node_maintenance": True, "maintenance_sources": ["gce"],
                        "maintenance_check_interval": 0.25, "maintenance_request_timeout_s": 1.0}
-        # The trainer on the driver's node, the rollouts spread over the others: a notice for
-        # a rollout's node then has a node to move to (the spares keep off the nodes they cover).
+        # Trainer on the driver's node, rollouts spread: a rollout's node under notice has a node to move to.
         placement = {"placement": {"trainer": {"labels": {LABEL: NODES[0]}},
                                    "rollout": {"labels": {LABEL: f"in({','.join(NODES[1:])})"}}}}
     return RuntimeConfig.from_dict(
@@ -249,16 +186,11 @@ def demo_config(opts: DemoOptions, folder: Path) -> RuntimeConfig:
 
 def stamp_steps(versions: list[int], stamps: list[list[tuple[int, int]]], max_staleness: int) -> tuple[
         list[dict[int, int]], list[str]]:
-    """``ftstate demo --async``: each step's samples as the steps taken before the weights they
-    ran on (what :func:`~ftstate.cli.demo.reinforce.train_local` replays), and every stamp that
-    breaks the run's rules. versions: the weights version each sync committed, the initial
-    weights' first (the version after ``k`` steps is ``versions[k]``); stamps: per step, the
-    ``(prompt_id, version)`` of each sample.
-
-    Which version a sample runs on depends on when its rollout reached a safe point, so a faulted
-    run and a fault-free one need not stamp alike; what holds is that the run is its stamps'
-    replay, bit for bit, and that no stamp is more than ``max_staleness`` behind the version the
-    trainer had pushed when it took the samples (nor ahead of it)."""
+    """``ftstate demo --async``: each step's samples as the steps taken before their weights, and every stamp
+    that breaks the run's rules. ``versions[k]`` is the version after ``k`` steps; ``stamps`` holds per step
+    the ``(prompt_id, version)`` of each sample. A faulted run need not stamp like a fault-free one; what
+    holds is that it replays its stamps bit for bit, none more than ``max_staleness`` behind (nor ahead of)
+    the trainer's version."""
     steps_of = {v: k for k, v in enumerate(versions)}
     out: list[dict[int, int]] = []
     problems: list[str] = []
@@ -275,11 +207,8 @@ def stamp_steps(versions: list[int], stamps: list[list[tuple[int, int]]], max_st
 
 
 class _MaintenanceScenario:
-    """The maintenance scenario's cluster and metadata servers, and the announcement.
-
-    One :class:`~ftstate.cli.demo.metadata_server.GceServer` per node, each given to its node
-    only (``GCE_METADATA_HOST`` in that node's environment), all answering ``NONE`` until
-    :meth:`announce` has one of them schedule maintenance."""
+    """The maintenance scenario's cluster and one metadata server per node (``GCE_METADATA_HOST``), all
+    answering ``NONE`` until :meth:`announce`."""
 
     def __init__(self) -> None:
         from ftstate.cli.demo.metadata_server import GceServer
@@ -297,8 +226,7 @@ class _MaintenanceScenario:
         return self.local.names() if self.local is not None else {}
 
     def announce(self, rt: Any, step: int) -> str | None:
-        """Have the metadata server of a node holding a rollout (not the trainer's) announce
-        TERMINATE_ON_HOST_MAINTENANCE; returns a note for the live view."""
+        """Have a rollout node's metadata server announce maintenance; returns a note for the live view."""
         members = [m for m in rt.members() if m.rank >= 0]
         trainer_nodes = {m.node_id for m in members if m.role == "trainer"}
         candidates = [m.node_id for m in members if m.role == "rollout" and m.node_id not in trainer_nodes]
@@ -319,8 +247,7 @@ class _MaintenanceScenario:
         return f"GCE announced maintenance on node {name}"
 
     async def wait_for_drain(self, rt: Any, timeout: float) -> None:
-        """After the last step: wait (bounded) until the announced node's drain has ended, so
-        the report can say how it went."""
+        """After the last step: wait (bounded) for the announced node's drain to end, for the report."""
         if self.announced is None:
             return
         loop = asyncio.get_running_loop()
@@ -489,8 +416,7 @@ GONE = frozenset({"LOST", "RETIRED", "FAILED"})
 
 
 def trainer_ranks(first: list[Any], last: list[Any]) -> list[dict[str, Any]]:
-    """Each trainer rank's member and pid at the start and at the end of the run (a rank whose
-    process survived every failover keeps its pid)."""
+    """Each trainer rank's member and pid at the start and the end (a surviving process keeps its pid)."""
     def by_rank(members: list[Any]) -> dict[int, Any]:
         return {m.rank: m for m in members if m.role == "trainer" and m.rank >= 0 and m.state not in GONE}
 
@@ -505,10 +431,8 @@ def trainer_ranks(first: list[Any], last: list[Any]) -> list[dict[str, Any]]:
 
 
 def _nodes(rt: Any, members: list[Any]) -> dict[str, Any]:
-    """On how many nodes the run's workers ran: the distinct Ray node ids of every member it
-    started (spares and replaced members included), beside the nodes alive in the cluster.
-    A member's ``node_id`` where :class:`~ftstate.controller.runtime.MemberInfo` has one,
-    else the node the GCS placed its actor on."""
+    """How many nodes the run's workers ran on (every member started, spares and replaced ones included),
+    beside the nodes alive in the cluster."""
     import ray
 
     ids: dict[str, str] = {}
@@ -530,10 +454,8 @@ def _nodes(rt: Any, members: list[Any]) -> dict[str, Any]:
 
 
 def _notices(records: list[dict[str, Any]], names: dict[str, str]) -> list[dict[str, Any]]:
-    """Every maintenance notice of the trail, with what came of it: ``handled_by``, the
-    number of the notice whose drain of the same node was already under way when it came
-    (one poll can bring two notices for one node: GCE's maintenance-event and the
-    upcoming-maintenance window), None for a notice that started a drain of its own."""
+    """Every maintenance notice of the trail; ``handled_by`` names the notice whose drain of the same node was
+    already under way (one poll can bring two), None for one that started its own."""
     from ftstate.cli.demo.live import short_node
 
     out: list[dict[str, Any]] = []
@@ -555,9 +477,7 @@ def _notices(records: list[dict[str, Any]], names: dict[str, str]) -> list[dict[
 
 
 def _failed_syncs(records: list[dict[str, Any]]) -> list[str]:
-    """Each sync attempt the group left by a failure, explained: which version it was pushing,
-    why it failed, and whether that version was then committed (the runtime makes a failed
-    sync again after a failover: ``rt.sync()`` returned once, for every rollout)."""
+    """Each sync attempt left by a failure: its version, why, and whether that version was then committed."""
     out = []
     target = None
     committed = {r.get("weights_version") for r in records if r.get("event") == "transition"
@@ -582,10 +502,8 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
             error: FTError | None, seconds: float, cfg: RuntimeConfig, nodes: dict[str, Any] | None = None,
             maintenance: dict[str, Any] | None = None, trainer_ranks: list[dict[str, Any]] | None = None,
             engine: dict[str, Any] | None = None, in_flight: dict[str, Any] | None = None) -> int:
-    """Write report.json and print the report; the exit code. engine: the engine demo's proof
-    (``held_after_sync``: each sync's trainer checksum beside every serving engine's held one;
-    ``held_all_equal``), in the report under ``engine`` and part of the verdict. in_flight:
-    ``--async``'s stamps (the reference is their replay; a stamp problem fails the run)."""
+    """Write report.json and print the report; returns the exit code. ``engine``: the engine demo's
+    held-weights proof; ``in_flight``: ``--async``'s stamps. Both are part of the verdict."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -613,16 +531,14 @@ def _report(opts: DemoOptions, console: Any, folder: Path, rewards: list[float],
         picture_skipped = str(exc)
         console.print(f"[yellow]skipped:[/] {escape(picture_skipped)}", highlight=False, soft_wrap=True)
 
-    # Every failover figure from the trail, read where the picture and `ftstate audit` read
-    # them (audit_view.failover_rows): detection is the fault's chaos record to its LOST one.
+    # Failover figures read as the picture and `ftstate audit` read them (audit_view.failover_rows).
     from ftstate.cli.audit_view import describe_failover, failover_rows
 
     rows = [{k: row[k] for k in ("lost", "replacement", "role", "detection_s", "rerendezvous_s", "transfer_s",
                                  "total_s", "group_version", "cause")} for row in failover_rows(records)]
     failed_syncs = _failed_syncs(records)
     nodes = nodes or {"count": None, "cluster_nodes": None, "by_member": {}}
-    # A sync that failed: the group left SYNCING by a failure (a sync retried after one
-    # counts here too, though rt.sync() itself returned).
+    # A sync the group left by a failure (one retried after a failover counts too).
     syncs_failed = sum(1 for r in records if r.get("event") == "transition" and r.get("machine") == "group"
                        and r.get("from") == "SYNCING" and r.get("trigger") in ("sync_failed", "sync_timeout"))
     names = (maintenance or {}).get("node_names") or {}

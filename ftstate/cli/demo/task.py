@@ -1,21 +1,7 @@
-"""The demo's toy task: sort a few digits, with a reward anyone can check by hand.
-
-A prompt is ``BOS d1 d2 d3 SEP``: three digits drawn uniformly from 0-9. The policy answers
-with three tokens; the reward is the fraction of positions that hold the prompt's digits in
-ascending order (``BOS 7 2 5 SEP`` → ``2 5 7``): 1/3 per correct position, so a policy
-that gets the first digit right earns 0.33 and a perfect one 1.0.
-
-Prompts are a pure function of ``(seed, step, index)`` (:func:`make_prompts`), and each
-carries an id unique within the run (``step * batch_size + index``), so a prompt's
-samples can be seeded from its id whichever rollout serves it.
-
-What a policy learns first, and why the curve rises fast: a random one emits any of the
-:data:`VOCAB_SIZE` tokens (reward ≈ 0.07). It then learns which tokens belong where — a
-digit, small ones first, large ones last (≈ 0.2); then to copy the prompt's small digit
-first and its large one last, which is where the reward climbs past 0.4.
-
-This module imports neither Ray nor torch.
-"""
+"""The demo's toy task, for the demo's workers and driver: sort three digits (``BOS 7 2 5 SEP`` → ``2 5 7``),
+rewarded 1/3 per correct position. Prompts are a pure function of (seed, step, index) with run-unique ids, so
+samples are seeded by prompt, not by worker. A random policy scores ≈ 0.07, learns digit placement (≈ 0.2),
+then copying (past 0.4). No Ray, no torch."""
 
 from __future__ import annotations
 
@@ -47,11 +33,8 @@ def derive_seed(*parts: int | str) -> int:
 
 
 def make_prompts(step: int, batch_size: int, seed: int) -> list[tuple[int, list[int]]]:
-    """The prompts of one step: ``batch_size`` pairs ``(prompt_id, tokens)``.
-
-    Deterministic in ``(step, batch_size, seed)``; prompt ids are ``step * batch_size + i``,
-    unique across the run's steps for a fixed batch size.
-    """
+    """The prompts of one step: ``batch_size`` pairs ``(prompt_id, tokens)``, deterministic in ``(step,
+    batch_size, seed)``; ids are ``step * batch_size + i``."""
     out = []
     for i in range(batch_size):
         rng = random.Random(derive_seed("prompt", seed, step, i))
@@ -66,11 +49,7 @@ def target(prompt_tokens: Sequence[int]) -> list[int]:
 
 
 def reward(prompt_tokens: Sequence[int], completion_tokens: Sequence[int]) -> float:
-    """Fraction of the answer's positions that hold the sorted digits (0.0 to 1.0).
-
-    Position ``i`` of the completion is compared with position ``i`` of :func:`target`;
-    missing positions (a short completion) score nothing, and so does anything after them.
-    """
+    """Fraction of the answer's positions holding the sorted digits (0.0 to 1.0); missing ones score 0."""
     want = target(prompt_tokens)
     if not want:
         raise ValueError(f"prompt {list(prompt_tokens)} holds no digits")

@@ -1,22 +1,7 @@
-"""The demo's workers: a REINFORCE trainer (one, or sharded over several ranks) and
-rollouts that sample the toy task.
-
-Both hold the same :class:`~ftstate.cli.demo.policy.Policy`; the trainer's ``state_dict`` is
-what every sync moves. ``generate`` samples one shard of a step's prompts, seeded per
-(run seed, step, prompt id) and scored by the task; ``train`` takes the whole step's batch
-(in prompt-id order, whatever order the shards came back in). Both are deterministic given
-their arguments, which is what lets a replaced trainer replay the steps since the last
-committed sync and land on the same weights.
-
-:class:`ShardedPolicyTrainer` is one of ``N`` trainer ranks (``ftstate demo --trainers N``),
-FSDP/ZeRO-3 style: it holds only its dim-0 slice of every tensor (:func:`~ftstate.cli.demo.
-reinforce.row_slices`; a tensor with too few rows whole on rank 0), and that part is all its
-``state_dict()`` returns and ``load_state_dict()`` takes back, neither collective. A step
-gathers the full model over the trainer group, computes the gradient of the rank's slice of
-the batch, gathers every rank's gradient and adds them in rank order (the same bits on every
-rank), and updates its own rows (:func:`~ftstate.cli.demo.reinforce.sharded_reinforce_step`
-is the same arithmetic in one process).
-"""
+"""The demo's workers, run in the demo's Ray actors: a REINFORCE trainer (one, or
+:class:`ShardedPolicyTrainer` over several ranks) and rollouts that sample the toy task. Both are
+deterministic given their arguments, so a replaced trainer replays the steps since the last sync and lands on
+the same weights (docs/concepts.md, "The demo's training step")."""
 
 from __future__ import annotations
 
@@ -88,10 +73,8 @@ class PolicyRollout(RolloutWorker):
         return [(pid, c, task.reward(p, c)) for pid, p, c in zip(ids, prompts, completions, strict=True)]
 
     def generate_stamped(self, step: int, shard: Sequence[tuple[int, Sequence[int]]]) -> list[tuple[int, list[int], float, int]]:
-        """:meth:`generate` for ``ftstate demo --async``: a safe point before each prompt, where a
-        version committed meanwhile is loaded, and each sample stamped with the weights version it
-        ran on: ``[(prompt_id, completion, reward, version)]``. A prompt is sampled alone
-        (:func:`~ftstate.cli.demo.policy.sample`), so its stamp is all a replay needs."""
+        """:meth:`generate` for ``--async``: a safe point before each prompt, and each sample stamped with the
+        version it ran on, ``[(prompt_id, completion, reward, version)]``."""
         out = []
         for pid, tokens in shard:
             version = self.safe_point()
@@ -104,17 +87,10 @@ class PolicyRollout(RolloutWorker):
 
 
 class ShardedPolicyTrainer(TrainerWorker):
-    """One of ``N`` trainer ranks of the demo's policy (see the module docstring). seed, size,
-    lr: as :class:`PolicyTrainer`; update: ``"sign"`` or ``"sgd"`` (stateless either way, so a
-    replaced rank has no optimizer state to miss).
-
-    ``part`` is the authoritative state, ``{name: Shard}`` (or a whole tensor on rank 0);
-    ``model`` is a compute buffer that a step fills with the gathered full weights; the
-    ballast, never read by the model nor trained, lives in the parts only (``setup`` drops the
-    model's full copy of it, so a rank holds ``1/N`` of it). Every collective
-    runs on the trainer group handed to :meth:`setup` (``group.allgather(...).wait()``), never
-    on a default group; the gradients are combined by an all-gather and a sum in rank order,
-    not by the group's all-reduce, whose order of addition is the transport's business."""
+    """One of ``N`` trainer ranks of the demo's policy; ``update`` is stateless either way, so a replaced rank
+    has no optimizer state to miss. ``part`` is the authoritative state; ``model`` is a compute buffer a step
+    fills with the gathered weights. Collectives run on the group given to :meth:`setup`; gradients are
+    all-gathered and summed in rank order, not all-reduced."""
 
     def __init__(self, seed: int, size: Mapping[str, Any], lr: float, update: str = "sign") -> None:
         if update not in UPDATES:
@@ -139,9 +115,8 @@ class ShardedPolicyTrainer(TrainerWorker):
         return {name: row_slices(shape[0] if shape else 0, self.world) for name, (shape, _) in self.meta.items()}
 
     def setup(self, group: Any, rank: int, world_size: int) -> None:
-        """The trainer group (again after every membership change: a survivor keeps its part;
-        a first rank, or a newcomer until its part comes back, cuts its part of the seeded
-        initial weights)."""
+        """The trainer group (again after every membership change: a survivor keeps its part, a first rank or
+        newcomer cuts its part of the seeded initial weights)."""
         if self.part is not None and (rank, world_size) != (self.rank, self.world):
             raise RuntimeError(f"trainer rank {self.rank} of {self.world} was handed rank {rank} of {world_size}: "
                                "its part covers other rows")
@@ -181,10 +156,8 @@ class ShardedPolicyTrainer(TrainerWorker):
     # -- collectives on the trainer group ---------------------------------------------------
 
     def _gather(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The full tensors ``names``, assembled from every rank's part: one all-gather per
-        dtype of a flat buffer in which each tensor has a segment of the same length on every
-        rank (a slice padded to the longest slice; a whole tensor, zeros on the ranks that do
-        not own it)."""
+        """The full tensors ``names`` from every rank's part: one all-gather per dtype of a flat buffer with
+        an equal-length, padded segment per tensor on every rank."""
         layout = self._layout()
         out: dict[str, torch.Tensor] = {}
         by_dtype: dict[torch.dtype, list[str]] = {}
@@ -257,8 +230,7 @@ class ShardedPolicyTrainer(TrainerWorker):
         return {"reward": reward, "loss": float(total[-1]), "seconds": time.perf_counter() - start}
 
     def checksum(self) -> str:
-        """The full weights' checksum (collective: every rank gathers), comparable with
-        :class:`PolicyTrainer`'s and the rollouts'."""
+        """The full weights' checksum (collective), comparable with the single trainer's and the rollouts'."""
         return state_checksum(self.full_state())
 
     def facts(self) -> dict[str, Any]:

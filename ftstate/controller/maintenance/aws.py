@@ -1,25 +1,5 @@
-"""AWS EC2: spot interruptions, rebalance recommendations and scheduled events, over IMDSv2.
-
-IMDSv2 only (IMDSv1, without a token, may be disabled on the instance and is not tried): a
-``PUT /latest/api/token`` with ``X-aws-ec2-metadata-token-ttl-seconds`` gives a session token,
-sent as ``X-aws-ec2-metadata-token`` on every GET. The token is kept until shortly before its
-TTL runs out; a 401 (the token expired or was revoked) fetches a new one, once per poll.
-
-- ``/latest/meta-data/spot/instance-action``: 404 until a spot interruption is scheduled,
-  then ``{"action": "terminate"|"stop"|"hibernate", "time": "2026-...Z"}`` (two minutes'
-  notice; AWS suggests polling every 5 s). A ``preempt`` notice whose deadline is ``time``.
-- ``/latest/meta-data/events/recommendations/rebalance``: 404, or ``{"noticeTime": ...}``
-  once the spot VM is at elevated risk: a ``rebalance`` notice without a deadline (the notice
-  time is when it was issued, not when anything happens).
-- ``/latest/meta-data/events/maintenance/scheduled``: a JSON list of
-  ``{"NotBefore": "21 Jan 2019 09:00:43 GMT", "Code": "system-reboot", "EventId": ...,
-  "NotAfter": ..., "State": "active", "Description": ...}``; completed and canceled events
-  are no notice. Codes: instance-reboot/system-reboot (reboot), system-maintenance
-  (maintenance), instance-retirement (terminate), instance-stop (stop).
-
-The endpoint comes from the config (``maintenance_endpoints.aws``), else
-``AWS_EC2_METADATA_SERVICE_ENDPOINT`` (as botocore reads it), else ``http://169.254.169.254``.
-"""
+"""AWS EC2 maintenance watcher: spot interruptions, rebalance recommendations and scheduled events over
+IMDSv2, polled from each node (docs/operations.md, "What each maintenance source reads")."""
 
 from __future__ import annotations
 

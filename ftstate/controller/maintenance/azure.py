@@ -1,24 +1,5 @@
-"""Azure: Scheduled Events from the Instance Metadata Service.
-
-``GET {endpoint}/metadata/scheduledevents?api-version=2020-07-01`` with ``Metadata: true``
-(IMDS refuses a request without it) answers ``{"DocumentIncarnation": n, "Events": [...]}``,
-each event with ``EventId``, ``EventType`` (Freeze, Reboot, Redeploy, Preempt, Terminate),
-``ResourceType``, ``Resources`` (the VM names it affects), ``EventStatus`` (Scheduled,
-Started), ``NotBefore`` (an RFC 1123 date, empty once started), ``Description``,
-``EventSource`` and ``DurationInSeconds``. An event type Azure adds later is still a notice
-(kind ``maintenance``): the platform says this VM will be disturbed.
-
-Events are delivered to every VM of an availability set or scale-set placement group, so
-the ``Resources`` say whom each concerns: the watcher learns its own VM's name once
-(``/metadata/instance/compute/name``) and keeps only the events naming it; while that name
-is unknown every event is kept, with its resources as the notice's node.
-
-:meth:`AzureWatcher.acknowledge` POSTs ``{"StartRequests": [{"EventId": ...}]}`` once the
-node is drained, which lets the event start before its NotBefore.
-
-The endpoint comes from the config (``maintenance_endpoints.azure``), else
-``http://169.254.169.254`` (Azure names no environment variable for it).
-"""
+"""Azure maintenance watcher: Scheduled Events from the Instance Metadata Service, polled from each node and
+acknowledged once drained (docs/operations.md, "What each maintenance source reads")."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""What every maintenance watcher returns: notices, poll problems, and the result of one poll.
-
-A :class:`Notice` is one announcement that a node will go away or be disturbed: its source
-(``gce``, ``aws``, ``azure``, ``ray``, ``file``), its kind, its deadline as absolute wall-clock
-epoch seconds (None when the provider does not say), the node it concerns where known, the
-provider's event id where it has one, and a short raw form for the audit trail.
-
-A :class:`PollProblem` is a metadata server that could not be read: unreachable, silent past
-the request timeout, an unexpected HTTP status, a body that is not what the provider
-documents. It is a warning the caller records, never an exception and never a notice: a
-watcher's ``poll()`` raises nothing for a bad server. A :class:`PollResult` carries both,
-since one poll reads several paths and one of them may fail while another announces
-something.
-
-The parsing of each provider's answers is pure (a function of status and body) and lives
-beside its watcher (``gce``, ``aws``, ``azure``, ``ray_drain``, ``notice_file``); the
-date formats the providers use are parsed here.
-"""
+"""What every maintenance watcher returns, in the watcher's process: a :class:`Notice` (a node will go away or
+be disturbed), a :class:`PollProblem` (a source that could not be read: a warning, never an exception) and the
+:class:`PollResult` carrying both; plus the providers' date parsers."""
 
 from __future__ import annotations
 
@@ -28,11 +13,9 @@ from typing import Any, Literal, Protocol
 #: Where notices come from (the values of ``fault_tolerance.maintenance_sources``).
 SOURCES = ("gce", "aws", "azure", "ray", "file")
 
-#: What a notice announces. migrate: the VM is live-migrated (a pause, it survives);
-#: terminate: it is shut down; preempt: a spot/preemptible VM is reclaimed; drain: Ray is
-#: draining the node; reboot, redeploy (moved to another host, a reboot), freeze (paused for
-#: seconds), stop, hibernate; rebalance: AWS says a spot VM is at elevated risk (no deadline);
-#: maintenance: a scheduled host maintenance whose effect the provider does not state.
+#: What a notice announces: migrate (live migration), terminate, preempt (spot reclaimed), drain
+#: (Ray), reboot, redeploy, freeze, stop, hibernate, rebalance (AWS spot risk, no deadline), or a
+#: maintenance whose effect the provider does not state.
 KINDS = (
     "migrate",
     "terminate",
@@ -61,13 +44,8 @@ def short(text: str, limit: int = RAW_MAX) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Notice:
-    """One maintenance or preemption notice.
-
-    deadline: absolute wall-clock time (epoch seconds) by which the node is disturbed, None
-    when the provider gives none. node: the node it concerns (a Ray node id for ``ray``, the
-    VM names for ``azure``, what the operator wrote for ``file``); None means the node the
-    watcher runs on. event_id: the provider's id (Azure EventId, AWS instance-event id).
-    """
+    """One maintenance or preemption notice. ``deadline``: epoch seconds by which the node is disturbed (None:
+    not given); ``node``: the node it concerns (None: the watcher's); ``event_id``: the provider's."""
 
     source: str
     kind: str
@@ -85,8 +63,7 @@ class Notice:
 
     @property
     def key(self) -> tuple[str, str, str | None, str | None]:
-        """What makes two polls' notices the same notice: source, kind, node, event id (not the
-        deadline, which a provider may move)."""
+        """What makes two polls' notices the same: source, kind, node, event id (not the movable deadline)."""
         return (self.source, self.kind, self.node, self.event_id)
 
     def on_node(self, node: str) -> Notice:
@@ -100,11 +77,8 @@ class Notice:
 
 @dataclasses.dataclass(frozen=True)
 class PollProblem:
-    """A source that could not be read this time: a warning, not a notice.
-
-    where: the URL (or file, or API) that failed; problem: what kind of failure; detail: one
-    line of what happened; seconds: how long the failing request took.
-    """
+    """A source that could not be read this time: ``where`` failed, ``problem`` (its kind), ``detail`` (one
+    line) and ``seconds`` the request took."""
 
     source: str
     where: str
@@ -136,11 +110,8 @@ class PollProblem:
 
 @dataclasses.dataclass(frozen=True)
 class PollResult:
-    """What one poll of one watcher found: the notices current now, and the problems met.
-
-    A result with problems is incomplete: a notice it does not list may only have been
-    unreadable, so the runner withdraws nothing on it.
-    """
+    """What one poll found: the current notices and the problems met. With problems it is incomplete, so the
+    runner withdraws nothing on it."""
 
     source: str
     notices: tuple[Notice, ...] = ()
@@ -174,8 +145,7 @@ _FRACTION = re.compile(r"(\.\d{1,6})\d*")
 
 
 def parse_rfc3339(text: str) -> float:
-    """Epoch seconds of an RFC 3339 / ISO 8601 time (``2026-01-02T03:04:05Z``, an offset, or
-    up to nanoseconds); a time without an offset is taken as UTC. ValueError if it is not one."""
+    """Epoch seconds of an RFC 3339 time (an offset, ``Z``, or none: UTC; up to ns); ValueError otherwise."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"not a time: {text!r}")
     value = _FRACTION.sub(r"\1", text.strip(), count=1)
@@ -188,8 +158,7 @@ def parse_rfc3339(text: str) -> float:
 
 
 def parse_http_date(text: str) -> float:
-    """Epoch seconds of an RFC 1123 / RFC 2822 date (``Mon, 19 Sep 2016 18:29:47 GMT``, or
-    AWS's ``21 Jan 2019 09:00:43 GMT``). ValueError if it is not one."""
+    """Epoch seconds of an RFC 1123 / 2822 date (or AWS's without a weekday); ValueError otherwise."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"not a date: {text!r}")
     try:

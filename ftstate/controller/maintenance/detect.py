@@ -1,24 +1,6 @@
-"""Which maintenance sources to run: as configured, or found out cheaply and quietly.
-
-``maintenance_sources: [auto]`` (the default) must not send a request anywhere to learn where
-it runs: off any cloud, ``metadata.google.internal`` costs a DNS lookup and 169.254.169.254 a
-connect timeout, at every poll. So the node's DMI identity is read instead (files under
-``/sys/class/dmi/id``, world-readable, no network), as cloud-init and the providers' agents
-do:
-
-- GCE: ``product_name`` "Google Compute Engine", or ``sys_vendor``/``bios_vendor`` "Google";
-- AWS: ``sys_vendor``/``bios_vendor`` "Amazon EC2" (Nitro), or "amazon" in ``bios_version``
-  (the older Xen instances);
-- Azure: ``chassis_asset_tag`` 7783-7084-3265-9085-8269-3286-77, or, where that tag cannot
-  be read, ``sys_vendor`` "Microsoft Corporation" with ``product_name`` "Virtual Machine"
-  (a readable tag that differs is an on-prem Hyper-V guest, not Azure).
-
-Auto then runs ``ray`` (always: it asks the cluster, not a metadata server), the cloud found,
-any cloud source given an endpoint in the config or its provider's environment variable
-(``GCE_METADATA_HOST``, ``AWS_EC2_METADATA_SERVICE_ENDPOINT``: someone pointed it somewhere),
-and ``file`` when ``maintenance_file`` is set. The :class:`Detection` carries one line saying
-what was found (e.g. "not on GCE, AWS or Azure"), for the caller to record once.
-"""
+"""Which maintenance sources to run: as configured, or, for ``auto``, found from the node's DMI identity
+without a network request (docs/operations.md, "What each maintenance source reads"). The :class:`Detection`
+says in one line what was found."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""One bounded HTTP request to a metadata server, with the standard library only.
-
-``http.client``, not ``urllib.request``: urllib honours ``http_proxy`` from the environment,
-and a metadata request must never go through a proxy (the metadata server is link-local,
-reachable only from the VM itself). No new dependency is needed for a handful of GETs.
-
-Every request is bounded by ``timeout`` end to end: the socket's timeout bounds the connect
-and each read, and a timer shuts the socket down when ``timeout`` has passed since the
-request began, so a server that accepts and never answers, or drips its answer a byte at a
-time, costs at most ``timeout`` (plus the scheduling of one timer thread). The one wait the
-timer cannot cut short is a name lookup (``metadata.google.internal``): the runner's bound
-per poll covers it, and watchers only run where detection or the config points them.
-
-:func:`request` never raises for a bad server: it returns an :class:`Answer`, or a
-:class:`~ftstate.controller.maintenance.base.PollProblem` saying what went wrong.
-"""
+"""One bounded HTTP request to a metadata server, standard library only: ``http.client`` (never a proxy),
+bounded end to end by a timer that shuts the socket. :func:`request` never raises for a bad server: it returns
+an :class:`Answer` or a ``PollProblem``."""
 
 from __future__ import annotations
 

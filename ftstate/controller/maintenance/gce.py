@@ -1,27 +1,6 @@
-"""Google Compute Engine: the metadata server's maintenance and preemption keys.
-
-Three GETs under ``{host}/computeMetadata/v1/instance/``, each with ``Metadata-Flavor:
-Google`` (the server refuses a request without it, and sends it back on every answer: an
-answer without it did not come from a GCE metadata server and is a problem, not a notice):
-
-- ``maintenance-event``: ``NONE``, ``MIGRATE_ON_HOST_MAINTENANCE`` or
-  ``TERMINATE_ON_HOST_MAINTENANCE``. It changes 60 s before a live migration, and about an
-  hour before a GPU VM is terminated for maintenance; Google skips the warning for a VM that
-  never read the key since the last event, so polling it also arms it.
-- ``preempted``: ``TRUE`` once a Spot/preemptible VM is being reclaimed (about 30 s left),
-  else ``FALSE``.
-- ``upcoming-maintenance``: 404 when nothing is scheduled, else a JSON window
-  (``window_start_time``, ``window_end_time``, ``latest_window_start_time``,
-  ``maintenance_status`` PENDING/ONGOING, ``type`` SCHEDULED/UNSCHEDULED, ``can_reschedule``;
-  the REST API's camelCase spellings are read too). Days ahead, for VMs that get it.
-
-``maintenance-event`` carries no time; when a window is known its start is taken as that
-notice's deadline. The ``wait_for_change`` long poll is not used: a poll is one bounded
-request per key, every ``maintenance_check_interval``.
-
-The host comes from the config (``maintenance_endpoints.gce``), else ``GCE_METADATA_HOST``
-(``host[:port]``, as Google's client libraries read it), else ``metadata.google.internal``.
-"""
+"""GCE maintenance watcher: the metadata server's ``maintenance-event``, ``preempted`` and
+``upcoming-maintenance`` keys, polled from each node (docs/operations.md, "What each maintenance source
+reads")."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The per-node watcher: a light Ray actor that polls its own node's metadata server.
-
-A metadata server answers only the VM it runs on, so the cloud watchers (and a node-local
-notice file) must run on each node that hosts members. :class:`NodeWatcherActor` is a plain
-class the controller's backend starts on a node
-(:meth:`~ftstate.controller.backend.ClusterBackend.start_node_watcher`: on Ray an actor
-pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, asking for no CPU) and
-calls through the same backend (:func:`actor_watchers`), so it imports no Ray itself. On
-its node it detects the sources (its own DMI identity and environment: a node's
-``GCE_METADATA_HOST`` is honoured there), builds their watchers, and polls one source per
-call, stamping its node id on notices that name no node. It runs no loop of its own: the
-driver's :class:`~ftstate.controller.maintenance.runner.MaintenanceWatcher` polls it through
-one :class:`ActorWatcher` per source, each call bounded like a local poll plus the call.
-"""
+"""The per-node maintenance watcher: a light actor the backend pins to each node that hosts members (a
+metadata server answers only its own VM). It detects and polls that node's sources, one per call, for the
+driver's runner; it imports no Ray itself."""
 
 from __future__ import annotations
 

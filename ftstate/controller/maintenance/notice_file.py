@@ -1,16 +1,5 @@
-"""A file an operator (or a scheduler, or a node-local agent) writes a notice to: for on-prem
-clusters and anything the clouds' watchers do not cover.
-
-The file holds one JSON object, or a list of them::
-
-    {"kind": "terminate", "deadline": 1767225600, "node": "10.0.0.7", "event_id": "rack-12"}
-
-``kind`` is one of :data:`~ftstate.controller.maintenance.base.KINDS`; ``deadline`` is epoch
-seconds, an RFC 3339 time, or null; ``node`` (optional) names the node it concerns, and its
-absence means the node the watcher runs on; ``event_id`` is optional. No file, or an empty
-one, is no notice (deleting or emptying it withdraws the notice); anything else that does
-not read as above is a problem, never a notice.
-"""
+"""Maintenance watcher for a notice file an operator or scheduler writes (on-prem, or what the clouds do not
+cover): one JSON notice or a list; no file or an empty one is no notice."""
 
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
-"""Ray: the nodes the cluster is draining.
-
-What Ray 2.60 exposes (read in its source and measured on a ``ray.cluster_utils.Cluster``):
-
-- The GCS keeps, per node, whether it is draining and the drain's deadline. The ``DrainNode``
-  RPC sets it, with a reason (``DRAIN_NODE_REASON_PREEMPTION`` or ``..._IDLE_TERMINATION``),
-  a message and a deadline in epoch milliseconds (0: none). Callers: ``ray drain-node``
-  (hidden CLI: ``--reason``, ``--reason-message``, ``--deadline-remaining-seconds``), the v2
-  autoscaler, and a raylet receiving SIGTERM (KubeRay deleting a pod: it drains itself for
-  ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``).
-- ``GcsClient.get_draining_nodes(timeout=...)`` answers ``{node_id_hex: deadline_ms}``: the
-  call Ray Serve makes (``serve/_private/cluster_node_info_cache.py``); Ray Train v2's
-  ``PreemptionWatcher`` reads the same through ``ray._private.state.state.get_draining_nodes()``
-  (no timeout). A driver has the client as ``ray._private.worker.global_worker.gcs_client``.
-  Measured: ~1 ms a call; a drain shows at the next call, and a drained node that goes idle
-  exits and leaves the list ~0.1 s later (tests/multinode/test_maintenance_drain.py).
-- ``GcsNodeInfo.state_snapshot.state`` (``gcs_client.get_all_node_info()``) reads DRAINING
-  for such a node; ``ray.nodes()`` and the state API's ``list_nodes()`` only say ALIVE/DEAD,
-  and neither carries the reason. An idle node drained for preemption exits at once (its
-  ``DeathReasonMessage`` is the drain's message); a busy one keeps running its actors until
-  the deadline, when whoever asked for the drain (autoscaler, KubeRay) kills it.
-
-So this watcher runs on the driver (the controller), asks the GCS for its draining nodes
-with a bounded RPC (through the controller's
-:meth:`~ftstate.controller.backend.ClusterBackend.draining_nodes`: a simulated cluster answers
-it too), and reports each as a ``drain`` notice on that node id with the drain's
-deadline. The reason is not exposed by that call and is not reported. A node that died
-leaves the list: its notice is withdrawn, and its loss is the failover's business.
-"""
+"""Ray maintenance watcher, run on the driver: the nodes the cluster is draining, asked of the GCS with one
+bounded RPC through the backend, each a ``drain`` notice (docs/operations.md, "What each maintenance source
+reads")."""
 
 from __future__ import annotations
 
@@ -57,10 +31,8 @@ def _no_cluster(timeout: float) -> Mapping[str, int]:
 
 
 class RayDrainWatcher:
-    """Polls the GCS for draining nodes, one RPC bounded by ``timeout``.
-
-    draining: how to ask (the runtime's ``backend.draining_nodes``; None: no cluster to ask,
-    every poll a problem that says so)."""
+    """Polls the GCS for draining nodes, one RPC bounded by ``timeout``; ``draining``: how to ask (None: every
+    poll a problem that says so)."""
 
     source = "ray"
 

@@ -1,31 +1,10 @@
-"""The maintenance runner: polls its watchers every interval and reports what changed.
-
-:class:`MaintenanceWatcher` polls every watcher once per ``interval`` (all at once), each
-poll bounded by the watcher's ``bound_s`` plus a little slack, and turns the polls into
-changes, through callbacks:
-
-- ``on_notice(notice)``: a notice seen for the first time, or seen again with its deadline
-  moved (the same :attr:`~ftstate.controller.maintenance.base.Notice.key`);
-- ``on_withdrawn(notice)``: a notice a complete poll no longer lists (GCE's value went back
-  to NONE, an Azure event ended, a drained node left Ray's list, the file was emptied). A poll
-  with a problem is incomplete, so it withdraws nothing: a notice is never dropped because
-  its server could not be read;
-- ``on_problem(problem)``: a source could not be read. Reported once when it starts (and
-  again if it changes kind or place), not at every interval while it lasts;
-- ``on_recovered(label, failed_polls)``: a source reads cleanly again after problems.
-
-New notices are reported before withdrawals, so a notice that replaces another (MIGRATE
-then TERMINATE) never leaves a gap. Callbacks may be plain functions or coroutines; one
-that raises ends :meth:`poll_once` (and :meth:`run`) with its exception: that is the
-caller's bug, not a bad server.
-
-Synchronous watchers (the HTTP and file ones) run in a small thread pool of the runner's own,
-so a metadata server that never answers never occupies the loop's default executor (where
-the transport runs its blocking collectives). A poll still running past its bound is left to
-finish on its own (every request has a timeout) and reported as a timeout; that watcher is
-not polled again until it has. A watcher with an ``apoll()`` coroutine (a
-:class:`~ftstate.controller.maintenance.node_actor.ActorWatcher`) is awaited instead.
-"""
+"""The maintenance runner, in the controller: polls every watcher once per ``interval`` (each bounded by its
+``bound_s`` plus slack) and reports changes through callbacks: ``on_notice`` (new, or its deadline moved),
+``on_withdrawn`` (gone from a complete poll; a poll with a problem withdraws nothing), ``on_problem`` (once
+when it starts or changes) and ``on_recovered``. New notices are reported before withdrawals, so a replacing
+notice leaves no gap; a raising callback is the caller's bug and ends the poll. Synchronous watchers run in
+the runner's own thread pool, so a silent server never occupies the loop's default executor (where the
+transport blocks)."""
 
 from __future__ import annotations
 
@@ -92,8 +71,7 @@ class MaintenanceWatcher:
         return [n for s in self._slots for n in s.notices.values()]
 
     def add(self, watchers: Sequence[Watcher]) -> None:
-        """Poll these watchers too from the next round (e.g. a new node's
-        :class:`~ftstate.controller.maintenance.node_actor.ActorWatcher` s)."""
+        """Poll these watchers too from the next round (e.g. a new node's ``ActorWatcher``)."""
         self._slots += [_Slot(w, label_of(w)) for w in watchers]
         threads = max(1, sum(1 for s in self._slots if not hasattr(s.watcher, "apoll")))
         if self._pool is None or self._pool._max_workers < threads:
@@ -103,8 +81,8 @@ class MaintenanceWatcher:
                                                                thread_name_prefix="ftstate-maintenance")
 
     def remove(self, labels: Sequence[str]) -> list[Notice]:
-        """Stop polling the watchers with these labels (a node that is gone); returns their
-        standing notices, which are not reported as withdrawn (the node did not come back)."""
+        """Stop polling the watchers with these labels (a node gone); returns their standing notices, not
+        reported as withdrawn."""
         gone = [s for s in self._slots if s.label in labels]
         self._slots = [s for s in self._slots if s.label not in labels]
         return [n for s in gone for n in s.notices.values()]

@@ -1,22 +1,7 @@
-"""The Ray side of the seam (:class:`~ftstate.controller.backend.ClusterBackend`): worker
-hosts as Ray actors in placement groups, on the cluster :mod:`~ftstate.controller.ray.cluster`
-joins or starts. The runtime's default.
-
-Ray reports a worker's failure as an exception on whatever call was pending when it
-happened; :meth:`RayBackend.call` translates Ray's classes into the seam's: ``ActorDiedError``
-into :class:`~ftstate.controller.backend.ActorDied`, ``ActorUnavailableError`` into
-:class:`~ftstate.controller.backend.ActorUnreachable`, a ``RayTaskError`` into
-:class:`~ftstate.controller.backend.RemoteError` carrying the worker's own exception (Ray's
-wrapper also derives from the cause's class, so it is caught before ``TimeoutError``: a
-worker's ``SyncTimeout`` is not this call's own timeout).
-
-Heartbeats go through one :class:`LivenessAgent` per node (started on first use, killed at
-:meth:`RayBackend.close`), which calls the worker hosts there and answers for all of them.
-
-Killing is immediate on the controller's node: a hung process must not linger holding its
-group sockets (its peers would block on it), and ``ray.kill`` of a stopped process waits for
-a graceful exit that never comes, so it gets SIGKILL; elsewhere ``ray.kill``.
-"""
+"""The Ray side of the controller's cluster seam, the runtime's default: worker hosts as Ray actors in
+placement groups, Ray's failures translated into the seam's classes, heartbeats through one
+:class:`LivenessAgent` per node. Kills on the controller's node are SIGKILLs: a stopped process never exits
+gracefully for ``ray.kill``, and a hung one must not keep its group sockets."""
 
 from __future__ import annotations
 
@@ -113,17 +98,15 @@ class RayBackend(ClusterBackend):
         return await ray_call(handle, method, args, timeout)
 
     def _agent(self, node_id: str) -> Any:
-        """The node's agent, started on first use; raises :class:`CallTimedOut` while it is
-        starting (never waited on) and :class:`ActorDied` when it did not start (started afresh
-        at the next use)."""
+        """The node's agent, started on first use; raises :class:`CallTimedOut` while it starts (never waited
+        on) and :class:`ActorDied` when it did not start."""
         known = self._agents.get(node_id)
         if known is None:
             agent = _start_liveness_agent(node_id)
             known = self._agents[node_id] = (agent, asyncio.ensure_future(ray_call(agent, "ready", (), None)))
         agent, up = known
         if not up.done():
-            # Never waited on: a round that waited for an agent's start would sample its members'
-            # progress an interval late (a busy member would look stalled); they are asked directly.
+            # Never waited on: waiting for an agent would sample its members late; they are asked directly.
             raise CallTimedOut(f"the liveness agent of node {node_id[:8]} is still starting")
         if up.exception() is not None:
             self._agents.pop(node_id, None)
@@ -218,8 +201,7 @@ class RayBackend(ClusterBackend):
         )
 
     async def draining_nodes(self, timeout: float) -> Mapping[str, int]:
-        # The GCS's view (ftstate/controller/maintenance/ray_drain.py says what Ray exposes); a
-        # blocking RPC bounded by timeout, so off the loop.
+        # The GCS's view (see maintenance/ray_drain.py); a blocking RPC bounded by timeout, so off the loop.
         import ray
 
         if not ray.is_initialized():
@@ -258,10 +240,8 @@ async def ray_call(handle: Any, method: str, args: Sequence[Any], timeout: float
 
 
 class LivenessAgent:
-    """Ray actor on one node (pinned there, no CPU, no torch): asks the worker hosts on its node
-    for their heartbeats, each bounded by the watchdog's ``timeout``, and answers for all of
-    them in one reply (:meth:`~ftstate.controller.backend.ClusterBackend.heartbeats`): one call
-    a node and interval from the controller instead of one a member."""
+    """Ray actor pinned to one node (no CPU, no torch) that asks the worker hosts there for their heartbeats
+    and answers for all in one reply."""
 
     def __init__(self) -> None:
         self._memory = AgentMemory()
@@ -272,10 +252,8 @@ class LivenessAgent:
 
     async def heartbeats(self, handles: list[Any], args: list[Beat], timeout: float,
                          mark: int | None = None, since: int | None = None) -> Any:
-        """Each member's answer, or its outcome as ``(kind, message)`` / ``("remote", cause, text)``
-        (the seam's exceptions do not all survive pickling: :class:`RemoteError` takes two
-        arguments); or :data:`~ftstate.controller.backend.QUIET_WIRE` when they all equal those
-        of the reply marked ``since`` (:class:`~ftstate.controller.backend.AgentMemory`)."""
+        """Each member's answer, or its outcome encoded as a tuple (the seam's exceptions do not all pickle);
+        or :data:`~ftstate.controller.backend.QUIET_WIRE` when nothing changed since ``since``."""
         answers = await self._answers(handles, args, timeout)
         return self._memory.reply(handles, answers, mark, since)
 
@@ -296,10 +274,8 @@ class LivenessAgent:
 
 
     async def calls(self, handles: list[Any], requests: list[Request]) -> AsyncIterator[list[Any]]:
-        """``requests[i]`` to each of ``handles``, all at once; yields ``(i, outcome)``
-        of those that ended since the last yield (:meth:`~ftstate.controller.backend.ClusterBackend.calls`):
-        ``("ok", result)`` or the outcome as :meth:`heartbeats` encodes it. Cancelled, it
-        cancels the members' calls still under way."""
+        """``requests[i]`` to each of ``handles`` at once; yields ``(i, outcome)`` as they end, encoded as
+        :meth:`heartbeats` does. Cancelled, it cancels the calls under way."""
         async def one(i: int, handle: Any, req: Request) -> tuple[int, Any]:
             try:
                 return i, ("ok", await ray_call(handle, req.method, (req,), None))

@@ -1,11 +1,6 @@
-"""The Ray cluster a runtime runs on: join the one the config names, reuse the one this
-process already started, or start a local one (the embedded default).
-
-A local cluster binds loopback only: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` must be in the
-environment before Ray is imported (Ray reads it at import), otherwise Ray binds the
-machine's network address even when told 127.0.0.1 (DESIGN.md, measured). This module sets
-it before it imports Ray; on a real cluster (``address`` given) it changes nothing.
-"""
+"""The Ray cluster a runtime runs on, from the driver: join the one the config names, reuse this process's, or
+start a local one bound to loopback only (which needs ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` set before Ray
+is imported, as this module does)."""
 
 from __future__ import annotations
 
@@ -27,10 +22,8 @@ def _import_ray(local: bool) -> Any:
 
 
 def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
-    """Make sure this process is connected to a Ray cluster. Returns True when this call
-    started a local cluster (its owner shuts it down), False when it joined or reused one.
-    log_to_driver: forward the workers' output here (the demo turns it off: the raylet's
-    notice for every worker it sees killed would bury the live view)."""
+    """Make sure this process is connected to a Ray cluster; True when this call started a local one (its
+    owner shuts it down). ``log_to_driver``: forward the workers' output here."""
     ray = _import_ray(local=address is None)
     if ray.is_initialized():
         return False
@@ -41,8 +34,8 @@ def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: 
                 "(import ftstate.controller.ray.cluster first, or set it in the environment)"
             )
         ray.init(
-            # "local": always a new cluster of its own. Without it Ray would join whatever
-            # cluster `ray start` left running on this machine; joining one is `address: auto`.
+            # "local": always a new cluster; else Ray would join one `ray start` left running (that is
+            # `address: auto`).
             address="local",
             num_cpus=num_cpus if num_cpus is not None else max(2, os.cpu_count() or 2),
             include_dashboard=False,
@@ -60,11 +53,8 @@ def connect(address: str | None, *, num_cpus: int | None = None, log_to_driver: 
 
 
 def _join_hint() -> str:
-    """What commonly keeps a driver out of a running cluster, where it applies (measured with
-    Ray 2.60): a head started while ``~/.ray/auth_token`` exists uses token authentication,
-    and a driver without ``RAY_AUTH_MODE=token`` is refused; a loopback head (started with
-    the loopback variable) is unreachable for a driver without it, which turns 127.0.0.1
-    into the machine's network address."""
+    """What commonly keeps a driver out of a running cluster (Ray 2.60): a head with token auth refuses a
+    driver without ``RAY_AUTH_MODE=token``; a loopback head is unreachable without the loopback variable."""
     hints = []
     if os.environ.get("RAY_AUTH_MODE") is None and os.path.exists(os.path.expanduser("~/.ray/auth_token")):
         hints.append("if the cluster uses token authentication (Ray turns it on when ~/.ray/auth_token exists "
@@ -75,12 +65,8 @@ def _join_hint() -> str:
 
 
 def mute_worker_death_notices() -> None:
-    """Stop this driver printing Ray's "(raylet) A worker died or was killed…" notice, which
-    comes through the raylet's error channel even with ``log_to_driver`` off, one per dead
-    worker. For the demo, which kills workers on purpose and records every death (pid, node,
-    trigger) in its audit trail: the notices would only bury its live view. It flips the
-    switch Ray's own debugger uses for the same purpose (``ray.util.rpdb``); on a Ray
-    without it the notices simply keep printing."""
+    """Stop Ray's per-death "(raylet) A worker died" notices in this driver (the demo records every death
+    itself), with the switch Ray's debugger uses; a Ray without it keeps printing them."""
     ray = _import_ray(local=False)
     worker_module = ray._private.worker
     if hasattr(worker_module, "_worker_logs_enabled"):

@@ -1,22 +1,8 @@
-"""Placement: Ray placement groups as resource pools, one per role plus one for spares.
-
-Each pool is a placement group with one bundle per worker slot (``worker_cpus`` CPUs,
-``worker_gpus`` GPUs and the role's ``placement.<role>.resources``, on nodes carrying its
-``placement.<role>.labels``), placed by Ray with the role's strategy: rollouts SPREAD over
-the nodes that have room by default, and on one node they simply pack. Spares live in their
-own pool, named by ``fault_tolerance.standby_resource_pool`` as verl calls it
-(:class:`SparePool`): each spare gets a one-bundle placement group of its own whose node
-label selector (Ray's ``ray.io/node-id`` label, ``in(...)``) keeps it off the nodes of the
-members it covers and off lost nodes (a spare on the node that just died is no spare). Ray
-places it; ftstate only names the nodes it may use, and when no other node can ever hold it
-(one node) it goes where it fits and the trail says so (``spare_colocated``).
-
-Infeasible requests fail at once, naming what was asked and what the cluster has (a custom
-resource or a label no node has, more CPUs than the whole cluster, STRICT_SPREAD over more
-bundles than nodes). A feasible pool that cannot be placed yet (the room is taken) is waited
-for inside the rendezvous state, so ``init_timeout_s`` bounds it and its expiry names the
-pools still unplaced with the same description.
-"""
+"""Placement, for the Ray backend: placement groups as resource pools, one per role (a bundle per worker slot,
+placed by the role's strategy and labels) plus :class:`SparePool`, whose spares get one-bundle groups kept off
+the nodes they cover and off lost nodes by a node-id label selector. Infeasible requests fail at once naming
+what was asked and what the cluster has; a feasible one not placed yet is waited for inside RENDEZVOUS, so
+``init_timeout_s`` bounds it."""
 
 from __future__ import annotations
 
@@ -30,10 +16,8 @@ from ftstate.core.errors import NoFreeSlot, PlacementUnsatisfiable
 
 
 class _Pool:
-    """What both kinds of pool share: the bundle one worker needs, and the actor options that
-    put a worker into a bundle. name: the pool's name (``rollout``, ``standby``…); slots: how
-    many workers; cpus / gpus: per worker; placement: the role's strategy, custom resources
-    and labels. Refuses at once a pool no state of the cluster could place."""
+    """What both kinds of pool share: one worker's bundle (``cpus``/``gpus``, the role's resources and labels)
+    and the actor options that put a worker in it; refuses a pool the cluster can never place."""
 
     def __init__(
         self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float, placement: RolePlacement
@@ -103,8 +87,7 @@ class ResourcePool(_Pool):
         return {int(k): v for k, v in (table.get("bundles_to_node_id") or {}).items()}
 
     def take(self, avoid_nodes: Collection[str] = (), *, strict: bool = False) -> int:
-        """Reserve a free slot, one on a node outside ``avoid_nodes`` when there is one
-        (``strict``: only such a one); returns its bundle index."""
+        """Reserve a free slot off ``avoid_nodes`` when one is (``strict``: only such); its bundle index."""
         if not self._free:
             raise NoFreeSlot(self.name, f"all {self.slots} in use")
         if avoid_nodes:
@@ -138,9 +121,7 @@ NODE_ID_LABEL = "ray.io/node-id"
 
 
 class SparePool(_Pool):
-    """The standby pool: up to ``slots`` spares, each in a one-bundle placement group of its
-    own, placed away from given nodes (see the module docstring). Same interface as
-    :class:`ResourcePool`; a slot is a spare's own placement group."""
+    """The standby pool: up to ``slots`` spares, each in a one-bundle placement group off given nodes."""
 
     def __init__(
         self, run_id: str, name: str, slots: int, *, cpus: float, gpus: float, placement: RolePlacement
@@ -176,9 +157,8 @@ class SparePool(_Pool):
         return len(self._groups) < self.slots
 
     def take(self, avoid_nodes: Collection[str] = (), *, strict: bool = False) -> int:
-        """A new slot off ``avoid_nodes``; where no other node can hold it, on them anyway
-        (recorded in :attr:`colocated`), or with ``strict`` (a drain: the node is going) a
-        :class:`PlacementUnsatisfiable`."""
+        """A new slot off ``avoid_nodes``; where no other node can hold it, on them anyway (recorded in
+        :attr:`colocated`), or with ``strict`` (a drain) :class:`PlacementUnsatisfiable`."""
         from ray.util.placement_group import placement_group
 
         if not self.has_free_slot():

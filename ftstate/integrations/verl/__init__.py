@@ -1,31 +1,10 @@
-"""ftstate inside verl: a checkpoint-engine backend and a manager that verl loads by name.
+"""ftstate inside verl 0.9.1: :class:`FTStateCheckpointEngine` (registered as checkpoint-engine backend
+``"ftstate"`` on import, in every verl worker that builds an engine), :class:`FTStateCheckpointEngineManager`
+(the driver's manager) and :class:`EngineSettings` (the ``engine_kwargs.ftstate`` block); configuration in
+docs/integration.md ("verl").
 
-verl 0.9.1 has two hooks for weight synchronisation, and this package fills both::
-
-    actor_rollout_ref:
-      rollout:
-        checkpoint_manager_class: ftstate.integrations.verl.FTStateCheckpointEngineManager
-        checkpoint_engine:
-          backend: ftstate
-          custom_backend_module: ftstate.integrations.verl
-          engine_kwargs: {ftstate: {init_timeout_s: 120, commit_mode: stream}}
-
-* :class:`FTStateCheckpointEngine` (``engine``), registered as backend ``"ftstate"`` in verl's
-  ``CheckpointEngineRegistry`` when this package is imported (verl imports
-  ``custom_backend_module`` in every worker that builds an engine): ftstate's transport in
-  verl's engine protocol — bounded init naming who never joined, checksummed buckets,
-  ``stream``/``staged`` commit.
-* :class:`FTStateCheckpointEngineManager` (``manager``): verl's ``CheckpointEngineManager``
-  with ftstate's machines around each update — controller-side deadlines on the rebuild and
-  the transfer, a dead rollout replica removed and the update completed for the others,
-  ``max_failovers``, the audit trail.
-* :class:`EngineSettings` (``settings``): the ``engine_kwargs.ftstate`` block, checked.
-
-Importing this package without verl installed raises
-:class:`~ftstate.core.errors.IntegrationUnavailable` naming ``pip install 'ftstate[verl]'``
-(the ``verl`` extra: verl itself plus uvicorn and fastapi, which ``verl.checkpoint_engine``
-imports without declaring them). Nothing else in ftstate imports this package.
-"""
+Without verl installed, importing raises :class:`~ftstate.core.errors.IntegrationUnavailable` naming ``pip
+install 'ftstate[verl]'`` (the extra adds uvicorn and fastapi, which verl imports undeclared)."""
 
 from __future__ import annotations
 

@@ -1,53 +1,9 @@
-"""``FTStateCheckpointEngine``: ftstate's transport inside verl's checkpoint-engine protocol.
-
-verl calls, on **every** ``update_weights`` (``CheckpointEngineManager``): ``prepare()`` on
-each worker → :meth:`FTStateCheckpointEngine.build_topology` in the driver → each worker's
-``init_process_group(**kwargs)`` → the trainer ranks' ``send_weights(generator)`` while each
-rollout worker iterates ``receive_weights()`` → ``finalize()`` everywhere. Here that becomes:
-
-* **the store in the driver.** ``build_topology`` runs in the driver process, which outlives
-  every worker: it hosts the run's :class:`~ftstate.transport.store.StoreServer` (one per
-  address, started on first use) and issues a new **group version** per update. Forming
-  version N fences every older one (:mod:`ftstate.transport.store`): a straggler of an
-  abandoned update gets ``StaleGroupVersion`` at once, never a half-formed group.
-* **bounded init.** ``init_process_group`` is :func:`~ftstate.transport.create_communicator`
-  bounded by ``init_timeout_s`` (env ``FTSTATE_INIT_TIMEOUT_S``): a member that never joins
-  makes every member that did raise :class:`~ftstate.core.errors.RendezvousTimeout` naming
-  it by verl role, pid and node — verl's silent hang (its issue 6967) becomes an error.
-* **ranks.** Trainer rank 0 sends (group rank 0); rollout workers are group ranks 1..R in
-  verl's order. Other trainer ranks get rank -1 and stay out of the group, but still walk the
-  generator to its end: with FSDP every tensor is produced by a collective across the
-  trainer ranks, so a rank that stopped would hang the others. Rank 0 keeps walking it too
-  after a failed transfer, then raises.
-* **the stream.** The generator is cut into chunks of about ``bucket_size`` bytes. Each chunk
-  is one complete ftstate transfer (:class:`~ftstate.transport.Sender` /
-  :class:`~ftstate.transport.Receiver`: manifest, buckets, checksums, commit vote), framed by
-  a small header broadcast (``[magic, kind, sequence]``) saying "a chunk follows" or "the
-  update ended"; while chunk k is on the wire (in a thread: the actor keeps answering) the
-  generator produces chunk k+1. After the last chunk every member votes once
-  (``allgather``): the sender learns which rollouts rejected anything and raises
-  :class:`~ftstate.core.errors.ChecksumMismatch` naming them.
-* **commit modes** (``commit_mode``). ``stream`` (default): a rollout yields a chunk's tensors
-  once that chunk verified, as verl's engines stream buckets; a chunk that fails its checksum
-  is never yielded, and nothing after it is (the rollout keeps draining the stream so the group
-  stays aligned, then raises). ``staged``: a rollout yields nothing until the final vote says
-  every chunk verified on every rollout, and the update is held **once per node** meanwhile
-  (:mod:`ftstate.integrations.verl.nodestage`): ``build_topology`` makes the first rollout of
-  each node (by Ray node id) its writer, the only one of the node in the group; it receives each
-  chunk straight into a segment in ``/dev/shm``, verifies it there, and publishes the vote's
-  outcome; the node's
-  other rollouts (rank -1, out of the group) wait for it, bounded by ``sync_timeout_s``, map
-  the segments read-only, re-verify them, and yield views of them. A failed update (a chunk
-  rejected anywhere, a member dead) leaves every rollout having yielded nothing. A rollout alone
-  on its node holds the update in its own staging, as before (one copy, on that node).
-
-The yielded tensors are views into the receiver's staging buffer (``staged`` with followers:
-into the node's segments, mapped privately; the mapping outlives the names); a buffer is reused only
-once nothing outside the receiver references it, so a server adapter may keep them.
-Tensors from the generator are sent from their own memory where a chunk is one tensor
-(not copied); the generator must not overwrite a tensor it already yielded during the update
-(FSDP's and Megatron's per-tensor generators yield fresh tensors).
-"""
+"""``FTStateCheckpointEngine``: ftstate's transport inside verl's checkpoint-engine protocol, run in verl's
+trainer and rollout workers (``build_topology`` in the driver, which hosts the store). Each update is a fenced
+group version with bounded init, streamed in chunks that each are one verified ftstate transfer;
+``commit_mode`` and the node-held staged mode are described in docs/integration.md ("verl"). Yielded tensors
+are views into the receiver's staging, reused only once nothing references them; the generator must not
+overwrite a tensor it already yielded."""
 
 from __future__ import annotations
 
@@ -89,8 +45,7 @@ FRAME_MAGIC = 0x66747666
 FRAME_CHUNK = 1
 FRAME_END = 2
 
-#: Final vote values (``_LOST``: a node writer whose follower died before the vote, so the
-#: update cannot reach every rollout and none applies it, as when a rollout in the group dies).
+#: Final vote values (``_LOST``: a node writer's follower died before the vote, so none applies it).
 _OK = 0
 _REJECTED = 1
 _LOST = 2
@@ -109,8 +64,7 @@ def _ray_node_address() -> str:
 
 
 def driver_store(host: str | None = None) -> StoreServer:
-    """The store hosted by this (driver) process for ``host`` (the driver's Ray address by
-    default), started on first use and kept for the life of the process."""
+    """The store this driver process hosts for ``host``, started on first use, kept for the process's life."""
     host = host or _ray_node_address()
     with _STORES_LOCK:
         server = _STORES.get(host)
@@ -129,11 +83,8 @@ def issue_version(server: StoreServer, group: str) -> int:
 
 
 def driver_key() -> tuple[str, bytes]:
-    """The run id and secret of this (driver) process (``security.authenticate``): made on the
-    first update (:func:`ftstate.transport.auth.new_secret`) and installed here too, since the
-    driver reads the store values the workers sign (the current group version), then handed to
-    the workers with their topology through verl's own Ray calls, never ftstate's sockets. A
-    key already installed in this process is the one used: a process holds one run's key."""
+    """The run id and secret of this driver process (``security.authenticate``), made on the first update and
+    handed to workers through verl's own Ray calls; one run's key per process."""
     from ftstate.transport import auth
 
     with _STORES_LOCK:
@@ -150,8 +101,7 @@ def _member_name(role: str, index: int, meta: Mapping[str, Any]) -> str:
 
 
 def _node_id() -> str:
-    """This process's node: its Ray node id (several Ray nodes may share an address), else the
-    host name (no Ray: the engine built in a plain process)."""
+    """This process's Ray node id, else the host name (no Ray)."""
     import socket
 
     import ray
@@ -162,10 +112,8 @@ def _node_id() -> str:
 
 
 def _stages(rollouts: list[Mapping[str, Any]]) -> tuple[list[int], list[dict[str, Any] | None]]:
-    """The group rank and the node role of each rollout. A ``staged`` rollout (its own
-    ``commit_mode``: it decides how it yields) that is the first staged one of its node writes
-    the node's copy (a group rank); the node's other staged ones follow it (rank -1). A
-    ``stream`` rollout has a group rank and no node role."""
+    """The group rank and node role of each rollout: a ``staged`` rollout first on its node writes the node's
+    copy (a group rank), the node's others follow it (rank -1); ``stream`` ones have no role."""
     writers: dict[str, tuple[int, str, int]] = {}
     ranks: list[int] = []
     stages: list[dict[str, Any] | None] = []
@@ -205,12 +153,8 @@ async def _aiter(weights: Any) -> AsyncIterator[tuple[str, torch.Tensor]]:
 
 @CheckpointEngineRegistry.register(BACKEND)
 class FTStateCheckpointEngine(CheckpointEngine):
-    """verl's checkpoint engine over ftstate's transport (see the module docstring).
-
-    ``bucket_size``: bytes per chunk (verl passes ``update_weights_bucket_megabytes << 20``);
-    ``is_master``: trainer rank 0 (verl's trainer side sets it); ``**settings``: the
-    ``engine_kwargs.ftstate`` block (:class:`~ftstate.integrations.verl.settings.EngineSettings`).
-    """
+    """verl's checkpoint engine over ftstate's transport. ``bucket_size``: bytes per chunk; ``is_master``:
+    trainer rank 0; ``**settings``: the ``engine_kwargs.ftstate`` block."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, **settings: Any) -> None:
         if not isinstance(bucket_size, int) or bucket_size <= 0:
@@ -241,8 +185,7 @@ class FTStateCheckpointEngine(CheckpointEngine):
     # -- verl's protocol ----------------------------------------------------------------
 
     def prepare(self) -> dict[str, Any]:
-        """What ``build_topology`` needs from this worker: who it is, and (trainer rank 0)
-        the settings every worker shares."""
+        """What ``build_topology`` needs from this worker (and, on trainer rank 0, the shared settings)."""
         self._close("prepare of a new update")
         return {
             "pid": os.getpid(),
@@ -257,10 +200,8 @@ class FTStateCheckpointEngine(CheckpointEngine):
     def build_topology(
         cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """Run in the driver: start its store if needed, issue the next group version, and
-        give each worker its rank (trainer 0 → 0, other trainer ranks → -1, rollouts → 1..R;
-        ``staged``: each node's first rollout → 1..N, its other rollouts → -1 with their
-        writer named in ``stage``)."""
+        """In the driver: start the store, issue the next group version, give each worker its rank (trainer 0
+        → 0, other trainers → -1, rollouts → 1..R; ``staged`` followers → -1)."""
         if len(metadata) != actor_wg_world_size + rollout_world_size:
             raise TransportError(
                 f"build_topology: field 'metadata': {len(metadata)} entries, expected "
@@ -302,10 +243,8 @@ class FTStateCheckpointEngine(CheckpointEngine):
         self, *, rank: int, world_size: int, store: str, group: str, version: int, members: list[str],
         run: str = "", secret: bytes | None = None, stage: dict[str, Any] | None = None,
     ) -> None:
-        """Join group version ``version`` (bounded by ``init_timeout_s``); rank -1 only records it.
-        ``run`` / ``secret``: the driver's key (``security.authenticate``), installed before
-        anything is sent, so every store value, manifest, seal and vote carries its MAC.
-        ``stage``: ``staged`` mode, this rollout's role on its node (writer or follower)."""
+        """Join group version ``version`` within ``init_timeout_s`` (rank -1 only records it); ``run`` /
+        ``secret`` are installed first so every message carries its MAC."""
         from ftstate.transport import auth, checksum
 
         self._close("a new group version")
@@ -353,13 +292,9 @@ class FTStateCheckpointEngine(CheckpointEngine):
         self._close("update finished")
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
-        """Send the generator's tensors to every rollout (rank 0), or walk it (rank -1).
-
-        Returns the per-update metrics verl merges into its own (``ftstate/...``). Raises
-        :class:`~ftstate.core.errors.PeerLost`, :class:`~ftstate.core.errors.SyncTimeout`,
-        :class:`~ftstate.core.errors.ChecksumMismatch` (a rollout rejected a chunk), after the
-        generator was walked to its end.
-        """
+        """Send the generator's tensors to every rollout (rank 0), or walk it (rank -1); returns verl metrics.
+        Raises :class:`~ftstate.core.errors.PeerLost`, ``SyncTimeout`` or ``ChecksumMismatch`` only after the
+        generator was walked to its end (FSDP ranks produce it together)."""
         if self.rank is None:
             raise TransportError("send_weights called before init_process_group")
         if self.rank < 0:
@@ -468,9 +403,8 @@ class FTStateCheckpointEngine(CheckpointEngine):
         return {"ftstate/update_s": seconds, "ftstate/bytes": nbytes, "ftstate/chunks": chunks}
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, tensor)`` of verified chunks (``stream``) or of the whole verified
-        update (``staged``); see the module docstring. A chunk whose checksum failed is never
-        yielded: this raises :class:`~ftstate.core.errors.ChecksumMismatch` at the end."""
+        """Yield ``(name, tensor)`` of verified chunks (``stream``) or of the whole verified update
+        (``staged``); a failed chunk is never yielded and raises ``ChecksumMismatch`` at the end."""
         timeout_s = self.settings.runtime.sync_timeout_s
         deadline = time.monotonic() + timeout_s
         stage = self._stage
@@ -591,15 +525,12 @@ class FTStateCheckpointEngine(CheckpointEngine):
     # -- chaos and inspection -------------------------------------------------------------
 
     def corrupt_next_bucket(self, skip_chunks: int = 0) -> None:
-        """Test hook: flip one byte of the first bucket of the chunk after ``skip_chunks``
-        chunks of the next update (after it arrived, before it is checked), so that chunk
-        fails its checksum."""
+        """Test hook: flip a byte of the chunk after ``skip_chunks`` in the next update, before its check."""
         self._corrupt_at = skip_chunks
 
     def stall_after_chunks(self, chunks: int, seconds: float) -> None:
-        """Test hook: in the next update, after receiving ``chunks`` chunks, hold the receive
-        for up to ``seconds`` (never past the sync deadline) with :meth:`describe` saying
-        ``stalled``, so a test can act on a member mid-update; :meth:`unstall` ends it."""
+        """Test hook: in the next update, hold the receive after ``chunks`` chunks for up to ``seconds``
+        (never past the sync deadline); :meth:`unstall` ends it."""
         self._stall_go = threading.Event()
         self._stall = (chunks, self._stall_go)
         self._stall_s = seconds
@@ -608,18 +539,14 @@ class FTStateCheckpointEngine(CheckpointEngine):
         self._stall_go.set()
 
     def abandon(self, reason: str) -> None:
-        """Give up this update's group version from another call while a transfer may be
-        blocked in it (the manager, once a member died): the transfer ends within the
-        transport's poll slice with :class:`~ftstate.core.errors.CommunicatorAborted`; a
-        node follower waiting for its writer's outcome ends within a poll
-        (:data:`~ftstate.integrations.verl.nodestage.POLL_S`)."""
+        """Give up this update's group version from another call: a blocked transfer ends within the
+        transport's poll slice, a waiting node follower within ``nodestage.POLL_S``."""
         self._abandoned = reason
         if self._comm is not None:
             self._comm.abandon(reason)
 
     def describe(self) -> dict[str, Any]:
-        """Where this engine stands (tests and operators): rank, group version, whether a
-        communicator is held, and the run whose key signs its messages (None: unauthenticated)."""
+        """Where this engine stands: rank, group version, communicator, signing run (None: unsigned)."""
         from ftstate.transport import auth
 
         key = auth.current()
@@ -653,8 +580,8 @@ class FTStateCheckpointEngine(CheckpointEngine):
             comm.abort(reason)
         writer, self._writer = self._writer, None
         if writer is not None:
-            # every follower mapped the node's copy by now (verl finalizes once every rollout's
-            # update_weights returned), or the update is over: the names go, the mappings stay
+            # Every follower mapped the node's copy by now, or the update is over: the names go, the mappings
+            # stay
             writer.close()
 
     def _version(self) -> int:

@@ -1,45 +1,8 @@
-"""``FTStateCheckpointEngineManager``: verl's checkpoint-engine manager with ftstate's machines around it.
-
-verl's own ``CheckpointEngineManager.update_weights`` waits on every worker with an
-unbounded ``ray.get``: a worker that never reaches ``init_process_group`` hangs the job
-(verl issue 6967; the accepted design bounds the wait on the *controller*), and one dead
-rollout replica fails every later update. This subclass keeps verl's call order (abort
-requests → release KV cache → prepare → ``build_topology`` → ``init_process_group`` →
-send/receive → finalize → resume) and adds, in the driver:
-
-* **machines.** Each update is one ``group`` machine (``machines/group.yaml``): RENDEZVOUS
-  carries ``init_timeout_s`` over prepare, topology and init (a controller-side deadline:
-  on expiry the group is FAILED, the group version is fenced so a late member is turned
-  away at once, every worker that answered is finalized, and
-  :class:`~ftstate.core.errors.RendezvousTimeout` names the verl workers that never got
-  there); SYNCING carries ``sync_timeout_s`` over the transfer. Every verl worker (trainer
-  rank, rollout worker) is a ``worker`` machine kept across updates: a new or stale rollout
-  reaches READY only through RESYNCED, i.e. after a complete verified update.
-* **a dead rollout replica.** A rollout worker that dies during an update (its call ends in
-  Ray's ``ActorDiedError``) is LOST then RETIRED; its replica is removed
-  (``remove_replicas``) and recorded (``replica_removed`` in the audit trail, and
-  :attr:`removed`); the group goes DEGRADED → READY (shrink), spending one of
-  ``fault_tolerance.max_failovers``; the update is run again for the survivors as the next
-  group version. :meth:`serving_replicas` is the routing answer: replicas whose every worker
-  is in a serving state. A replica added later with ``add_replicas`` joins STALE and serves
-  once it verified a complete update.
-* **a dead trainer rank**: :class:`~ftstate.core.errors.MemberLost` naming it (verl cannot
-  replace a trainer rank), never a hang.
-* **staged updates** (``commit_mode: staged``): the engine holds each update once per node
-  (:mod:`ftstate.integrations.verl.nodestage`); after a failed attempt the manager removes
-  that update's segments from the driver's node by name, since a SIGKILLed writer cannot.
-* **errors.** Worker errors reach the caller as ftstate's typed errors (the
-  ``RayTaskError`` wrapper removed), never a bare ``RayTaskError``.
-
-What verl's lifecycle does not allow (see docs/integration.md): the manager cannot start a
-replacement replica (verl's ``RolloutReplica`` owns its servers and placement; a
-replacement comes only from the caller's ``add_replicas``), and verl's own load balancer is
-not told about a removed replica (the trainer's ``llm_server_manager`` keeps its list).
-
-The machines live in an event loop of their own, in a daemon thread started by the
-manager, so that verl may call ``update_weights`` from any loop or none (its
-``auto_await`` runs each call in a fresh ``asyncio.run``).
-"""
+"""``FTStateCheckpointEngineManager``: verl's checkpoint-engine manager with ftstate's machines around it, run
+in verl's driver. It keeps verl's call order and adds controller-side deadlines, shrinking past a dead rollout
+replica, a typed error for a dead trainer rank and typed worker errors (docs/integration.md, "verl"). The
+machines run in an event loop of their own, in a daemon thread, since verl calls ``update_weights`` from any
+loop or none."""
 
 from __future__ import annotations
 
@@ -110,14 +73,9 @@ def _died(exc: BaseException) -> bool:
 
 
 class FTStateCheckpointEngineManager(CheckpointEngineManager):
-    """verl's ``CheckpointEngineManager`` with ftstate's deadlines, machines and audit trail.
-
-    Built by verl as ``cls(config=..., actor_wg=..., replicas=...)`` (``checkpoint_manager_class``).
-    Settings come from ``config.engine_kwargs["ftstate"]``
-    (:class:`~ftstate.integrations.verl.settings.EngineSettings`): ``init_timeout_s``,
-    ``sync_timeout_s``, ``fault_tolerance.max_failovers``, ``audit_log``. ``audit``: a trail
-    to write to instead of the one ``audit_log`` names.
-    """
+    """verl's ``CheckpointEngineManager`` with ftstate's deadlines, machines and audit trail, built by verl as
+    ``cls(config=..., actor_wg=..., replicas=...)``; settings from ``config.engine_kwargs["ftstate"]``.
+    ``audit``: a trail to write to instead of ``audit_log``'s."""
 
     def __init__(self, config: Any, actor_wg: RayWorkerGroup, replicas: list[Any], *,
                  audit: AuditTrail | None = None) -> None:
@@ -206,8 +164,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         self._attempts += 1
         group = StateMachine(get_spec("group"), member=f"verl-weights update {self._attempts}", config=self.cfg,
                              audit=self.audit, budgets={BUDGET_KEY: self.budget})
-        # the versions carry over from the last update: the group machine is per update,
-        # the weights version and the membership version are the run's
+        # The group machine is per update; the weights and membership versions are the run's.
         group.weights_version = self._committed
         group.group_version = self._group_version
         self.group = group
@@ -278,10 +235,9 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
 
     async def _all(self, members: Sequence[_Member], refs: Sequence[Any], pending: set[str], what: str,
                    on_done: Callable[[_Member], Awaitable[None]] | None = None) -> list[Any]:
-        """Every worker's result of one call, in order. As each worker answers, ``on_done``
-        moves its machine. Deaths are collected over the whole call (the survivors fail fast:
-        their communicator is aborted) and raised as one :class:`_ReplicasLost`, a dead trainer
-        as :class:`MemberLost`; any other worker error is raised as the worker's typed error."""
+        """Every worker's result of one call, in order, moving each machine by ``on_done``. Deaths are
+        collected and raised as one :class:`_ReplicasLost` (a dead trainer as ``MemberLost``); other errors as
+        the worker's typed error."""
         pending.clear()
         pending.update(m.name for m in members)
         results: list[Any] = [None] * len(members)
@@ -345,17 +301,15 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
 
     async def _abandon(self, group: StateMachine, members: Sequence[_Member], rollout_wg: RayWorkerGroup,
                        version: int | None, exc: BaseException, pending: set[str]) -> None:
-        """After a failed rebuild or transfer: fence the version (a late member is turned away
-        at once), finalize every worker that still answers, and move the machines: a worker
-        that never answered is LOST (named in the error), one that answered but was caught in
-        the failed attempt does not hold the update (a rollout is STALE, a trainer keeps its own)."""
+        """After a failed attempt: fence the version, finalize every worker that answers, and move the
+        machines (a silent worker LOST; a rollout caught in the attempt STALE)."""
         if version is not None:
             driver_store(self.settings.store_host).fence(self.settings.group, version + 1)
         answering = [m for m in members if m.machine.state != "LOST" and m.name not in pending]
         await self._finalize(answering, rollout_wg, quiet=True)
         if version is not None and self.settings.commit_mode == "staged":
-            # a SIGKILLed writer cannot unlink its node's copy: the driver's node by name here,
-            # the other nodes when their next writer joins (nodestage.sweep)
+            # A SIGKILLed writer cannot unlink its node's copy: the driver's node by name here, others at
+            # their next join
             nodestage.remove_update(self.settings.group, version)
         why = f"update abandoned: {type(exc).__name__}"
         for m in members:
@@ -366,9 +320,8 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
                 else:
                     await m.machine.fire("joined_as_source" if m.role == "trainer" else "joined", reason=why)
             elif state == "SYNCING":
-                # a trainer keeps its own weights; a rollout in staged mode applied nothing and
-                # still holds the previous version whole; in stream mode it may hold part of
-                # this one: STALE until a complete verified update reaches it
+                # A rollout may hold part of this update (stream mode): STALE until a complete verified
+                # update.
                 keeps = m.role == "trainer" or self.settings.commit_mode == "staged"
                 await m.machine.fire("sync_aborted" if keeps else "sync_failed", reason=why)
             elif state == "RESYNCING":
@@ -380,8 +333,8 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         if isinstance(exc, _ReplicasLost):
             await group.fire("member_lost", reason=f"lost {exc}")
         elif group.state == "SYNCING" and not isinstance(exc, MemberLost) and committed:
-            # the rollouts that verified the whole update hold it (stream mode); the others are
-            # STALE and not served; the caller still gets the error naming them
+            # The rollouts that verified the whole update hold it; the others are STALE and named in the
+            # error.
             self._committed = self._pushing
             await group.fire("sync_done", reason=f"committed by {', '.join(m.name for m in committed)} only: "
                                                   f"{type(exc).__name__}")
@@ -463,9 +416,8 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         key = self._key(handle)
         member = self._members.get(key)
         if member is None:
-            # The group's controller-side deadlines decide (and name who is missing); a worker
-            # machine's own deadlines are a backstop at twice their length, so that a worker
-            # caught in an abandoned attempt is moved by the manager, not failed by its timer.
+            # The group's deadlines decide; a worker machine's own are a backstop at twice their length, so
+            # the manager moves a worker caught in an abandoned attempt before its timer fails it.
             machine = StateMachine(get_spec("worker"), member=name, config=self._backstop, audit=self.audit,
                                    role=role)
             member = self._members[key] = _Member(name, handle, machine, role, replica)

@@ -1,46 +1,8 @@
-"""The staged update's node copy: one copy of a verl update per node, not one per rollout worker.
-
-In ``commit_mode: staged`` a rollout yields nothing until the final vote says every chunk
-verified on every rollout, so the update must be held somewhere until then. Held privately,
-that is one full copy of the weights per rollout worker beside its engine's own. Here the node
-holds it once: ``build_topology`` (in the driver, which knows every worker's node) makes the
-first rollout of each node its **writer** and the others its **followers**.
-
-* **The writer** is the only one of its node in the broadcast group. Each chunk (one ftstate
-  transfer each: the chunks arrive lazily, so no layout is known up front) is received
-  straight into a segment of its own in ``/dev/shm`` (:class:`NodeReceiver`: a
-  :class:`~ftstate.transport.sync.Receiver` whose staging for each transfer is a new
-  :class:`~ftstate.transport.nodecopy.NodeCopy`, 0600, space reserved at creation) and
-  verified there: the writer keeps no private copy. After the final vote it **publishes the
-  outcome**: a small record listing the chunk segments with each chunk's tensor layout and
-  the whole-chunk checksum it verified (``ok``), or saying why the update failed
-  (``rejected`` / ``failed``), written under a temporary name and renamed into place, so a
-  follower sees a whole record or none.
-* **A follower** stays out of the gloo group and waits for that record, bounded by the
-  update's ``sync_timeout_s``; it polls the writer's pid too (same host), so a writer that died
-  (SIGKILL) ends its wait at once with :class:`~ftstate.core.errors.PeerLost` naming it, and
-  the manager's ``abandon`` ends it within a poll. On ``ok`` it maps every chunk read-only
-  (private mapping: it writes nothing the others read), re-hashes each against the checksum
-  the writer verified, and only when all match yields views of them: nothing is yielded
-  before the whole update is proven, so a failed update leaves every rollout having yielded
-  nothing.
-* **A follower that dies** before the vote makes its writer vote the update down (it checks
-  its followers' pids just before voting), so a staged update reaches every rollout or none,
-  as when a member of the group dies. One that dies after that check is a rollout dying after
-  the vote: the others may have applied the update; the manager still hears of its death.
-
-**Names and lifetime.** ``ftstate-<group>.staged-v<group version>-p<writer pid>-g<n>-n0``
-(``g0``: the outcome record; ``g1``...: chunks), so an update's segments are found by name.
-The writer unlinks them at ``finalize`` (verl calls it once every rollout's
-``update_weights`` returned, i.e. once every follower mapped and yielded them; the mappings
-outlive the names), at the next update's ``prepare``, and on every failure path. A SIGKILLed
-writer leaves orphans (its pid is dead): the manager removes the failed update's segments by
-name (:func:`remove_update`) and every writer sweeps orphans when it joins the next update.
-
-Memory: the node holds the update once, shared, while it is in flight; no rollout holds a
-private copy of it (on a device transport the writer receives into device staging and copies
-each verified chunk into the segment: one chunk of device staging).
-"""
+"""The staged update's node copy, in verl's rollout workers: one copy of a verl update per node, not one per
+rollout. The node's first rollout (the writer) receives each chunk straight into a ``/dev/shm`` segment,
+verifies it and publishes the vote's outcome atomically; the others (followers) wait for it, map the segments
+read-only, re-verify and only then yield. Names, lifetime and the failure cases are in docs/integration.md
+("verl")."""
 
 from __future__ import annotations
 
@@ -72,8 +34,7 @@ OUTCOME_CHANNEL = "verl_staged_outcome"
 #: Appended to the weight group's name in every staged segment's name.
 SUFFIX = ".staged"
 
-#: How often a follower looks for the outcome record and at the writer's pid (its wait is
-#: bounded by ``sync_timeout_s``; this only sets how soon it notices).
+#: How often a follower checks for the outcome record and the writer's pid (sync_timeout_s bounds the wait).
 POLL_S = 0.01
 
 OK, REJECTED, FAILED = "ok", "rejected", "failed"
@@ -101,8 +62,7 @@ def segments_of(group: str, group_version: int | None = None) -> list[str]:
 
 
 def remove_update(group: str, group_version: int) -> list[str]:
-    """Unlink every staged segment of ``group`` at ``group_version`` on this host (the manager,
-    after a failed update: a SIGKILLed writer cannot); returns the names removed."""
+    """Unlink every staged segment of ``group`` at ``group_version`` here (a SIGKILLed writer cannot)."""
     names = segments_of(group, group_version)
     unlink_names(names)
     return names
@@ -151,8 +111,7 @@ class StageWriter:
         return node.data
 
     def add(self, chunk: CommittedWeights) -> None:
-        """One verified chunk: kept where it landed (its segment), or copied into a new one
-        when it landed elsewhere (a device transport's staging)."""
+        """One verified chunk: kept in its segment, or copied into a new one (device staging)."""
         entries, flat = chunk._entries, chunk._flat
         if entries is None or flat is None:
             raise TransportError("staged node copy: a received chunk has no flat layout")
@@ -198,10 +157,8 @@ class StageWriter:
 
 
 class NodeReceiver(Receiver):
-    """A :class:`~ftstate.transport.sync.Receiver` for the writer of a staged update: each
-    transfer on the host lands in a new segment of the node's copy (:meth:`StageWriter.segment`)
-    instead of a private buffer, and is verified there; nothing is recycled (each chunk's
-    segment is the node's until the update ends). A device transport keeps device staging."""
+    """A :class:`~ftstate.transport.sync.Receiver` for a staged writer: each transfer lands in a new segment
+    of the node's copy and is verified there; nothing is recycled."""
 
     def __init__(self, writer: StageWriter) -> None:
         super().__init__()
@@ -218,12 +175,9 @@ class NodeReceiver(Receiver):
 
 def wait_and_map(group: str, group_version: int, *, writer_pid: int, writer: str, me: str, deadline: float,
                  timeout_s: float, abandoned: Callable[[], str | None]) -> list[Mapping[str, torch.Tensor]]:
-    """A follower: wait for the writer's outcome (until ``deadline``, ``sync_timeout_s``), then
-    map and re-verify every chunk. Returns the chunks' tensors; raises
-    :class:`~ftstate.core.errors.ChecksumMismatch` (a chunk rejected anywhere, or a mapped
-    chunk that does not hash to what the writer verified), :class:`PeerLost` (the writer
-    died), :class:`SyncTimeout` (no outcome in time), :class:`TransportError` (the update
-    failed, or ``abandoned()`` returned a reason: the manager gave the update up). Nothing is returned unless every chunk verified."""
+    """A follower: wait for the writer's outcome until ``deadline``, then map and re-verify every chunk;
+    returns the tensors only when all verified. Raises ``ChecksumMismatch``, ``PeerLost`` (writer died),
+    ``SyncTimeout``, or ``TransportError`` (failed, or ``abandoned()`` gave a reason)."""
     from ftstate.transport.checksum import state_checksum
 
     sgroup = stage_group(group)
@@ -245,8 +199,7 @@ def wait_and_map(group: str, group_version: int, *, writer_pid: int, writer: str
     record_copy = NodeCopy.attach(name, group=sgroup, owner=writer_pid, group_version=group_version,
                                   writer=writer_pid)
     try:
-        # signed by the writer with the run's key (when the run authenticates): a record planted
-        # by anyone else who can write /dev/shm names chunks and checksums of their choosing
+        # Signed with the run's key: else anyone who can write /dev/shm could name chunks and checksums.
         payload = auth.verify(OUTCOME_CHANNEL, group, group_version, writer_pid, bytes(record_copy.manifest),
                               peer=writer)
         if payload is None:

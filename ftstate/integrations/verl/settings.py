@@ -1,22 +1,10 @@
-"""The ``ftstate`` block of verl's ``checkpoint_engine.engine_kwargs``, read and checked once.
-
-verl hands ``engine_kwargs["ftstate"]`` to the engine's constructor as keyword arguments
-(and the manager reads the same block from its config). The names are ftstate's own:
-``init_timeout_s``, ``sync_timeout_s``, ``backend``, ``fault_tolerance.max_failovers`` and
-``audit_log`` mean what they mean in :class:`~ftstate.core.config.RuntimeConfig` (validated
-there, with the ``FTSTATE_INIT_TIMEOUT_S`` override); four keys belong to the integration:
-
-``commit_mode``  ``stream`` (default): a rollout yields each bucket's tensors as soon as that
-                 bucket verified, as verl's own engines do. ``staged``: a rollout yields nothing
-                 until every bucket of the update verified on *every* rollout (one vote after
-                 the last bucket); the update is held meanwhile once per node, in ``/dev/shm``
-                 (:mod:`ftstate.integrations.verl.nodestage`), not once per rollout worker.
-``group``        the name of the weight group in the store (default ``verl-weights``).
-``device_host``  the address a member's gloo device binds (default: the node's Ray address).
-``store_host``   the address the driver's store listens on (default: the driver's Ray address).
-
-Anything else is a :class:`~ftstate.core.errors.ConfigError` naming the key.
-"""
+"""The ``ftstate`` block of verl's ``checkpoint_engine.engine_kwargs``, read and checked once in each verl
+worker and the manager. ``init_timeout_s``, ``sync_timeout_s``, ``backend``, ``fault_tolerance.max_failovers``
+and ``audit_log`` mean what they mean in RuntimeConfig; the integration adds ``commit_mode`` (``stream``,
+default: yield each verified bucket; ``staged``: yield nothing until the whole update verified on every
+rollout, held once per node), ``group`` (the store's weight group, default ``verl-weights``), ``device_host``
+(the gloo bind address) and ``store_host`` (the driver store's address), both defaulting to the Ray address.
+Anything else is a :class:`~ftstate.core.errors.ConfigError` naming the key."""
 
 from __future__ import annotations
 

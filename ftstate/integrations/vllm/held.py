@@ -1,45 +1,8 @@
-"""What a vLLM engine computes with, read back under the trainer's (checkpoint) names.
-
-ftstate admits a rollout to serving only when the bytes it serves from hash to the trainer's
-checksum (``RolloutWorker.held_weights``). For a vLLM engine, "the bytes it serves from" are not
-what ``model.named_parameters()`` shows, and not what ``load_weights`` was given:
-
-* **CPU: packed kernels.** After loading, vLLM's ``process_weights_after_loading`` repacks each
-  linear layer's weight for its GEMM kernel (oneDNN's ``onednn_mm``, or sgl's
-  ``weight_packed_linear`` for small weights) and replaces the parameter with a 0-element
-  tensor; ``lm_head`` keeps its parameter but computes the logits from its packed copy. The one
-  faithful reading is through the layer's own kernel: pushing the identity matrix ``I_K``
-  through ``layer.cpu_linear`` gives ``W^T`` exactly (every output element is one product with
-  1.0 plus zeros, accumulated in fp32 and rounded to the weight's own dtype: nothing rounds).
-  That costs one GEMM of ``K x K`` by ``K x N`` per layer (~0.6 s for 311 MB here, measured in
-  ``benchmarks/vllm_update.py``), hence ``held_weights_proof`` in the config.
-* **GPU: fused parameters.** The parameters are plain tensors, but under the fused names.
-* **Fused layers, both.** vLLM loads q/k/v into one ``qkv_proj`` and gate/up into one
-  ``gate_up_proj`` (the model's ``packed_modules_mapping``); the rows split back by the
-  layer's ``output_sizes``, in the mapping's order.
-* **Padding.** The embedding table and ``lm_head`` may be padded to a multiple of 64 rows;
-  only the first ``num_embeddings`` rows are the checkpoint's.
-
-:func:`layout` maps every checkpoint name the engine holds to where it lives (one
-:class:`Slot` each), once per engine; :func:`read` reads a set of slots back. Both run inside
-the engine's worker (``llm.collective_rpc``): in the actor's process for an in-process engine,
-in each rank's process under tensor parallelism.
-
-**Tensor parallelism: assembled, then compared whole.** Each rank holds a slice: column-parallel
-layers (q/k/v, gate/up, the vocabulary of the embedding and ``lm_head``) a block of rows,
-row-parallel ones (``o_proj``, ``down_proj``) a block of columns, the rest (norms, a row-parallel
-bias) a full copy. :func:`layout` gives each rank's slots with the dimension they are split on
-(``Slot.split``), :func:`merge` the trainer's view of them, and :func:`assemble` puts the ranks'
-read-backs together under the trainer's names: the ranks' slices concatenated in rank order, a
-replicated tensor once (or, where the ranks disagree, all copies stacked: a shape the trainer's
-never has, so the proof fails). Assembled, the engine's state hashes to the one checksum the
-trainer sealed its send with, so the proof is ftstate's usual one and needs nothing from the
-sender per rank; comparing each rank's slice with a checksum of the same slice of the sender's
-tensors would need the sender to know the engine's partitioning. The cost is one full copy in
-the actor while the proof reads (the in-process engine's proof costs the same).
-
-This module imports torch and vLLM's layer classes; it is loaded only through the
-``ftstate.integrations.vllm`` package, which checks vLLM is importable first.
+"""What a vLLM engine computes with, read back under the trainer's (checkpoint) names, in the engine's worker
+processes (``llm.collective_rpc``). On CPU vLLM repacks linear weights, so each layer's own kernel is run on
+the identity matrix; fused layers (q/k/v, gate/up) are split back by ``output_sizes``; padded vocabulary rows
+are cut. Under tensor parallelism the ranks' slices are assembled and the proof compares the whole state with
+the trainer's one checksum (docs/integration.md, "vLLM"). Loaded only through ``ftstate.integrations.vllm``.
 """
 
 from __future__ import annotations
@@ -53,15 +16,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 
 
 class Slot(NamedTuple):
-    """Where one checkpoint tensor lives in the engine.
-
-    module: the vLLM module's dotted name; attr: its parameter (``weight``/``bias``);
-    kernel: read through the module's CPU kernel (``cpu_linear``) rather than the parameter;
-    rows: the rows of the (fused, padded) tensor that are this checkpoint tensor;
-    shape, dtype: the checkpoint tensor's, as the trainer must send it (under tensor
-    parallelism: this rank's slice of it); split: the dimension the ranks split it on (None: each
-    rank holds all of it).
-    """
+    """Where one checkpoint tensor lives in the engine: the vLLM ``module`` and its parameter ``attr``,
+    whether to read through its CPU ``kernel``, the ``rows`` of the fused, padded tensor that are this tensor,
+    its checkpoint ``shape``/``dtype`` (this rank's slice under TP) and the ``split`` dim (None: every rank
+    holds it whole)."""
 
     module: str
     attr: str
@@ -103,8 +61,7 @@ def layout(model: torch.nn.Module) -> dict[str, Slot]:
                     slots[f"{name}.bias"] = Slot(prefix, "bias", False, rows, (size,), dtype, split_b)
                 start += size
         elif isinstance(module, VocabParallelEmbedding):
-            # lm_head computes the logits through its packed copy (CPU); the embedding
-            # gathers rows from its parameter, which vLLM leaves in place.
+            # lm_head computes logits through its packed copy (CPU); the embedding gathers from its parameter.
             kernel = isinstance(module, ParallelLMHead) and hasattr(module, "cpu_linear")
             n = int(getattr(module, "num_embeddings", module.weight.shape[0]))
             split = None
@@ -122,9 +79,8 @@ def layout(model: torch.nn.Module) -> dict[str, Slot]:
 
 
 def read(model: torch.nn.Module, slots: Mapping[str, Slot], names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors at ``slots`` (those named in ``names``; all of them by default), as the
-    engine computes with them now, on the host, contiguous. A module's kernel is run once for
-    all the checkpoint tensors fused in it."""
+    """The tensors at ``slots`` (those in ``names``; default all) as the engine computes with them, on the
+    host, contiguous; one kernel run per fused module."""
     wanted = list(slots) if names is None else list(names)
     fused: dict[tuple[str, str], torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
@@ -154,9 +110,8 @@ def merge(ranks: list[dict[str, Slot]]) -> dict[str, Slot]:
 
 
 def assemble(merged: Mapping[str, Slot], ranks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The ranks' :func:`read` results put together under the trainer's names (see the module
-    docstring): slices concatenated in rank order; a replicated tensor once, or all its copies
-    stacked where the ranks disagree (so that no copy hides another)."""
+    """The ranks' :func:`read` results under the trainer's names: slices concatenated in rank order, a
+    replicated tensor once, or its copies stacked where ranks disagree (so the proof fails)."""
     if len(ranks) == 1:
         return ranks[0]
     out: dict[str, torch.Tensor] = {}
@@ -185,9 +140,8 @@ def _whole(module: torch.nn.Module, slot: Slot) -> torch.Tensor:
 
 
 def _as_checkpoint(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in the checkpoint's dtype when that is exact. A kernel may keep a tensor wider
-    (sgl's path holds biases in fp32); one that no longer rounds back to itself was changed
-    inside the engine, so it is returned as it is and its different dtype fails the proof."""
+    """``t`` in the checkpoint's dtype when that is exact; one that no longer rounds back was changed in the
+    engine and keeps its dtype, failing the proof."""
     if t.dtype == dtype or not t.is_floating_point():
         return t
     narrow = t.to(dtype)

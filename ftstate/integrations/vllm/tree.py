@@ -1,28 +1,8 @@
-"""The processes of a multiprocess engine: found, watched, and never left behind.
-
-vLLM's multiprocess executor starts its tensor-parallel workers (``VLLM::Worker_TP<r>``) and
-multiprocessing's resource tracker as children of the process that builds the engine (the
-rollout actor). Nothing of vLLM's ends them when that process is SIGKILLed: measured here (vLLM
-0.32, CPU), both workers went on spinning on their message queues (state R) for as long as they
-were watched, holding their ``/dev/shm`` segments. Two watchers close that gap:
-
-* :class:`Reaper`, in the actor, starts the **reaper process** (this file run as a script,
-  ``python tree.py <actor pid>``: the standard library only, no vLLM import) before the engine: a process of its own session,
-  so a signal to the actor's process group does not reach it. It opens a pidfd of the actor and
-  records every descendant of the actor as it appears (one scan every ``SCAN_S`` until the
-  engine is up, then the actor hands it the final list and it stops scanning). When the actor's
-  pidfd turns readable (it died, however: SIGKILL included) or the actor's pipe closes, it
-  SIGKILLs every recorded process through its own pidfd (a reused pid is never hit) and unlinks
-  the ``/dev/shm`` files they had mapped, once they are gone. Bound: ``REAP_S`` from the
-  actor's death to no engine process left (the signal is sent within milliseconds; the bound
-  covers the kernel tearing down a process's memory on a loaded host). A process started in the
-  last ``SCAN_S`` of an engine start that the actor did not live to finish is the one gap.
-* :class:`Watch`, in the actor, a thread waiting on the pidfds of the engine's processes: the
-  first that dies is reported (``on_death(name, pid)``) at once, by its own death, not by
-  stalled progress.
-
-Linux only (pidfds: kernel 5.3, Python 3.9). Both ends use only the standard library.
-"""
+"""The processes of a multiprocess vLLM engine, from the rollout actor: found, watched, and never left behind.
+:class:`Reaper` starts a reaper process in its own session (this file run as a script, standard library only)
+that SIGKILLs every recorded engine process and unlinks their ``/dev/shm`` files when the actor dies;
+:class:`Watch` reports the first engine process to die. Linux only (pidfds). docs/integration.md ("Tensor
+parallelism") says why."""
 
 from __future__ import annotations
 
@@ -39,14 +19,13 @@ from typing import NamedTuple
 
 #: Seconds between two scans of the actor's descendants while its engine starts.
 SCAN_S = 0.2
-#: Seconds from the actor's death (or an engine process's, for :func:`kill_tree`) until every
-#: recorded engine process is gone and its /dev/shm files unlinked, at most.
+#: Seconds from the actor's death (or an engine process's) until every recorded engine process is
+#: gone and its /dev/shm files unlinked, at most.
 REAP_S = 10.0
 
 
 class Proc(NamedTuple):
-    """One engine process: pid, its start time (clock ticks since boot: with the pid, it
-    names the process even after the pid is reused), and its name (``VLLM::Worker_TP1``)."""
+    """One engine process: pid, start time (clock ticks since boot: with the pid, unique) and name."""
 
     pid: int
     start: int
@@ -111,10 +90,8 @@ def open_fd(proc: Proc) -> int | None:
 
 def kill_tree(procs: Iterable[Proc], fds: dict[int, int] | None = None, *, files: Iterable[str] = (),
               within: float = REAP_S) -> list[Proc]:
-    """SIGKILL every process of ``procs`` (through a pidfd: never a reused pid), wait up to
-    ``within`` seconds for them to be gone, then unlink the /dev/shm files they have mapped and
-    ``files`` (those they had mapped when the engine was up: a process already dead shows none).
-    ``fds``: pidfds already open, by pid (closed here). Returns those still alive after ``within``."""
+    """SIGKILL every process of ``procs`` through a pidfd, wait up to ``within`` seconds, then unlink their
+    /dev/shm files and ``files``; ``fds``: pidfds already open (closed here). Returns those still alive."""
     procs = list(procs)
     fds = dict(fds or {})
     for p in procs:
@@ -163,8 +140,7 @@ class Reaper:
         return self._proc.pid
 
     def settle(self, procs: Iterable[Proc]) -> None:
-        """The engine is up: these are its processes; the reaper stops scanning (and records
-        the /dev/shm files they map now, for when they are gone)."""
+        """The engine is up: the reaper stops scanning and records these processes' /dev/shm files."""
         self._send("settle " + " ".join(f"{p.pid}:{p.start}" for p in procs))
 
     def _send(self, line: str) -> None:
