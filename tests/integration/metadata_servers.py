@@ -128,6 +128,11 @@ class _RawServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
 
+    @property
+    def accepted(self) -> list[socket.socket]:
+        """Every connection accepted so far (a request of urllib's is one)."""
+        return list(self._conns)
+
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:

@@ -11,6 +11,7 @@ import re
 import pytest
 
 from ftstate.cli.demo import run_demo
+from ftstate.cli.demo.run import demo_config, demo_options
 from ftstate.core.audit_check import check_trail
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -41,7 +42,9 @@ def test_the_demo_survives_three_kills_and_matches_the_fault_free_run(ray_cluste
         [(r["lost"], r["total_s"], r["detection_s"]) for r in rows]
     bands = _failovers(records, max(r["t"] for r in records))
     assert [round(b.end - b.start, 6) for b in bands] == [round(r["total_s"], 6) for r in rows]
-    assert all(r["detection_s"] is not None and 0 <= r["detection_s"] < 5 for r in rows), rows
+    # each kill is seen as its process' death: one seen only by the heartbeat timeout would take all of it
+    timeout = demo_config(demo_options(str(out), 10, True, dict(SMALL)), out).heartbeat_timeout_s
+    assert all(r["detection_s"] is not None and 0 <= r["detection_s"] < timeout for r in rows), rows
     # the failed-then-completed sync is explained
     assert len(report["syncs_failed_explained"]) == report["syncs_failed"]
     assert all("committed on every serving rollout" in e for e in report["syncs_failed_explained"])

@@ -20,6 +20,7 @@ from ftstate.core.audit_check import check_trail
 from ftstate.core.errors import ChecksumMismatch, ConfigError, MemberLost, NoServingWorkers, RendezvousTimeout
 from ftstate.core.protocol import ChaosCorrupt, ChaosKill, UserCall
 from tests.integration.workers import TinyRollout, TinyTrainer
+from tests.timing import SLACK_S
 
 pytestmark = pytest.mark.ray
 
@@ -126,7 +127,8 @@ class TestFailFastRendezvous:
         with pytest.raises(RendezvousTimeout) as info:
             await rt.start()
         elapsed = time.monotonic() - t0
-        assert 12 <= elapsed < 12 + 5, elapsed
+        # the deadline plus scheduling: without it the hung init is waited for for ever
+        assert cfg.init_timeout_s <= elapsed < cfg.init_timeout_s + SLACK_S, elapsed
         err = info.value
         assert len(err.missing) == 1 and err.missing[0].startswith("rollout-")
         assert set(err.arrived) == {"trainer-0", "rollout-0", "rollout-1"} - set(err.missing)
@@ -139,14 +141,14 @@ class TestFailFastRendezvous:
         """Fault tolerance off: a death before the first group forms is MemberLost at once,
         not a wait for init_timeout_s; nothing of the run is left."""
         marker = tmp_path / "hang-once"
-        rt = runtime(config(tmp_path, init_timeout_s=60), rollout_kwargs={"hang_marker": str(marker)})
+        cfg = config(tmp_path, init_timeout_s=60)
+        rt = runtime(cfg, rollout_kwargs={"hang_marker": str(marker)})
         starting = asyncio.ensure_future(rt.start())
         await wait_until(lambda: marker.exists() and marker.read_text().strip(), 60, "a rollout to hang in init")
-        t_kill = time.monotonic()
         os.kill(int(marker.read_text()), signal.SIGKILL)
         with pytest.raises(MemberLost, match=r"rollout-\d lost") as info:
-            await asyncio.wait_for(starting, 30)
-        assert time.monotonic() - t_kill < 10
+            # the death ends the start; waiting for the rollout would last init_timeout_s out
+            await asyncio.wait_for(starting, cfg.init_timeout_s / 2)
         assert "process died" in str(info.value)
         assert rt.state == "FAILED" and not rt.failovers
         assert_gone(ray_cluster, rt.run_id, [m.pid for m in rt.members()])
@@ -164,11 +166,9 @@ class TestDetection:
             victim = next(m for m in rt.members() if m.member == "rollout-1")
             t_kill = time.monotonic()
             os.kill(victim.pid, signal.SIGKILL)
-            detected = await wait_until(lambda: rt.state == "FAILED", 5, "the group to fail")
-            # Bounded by one heartbeat interval plus the poll itself.
-            assert detected < 0.2 + 0.5, detected
+            await wait_until(lambda: rt.state == "FAILED", 5, "the group to fail")
             lost = [r for r in events(rt, "rollout-1") if r["to"] == "LOST"]
-            assert lost and lost[0]["trigger"] == "died"
+            assert lost and lost[0]["trigger"] == "died"  # seen as its death, not by a heartbeat timeout
             with pytest.raises(MemberLost, match="rollout-1 lost"):
                 await rt.sync()
             survivor = await rt._calls.call("rollout-0", rt.handle("rollout-0"), UserCall("checksum"))
@@ -198,8 +198,10 @@ class TestDetection:
             victim = next(m for m in rt.members() if m.member == "rollout-0")
             os.kill(victim.pid, signal.SIGSTOP)  # alive, but makes no progress at all
             try:
+                # the timeout, a poll to miss the beat and one to declare it, and scheduling
+                bound = cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s + SLACK_S
                 t0 = time.monotonic()
-                await wait_until(lambda: rt.state == "FAILED", 6, "the hung rollout to be declared lost")
+                await wait_until(lambda: rt.state == "FAILED", 2 * bound, "the hung rollout to be declared lost")
                 elapsed = time.monotonic() - t0
             finally:
                 with_suppress_kill(victim.pid)
@@ -207,7 +209,7 @@ class TestDetection:
             assert states[-2:] == ["SUSPECT", "LOST"]
             lost = events(rt, "rollout-0")[-1]
             assert lost["trigger"] == "heartbeat_timeout" and lost["error"] == "HeartbeatTimeout"
-            assert 1.0 <= elapsed < 0.2 * 2 + 1.0 + 1.0, elapsed
+            assert cfg.heartbeat_timeout_s <= elapsed < bound, elapsed
             with pytest.raises(MemberLost, match="rollout-0"):
                 await rt.rollout("generate", "x")
 
@@ -245,7 +247,8 @@ class TestAtomicSync:
         """A participant that fails without dying, before sending anything: the rollouts
         waiting for its manifest are released at once (not at sync_timeout_s), keep their
         version, and the group is formed again for the next sync."""
-        async with runtime(config(tmp_path, sync_timeout_s=60)) as rt:
+        cfg = config(tmp_path, sync_timeout_s=60)
+        async with runtime(cfg) as rt:
             await rt.sync()
             v1 = await rt.trainer("checksum")
             await rt.trainer("train_step")
@@ -253,7 +256,7 @@ class TestAtomicSync:
             t0 = time.monotonic()
             with pytest.raises(RuntimeError, match="simulated user error"):
                 await rt.sync()
-            assert time.monotonic() - t0 < 10
+            assert time.monotonic() - t0 < cfg.sync_timeout_s / 2  # a wait for the manifest lasts it all out
             assert rt.weights_version == 1 and rt.state == "READY"
             assert await rt.rollout("checksum") == [v1, v1]
             report = await rt.sync()

@@ -93,7 +93,7 @@ async def test_a_receiver_error_is_raised_as_itself_after_no_retry(ray_cluster, 
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=r"rollout-\d: Numpy is not available") as info:
             await rt.sync()
-        assert time.monotonic() - t0 < 20
+        assert time.monotonic() - t0 < cfg.sync_timeout_s  # the error ended the sync; a wait lasts it out
         assert not isinstance(info.value, FTError)
         assert any("ftstate worker rollout-" in note for note in getattr(info.value, "__notes__", []))
         # Not a transient failure: no retry, one re-formed version for the abandoned transfer.
@@ -115,7 +115,7 @@ async def test_a_trainer_whose_state_dict_always_raises_is_not_retried(ray_clust
             t0 = time.monotonic()
             with pytest.raises(ValueError, match=r"trainer-0: optimizer shard missing"):
                 await rt.sync()
-            assert time.monotonic() - t0 < 20
+            assert time.monotonic() - t0 < cfg.sync_timeout_s  # the error ended the sync; a wait lasts it out
         assert rt.group_version - v0 <= 2
         assert rt.weights_version == first.weights_version
         trainer_sum, rollout_sums = await rt.trainer("checksum"), await rt.rollout("checksum")
@@ -159,7 +159,7 @@ async def test_a_constructor_that_crashes_its_process_fails_start_with_the_cause
         t0 = time.monotonic()
         with pytest.raises(FTError) as info:
             await rt.start()
-        assert time.monotonic() - t0 < 45
+        assert time.monotonic() - t0 < cfg.init_timeout_s  # the crash ended the start; a wait lasts it out
         err = info.value
         assert not isinstance(err, InvalidTransition), err
         assert isinstance(err, MemberLost), repr(err)

@@ -19,13 +19,13 @@ import pytest
 from ftstate.transport import nodecopy
 from tests.integration._transport_workers import RemoteError
 from tests.integration.test_transport_shm import (
-    FAST_S,
     SYNC_S,
     assert_bit_exact,
     committed_checksum,
     expected_checksum,
     fresh_group,
 )
+from tests.timing import SLACK_S
 
 OWNER = os.getpid()
 
@@ -94,7 +94,7 @@ class TestOneCopyPerNode:
         assert trainer.outcome()[0] == "died"
         for r in rollouts:
             with pytest.raises(RemoteError) as info:
-                r.result(FAST_S)
+                r.result(SYNC_S)
             assert info.value.isinstance("PeerLost"), info.value.info
             assert committed_checksum(r) == expected_checksum(1)
         # the committed copy survives its writer; the failed one went with the readers' failure
@@ -181,7 +181,7 @@ class TestRelay:
             relayed(group, kill_at=2)
         assert peer.outcome()[0] == "died"
         with pytest.raises(RemoteError):
-            relay.result(FAST_S)
+            relay.result(SYNC_S)
         assert committed_checksum(relay) == expected_checksum(1) and nodecopy.copies_of(OWNER) == [kept]
 
 
@@ -274,11 +274,12 @@ class TestPointToPoint:
         newcomer = group.members[2]
         with socket.create_server(("127.0.0.1", 0)) as mute:  # accepts (the kernel does), never sends
             served = {"host": "127.0.0.1", "port": mute.getsockname()[1], "token": "0" * 32, "nbytes": 1 << 20}
+            timeout = 0.5
             t0 = time.monotonic()
             with pytest.raises(RemoteError, match=r"timed out after 0.5s \(sync_timeout_s\)") as info:
                 newcomer.call("fetch", served=served, name=report["node_copy"], owner=OWNER, weights_version=1,
-                              checksum=expected_checksum(1), timeout_s=0.5)
-            assert time.monotonic() - t0 < FAST_S
+                              checksum=expected_checksum(1), timeout_s=timeout)
+            assert time.monotonic() - t0 < timeout + SLACK_S  # its bound plus scheduling; a mute agent is forever
         assert info.value.isinstance("SyncTimeout")
 
     def test_a_copy_larger_than_the_sockets_buffers_arrives_whole(self):

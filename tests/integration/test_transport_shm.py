@@ -20,8 +20,7 @@ import pytest
 
 from tests.integration._transport_workers import GROUP, RemoteError, make_state
 
-SYNC_S = 10.0
-FAST_S = 5.0
+SYNC_S = 10.0  # every transfer's timeout_s here: what a fault must end them long before
 
 
 def fresh_group(pool):
@@ -156,21 +155,21 @@ class TestFaults:
         planned(group, [1, 2])
         trainer, *rollouts = group.members
         trainer.call("load", seed=3, weights_version=2)
+        t0 = time.monotonic()
         for r in rollouts:
             r.start("receive_planned", timeout_s=SYNC_S)
-        t0 = time.monotonic()
         trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2], kill_at=3)  # after bucket 3 of 8
         assert trainer.outcome()[0] == "died"
         for r in rollouts:
             with pytest.raises(RemoteError) as info:
-                r.result(FAST_S)
+                r.result(SYNC_S)
             err = info.value.info
             assert info.value.isinstance("PeerLost") and err["peer"] == 0, err
             # the fault landed mid-stream: the sender died with buckets still to send (the ready
             # signals it queued just before the SIGKILL may not have left the process)
             assert err["op"].startswith("bucket ") and err["op"].endswith("/8"), err
             assert "same host) died during bucket" in err["message"], err
-        assert time.monotonic() - t0 < FAST_S
+        assert time.monotonic() - t0 < SYNC_S  # under the transfers' timeout_s: a wait for the dead lasts it out
         for r in rollouts:
             assert committed_checksum(r) == expected_checksum(1)  # nothing committed
         assert our_segments(group) == []
@@ -192,9 +191,9 @@ class TestFaults:
             trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
         err = info.value.info
         assert info.value.isinstance("PeerLost") and err["peer"] == 2 and err["op"].startswith("bucket "), err
-        assert time.monotonic() - t0 < FAST_S
+        assert time.monotonic() - t0 < SYNC_S  # under the transfers' timeout_s: a wait for the dead lasts it out
         assert doomed.outcome()[0] == "died"
-        kind, survivor_err = survivor.outcome(FAST_S)
+        kind, survivor_err = survivor.outcome(SYNC_S)
         assert kind == "err" and survivor_err.isinstance("PeerLost"), survivor_err
         assert committed_checksum(survivor) == expected_checksum(1)
         assert our_segments(group) == []  # the sender unlinked on its way out
@@ -211,11 +210,11 @@ class TestFaults:
         with pytest.raises(RemoteError) as info:
             trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[1, 2])
         assert info.value.isinstance("TransportError"), info.value.info
-        assert time.monotonic() - t0 < FAST_S
+        assert time.monotonic() - t0 < SYNC_S  # under the transfers' timeout_s: a wait for the dead lasts it out
         assert trainer.alive
         assert trainer.call("segment_names") == []
         assert our_segments(group) == []
-        kind, _ = survivor.outcome(FAST_S)
+        kind, _ = survivor.outcome(SYNC_S)
         assert kind == "err"
 
     def test_collective_ranks_get_every_bucket_in_chunks_bit_exact(self, group):
@@ -234,16 +233,16 @@ class TestFaults:
         trainer, *rollouts = group.members
         trainer.call("load", seed=11, weights_version=2)
         trainer.call("set_net_chunk", nbytes=10_000)  # the process dies: nothing to set back
+        t0 = time.monotonic()
         for r in rollouts:
             r.start("receive_planned", timeout_s=SYNC_S)
-        t0 = time.monotonic()
         trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[], kill_at=3)  # after bucket 3 of 8
         assert trainer.outcome()[0] == "died"
         for r in rollouts:
             with pytest.raises(RemoteError) as info:
-                r.result(FAST_S)
+                r.result(SYNC_S)
             assert info.value.isinstance("PeerLost") and info.value.info["peer"] == 0, info.value.info
-        assert time.monotonic() - t0 < FAST_S
+        assert time.monotonic() - t0 < SYNC_S  # under the transfers' timeout_s: a wait for the dead lasts it out
         for r in rollouts:
             assert committed_checksum(r) == expected_checksum(1)
         group.heal()
@@ -267,9 +266,9 @@ class TestFaults:
         finally:
             trainer.call("set_net_chunk", nbytes=None)
         assert info.value.isinstance("PeerLost") and info.value.info["peer"] == 2, info.value.info
-        assert time.monotonic() - t0 < FAST_S
+        assert time.monotonic() - t0 < SYNC_S  # under the transfers' timeout_s: a wait for the dead lasts it out
         assert doomed.outcome()[0] == "died"
-        kind, err = survivor.outcome(FAST_S)
+        kind, err = survivor.outcome(SYNC_S)
         assert kind == "err" and err.isinstance("TransportError"), err
         assert committed_checksum(survivor) == expected_checksum(1)
 
@@ -347,7 +346,7 @@ class TestFaults:
         try:
             for r in rollouts:
                 with pytest.raises(RemoteError) as info:
-                    r.result(FAST_S)
+                    r.result(SYNC_S)
                 err = info.value.info
                 assert info.value.isinstance("StaleGroupVersion"), err
                 assert (err["got"], err["current"]) == (old, group.version) and names[0] in err["peer"], err
@@ -370,7 +369,7 @@ class TestNoSharedMemory:
             assert info.value.info["message"].startswith("shared memory unavailable: cannot create "
                                                          "/nonexistent-ftstate-shm/ftstate-"), info.value.info
             for r in rollouts:  # released at once by the aborted communicator
-                kind, err = r.outcome(FAST_S)
+                kind, err = r.outcome(SYNC_S)
                 assert kind == "err" and err.isinstance("TransportError"), err
                 assert committed_checksum(r) == expected_checksum(1) or committed_checksum(r) is None
         finally:
@@ -443,7 +442,7 @@ class TestRelay:
             r.start("receive_planned", timeout_s=SYNC_S)
         trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays={1: [2]})
         outcomes = [w.outcome(SYNC_S + 5) for w in (trainer, relay, peer)]
-        assert time.monotonic() - t0 < SYNC_S / 2, outcomes
+        assert time.monotonic() - t0 < SYNC_S, outcomes  # under the timeout_s that waiting for the peer would last out
         kind, err = outcomes[2]
         assert kind == "err" and err.isinstance("ManifestError") and err.info["field"] == "segments", outcomes
         assert not any(k == "err" and e.isinstance("SyncTimeout") for k, e in outcomes), outcomes
@@ -462,17 +461,17 @@ class TestRelay:
         planned(group, [], relays={1: [2]})
         trainer, relay, peer = group.members
         trainer.call("load", seed=3, weights_version=2)
+        t0 = time.monotonic()
         peer.start("receive_planned", timeout_s=SYNC_S)
         relay.start("receive_planned", timeout_s=SYNC_S, kill_at=3)  # after handing on bucket 3 of 8
-        t0 = time.monotonic()
         trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays={1: [2]})
-        kind, err = peer.outcome(FAST_S)
+        kind, err = peer.outcome(SYNC_S)
         assert kind == "err" and err.isinstance("PeerLost") and err.info["peer"] == 1, err
         assert err.info["op"].startswith("bucket ") and "same host) died" in err.info["message"], err.info
         assert relay.outcome()[0] == "died"
-        kind, err = trainer.outcome(FAST_S)
+        kind, err = trainer.outcome(SYNC_S)
         assert kind == "err" and err.isinstance("TransportError"), err
-        assert time.monotonic() - t0 < FAST_S
+        assert time.monotonic() - t0 < SYNC_S  # under the transfers' timeout_s: a wait for the dead lasts it out
         assert committed_checksum(peer) == expected_checksum(1)  # nothing committed
         assert our_segments(group) == []
         group.heal()
@@ -486,16 +485,16 @@ class TestRelay:
         planned(group, [], relays={1: [2]})
         trainer, relay, peer = group.members
         trainer.call("load", seed=5, weights_version=2)
+        t0 = time.monotonic()
         relay.start("receive_planned", timeout_s=SYNC_S)
         peer.start("receive_planned", timeout_s=SYNC_S, kill_at=2)  # after reading bucket 2 of 8
-        t0 = time.monotonic()
         trainer.start("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays={1: [2]})
-        kind, err = relay.outcome(FAST_S)
+        kind, err = relay.outcome(SYNC_S)
         assert kind == "err" and err.isinstance("PeerLost") and err.info["peer"] == 2, err
         assert peer.outcome()[0] == "died"
-        kind, err = trainer.outcome(FAST_S)
+        kind, err = trainer.outcome(SYNC_S)
         assert kind == "err" and err.isinstance("TransportError"), err
-        assert time.monotonic() - t0 < FAST_S
+        assert time.monotonic() - t0 < SYNC_S  # under the transfers' timeout_s: a wait for the dead lasts it out
         assert committed_checksum(relay) == expected_checksum(1)
         assert our_segments(group) == []
 
@@ -522,7 +521,7 @@ class TestRelay:
                              require_shm=True)
             assert info.value.isinstance("SharedMemoryUnavailable"), info.value.info
             for r in (relay, peer):
-                kind, err = r.outcome(FAST_S)
+                kind, err = r.outcome(SYNC_S)
                 assert kind == "err" and err.isinstance("SharedMemoryUnavailable"), err
         finally:
             relay.call("set_shm_dir", path="/dev/shm")
@@ -536,7 +535,7 @@ def planned_tolerant(pool, *, relays) -> dict:
         r.start("receive_planned", timeout_s=SYNC_S)
     report = trainer.call("broadcast_planned", timeout_s=SYNC_S, same_host=[], relays=relays)
     for r in rollouts:
-        kind, err = r.outcome(FAST_S)
+        kind, err = r.outcome(SYNC_S)
         assert kind == "ok" or err.isinstance("ChecksumMismatch"), err
     return report
 

@@ -33,29 +33,27 @@ def test_a_drained_node_is_a_drain_notice_until_it_is_gone(multinode_cluster, re
     gcs = ray._private.worker.global_worker.gcs_client
     deadline_ms = int(time.time() * 1000) + 120_000
 
-    async def scenario() -> tuple[float, float]:
+    async def scenario() -> None:
         await runner.poll_once()
         assert notices == [] and problems == []
         accepted, why = gcs.drain_node(node_c, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
                                        "ftstate test: host maintenance", deadline_ms)
         assert accepted, why
-        t0 = time.monotonic()
         await runner.poll_once()
-        seen = time.monotonic() - t0
         ray.kill(busy)  # idle now: the drained node's raylet exits by itself
         t1 = time.monotonic()
         while not withdrawn and time.monotonic() - t1 < 30:
             await runner.poll_once()
             await asyncio.sleep(0.05)
-        return seen, time.monotonic() - t1
 
     try:
-        seen_s, gone_s = asyncio.run(scenario())
+        asyncio.run(scenario())
     finally:
         runner.close()
         if "c" in multinode_cluster.alive():
             multinode_cluster.kill("c")  # its raylet is gone or going: let restore_nodes bring c back
     assert [(n.source, n.kind, n.node, n.deadline) for n in notices] == [("ray", "drain", node_c, deadline_ms / 1000)]
+    # no poll ran past its bound (it would be a "timeout" problem); the withdrawal is waited for
+    # above. Measured: seen at the first poll after the RPC (~1 ms); withdrawn ~0.1 s after the
+    # node went idle
     assert [n.node for n in withdrawn] == [node_c] and problems == []
-    # measured: seen at the first poll after the RPC (~1 ms); withdrawn ~0.1 s after the node went idle
-    assert seen_s < 2.0 and gone_s < 30

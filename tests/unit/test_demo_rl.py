@@ -284,7 +284,6 @@ class TestLearning:
         first, last = sum(run.rewards[:5]) / 5, sum(run.rewards[-5:]) / 5
         assert last > first + 0.15, run.rewards
         assert last > 0.25, run.rewards
-        assert max(s.seconds for s in run.stats) < 1.0
 
 
 def one_batch(model: torch.nn.Module, step: int, size: int) -> tuple[list[int], list[list[int]], list[list[int]], list[float]]:

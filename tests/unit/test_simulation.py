@@ -68,7 +68,8 @@ class TestVirtualTime:
 
         t0 = time.perf_counter()
         assert run(main()) == pytest.approx(3600)
-        assert time.perf_counter() - t0 < 1.0
+        # real sleeping would take the whole hour: a hundredth of it is far beyond any stall of a loaded machine
+        assert time.perf_counter() - t0 < 3600 / 100
 
     def test_timers_fire_in_order_of_their_virtual_times(self):
         async def main():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pickle
 import re
-import time
 import types
 import warnings
 
@@ -95,11 +94,11 @@ class TestAccepted:
         with pytest.raises(StateDictError, match="meta tensor"):
             check({"m": torch.empty(2, device="meta")}, device_type=None)
 
-    def test_it_reads_no_data_and_costs_microseconds_per_tensor(self):
+    def test_a_state_of_20000_tensors_is_checked_without_a_copy(self):
+        # what it costs per tensor (~1 us measured) is measured by benchmarks/validate.py, not asserted here
         state = {f"layers.{i}.w": torch.zeros(2) for i in range(20_000)}
-        t0 = time.perf_counter()
-        check(state)
-        assert time.perf_counter() - t0 < 1.0  # ~1 us per tensor measured; a loose bound for CI
+        checked = check(state)
+        assert list(checked) == list(state) and all(checked[n] is t for n, t in state.items())
 
 
 _SPARSE = torch.zeros(3, 3).to_sparse()
