@@ -157,6 +157,7 @@ from ftstate.transport.checksum import (
     host_copied_bytes,
 )
 from ftstate.transport.cudaipc import DeviceMemory, device_memory_for
+from ftstate.transport.hashing import feed_bucket, hasher_for, own_state_checksum, verify
 from ftstate.transport.hostmem import copy_bytes
 from ftstate.transport.manifest import (
     MAX_BUCKET_SIZE,
@@ -173,25 +174,19 @@ from ftstate.transport.manifest import (
 from ftstate.transport.nodecopy import NodeCopy, forget_mappings, is_copy
 from ftstate.transport.shm import SHM_DIR, Segment, pid_alive, segment_name, unlink_names
 from ftstate.transport.signals import Channel
-from ftstate.transport.sync import (
+from ftstate.transport.stream import (
+    SIDE_TAG,
     VOTE_CHECKSUM_MISMATCH,
     VOTE_COMMIT,
-    WINDOW,
-    CommittedWeights,
-    Progress,
-    Receiver,
-    Sender,
-    SyncReport,
-    _BroadcastRoute,
-    _own_state_checksum,
-    _PeerRoute,
-    _Route,
-    _verify,
-    _with_stage,
-    _zero_padding,
-    feed_bucket,
-    hasher_for,
+    BroadcastStream,
+    PeerStream,
+    Stream,
+    peer_of,
+    side_stream,
+    with_stage,
 )
+from ftstate.transport.sync import Receiver, Sender, zero_padding
+from ftstate.transport.weights import WINDOW, CommittedWeights, Progress, SyncReport
 
 #: How often a wait on a signal looks at the deadline, at abandonment and at the peer's pid.
 POLL_S = 0.02
@@ -216,7 +211,7 @@ NET_TAG = 1 << 20
 NET_CHUNK = 8 * 1024 * 1024
 
 #: First tag of a relay's offer to the sender and to each of its peers (header, then body).
-RELAY_TAG = 1 << 19
+RELAY_TAG = SIDE_TAG
 
 _generations = itertools.count(1)
 
@@ -712,7 +707,7 @@ def _chunks(buckets: Sequence[Bucket], chunk: int) -> list[tuple[Bucket, int, in
 class _NetSends:
     """The sender's messages to its collective ranks: each chunk is posted once it is filled."""
 
-    def __init__(self, route: _Route, net: Sequence[int], buckets: Sequence[Bucket], chunk: int) -> None:
+    def __init__(self, route: Stream, net: Sequence[int], buckets: Sequence[Bucket], chunk: int) -> None:
         self.route = route
         self.net = net
         self.first: dict[int, int] = {}  # bucket index -> tag offset of its first chunk
@@ -751,11 +746,7 @@ def _both(*calls: Callable[[int], None] | None) -> Callable[[int], None] | None:
     return both
 
 
-def _peer_of(route: _Route) -> int:
-    return route.root if isinstance(route, _BroadcastRoute) else route.peer  # type: ignore[attr-defined]
-
-
-def _check(route: _Route, stage: str, pids: Mapping[int, int]) -> None:
+def _check(route: Stream, stage: str, pids: Mapping[int, int]) -> None:
     """Between two slices of a wait: the deadline, abandonment, and the other end's pids."""
     comm = route.comm
     route.remaining(stage)  # raises SyncTimeout past the deadline
@@ -776,7 +767,7 @@ def _check(route: _Route, stage: str, pids: Mapping[int, int]) -> None:
 class _Waiter:
     """The sender's view of the two slots: which bucket each holds, who has not released it."""
 
-    def __init__(self, route: _Route, chan: Channel | None, pids: dict[int, int], nslots: int) -> None:
+    def __init__(self, route: Stream, chan: Channel | None, pids: dict[int, int], nslots: int) -> None:
         self.route = route
         self.chan = chan
         self.pids = pids
@@ -874,7 +865,7 @@ def broadcast(
     (:attr:`SyncReport.node_copy` names it); after any other outcome this one is unlinked.
     ``node_copy_spare``: the one written before is kept instead (named, mapped; the
     report's ``node_spare``) and rewritten as the next one, so a sync allocates nothing."""
-    route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+    route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
     return _send(sender, route, weights, weights_version, progress, same_host=frozenset(same_host),
                  require_shm=require_shm, relays={r: tuple(sorted(p)) for r, p in (relays or {}).items() if p},
                  node_copy_owner=node_copy_owner, node_copy_spare=node_copy_spare)
@@ -894,7 +885,7 @@ def send_to(
 ) -> SyncReport:
     """:meth:`Sender.send_to` a ``peer`` on this member's host, through shared memory (the
     peer calls :func:`receive` with ``point_to_point=True``)."""
-    route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
+    route = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
     return _send(sender, route, weights, weights_version, progress, same_host=frozenset([peer]),
                  require_shm=require_shm)
 
@@ -911,15 +902,15 @@ def receive(
     (:mod:`ftstate.transport.nodecopy`) which its peers verify in place, instead of slots;
     the committed state's ``_node`` names it."""
     if point_to_point:
-        route: _Route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=src, sending=False)
+        route: Stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=src, sending=False)
     else:
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=src, sending=False)
+        route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=src, sending=False)
     return _receive(receiver, route, progress, node_copy_owner)
 
 
 def _send(
     sender: Sender,
-    route: _Route,
+    route: Stream,
     weights: Mapping[str, torch.Tensor] | CommittedWeights,
     weights_version: int | None,
     progress: Progress | None,
@@ -948,8 +939,8 @@ def _send(
     # checksums go out again instead of hashing here; the receiver hashes what it reads.
     known = committed._seal if committed is not None and committed._entries == entries \
         and committed._windows == windows and function_of(committed.state_checksum) == function else None
-    receivers = [r for r in range(comm.world_size) if r != comm.rank] if isinstance(route, _BroadcastRoute) \
-        else [_peer_of(route)]
+    receivers = [r for r in range(comm.world_size) if r != comm.rank] if isinstance(route, BroadcastStream) \
+        else [peer_of(route)]
     relays = {r: p for r, p in (relays or {}).items() if r in receivers}
     relayed = {p: r for r, peers in relays.items() for p in peers}
     readers = [r for r in receivers if r in same_host]
@@ -1000,7 +991,7 @@ def _send(
         if relays:
             stage = "relay offers"
             for r, peers in sorted(relays.items()):
-                theirs = decode_offer(_side_route(route, r, sending=False).recv_message(stage),
+                theirs = decode_offer(side_stream(route, r, sending=False).recv_message(stage),
                                       group=comm.group, group_version=comm.version)
                 if theirs.fallback is not None:
                     if require_shm:
@@ -1075,7 +1066,7 @@ def _send(
         raise
     except (TransportError, DeadlineExceeded) as exc:
         _sender_failed(sender, comm, chan, readers, stage, exc, node)
-        raise _with_stage(exc, stage, weights_version, route) from exc
+        raise with_stage(exc, stage, weights_version, route) from exc
     except BaseException as exc:
         _sender_failed(sender, comm, chan, readers, stage, exc, node)
         raise
@@ -1157,14 +1148,6 @@ def _sender_failed(sender: Sender, comm: Communicator, chan: Channel | None, rea
 # -- receiver --------------------------------------------------------------------------------
 
 
-def _side_route(route: _Route, peer: int, *, sending: bool) -> _PeerRoute:
-    """Messages between a relay and the sender or one of its peers, beside the transfer's own
-    stream (tags of their own, same deadline)."""
-    side = _PeerRoute(route.comm, route.deadline, route.timeout_s, peer=peer, sending=sending)
-    side.seq = RELAY_TAG
-    return side
-
-
 def _relay_unavailable(relay: int, reason: str, capacity: int) -> SharedMemoryUnavailable:
     return SharedMemoryUnavailable(path=f"{SHM_DIR} (the segments of relay rank {relay})", nbytes=2 * capacity,
                                    problem=reason)
@@ -1194,7 +1177,7 @@ class _Follower:
     which slot holds bucket ``index`` and how many of its bytes are in place, from the
     writer's ``ready`` signals (several per bucket: the writer streams, see :data:`STREAM`)."""
 
-    def __init__(self, chan: Channel, route: _Route, writer: dict[int, int], nslots: int) -> None:
+    def __init__(self, chan: Channel, route: Stream, writer: dict[int, int], nslots: int) -> None:
         self.chan = chan
         self.route = route
         self.writer = writer
@@ -1244,11 +1227,11 @@ class _Follower:
         self.slot, self.upto = slot, upto
 
 
-def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
+def _receive(receiver: Receiver, route: Stream, progress: Progress | None,
              node_copy_owner: int | None = None) -> CommittedWeights:
     """One transfer on the same-host route, into ``receiver`` (see the module docstring)."""
     comm = route.comm
-    src = _peer_of(route)
+    src = peer_of(route)
     kept = receiver._committed
     at = _Receiving()
     manifest: Manifest | None = None
@@ -1267,7 +1250,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
         theirs: Offer | None = None  # its node relay's offer, for one of its peers
         if relay is not None and comm.rank not in offer.shm:
             at.stage = "relay offer"
-            theirs = decode_offer(_side_route(route, relay, sending=False).recv_message(at.stage),
+            theirs = decode_offer(side_stream(route, relay, sending=False).recv_message(at.stage),
                                   group=comm.group, group_version=comm.version)
         if comm.rank in offer.collective and peers:
             at.relay = _Relay.start(route, at, manifest, buckets, peers, require=offer.require, owner=node_copy_owner)
@@ -1285,7 +1268,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
             receiver._peak = receiver.held_bytes
         else:
             staging = receiver._staging(manifest.total_bytes, comm.device, route.deadline - time.monotonic())
-            _zero_padding(staging[0], manifest)
+            zero_padding(staging[0], manifest)
         flat = staging[0]
         if reading is not None and reading.node_copy:
             _verify_in_place(receiver, route, at, reading, src if reading is offer else relay, buckets, flat,
@@ -1310,8 +1293,8 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
         seal = decode_seal(route.recv_message(at.stage), manifest)
         at.stage = "checksums"
         tensor_sums = hasher.tensor_digests(seal.tensor_checksums)
-        own = _own_state_checksum(manifest, tensor_sums)
-        problem = _verify(manifest, seal, digests, tensor_sums, own)
+        own = own_state_checksum(manifest, tensor_sums)
+        problem = verify(manifest, seal, digests, tensor_sums, own)
         at.stage = "commit vote"
         route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, at.stage)
     except SharedMemoryUnavailable as exc:
@@ -1320,7 +1303,7 @@ def _receive(receiver: Receiver, route: _Route, progress: Progress | None,
     except (TransportError, DeadlineExceeded) as exc:
         _receiver_failed(comm, at, exc)
         wv = manifest.weights_version if manifest is not None else None
-        raise _with_stage(exc, at.stage, wv, route) from exc
+        raise with_stage(exc, at.stage, wv, route) from exc
     except BaseException as exc:
         _receiver_failed(comm, at, exc)
         raise
@@ -1363,7 +1346,7 @@ def _map_node_copy(offer: Offer, comm: Communicator, manifest: Manifest, writer:
 
 
 def _verify_in_place(
-    receiver: Receiver, route: _Route, at: _Receiving, offer: Offer, writer: int, buckets: Sequence[Bucket],
+    receiver: Receiver, route: Stream, at: _Receiving, offer: Offer, writer: int, buckets: Sequence[Bucket],
     flat: torch.Tensor, hasher: StreamHasher, digests: list[int], progress: Progress | None,
 ) -> None:
     """Hash every bucket where the sender writes it in the node copy (``flat``, this
@@ -1402,7 +1385,7 @@ def _verify_in_place(
 
 
 def _read(
-    receiver: Receiver, route: _Route, at: _Receiving, offer: Offer, writer: int, manifest: Manifest,
+    receiver: Receiver, route: Stream, at: _Receiving, offer: Offer, writer: int, manifest: Manifest,
     buckets: Sequence[Bucket], flat: torch.Tensor, hasher: StreamHasher, digests: list[int],
     progress: Progress | None,
 ) -> None:
@@ -1412,7 +1395,7 @@ def _read(
     at.stage = "attach"
     at.read = offer
     try:
-        mapped = _mappings(offer, comm, relayed=writer != _peer_of(route))
+        mapped = _mappings(offer, comm, relayed=writer != peer_of(route))
     finally:
         # hello even when the slots could not be mapped: the writer hears only ranks that said
         # hello, so the "failed" that follows (_receiver_failed) ends its wait at once instead
@@ -1459,7 +1442,7 @@ def _read(
 
 
 def _net(
-    receiver: Receiver, route: _Route, at: _Receiving, src: int, buckets: Sequence[Bucket], flat: torch.Tensor,
+    receiver: Receiver, route: Stream, at: _Receiving, src: int, buckets: Sequence[Bucket], flat: torch.Tensor,
     hasher: StreamHasher, digests: list[int], progress: Progress | None, chunk: int,
 ) -> None:
     """Receive every bucket from ``src`` over the communicator, chunk by chunk (see
@@ -1525,7 +1508,7 @@ class _Relay:
     peer released bucket k - 2), while the next buckets keep arriving into its own staging
     (:data:`WINDOW` receives posted), so the network leg does not wait for the peers."""
 
-    def __init__(self, route: _Route, peers: tuple[int, ...], slots: _Slots | None, chan: Channel, fresh: bool,
+    def __init__(self, route: Stream, peers: tuple[int, ...], slots: _Slots | None, chan: Channel, fresh: bool,
                  weights_version: int, node: NodeCopy | None = None, last: int = -1) -> None:
         self.route = route
         self.peers = peers
@@ -1543,7 +1526,7 @@ class _Relay:
         self.filling: tuple[int, torch.Tensor, Callable[[int], None]] | None = None
 
     @classmethod
-    def start(cls, route: _Route, at: _Receiving, manifest: Manifest, buckets: Sequence[Bucket],
+    def start(cls, route: Stream, at: _Receiving, manifest: Manifest, buckets: Sequence[Bucket],
               peers: tuple[int, ...], *, require: bool, owner: int | None = None) -> _Relay | None:
         """Make (or reuse) the slots, or with ``owner`` a node copy owned by that process (one
         that cannot be made: the slots, said in the offer's ``fallback``), and offer them to the
@@ -1580,8 +1563,8 @@ class _Relay:
                           node_copy=node.name if node is not None else "", owner=owner if node is not None else 0)
             payload = encode_offer(offer)
             at.stage = "relay offer"
-            for rank in (_peer_of(route), *peers):  # the sender first: it waits for the answer
-                _side_route(route, rank, sending=True).send_message(payload, at.stage)
+            for rank in (peer_of(route), *peers):  # the sender first: it waits for the answer
+                side_stream(route, rank, sending=True).send_message(payload, at.stage)
         except BaseException:
             if chan is not None:
                 chan.close()

@@ -70,47 +70,32 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import struct
 import threading
 import time
 import types
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ftstate.core.errors import (
-    ChecksumMismatch,
-    CommunicatorAborted,
-    DeadlineExceeded,
-    ManifestError,
-    PeerLost,
-    StaleGroupVersion,
-    SyncTimeout,
-    TransportError,
-)
-from ftstate.transport import auth, hostmem
+from ftstate.core.errors import ChecksumMismatch, DeadlineExceeded, TransportError
+from ftstate.transport import hostmem
 from ftstate.transport.base import Communicator, Pending
-from ftstate.transport.buckets import Bucket, TensorEntry, bucket_segments, plan_layout
+from ftstate.transport.buckets import Bucket, bucket_segments, plan_layout
 from ftstate.transport.checksum import (
-    StreamHasher,
     byte_view,
     combine,
     dtype_name,
     format_checksum,
     function_for,
     function_of,
-    host_bytes,
     host_copied_bytes,
     state_checksum,
     torch_dtype,
 )
+from ftstate.transport.hashing import Hashing, own_state_checksum, verify
 from ftstate.transport.manifest import (
-    MAX_MESSAGE_BYTES,
-    WIRE_FORMAT,
     Manifest,
     Seal,
     decode_manifest,
@@ -119,396 +104,19 @@ from ftstate.transport.manifest import (
     encode_seal,
     new_transfer_id,
 )
+from ftstate.transport.stream import (
+    VOTE_CHECKSUM_MISMATCH,
+    VOTE_COMMIT,
+    VOTE_NAMES,
+    BroadcastStream,
+    PeerStream,
+    Stream,
+    with_stage,
+)
 from ftstate.transport.validate import check_state_dict
+from ftstate.transport.weights import DEFAULT_BUCKET_SIZE, WINDOW, CommittedWeights, Progress, SyncReport
 
 log = logging.getLogger("ftstate.transport")
-
-#: Default bucket size (the config's ``bucket_size_mb`` default, 256 MiB), in bytes.
-DEFAULT_BUCKET_SIZE = 256 * 1024 * 1024
-
-#: Buckets on the wire at once, so that the next operation is queued before the current
-#: one drains (a gap between two gloo operations costs throughput). Independent of the
-#: sender's two packing buffers, which are reused only once their last send completed.
-WINDOW = 3
-
-#: First word of every message header ("ftst").
-MAGIC = 0x66747374
-
-#: Vote values.
-VOTE_COMMIT = 0
-VOTE_CHECKSUM_MISMATCH = 1
-_VOTE_NAMES = {VOTE_COMMIT: "committed", VOTE_CHECKSUM_MISMATCH: "ChecksumMismatch", -1: "ForgedVote"}
-
-Progress = Callable[[int, int], None]
-"""Called after each bucket with ``(buckets done, buckets in total)``; may be used to
-show progress in heartbeats. An exception raised by it aborts the transfer."""
-
-
-@dataclass(frozen=True)
-class CommittedWeights:
-    """A complete, verified state held by a :class:`Receiver` (or given to it initially).
-
-    ``tensors`` is read-only as a mapping; the tensors are views into one staging buffer.
-    ``state_checksum`` is :func:`~ftstate.transport.checksum.state_checksum` of
-    ``tensors``, computed from the bytes this member holds, not copied from the sender.
-    """
-
-    tensors: Mapping[str, torch.Tensor]
-    weights_version: int
-    state_checksum: str
-    group: str | None = None
-    group_version: int | None = None
-    nbytes: int = 0
-    _flat: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _entries: tuple[TensorEntry, ...] | None = field(default=None, repr=False, compare=False)
-    _baseline: int = field(default=0, repr=False, compare=False)
-    # the verified seal and the windows it covers, so a resend with the same plan need not re-hash
-    _windows: tuple[tuple[int, int], ...] | None = field(default=None, repr=False, compare=False)
-    _seal: Seal | None = field(default=None, repr=False, compare=False)
-    # the node copy whose mapping ``tensors`` view (ftstate.transport.nodecopy), None: a private buffer
-    _node: str | None = field(default=None, repr=False, compare=False)
-    #: bytes this member's process copied from a device to host memory while it received these
-    #: weights (:func:`~ftstate.transport.checksum.host_copied_bytes`); 0 on a GPU sync hashed with nh64.
-    host_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    """What the sender knows after a transfer.
-
-    ``committed``: ranks that verified and committed the new weights; ``rejected``: rank →
-    reason (``"ChecksumMismatch"``) for those that kept their previous version.
-    """
-
-    group: str
-    group_version: int
-    weights_version: int
-    state_checksum: str
-    nbytes: int
-    num_buckets: int
-    seconds: float
-    committed: tuple[int, ...]
-    rejected: Mapping[int, str]
-    #: rank -> how its buckets travelled (``shm``: read from shared memory on the sender's
-    #: host; ``collective``: over the communicator). Empty for a plain broadcast / send_to.
-    routes: Mapping[int, str] = field(default_factory=dict)
-    #: why same-host ranks took the collective instead of shared memory (``shared_memory: auto``).
-    shm_fallback: str | None = None
-    #: the node copy this transfer's same-host ranks committed (``staging: node``,
-    #: :mod:`ftstate.transport.nodecopy`), kept named as the source of newcomers; else None.
-    node_copy: str | None = None
-    #: with ``node_copy_spare``: the copy of the version before, kept to be rewritten as the next one.
-    node_spare: str | None = None
-    #: ``node_copy`` is that spare rewritten (nothing allocated by this sync), not a fresh one.
-    node_copy_recycled: bool = False
-    #: bytes the sender's process copied from a device to host memory during the transfer
-    #: (:func:`~ftstate.transport.checksum.host_copied_bytes`): 0 when its weights are on a GPU
-    #: and hashed there (nh64); each receiver's count is its :attr:`CommittedWeights.host_bytes`.
-    host_bytes: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.rejected
-
-
-# -- routes: how the messages of one transfer travel --------------------------------------
-
-
-class _Route:
-    """The ordered message stream of one transfer, on one communicator, under one deadline.
-
-    ``deadline``: ``time.monotonic()`` value by which the whole transfer must be done;
-    every operation is posted with what is left of it. ``timeout_s``: the budget the
-    deadline was made from, named in :class:`SyncTimeout`.
-    """
-
-    def __init__(self, comm: Communicator, deadline: float, timeout_s: float) -> None:
-        self.comm = comm
-        self.deadline = deadline
-        self.timeout_s = timeout_s
-        #: The transfer's id, once its manifest is sent or read: bound into the votes' tags.
-        self.transfer = 0
-
-    def remaining(self, stage: str) -> float:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            self.comm.abort(f"sync deadline passed during {stage}")
-            raise SyncTimeout(
-                f"weight transfer on group {self.comm.group!r} ({stage})",
-                key="sync_timeout_s",
-                seconds=self.timeout_s,
-                member=f"rank {self.comm.rank}",
-                group_version=self.comm.version,
-            )
-        return left
-
-    def post(self, tensor: torch.Tensor, stage: str) -> Pending:
-        raise NotImplementedError
-
-    def _other(self) -> int:
-        """The rank at the other end of what this member receives (the sender, or the peer)."""
-        raise NotImplementedError
-
-    def send_message(self, payload: bytes, stage: str, *, group_version: int | None = None) -> None:
-        """Header then payload, the payload tagged for this rank when the run authenticates
-        (:mod:`ftstate.transport.auth`). ``group_version`` overrides the stamp (tests of fencing only)."""
-        dev = self.comm.device
-        stamp = self.comm.version if group_version is None else group_version
-        payload = auth.sign("gloo", self.comm.group, stamp, self.comm.rank, payload)
-        header = torch.tensor([MAGIC, WIRE_FORMAT, stamp, len(payload)], dtype=torch.int64).to(dev)
-        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-        first = self.post(header, stage)
-        second = self.post(body, stage)
-        first.wait()
-        second.wait()
-
-    def recv_message(self, stage: str) -> bytes:
-        comm = self.comm
-        header = torch.zeros(4, dtype=torch.int64, device=comm.device)
-        self.post(header, stage).wait()
-        magic, fmt, stamp, length = (int(v) for v in header.cpu().tolist())
-        if magic != MAGIC:
-            raise ManifestError(f"malformed message header during {stage}: field 'magic': {magic:#x}, expected {MAGIC:#x}",
-                                field="magic")
-        if fmt != WIRE_FORMAT:
-            raise ManifestError(
-                f"malformed message header during {stage}: field 'wire_format': {fmt}, expected {WIRE_FORMAT}",
-                field="wire_format",
-            )
-        if stamp < comm.version:
-            raise StaleGroupVersion(comm.group, got=stamp, current=comm.version)
-        if stamp > comm.version:
-            raise ManifestError(
-                f"malformed message header during {stage}: field 'group_version': {stamp} is newer than "
-                f"this member's version {comm.version} of group {comm.group!r}",
-                field="group_version",
-            )
-        if not 0 < length <= MAX_MESSAGE_BYTES:
-            raise ManifestError(
-                f"malformed message header during {stage}: field 'length': {length}, expected 1..{MAX_MESSAGE_BYTES}",
-                field="length",
-            )
-        body = torch.empty(length, dtype=torch.uint8, device=comm.device)
-        self.post(body, stage).wait()
-        sender = self._other()
-        payload = auth.verify("gloo", comm.group, comm.version, sender, bytes(host_bytes(body, weights=False)))
-        if payload is None:  # recorded by auth; never decoded, never acted on
-            raise ManifestError(
-                f"message during {stage} on group {comm.group!r} v{comm.version} claimed to come from rank {sender} "
-                "and its tag does not verify: forged or from outside the run; dropped",
-                field="tag", peer=f"rank {sender}")
-        return payload
-
-    def vote(self, value: int, stage: str) -> dict[int, int]:
-        raise NotImplementedError
-
-
-class _BroadcastRoute(_Route):
-    def __init__(self, comm: Communicator, deadline: float, timeout_s: float, root: int, sending: bool) -> None:
-        super().__init__(comm, deadline, timeout_s)
-        if not 0 <= root < comm.world_size or (root == comm.rank) != sending:
-            role = "the sender" if sending else "a receiver"
-            raise ValueError(
-                f"root must be the sending rank in [0, {comm.world_size}); rank {comm.rank} is {role}, got root {root}"
-            )
-        self.root = root
-
-    def post(self, tensor: torch.Tensor, stage: str) -> Pending:
-        return self.comm.broadcast(tensor, self.root, timeout_s=self.remaining(stage))
-
-    def _other(self) -> int:
-        return self.root
-
-    def vote(self, value: int, stage: str) -> dict[int, int]:
-        mine = _signed_vote(self.comm, self.comm.rank, value, self.transfer)
-        votes = self.comm.allgather(mine, timeout_s=self.remaining(stage))
-        return {r: _vote_value(self.comm, r, v, self.transfer) for r, v in enumerate(votes) if r != self.root}
-
-
-class _PeerRoute(_Route):
-    def __init__(self, comm: Communicator, deadline: float, timeout_s: float, peer: int, sending: bool) -> None:
-        super().__init__(comm, deadline, timeout_s)
-        if peer == comm.rank or not 0 <= peer < comm.world_size:
-            raise ValueError(f"peer must be another rank in [0, {comm.world_size}), got {peer} (this is rank {comm.rank})")
-        self.peer = peer
-        self.sending = sending
-        self.seq = 0
-
-    def post(self, tensor: torch.Tensor, stage: str) -> Pending:
-        tag, self.seq = self.seq, self.seq + 1
-        t = self.remaining(stage)
-        if self.sending:
-            return self.comm.send(tensor, self.peer, tag=tag, timeout_s=t)
-        return self.comm.recv(tensor, self.peer, tag=tag, timeout_s=t)
-
-    def _other(self) -> int:
-        return self.peer
-
-    def vote(self, value: int, stage: str) -> dict[int, int]:
-        box = _signed_vote(self.comm, self.comm.rank, value, self.transfer).to(self.comm.device)
-        tag, self.seq = self.seq, self.seq + 1
-        t = self.remaining(stage)
-        if self.sending:  # the sender collects the receiver's vote
-            self.comm.recv(box, self.peer, tag=tag, timeout_s=t).wait()
-            return {self.peer: _vote_value(self.comm, self.peer, box.cpu(), self.transfer)}
-        self.comm.send(box, self.peer, tag=tag, timeout_s=t).wait()
-        return {}
-
-
-#: What a vote that does not authenticate counts as: not a commit (the sender reports the rank
-#: as rejected with this reason; the forgery is recorded by :mod:`ftstate.transport.auth`).
-VOTE_FORGED = -1
-
-
-def _vote_payload(value: int, transfer: int) -> bytes:
-    """What a vote's tag covers: its value and the transfer it is about (a vote recorded in
-    another transfer of the same group version does not verify)."""
-    return value.to_bytes(8, "little", signed=True) + transfer.to_bytes(8, "little")
-
-
-def _signed_vote(comm: Communicator, rank: int, value: int, transfer: int) -> torch.Tensor:
-    """A vote as int64 words: the value, then its tag when the run authenticates."""
-    if not auth.enabled():
-        return torch.tensor([value], dtype=torch.int64)
-    t = auth.tag("vote", comm.group, comm.version, rank, _vote_payload(value, transfer))
-    return torch.tensor([value, *struct.unpack("<2q", t)], dtype=torch.int64)
-
-
-def _vote_value(comm: Communicator, rank: int, words: torch.Tensor, transfer: int) -> int:
-    """The vote of ``rank`` in transfer ``transfer``, or :data:`VOTE_FORGED` when its tag does not verify."""
-    vals = [int(v) for v in words.reshape(-1).tolist()]
-    if not auth.enabled():
-        return vals[0]
-    signed = _vote_payload(vals[0], transfer) + struct.pack("<2q", *vals[1:3])
-    if auth.verify("vote", comm.group, comm.version, rank, signed) is None:
-        return VOTE_FORGED
-    return vals[0]
-
-
-def _with_stage(exc: Exception, stage: str, weights_version: int | None, route: _Route) -> Exception:
-    """The communicator's error again, saying what the transfer was doing."""
-    comm = route.comm
-    wv = f" of weights version {weights_version}" if weights_version is not None else ""
-    if isinstance(exc, DeadlineExceeded):
-        return type(exc)(
-            f"weight transfer{wv} on group {comm.group!r} ({stage})",
-            key="sync_timeout_s",
-            seconds=route.timeout_s,
-            member=exc.member or f"rank {comm.rank}",
-            group_version=comm.version,
-            missing=exc.missing,
-            arrived=exc.arrived,
-        )
-    if isinstance(exc, (StaleGroupVersion, CommunicatorAborted)):
-        return exc
-    if isinstance(exc, PeerLost):
-        # the route knows who the other end was: the sender of a broadcast, or the peer
-        peer = exc.peer
-        if peer is None:
-            if isinstance(route, _PeerRoute):
-                peer = route.peer
-            elif isinstance(route, _BroadcastRoute) and route.root != comm.rank:
-                peer = route.root
-        return PeerLost(
-            f"{exc} (weight transfer{wv}, {stage})",
-            group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=peer,
-        )
-    if isinstance(exc, ManifestError):
-        peer = exc.peer
-        if peer is None:  # the route knows who sent what this member received
-            if isinstance(route, _PeerRoute):
-                peer = f"rank {route.peer}"
-            elif isinstance(route, _BroadcastRoute) and route.root != comm.rank:
-                peer = f"rank {route.root}"
-        sender = f", from {peer}" if peer else ""
-        return ManifestError(f"{exc} (weight transfer{wv}, {stage}{sender})", field=exc.field, peer=peer)
-    return type(exc)(f"{exc} (weight transfer{wv}, {stage})")
-
-
-# -- hashing off the critical path ---------------------------------------------------------
-
-
-def hasher_for(manifest: Manifest, *, receiving: bool = False) -> StreamHasher:
-    """The hasher of one side of the transfer ``manifest`` announces, with its function."""
-    return StreamHasher(len(manifest.tensors), receiving=receiving, function=manifest.digest,
-                        sizes=[e.nbytes for e in manifest.tensors])
-
-
-def feed_bucket(hasher: StreamHasher, bucket: Bucket, data: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
-    """Feed the bucket's bytes ``[lo, hi)`` (offsets in it; ``data`` holds them at those offsets)
-    to their tensors' hashers: through the host for xxh3, where they are for nh64."""
-    hi = bucket.nbytes if hi is None else hi
-    mv = host_bytes(data[lo:hi]) if hasher.function == "xxh3" else None
-    for s in bucket.segments:
-        a, z = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.length)
-        if a >= z:
-            continue
-        if mv is not None:
-            hasher.feed(s.tensor, mv[a - lo : z - lo])
-        else:  # nh64: each piece at its place in its tensor, on the device that holds it
-            hasher.feed_at(s.tensor, s.start + a - s.bucket_offset, data[a:z])
-
-
-class _Hashing:
-    """Hashes the buckets of one transfer in a helper thread, in bucket order.
-
-    The thread that drives the transfer then only packs, posts and waits, so posting the
-    next bucket never waits for a hash, and on the sender packing (torch copies release
-    the GIL) and hashing run on different cores. xxhash holds the GIL while it hashes, so
-    the driving thread may wait a few milliseconds for it between two posts; the window
-    of buckets on the wire covers that. On the 2-core development machine hashing here or
-    inline measured alike within noise; on larger machines the overlap is real.
-    """
-
-    def __init__(self, manifest: Manifest, *, receiving: bool = False) -> None:
-        self.hasher = hasher_for(manifest, receiving=receiving)
-        self.digests: list[int] = []
-        self._queue: queue.SimpleQueue[tuple[Bucket, torch.Tensor] | None] = queue.SimpleQueue()
-        self._done = threading.Condition()
-        self._error: BaseException | None = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="ftstate-hash", daemon=True)
-        self._thread.start()
-
-    def submit(self, bucket: Bucket, data: torch.Tensor) -> None:
-        self._queue.put((bucket, data))
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            bucket, data = item
-            try:
-                if not self._stopped:
-                    feed_bucket(self.hasher, bucket, data)
-                    digest = self.hasher.bucket_digest(bucket)
-            except BaseException as exc:  # noqa: BLE001 - handed to the transfer thread by wait_for/finish
-                self._error = exc
-                self._stopped = True
-            with self._done:
-                if not self._stopped:
-                    self.digests.append(digest)
-                self._done.notify_all()
-
-    def wait_for(self, index: int) -> None:
-        """Block until bucket ``index`` has been hashed (its buffer may then be reused)."""
-        with self._done:
-            self._done.wait_for(lambda: len(self.digests) > index or self._stopped)
-        self._raise()
-
-    def finish(self) -> list[int]:
-        """Every bucket's checksum, once all submitted buckets are hashed."""
-        self._queue.put(None)
-        self._thread.join()
-        self._raise()
-        return self.digests
-
-    def cancel(self) -> None:
-        """Stop hashing (the transfer failed); the thread exits after its current bucket."""
-        self._stopped = True
-        self._queue.put(None)
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise TransportError(f"hashing a bucket failed: {self._error}") from self._error
 
 
 # -- sender --------------------------------------------------------------------------------
@@ -548,7 +156,7 @@ class Sender:
         this communicator's device type): one that cannot travel raises
         :class:`~ftstate.core.errors.StateDictError` before anything is sent.
         """
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+        route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
         return self._send(route, weights, weights_version, progress)
 
     def send_to(
@@ -569,7 +177,7 @@ class Sender:
         ``failover_timeout_s``, whichever the caller is spending). A plain mapping is
         checked as in :meth:`broadcast`.
         """
-        route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
+        route = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
         return self._send(route, weights, weights_version, progress)
 
     # -- internals ----------------------------------------------------------------------
@@ -607,7 +215,7 @@ class Sender:
             num_buckets=num_buckets,
             seconds=time.monotonic() - started,
             committed=tuple(sorted(r for r, v in votes.items() if v == VOTE_COMMIT)),
-            rejected={r: _VOTE_NAMES.get(v, f"vote {v}") for r, v in sorted(votes.items()) if v != VOTE_COMMIT},
+            rejected={r: VOTE_NAMES.get(v, f"vote {v}") for r, v in sorted(votes.items()) if v != VOTE_COMMIT},
             routes=dict(routes or {}),
             shm_fallback=shm_fallback,
             host_bytes=host_copied_bytes() - host_from,
@@ -635,7 +243,7 @@ class Sender:
 
     def _send(
         self,
-        route: _Route,
+        route: Stream,
         weights: Mapping[str, torch.Tensor] | CommittedWeights,
         weights_version: int | None,
         progress: Progress | None,
@@ -665,7 +273,7 @@ class Sender:
             known = None  # its seal holds the other function's values
         manifest = Manifest(comm.group, comm.version, weights_version, self.bucket_size, total, entries, windows,
                             new_transfer_id(), function)
-        hashing = _Hashing(manifest) if known is None else None
+        hashing = Hashing(manifest) if known is None else None
         device = comm.device
         stage = "manifest"
 
@@ -746,7 +354,7 @@ class Sender:
             if hashing is not None:
                 hashing.cancel()
             comm.abort(f"weight transfer failed during {stage}")
-            raise _with_stage(exc, stage, weights_version, route) from exc
+            raise with_stage(exc, stage, weights_version, route) from exc
         except BaseException:
             self._pack = [None, None]
             if hashing is not None:
@@ -769,7 +377,7 @@ def _fresh(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
 
 
-def _use_count(t: torch.Tensor) -> int | None:
+def use_count(t: torch.Tensor) -> int | None:
     """How many references hold ``t``'s storage (None when torch does not tell)."""
     counter = getattr(torch._C, "_storage_Use_Count", None)
     if counter is None:
@@ -870,7 +478,7 @@ class Receiver:
                 return
             buf = _fresh(nbytes, device)
             buf.zero_()
-            self._spare = (buf, _use_count(buf) or 0)
+            self._spare = (buf, use_count(buf) or 0)
 
     def corrupt_next_bucket(self) -> None:
         """Chaos/test hook: flip one byte of the next bucket this receiver gets, after it
@@ -887,7 +495,7 @@ class Receiver:
         :class:`StaleGroupVersion` or :class:`ManifestError`; on any of them
         :attr:`committed` is exactly what it was before the call.
         """
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=root, sending=False)
+        route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=root, sending=False)
         return self._receive(route, progress)
 
     def receive_from(
@@ -898,7 +506,7 @@ class Receiver:
         ``timeout_s``: bound on the whole transfer. Same errors and guarantee as
         :meth:`receive_broadcast`.
         """
-        route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=False)
+        route = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=False)
         return self._receive(route, progress)
 
     # -- internals ----------------------------------------------------------------------
@@ -912,7 +520,7 @@ class Receiver:
         spare, self._spare = self._spare, None
         if spare is not None:
             buf, baseline = spare
-            count = _use_count(buf)
+            count = use_count(buf)
             if buf.device == device and buf.numel() >= nbytes and count is not None and count <= baseline:
                 self._peak = self.held_bytes + buf.numel()
                 return buf, baseline
@@ -922,15 +530,15 @@ class Receiver:
             raise TransportError(f"staging for a transfer of {nbytes} bytes cannot be allocated on {device}: "
                                  f"{str(exc)[:200]}") from exc
         self._peak = self.held_bytes + buf.numel()
-        return buf, _use_count(buf) or 0
+        return buf, use_count(buf) or 0
 
-    def _receive(self, route: _Route, progress: Progress | None) -> CommittedWeights:
+    def _receive(self, route: Stream, progress: Progress | None) -> CommittedWeights:
         comm = route.comm
         kept = self._committed
         stage = "manifest"
         manifest: Manifest | None = None
         staging: tuple[torch.Tensor, int] | None = None
-        hashing: _Hashing | None = None
+        hashing: Hashing | None = None
         self._host_from = host_copied_bytes()
         comm.check_usable()
         try:
@@ -938,9 +546,9 @@ class Receiver:
             route.transfer = manifest.transfer
             staging = self._staging(manifest.total_bytes, comm.device, route.deadline - time.monotonic())
             flat = staging[0]
-            _zero_padding(flat, manifest)
+            zero_padding(flat, manifest)
             buckets = bucket_segments(manifest.tensors, manifest.buckets)
-            hashing = _Hashing(manifest, receiving=True)
+            hashing = Hashing(manifest, receiving=True)
             n = len(buckets)
             posted: deque[Pending] = deque()
             for b in buckets[:WINDOW]:
@@ -964,8 +572,8 @@ class Receiver:
             stage = "checksums"
             digests = hashing.finish()
             tensor_sums = hashing.hasher.tensor_digests(seal.tensor_checksums)
-            own = _own_state_checksum(manifest, tensor_sums)
-            problem = _verify(manifest, seal, digests, tensor_sums, own)
+            own = own_state_checksum(manifest, tensor_sums)
+            problem = verify(manifest, seal, digests, tensor_sums, own)
             stage = "commit vote"
             route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, stage)
         except (TransportError, DeadlineExceeded) as exc:
@@ -973,7 +581,7 @@ class Receiver:
                 hashing.cancel()
             comm.abort(f"weight transfer failed during {stage}")
             wv = manifest.weights_version if manifest is not None else None
-            raise _with_stage(exc, stage, wv, route) from exc
+            raise with_stage(exc, stage, wv, route) from exc
         except BaseException:
             if hashing is not None:
                 hashing.cancel()
@@ -988,7 +596,7 @@ class Receiver:
     ) -> CommittedWeights:
         """After the vote: raise :class:`ChecksumMismatch` for ``problem`` (keeping what was
         committed), else commit the staged state (one reference assignment). ``own``: this
-        member's whole-state checksum of the bytes it received (:func:`_own_state_checksum`),
+        member's whole-state checksum of the bytes it received (:func:`own_state_checksum`),
         what it reports as holding: never the seal's, except that with ``integrity: keyed`` its
         per-tensor digests are the seal's, taken only because every bucket's keyed digest of
         its own bytes matched (``problem`` is None; see ``StreamHasher``). ``node``: ``staging`` is a mapping of
@@ -1043,7 +651,7 @@ class Receiver:
         return new
 
 
-def _zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
+def zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
     """Zero the alignment gaps between tensors (never sent), so a resend from this buffer
     leaks no stale memory."""
     cursor = 0
@@ -1053,29 +661,6 @@ def _zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
         cursor = max(cursor, e.end)
 
 
-def _own_state_checksum(manifest: Manifest, tensor_sums: list[int]) -> int:
-    """The whole-state checksum of what this member received, from its per-tensor digests (its
-    own; with ``integrity: keyed`` the seal's, proven by its keyed bucket digests)."""
-    return combine((e.name, e.dtype, e.shape, h) for e, h in zip(manifest.tensors, tensor_sums, strict=True))
-
-
-def _verify(manifest: Manifest, seal: Seal, digests: list[int], tensor_sums: list[int], state: int) -> str | None:
-    """None when everything matches, else what did not (first failing bucket first). ``state``:
-    the receiver's own whole-state checksum of ``tensor_sums``."""
-    n = manifest.num_buckets
-    for k, (got, want) in enumerate(zip(digests, seal.bucket_checksums, strict=True)):
-        if got != want:
-            return f"bucket {k + 1}/{n} does not match its checksum (expected {want:016x}, got {got:016x})"
-    for e, got, want in zip(manifest.tensors, tensor_sums, seal.tensor_checksums, strict=True):
-        if got != want:
-            return f"tensor {e.name!r} does not match its checksum (expected {want:016x}, got {got:016x})"
-    if state != seal.state_checksum:
-        return (
-            f"whole-state checksum does not match (expected {seal.state_checksum:016x}, got {state:016x})"
-        )
-    return None
-
-
 __all__ = [
     "DEFAULT_BUCKET_SIZE",
     "CommittedWeights",
@@ -1083,4 +668,6 @@ __all__ = [
     "Receiver",
     "Sender",
     "SyncReport",
+    "use_count",
+    "zero_padding",
 ]

@@ -182,7 +182,7 @@ class _Member:
         from ftstate.transport.checksum import dtype_name
         from ftstate.transport.manifest import Manifest, encode_manifest
         from ftstate.transport.signals import Channel
-        from ftstate.transport.sync import _BroadcastRoute
+        from ftstate.transport.stream import BroadcastStream
 
         comm = self.comm
         entries, windows, total = plan_layout(
@@ -196,7 +196,7 @@ class _Member:
             seg.mark(0, self.weights_version, windows[0][1] - windows[0][0])
         chan = Channel.bind()
         self.stale_chan = chan
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+        route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
         route.send_message(encode_manifest(
             Manifest(comm.group, comm.version, self.weights_version, BUCKET, total, entries, windows)), "manifest")
         offer = samehost.Offer(comm.group, comm.version, os.getpid(), chan.endpoint, tuple(names), True,
@@ -396,14 +396,14 @@ class _Member:
         from ftstate.transport.buckets import plan_layout
         from ftstate.transport.checksum import dtype_name
         from ftstate.transport.manifest import Manifest, encode_manifest
-        from ftstate.transport.sync import _BroadcastRoute
+        from ftstate.transport.stream import BroadcastStream
 
         comm = self.comm
         entries, windows, total = plan_layout(
             ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self.weights.items()), BUCKET
         )
         manifest = Manifest(comm.group, stamped_version, self.weights_version, BUCKET, total, entries, windows)
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+        route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
         route.send_message(encode_manifest(manifest), "stale manifest", group_version=stamped_version)
 
     def abandon(self, version: int) -> None:

@@ -75,7 +75,7 @@ MUTATIONS = (
         "no checksum comparison in the transfer",
         "a version whose received bytes do not match the sender's checksums is never staged or committed "
         "(the receiver's comparison, and the controller's of each receiver's own checksum with the sender's)",
-        (Edit("ftstate/transport/sync.py",
+        (Edit("ftstate/transport/hashing.py",
               '    """None when everything matches, else what did not (first failing bucket first). ``state``:\n'
               '    the receiver\'s own whole-state checksum of ``tensor_sums``."""\n',
               '    """None when everything matches, else what did not (first failing bucket first). ``state``:\n'
@@ -130,7 +130,7 @@ MUTATIONS = (
         "keyed receiver trusts the seal's tensor sums unchecked",
         "a keyed receiver, which takes its per-tensor checksums from the seal, commits nothing whose bucket "
         "digests do not match",
-        (Edit("ftstate/transport/sync.py",
+        (Edit("ftstate/transport/hashing.py",
               "    for k, (got, want) in enumerate(zip(digests, seal.bucket_checksums, strict=True)):\n"
               "        if got != want:",
               "    for k, (got, want) in enumerate(zip(digests, seal.bucket_checksums, strict=True)):\n"
@@ -413,7 +413,7 @@ MUTATIONS = (
     Mutation(
         "a device sync hashed through the host",
         "a transfer proved with nh64 hashes each bucket where its bytes are: no weight byte goes to the host",
-        (Edit("ftstate/transport/sync.py",
+        (Edit("ftstate/transport/hashing.py",
               '    mv = host_bytes(data[lo:hi]) if hasher.function == "xxh3" else None\n',
               "    mv = host_bytes(data[lo:hi])\n"),),
         ("tests/integration/test_transport_cudaipc.py::TestTheDigestWhereTheWeightsAre::"

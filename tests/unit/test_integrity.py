@@ -127,7 +127,7 @@ class TestAKeyedReceiverHashesOnceAndTrustsOnlyAVerifiedSeal:
                                                              for e in layout()[0]]
 
     def test_a_damaged_byte_is_refused_although_its_tensor_sums_are_the_seals(self, keyed):
-        from ftstate.transport.sync import _own_state_checksum, _verify
+        from ftstate.transport.hashing import own_state_checksum, verify
 
         flat = weights()
         sent, sender = digests(flat)
@@ -138,11 +138,11 @@ class TestAKeyedReceiverHashesOnceAndTrustsOnlyAVerifiedSeal:
         manifest = SimpleNamespace(num_buckets=len(sent), tensors=entries)
         sums = sender.tensor_digests()
         seal = SimpleNamespace(bucket_checksums=sent, tensor_checksums=sums,
-                               state_checksum=_own_state_checksum(manifest, sums))
+                               state_checksum=own_state_checksum(manifest, sums))
         taken = receiver.tensor_digests(seal.tensor_checksums)
-        problem = _verify(manifest, seal, got, taken, _own_state_checksum(manifest, taken))
+        problem = verify(manifest, seal, got, taken, own_state_checksum(manifest, taken))
         assert problem is not None and "does not match its checksum" in problem and problem.startswith("bucket ")
-        assert _verify(manifest, seal, sent, taken, _own_state_checksum(manifest, taken)) is None
+        assert verify(manifest, seal, sent, taken, own_state_checksum(manifest, taken)) is None
 
     def test_with_xxh3_a_receiver_still_hashes_every_tensor(self):
         flat = weights()

@@ -229,7 +229,7 @@ class TestChunks:
         from ftstate.transport import samehost
         from ftstate.transport.buckets import bucket_segments, plan_layout
         from ftstate.transport.checksum import StreamHasher
-        from ftstate.transport.sync import feed_bucket
+        from ftstate.transport.hashing import feed_bucket
 
         entries, windows, total = plan_layout(((f"t{i}", "uint8", (n,)) for i, n in enumerate([700, 2_500, 90])), 1024)
         buckets = bucket_segments(entries, windows)
