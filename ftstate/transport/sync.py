@@ -73,28 +73,24 @@ import logging
 import threading
 import time
 import types
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from ftstate.core.errors import ChecksumMismatch, DeadlineExceeded, TransportError
+from ftstate.core.errors import ChecksumMismatch, DeadlineExceeded, SharedMemoryUnavailable, TransportError
 from ftstate.transport import hostmem
-from ftstate.transport.base import Communicator, Pending
-from ftstate.transport.buckets import Bucket, bucket_segments, plan_layout
+from ftstate.transport.base import Communicator
+from ftstate.transport.buckets import bucket_segments, plan_layout
 from ftstate.transport.checksum import (
-    byte_view,
     combine,
-    dtype_name,
     format_checksum,
     function_for,
-    function_of,
     host_copied_bytes,
     state_checksum,
     torch_dtype,
 )
-from ftstate.transport.hashing import Hashing, own_state_checksum, verify
+from ftstate.transport.hashing import own_state_checksum, verify
 from ftstate.transport.manifest import (
     Manifest,
     Seal,
@@ -102,8 +98,9 @@ from ftstate.transport.manifest import (
     decode_seal,
     encode_manifest,
     encode_seal,
-    new_transfer_id,
 )
+from ftstate.transport.routes.base import Plan, ReceiveRoute, SendRoute, Transfer
+from ftstate.transport.routes.broadcast import BroadcastReceive, BroadcastSend
 from ftstate.transport.stream import (
     VOTE_CHECKSUM_MISMATCH,
     VOTE_COMMIT,
@@ -114,7 +111,7 @@ from ftstate.transport.stream import (
     with_stage,
 )
 from ftstate.transport.validate import check_state_dict
-from ftstate.transport.weights import DEFAULT_BUCKET_SIZE, WINDOW, CommittedWeights, Progress, SyncReport
+from ftstate.transport.weights import DEFAULT_BUCKET_SIZE, CommittedWeights, Progress, SyncReport
 
 log = logging.getLogger("ftstate.transport")
 
@@ -133,8 +130,10 @@ class Sender:
         plan_layout([], bucket_size)  # validates the size
         self.bucket_size = bucket_size
         self._pack: list[torch.Tensor | None] = [None, None]
-        self._samehost: Any = None  # the shared-memory slots of the same-host route (samehost.py)
-        self._node_copy: Any = None  # the node copies it wrote and keeps (samehost._Written, nodecopy.py)
+        #: what the same-host routes keep between transfers: their slots (routes.slots) and the
+        #: node copies written (routes.nodecopy), so the readers keep their mappings
+        self.shm_slots: Any = None
+        self.node_copies: Any = None
 
     def broadcast(
         self,
@@ -156,8 +155,8 @@ class Sender:
         this communicator's device type): one that cannot travel raises
         :class:`~ftstate.core.errors.StateDictError` before anything is sent.
         """
-        route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
-        return self._send(route, weights, weights_version, progress)
+        stream = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+        return self.transfer(stream, weights, weights_version, progress, self._broadcast_route)
 
     def send_to(
         self,
@@ -177,12 +176,12 @@ class Sender:
         ``failover_timeout_s``, whichever the caller is spending). A plain mapping is
         checked as in :meth:`broadcast`.
         """
-        route = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
-        return self._send(route, weights, weights_version, progress)
+        stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
+        return self.transfer(stream, weights, weights_version, progress, self._broadcast_route)
 
     # -- internals ----------------------------------------------------------------------
 
-    def _state_to_send(
+    def state_to_send(
         self, comm: Communicator, weights: Mapping[str, torch.Tensor] | CommittedWeights, weights_version: int | None
     ) -> tuple[Mapping[str, torch.Tensor], int, CommittedWeights | None]:
         """The tensors to send, the version to stamp and the committed weights they are (if so)."""
@@ -199,7 +198,7 @@ class Sender:
             )
         return tensors, weights_version, committed
 
-    def _report(
+    def report(
         self, comm: Communicator, manifest: Manifest, state: int, num_buckets: int, started: float,
         votes: Mapping[int, int], routes: Mapping[int, str] | None = None, shm_fallback: str | None = None,
         host_from: int = 0,
@@ -232,7 +231,7 @@ class Sender:
         )
         return report
 
-    def _buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """Packing buffer ``slot``, at least ``nbytes`` long (grown on demand, kept between
         transfers: only buckets of small tensors are packed, so they stay small in practice)."""
         buf = self._pack[slot]
@@ -241,128 +240,63 @@ class Sender:
             self._pack[slot] = buf
         return buf[:nbytes]
 
-    def _send(
+    def _broadcast_route(self, stream: Stream, plan: Plan) -> SendRoute:
+        return BroadcastSend(stream, plan, self.buffer, self._drop_buffers)
+
+    def _drop_buffers(self) -> None:
+        self._pack = [None, None]
+
+    def transfer(
         self,
-        route: Stream,
+        stream: Stream,
         weights: Mapping[str, torch.Tensor] | CommittedWeights,
         weights_version: int | None,
         progress: Progress | None,
+        route: Callable[[Stream, Plan], SendRoute],
     ) -> SyncReport:
-        comm = route.comm
+        """One transfer on ``stream``, the buckets' bytes moved by the route ``route`` makes
+        for the plan: manifest, every bucket, seal, vote, report. Every route's sender."""
+        comm = stream.comm
         started, host_from = time.monotonic(), host_copied_bytes()
-        tensors, weights_version, committed = self._state_to_send(comm, weights, weights_version)
+        tensors, weights_version, committed = self.state_to_send(comm, weights, weights_version)
         comm.check_usable()
-
-        names = list(tensors)
-        sources = [byte_view(tensors[n]) for n in names]
-        entries, windows, total = plan_layout(
-            ((n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names), self.bucket_size
-        )
-        flat = None
-        known: Seal | None = None
-        if committed is not None and committed._flat is not None and committed._entries == entries:
-            flat = committed._flat  # the receiver's staging layout is the stream: send slices of it
-            if committed._windows == windows and committed._seal is not None:
-                # Same buckets as the transfer that brought these weights: resend its verified
-                # checksums instead of hashing again. A byte that changed here since then is
-                # caught by the receiver, which hashes what arrives.
-                known = committed._seal
-        buckets = bucket_segments(entries, windows)
-        function = function_for(sources)
-        if known is not None and function_of(committed.state_checksum) != function:  # type: ignore[union-attr]
-            known = None  # its seal holds the other function's values
-        manifest = Manifest(comm.group, comm.version, weights_version, self.bucket_size, total, entries, windows,
-                            new_transfer_id(), function)
-        hashing = Hashing(manifest) if known is None else None
-        device = comm.device
-        stage = "manifest"
-
-        # the bucket last packed into each packing buffer, and its operation
-        slots: list[tuple[int, Pending] | None] = [None, None]
-        packed = 0
-
-        def pack(b: Bucket) -> tuple[torch.Tensor, int | None]:
-            """The bucket's bytes on the communicator's device, and the packing slot used:
-            a slice of the tensor (or of a committed staging buffer) when it is one, else
-            the small tensors copied into the packing buffer whose last send completed."""
-            nonlocal packed
-            one = b.single
-            if flat is not None and flat.device == device:
-                return flat[b.start : b.stop], None
-            if one is not None and sources[one.tensor].device == device:
-                return sources[one.tensor][one.start : one.start + one.length], None
-            slot, packed = packed % 2, packed + 1
-            previous, slots[slot] = slots[slot], None
-            if previous is not None:  # double buffering: never overwrite bytes still on the wire
-                index, pending = previous  # or not yet hashed
-                pending.wait()
-                if hashing is not None:
-                    hashing.wait_for(index)
-            data = self._buffer(slot, b.nbytes, device)
-            cursor = 0
-            for s in b.segments:
-                if s.bucket_offset > cursor:
-                    data[cursor : s.bucket_offset].zero_()
-                hostmem.copy_bytes(data[s.bucket_offset : s.bucket_offset + s.length],
-                                   sources[s.tensor][s.start : s.start + s.length])
-                cursor = s.bucket_offset + s.length
-            return data, slot
-
+        plan = Plan.of(stream, tensors, weights_version, self.bucket_size, committed)
+        manifest = plan.manifest
+        way = route(stream, plan)  # may refuse the transfer (SharedMemoryUnavailable) before anything is sent
+        at = Transfer("manifest", progress, len(plan.buckets))
         try:
-            route.send_message(encode_manifest(manifest), stage)
-            route.transfer = manifest.transfer
-            n = len(buckets)
-            inflight: deque[Pending] = deque()  # at most WINDOW buckets on the wire
-            done = 0
-            for b in buckets:
-                stage = f"bucket {b.index + 1}/{n}"
-                data, slot = pack(b)  # the buckets already on the wire overlap this packing
-                pending = route.post(data, stage)
-                inflight.append(pending)
-                if slot is not None:
-                    slots[slot] = (b.index, pending)
-                if hashing is not None:
-                    # hashed while on the wire: the checksums only go out in the seal
-                    hashing.submit(b, data)
-                while len(inflight) >= WINDOW:
-                    inflight.popleft().wait()
-                    done += 1
-                    if progress is not None:
-                        progress(done, n)
-            while inflight:
-                stage = f"bucket {done + 1}/{n}"
-                inflight.popleft().wait()
-                done += 1
-                if progress is not None:
-                    progress(done, n)
-            if hashing is not None:
-                stage = "checksums"
-                digests = hashing.finish()
-                tensor_sums = hashing.hasher.tensor_digests()
-            else:
-                assert known is not None
-                digests, tensor_sums = list(known.bucket_checksums), list(known.tensor_checksums)
-            state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(entries, tensor_sums, strict=True))
+            stream.send_message(encode_manifest(manifest), at.stage)
+            stream.transfer = manifest.transfer
+            way.open(at)
+            for b in plan.buckets:
+                at.stage = f"bucket {b.index + 1}/{at.buckets}"
+                way.write(b, at)
+            way.drain(at)
+            digests, tensor_sums = way.checksums(at)
+            state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(plan.entries, tensor_sums, strict=True))
             seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state,
                         manifest.transfer)
-            stage = "seal"
-            route.send_message(encode_seal(seal), stage)
-            stage = "commit vote"
-            votes = route.vote(VOTE_COMMIT, stage)
-        except (TransportError, DeadlineExceeded) as exc:
-            self._pack = [None, None]
-            if hashing is not None:
-                hashing.cancel()
-            comm.abort(f"weight transfer failed during {stage}")
-            raise with_stage(exc, stage, weights_version, route) from exc
-        except BaseException:
-            self._pack = [None, None]
-            if hashing is not None:
-                hashing.cancel()
-            comm.abort(f"weight transfer interrupted during {stage}")
+            at.stage = "seal"
+            stream.send_message(encode_seal(seal), at.stage)
+            at.stage = "commit vote"
+            votes = stream.vote(VOTE_COMMIT, at.stage)
+        except SharedMemoryUnavailable as exc:  # said as it is: the caller's fallback reads it
+            way.failed(at, exc)
+            comm.abort(f"weight transfer failed during {at.stage}")
             raise
-
-        return self._report(comm, manifest, state, len(buckets), started, votes, host_from=host_from)
+        except (TransportError, DeadlineExceeded) as exc:
+            way.failed(at, exc)
+            comm.abort(f"weight transfer failed during {at.stage}")
+            raise with_stage(exc, at.stage, weights_version, stream) from exc
+        except BaseException as exc:
+            way.failed(at, exc)
+            comm.abort(f"weight transfer {way.interrupted} during {at.stage}")
+            raise
+        finally:
+            way.close()
+        report = self.report(comm, manifest, state, len(plan.buckets), started, votes, way.routes, way.fallback,
+                             host_from)
+        return way.settle(report)
 
 
 # -- receiver ------------------------------------------------------------------------------
@@ -495,8 +429,8 @@ class Receiver:
         :class:`StaleGroupVersion` or :class:`ManifestError`; on any of them
         :attr:`committed` is exactly what it was before the call.
         """
-        route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=root, sending=False)
-        return self._receive(route, progress)
+        stream = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=root, sending=False)
+        return self.transfer(stream, progress, BroadcastReceive(stream, self.take_damage))
 
     def receive_from(
         self, comm: Communicator, peer: int, *, timeout_s: float, progress: Progress | None = None
@@ -506,8 +440,8 @@ class Receiver:
         ``timeout_s``: bound on the whole transfer. Same errors and guarantee as
         :meth:`receive_broadcast`.
         """
-        route = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=False)
-        return self._receive(route, progress)
+        stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=False)
+        return self.transfer(stream, progress, BroadcastReceive(stream, self.take_damage))
 
     # -- internals ----------------------------------------------------------------------
 
@@ -532,63 +466,72 @@ class Receiver:
         self._peak = self.held_bytes + buf.numel()
         return buf, use_count(buf) or 0
 
-    def _receive(self, route: Stream, progress: Progress | None) -> CommittedWeights:
-        comm = route.comm
+
+    def take_damage(self, applies: bool) -> bool:
+        """Whether the bucket at hand is the one :meth:`corrupt_next_bucket` asked to damage:
+        True once, for the first bucket where ``applies``."""
+        if self._corrupt_next and applies:
+            self._corrupt_next = False
+            return True
+        return False
+
+    def transfer(self, stream: Stream, progress: Progress | None, route: ReceiveRoute) -> CommittedWeights:
+        """One transfer on ``stream``, the buckets' bytes moved by ``route``: every bucket into
+        staging, the seal compared, the vote, the commit. Every route's receiver; on any error
+        :attr:`committed` is exactly what it was."""
+        comm = stream.comm
         kept = self._committed
-        stage = "manifest"
+        at = Transfer("manifest", progress)
         manifest: Manifest | None = None
-        staging: tuple[torch.Tensor, int] | None = None
-        hashing: Hashing | None = None
+        way = route
         self._host_from = host_copied_bytes()
         comm.check_usable()
         try:
-            manifest = decode_manifest(route.recv_message(stage), group=comm.group, group_version=comm.version)
-            route.transfer = manifest.transfer
-            staging = self._staging(manifest.total_bytes, comm.device, route.deadline - time.monotonic())
-            flat = staging[0]
-            zero_padding(flat, manifest)
+            manifest = decode_manifest(stream.recv_message(at.stage), group=comm.group, group_version=comm.version)
+            stream.transfer = manifest.transfer
             buckets = bucket_segments(manifest.tensors, manifest.buckets)
-            hashing = Hashing(manifest, receiving=True)
-            n = len(buckets)
-            posted: deque[Pending] = deque()
-            for b in buckets[:WINDOW]:
-                posted.append(route.post(flat[b.start : b.stop], f"bucket {b.index + 1}/{n}"))
+            at.buckets = len(buckets)
+            way.begin(manifest, buckets, at)
+            staging = way.staging(at)
+            if staging is not None:  # no staging of its own: its peak is what it already keeps
+                self._peak = self.held_bytes
+            else:
+                staging = self._staging(manifest.total_bytes, comm.device, stream.deadline - time.monotonic())
+                zero_padding(staging[0], manifest)
+            flat = staging[0]
+            way.open(flat, at)
             for b in buckets:
-                stage = f"bucket {b.index + 1}/{n}"
-                posted.popleft().wait()
-                if b.index + WINDOW < n:
-                    following = buckets[b.index + WINDOW]
-                    posted.append(route.post(flat[following.start : following.stop], stage))
-                data = flat[b.start : b.stop]
-                if self._corrupt_next and b.segments:
-                    self._corrupt_next = False
-                    at = b.segments[0].bucket_offset
-                    data[at : at + 1].bitwise_xor_(0xFF)
-                hashing.submit(b, data)  # hashed while the next buckets are on the wire
-                if progress is not None:
-                    progress(b.index + 1, n)
-            stage = "seal"
-            seal = decode_seal(route.recv_message(stage), manifest)
-            stage = "checksums"
-            digests = hashing.finish()
-            tensor_sums = hashing.hasher.tensor_digests(seal.tensor_checksums)
+                at.stage = f"bucket {b.index + 1}/{at.buckets}"
+                way.read(b, flat, at)
+            way.drain(at)
+            at.stage = "seal"
+            seal = decode_seal(stream.recv_message(at.stage), manifest)
+            at.stage = "checksums"
+            digests = way.digests(at)
+            tensor_sums = way.tensor_sums(seal)
             own = own_state_checksum(manifest, tensor_sums)
             problem = verify(manifest, seal, digests, tensor_sums, own)
-            stage = "commit vote"
-            route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, stage)
-        except (TransportError, DeadlineExceeded) as exc:
-            if hashing is not None:
-                hashing.cancel()
-            comm.abort(f"weight transfer failed during {stage}")
-            wv = manifest.weights_version if manifest is not None else None
-            raise with_stage(exc, stage, wv, route) from exc
-        except BaseException:
-            if hashing is not None:
-                hashing.cancel()
-            comm.abort(f"weight transfer interrupted during {stage}")
+            at.stage = "commit vote"
+            stream.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, at.stage)
+        except SharedMemoryUnavailable as exc:
+            self._failed(comm, way, at, exc, "failed")
             raise
+        except (TransportError, DeadlineExceeded) as exc:
+            self._failed(comm, way, at, exc, "failed")
+            wv = manifest.weights_version if manifest is not None else None
+            raise with_stage(exc, at.stage, wv, stream) from exc
+        except BaseException as exc:
+            self._failed(comm, way, at, exc, way.interrupted)
+            raise
+        finally:
+            way.close()
+        node = way.settle(problem is None)
+        return self._conclude(comm, manifest, seal, staging, kept, problem, own, node=node)
 
-        return self._conclude(comm, manifest, seal, staging, kept, problem, own)
+    @staticmethod
+    def _failed(comm: Communicator, way: ReceiveRoute, at: Transfer, exc: BaseException, verb: str) -> None:
+        way.failed(at, exc)
+        comm.abort(f"weight transfer {verb} during {at.stage}")
 
     def _conclude(
         self, comm: Communicator, manifest: Manifest, seal: Seal, staging: tuple[torch.Tensor, int],

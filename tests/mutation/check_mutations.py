@@ -90,9 +90,9 @@ MUTATIONS = (
         "writer hashes its slot",
         "a write into a shared-memory slot after the writer's copy is never blessed: the writer hashes its "
         "source, so every reader of such bytes rejects them",
-        (Edit("ftstate/transport/samehost.py",
-              "write_slot = functools.partial(_copy_hash, hash_source=True) if slots.device is None",
-              "write_slot = _copy_hash if slots.device is None"),),
+        (Edit("ftstate/transport/routes/slots.py",
+              "write_slot = functools.partial(copy_hash, hash_source=True) if self.slots.device is None",
+              "write_slot = copy_hash if self.slots.device is None"),),
         ("tests/integration/test_transport_shm.py::TestFaults::"
          "test_a_slot_tampered_right_after_the_writers_copy_is_refused_and_the_next_sync_succeeds",),
     ),
@@ -226,15 +226,15 @@ MUTATIONS = (
         "segments left named",
         "a sender whose transfer fails before every reader mapped its segments unlinks them itself",
         (Edit("ftstate/transport/samehost.py",
-              '    drop_slots(sender)\n    comm.abort(f"weight transfer failed during {stage}")\n',
-              '    comm.abort(f"weight transfer failed during {stage}")\n'),),
+              '"on_failure": functools.partial(drop_slots, sender)}',
+              '"on_failure": lambda: None}'),),
         ("tests/integration/test_transport_shm.py::TestFaults::"
          "test_a_reader_lost_before_it_attached_leaves_no_segment_named_while_the_sender_lives",),
     ),
     Mutation(
         "rejected node copy kept",
         "a node copy (staging: node) whose version a reader rejected is unlinked: only a committed one stays",
-        (Edit("ftstate/transport/samehost.py",
+        (Edit("ftstate/transport/routes/nodecopy.py",
               "            node.close()\n    else:\n        node.unlink()\n        node.close()\n",
               "            node.close()\n"),),
         ("tests/integration/test_transport_nodecopy.py::TestOneCopyPerNode::"
