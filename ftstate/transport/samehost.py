@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Collection, Mapping
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from ftstate.core.errors import ManifestError, SharedMemoryUnavailable
 from ftstate.transport.base import Communicator
 from ftstate.transport.buckets import Bucket
 from ftstate.transport.hashing import hasher_for
-from ftstate.transport.manifest import Manifest
+from ftstate.transport.manifest import Manifest, Seal
 from ftstate.transport.nodecopy import NodeCopy, forget_mappings
 from ftstate.transport.offer import NET_TAG, Offer, decode_offer, encode_offer
 from ftstate.transport.routes.base import POLL_S, Plan, ReceiveRoute, SendRoute, Transfer
@@ -166,7 +167,7 @@ def _route(sender: Sender, stream: Stream, plan: Plan, *, same_host: frozenset[i
     readers = [r for r in receivers if r in same_host]
     net = [r for r in receivers if r not in same_host and r not in relayed_ranks]
     fallback: str | None = None
-    common = {"relays": relays, "require": require_shm, "chunk": NET_CHUNK, "buffer": sender.buffer,
+    common: dict[str, Any] = {"relays": relays, "require": require_shm, "chunk": NET_CHUNK, "buffer": sender.buffer,
               "on_failure": functools.partial(drop_slots, sender)}
     if readers and node_copy_owner is not None:
         try:
@@ -272,7 +273,7 @@ class SameHostReceive(ReceiveRoute):
         assert self.way is not None
         return self.way.digests(at)
 
-    def tensor_sums(self, seal):  # type: ignore[no-untyped-def]
+    def tensor_sums(self, seal: Seal) -> list[int]:
         assert self.way is not None
         return self.way.tensor_sums(seal)
 

@@ -1,69 +1,14 @@
 """Moving a whole state of weights over a communicator: bucketed, pipelined, checksummed, atomic.
 
-One transfer, from the sending member to every other member (:meth:`Sender.broadcast`,
-:meth:`Receiver.receive_broadcast`) or to one peer only (:meth:`Sender.send_to`,
-:meth:`Receiver.receive_from`; recovery of a newcomer from the trainer or from a rollout
-holding the current version, and the reverse sync to a new trainer)::
-
-    sender                                   receiver(s)
-    ------                                   -----------
-    header + manifest (msgpack)  ─────────▶  fence on the group version, validate, pick staging
-    bucket 0 … bucket n-1        ─────────▶  received straight into the staging buffer
-      (hashes bucket k while it is on the      (hashes bucket k while k+1 is on the wire)
-       wire, packs k+1 meanwhile)
-    header + seal (checksums)    ─────────▶  compare every bucket, every tensor, the state
-    vote (allgather / one status)◀────────▶  the commit point: 0 = verified, 1 = checksum mismatch
-                                             commit = swap one reference; else keep the old version
-
-**Channel.** The manifest and the seal travel on the collective itself (an int64 header
-``[magic, wire format, group version, length]`` then the msgpack bytes as a uint8
-tensor), not on a side channel such as ZMQ ROUTER/DEALER: they are then ordered with the
-buckets by construction, belong to exactly the members of the group version (a second
-channel would need its own membership, fencing and failure detection, and could
-disagree with the collective about who is alive), and are bounded by the same per-operation
-timeouts. Every header carries the group version and a receiver rejects an older one
-with :class:`~ftstate.core.errors.StaleGroupVersion` before reading anything else.
-
-**Same host.** :mod:`ftstate.transport.samehost` runs this same protocol (manifest, seal,
-vote and commit on the communicator) with the buckets' bytes through shared memory for
-the receivers on the sender's host; it shares this module's checks and commit.
-
-**Pipelining.** Buckets are gloo (or NCCL) asynchronous operations executed by the
-backend's own threads, which do not hold the GIL, with up to :data:`WINDOW` on the wire
-at once. A helper thread hashes each bucket while the driving thread keeps the wire
-busy: the sender's bucket k is hashed while it is itself on the wire (its bytes do not
-change and its checksum is only needed in the seal) and while the next bucket of small
-tensors is packed into the other of two packing buffers (double buffering: a buffer is
-refilled only once its last send completed and it was hashed); the receiver's bucket k
-is hashed while the next buckets arrive. A bucket that is exactly one tensor or one chunk of a large tensor
-is sent from the tensor's own memory, without packing (see
-:mod:`ftstate.transport.buckets`). Each byte is hashed once on each side (see
-:mod:`ftstate.transport.checksum`); resending a committed state with the same buckets
-reuses the checksums it was verified against instead of hashing again.
-
-**Cost.** On the 2-core development machine a raw gloo broadcast is bound by CPU and
-memory bandwidth (the kernel copies every byte twice on loopback), so the one extra
-read of every byte per side that the checksums need is not free: see
-``benchmarks/transfer.py`` for the measured ratio against a raw broadcast.
-
-**Atomic commit.** The receiver stages the whole state in a buffer that is never the
-one holding its committed weights, and replaces its :class:`CommittedWeights` (one
-reference assignment) only after every bucket, every tensor and the whole-state checksum
-matched and the vote completed. Any failure — peer died, deadline, checksum mismatch,
-stale or malformed manifest — raises a typed error and leaves :attr:`Receiver.committed`
-exactly as it was. Staging buffers are recycled between syncs only when nothing outside
-the receiver still references them (so the weights of version N stay valid for as long as
-the caller holds them).
-
-**Failure.** A transfer that fails in the middle aborts the communicator (its stream can
-no longer be trusted to be aligned), which also makes the other members fail at once
-instead of at their timeouts: the runtime forms the next group version. A checksum
-mismatch does not abort: the stream stayed aligned, the sender learns from the vote which
-ranks rejected the update (:attr:`SyncReport.rejected`), and the group stays usable. The
-vote is the commit point: when it completes, every member that voted 0 commits (a local
-reference swap that cannot fail); in the narrow window where a member dies during the vote
-itself, some members may have committed and others not, and the runtime reconciles by
-comparing committed checksums.
+:class:`Sender` and :class:`Receiver` run the one transfer loop of every route
+(:meth:`Sender.transfer`, :meth:`Receiver.transfer`): the manifest on the transfer's stream
+(:mod:`ftstate.transport.stream`), every bucket on a route (:mod:`ftstate.transport.routes`),
+then the seal, the vote (the commit point) and the commit, one reference assignment, on the
+receiver only once every bucket, every tensor and the whole state matched. Any failure
+raises a typed error and leaves :attr:`Receiver.committed` exactly as it was. Their own
+methods (:meth:`Sender.broadcast`, :meth:`Sender.send_to`, :meth:`Receiver.receive_broadcast`,
+:meth:`Receiver.receive_from`) take the broadcast route; :mod:`ftstate.transport.samehost`
+the same-host ones. The design: docs/concepts.md ("The transport's routes").
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ftstate.transport.buckets import TensorEntry
+from ftstate.transport.checksum import function_of
 from ftstate.transport.manifest import Seal
 
 #: Default bucket size (the config's ``bucket_size_mb`` default, 256 MiB), in bytes.
@@ -49,6 +50,20 @@ class CommittedWeights:
     #: bytes this member's process copied from a device to host memory while it received these
     #: weights (:func:`~ftstate.transport.checksum.host_copied_bytes`); 0 on a GPU sync hashed with nh64.
     host_bytes: int = 0
+
+    def staged_as(self, entries: tuple[TensorEntry, ...]) -> torch.Tensor | None:
+        """The staging buffer these weights view when it is laid out as ``entries`` (a resend
+        then sends slices of it), else None."""
+        return self._flat if self._flat is not None and self._entries == entries else None
+
+    def seal_for(self, entries: tuple[TensorEntry, ...], windows: tuple[tuple[int, int], ...],
+                 function: str) -> Seal | None:
+        """The seal these weights were verified against, when a transfer cuts them into the same
+        buckets and hashes with the same ``function``: its checksums can go out again (a
+        failover's resync) instead of being hashed again; every receiver hashes what it reads."""
+        if self._seal is None or self._entries != entries or self._windows != windows:
+            return None
+        return self._seal if function_of(self.state_checksum) == function else None
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,14 @@ device slots, a node copy, a node's relay) is a :class:`SendRoute` on the sender
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from ftstate.core.errors import PeerLost
 from ftstate.transport.buckets import Bucket, TensorEntry, bucket_segments, plan_layout
-from ftstate.transport.checksum import StreamHasher, byte_view, dtype_name, function_for, function_of
+from ftstate.transport.checksum import StreamHasher, byte_view, dtype_name, function_for
 from ftstate.transport.manifest import Manifest, Seal, new_transfer_id
 from ftstate.transport.shm import pid_alive
 from ftstate.transport.stream import Stream
@@ -25,6 +25,9 @@ from ftstate.transport.weights import CommittedWeights, Progress, SyncReport
 
 #: How often a wait on a signal looks at the deadline, at abandonment and at the peer's pid.
 POLL_S = 0.02
+
+Buffer = Callable[[int, int, torch.device], torch.Tensor]
+"""A sender's packing buffer ``slot`` (0 or 1), at least ``nbytes`` long, on ``device``."""
 
 
 @dataclass
@@ -71,13 +74,10 @@ class Plan:
                    committed)
 
     def known_seal(self) -> Seal | None:
-        """The verified seal of the committed state being resent when it is cut into the same
-        buckets and hashed with the same function (a failover's resync): its checksums go out
-        again instead of hashing here; every receiver hashes what it reads."""
+        """The verified seal of the committed state being resent, when it still holds for this
+        plan (:meth:`~ftstate.transport.weights.CommittedWeights.seal_for`)."""
         c = self.committed
-        if c is None or c._seal is None or c._entries != self.entries or c._windows != self.windows:
-            return None
-        return c._seal if function_of(c.state_checksum) == self.manifest.digest else None
+        return c.seal_for(self.entries, self.windows, self.manifest.digest) if c is not None else None
 
     @property
     def capacity(self) -> int:
@@ -200,4 +200,4 @@ def check(stream: Stream, stage: str, pids: Mapping[int, int]) -> None:
             )
 
 
-__all__ = ["POLL_S", "HashedReceive", "Plan", "ReceiveRoute", "SendRoute", "Transfer", "check"]
+__all__ = ["POLL_S", "Buffer", "HashedReceive", "Plan", "ReceiveRoute", "SendRoute", "Transfer", "check"]

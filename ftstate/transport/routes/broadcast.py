@@ -21,12 +21,9 @@ from ftstate.transport.base import Pending
 from ftstate.transport.buckets import Bucket
 from ftstate.transport.hashing import Hashing
 from ftstate.transport.manifest import Manifest, Seal
-from ftstate.transport.routes.base import Plan, ReceiveRoute, SendRoute, Transfer
+from ftstate.transport.routes.base import Buffer, Plan, ReceiveRoute, SendRoute, Transfer
 from ftstate.transport.stream import Stream
 from ftstate.transport.weights import WINDOW
-
-Buffer = Callable[[int, int, torch.device], torch.Tensor]
-"""A sender's packing buffer ``slot`` (0 or 1), at least ``nbytes`` long, on ``device``."""
 
 
 class BroadcastSend(SendRoute):
@@ -42,7 +39,7 @@ class BroadcastSend(SendRoute):
         self.routes = {}
         c = plan.committed
         # the receiver's staging layout is the stream: a committed state resent goes as slices of it
-        self.flat = c._flat if c is not None and c._flat is not None and c._entries == plan.entries else None
+        self.flat = c.staged_as(plan.entries) if c is not None else None
         self.known: Seal | None = plan.known_seal() if self.flat is not None else None
         self.hashing = Hashing(plan.manifest) if self.known is None else None
         # the bucket last packed into each packing buffer, and its operation
@@ -158,4 +155,4 @@ class BroadcastReceive(ReceiveRoute):
             self.hashing.cancel()
 
 
-__all__ = ["BroadcastReceive", "BroadcastSend", "Buffer"]
+__all__ = ["BroadcastReceive", "BroadcastSend"]

@@ -26,16 +26,13 @@ from ftstate.transport.checksum import StreamHasher
 from ftstate.transport.hashing import feed_bucket, hasher_for
 from ftstate.transport.manifest import Seal
 from ftstate.transport.offer import NET_TAG, Offer, decode_offer, encode_offer
-from ftstate.transport.routes.base import HashedReceive, Plan, SendRoute, Transfer
+from ftstate.transport.routes.base import Buffer, HashedReceive, Plan, SendRoute, Transfer
 from ftstate.transport.routes.copying import copy_hash, hash_bucket, in_tensors
 from ftstate.transport.routes.signalling import Waiter
 from ftstate.transport.shm import SHM_DIR
 from ftstate.transport.signals import Channel
 from ftstate.transport.stream import Stream, side_stream
 from ftstate.transport.weights import WINDOW
-
-Buffer = Callable[[int, int, torch.device], torch.Tensor]
-"""A sender's packing buffer ``slot`` (0 or 1), at least ``nbytes`` long, on ``device``."""
 
 
 def chunks(buckets: Sequence[Bucket], chunk: int) -> list[tuple[Bucket, int, int]]:
@@ -106,6 +103,7 @@ class CollectiveSend(SendRoute):
         self.hasher: StreamHasher | None = hasher_for(plan.manifest) if self.known is None else None
         self.digests: list[int] = []
         self.sends: NetSends | None = None
+        self.offer: Offer | None = None  # sent by open()
 
     # -- what a subclass changes -------------------------------------------------------------
 
@@ -272,4 +270,4 @@ class CollectiveReceive(HashedReceive):
             self.relay.finish(at.stage)
 
 
-__all__ = ["Buffer", "CollectiveReceive", "CollectiveSend", "HandsOn", "NetSends", "chunks", "relay_unavailable"]
+__all__ = ["CollectiveReceive", "CollectiveSend", "HandsOn", "NetSends", "chunks", "relay_unavailable"]

@@ -21,8 +21,8 @@ from ftstate.transport.hashing import feed_bucket
 from ftstate.transport.hostmem import copy_bytes
 from ftstate.transport.signals import Channel
 
-#: Bytes copied then hashed at a time: the hash reads each piece back from cache (L2 is 2 MiB
-#: here; measured at 256 MiB, 2 readers: 128 KiB pieces 141 ms, 512 KiB 128 ms, 2 MiB 110 ms).
+#: Bytes copied then hashed at a time: small enough that the hash reads each piece back from
+#: cache (the sizes measured: docs/benchmarks.md, "Piece size").
 PIECE = 2 * 1024 * 1024
 
 #: A writer tells its readers how far it has filled a slot every this many bytes, so they

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,7 +171,7 @@ class InPlaceReceive(HashedReceive):
     time; nothing is copied. Says ``released`` once, after the last bucket."""
 
     def __init__(self, stream: Stream, offer: Offer, writer: int, buckets: list[Bucket], hasher: StreamHasher,
-                 damage: Any) -> None:
+                 damage: Callable[[bool], bool]) -> None:
         super().__init__(hasher)
         self.stream = stream
         self.offer = offer

@@ -97,7 +97,7 @@ class Relay:
                           tuple(s.name for s in slots.segments) if slots else (), fresh,
                           peers if made else (), () if made else peers,
                           str(unavailable) if unavailable else None,
-                          node_copy=node.name if node is not None else "", owner=owner if node is not None else 0)
+                          node_copy=node.name if node is not None else "", owner=owner if node is not None and owner else 0)
             payload = encode_offer(offer)
             at.stage = "relay offer"
             for rank in (peer_of(stream), *peers):  # the sender first: it waits for the answer

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -285,7 +286,7 @@ class SlotsSend(CollectiveSend):
         at.stage = "attach"
         self.waiter.hellos(self.readers, at.stage)
         if self.fresh:  # every reader mapped them: the names go, the memory stays with the mappings
-            unlink_names(self.offer.segments)
+            unlink_names([s.name for s in self.slots.segments])
             if self.slots.device is not None:
                 for t in self.slots.device.data:
                     self.slots.device.memory.unlink(t)
@@ -308,7 +309,7 @@ class SlotsReceive(HashedReceive):
     sender, or this node's relay), following the writer's ``ready`` signals."""
 
     def __init__(self, stream: Stream, offer: Offer, writer: int, *, relayed: bool, manifest: Manifest,
-                 hasher: StreamHasher, damage: Any) -> None:
+                 hasher: StreamHasher, damage: Callable[[bool], bool]) -> None:
         super().__init__(hasher)
         self.stream = stream
         self.offer = offer
