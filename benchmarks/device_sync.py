@@ -9,7 +9,7 @@ one flat allocation), 1, 4 and 16 GiB. Measured in the same run, rounds interlea
   (one ``copy_``, one synchronize). The least any sync that lands the bytes costs.
 * ``slots``: the same-host route's data path without a checksum: every bucket copied by the
   trainer into one of two CUDA IPC slots, announced, copied out by the rollout, released
-  (:func:`ftstate.transport.samehost._device_copy_hash` with no hasher, the pipe standing in for
+  (:func:`ftstate.transport.routes.copying.device_copy_hash` with no hasher, the pipe standing in for
   the route's zmq signals).
 * ``ftstate``: the same with the proof: the trainer hashes each bucket's source with nh64, the
   rollout hashes what it copied, and at the end the rollout's bucket and per-tensor digests and
@@ -84,7 +84,7 @@ def _plan(shapes: dict[str, tuple[int, ...]], bucket: int):
 def _rollout(conn, device_name: str) -> None:
     """Answers the trainer's requests; every reply is small (times, digests, counts)."""
     from ftstate.transport.checksum import StreamHasher, combine
-    from ftstate.transport.samehost import _device_copy_hash, _in_bucket
+    from ftstate.transport.routes.copying import device_copy_hash, in_bucket
 
     device = torch.device(device_name)
     memory = _memory(device)
@@ -123,7 +123,7 @@ def _rollout(conn, device_name: str) -> None:
                 for b in state["buckets"]:
                     k, slot = conn.recv()
                     assert k == b.index, (k, b.index)
-                    _device_copy_hash(b, staging[b.start : b.stop], _in_bucket(state["slots"][slot]), hasher, memory)
+                    device_copy_hash(b, staging[b.start : b.stop], in_bucket(state["slots"][slot]), hasher, memory)
                     if hasher is not None:
                         digests.append(hasher.bucket_digest(b))
                     conn.send(("released", k))
@@ -183,7 +183,7 @@ class Trainer:
     def route(self, prove: bool) -> tuple[float, int, int]:
         """One sync through the slots; returns (seconds, host bytes here, host bytes there)."""
         from ftstate.transport.checksum import StreamHasher, combine
-        from ftstate.transport.samehost import _device_copy_hash, _in_tensors
+        from ftstate.transport.routes.copying import device_copy_hash, in_tensors
 
         hasher = StreamHasher(len(self.entries), function=digest.NAME,
                               sizes=[e.nbytes for e in self.entries]) if prove else None
@@ -198,7 +198,7 @@ class Trainer:
                 kind, k = self.conn.recv()
                 assert kind == "released" and k == busy.pop(slot), (kind, k)
             busy[slot] = b.index
-            _device_copy_hash(b, self.slots[slot][: b.nbytes], _in_tensors(self.sources), hasher, self.memory,
+            device_copy_hash(b, self.slots[slot][: b.nbytes], in_tensors(self.sources), hasher, self.memory,
                               hash_source=True, filled=lambda _n, k=b.index, s=slot: self.conn.send((k, s)))
             if hasher is not None:
                 digests.append(hasher.bucket_digest(b))

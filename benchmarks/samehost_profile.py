@@ -52,15 +52,18 @@ def _worker(idx: int, store: str, args: dict[str, Any], out: Any) -> None:
 
     from benchmarks.transfer import make_weights
     from ftstate.transport import Receiver, Sender, create_communicator, samehost
-    from ftstate.transport import sync as base
+    from ftstate.transport import stream as base
+    from ftstate.transport.routes import collective, nodecopy, signalling, slots
 
     torch.set_num_threads(1)
     acc: dict[str, float] = collections.defaultdict(float)
     for obj, name, label in [
-        (samehost, "_copy_hash", "copy+hash"), (samehost, "_hash", "hash"), (samehost, "_hash_range", "hash"),
-        (samehost._Follower, "_next", "wait ready"), (samehost._Waiter, "free", "wait free"),
-        (samehost._Waiter, "hellos", "hellos"), (base._BroadcastRoute, "send_message", "messages"),
-        (base._BroadcastRoute, "recv_message", "messages"), (base._BroadcastRoute, "vote", "vote"),
+        # each where it is called: the routes import them by name
+        (slots, "copy_hash", "copy+hash"), (collective, "copy_hash", "copy+hash"), (nodecopy, "copy_hash", "copy+hash"),
+        (collective, "hash_bucket", "hash"),
+        (signalling.Follower, "_next", "wait ready"), (signalling.Waiter, "free", "wait free"),
+        (signalling.Waiter, "hellos", "hellos"), (base.BroadcastStream, "send_message", "messages"),
+        (base.BroadcastStream, "recv_message", "messages"), (base.BroadcastStream, "vote", "vote"),
     ]:
         _timed(acc, obj, name, label)
     world = args["receivers"] + 1

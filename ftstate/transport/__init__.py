@@ -20,9 +20,13 @@ neither torch nor any backend; the first use of a name below does):
 Modules: ``store`` (store, versioned rendezvous, fencing), ``base`` (the communicator
 interface), ``factory`` (a backend by name), ``gloo`` and ``nccl`` (backends), ``buckets`` (layout and bucket
 planning), ``manifest`` (wire messages), ``checksum`` (hashing), ``validate`` (what a user's
-state must be to travel), ``sync`` (the transfer protocol, broadcast and point-to-point),
-``samehost`` (the same protocol with the buckets through shared memory for receivers on the
-sender's host: ``samehost.broadcast`` / ``send_to`` / ``receive``), ``shm`` (its segments),
+state must be to travel), ``sync`` (Sender and Receiver: the one transfer loop, broadcast and
+point-to-point), ``stream`` (a transfer's ordered messages and votes), ``hashing`` (one side's
+hashing and the seal's check), ``weights`` (committed weights, the sender's report),
+``routes`` (how the buckets' bytes travel: one interface, one module per route), ``offer``
+(what a same-host sender offers its receivers), ``samehost`` (the same protocol with the
+buckets through shared memory for receivers on the sender's host: ``samehost.broadcast`` /
+``send_to`` / ``receive``), ``shm`` (its segments),
 ``cudaipc`` (its slots in device memory, CUDA IPC), ``nodecopy`` (``staging: node``: one
 full-size copy per node, verified in place, the source of newcomers there and, served by its
 agent, of newcomers on other nodes), ``devicebuckets`` (a device engine's load from the host

@@ -284,7 +284,7 @@ class StreamHasher:
     def tensor_digests(self, sealed: Sequence[int] | None = None) -> list[int]:
         """Every tensor's digest. A keyed xxh3 receiver (see the class) hashed none: it returns
         ``sealed``, the seal's, which it may only use once every bucket's keyed digest matched
-        the seal's (``_verify`` checks the buckets first, and a mismatch commits nothing)."""
+        the seal's (``hashing.verify`` checks the buckets first, and a mismatch commits nothing)."""
         if self._nh is not None:
             from ftstate.transport import digest
 

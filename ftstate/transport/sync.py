@@ -1,514 +1,64 @@
 """Moving a whole state of weights over a communicator: bucketed, pipelined, checksummed, atomic.
 
-One transfer, from the sending member to every other member (:meth:`Sender.broadcast`,
-:meth:`Receiver.receive_broadcast`) or to one peer only (:meth:`Sender.send_to`,
-:meth:`Receiver.receive_from`; recovery of a newcomer from the trainer or from a rollout
-holding the current version, and the reverse sync to a new trainer)::
-
-    sender                                   receiver(s)
-    ------                                   -----------
-    header + manifest (msgpack)  ─────────▶  fence on the group version, validate, pick staging
-    bucket 0 … bucket n-1        ─────────▶  received straight into the staging buffer
-      (hashes bucket k while it is on the      (hashes bucket k while k+1 is on the wire)
-       wire, packs k+1 meanwhile)
-    header + seal (checksums)    ─────────▶  compare every bucket, every tensor, the state
-    vote (allgather / one status)◀────────▶  the commit point: 0 = verified, 1 = checksum mismatch
-                                             commit = swap one reference; else keep the old version
-
-**Channel.** The manifest and the seal travel on the collective itself (an int64 header
-``[magic, wire format, group version, length]`` then the msgpack bytes as a uint8
-tensor), not on a side channel such as ZMQ ROUTER/DEALER: they are then ordered with the
-buckets by construction, belong to exactly the members of the group version (a second
-channel would need its own membership, fencing and failure detection, and could
-disagree with the collective about who is alive), and are bounded by the same per-operation
-timeouts. Every header carries the group version and a receiver rejects an older one
-with :class:`~ftstate.core.errors.StaleGroupVersion` before reading anything else.
-
-**Same host.** :mod:`ftstate.transport.samehost` runs this same protocol (manifest, seal,
-vote and commit on the communicator) with the buckets' bytes through shared memory for
-the receivers on the sender's host; it shares this module's checks and commit.
-
-**Pipelining.** Buckets are gloo (or NCCL) asynchronous operations executed by the
-backend's own threads, which do not hold the GIL, with up to :data:`WINDOW` on the wire
-at once. A helper thread hashes each bucket while the driving thread keeps the wire
-busy: the sender's bucket k is hashed while it is itself on the wire (its bytes do not
-change and its checksum is only needed in the seal) and while the next bucket of small
-tensors is packed into the other of two packing buffers (double buffering: a buffer is
-refilled only once its last send completed and it was hashed); the receiver's bucket k
-is hashed while the next buckets arrive. A bucket that is exactly one tensor or one chunk of a large tensor
-is sent from the tensor's own memory, without packing (see
-:mod:`ftstate.transport.buckets`). Each byte is hashed once on each side (see
-:mod:`ftstate.transport.checksum`); resending a committed state with the same buckets
-reuses the checksums it was verified against instead of hashing again.
-
-**Cost.** On the 2-core development machine a raw gloo broadcast is bound by CPU and
-memory bandwidth (the kernel copies every byte twice on loopback), so the one extra
-read of every byte per side that the checksums need is not free: see
-``benchmarks/transfer.py`` for the measured ratio against a raw broadcast.
-
-**Atomic commit.** The receiver stages the whole state in a buffer that is never the
-one holding its committed weights, and replaces its :class:`CommittedWeights` (one
-reference assignment) only after every bucket, every tensor and the whole-state checksum
-matched and the vote completed. Any failure — peer died, deadline, checksum mismatch,
-stale or malformed manifest — raises a typed error and leaves :attr:`Receiver.committed`
-exactly as it was. Staging buffers are recycled between syncs only when nothing outside
-the receiver still references them (so the weights of version N stay valid for as long as
-the caller holds them).
-
-**Failure.** A transfer that fails in the middle aborts the communicator (its stream can
-no longer be trusted to be aligned), which also makes the other members fail at once
-instead of at their timeouts: the runtime forms the next group version. A checksum
-mismatch does not abort: the stream stayed aligned, the sender learns from the vote which
-ranks rejected the update (:attr:`SyncReport.rejected`), and the group stays usable. The
-vote is the commit point: when it completes, every member that voted 0 commits (a local
-reference swap that cannot fail); in the narrow window where a member dies during the vote
-itself, some members may have committed and others not, and the runtime reconciles by
-comparing committed checksums.
+:class:`Sender` and :class:`Receiver` run the one transfer loop of every route
+(:meth:`Sender.transfer`, :meth:`Receiver.transfer`): the manifest on the transfer's stream
+(:mod:`ftstate.transport.stream`), every bucket on a route (:mod:`ftstate.transport.routes`),
+then the seal, the vote (the commit point) and the commit, one reference assignment, on the
+receiver only once every bucket, every tensor and the whole state matched. Any failure
+raises a typed error and leaves :attr:`Receiver.committed` exactly as it was. Their own
+methods (:meth:`Sender.broadcast`, :meth:`Sender.send_to`, :meth:`Receiver.receive_broadcast`,
+:meth:`Receiver.receive_from`) take the broadcast route; :mod:`ftstate.transport.samehost`
+the same-host ones. The design: docs/concepts.md ("The transport's routes").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import struct
 import threading
 import time
 import types
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ftstate.core.errors import (
-    ChecksumMismatch,
-    CommunicatorAborted,
-    DeadlineExceeded,
-    ManifestError,
-    PeerLost,
-    StaleGroupVersion,
-    SyncTimeout,
-    TransportError,
-)
-from ftstate.transport import auth, hostmem
-from ftstate.transport.base import Communicator, Pending
-from ftstate.transport.buckets import Bucket, TensorEntry, bucket_segments, plan_layout
+from ftstate.core.errors import ChecksumMismatch, DeadlineExceeded, SharedMemoryUnavailable, TransportError
+from ftstate.transport import hostmem
+from ftstate.transport.base import Communicator
+from ftstate.transport.buckets import bucket_segments, plan_layout
 from ftstate.transport.checksum import (
-    StreamHasher,
-    byte_view,
     combine,
-    dtype_name,
     format_checksum,
     function_for,
-    function_of,
-    host_bytes,
     host_copied_bytes,
     state_checksum,
     torch_dtype,
 )
+from ftstate.transport.hashing import own_state_checksum, verify
 from ftstate.transport.manifest import (
-    MAX_MESSAGE_BYTES,
-    WIRE_FORMAT,
     Manifest,
     Seal,
     decode_manifest,
     decode_seal,
     encode_manifest,
     encode_seal,
-    new_transfer_id,
+)
+from ftstate.transport.routes.base import Plan, ReceiveRoute, SendRoute, Transfer
+from ftstate.transport.routes.broadcast import BroadcastReceive, BroadcastSend
+from ftstate.transport.stream import (
+    VOTE_CHECKSUM_MISMATCH,
+    VOTE_COMMIT,
+    VOTE_NAMES,
+    BroadcastStream,
+    PeerStream,
+    Stream,
+    with_stage,
 )
 from ftstate.transport.validate import check_state_dict
+from ftstate.transport.weights import DEFAULT_BUCKET_SIZE, CommittedWeights, Progress, SyncReport
 
 log = logging.getLogger("ftstate.transport")
-
-#: Default bucket size (the config's ``bucket_size_mb`` default, 256 MiB), in bytes.
-DEFAULT_BUCKET_SIZE = 256 * 1024 * 1024
-
-#: Buckets on the wire at once, so that the next operation is queued before the current
-#: one drains (a gap between two gloo operations costs throughput). Independent of the
-#: sender's two packing buffers, which are reused only once their last send completed.
-WINDOW = 3
-
-#: First word of every message header ("ftst").
-MAGIC = 0x66747374
-
-#: Vote values.
-VOTE_COMMIT = 0
-VOTE_CHECKSUM_MISMATCH = 1
-_VOTE_NAMES = {VOTE_COMMIT: "committed", VOTE_CHECKSUM_MISMATCH: "ChecksumMismatch", -1: "ForgedVote"}
-
-Progress = Callable[[int, int], None]
-"""Called after each bucket with ``(buckets done, buckets in total)``; may be used to
-show progress in heartbeats. An exception raised by it aborts the transfer."""
-
-
-@dataclass(frozen=True)
-class CommittedWeights:
-    """A complete, verified state held by a :class:`Receiver` (or given to it initially).
-
-    ``tensors`` is read-only as a mapping; the tensors are views into one staging buffer.
-    ``state_checksum`` is :func:`~ftstate.transport.checksum.state_checksum` of
-    ``tensors``, computed from the bytes this member holds, not copied from the sender.
-    """
-
-    tensors: Mapping[str, torch.Tensor]
-    weights_version: int
-    state_checksum: str
-    group: str | None = None
-    group_version: int | None = None
-    nbytes: int = 0
-    _flat: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _entries: tuple[TensorEntry, ...] | None = field(default=None, repr=False, compare=False)
-    _baseline: int = field(default=0, repr=False, compare=False)
-    # the verified seal and the windows it covers, so a resend with the same plan need not re-hash
-    _windows: tuple[tuple[int, int], ...] | None = field(default=None, repr=False, compare=False)
-    _seal: Seal | None = field(default=None, repr=False, compare=False)
-    # the node copy whose mapping ``tensors`` view (ftstate.transport.nodecopy), None: a private buffer
-    _node: str | None = field(default=None, repr=False, compare=False)
-    #: bytes this member's process copied from a device to host memory while it received these
-    #: weights (:func:`~ftstate.transport.checksum.host_copied_bytes`); 0 on a GPU sync hashed with nh64.
-    host_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    """What the sender knows after a transfer.
-
-    ``committed``: ranks that verified and committed the new weights; ``rejected``: rank →
-    reason (``"ChecksumMismatch"``) for those that kept their previous version.
-    """
-
-    group: str
-    group_version: int
-    weights_version: int
-    state_checksum: str
-    nbytes: int
-    num_buckets: int
-    seconds: float
-    committed: tuple[int, ...]
-    rejected: Mapping[int, str]
-    #: rank -> how its buckets travelled (``shm``: read from shared memory on the sender's
-    #: host; ``collective``: over the communicator). Empty for a plain broadcast / send_to.
-    routes: Mapping[int, str] = field(default_factory=dict)
-    #: why same-host ranks took the collective instead of shared memory (``shared_memory: auto``).
-    shm_fallback: str | None = None
-    #: the node copy this transfer's same-host ranks committed (``staging: node``,
-    #: :mod:`ftstate.transport.nodecopy`), kept named as the source of newcomers; else None.
-    node_copy: str | None = None
-    #: with ``node_copy_spare``: the copy of the version before, kept to be rewritten as the next one.
-    node_spare: str | None = None
-    #: ``node_copy`` is that spare rewritten (nothing allocated by this sync), not a fresh one.
-    node_copy_recycled: bool = False
-    #: bytes the sender's process copied from a device to host memory during the transfer
-    #: (:func:`~ftstate.transport.checksum.host_copied_bytes`): 0 when its weights are on a GPU
-    #: and hashed there (nh64); each receiver's count is its :attr:`CommittedWeights.host_bytes`.
-    host_bytes: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.rejected
-
-
-# -- routes: how the messages of one transfer travel --------------------------------------
-
-
-class _Route:
-    """The ordered message stream of one transfer, on one communicator, under one deadline.
-
-    ``deadline``: ``time.monotonic()`` value by which the whole transfer must be done;
-    every operation is posted with what is left of it. ``timeout_s``: the budget the
-    deadline was made from, named in :class:`SyncTimeout`.
-    """
-
-    def __init__(self, comm: Communicator, deadline: float, timeout_s: float) -> None:
-        self.comm = comm
-        self.deadline = deadline
-        self.timeout_s = timeout_s
-        #: The transfer's id, once its manifest is sent or read: bound into the votes' tags.
-        self.transfer = 0
-
-    def remaining(self, stage: str) -> float:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            self.comm.abort(f"sync deadline passed during {stage}")
-            raise SyncTimeout(
-                f"weight transfer on group {self.comm.group!r} ({stage})",
-                key="sync_timeout_s",
-                seconds=self.timeout_s,
-                member=f"rank {self.comm.rank}",
-                group_version=self.comm.version,
-            )
-        return left
-
-    def post(self, tensor: torch.Tensor, stage: str) -> Pending:
-        raise NotImplementedError
-
-    def _other(self) -> int:
-        """The rank at the other end of what this member receives (the sender, or the peer)."""
-        raise NotImplementedError
-
-    def send_message(self, payload: bytes, stage: str, *, group_version: int | None = None) -> None:
-        """Header then payload, the payload tagged for this rank when the run authenticates
-        (:mod:`ftstate.transport.auth`). ``group_version`` overrides the stamp (tests of fencing only)."""
-        dev = self.comm.device
-        stamp = self.comm.version if group_version is None else group_version
-        payload = auth.sign("gloo", self.comm.group, stamp, self.comm.rank, payload)
-        header = torch.tensor([MAGIC, WIRE_FORMAT, stamp, len(payload)], dtype=torch.int64).to(dev)
-        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-        first = self.post(header, stage)
-        second = self.post(body, stage)
-        first.wait()
-        second.wait()
-
-    def recv_message(self, stage: str) -> bytes:
-        comm = self.comm
-        header = torch.zeros(4, dtype=torch.int64, device=comm.device)
-        self.post(header, stage).wait()
-        magic, fmt, stamp, length = (int(v) for v in header.cpu().tolist())
-        if magic != MAGIC:
-            raise ManifestError(f"malformed message header during {stage}: field 'magic': {magic:#x}, expected {MAGIC:#x}",
-                                field="magic")
-        if fmt != WIRE_FORMAT:
-            raise ManifestError(
-                f"malformed message header during {stage}: field 'wire_format': {fmt}, expected {WIRE_FORMAT}",
-                field="wire_format",
-            )
-        if stamp < comm.version:
-            raise StaleGroupVersion(comm.group, got=stamp, current=comm.version)
-        if stamp > comm.version:
-            raise ManifestError(
-                f"malformed message header during {stage}: field 'group_version': {stamp} is newer than "
-                f"this member's version {comm.version} of group {comm.group!r}",
-                field="group_version",
-            )
-        if not 0 < length <= MAX_MESSAGE_BYTES:
-            raise ManifestError(
-                f"malformed message header during {stage}: field 'length': {length}, expected 1..{MAX_MESSAGE_BYTES}",
-                field="length",
-            )
-        body = torch.empty(length, dtype=torch.uint8, device=comm.device)
-        self.post(body, stage).wait()
-        sender = self._other()
-        payload = auth.verify("gloo", comm.group, comm.version, sender, bytes(host_bytes(body, weights=False)))
-        if payload is None:  # recorded by auth; never decoded, never acted on
-            raise ManifestError(
-                f"message during {stage} on group {comm.group!r} v{comm.version} claimed to come from rank {sender} "
-                "and its tag does not verify: forged or from outside the run; dropped",
-                field="tag", peer=f"rank {sender}")
-        return payload
-
-    def vote(self, value: int, stage: str) -> dict[int, int]:
-        raise NotImplementedError
-
-
-class _BroadcastRoute(_Route):
-    def __init__(self, comm: Communicator, deadline: float, timeout_s: float, root: int, sending: bool) -> None:
-        super().__init__(comm, deadline, timeout_s)
-        if not 0 <= root < comm.world_size or (root == comm.rank) != sending:
-            role = "the sender" if sending else "a receiver"
-            raise ValueError(
-                f"root must be the sending rank in [0, {comm.world_size}); rank {comm.rank} is {role}, got root {root}"
-            )
-        self.root = root
-
-    def post(self, tensor: torch.Tensor, stage: str) -> Pending:
-        return self.comm.broadcast(tensor, self.root, timeout_s=self.remaining(stage))
-
-    def _other(self) -> int:
-        return self.root
-
-    def vote(self, value: int, stage: str) -> dict[int, int]:
-        mine = _signed_vote(self.comm, self.comm.rank, value, self.transfer)
-        votes = self.comm.allgather(mine, timeout_s=self.remaining(stage))
-        return {r: _vote_value(self.comm, r, v, self.transfer) for r, v in enumerate(votes) if r != self.root}
-
-
-class _PeerRoute(_Route):
-    def __init__(self, comm: Communicator, deadline: float, timeout_s: float, peer: int, sending: bool) -> None:
-        super().__init__(comm, deadline, timeout_s)
-        if peer == comm.rank or not 0 <= peer < comm.world_size:
-            raise ValueError(f"peer must be another rank in [0, {comm.world_size}), got {peer} (this is rank {comm.rank})")
-        self.peer = peer
-        self.sending = sending
-        self.seq = 0
-
-    def post(self, tensor: torch.Tensor, stage: str) -> Pending:
-        tag, self.seq = self.seq, self.seq + 1
-        t = self.remaining(stage)
-        if self.sending:
-            return self.comm.send(tensor, self.peer, tag=tag, timeout_s=t)
-        return self.comm.recv(tensor, self.peer, tag=tag, timeout_s=t)
-
-    def _other(self) -> int:
-        return self.peer
-
-    def vote(self, value: int, stage: str) -> dict[int, int]:
-        box = _signed_vote(self.comm, self.comm.rank, value, self.transfer).to(self.comm.device)
-        tag, self.seq = self.seq, self.seq + 1
-        t = self.remaining(stage)
-        if self.sending:  # the sender collects the receiver's vote
-            self.comm.recv(box, self.peer, tag=tag, timeout_s=t).wait()
-            return {self.peer: _vote_value(self.comm, self.peer, box.cpu(), self.transfer)}
-        self.comm.send(box, self.peer, tag=tag, timeout_s=t).wait()
-        return {}
-
-
-#: What a vote that does not authenticate counts as: not a commit (the sender reports the rank
-#: as rejected with this reason; the forgery is recorded by :mod:`ftstate.transport.auth`).
-VOTE_FORGED = -1
-
-
-def _vote_payload(value: int, transfer: int) -> bytes:
-    """What a vote's tag covers: its value and the transfer it is about (a vote recorded in
-    another transfer of the same group version does not verify)."""
-    return value.to_bytes(8, "little", signed=True) + transfer.to_bytes(8, "little")
-
-
-def _signed_vote(comm: Communicator, rank: int, value: int, transfer: int) -> torch.Tensor:
-    """A vote as int64 words: the value, then its tag when the run authenticates."""
-    if not auth.enabled():
-        return torch.tensor([value], dtype=torch.int64)
-    t = auth.tag("vote", comm.group, comm.version, rank, _vote_payload(value, transfer))
-    return torch.tensor([value, *struct.unpack("<2q", t)], dtype=torch.int64)
-
-
-def _vote_value(comm: Communicator, rank: int, words: torch.Tensor, transfer: int) -> int:
-    """The vote of ``rank`` in transfer ``transfer``, or :data:`VOTE_FORGED` when its tag does not verify."""
-    vals = [int(v) for v in words.reshape(-1).tolist()]
-    if not auth.enabled():
-        return vals[0]
-    signed = _vote_payload(vals[0], transfer) + struct.pack("<2q", *vals[1:3])
-    if auth.verify("vote", comm.group, comm.version, rank, signed) is None:
-        return VOTE_FORGED
-    return vals[0]
-
-
-def _with_stage(exc: Exception, stage: str, weights_version: int | None, route: _Route) -> Exception:
-    """The communicator's error again, saying what the transfer was doing."""
-    comm = route.comm
-    wv = f" of weights version {weights_version}" if weights_version is not None else ""
-    if isinstance(exc, DeadlineExceeded):
-        return type(exc)(
-            f"weight transfer{wv} on group {comm.group!r} ({stage})",
-            key="sync_timeout_s",
-            seconds=route.timeout_s,
-            member=exc.member or f"rank {comm.rank}",
-            group_version=comm.version,
-            missing=exc.missing,
-            arrived=exc.arrived,
-        )
-    if isinstance(exc, (StaleGroupVersion, CommunicatorAborted)):
-        return exc
-    if isinstance(exc, PeerLost):
-        # the route knows who the other end was: the sender of a broadcast, or the peer
-        peer = exc.peer
-        if peer is None:
-            if isinstance(route, _PeerRoute):
-                peer = route.peer
-            elif isinstance(route, _BroadcastRoute) and route.root != comm.rank:
-                peer = route.root
-        return PeerLost(
-            f"{exc} (weight transfer{wv}, {stage})",
-            group=comm.group, group_version=comm.version, rank=comm.rank, op=stage, peer=peer,
-        )
-    if isinstance(exc, ManifestError):
-        peer = exc.peer
-        if peer is None:  # the route knows who sent what this member received
-            if isinstance(route, _PeerRoute):
-                peer = f"rank {route.peer}"
-            elif isinstance(route, _BroadcastRoute) and route.root != comm.rank:
-                peer = f"rank {route.root}"
-        sender = f", from {peer}" if peer else ""
-        return ManifestError(f"{exc} (weight transfer{wv}, {stage}{sender})", field=exc.field, peer=peer)
-    return type(exc)(f"{exc} (weight transfer{wv}, {stage})")
-
-
-# -- hashing off the critical path ---------------------------------------------------------
-
-
-def hasher_for(manifest: Manifest, *, receiving: bool = False) -> StreamHasher:
-    """The hasher of one side of the transfer ``manifest`` announces, with its function."""
-    return StreamHasher(len(manifest.tensors), receiving=receiving, function=manifest.digest,
-                        sizes=[e.nbytes for e in manifest.tensors])
-
-
-def feed_bucket(hasher: StreamHasher, bucket: Bucket, data: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
-    """Feed the bucket's bytes ``[lo, hi)`` (offsets in it; ``data`` holds them at those offsets)
-    to their tensors' hashers: through the host for xxh3, where they are for nh64."""
-    hi = bucket.nbytes if hi is None else hi
-    mv = host_bytes(data[lo:hi]) if hasher.function == "xxh3" else None
-    for s in bucket.segments:
-        a, z = max(lo, s.bucket_offset), min(hi, s.bucket_offset + s.length)
-        if a >= z:
-            continue
-        if mv is not None:
-            hasher.feed(s.tensor, mv[a - lo : z - lo])
-        else:  # nh64: each piece at its place in its tensor, on the device that holds it
-            hasher.feed_at(s.tensor, s.start + a - s.bucket_offset, data[a:z])
-
-
-class _Hashing:
-    """Hashes the buckets of one transfer in a helper thread, in bucket order.
-
-    The thread that drives the transfer then only packs, posts and waits, so posting the
-    next bucket never waits for a hash, and on the sender packing (torch copies release
-    the GIL) and hashing run on different cores. xxhash holds the GIL while it hashes, so
-    the driving thread may wait a few milliseconds for it between two posts; the window
-    of buckets on the wire covers that. On the 2-core development machine hashing here or
-    inline measured alike within noise; on larger machines the overlap is real.
-    """
-
-    def __init__(self, manifest: Manifest, *, receiving: bool = False) -> None:
-        self.hasher = hasher_for(manifest, receiving=receiving)
-        self.digests: list[int] = []
-        self._queue: queue.SimpleQueue[tuple[Bucket, torch.Tensor] | None] = queue.SimpleQueue()
-        self._done = threading.Condition()
-        self._error: BaseException | None = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="ftstate-hash", daemon=True)
-        self._thread.start()
-
-    def submit(self, bucket: Bucket, data: torch.Tensor) -> None:
-        self._queue.put((bucket, data))
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            bucket, data = item
-            try:
-                if not self._stopped:
-                    feed_bucket(self.hasher, bucket, data)
-                    digest = self.hasher.bucket_digest(bucket)
-            except BaseException as exc:  # noqa: BLE001 - handed to the transfer thread by wait_for/finish
-                self._error = exc
-                self._stopped = True
-            with self._done:
-                if not self._stopped:
-                    self.digests.append(digest)
-                self._done.notify_all()
-
-    def wait_for(self, index: int) -> None:
-        """Block until bucket ``index`` has been hashed (its buffer may then be reused)."""
-        with self._done:
-            self._done.wait_for(lambda: len(self.digests) > index or self._stopped)
-        self._raise()
-
-    def finish(self) -> list[int]:
-        """Every bucket's checksum, once all submitted buckets are hashed."""
-        self._queue.put(None)
-        self._thread.join()
-        self._raise()
-        return self.digests
-
-    def cancel(self) -> None:
-        """Stop hashing (the transfer failed); the thread exits after its current bucket."""
-        self._stopped = True
-        self._queue.put(None)
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise TransportError(f"hashing a bucket failed: {self._error}") from self._error
 
 
 # -- sender --------------------------------------------------------------------------------
@@ -525,8 +75,10 @@ class Sender:
         plan_layout([], bucket_size)  # validates the size
         self.bucket_size = bucket_size
         self._pack: list[torch.Tensor | None] = [None, None]
-        self._samehost: Any = None  # the shared-memory slots of the same-host route (samehost.py)
-        self._node_copy: Any = None  # the node copies it wrote and keeps (samehost._Written, nodecopy.py)
+        #: what the same-host routes keep between transfers: their slots (routes.slots) and the
+        #: node copies written (routes.nodecopy), so the readers keep their mappings
+        self.shm_slots: Any = None
+        self.node_copies: Any = None
 
     def broadcast(
         self,
@@ -548,8 +100,8 @@ class Sender:
         this communicator's device type): one that cannot travel raises
         :class:`~ftstate.core.errors.StateDictError` before anything is sent.
         """
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
-        return self._send(route, weights, weights_version, progress)
+        stream = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+        return self.transfer(stream, weights, weights_version, progress, self._broadcast_route)
 
     def send_to(
         self,
@@ -569,12 +121,12 @@ class Sender:
         ``failover_timeout_s``, whichever the caller is spending). A plain mapping is
         checked as in :meth:`broadcast`.
         """
-        route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
-        return self._send(route, weights, weights_version, progress)
+        stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
+        return self.transfer(stream, weights, weights_version, progress, self._broadcast_route)
 
     # -- internals ----------------------------------------------------------------------
 
-    def _state_to_send(
+    def state_to_send(
         self, comm: Communicator, weights: Mapping[str, torch.Tensor] | CommittedWeights, weights_version: int | None
     ) -> tuple[Mapping[str, torch.Tensor], int, CommittedWeights | None]:
         """The tensors to send, the version to stamp and the committed weights they are (if so)."""
@@ -591,7 +143,7 @@ class Sender:
             )
         return tensors, weights_version, committed
 
-    def _report(
+    def report(
         self, comm: Communicator, manifest: Manifest, state: int, num_buckets: int, started: float,
         votes: Mapping[int, int], routes: Mapping[int, str] | None = None, shm_fallback: str | None = None,
         host_from: int = 0,
@@ -607,7 +159,7 @@ class Sender:
             num_buckets=num_buckets,
             seconds=time.monotonic() - started,
             committed=tuple(sorted(r for r, v in votes.items() if v == VOTE_COMMIT)),
-            rejected={r: _VOTE_NAMES.get(v, f"vote {v}") for r, v in sorted(votes.items()) if v != VOTE_COMMIT},
+            rejected={r: VOTE_NAMES.get(v, f"vote {v}") for r, v in sorted(votes.items()) if v != VOTE_COMMIT},
             routes=dict(routes or {}),
             shm_fallback=shm_fallback,
             host_bytes=host_copied_bytes() - host_from,
@@ -624,7 +176,7 @@ class Sender:
         )
         return report
 
-    def _buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    def buffer(self, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         """Packing buffer ``slot``, at least ``nbytes`` long (grown on demand, kept between
         transfers: only buckets of small tensors are packed, so they stay small in practice)."""
         buf = self._pack[slot]
@@ -633,128 +185,63 @@ class Sender:
             self._pack[slot] = buf
         return buf[:nbytes]
 
-    def _send(
+    def _broadcast_route(self, stream: Stream, plan: Plan) -> SendRoute:
+        return BroadcastSend(stream, plan, self.buffer, self._drop_buffers)
+
+    def _drop_buffers(self) -> None:
+        self._pack = [None, None]
+
+    def transfer(
         self,
-        route: _Route,
+        stream: Stream,
         weights: Mapping[str, torch.Tensor] | CommittedWeights,
         weights_version: int | None,
         progress: Progress | None,
+        route: Callable[[Stream, Plan], SendRoute],
     ) -> SyncReport:
-        comm = route.comm
+        """One transfer on ``stream``, the buckets' bytes moved by the route ``route`` makes
+        for the plan: manifest, every bucket, seal, vote, report. Every route's sender."""
+        comm = stream.comm
         started, host_from = time.monotonic(), host_copied_bytes()
-        tensors, weights_version, committed = self._state_to_send(comm, weights, weights_version)
+        tensors, weights_version, committed = self.state_to_send(comm, weights, weights_version)
         comm.check_usable()
-
-        names = list(tensors)
-        sources = [byte_view(tensors[n]) for n in names]
-        entries, windows, total = plan_layout(
-            ((n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names), self.bucket_size
-        )
-        flat = None
-        known: Seal | None = None
-        if committed is not None and committed._flat is not None and committed._entries == entries:
-            flat = committed._flat  # the receiver's staging layout is the stream: send slices of it
-            if committed._windows == windows and committed._seal is not None:
-                # Same buckets as the transfer that brought these weights: resend its verified
-                # checksums instead of hashing again. A byte that changed here since then is
-                # caught by the receiver, which hashes what arrives.
-                known = committed._seal
-        buckets = bucket_segments(entries, windows)
-        function = function_for(sources)
-        if known is not None and function_of(committed.state_checksum) != function:  # type: ignore[union-attr]
-            known = None  # its seal holds the other function's values
-        manifest = Manifest(comm.group, comm.version, weights_version, self.bucket_size, total, entries, windows,
-                            new_transfer_id(), function)
-        hashing = _Hashing(manifest) if known is None else None
-        device = comm.device
-        stage = "manifest"
-
-        # the bucket last packed into each packing buffer, and its operation
-        slots: list[tuple[int, Pending] | None] = [None, None]
-        packed = 0
-
-        def pack(b: Bucket) -> tuple[torch.Tensor, int | None]:
-            """The bucket's bytes on the communicator's device, and the packing slot used:
-            a slice of the tensor (or of a committed staging buffer) when it is one, else
-            the small tensors copied into the packing buffer whose last send completed."""
-            nonlocal packed
-            one = b.single
-            if flat is not None and flat.device == device:
-                return flat[b.start : b.stop], None
-            if one is not None and sources[one.tensor].device == device:
-                return sources[one.tensor][one.start : one.start + one.length], None
-            slot, packed = packed % 2, packed + 1
-            previous, slots[slot] = slots[slot], None
-            if previous is not None:  # double buffering: never overwrite bytes still on the wire
-                index, pending = previous  # or not yet hashed
-                pending.wait()
-                if hashing is not None:
-                    hashing.wait_for(index)
-            data = self._buffer(slot, b.nbytes, device)
-            cursor = 0
-            for s in b.segments:
-                if s.bucket_offset > cursor:
-                    data[cursor : s.bucket_offset].zero_()
-                hostmem.copy_bytes(data[s.bucket_offset : s.bucket_offset + s.length],
-                                   sources[s.tensor][s.start : s.start + s.length])
-                cursor = s.bucket_offset + s.length
-            return data, slot
-
+        plan = Plan.of(stream, tensors, weights_version, self.bucket_size, committed)
+        manifest = plan.manifest
+        way = route(stream, plan)  # may refuse the transfer (SharedMemoryUnavailable) before anything is sent
+        at = Transfer("manifest", progress, len(plan.buckets))
         try:
-            route.send_message(encode_manifest(manifest), stage)
-            route.transfer = manifest.transfer
-            n = len(buckets)
-            inflight: deque[Pending] = deque()  # at most WINDOW buckets on the wire
-            done = 0
-            for b in buckets:
-                stage = f"bucket {b.index + 1}/{n}"
-                data, slot = pack(b)  # the buckets already on the wire overlap this packing
-                pending = route.post(data, stage)
-                inflight.append(pending)
-                if slot is not None:
-                    slots[slot] = (b.index, pending)
-                if hashing is not None:
-                    # hashed while on the wire: the checksums only go out in the seal
-                    hashing.submit(b, data)
-                while len(inflight) >= WINDOW:
-                    inflight.popleft().wait()
-                    done += 1
-                    if progress is not None:
-                        progress(done, n)
-            while inflight:
-                stage = f"bucket {done + 1}/{n}"
-                inflight.popleft().wait()
-                done += 1
-                if progress is not None:
-                    progress(done, n)
-            if hashing is not None:
-                stage = "checksums"
-                digests = hashing.finish()
-                tensor_sums = hashing.hasher.tensor_digests()
-            else:
-                assert known is not None
-                digests, tensor_sums = list(known.bucket_checksums), list(known.tensor_checksums)
-            state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(entries, tensor_sums, strict=True))
+            stream.send_message(encode_manifest(manifest), at.stage)
+            stream.transfer = manifest.transfer
+            way.open(at)
+            for b in plan.buckets:
+                at.stage = f"bucket {b.index + 1}/{at.buckets}"
+                way.write(b, at)
+            way.drain(at)
+            digests, tensor_sums = way.checksums(at)
+            state = combine((e.name, e.dtype, e.shape, h) for e, h in zip(plan.entries, tensor_sums, strict=True))
             seal = Seal(comm.group, comm.version, weights_version, tuple(digests), tuple(tensor_sums), state,
                         manifest.transfer)
-            stage = "seal"
-            route.send_message(encode_seal(seal), stage)
-            stage = "commit vote"
-            votes = route.vote(VOTE_COMMIT, stage)
-        except (TransportError, DeadlineExceeded) as exc:
-            self._pack = [None, None]
-            if hashing is not None:
-                hashing.cancel()
-            comm.abort(f"weight transfer failed during {stage}")
-            raise _with_stage(exc, stage, weights_version, route) from exc
-        except BaseException:
-            self._pack = [None, None]
-            if hashing is not None:
-                hashing.cancel()
-            comm.abort(f"weight transfer interrupted during {stage}")
+            at.stage = "seal"
+            stream.send_message(encode_seal(seal), at.stage)
+            at.stage = "commit vote"
+            votes = stream.vote(VOTE_COMMIT, at.stage)
+        except SharedMemoryUnavailable as exc:  # said as it is: the caller's fallback reads it
+            way.failed(at, exc)
+            comm.abort(f"weight transfer failed during {at.stage}")
             raise
-
-        return self._report(comm, manifest, state, len(buckets), started, votes, host_from=host_from)
+        except (TransportError, DeadlineExceeded) as exc:
+            way.failed(at, exc)
+            comm.abort(f"weight transfer failed during {at.stage}")
+            raise with_stage(exc, at.stage, weights_version, stream) from exc
+        except BaseException as exc:
+            way.failed(at, exc)
+            comm.abort(f"weight transfer {way.interrupted} during {at.stage}")
+            raise
+        finally:
+            way.close()
+        report = self.report(comm, manifest, state, len(plan.buckets), started, votes, way.routes, way.fallback,
+                             host_from)
+        return way.settle(report)
 
 
 # -- receiver ------------------------------------------------------------------------------
@@ -769,7 +256,7 @@ def _fresh(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
 
 
-def _use_count(t: torch.Tensor) -> int | None:
+def use_count(t: torch.Tensor) -> int | None:
     """How many references hold ``t``'s storage (None when torch does not tell)."""
     counter = getattr(torch._C, "_storage_Use_Count", None)
     if counter is None:
@@ -870,7 +357,7 @@ class Receiver:
                 return
             buf = _fresh(nbytes, device)
             buf.zero_()
-            self._spare = (buf, _use_count(buf) or 0)
+            self._spare = (buf, use_count(buf) or 0)
 
     def corrupt_next_bucket(self) -> None:
         """Chaos/test hook: flip one byte of the next bucket this receiver gets, after it
@@ -887,8 +374,8 @@ class Receiver:
         :class:`StaleGroupVersion` or :class:`ManifestError`; on any of them
         :attr:`committed` is exactly what it was before the call.
         """
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=root, sending=False)
-        return self._receive(route, progress)
+        stream = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=root, sending=False)
+        return self.transfer(stream, progress, BroadcastReceive(stream, self.take_damage))
 
     def receive_from(
         self, comm: Communicator, peer: int, *, timeout_s: float, progress: Progress | None = None
@@ -898,8 +385,8 @@ class Receiver:
         ``timeout_s``: bound on the whole transfer. Same errors and guarantee as
         :meth:`receive_broadcast`.
         """
-        route = _PeerRoute(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=False)
-        return self._receive(route, progress)
+        stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=False)
+        return self.transfer(stream, progress, BroadcastReceive(stream, self.take_damage))
 
     # -- internals ----------------------------------------------------------------------
 
@@ -912,7 +399,7 @@ class Receiver:
         spare, self._spare = self._spare, None
         if spare is not None:
             buf, baseline = spare
-            count = _use_count(buf)
+            count = use_count(buf)
             if buf.device == device and buf.numel() >= nbytes and count is not None and count <= baseline:
                 self._peak = self.held_bytes + buf.numel()
                 return buf, baseline
@@ -922,65 +409,74 @@ class Receiver:
             raise TransportError(f"staging for a transfer of {nbytes} bytes cannot be allocated on {device}: "
                                  f"{str(exc)[:200]}") from exc
         self._peak = self.held_bytes + buf.numel()
-        return buf, _use_count(buf) or 0
+        return buf, use_count(buf) or 0
 
-    def _receive(self, route: _Route, progress: Progress | None) -> CommittedWeights:
-        comm = route.comm
+
+    def take_damage(self, applies: bool) -> bool:
+        """Whether the bucket at hand is the one :meth:`corrupt_next_bucket` asked to damage:
+        True once, for the first bucket where ``applies``."""
+        if self._corrupt_next and applies:
+            self._corrupt_next = False
+            return True
+        return False
+
+    def transfer(self, stream: Stream, progress: Progress | None, route: ReceiveRoute) -> CommittedWeights:
+        """One transfer on ``stream``, the buckets' bytes moved by ``route``: every bucket into
+        staging, the seal compared, the vote, the commit. Every route's receiver; on any error
+        :attr:`committed` is exactly what it was."""
+        comm = stream.comm
         kept = self._committed
-        stage = "manifest"
+        at = Transfer("manifest", progress)
         manifest: Manifest | None = None
-        staging: tuple[torch.Tensor, int] | None = None
-        hashing: _Hashing | None = None
+        way = route
         self._host_from = host_copied_bytes()
         comm.check_usable()
         try:
-            manifest = decode_manifest(route.recv_message(stage), group=comm.group, group_version=comm.version)
-            route.transfer = manifest.transfer
-            staging = self._staging(manifest.total_bytes, comm.device, route.deadline - time.monotonic())
-            flat = staging[0]
-            _zero_padding(flat, manifest)
+            manifest = decode_manifest(stream.recv_message(at.stage), group=comm.group, group_version=comm.version)
+            stream.transfer = manifest.transfer
             buckets = bucket_segments(manifest.tensors, manifest.buckets)
-            hashing = _Hashing(manifest, receiving=True)
-            n = len(buckets)
-            posted: deque[Pending] = deque()
-            for b in buckets[:WINDOW]:
-                posted.append(route.post(flat[b.start : b.stop], f"bucket {b.index + 1}/{n}"))
+            at.buckets = len(buckets)
+            way.begin(manifest, buckets, at)
+            staging = way.staging(at)
+            if staging is not None:  # no staging of its own: its peak is what it already keeps
+                self._peak = self.held_bytes
+            else:
+                staging = self._staging(manifest.total_bytes, comm.device, stream.deadline - time.monotonic())
+                zero_padding(staging[0], manifest)
+            flat = staging[0]
+            way.open(flat, at)
             for b in buckets:
-                stage = f"bucket {b.index + 1}/{n}"
-                posted.popleft().wait()
-                if b.index + WINDOW < n:
-                    following = buckets[b.index + WINDOW]
-                    posted.append(route.post(flat[following.start : following.stop], stage))
-                data = flat[b.start : b.stop]
-                if self._corrupt_next and b.segments:
-                    self._corrupt_next = False
-                    at = b.segments[0].bucket_offset
-                    data[at : at + 1].bitwise_xor_(0xFF)
-                hashing.submit(b, data)  # hashed while the next buckets are on the wire
-                if progress is not None:
-                    progress(b.index + 1, n)
-            stage = "seal"
-            seal = decode_seal(route.recv_message(stage), manifest)
-            stage = "checksums"
-            digests = hashing.finish()
-            tensor_sums = hashing.hasher.tensor_digests(seal.tensor_checksums)
-            own = _own_state_checksum(manifest, tensor_sums)
-            problem = _verify(manifest, seal, digests, tensor_sums, own)
-            stage = "commit vote"
-            route.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, stage)
-        except (TransportError, DeadlineExceeded) as exc:
-            if hashing is not None:
-                hashing.cancel()
-            comm.abort(f"weight transfer failed during {stage}")
-            wv = manifest.weights_version if manifest is not None else None
-            raise _with_stage(exc, stage, wv, route) from exc
-        except BaseException:
-            if hashing is not None:
-                hashing.cancel()
-            comm.abort(f"weight transfer interrupted during {stage}")
+                at.stage = f"bucket {b.index + 1}/{at.buckets}"
+                way.read(b, flat, at)
+            way.drain(at)
+            at.stage = "seal"
+            seal = decode_seal(stream.recv_message(at.stage), manifest)
+            at.stage = "checksums"
+            digests = way.digests(at)
+            tensor_sums = way.tensor_sums(seal)
+            own = own_state_checksum(manifest, tensor_sums)
+            problem = verify(manifest, seal, digests, tensor_sums, own)
+            at.stage = "commit vote"
+            stream.vote(VOTE_COMMIT if problem is None else VOTE_CHECKSUM_MISMATCH, at.stage)
+        except SharedMemoryUnavailable as exc:
+            self._failed(comm, way, at, exc, "failed")
             raise
+        except (TransportError, DeadlineExceeded) as exc:
+            self._failed(comm, way, at, exc, "failed")
+            wv = manifest.weights_version if manifest is not None else None
+            raise with_stage(exc, at.stage, wv, stream) from exc
+        except BaseException as exc:
+            self._failed(comm, way, at, exc, way.interrupted)
+            raise
+        finally:
+            way.close()
+        node = way.settle(problem is None)
+        return self._conclude(comm, manifest, seal, staging, kept, problem, own, node=node)
 
-        return self._conclude(comm, manifest, seal, staging, kept, problem, own)
+    @staticmethod
+    def _failed(comm: Communicator, way: ReceiveRoute, at: Transfer, exc: BaseException, verb: str) -> None:
+        way.failed(at, exc)
+        comm.abort(f"weight transfer {verb} during {at.stage}")
 
     def _conclude(
         self, comm: Communicator, manifest: Manifest, seal: Seal, staging: tuple[torch.Tensor, int],
@@ -988,7 +484,7 @@ class Receiver:
     ) -> CommittedWeights:
         """After the vote: raise :class:`ChecksumMismatch` for ``problem`` (keeping what was
         committed), else commit the staged state (one reference assignment). ``own``: this
-        member's whole-state checksum of the bytes it received (:func:`_own_state_checksum`),
+        member's whole-state checksum of the bytes it received (:func:`own_state_checksum`),
         what it reports as holding: never the seal's, except that with ``integrity: keyed`` its
         per-tensor digests are the seal's, taken only because every bucket's keyed digest of
         its own bytes matched (``problem`` is None; see ``StreamHasher``). ``node``: ``staging`` is a mapping of
@@ -1043,7 +539,7 @@ class Receiver:
         return new
 
 
-def _zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
+def zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
     """Zero the alignment gaps between tensors (never sent), so a resend from this buffer
     leaks no stale memory."""
     cursor = 0
@@ -1053,29 +549,6 @@ def _zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
         cursor = max(cursor, e.end)
 
 
-def _own_state_checksum(manifest: Manifest, tensor_sums: list[int]) -> int:
-    """The whole-state checksum of what this member received, from its per-tensor digests (its
-    own; with ``integrity: keyed`` the seal's, proven by its keyed bucket digests)."""
-    return combine((e.name, e.dtype, e.shape, h) for e, h in zip(manifest.tensors, tensor_sums, strict=True))
-
-
-def _verify(manifest: Manifest, seal: Seal, digests: list[int], tensor_sums: list[int], state: int) -> str | None:
-    """None when everything matches, else what did not (first failing bucket first). ``state``:
-    the receiver's own whole-state checksum of ``tensor_sums``."""
-    n = manifest.num_buckets
-    for k, (got, want) in enumerate(zip(digests, seal.bucket_checksums, strict=True)):
-        if got != want:
-            return f"bucket {k + 1}/{n} does not match its checksum (expected {want:016x}, got {got:016x})"
-    for e, got, want in zip(manifest.tensors, tensor_sums, seal.tensor_checksums, strict=True):
-        if got != want:
-            return f"tensor {e.name!r} does not match its checksum (expected {want:016x}, got {got:016x})"
-    if state != seal.state_checksum:
-        return (
-            f"whole-state checksum does not match (expected {seal.state_checksum:016x}, got {state:016x})"
-        )
-    return None
-
-
 __all__ = [
     "DEFAULT_BUCKET_SIZE",
     "CommittedWeights",
@@ -1083,4 +556,6 @@ __all__ = [
     "Receiver",
     "Sender",
     "SyncReport",
+    "use_count",
+    "zero_padding",
 ]

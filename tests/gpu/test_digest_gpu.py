@@ -50,7 +50,7 @@ def test_a_state_on_the_gpu_and_its_cpu_copy_have_one_whole_state_checksum():
 def test_a_bucketed_gpu_transfers_digests_equal_the_cpus_and_copy_nothing_to_the_host():
     from ftstate.transport.buckets import bucket_segments, plan_layout
     from ftstate.transport.checksum import StreamHasher
-    from ftstate.transport.sync import feed_bucket
+    from ftstate.transport.hashing import feed_bucket
 
     g = torch.Generator().manual_seed(4)
     state = {f"w{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i, n in enumerate((5 << 20, 3, 4097, 1 << 16))}

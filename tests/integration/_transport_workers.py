@@ -182,7 +182,7 @@ class _Member:
         from ftstate.transport.checksum import dtype_name
         from ftstate.transport.manifest import Manifest, encode_manifest
         from ftstate.transport.signals import Channel
-        from ftstate.transport.sync import _BroadcastRoute
+        from ftstate.transport.stream import BroadcastStream
 
         comm = self.comm
         entries, windows, total = plan_layout(
@@ -196,7 +196,7 @@ class _Member:
             seg.mark(0, self.weights_version, windows[0][1] - windows[0][0])
         chan = Channel.bind()
         self.stale_chan = chan
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+        route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
         route.send_message(encode_manifest(
             Manifest(comm.group, comm.version, self.weights_version, BUCKET, total, entries, windows)), "manifest")
         offer = samehost.Offer(comm.group, comm.version, os.getpid(), chan.endpoint, tuple(names), True,
@@ -244,10 +244,11 @@ class _Member:
     def force_checksum_function(self, function: str | None) -> None:
         """This process, as a sender, hashes with ``function`` whatever its weights' device (None:
         chosen by the device again), by replacing the routes' choice."""
-        from ftstate.transport import checksum, samehost, sync
+        from ftstate.transport import checksum
+        from ftstate.transport.routes import base
 
         chosen = checksum.function_for if function is None else (lambda sources: function)
-        samehost.function_for = sync.function_for = chosen
+        base.function_for = chosen  # the plan of every route's transfer
 
     def device_memory_stats(self) -> dict[str, int]:
         return self.device_memory.stats()
@@ -274,34 +275,35 @@ class _Member:
         import subprocess
         import sys
 
-        from ftstate.transport import samehost
+        from ftstate.transport.routes import copying
+        from ftstate.transport.signals import Channel
 
         bound: list[str] = []
-        original = samehost.Channel.__dict__["bind"]  # the classmethod itself, to put back
+        original = Channel.__dict__["bind"]  # the classmethod itself, to put back
 
         def bind(**kwargs: Any) -> Any:
-            chan = original.__func__(samehost.Channel, **kwargs)
+            chan = original.__func__(Channel, **kwargs)
             bound.append(chan.endpoint)
             return chan
 
         def attack(piece: Any) -> None:
-            samehost.after_slot_copy = None
-            samehost.Channel.bind = original
+            copying.after_slot_copy = None
+            Channel.bind = original
             subprocess.run([sys.executable, "-c", script, bound[-1]], check=True, timeout=20)
 
-        samehost.Channel.bind = staticmethod(bind)
-        samehost.after_slot_copy = attack
+        Channel.bind = staticmethod(bind)
+        copying.after_slot_copy = attack
 
     def tamper_slot_after_copy(self) -> None:
         """As a writer, flip the first byte of the next piece it copies into a shared-memory slot,
         right after the copy (the window a same-uid process writing into the slot would use)."""
-        from ftstate.transport import samehost
+        from ftstate.transport.routes import copying
 
         def tamper(piece: Any) -> None:
-            samehost.after_slot_copy = None  # once
+            copying.after_slot_copy = None  # once
             piece[:1].bitwise_xor_(0xFF)
 
-        samehost.after_slot_copy = tamper
+        copying.after_slot_copy = tamper
 
     def tamper_device_slot(self) -> None:
         """The installed stand-in damages the slots it allocated at its next synchronize."""
@@ -344,7 +346,7 @@ class _Member:
         only the transfer id tells the two seals apart."""
         import dataclasses
 
-        from ftstate.transport import manifest, samehost
+        from ftstate.transport import manifest, sync
 
         recorded: list[Any] = []
 
@@ -352,18 +354,18 @@ class _Member:
             if not recorded:
                 recorded.append(seal)
                 return manifest.encode_seal(seal)
-            samehost.encode_seal = manifest.encode_seal  # once
+            sync.encode_seal = manifest.encode_seal  # once
             assert dataclasses.replace(recorded[0], transfer=seal.transfer) == seal, "not the same weights"
             return manifest.encode_seal(recorded[0])
 
-        samehost.encode_seal = encode
+        sync.encode_seal = encode
 
     def forget_slot_mappings(self) -> None:
         """Unmap every writer's slots this process mapped (as one that lost them would: the
         writer's next offer then names slots it never mapped)."""
-        from ftstate.transport import samehost
+        from ftstate.transport.routes import slots
 
-        samehost._unmap(None)
+        slots.unmap(None)
 
     def reset_receiver(self) -> None:
         """Forget the committed weights, as a newcomer holds none."""
@@ -396,14 +398,14 @@ class _Member:
         from ftstate.transport.buckets import plan_layout
         from ftstate.transport.checksum import dtype_name
         from ftstate.transport.manifest import Manifest, encode_manifest
-        from ftstate.transport.sync import _BroadcastRoute
+        from ftstate.transport.stream import BroadcastStream
 
         comm = self.comm
         entries, windows, total = plan_layout(
             ((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self.weights.items()), BUCKET
         )
         manifest = Manifest(comm.group, stamped_version, self.weights_version, BUCKET, total, entries, windows)
-        route = _BroadcastRoute(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
+        route = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
         route.send_message(encode_manifest(manifest), "stale manifest", group_version=stamped_version)
 
     def abandon(self, version: int) -> None:

@@ -67,15 +67,15 @@ class TestVotes:
     def test_a_vote_whose_tag_does_not_verify_counts_as_forged_never_as_a_commit(self, key):
         import types
 
-        from ftstate.transport.sync import VOTE_COMMIT, VOTE_FORGED, _signed_vote, _vote_value
+        from ftstate.transport.stream import VOTE_COMMIT, VOTE_FORGED, signed_vote, vote_value
 
         comm = types.SimpleNamespace(group="weights", version=2)
-        good = _signed_vote(comm, 1, VOTE_COMMIT, 7)
-        assert _vote_value(comm, 1, good, 7) == VOTE_COMMIT
-        assert _vote_value(comm, 2, good, 7) == VOTE_FORGED  # rank 1's vote presented as rank 2's
+        good = signed_vote(comm, 1, VOTE_COMMIT, 7)
+        assert vote_value(comm, 1, good, 7) == VOTE_COMMIT
+        assert vote_value(comm, 2, good, 7) == VOTE_FORGED  # rank 1's vote presented as rank 2's
         forged = good.clone()
         forged[1] ^= 1
-        assert _vote_value(comm, 1, forged, 7) == VOTE_FORGED
+        assert vote_value(comm, 1, forged, 7) == VOTE_FORGED
         assert [f["channel"] for f in auth.drain_forged()] == ["vote", "vote"]
 
     def test_a_vote_of_another_transfer_in_the_same_group_version_counts_as_forged(self, key):
@@ -83,12 +83,12 @@ class TestVotes:
         version (same ranks, same weights version even) is not that transfer's commit."""
         import types
 
-        from ftstate.transport.sync import VOTE_COMMIT, VOTE_FORGED, _signed_vote, _vote_value
+        from ftstate.transport.stream import VOTE_COMMIT, VOTE_FORGED, signed_vote, vote_value
 
         comm = types.SimpleNamespace(group="weights", version=2)
-        recorded = _signed_vote(comm, 1, VOTE_COMMIT, transfer=0x1111)
-        assert _vote_value(comm, 1, recorded, 0x1111) == VOTE_COMMIT
-        assert _vote_value(comm, 1, recorded, 0x2222) == VOTE_FORGED
+        recorded = signed_vote(comm, 1, VOTE_COMMIT, transfer=0x1111)
+        assert vote_value(comm, 1, recorded, 0x1111) == VOTE_COMMIT
+        assert vote_value(comm, 1, recorded, 0x2222) == VOTE_FORGED
         [record] = auth.drain_forged()
         assert record["channel"] == "vote" and record["claimed_sender"] == "1"
 

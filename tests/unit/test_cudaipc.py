@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ftstate.core.errors import ManifestError, SharedMemoryUnavailable
-from ftstate.transport import cudaipc, samehost
+from ftstate.transport import cudaipc
+from ftstate.transport.routes import slots
 
 
 def fake_reduce_args(device: int = 3) -> tuple:
@@ -102,13 +103,13 @@ class TestWhichMemory:
         comm = SimpleNamespace(device=device)
         with pytest.raises(SharedMemoryUnavailable, match=f"no device memory other processes can map is known "
                                                           f"for '{device.type}'"):
-            samehost._slot_memory(comm, 1024)  # type: ignore[arg-type]
+            slots.slot_memory(comm, 1024)  # type: ignore[arg-type]
 
     def test_a_relay_on_a_device_cannot_make_its_slots(self):
         comm = SimpleNamespace(device=torch.device("cuda", 0))
         with pytest.raises(SharedMemoryUnavailable, match="these slots hold host memory"):
-            samehost._require_host_memory(comm, 1024)  # type: ignore[arg-type]
+            slots.require_host_memory(comm, 1024)  # type: ignore[arg-type]
 
     def test_the_host_takes_slots_in_dev_shm(self):
         comm = SimpleNamespace(device=torch.device("cpu"))
-        assert samehost._slot_memory(comm, 1024) is None  # type: ignore[arg-type]
+        assert slots.slot_memory(comm, 1024) is None  # type: ignore[arg-type]

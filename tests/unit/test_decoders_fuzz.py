@@ -47,7 +47,7 @@ from ftstate.transport.manifest import (
     encode_seal,
 )
 from ftstate.transport.nodecopy import is_copy
-from ftstate.transport.samehost import MAX_HANDLE_BYTES, MAX_PID, MAX_RANK, Offer, decode_offer, encode_offer
+from ftstate.transport.offer import MAX_HANDLE_BYTES, MAX_PID, MAX_RANK, Offer, decode_offer, encode_offer
 from ftstate.transport.signals import _decode
 from ftstate.transport.store import parse_int, parse_registration
 

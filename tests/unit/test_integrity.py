@@ -16,9 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ftstate.transport import auth, checksum, samehost
+from ftstate.transport import auth, checksum
 from ftstate.transport.buckets import bucket_segments, plan_layout
 from ftstate.transport.checksum import StreamHasher
+from ftstate.transport.routes import copying
 
 SIZES = [10_000, 3_000, 700]
 
@@ -44,7 +45,7 @@ def digests(flat: torch.Tensor, *, receiving: bool = False, bucket_size: int = 8
     hasher = StreamHasher(len(entries), receiving=receiving)
     out = []
     for b in buckets:
-        samehost._hash(b, flat[b.start : b.stop], hasher)
+        copying.hash_bucket(b, flat[b.start : b.stop], hasher)
         out.append(hasher.bucket_digest(b))
     return out, hasher
 
@@ -98,8 +99,8 @@ class TestAnOutsiderCannotMatchAKeyedDigest:
         moved = dataclasses.replace(b, start=b.start + 64, stop=b.stop + 64)  # same segments, same bytes
         data = weights()[b.start : b.stop]
         here, there = StreamHasher(len(SIZES)), StreamHasher(len(SIZES))
-        samehost._hash(b, data, here)
-        samehost._hash(moved, data, there)
+        copying.hash_bucket(b, data, here)
+        copying.hash_bucket(moved, data, there)
         assert here.bucket_digest(b) != there.bucket_digest(moved)
 
     def test_keyed_mode_refuses_to_start_without_the_runs_secret(self):
@@ -127,7 +128,7 @@ class TestAKeyedReceiverHashesOnceAndTrustsOnlyAVerifiedSeal:
                                                              for e in layout()[0]]
 
     def test_a_damaged_byte_is_refused_although_its_tensor_sums_are_the_seals(self, keyed):
-        from ftstate.transport.sync import _own_state_checksum, _verify
+        from ftstate.transport.hashing import own_state_checksum, verify
 
         flat = weights()
         sent, sender = digests(flat)
@@ -138,11 +139,11 @@ class TestAKeyedReceiverHashesOnceAndTrustsOnlyAVerifiedSeal:
         manifest = SimpleNamespace(num_buckets=len(sent), tensors=entries)
         sums = sender.tensor_digests()
         seal = SimpleNamespace(bucket_checksums=sent, tensor_checksums=sums,
-                               state_checksum=_own_state_checksum(manifest, sums))
+                               state_checksum=own_state_checksum(manifest, sums))
         taken = receiver.tensor_digests(seal.tensor_checksums)
-        problem = _verify(manifest, seal, got, taken, _own_state_checksum(manifest, taken))
+        problem = verify(manifest, seal, got, taken, own_state_checksum(manifest, taken))
         assert problem is not None and "does not match its checksum" in problem and problem.startswith("bucket ")
-        assert _verify(manifest, seal, sent, taken, _own_state_checksum(manifest, taken)) is None
+        assert verify(manifest, seal, sent, taken, own_state_checksum(manifest, taken)) is None
 
     def test_with_xxh3_a_receiver_still_hashes_every_tensor(self):
         flat = weights()
@@ -153,8 +154,8 @@ class TestAKeyedReceiverHashesOnceAndTrustsOnlyAVerifiedSeal:
 class TestTheWriterTellsBeforeItHashesItsSource:
     @pytest.fixture
     def small_pieces(self, monkeypatch):
-        monkeypatch.setattr(samehost, "PIECE", 1024)
-        monkeypatch.setattr(samehost, "STREAM", 4096)
+        monkeypatch.setattr(copying, "PIECE", 1024)
+        monkeypatch.setattr(copying, "STREAM", 4096)
 
     @pytest.mark.parametrize("mode", ["xxh3", "keyed"])
     def test_it_tells_each_stretch_before_hashing_it_and_its_digests_are_the_sources(self, small_pieces, mode):
@@ -177,12 +178,12 @@ class TestTheWriterTellsBeforeItHashesItsSource:
             def tamper(piece: torch.Tensor) -> None:  # a write into the slot right after the copy
                 piece[:1].bitwise_xor_(0xFF)
 
-            samehost.after_slot_copy = tamper
+            copying.after_slot_copy = tamper
             try:
-                samehost._copy_hash(b, slot, samehost._in_tensors([flat[e.offset : e.end] for e in entries]), hasher,
+                copying.copy_hash(b, slot, copying.in_tensors([flat[e.offset : e.end] for e in entries]), hasher,
                                     hash_source=True, filled=lambda n: events.append(("told", n)))
             finally:
-                samehost.after_slot_copy = None
+                copying.after_slot_copy = None
             told = [n for kind, n in events if kind == "told"]
             assert told[-1] == b.nbytes and len(told) >= 3
             # every stretch is told before any of its bytes is hashed

@@ -12,7 +12,7 @@ import pytest
 
 from ftstate.core.errors import ManifestError, SharedMemoryUnavailable, StaleGroupVersion
 from ftstate.transport import shm
-from ftstate.transport.samehost import Offer, decode_offer, encode_offer
+from ftstate.transport.offer import Offer, decode_offer, encode_offer
 
 
 @pytest.fixture
@@ -162,18 +162,18 @@ class TestStreaming:
     def test_a_writer_announces_its_progress_every_stream_bytes_and_at_the_end(self, monkeypatch):
         import torch
 
-        from ftstate.transport import samehost
         from ftstate.transport.checksum import StreamHasher
+        from ftstate.transport.routes import copying
 
-        monkeypatch.setattr(samehost, "PIECE", 1024)
-        monkeypatch.setattr(samehost, "STREAM", 4096)
+        monkeypatch.setattr(copying, "PIECE", 1024)
+        monkeypatch.setattr(copying, "STREAM", 4096)
         b = self.bucket([10_000, 3_000])
         src = torch.randint(0, 255, (b.nbytes,), dtype=torch.uint8)
         dst = torch.zeros(b.nbytes, dtype=torch.uint8)
         told: list[int] = []
         asked: list[int] = []
-        samehost._copy_hash(b, dst, samehost._in_bucket(src), StreamHasher(2), filled=told.append,
-                            awaiting=asked.append)
+        copying.copy_hash(b, dst, copying.in_bucket(src), StreamHasher(2), filled=told.append,
+                          awaiting=asked.append)
         assert all(told[i] - told[i - 1] >= 4096 for i in range(1, len(told) - 1)) and told[-1] == b.nbytes
         assert len(told) >= 3 and told == sorted(told)
         # every piece is asked for before it is copied, by where it ends
@@ -185,7 +185,7 @@ class TestStreaming:
     def follower(self):
         from types import SimpleNamespace
 
-        from ftstate.transport import samehost
+        from ftstate.transport.routes.signalling import Follower
         from ftstate.transport.signals import Channel
 
         writer = Channel.bind()
@@ -193,7 +193,7 @@ class TestStreaming:
         reader.send({"kind": "hello", "rank": 1, "pid": os.getpid()})
         assert writer.recv(5.0)["kind"] == "hello"
         route = SimpleNamespace(comm=SimpleNamespace(rank=1, group="weights", version=3))
-        return writer, reader, samehost._Follower(reader, route, {0: os.getpid()}, 2)  # type: ignore[arg-type]
+        return writer, reader, Follower(reader, route, {0: os.getpid()}, 2)  # type: ignore[arg-type]
 
     def test_a_reader_waits_for_the_bytes_it_copies_and_refuses_a_malformed_progress(self):
         writer, reader, follow = self.follower()
@@ -226,14 +226,15 @@ class TestChunks:
     def test_chunks_cut_every_bucket_in_order_and_hash_as_the_whole(self):
         import torch
 
-        from ftstate.transport import samehost
         from ftstate.transport.buckets import bucket_segments, plan_layout
         from ftstate.transport.checksum import StreamHasher
-        from ftstate.transport.sync import feed_bucket
+        from ftstate.transport.hashing import feed_bucket
+        from ftstate.transport.routes.collective import chunks as cut_into
+        from ftstate.transport.routes.copying import hash_bucket
 
         entries, windows, total = plan_layout(((f"t{i}", "uint8", (n,)) for i, n in enumerate([700, 2_500, 90])), 1024)
         buckets = bucket_segments(entries, windows)
-        chunks = samehost._chunks(buckets, 300)
+        chunks = cut_into(buckets, 300)
         for b in buckets:
             mine = [(lo, hi) for c, lo, hi in chunks if c is b]
             assert mine[0][0] == 0 and mine[-1][1] == b.nbytes
@@ -242,7 +243,7 @@ class TestChunks:
         flat = torch.randint(0, 255, (total,), dtype=torch.uint8)
         whole, cut = StreamHasher(3), StreamHasher(3)
         for b in buckets:
-            samehost._hash(b, flat[b.start : b.stop], whole)
+            hash_bucket(b, flat[b.start : b.stop], whole)
         for b, lo, hi in chunks:
             feed_bucket(cut, b, flat[b.start : b.stop], lo, hi)
         assert cut.tensor_digests() == whole.tensor_digests()

@@ -21,7 +21,7 @@ from ftstate.transport.buckets import TensorEntry
 from ftstate.transport.hostmem import copy_bytes
 from ftstate.transport.nodecopy import NodeCopy, copy_name, tensors_of
 from ftstate.transport.shm import SHM_DIR, list_segments, parse_name, pid_alive, safe_group, unlink_names
-from ftstate.transport.sync import Receiver, _use_count
+from ftstate.transport.sync import Receiver, use_count
 
 if TYPE_CHECKING:
     import torch
@@ -170,7 +170,7 @@ class NodeReceiver(Receiver):
         self._spare = None  # the last chunk's segment stays the node's, never this receiver's spare
         buf = self._writer.segment(nbytes)
         self._peak = buf.numel()
-        return buf, _use_count(buf) or 0
+        return buf, use_count(buf) or 0
 
 
 def wait_and_map(group: str, group_version: int, *, writer_pid: int, writer: str, me: str, deadline: float,
