@@ -10,8 +10,12 @@ that drives Ray actors drives 10,000 simulated ones on one core, in seconds:
 - :mod:`~ftstate.simulation.costs`: what each modelled step costs (from this project's own
   measurements, ``docs/benchmarks.md``);
 - :mod:`~ftstate.simulation.members`: a simulated worker host (the calls the controller makes
-  of a :class:`~ftstate.worker.host.WorkerHost`, answered after their modelled cost) and
-  the collectives they take part in;
+  of a :class:`~ftstate.worker.host.WorkerHost`, answered after their modelled cost), and a
+  node's simulated watcher and liveness agent;
+- :mod:`~ftstate.simulation.collectives`: the collectives members take part in and the
+  rendezvous store they wait in;
+- :mod:`~ftstate.simulation.agentcalls`: a node agent's batch of member calls, the stream the
+  controller reads;
 - :mod:`~ftstate.simulation.cluster`: the simulated cluster (nodes, pools, the rendezvous
   store, faults: deaths, hangs, node losses);
 - :mod:`~ftstate.simulation.mix`: failure mixes (the Llama 3 table) and the schedules drawn from them;
