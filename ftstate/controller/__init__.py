@@ -14,7 +14,9 @@ other:
   weights;
 - :mod:`~ftstate.controller.calls` is every actor call (deaths become events);
   :mod:`~ftstate.controller.watchdog` turns heartbeats into liveness events;
-- :mod:`~ftstate.controller.failover` replaces lost members (a lost node's in one round);
+- :mod:`~ftstate.controller.failover` replaces lost members (a lost node's in one round),
+  promoting spares from :mod:`~ftstate.controller.spares` (the standby pool) and bringing each
+  newcomer to the current weights with :mod:`~ftstate.controller.resync`;
 - :mod:`~ftstate.controller.maintenance` watches for maintenance and preemption notices,
   :mod:`~ftstate.controller.notices` turns them into drains, and
   :mod:`~ftstate.controller.drain` moves a node's members off it before it goes;

@@ -333,7 +333,7 @@ class Runtime:
         if self._notices is not None:
             await self._notices.close()
         if self._failover is not None:
-            await self._failover.close()
+            await self._failover.spares.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -399,7 +399,7 @@ class Runtime:
             await launcher.pools_ready()
             # Spares warm up while the group forms; started once the pools are placed, so each
             # can take a slot away from the nodes of the members it covers.
-            self._parts()[4].start_spares()
+            self._parts()[4].spares.start_spares()
             group.describe_wait(f"rendezvous of group {GROUP!r}", missing=missing, arrived=arrived)
             report_ready()
             joins = [asyncio.ensure_future(join(m)) for m in members]
@@ -507,9 +507,9 @@ class Runtime:
                                       membership_changed=bool(membership_changed), transient_retries=transient,
                                       weights_version=ms.weights_version, group_version=ms.group_version)
                     continue
-                failover.weights_bytes = report.nbytes
+                failover.resyncer.weights_bytes = report.nbytes
                 if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
-                    self._spawn(failover.weights_sized(report.nbytes))
+                    self._spawn(failover.spares.weights_sized(report.nbytes))
                 stale = f", {len(report.stale)} stale" if report.stale else ""
                 self.progress.report("sync", f"weights version {report.weights_version} synced to "
                                      f"{len(report.rollouts)} rollouts in {report.seconds:.3f}s{stale}",
@@ -839,7 +839,7 @@ class Runtime:
                 # place, as for a spare that died (bounded by spare_start_attempts).
                 launcher.kill(m)
                 launcher.give_back(m)
-                failover.spare_lost(m)
+                failover.spares.spare_lost(m)
 
     def _on_group_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:
         if dest == "FAILED" and self._failure is None and machine.error is not None:
@@ -861,7 +861,7 @@ class Runtime:
                 await m.machine.fire("retire", reason="spare lost")
             launcher.give_back(m)
             if not self._closed:
-                failover.spare_lost(m)
+                failover.spares.spare_lost(m)
             return
         await self._recover_in_background()
 
