@@ -14,6 +14,9 @@ other:
   weights;
 - :mod:`~ftstate.controller.calls` is every actor call (deaths become events);
   :mod:`~ftstate.controller.watchdog` turns heartbeats into liveness events;
+- :mod:`~ftstate.controller.startup` checks what the runtime is given and forms the first
+  group version; :mod:`~ftstate.controller.losses` decides what a member's loss does (fail
+  the run, or recover it);
 - :mod:`~ftstate.controller.failover` replaces lost members (a lost node's in one round),
   promoting spares from :mod:`~ftstate.controller.spares` (the standby pool) and bringing each
   newcomer to the current weights with :mod:`~ftstate.controller.resync`;
