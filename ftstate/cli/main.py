@@ -32,7 +32,7 @@ from ftstate.core.errors import AuditFileError, FTError, UsageError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: The demo's steps when --steps is 0 (ftstate.cli.demo.run.DemoOptions.steps; a test pins them equal,
+#: The demo's steps when --steps is 0 (ftstate.cli.demo.options.DemoOptions.steps; a test pins them equal,
 #: so that ``--help`` says the real default without importing the demo, which loads Ray and torch).
 DEMO_STEPS = 24
 #: Set by the global ``--debug`` option for the command being run.

@@ -2,7 +2,8 @@
 
 ``task`` (the toy task and its reward), ``policy`` (a tiny transformer and seeded
 sampling), ``reinforce`` (the policy-gradient step, on one trainer or several ranks), ``workers`` (the trainer, its sharded ranks and the rollout
-classes), ``live`` (the terminal view) and ``run`` (the job, its faults and its proof);
+classes), ``live`` (the terminal view), ``options`` (its flags), ``run`` (the job, its faults and its
+proof) and ``report`` (report.json and the verdict);
 for ``ftstate demo --engine vllm``, ``llm`` (a tiny Qwen2, its task and its transformers
 trainer), ``engine_rollout`` (a vLLM engine answering the task) and ``engine_run`` (that job,
 its faults and its proof, read back from the engines);
