@@ -95,7 +95,7 @@ class Drainer:
             self.launcher.give_back(spare)
         if spares and self.config.fault_tolerance.mode == "standby":
             for role in sorted({s.role for s in spares}):
-                self.failover.replenish(role)
+                self.failover.spares.replenish(role)
         if not members:
             return self._done(node, source, kind, reason, "drained", {}, t0)
         for m in members:
@@ -134,7 +134,7 @@ class Drainer:
         await self.formation.reform()
         for m in sorted(members, key=lambda m: m.role != "trainer"):  # the trainer first
             self._check(node)
-            await self.failover.resync(moved[m.name])
+            await self.failover.resyncer.resync(moved[m.name])
         self._check(node)
         for m in members:
             replacement = moved[m.name]
@@ -146,7 +146,7 @@ class Drainer:
         await self.formation.reform()
         if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
             for role in sorted({m.role for m in members}):
-                self.failover.replenish(role)
+                self.failover.spares.replenish(role)
 
     async def _move_ranks(self, ranks: Sequence[Member], moved: dict[str, Member], node: str) -> None:
         """Several trainer ranks: a rank cannot serve beside its replacement, so it retires first (calls
@@ -166,7 +166,7 @@ class Drainer:
         newcomers = [moved[m.name] for m in ranks]
         try:
             await self.formation.reform()
-            await self.failover.recover_ranks(newcomers)
+            await self.failover.resyncer.recover_ranks(newcomers)
         except FTError:
             loop = asyncio.get_running_loop()
             for r in newcomers:
@@ -176,7 +176,7 @@ class Drainer:
                     self.failover.note_loss(r, loop.time())
             raise
         if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
-            self.failover.replenish("trainer")
+            self.failover.spares.replenish("trainer")
 
     def _check(self, node: str) -> None:
         if node in self._withdrawn:

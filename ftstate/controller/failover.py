@@ -26,6 +26,11 @@ is started (as in cold mode). With no replacement possible (the fresh actor cann
 the group shrinks (rollouts only) while at least ``min_rollout_workers`` serve, and
 otherwise fails with a clear error. Each failover is
 recorded (who, by whom, how long each phase took) for the sync report and the demo.
+
+This module is the procedure and its budget's accounting (slots, node strikes, quarantine, the
+nodes to avoid); the standby pool is :mod:`ftstate.controller.spares`, moving the weights to a
+newcomer :mod:`ftstate.controller.resync`. Runs in the driver process, on the controller's event
+loop.
 """
 
 from __future__ import annotations
@@ -38,38 +43,25 @@ from ftstate.controller.calls import ActorCalls
 from ftstate.controller.collector import CollectorPause
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
-from ftstate.controller.membership import Member, Membership, walk_proven
+from ftstate.controller.membership import Member, Membership
 from ftstate.controller.nodecopies import NodeCopies
-from ftstate.controller.ranks import recover_ranks
-from ftstate.controller.sync import device_field, plan_for
+from ftstate.controller.resync import Resync
+from ftstate.controller.spares import Spares, constructor_failed
+from ftstate.controller.sync import device_field
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
 from ftstate.core.budget import FAILOVER_KEY, Budget, Charge
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
-    ChecksumMismatch,
-    DeadlineExceeded,
     FTError,
-    HeldWeightsMismatch,
-    LossyRecoveryRefused,
-    ManifestError,
     MemberLost,
     ReplacementFailed,
-    StaleCheckpointRefused,
     TransportError,
     WorkerInitError,
 )
 from ftstate.core.protocol import (
-    AdoptNodeCopy,
     Beat,
-    FetchNodeCopy,
-    Loaded,
     Prewarm,
-    ReceiveFrom,
-    ReserveStaging,
-    SendTo,
-    TrainerChecksum,
-    UserCall,
 )
 from ftstate.core.text import bounded, clean
 
@@ -107,13 +99,14 @@ class FailoverRecord:
 
 
 class Failover:
-    """The failover procedure of one runtime (it owns the spares).
+    """The failover procedure of one runtime: it owns the standby pool (:attr:`spares`,
+    :mod:`ftstate.controller.spares`), the resync of newcomers (:attr:`resyncer`,
+    :mod:`ftstate.controller.resync`), and the failover budget's accounting (slots, node
+    strikes, quarantine, the nodes to avoid).
 
     It works on the shared membership; the launcher starts and kills actors, the formation
-    forms group versions, the watchdog settles suspects. trainer_lossy: the user trainer
-    class's ``lossy_state_dict`` (reverse recovery from a lossy copy is refused unless
-    ``allow_lossy_recovery``); rank_local_calls: its ``rank_local_calls`` (several ranks:
-    who replays, :mod:`ftstate.controller.ranks`).
+    forms group versions, the watchdog settles suspects. trainer_lossy, trainer_class_name,
+    rank_local_calls, node_copies: the resync's (:class:`~ftstate.controller.resync.Resync`).
     """
 
     def __init__(
@@ -138,28 +131,16 @@ class Failover:
         self.launcher = launcher
         self.formation = formation
         self.watchdog = watchdog
-        self.trainer_lossy = trainer_lossy
-        self.trainer_class_name = trainer_class_name
-        self.rank_local_calls = rank_local_calls
-        #: ``staging: node``: each node's committed copy, which a rollout newcomer there adopts
-        self.node_copies = node_copies
         self.records: list[FailoverRecord] = []
-        self._stages: dict[str, dict[str, Any]] = {}  # newcomer -> its resync's stage timings
-        self._device: dict[str, int] = {}  # newcomer -> the device bytes of its resync's load by parts
-        self._fed_by: dict[str, str] = {}  # newcomer -> who its last resync read from (a member, a node copy)
-        #: Bytes of the last committed weights version (the runtime sets it at each commit): what
-        #: a resync moves, for its route (``resync_shared_memory_min_mb``).
-        self.weights_bytes = 0
         self._pending: list[tuple[Member, float]] = []
-        self._spare_seq = 0
-        self._warming: set[asyncio.Task[Any]] = set()
-        # spares of each role that died before ever getting warm, in a row
-        self._cold_starts: dict[str, int] = {"trainer": 0, "rollout": 0}
-        # when each spare was started; how long each one that got warm took, by name
-        self._started_at: dict[str, float] = {}
-        self._warm_seconds: dict[str, float] = {}
-        #: The committed weights' size: what a spare's staging buffer is reserved for (0: none yet).
-        self.staging_bytes = 0
+        #: Moves the current weights to newcomers (the runtime sets its ``weights_bytes`` at each commit).
+        self.resyncer = Resync(config=config, audit=audit, membership=membership, calls=calls, formation=formation,
+                               watchdog=watchdog, trainer_lossy=trainer_lossy, trainer_class_name=trainer_class_name,
+                               rank_local_calls=rank_local_calls, node_copies=node_copies)
+        #: The standby pool.
+        self.spares = Spares(config=config, audit=audit, membership=membership, calls=calls, launcher=launcher,
+                             node_copies=node_copies, avoided_nodes=self.avoided_nodes,
+                             quarantined_nodes=lambda: self.quarantined_nodes, strike=self.strike)
         #: Ray ids of nodes whose members were lost together (a node loss): no spare goes there.
         self.lost_nodes: set[str | None] = set()
         #: Ray ids of nodes where a member went silent (not reported dead): no replacement goes there.
@@ -204,127 +185,11 @@ class Failover:
             self.audit.record("node_quarantined", node=node, member=m.name, strikes=budget.per_node,
                               window_s=budget.window_s, reason=f"{budget.per_node} members lost there within "
                               f"failover_window_s; the last: {m.name}: {why}"[:500])
-            # its spares died of the node, not of their class: the role may start spares again
-            self._cold_starts = dict.fromkeys(self._cold_starts, 0)
+            self.spares.node_quarantined()
 
     @property
     def quarantined_nodes(self) -> set[str]:
         return set(self.budget.quarantined)
-
-    # -- spares --------------------------------------------------------------------------
-
-    def start_spares(self) -> None:
-        """Start the prewarmed spares of each role (standby mode only; ``RuntimeConfig.spares``)."""
-        if not (self.ft.enable and self.ft.mode == "standby"):
-            return
-        for role in ("trainer", "rollout"):
-            self.replenish(role)
-
-    def replenish(self, role: str) -> None:
-        """Start spares of ``role`` until its count (``RuntimeConfig.spares``) are warm or
-        warming (after one was used or lost; never more, so the standby pool's slots suffice)."""
-        have = len(self.membership.spares(role, "INIT", "STANDBY"))
-        for _ in range(self.spare_target(role) - have):
-            self.start_spare(role)
-
-    def spare_target(self, role: str) -> int:
-        """How many spares of ``role`` the pool keeps now: rollout spares follow the fleet's
-        size (``rt.add_rollouts``; :meth:`RuntimeConfig.spares`)."""
-        live = len(self.membership.live("rollout")) if role == "rollout" else None
-        return self.config.spares(role, live)
-
-    def spare_lost(self, m: Member) -> None:
-        """A spare died: start another, unless the last ``spare_start_attempts`` spares
-        of its role all died before getting warm. Then its constructor (or its node) is
-        failing, and starting more would only churn actors forever: the role goes without
-        a spare (``spare_unavailable`` in the trail) and a later failover starts a fresh
-        actor, or shrinks the group, as with none left."""
-        role = m.role
-        self.strike(m, str(m.machine.error) if m.machine.error else "spare died")
-        if m.name not in self._warm_seconds and m.node_id not in self.quarantined_nodes:
-            self._cold_starts[role] += 1
-            if self._cold_starts[role] >= self.ft.spare_start_attempts:
-                self.audit.record("spare_unavailable", role=role, attempts=self._cold_starts[role],
-                                     reason=str(m.machine.error) if m.machine.error else "died while warming")
-                return
-        self.replenish(role)
-
-    def start_spare(self, role: str) -> None:
-        name = f"spare-{role}-{self._spare_seq}"
-        self._spare_seq += 1
-        pool = self.ft.standby_resource_pool
-        if not self.launcher.has_free_slot(pool):
-            pool = role
-        # Off the nodes of the members it covers (and of nodes lost), where the pool has room.
-        covered = ({self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()) - {None}
-        colocated = False
-        never = self.quarantined_nodes
-        if never and not self.launcher.placeable(pool, covered):
-            # Sharing a node with the members it covers, where no other node can hold it: never a
-            # quarantined one, where it would die at once and be started again forever.
-            if not self.launcher.placeable(pool, never):
-                self.audit.record("spare_unavailable", role=role, attempts=0,
-                                  reason="every node that could hold a spare is quarantined")
-                return
-            covered, colocated = never, True
-        m = self.launcher.start(role, -1, name, pool=pool, avoid_nodes=covered)
-        if colocated or m.slot in getattr(self.launcher.pools[pool], "colocated", ()):
-            self.audit.record("spare_colocated", member=name, role=role,
-                              reason="no other node can hold it: it shares a node with the members it covers")
-        self._started_at[name] = asyncio.get_running_loop().time()
-        task = asyncio.get_running_loop().create_task(self._warm(m))
-        self._warming.add(task)
-        task.add_done_callback(self._warming.discard)
-
-    async def _warm(self, m: Member) -> None:
-        try:
-            info = await self.calls.call(m.name, m.handle, Prewarm())
-            if self.staging_bytes and not self._adopts(m.role, info.node_id):
-                # part of warming: a STANDBY spare is ready to receive at full speed
-                await self._reserve(m, self.staging_bytes)
-        except WorkerInitError as exc:
-            await _constructor_failed(m, exc)  # as if it died warming: LOST, then spare_lost
-            return
-        except FTError:
-            return  # died while warming: its machine is LOST already
-        self.membership.located(m, info)
-        if m.machine.can("warm"):
-            await m.machine.fire("warm")
-            self._cold_starts[m.role] = 0
-            self._warm_seconds[m.name] = asyncio.get_running_loop().time() - self._started_at[m.name]
-
-    async def weights_sized(self, nbytes: int) -> None:
-        """A sync committed ``nbytes`` of weights: every warm spare reserves a staging buffer
-        that size (:meth:`WorkerHost.reserve_staging`), so the transfer to it when promoted
-        writes into memory already resident; one that dies meanwhile is the watchdog's."""
-        if nbytes <= self.staging_bytes:
-            return
-        self.staging_bytes = nbytes
-        spares = [m for role in ("trainer", "rollout") for m in self.membership.spares(role, "STANDBY")
-                  if not self._adopts(role, m.node_id)]
-        await asyncio.gather(*(self._reserve(m, nbytes) for m in spares), return_exceptions=True)
-
-    async def _reserve(self, m: Member, nbytes: int) -> None:
-        """Have spare ``m`` reserve a staging buffer of ``nbytes`` and record that it has one."""
-        await self.calls.call(m.name, m.handle, ReserveStaging(nbytes))
-        m.reserved_bytes = max(m.reserved_bytes, nbytes)
-
-    def _adopts(self, role: str, node_id: str | None) -> bool:
-        """Whether a rollout spare on ``node_id`` would be resynced from its node's copy
-        (``staging: node``), so it needs no staging buffer of its own."""
-        return role == "rollout" and self.node_copies is not None and node_id in self.node_copies.committed
-
-    def spare_for(self, role: str, avoid: set[str] | frozenset[str] = frozenset()) -> Member | None:
-        spares = [m for m in self.membership.spares(role, "STANDBY") if m.node_id not in avoid]
-        # one whose staging is ready for the current size first: a spare still reserving it
-        # would stage into fresh memory (or wait for its reserve): a slow failover's tail
-        ready = [m for m in spares if m.reserved_bytes >= self.staging_bytes or self._adopts(role, m.node_id)]
-        return (ready or spares or [None])[0]
-
-    async def close(self) -> None:
-        for task in list(self._warming):
-            task.cancel()
-        await asyncio.gather(*self._warming, return_exceptions=True)
 
     # -- losses ----------------------------------------------------------------------------
 
@@ -345,12 +210,6 @@ class Failover:
         """``m``'s loss needs no failover: it was being removed on purpose
         (:mod:`ftstate.controller.scaling`), so nothing is replaced and no budget spent."""
         self._pending = [(p, t) for p, t in self._pending if p is not m]
-
-    def resync_facts(self, newcomer: str) -> tuple[str | None, dict[str, Any] | None, int | None]:
-        """Who fed ``newcomer`` in its last :meth:`resync` (None: nobody yet), and the stage
-        timings and load-by-parts device bytes kept for it (for a record other than a
-        :class:`FailoverRecord`), taken out."""
-        return self._fed_by.pop(newcomer, None), self._stages.pop(newcomer, None), self._device.pop(newcomer, None)
 
     async def recover(self) -> int:
         """Replace every pending loss; the caller holds the runtime's membership lock.
@@ -484,7 +343,7 @@ class Failover:
                              and lost.name in replacements and lost.name not in resynced}
                     if ranks:  # several trainer ranks: every rank lost at once in one reconciliation
                         try:
-                            await self.recover_ranks(list(ranks.values()))
+                            await self.resyncer.recover_ranks(list(ranks.values()))
                         except FTError:
                             raise
                         except Exception as exc:  # the user's code: ends the run, named
@@ -496,7 +355,7 @@ class Failover:
                         replacement = replacements.get(lost.name)
                         if replacement is not None and lost.name not in resynced:
                             try:
-                                resynced[lost.name] = await self.resync(replacement)
+                                resynced[lost.name] = await self.resyncer.resync(replacement)
                             except FTError:
                                 raise
                             except Exception as exc:  # the user's code: ends the run, named
@@ -561,12 +420,13 @@ class Failover:
             if replacement is None:
                 continue
             detected_at = detected[lost.name]
-            self._fed_by.pop(replacement.name, None)  # the record's stages say it (scaling asks for its own)
+            # who fed it: the record's stages say it (scaling asks for its own)
+            _, stages, device_bytes = self.resyncer.resync_facts(replacement.name)
             self.records.append(FailoverRecord(
                 lost=lost.name, role=lost.role, replacement=replacement.name, reason=reasons[lost.name],
                 detected_at=detected_at, rerendezvous_s=t_reformed - t0, transfer_s=t_done - t_reformed,
                 total_s=t_done - detected_at, group_version=group.group_version, resynced=resynced[lost.name],
-                stages=self._stages.pop(replacement.name, None), device_bytes=self._device.pop(replacement.name, None),
+                stages=stages, device_bytes=device_bytes,
                 budget=budget,
             ))
             self.audit.record("failover", lost=lost.name, replacement=replacement.name, role=lost.role,
@@ -578,7 +438,7 @@ class Failover:
                               **device_field(self.records[-1].device_bytes))
         if self.ft.mode == "standby":
             for role in sorted({lost.role for lost in losts}):
-                self.replenish(role)
+                self.spares.replenish(role)
 
     def _charges(self, losts: list[Member], reasons: dict[str, str]) -> list[Charge]:
         """What a round costs: one unit per member slot, but the members of a node lost whole one
@@ -664,15 +524,10 @@ class Failover:
         if draining:
             avoid.add(lost.node_id)  # a drain's replacement goes elsewhere or nowhere
         if self.ft.mode == "standby":
-            spare = self.spare_for(lost.role, avoid)
-            if spare is None:
-                warming = [m for m in self.membership.spares(lost.role, "INIT") if m.node_id not in avoid]
-                if warming:
-                    spare = await self._await_warming(warming[0])
+            spare = await self.spares.take(lost.role, avoid)
             if spare is not None:
-                spare.reserved_bytes = 0  # its staging becomes the transfer's: a member reserves none
-                await spare.machine.fire("promote", reason=f"replaces {lost.name}")
-                await spare.machine.fire("join", reason=f"takes rank {lost.rank} of {lost.name}")
+                await self.spares.promote(spare, promoted=f"replaces {lost.name}",
+                                          joins=f"takes rank {lost.rank} of {lost.name}")
                 return spare
         pool = lost.pool
         if (lost.node_id in avoid or not self.launcher.has_free_slot(pool)) \
@@ -683,16 +538,15 @@ class Failover:
             pool = self.ft.standby_resource_pool
         # A drain's replacement must be elsewhere or nowhere: on the node being drained it
         # would only go down with it.
-        fresh = self.launcher.start(lost.role, lost.rank, f"{lost.role}-{lost.rank}-r{self._spare_seq}",
+        fresh = self.launcher.start(lost.role, lost.rank, f"{lost.role}-{lost.rank}-r{self.spares.next_seq()}",
                                     pool=pool, avoid_nodes=avoid, strict=draining)
-        self._spare_seq += 1
         try:
             info = await self.calls.call(fresh.name, fresh.handle, Prewarm())
         except FTError as exc:
             # It could not even start (its constructor failed, no resources): not a member to
             # fail over, just no replacement.
             if isinstance(exc, WorkerInitError):
-                await _constructor_failed(fresh, exc)
+                await constructor_failed(fresh, exc)
             self._pending = [(p, t) for p, t in self._pending if p is not fresh]
             if fresh.machine.can("retire"):
                 await fresh.machine.fire("retire", reason="replacement could not start")
@@ -702,274 +556,10 @@ class Failover:
         await fresh.machine.fire("join", reason=f"fresh replacement of {lost.name}")
         return fresh
 
-    async def _await_warming(self, spare: Member) -> Member | None:
-        """Wait for a spare still warming up; None when it will not do (then a fresh actor is
-        started). It died: None. It takes more than twice as long as the slowest spare that
-        got warm so far (at least ``heartbeat_timeout_s``): presumed hung in its constructor
-        (a bad node), killed and recorded (``spare_abandoned``), None; without that, a hung
-        spare would burn the whole ``failover_timeout_s`` and fail the run. With no spare
-        warm yet there is no measure of "too long": the failover's deadline bounds the wait."""
-        loop = asyncio.get_running_loop()
-        waited = spare.machine.wait_for("STANDBY")
-        try:
-            if not self._warm_seconds:
-                await waited
-                return spare
-            bound = max(self.config.heartbeat_timeout_s, 2 * max(self._warm_seconds.values()))
-            left = self._started_at.get(spare.name, loop.time()) + bound - loop.time()
-            await asyncio.wait_for(waited, max(left, 0.0))
-            return spare
-        except TimeoutError:
-            self.audit.record("spare_abandoned", member=spare.name, role=spare.role, pid=spare.pid,
-                                 warming_s=round(loop.time() - self._started_at.get(spare.name, loop.time()), 3),
-                                 bound_s=round(bound, 3))
-            self.launcher.kill(spare)  # its pending prewarm call then reports the death (LOST, retired)
-            return None
-        except FTError:
-            return None  # it died warming up
-
     async def _retire(self, lost: Member) -> None:
         if lost.machine.can("retire"):
             await lost.machine.fire("retire", reason="replaced")
         self.launcher.give_back(lost)
-
-    async def resync(self, newcomer: Member, source: Member | None = None) -> bool:
-        """Move the current version to the newcomer only; False when it must wait for the next
-        sync. ``source``: the holder to send it, when it still holds it (else one is chosen)."""
-        group = self.membership.group
-        _still_up(newcomer)
-        # Idempotent on a retry: the newcomer may be anywhere between RENDEZVOUS and STALE.
-        if newcomer.machine.state == "RENDEZVOUS":
-            await newcomer.machine.fire("joined")
-        elif newcomer.machine.state == "RESYNCING":
-            await newcomer.machine.fire("resync_failed", reason="transfer to be made again")
-        version, checksum = group.weights_version, self.membership.checksum
-        if version == 0 or checksum is None:
-            if newcomer.role == "trainer":
-                await self._trainer_without_weights(newcomer)
-            return False
-        def holders() -> list[Member]:
-            return self.membership.holders(exclude=newcomer)
-
-        sources = holders()
-        if not sources and newcomer.role == "trainer":
-            # Rollouts blocked behind the hung trainer were suspected too; let them prove
-            # their weights before concluding that nobody holds them.
-            await self.watchdog.settle_suspects(done=lambda: bool(holders()))
-            sources = holders()
-        if newcomer.role == "trainer":
-            if not self.ft.reverse_weight_sync:
-                await self._trainer_from_checkpoint(newcomer)
-                return True
-            await self._refuse_lossy(newcomer)
-            if not sources:
-                err = MemberLost(newcomer.name, "no rollout holds the current weights version to rebuild the trainer")
-                await group.fire("fail", reason=str(err), error=err)
-                raise err
-        elif await self._adopt_node_copy(newcomer, version, checksum) or await self._fetch_node_copy(
-                newcomer, version, checksum, sources):
-            return True
-        elif not sources:
-            return False  # no survivor holds it: the next sync resyncs the newcomer
-        # a holder on the newcomer's node first: the plan then reads shared memory, no socket
-        src = source if source in sources else min(
-            sources, key=lambda m: m.node_id is None or m.node_id != newcomer.node_id)
-        # under the new group version shared memory means new slots, dearer than the collective
-        # for one newcomer below resync_shared_memory_min_mb (measured, docs/benchmarks.md)
-        small = self.config.shared_memory == "auto" \
-            and self.weights_bytes < self.config.resync_shared_memory_min_mb * 2**20
-        plan = plan_for(self.config, src, [newcomer], "off" if small else None)
-        record = plan.record()
-        if small and src.node_id is not None and src.node_id == newcomer.node_id:
-            record["collective"] = (f"{self.weights_bytes} bytes, below resync_shared_memory_min_mb "
-                                    f"({self.config.resync_shared_memory_min_mb:g} MiB)")
-        _still_up(newcomer)
-        self._fed_by[newcomer.name] = src.name
-        await newcomer.machine.fire("resync", source=src.name, plan=record)
-        timeout = self.config.sync_timeout_s
-        shm = plan.uses_shm
-        sent, got = await asyncio.gather(
-            self.calls.call(src.name, src.handle, SendTo(newcomer.rank, timeout, shm, plan.require_shm)),
-            self.calls.call(newcomer.name, newcomer.handle, ReceiveFrom(src.rank, version, checksum, timeout, shm)),
-        )
-        if got.checksum != checksum:
-            # It received the version intact but does not hold it after loading (a rollout's
-            # engine copy, or a trainer whose state_dict() differs from what it loaded).
-            raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got.checksum,
-                                      expected=checksum, what=f"after loading it from {src.name}")
-        newcomer.machine.weights_version = version
-        self._stages[newcomer.name] = {"source": src.name, "route": "shm" if shm else "gloo",
-                                       "sender": dict(sent.stages), "newcomer": dict(got.stages)}
-        await walk_proven(newcomer.machine, "RESYNCED", checksum=got.checksum, source=src.name,
-                          **self._loaded_by_parts(newcomer, got))
-        if newcomer.role == "trainer":
-            await self._optimizer_policy(newcomer)
-            await self._replay(newcomer)
-        await walk_proven(newcomer.machine, "READY")
-        return True
-
-    async def _adopt_node_copy(self, newcomer: Member, version: int, checksum: str) -> bool:
-        """A rollout newcomer on a node holding the committed version's node copy
-        (``staging: node``) takes it from there: mapped and hashed in place, no transfer (route
-        ``node_copy`` in its ``resync`` record). False when there is none; when the copy turns
-        out gone or not that version, the newcomer is STALE again, ``node_copy_fallback``
-        records why, and the caller resyncs it point to point."""
-        copy = self.node_copies.source_for(newcomer.node_id, version, checksum) if self.node_copies else None
-        if copy is None:
-            return False
-        return await self._from_node_copy(
-            newcomer, copy, version, checksum, source="node copy", route="node_copy", errors=(ManifestError,
-            ChecksumMismatch), refused="the node copy could not be adopted", instead="point to point",
-            load=lambda: self.calls.call(newcomer.name, newcomer.handle,
-                                         AdoptNodeCopy(copy.name, copy.owner, copy.group, version, checksum)))
-
-    async def _fetch_node_copy(self, newcomer: Member, version: int, checksum: str,
-                               holders: list[Member]) -> bool:
-        """A rollout newcomer on a node with neither the committed node copy nor a holder (``holders``) is
-        served point to point by another node's agent from that node's copy (checkpoint-engine's
-        P2P mode: no rollout engine and no trainer sends; ``resync`` record source ``node copy
-        on <node>``, route ``node_copy_p2p``), proving it by checksum. False when no node holds
-        one; when serving or receiving fails, the newcomer is STALE again, ``node_copy_fallback``
-        records why, and the caller resyncs it from a holder."""
-        if any(m.node_id is not None and m.node_id == newcomer.node_id for m in holders):
-            return False  # a holder beside it: shared memory, no network
-        copy = self.node_copies.remote_source(newcomer.node_id, version, checksum) if self.node_copies else None
-        if copy is None:
-            return False
-        async def load() -> Loaded:
-            served = await self.node_copies.serve(copy)
-            # bounded inside the newcomer by sync_timeout_s, and by the failover's deadline here
-            return await self.calls.call(newcomer.name, newcomer.handle, FetchNodeCopy(
-                served, copy.name, copy.owner, copy.group, version, checksum, self.config.sync_timeout_s))
-
-        # MemberLost: the serving agent gone (the newcomer's own death is re-raised)
-        return await self._from_node_copy(
-            newcomer, copy, version, checksum, source=f"node copy on {copy.node_id[:8]}", route="node_copy_p2p",
-            errors=(ManifestError, ChecksumMismatch, TransportError, DeadlineExceeded, MemberLost),
-            refused="the node copy could not be served point to point", instead="from a holder", load=load)
-
-    async def _from_node_copy(self, newcomer: Member, copy: Any, version: int, checksum: str, *, source: str,
-                              route: str, errors: tuple[type[Exception], ...], refused: str, instead: str,
-                              load: Any) -> bool:
-        """Resync ``newcomer`` from node copy ``copy`` through ``load()`` (its ``resync`` record:
-        ``source``, route ``route``); one of ``errors`` makes it STALE again with a
-        ``node_copy_fallback`` record (False: the caller tries the next source)."""
-        plan = {"sender": source, "node": copy.node_id[:8], "mode": self.config.shared_memory,
-                "routes": {newcomer.name: route}, "segment": copy.name}
-        _still_up(newcomer)
-        self._fed_by[newcomer.name] = source
-        await newcomer.machine.fire("resync", source=source, plan=plan)
-        try:
-            got = await load()
-        except errors as exc:
-            if isinstance(exc, MemberLost) and exc.member == newcomer.name:
-                raise  # the newcomer itself died: the failover handles that
-            self.audit.record("node_copy_fallback", member=newcomer.name, node=copy.node_id[:8],
-                              reason=f"{refused}: {exc}"[:500])
-            await newcomer.machine.fire("resync_failed", reason=f"node copy refused; {instead} instead")
-            return False
-        if got.checksum != checksum:
-            raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got.checksum,
-                                      expected=checksum, what=f"after loading it from the {source}")
-        newcomer.machine.weights_version = version
-        await walk_proven(newcomer.machine, "RESYNCED", checksum=got.checksum, source=source,
-                          **self._loaded_by_parts(newcomer, got))
-        await walk_proven(newcomer.machine, "READY")
-        return True
-
-    def _loaded_by_parts(self, newcomer: Member, got: Loaded) -> dict[str, int]:
-        """The ``device_bytes`` of a newcomer's resync that loaded by parts (``got``: its host's
-        answer), kept for its :class:`FailoverRecord`, as fields for the record of the edge that
-        says it holds the weights; empty for a load whole."""
-        device = got.device_bytes
-        if device is None:
-            return {}
-        self._device[newcomer.name] = int(device)
-        return device_field(int(device))
-
-    async def _refuse_lossy(self, newcomer: Member) -> None:
-        """Fail the run rather than rebuild a trainer from a lossy copy (unless allowed)."""
-        if self.trainer_lossy and not self.ft.allow_lossy_recovery:
-            err = LossyRecoveryRefused(
-                f"{newcomer.name}: refusing to rebuild the trainer from rollout weights: "
-                f"{self.trainer_class_name}.lossy_state_dict is true (rollouts hold a lossy copy "
-                "of the master weights); set fault_tolerance.allow_lossy_recovery or use checkpoint_dir"
-            )
-            await self.membership.group.fire("fail", reason=str(err), error=err)
-            raise err
-
-    async def recover_ranks(self, newcomers: list[Member]) -> None:
-        """Replaced trainer ranks (several ranks): :func:`ftstate.controller.ranks.recover_ranks`
-        (after a loss, or a drain that moved them)."""
-        ms = self.membership
-        if ms.weights_version:
-            await self._refuse_lossy(newcomers[0])
-            if not ms.holders():
-                # Rollouts blocked behind a hung rank were suspected too: let them prove their weights.
-                await self.watchdog.settle_suspects(done=lambda: bool(ms.holders()))
-        await recover_ranks(newcomers, config=self.config, audit=self.audit, membership=ms, calls=self.calls,
-                            formation=self.formation, rank_local_calls=self.rank_local_calls,
-                            new_optimizer=self._optimizer_policy)
-
-    async def _replay(self, trainer: Member) -> None:
-        """Re-run, on the new trainer, the calls made since the last committed sync."""
-        calls = list(self.membership.trainer_calls)
-        for c in calls:
-            await self.calls.call(trainer.name, trainer.handle, UserCall(c.method, tuple(c.args), dict(c.kwargs), True))
-        if calls:
-            self.audit.record("trainer_replay", member=trainer.name, calls=[c.method for c in calls])
-
-    async def _trainer_without_weights(self, newcomer: Member) -> None:
-        # No version was ever committed: the new trainer starts from its own construction,
-        # like the first one did, unless a checkpoint is named.
-        if self.ft.checkpoint_dir is not None:
-            await self._trainer_from_checkpoint(newcomer)
-            return
-        await newcomer.machine.fire("resync")
-        await newcomer.machine.fire("verified", reason="no committed version yet: constructed weights")
-        await newcomer.machine.fire("admit")
-
-    async def _trainer_from_checkpoint(self, newcomer: Member) -> None:
-        path = self.ft.checkpoint_dir
-        if path is None:
-            err = MemberLost(newcomer.name, "trainer lost with reverse_weight_sync off and no checkpoint_dir to "
-                                            "recover from")
-            await self.membership.group.fire("fail", reason=str(err), error=err)
-            raise err
-        await newcomer.machine.fire("resync", source=path)
-        await self.calls.call(newcomer.name, newcomer.handle, UserCall("load_checkpoint", (path,)))
-        # Proof, not trust: what the trainer holds now is hashed and matched against the
-        # versions this run committed. Only the current one is admitted as is (and the calls
-        # since it replayed); an older one would silently roll the run back.
-        held = (await self.calls.call(newcomer.name, newcomer.handle, TrainerChecksum())).checksum
-        ms = self.membership
-        version, expected = ms.weights_version, ms.checksum
-        if expected is None or held == expected:
-            await newcomer.machine.fire("verified", source=path, checksum=held)
-            if expected is not None:
-                await self._replay(newcomer)
-            await newcomer.machine.fire("admit")
-            return
-        matches = ms.versions_by_checksum.get(held)
-        if not self.ft.allow_checkpoint_rollback:
-            err = StaleCheckpointRefused(member=newcomer.name, checkpoint=path, held=held, expected=expected,
-                                         current_version=version, matches_version=matches)
-            await ms.group.fire("fail", reason=str(err), error=err)
-            raise err
-        self.audit.record("checkpoint_rollback", member=newcomer.name, checkpoint=path, checksum=held,
-                          matches_version=matches, weights_version=version,
-                          calls_dropped=[c.method for c in ms.trainer_calls])
-        ms.trainer_calls.clear()
-        await newcomer.machine.fire("verified", source=path, checksum=held,
-                                    reason=f"checkpoint rollback accepted (holds version {matches})")
-        await newcomer.machine.fire("admit")
-
-    async def _optimizer_policy(self, newcomer: Member) -> None:
-        if self.ft.optimizer_state == "checkpoint":
-            await self.calls.call(newcomer.name, newcomer.handle,
-                                  UserCall("load_optimizer_checkpoint", (self.ft.checkpoint_dir,)))
-        else:
-            await self.calls.call(newcomer.name, newcomer.handle, UserCall("reset_optimizer"))
 
 
 def replacement_failed(replacement: Member, lost: Member, exc: Exception) -> ReplacementFailed:
@@ -983,20 +573,3 @@ def replacement_failed(replacement: Member, lost: Member, exc: Exception) -> Rep
                              message=bounded(message.removeprefix(prefix), 1000),
                              where=getattr(exc, "ftstate_where", "") or "")
 
-
-def _still_up(newcomer: Member) -> None:
-    """A newcomer that died while it was being brought up (its death reached its machine
-    between two steps of the round) is the round's MemberLost: the next candidate takes over."""
-    if newcomer.gone:
-        error = newcomer.machine.error
-        raise MemberLost(newcomer.name, error.reason if isinstance(error, MemberLost) else
-                         str(error or "died while being brought up"))
-
-
-async def _constructor_failed(m: Member, exc: WorkerInitError) -> None:
-    """A started actor whose user class raised in its constructor: its process lives on (the
-    host keeps the error to report it) but it will never serve, so it is LOST with that
-    error as its reason, exactly as if the constructor had killed it (the runtime then
-    kills the process and the rest follows from LOST)."""
-    if m.machine.can("died"):
-        await m.machine.fire("died", reason=str(exc), error=exc)

@@ -33,8 +33,10 @@ membership changed meanwhile (a loss was replaced or shrunk away; each spends
 lost; anything else (user code raising, bad input) is raised at once with its cause.
 
 The runtime composes the controller's parts around one shared
-:class:`~ftstate.controller.membership.Membership`; it owns the lifecycle, the first
-rendezvous, the retry policy and what happens when a member is lost.
+:class:`~ftstate.controller.membership.Membership`; it owns the lifecycle, the retry policy
+and what happens when a member is lost. Checking its arguments, the run's first record and
+the first rendezvous are :mod:`ftstate.controller.startup`. It runs in the driver process (the
+trainer loop's), on its event loop.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,6 +56,7 @@ from ftstate.controller.drain import Drainer, DrainRecord
 from ftstate.controller.failover import Failover
 from ftstate.controller.formation import GroupFormation
 from ftstate.controller.launcher import ActorLauncher
+from ftstate.controller.losses import Losses
 from ftstate.controller.membership import GONE, GROUP, Member, Membership
 from ftstate.controller.nodecopies import NodeCopies
 from ftstate.controller.notices import NoticeMonitor
@@ -62,60 +64,24 @@ from ftstate.controller.progress import Progress
 from ftstate.controller.ranks import ShardedSync, form_trainer_group
 from ftstate.controller.routing import Router
 from ftstate.controller.scaling import Scaler, ScaleRecord
+from ftstate.controller.startup import check_arguments, first_rendezvous, run_facts
 from ftstate.controller.sync import SyncReport, WeightSync
 from ftstate.controller.watchdog import Watchdog
 from ftstate.core.audit import AuditTrail
 from ftstate.core.budget import FAILOVER_KEY
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
-    ConfigError,
     FTError,
-    InvalidTransition,
     MemberLost,
     SyncTimeout,
     TransportError,
     UsageError,
 )
 from ftstate.core.machine import StateMachine
-from ftstate.core.protocol import Info
 from ftstate.core.spec import get_spec
 from ftstate.core.worker import RolloutWorker, TrainerWorker
 
 __all__ = ["GROUP", "MemberInfo", "Runtime", "SyncReport", "run_facts"]
-
-
-def run_facts(cfg: RuntimeConfig, node: str | None, backend: ClusterBackend | None = None) -> dict[str, Any]:
-    """What a run's ``run_start`` record says started: the config's digest (sha256 of its
-    canonical JSON, so two runs of one config compare equal), the workers asked for, the
-    versions of ftstate, Python and what the backend runs on (Ray, torch; default: Ray's),
-    and where the controller runs."""
-    import platform
-    import socket
-
-    import ftstate
-
-    if backend is None:
-        from ftstate.controller.ray.backend import RayBackend
-
-        backend = RayBackend()
-
-    return {
-        "config_digest": cfg.digest(),
-        "trainer_workers": cfg.trainer_workers, "rollout_workers": cfg.rollout_workers,
-        "fault_tolerance": cfg.fault_tolerance.enable,
-        "versions": {"ftstate": ftstate.__version__, **backend.versions(), "python": platform.python_version()},
-        "controller": {"host": socket.gethostname(), "node": node, "pid": os.getpid()},
-        "nodes": cluster_nodes_brief(backend),
-    }
-
-
-def cluster_nodes_brief(backend: ClusterBackend) -> list[str]:
-    """The alive nodes, ``id@address CPU=n`` each (a run_start fact; empty if the cluster cannot say)."""
-    try:
-        return sorted(f"{n['node_id'][:8]}@{n['address']} CPU={float(n['resources'].get('CPU', 0)):g}"
-                      for n in backend.nodes())
-    except Exception:  # noqa: BLE001 - a fact for the trail, never a reason to fail start()
-        return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,40 +130,9 @@ class Runtime:
         audit: AuditTrail | None = None,
         backend: ClusterBackend | None = None,
     ) -> None:
-        if not isinstance(config, RuntimeConfig):
-            raise TypeError(f"config must be a ftstate.RuntimeConfig (RuntimeConfig.from_dict / from_yaml), "
-                            f"got {type(config).__name__}")
-        if not (isinstance(trainer, type) and issubclass(trainer, TrainerWorker)):
-            raise TypeError(f"trainer must be a TrainerWorker subclass, got {trainer!r}")
-        if not (isinstance(rollout, type) and issubclass(rollout, RolloutWorker)):
-            raise TypeError(f"rollout must be a RolloutWorker subclass, got {rollout!r}")
-        for name, value in (("trainer_args", trainer_args), ("rollout_args", rollout_args)):
-            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-                raise TypeError(f"{name} must be a sequence of constructor arguments, got {type(value).__name__}")
-        for name, value in (("trainer_kwargs", trainer_kwargs), ("rollout_kwargs", rollout_kwargs)):
-            if value is not None and not isinstance(value, Mapping):
-                raise TypeError(f"{name} must be a mapping of constructor keyword arguments, got {type(value).__name__}")
-        if run_id is not None and (not isinstance(run_id, str) or not run_id):
-            raise TypeError(f"run_id must be a non-empty str, got {run_id!r}")
-        if audit is not None and not isinstance(audit, AuditTrail):
-            raise TypeError(f"audit must be a ftstate.AuditTrail, got {type(audit).__name__}")
-        if backend is not None and not isinstance(backend, ClusterBackend):
-            raise TypeError(f"backend must be a ftstate ClusterBackend, got {type(backend).__name__}")
-        if config.trainer_workers > 1:
-            # Several trainer ranks (ftstate.controller.ranks): the same-host route and NCCL are
-            # not there yet, and a replaced rank gets its part back from a rollout only;
-            # refused here rather than half-working.
-            ft = config.fault_tolerance
-            if ft.enable and not ft.reverse_weight_sync:
-                raise ConfigError(
-                    "fault_tolerance.reverse_weight_sync",
-                    f"false: with {config.trainer_workers} trainer ranks a replaced rank gets its part of the "
-                    "last committed version back from a rollout (a sharded checkpoint is not implemented)",
-                )
-            if config.shared_memory == "require":
-                raise ConfigError("shared_memory", "require: several trainer ranks send over the collective only")
-            if config.backend != "gloo":
-                raise ConfigError("backend", f"{config.backend}: several trainer ranks run on gloo only")
+        check_arguments(config, trainer, rollout, trainer_args, trainer_kwargs, rollout_args, rollout_kwargs,
+                        run_id, audit, backend)
+
         self.config = config
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self.audit = audit if audit is not None else AuditTrail(config.audit_log, keep=config.audit_records_kept)
@@ -216,7 +151,6 @@ class Runtime:
         self._sync_lock = asyncio.Lock()
         self._routing_open = asyncio.Event()
         self._routing_open.set()
-        self._failure: FTError | None = None
         self._closed = False
         #: The group machine (None until started).
         self.group: StateMachine | None = None
@@ -233,6 +167,7 @@ class Runtime:
         self._drainer: Drainer | None = None
         self._notices: NoticeMonitor | None = None
         self._scaler: Scaler | None = None
+        self._losses: Losses | None = None
         #: Start-up phases as they happen (:mod:`ftstate.controller.progress`): listen to show them.
         self.progress = Progress()
 
@@ -273,7 +208,6 @@ class Runtime:
             self.audit.record("oversubscribed", processes=processes, cpus=cpus,
                               reason=self.progress.last.message if self.progress.last else "")
         self.group = StateMachine(get_spec("group"), member="group", config=cfg, audit=self.audit)
-        self.group.listen(self._on_group_transition)
         self.group.bind(node=node, node_id=self.backend.node_id())  # the group's records: the controller's node
         ms = self._membership = Membership(self.group)
         self._launcher = ActorLauncher(run_id=self.run_id, config=cfg, audit=self.audit, membership=ms,
@@ -303,15 +237,22 @@ class Runtime:
         self._drainer = Drainer(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                                 launcher=self._launcher, formation=self._formation, failover=self._failover,
                                 pause_trainer=self._router.pause_trainer)
+        self._losses = Losses(config=cfg, progress=self.progress, membership=ms, launcher=self._launcher,
+                              failover=self._failover, drainer=self._drainer, lock=self._sync_lock, spawn=self._spawn,
+                              closed=lambda: self._closed, notices=lambda: self._notices,
+                              changing=lambda: self._scaler.changing if self._scaler is not None else ())
+        self.group.listen(self._losses.group_transition)
         self._scaler = Scaler(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                               launcher=self._launcher, formation=self._formation, failover=self._failover,
-                              watchdog=self._watchdog, router=self._router, recover_locked=self._recover_locked)
+                              watchdog=self._watchdog, router=self._router, recover_locked=self._losses.recover_locked)
         self._launcher.make_pools()
         for i in range(cfg.trainer_workers):
             self._launcher.start("trainer", i, f"trainer-{i}")
         for i in range(cfg.rollout_workers):
             self._launcher.start("rollout", cfg.trainer_workers + i, f"rollout-{i}")
-        await self._rendezvous()
+        await first_rendezvous(config=cfg, membership=ms, formation=self._formation, launcher=self._launcher,
+                               calls=self._calls, progress=self.progress,
+                               start_spares=self._failover.spares.start_spares, recover=self._recover)
         if cfg.trainer_workers > 1:
             await form_trainer_group(membership=ms, formation=self._formation, calls=self._calls, audit=self.audit,
                                      timeout_s=cfg.init_timeout_s)
@@ -333,7 +274,7 @@ class Runtime:
         if self._notices is not None:
             await self._notices.close()
         if self._failover is not None:
-            await self._failover.close()
+            await self._failover.spares.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -358,81 +299,6 @@ class Runtime:
         self.backend.close()  # the node agents it started for the heartbeats
         if self._started_ray:
             self.backend.shutdown()
-
-    # -- the first group version ---------------------------------------------------------
-
-    async def _rendezvous(self) -> None:
-        ms, formation, launcher = self._parts()[:3]
-        group = ms.group
-        group.group_version += 1
-        version = group.group_version
-        members = ms.group_members()
-        await group.fire("start")
-        for m in members:
-            m.machine.group_version = version
-            await m.machine.fire("join")
-
-        def arrived() -> list[str]:
-            return formation.arrived(version, members)
-
-        def missing() -> list[str]:
-            here = set(arrived())
-            return [m.name for m in members if m.name not in here]
-
-        ready: set[str] = set()
-
-        def report_ready() -> None:
-            self.progress.report("workers", f"starting {len(members)} workers: {len(ready)} ready",
-                                 workers=len(members), ready=len(ready))
-
-        async def join(m: Member) -> None:
-            info = await self._calls.call(m.name, m.handle, Info())
-            ms.located(m, info)
-            ready.add(m.name)  # its process is up and its class constructed
-            report_ready()
-            await formation.join(m, version, len(members))
-
-        group.describe_wait(launcher.describe_pools(), missing=launcher.unplaced)
-        async with group.deadline_scope():
-            self.progress.report("placement", f"placing {len(members)} workers ({launcher.describe_pools()})",
-                                 workers=len(members))
-            await launcher.pools_ready()
-            # Spares warm up while the group forms; started once the pools are placed, so each
-            # can take a slot away from the nodes of the members it covers.
-            self._parts()[4].start_spares()
-            group.describe_wait(f"rendezvous of group {GROUP!r}", missing=missing, arrived=arrived)
-            report_ready()
-            joins = [asyncio.ensure_future(join(m)) for m in members]
-            try:
-                await asyncio.gather(*joins)
-                lost_before_forming = False
-            except MemberLost:
-                # Replaced only if it really died (LOST, and perhaps already being replaced by
-                # the failover its death started), not if it merely failed to answer.
-                died = any(m.machine.state in ("LOST", "RETIRED") for m in members)
-                if not (self.config.fault_tolerance.enable and died):
-                    raise
-                lost_before_forming = True
-        if lost_before_forming:
-            # Fault tolerance on and a member died before version 1 formed: the failover
-            # replaces it and forms the next version with everyone (its fence releases the
-            # survivors still waiting in this one), spending one of max_failovers.
-            await self._recover()
-        else:
-            await group.fire("rendezvous_done")
-            formation.mark_formed(version)
-        self.progress.report("group", f"group {GROUP!r} formed: version {group.group_version}, "
-                             f"{len(ms.group_members())} members", group_version=group.group_version)
-        # What the survivors' abandoned joins of this version said no longer matters.
-        await asyncio.gather(*joins, return_exceptions=True)
-        for m in members:
-            if m.machine.state != "RENDEZVOUS":
-                continue  # lost and replaced (its replacement was taken through the failover)
-            if m.role == "trainer":
-                await m.machine.fire("joined_as_source")
-                await m.machine.fire("admit")
-            else:
-                await m.machine.fire("joined")
 
     # -- sync ------------------------------------------------------------------------------
 
@@ -473,13 +339,13 @@ class Runtime:
 
             while True:
                 await watchdog.settle_suspects(done=can_sync)
-                await self._recover_locked()
+                await self._require_losses().recover_locked()
                 await watchdog.settle_suspects(done=can_sync)
                 epoch = ms.epoch
                 try:
                     report = await weight_sync.attempt()
                 except (MemberLost, TransportError) as exc:
-                    if not self.config.fault_tolerance.enable or self._failure is not None:
+                    if not self.config.fault_tolerance.enable or self._require_losses().failure is not None:
                         raise
                     self._raise_if_failed()
                     # A member the failure names that is neither dead nor answering (its node's
@@ -507,9 +373,9 @@ class Runtime:
                                       membership_changed=bool(membership_changed), transient_retries=transient,
                                       weights_version=ms.weights_version, group_version=ms.group_version)
                     continue
-                failover.weights_bytes = report.nbytes
+                failover.resyncer.weights_bytes = report.nbytes
                 if self.config.fault_tolerance.enable and self.config.fault_tolerance.mode == "standby":
-                    self._spawn(failover.weights_sized(report.nbytes))
+                    self._spawn(failover.spares.weights_sized(report.nbytes))
                 stale = f", {len(report.stale)} stale" if report.stale else ""
                 self.progress.report("sync", f"weights version {report.weights_version} synced to "
                                      f"{len(report.rollouts)} rollouts in {report.seconds:.3f}s{stale}",
@@ -527,48 +393,8 @@ class Runtime:
     # -- recovery ----------------------------------------------------------------------------
 
     async def _recover(self) -> None:
-        async with self._sync_lock:
-            await self._recover_locked()
+        await self._require_losses().recover()
 
-    async def _recover_locked(self) -> None:
-        """Run pending failovers (the caller holds the membership lock)."""
-        self._raise_if_failed()  # a failed run has nothing left to recover into
-        failover = self._parts()[4]
-        if failover.pending:
-            before = len(failover.records)
-            try:
-                await failover.recover()
-            except FTError as exc:
-                cause = self._failure or exc
-                self._failure = cause
-                # Fail the group now, with the error that ended the failover: waiting for
-                # PROMOTING's deadline would only hide the cause behind a FailoverTimeout.
-                group = self._require_group()
-                if not group.terminal:
-                    with contextlib.suppress(InvalidTransition):  # failed meanwhile by its own path
-                        await group.fire("fail", reason=f"failover failed: {exc}", error=exc)
-                if isinstance(exc, InvalidTransition) and cause is not exc:
-                    raise cause from exc  # two paths raced to move one machine: the cause, not the race
-                raise
-            for f in failover.records[before:]:
-                self.progress.report("failover", f"{f.lost} lost ({f.reason}); {f.replacement} serves weights "
-                                     f"version {self._require_membership().weights_version} after {f.total_s:.3f}s",
-                                     lost=f.lost, replacement=f.replacement, seconds=round(f.total_s, 6))
-            if self._notices is not None:  # replacements may have landed on nodes not watched yet
-                self._spawn(self._notices.watch_nodes())
-            await self._drain_quarantined(failover)
-        self._raise_if_failed()
-
-    async def _drain_quarantined(self, failover: Failover) -> None:
-        """Move the members still on nodes the failover budget quarantined off them (a drain:
-        replacements elsewhere first; none to be had and the drain is undone, the members stay)."""
-        assert self._drainer is not None
-        while failover.to_drain:
-            node = failover.to_drain.pop(0)
-            if any(not m.gone for m in self._require_membership().on_node(node)):
-                with contextlib.suppress(FTError):  # recorded by the drain; the run goes on
-                    await self._drainer.drain(node, source="failover budget", kind="quarantine",
-                                              reason="node quarantined (max_node_failures)", deadline=None)
 
     @property
     def failover_budget(self) -> dict[str, Any]:
@@ -586,9 +412,6 @@ class Runtime:
         await watchdog.settle_suspects(done=lambda: all(m.machine.state != "SUSPECT" for m in ms.role("trainer"))
                                        and bool(ms.serving_rollouts()))
 
-    async def _recover_in_background(self) -> None:
-        with contextlib.suppress(FTError):  # recorded in self._failure; callers see it
-            await self._recover()
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -686,10 +509,10 @@ class Runtime:
         assert self._scaler is not None
         async with self._sync_lock:
             if recover_first:  # a loss before an addition is replaced first (a removal may take it away instead)
-                await self._recover_locked()
+                await self._require_losses().recover_locked()
             result = await change(self._scaler)
         if self._failover is not None and self._failover.pending:  # a loss the change left to the failover
-            self._spawn(self._recover_in_background())
+            self._spawn(self._require_losses().recover_in_background())
         if self._notices is not None:  # newcomers may have landed on nodes not watched yet
             self._spawn(self._notices.watch_nodes())
         return result
@@ -801,12 +624,14 @@ class Runtime:
         assert self._router is not None
         return self._router
 
+    def _require_losses(self) -> Losses:
+        self._require_membership()
+        assert self._losses is not None
+        return self._losses
+
     def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        group = self._require_group()
-        if group.terminal:
-            raise group.error or FTError(f"the run's group is {group.state}")
+        self._require_losses().raise_if_failed()
+
 
     # -- failures ------------------------------------------------------------------------
 
@@ -817,53 +642,9 @@ class Runtime:
             await m.machine.fire("died", reason=reason, error=lost)
 
     def _on_worker_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:
-        if dest == "LOST":
-            ms, _, launcher, _, failover, _ = self._parts()
-            m = ms.get(machine.member)
-            ms.changed()
-            if self._scaler is not None and m.name in self._scaler.changing:
-                # Being added or removed on purpose: the scaler retires it (or starts another);
-                # neither a failover nor, with fault tolerance off, a failed run.
-                launcher.kill(m)
-                return
-            if self.config.fault_tolerance.enable:
-                # Noted now, not in the task: a sync that fails because of this loss must find it.
-                failover.note_loss(m, asyncio.get_running_loop().time(), trigger)
-            self._spawn(self._member_lost(m, machine.error))
-        elif dest == "FAILED" and trigger == "start_timeout" and not self._closed:
-            ms, _, launcher, _, failover, _ = self._parts()
-            m = ms.get(machine.member)
-            if m.rank < 0:
-                # A spare that never started within init_timeout_s (its node went, or it hangs
-                # in its constructor): its actor and slot go, and another is started in its
-                # place, as for a spare that died (bounded by spare_start_attempts).
-                launcher.kill(m)
-                launcher.give_back(m)
-                failover.spare_lost(m)
+        if self._losses is not None:  # built with the other parts, before any worker moves
+            self._losses.worker_transition(machine, src, dest, trigger)
 
-    def _on_group_transition(self, machine: StateMachine, src: str, dest: str, trigger: str) -> None:
-        if dest == "FAILED" and self._failure is None and machine.error is not None:
-            self._failure = machine.error
-
-    async def _member_lost(self, m: Member, error: FTError | None) -> None:
-        _, _, launcher, _, failover, _ = self._parts()
-        launcher.kill(m)
-        lost = error if isinstance(error, MemberLost) else MemberLost(
-            m.name, str(error) if error else "declared lost", group_version=m.machine.group_version)
-        if not self.config.fault_tolerance.enable:
-            self._failure = self._failure or lost
-            group = self._require_group()
-            if not group.terminal:
-                await group.fire("fail", reason=str(lost), error=lost)
-            return
-        if m.rank < 0:  # a spare died: retire it and start another
-            if m.machine.can("retire"):
-                await m.machine.fire("retire", reason="spare lost")
-            launcher.give_back(m)
-            if not self._closed:
-                failover.spare_lost(m)
-            return
-        await self._recover_in_background()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

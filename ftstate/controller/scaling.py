@@ -9,7 +9,7 @@ own, placed slot by slot by the rollout role's placement (its labels and resourc
 nodes the failover avoids; :meth:`~ftstate.controller.launcher.ActorLauncher.add_pool`), waits
 for each to construct (its INIT deadline, ``init_timeout_s``), forms the next group version
 with them, and feeds each the current committed version by the newcomer path a failover's
-replacement takes (:meth:`~ftstate.controller.failover.Failover.resync`): the node copy on
+replacement takes (:meth:`~ftstate.controller.resync.Resync.resync`): the node copy on
 its node, or point to point from a rollout that holds it, never from the trainer while a
 rollout holds it, and proven by the newcomer's own checksum before it is admitted to serving.
 Newcomers are fed in waves (:meth:`Scaler._feed`): every holder feeds one at a time, and a
@@ -223,14 +223,12 @@ class Scaler:
             return []
         promoted: list[Member] = []
         avoid = self.failover.avoided_nodes()
-        while len(promoted) < n and (spare := self.failover.spare_for("rollout", avoid)) is not None:
+        while len(promoted) < n and (spare := self.failover.spares.spare_for("rollout", avoid)) is not None:
             self.changing.add(spare.name)  # its loss from now on is this addition's, not a spare's
             started.append(spare)
-            spare.reserved_bytes = 0  # its staging becomes the transfer's: a member reserves none
-            rank = self._next_rank()
-            await spare.machine.fire("promote", reason="added to the fleet (rt.add_rollouts)")
-            spare.set_rank(rank)
-            await spare.machine.fire("join", reason="added to the fleet (rt.add_rollouts), a warm spare")
+            await self.failover.spares.promote(spare, promoted="added to the fleet (rt.add_rollouts)",
+                                               joins="added to the fleet (rt.add_rollouts), a warm spare",
+                                               rank=self._next_rank())
             promoted.append(spare)
         return promoted
 
@@ -376,12 +374,12 @@ class Scaler:
         if m.machine.state == "SUSPECT":  # a heartbeat missed while it waited its turn
             await self.watchdog.verdict([m])  # back to STALE, or LOST (heartbeat_timeout_s)
         try:
-            fed = await self.failover.resync(m, src)
+            fed = await self.failover.resyncer.resync(m, src)
         except MemberLost as exc:
             if exc.member == m.name or m.gone:
                 raise _NewcomerLost(m, exc.reason) from exc
             raise
-        source, stages, _ = self.failover.resync_facts(m.name)
+        source, stages, _ = self.failover.resyncer.resync_facts(m.name)
         if stages is not None:
             self._stages[m.name] = stages
         return source if fed else None
@@ -413,7 +411,7 @@ class Scaler:
 
     async def _drop(self, m: Member, why: str) -> None:
         """A newcomer that will not serve: its process stopped, its machine retired, its slot back."""
-        self.failover.resync_facts(m.name)  # what a transfer to it left behind goes with it
+        self.failover.resyncer.resync_facts(m.name)  # what a transfer to it left behind goes with it
         self.launcher.kill(m)
         if not m.gone and m.machine.can("died"):
             await m.machine.fire("died", reason=why)
@@ -524,10 +522,10 @@ class Scaler:
         ft = self.config.fault_tolerance
         if not (ft.enable and ft.mode == "standby"):
             return
-        target = self.failover.spare_target("rollout")
+        target = self.failover.spares.spare_target("rollout")
         spares = self.membership.spares("rollout", "INIT", "STANDBY")
         if len(spares) < target:
-            self.failover.replenish("rollout")
+            self.failover.spares.replenish("rollout")
             return
         surplus = sorted(spares, key=lambda m: m.machine.state == "STANDBY")[:len(spares) - target]
         for m in surplus:

@@ -2,7 +2,9 @@
 
 Each field is declared once, here, with its documentation and its constraints in the
 field's metadata; validation, ``ftstate config`` (the commented default) and
-docs/configuration.md are all generated from these declarations, so they cannot drift.
+docs/configuration.md are all generated from these declarations, so they cannot drift (the
+generic walker that builds, checks and describes them is :mod:`ftstate.core.configfields`).
+Pure data: it runs in every process that holds a config (the driver, the CLI, each worker).
 
 ``RuntimeConfig.from_dict`` / ``from_yaml`` reject unknown keys, wrong types, out-of-range
 values and impossible combinations with a :class:`~ftstate.core.errors.ConfigError` whose
@@ -24,14 +26,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import reprlib
-import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from ftstate.core.configfields import (
+    MAX_CONFIG_BYTES,
+    MAX_CONFIG_DEPTH,
+    build,
+    config_field,
+    convert,
+    hint_of,
+    load_yaml,
+    short_repr,
+    walk_fields,
+)
+from ftstate.core.configfields import describe as describe_fields
+from ftstate.core.configfields import sections as section_docs
 from ftstate.core.errors import ConfigError
 
 #: The maintenance-notice sources ``fault_tolerance.maintenance_sources`` may name.
@@ -40,112 +52,46 @@ MAINTENANCE_SOURCES = ("gce", "aws", "azure", "ray", "file")
 METADATA_SOURCES = ("gce", "aws", "azure")
 
 
-#: Largest config file read (a real one is a few KiB).
-MAX_CONFIG_BYTES = 1024 * 1024
-#: Deepest nesting of mappings and lists accepted in a config file.
-MAX_CONFIG_DEPTH = 32
-#: Largest integer a config value may hold (int64).
-_MAX_INT = (1 << 63) - 1
-
-_short = reprlib.Repr()
-_short.maxstring = 80
-_short.maxother = 80
-_short.maxlist = 6
-_short.maxdict = 6
-_short.maxlong = 40
-_short.maxlevel = 3
-
-
-def _r(value: Any) -> str:
-    """A bounded repr of a value from a config file or the environment, for error messages."""
-    try:
-        return _short.repr(value)
-    except Exception:  # noqa: BLE001 - the repr of hostile data must never be the crash
-        return f"<{type(value).__name__}>"
-
-
-def _load_yaml(text: str, source: str) -> Any:
-    """``yaml.safe_load`` without aliases and with bounded nesting (ConfigError otherwise)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        depth = 0
-
-        def compose_node(self, parent: Any, index: Any) -> Any:  # type: ignore[override]
-            if self.check_event(yaml.AliasEvent):
-                mark = self.peek_event().start_mark
-                raise ConfigError("", f"{source}: YAML aliases are not accepted (line {mark.line + 1}); "
-                                      "write the value out")
-            self.depth += 1
-            if self.depth > MAX_CONFIG_DEPTH:
-                raise ConfigError("", f"{source}: nested deeper than {MAX_CONFIG_DEPTH} levels")
-            try:
-                return super().compose_node(parent, index)
-            finally:
-                self.depth -= 1
-
-    loader = Loader(text)
-    try:
-        return loader.get_single_data()
-    finally:
-        loader.dispose()
-
-
-def _field(default: Any, doc: str, **rules: Any) -> Any:
-    """A dataclass field carrying its documentation and validation rules.
-
-    rules: ``ge``/``gt`` numeric lower bounds, ``env`` an environment override, ``choices``
-    the values each element of a ``list[str]`` may take, ``keys`` the keys a ``dict`` may have.
-    """
-    if isinstance(default, type) and dataclasses.is_dataclass(default):
-        return dataclasses.field(default_factory=default, metadata={"doc": doc, **rules})
-    if isinstance(default, dict):
-        return dataclasses.field(default_factory=lambda: dict(default), metadata={"doc": doc, **rules})
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"doc": doc, **rules})
-    return dataclasses.field(default=default, metadata={"doc": doc, **rules})
-
-
 @dataclasses.dataclass(frozen=True)
 class FaultToleranceConfig:
     """The ``fault_tolerance`` block; field names follow verl's so its users find them."""
 
-    enable: bool = _field(
+    enable: bool = config_field(
         False,
         "Replace lost workers instead of failing the run. Off: the first loss fails fast "
         "with a typed error naming the dead member.",
     )
-    mode: Literal["standby", "cold"] = _field(
+    mode: Literal["standby", "cold"] = config_field(
         "standby",
         "standby: keep prewarmed spare actors and promote one on a loss; cold: start a "
         "fresh actor on demand (slower: the new process must import torch and build the model).",
     )
-    standby_resource_pool: str = _field(
+    standby_resource_pool: str = config_field(
         "standby", "Name of the Ray resource pool (placement group) the spare actors are placed in."
     )
-    standby_workers: int = _field(
+    standby_workers: int = config_field(
         1, "Prewarmed spares kept per role in standby mode: the losses of a role covered at spare speed "
         "within one refill window (a promoted spare is replaced at once, but the new one takes seconds to warm: "
         "a further loss meanwhile waits for it, or starts a fresh actor). Rollout spares follow the fleet: "
         "as rt.add_rollouts / remove_rollouts change it, standby_workers spares per rollout_workers rollouts "
         "(rounded up, at least one) are kept, started or retired at each change.", ge=0)
-    trainer_ranks_per_spare: int = _field(
+    trainer_ranks_per_spare: int = config_field(
         8,
         "Standby mode with several trainer ranks: standby_workers trainer spares per this many "
         "ranks (rounded up), so the ranks of one node lost at once find warm spares.",
         ge=1,
     )
-    detect_node_maintenance: bool = _field(
+    detect_node_maintenance: bool = config_field(
         False,
         "Watch for maintenance and preemption notices (maintenance_sources: the cloud's metadata "
         "server on each node that hosts members, Ray's draining nodes, an operator's notice file) "
         "and drain a node's members before it goes: replacements elsewhere get the current weights "
         "first, then the members are retired. A drain spends nothing of max_failovers.",
     )
-    maintenance_check_interval: float = _field(
+    maintenance_check_interval: float = config_field(
         5.0, "Seconds between two polls of the maintenance notice.", gt=0
     )
-    maintenance_sources: list[str] = _field(  # noqa: RUF009
+    maintenance_sources: list[str] = config_field(  # noqa: RUF009
         ["auto"],
         "Which maintenance watchers run: any of gce, aws, azure (the node's cloud metadata service), "
         "ray (nodes Ray is draining: ray drain-node, the autoscaler, KubeRay on SIGTERM) and file "
@@ -155,7 +101,7 @@ class FaultToleranceConfig:
         "maintenance_file is set. Off any cloud, auto records that once and stays quiet.",
         choices=(*MAINTENANCE_SOURCES, "auto"),
     )
-    maintenance_endpoints: dict[str, str] = _field(  # noqa: RUF009
+    maintenance_endpoints: dict[str, str] = config_field(  # noqa: RUF009
         {},
         "Metadata endpoint per cloud source (gce, aws, azure), e.g. {gce: 'http://10.0.0.2:8080'}. "
         "Without one, a watcher takes the provider's environment variable on its node "
@@ -163,24 +109,24 @@ class FaultToleranceConfig:
         "(metadata.google.internal, 169.254.169.254).",
         keys=METADATA_SOURCES,
     )
-    maintenance_file: str | None = _field(
+    maintenance_file: str | None = config_field(
         None,
         "Path of a file an operator or a scheduler writes a notice to, as JSON: {kind, deadline "
         "(epoch seconds or RFC 3339), node}; no file is no notice. Required by the file source.",
     )
-    maintenance_request_timeout_s: float = _field(
+    maintenance_request_timeout_s: float = config_field(
         2.0,
         "Bound of every metadata request (connect, send, answer), end to end; a request past it is "
         "a warning in the audit trail, never a notice. One poll makes at most a few requests and "
         "stops at the first that finds the server unreachable or silent.",
         gt=0,
     )
-    reverse_weight_sync: bool = _field(
+    reverse_weight_sync: bool = config_field(
         False,
         "Recover a lost trainer's weights from a rollout that holds the last committed "
         "version (checksum-proven) instead of from a checkpoint directory.",
     )
-    max_failovers: int | None = _field(
+    max_failovers: int | None = config_field(
         None,
         "Failovers (members replaced; a node lost whole is one) the whole run may spend; the next "
         "loss after that fails the run with FailoverBudgetExhausted. None: no total, only the "
@@ -188,49 +134,49 @@ class FaultToleranceConfig:
         "one user call cut short by a loss is made again (else max_failovers_per_window does).",
         ge=0,
     )
-    failover_window_s: float = _field(
+    failover_window_s: float = config_field(
         3600.0,
         "The sliding window the limits below count over: a failure older than this no longer "
         "counts against max_failovers_per_window, max_slot_failovers or max_node_failures.",
         gt=0,
     )
-    max_failovers_per_window: int = _field(
+    max_failovers_per_window: int = config_field(
         20,
         "Failovers the run may spend inside any failover_window_s; one more fails the run with "
         "FailoverBudgetExhausted (failures come faster than replacements can heal them).",
         ge=0,
     )
-    max_slot_failovers: int = _field(
+    max_slot_failovers: int = config_field(
         3,
         "Times one member slot (a role and rank) may be replaced inside failover_window_s; one "
         "more fails the run with CrashLoop naming the slot and its class (every replacement dies).",
         ge=1,
     )
-    max_node_failures: int = _field(
+    max_node_failures: int = config_field(
         3,
         "Members (spares too) a node may lose inside failover_window_s before it is quarantined: "
         "nothing is placed there again and its remaining members are drained off it.",
         ge=1,
     )
-    optimizer_state: Literal["reset", "checkpoint"] = _field(
+    optimizer_state: Literal["reset", "checkpoint"] = config_field(
         "reset",
         "What a trainer rebuilt from a rollout does about optimizer state, which no rollout holds: "
         "reset it (reset_optimizer()) or load it from checkpoint_dir (load_optimizer_checkpoint(path)); "
         "the weights still come from the rollout.",
     )
-    checkpoint_dir: str | None = _field(
+    checkpoint_dir: str | None = config_field(
         None,
         "Checkpoint folder a replaced trainer loads from: weights and optimizer "
         "(load_checkpoint(path)) when reverse_weight_sync is false, the optimizer only "
         "(load_optimizer_checkpoint(path)) when optimizer_state is 'checkpoint'.",
     )
-    allow_lossy_recovery: bool = _field(
+    allow_lossy_recovery: bool = config_field(
         False,
         "Let reverse_weight_sync rebuild a trainer whose state_dict() is a lossy view of its master "
         "weights (TrainerWorker.lossy_state_dict, e.g. bf16 copies of fp32 masters). Off: refused "
         "with LossyRecoveryRefused.",
     )
-    allow_checkpoint_rollback: bool = _field(
+    allow_checkpoint_rollback: bool = config_field(
         False,
         "Let a trainer rebuilt from checkpoint_dir be admitted when the checkpoint's weights (the "
         "checksum of its state_dict() after load_checkpoint) are not the current weights version: an "
@@ -238,7 +184,7 @@ class FaultToleranceConfig:
         "calls since the last sync are not replayed (a checkpoint_rollback record says so). Off: "
         "refused with StaleCheckpointRefused, never a silent rollback.",
     )
-    resync_retries: int = _field(
+    resync_retries: int = config_field(
         3,
         "Times a failover makes the point-to-point transfer to a newcomer again after it failed "
         "without a death (a corrupted bucket, a dropped connection), or forms the group version "
@@ -246,14 +192,14 @@ class FaultToleranceConfig:
         "fails with that error.",
         ge=0,
     )
-    spare_start_attempts: int = _field(
+    spare_start_attempts: int = config_field(
         3,
         "Spares of one role that may die in a row before ever getting warm (a constructor or a "
         "node that keeps failing) before no more are started for that role (spare_unavailable "
         "in the trail); a later loss then starts a fresh actor or shrinks the group.",
         ge=1,
     )
-    min_rollout_workers: int = _field(
+    min_rollout_workers: int = config_field(
         1,
         "With no replacement possible, the group carries on degraded while at least this "
         "many rollouts serve; below it the run fails.",
@@ -274,18 +220,18 @@ Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 class RolePlacement:
     """Where one role's workers go: a Ray placement group per role (one bundle per worker)."""
 
-    strategy: Strategy = _field(  # noqa: RUF009
+    strategy: Strategy = config_field(  # noqa: RUF009
         "SPREAD",
         "Ray placement-group strategy for the role's bundles. SPREAD puts them on as many nodes as "
         "have room (and packs them on one node when that is all there is); PACK keeps them together; "
         "the STRICT_ forms fail the start (within init_timeout_s) rather than bend.",
     )
-    resources: dict[str, float] = _field(  # noqa: RUF009
+    resources: dict[str, float] = config_field(  # noqa: RUF009
         {},
         "Custom Ray resources each worker of the role asks for besides worker_cpus/worker_gpus, "
         "e.g. {rollout_node: 1} to keep rollouts on nodes started with that resource.",
     )
-    labels: dict[str, str] = _field(  # noqa: RUF009
+    labels: dict[str, str] = config_field(  # noqa: RUF009
         {},
         "Ray node labels each worker's node must carry (a bundle label selector, Ray's syntax: "
         "value, !value, in(a,b), !in(a,b)), e.g. {ftstate-pool: rollout}.",
@@ -297,9 +243,9 @@ class PlacementConfig:
     """The ``placement`` block: per role, where its workers may run. Spares (standby) are also
     kept off the nodes of the members they cover whenever the cluster allows."""
 
-    trainer: RolePlacement = _field(RolePlacement, "The trainer's placement.")  # noqa: RUF009
-    rollout: RolePlacement = _field(RolePlacement, "The rollouts' placement.")  # noqa: RUF009
-    standby: RolePlacement = _field(  # noqa: RUF009
+    trainer: RolePlacement = config_field(RolePlacement, "The trainer's placement.")  # noqa: RUF009
+    rollout: RolePlacement = config_field(RolePlacement, "The rollouts' placement.")  # noqa: RUF009
+    standby: RolePlacement = config_field(  # noqa: RUF009
         RolePlacement, "The spares' placement (the standby resource pool, fault_tolerance.mode: standby)."
     )
 
@@ -308,13 +254,13 @@ class PlacementConfig:
 class SecurityConfig:
     """The ``security`` block: who may take part in a run's weight sync (docs/security.md)."""
 
-    authenticate: bool = _field(
+    authenticate: bool = config_field(
         True,
         "A secret made per run at start() and handed to every member through Ray; every store value, "
         "zmq signal, manifest, seal, offer and vote carries a MAC bound to the run, group version and "
         "sender rank, and one that does not verify is dropped and audited as forged_message.",
     )
-    integrity: Literal["xxh3", "keyed"] = _field(
+    integrity: Literal["xxh3", "keyed"] = config_field(
         "xxh3",
         "Per-bucket and per-tensor digests. xxh3: fast checksums, catch damage, not forgery (the seal "
         "that carries them is MAC'd when authenticate is on). keyed: BLAKE3 keyed with the run's "
@@ -329,17 +275,17 @@ class SecurityConfig:
 class RuntimeConfig:
     """Everything a :class:`~ftstate.Runtime` needs to start, sync and recover."""
 
-    trainer_workers: int = _field(1, "Trainer ranks; each sends what its state_dict() owns (more than 1: gloo, collective route; a replaced rank gets its part back from a rollout).", ge=1)
-    rollout_workers: int = _field(2, "Rollout (inference) actors that receive the weights.", ge=1)
-    backend: Literal["gloo", "nccl"] = _field(
+    trainer_workers: int = config_field(1, "Trainer ranks; each sends what its state_dict() owns (more than 1: gloo, collective route; a replaced rank gets its part back from a rollout).", ge=1)
+    rollout_workers: int = config_field(2, "Rollout (inference) actors that receive the weights.", ge=1)
+    backend: Literal["gloo", "nccl"] = config_field(
         "gloo", "Collective backend: gloo (CPU, torch) or nccl (GPU, through cupy; extra ftstate[gpu])."
     )
-    bucket_size_mb: float = _field(
+    bucket_size_mb: float = config_field(
         256.0, "Size of one broadcast bucket in MiB (larger tensors are chunked), and of one part of "
                "a device engine's load from the host (at most 2 buckets of device memory beside its "
                "weights). Smaller: less staging and device memory, more copies and calls.", gt=0
     )
-    shared_memory: Literal["auto", "off", "require"] = _field(
+    shared_memory: Literal["auto", "off", "require"] = config_field(
         "auto",
         "Same-host route of a sync. auto: rollouts on the trainer's node read each bucket from shared"
         " memory, and on every other node one relay gets it over the collective and shares it there; "
@@ -347,7 +293,7 @@ class RuntimeConfig:
         "(shm_fallback). off: always the collective. require: such a sync fails with "
         "SharedMemoryUnavailable instead.",
     )
-    staging: Literal["private", "node"] = _field(
+    staging: Literal["private", "node"] = config_field(
         "private",
         "Where a rollout stages an incoming version until the vote commits it. private: a buffer of "
         "its own (about 2x the weights per rollout beside its engine's). node: one shared-memory copy"
@@ -356,58 +302,58 @@ class RuntimeConfig:
         "sync stages privately and the trail says why. Needs shared_memory auto or require "
         "(docs/operations.md, 'The same-host route').",
     )
-    node_copy_spare: bool = _field(
+    node_copy_spare: bool = config_field(
         False,
         "staging: node only. false: every sync allocates a fresh node copy (its first touch on the "
         "sync's path); true: the previous copy is kept and rewritten as the next (2x the weights per "
         "node at rest).",
     )
-    staging_spare: bool = _field(
+    staging_spare: bool = config_field(
         False,
         "A rollout staging privately whose engine holds its weights (held_weights()): keep the "
         "staging buffer for the next sync (1x the weights at rest) instead of letting it go after "
         "each load. Choose true where touching fresh memory is dear (hosts that return freed pages to"
         " a hypervisor).",
     )
-    resync_shared_memory_min_mb: float = _field(
+    resync_shared_memory_min_mb: float = config_field(
         1024.0,
         "A newcomer on its source's node is resynced through shared memory only for weights of at "
         "least this many MiB; smaller ones take the collective (cheaper there: docs/benchmarks.md, "
         "'Failover tails'). 0: always shared memory.",
         ge=0,
     )
-    worker_cpus: float = _field(
+    worker_cpus: float = config_field(
         0.01,
         "CPUs each worker reserves in its resource pool (Ray's logical CPUs; the default is a "
         "token share so a laptop runs everything; reserve real cores on a cluster).",
         gt=0,
     )
-    worker_gpus: float = _field(0.0, "GPUs each worker reserves (1 for nccl on a GPU cluster).", ge=0)
-    address: str | None = _field(
+    worker_gpus: float = config_field(0.0, "GPUs each worker reserves (1 for nccl on a GPU cluster).", ge=0)
+    address: str | None = config_field(
         None, "Ray cluster address to join (e.g. 'auto' or 'ray://head:10001'); none starts a local cluster."
     )
-    audit_log: str | None = _field(
+    audit_log: str | None = config_field(
         None, "Path of the JSON-lines audit trail; none keeps it in memory only (the latest "
         "audit_records_kept records)."
     )
-    audit_records_kept: int = _field(
+    audit_records_kept: int = config_field(
         50_000, "Audit records the runtime keeps in memory (Runtime.audit.records, what the tests and "
         "views read), the latest ones: the list is cut back to this many once it holds twice as many, so "
         "a run of any length holds at most 2x this many (a record is about 1 KB; a sync writes about "
         "two per member: 20,000 at 10,000 members). The audit_log file keeps every record. 0: none.",
         ge=0,
     )
-    init_timeout_s: float = _field(
+    init_timeout_s: float = config_field(
         600.0,
         "First rendezvous of a group version: every rank joined and the first barrier passed.",
         gt=0,
         env="FTSTATE_INIT_TIMEOUT_S",
     )
-    sync_timeout_s: float = _field(600.0, "One weight sync, end to end.", gt=0)
-    failover_timeout_s: float = _field(
+    sync_timeout_s: float = config_field(600.0, "One weight sync, end to end.", gt=0)
+    failover_timeout_s: float = config_field(
         120.0, "From a loss being detected to its replacement serving the current weights.", gt=0
     )
-    sync_retries: int = _field(
+    sync_retries: int = config_field(
         2,
         "With fault tolerance on, times one sync() is tried again after a transient failure "
         "(a transport error or an unanswered call) with nobody lost. A retry after a loss that "
@@ -416,55 +362,55 @@ class RuntimeConfig:
         "error past this bound.",
         ge=0,
     )
-    gc_pause_s: float = _field(
+    gc_pause_s: float = config_field(
         30.0,
         "The controller's garbage collector is paused while a sync, a heartbeat round or a failover "
         "round runs, for at most this many seconds each time; 0: never. At thousands of members this "
         "keeps full collections off those paths (docs/benchmarks.md, 'Controller at scale').",
         ge=0,
     )
-    held_weights_proof: Literal["every_sync", "admission"] = _field(
+    held_weights_proof: Literal["every_sync", "admission"] = config_field(
         "every_sync",
         "When a rollout whose engine keeps its own copy (held_weights()) is proven by hashing what it"
         " returns. every_sync: after every load. admission: at admission to serving (a first load, a "
         "resync, a re-admission, the load after a failed proof) and a held_weights_proof_fraction of "
         "the other loads. A rollout without the hook hashes what it was given every time.",
     )
-    held_weights_proof_fraction: float = _field(
+    held_weights_proof_fraction: float = config_field(
         0.0,
         "With held_weights_proof: admission, the fraction (0 to 1) of the other loads proven too, drawn "
         "per rollout and weights version from the run id (the same draws on a replay of the trail).",
         ge=0,
     )
-    rollout_updates: Literal["barrier", "in_flight"] = _field(
+    rollout_updates: Literal["barrier", "in_flight"] = config_field(
         "barrier", "How a committed version reaches a rollout busy in a call. barrier: the commit waits for the call "
         "to end. in_flight: it loads at the call's next safe_point() or its end (docs/concepts.md).")
-    max_staleness: int = _field(
+    max_staleness: int = config_field(
         1, "in_flight: how many versions behind a rollout may be and still be given calls.", ge=0)
-    safe_point_timeout_s: float = _field(
+    safe_point_timeout_s: float = config_field(
         60.0, "in_flight: how long a rollout may hold a committed version back before it is suspected.", gt=0)
-    remove_calls_timeout_s: float = _field(
+    remove_calls_timeout_s: float = config_field(
         60.0, "rt.remove_rollouts: how long a rollout taken out of serving may finish the calls it is running "
         "before its process is stopped; a call still running then ends with MemberLost (dealt again over the "
         "serving rollouts with fault tolerance on).", gt=0)
-    heartbeat_interval_s: float = _field(1.0, "Seconds between two heartbeats of a worker; bounds each heartbeat call "
+    heartbeat_interval_s: float = config_field(1.0, "Seconds between two heartbeats of a worker; bounds each heartbeat call "
                                          "(a node agent's reply for its members: two intervals).", gt=0)
-    heartbeat_agent_min_members: int = _field(
+    heartbeat_agent_min_members: int = config_field(
         4,
         "A node with at least this many members (a lone member excepted) has their heartbeats asked, "
         "and a sync's calls made, through one call of its liveness agent (a small actor, no CPU); "
         "fewer are asked directly. 0: never an agent.",
         ge=0,
     )
-    heartbeat_timeout_s: float = _field(
+    heartbeat_timeout_s: float = config_field(
         10.0,
         "A worker with no heartbeat showing progress for this long is declared lost "
         "(it is suspect from the first missed interval).",
         gt=0,
     )
-    fault_tolerance: FaultToleranceConfig = _field(FaultToleranceConfig, "Failover settings.")  # noqa: RUF009
-    placement: PlacementConfig = _field(PlacementConfig, "Where workers run on a multi-node cluster.")  # noqa: RUF009
-    security: SecurityConfig = _field(SecurityConfig, "Authentication of the weight-sync path.")  # noqa: RUF009
+    fault_tolerance: FaultToleranceConfig = config_field(FaultToleranceConfig, "Failover settings.")  # noqa: RUF009
+    placement: PlacementConfig = config_field(PlacementConfig, "Where workers run on a multi-node cluster.")  # noqa: RUF009
+    security: SecurityConfig = config_field(SecurityConfig, "Authentication of the weight-sync path.")  # noqa: RUF009
 
     # -- construction -------------------------------------------------------------------
 
@@ -474,12 +420,12 @@ class RuntimeConfig:
 
         ``environ`` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
         """
-        cfg = _build(cls, {} if data is None else data, "")
+        cfg = build(cls, {} if data is None else data, "")
         env = os.environ if environ is None else environ
-        for path, f in _walk_fields(cls):
+        for path, f in walk_fields(cls):
             var = f.metadata.get("env")
             if var and var in env:
-                value = _convert(f, _hint(cls, path), env[var], f"{path} (from env {var})", from_env=True)
+                value = convert(f, hint_of(cls, path), env[var], f"{path} (from env {var})", from_env=True)
                 cfg = cfg.replace(**{path: value})
         cfg._check_combinations()
         return cfg
@@ -500,7 +446,7 @@ class RuntimeConfig:
         if len(raw) > MAX_CONFIG_BYTES:
             raise ConfigError("", f"{p}: larger than {MAX_CONFIG_BYTES} bytes, not a config file")
         try:
-            data = _load_yaml(raw.decode("utf-8"), str(p))
+            data = load_yaml(raw.decode("utf-8"), str(p))
         except UnicodeDecodeError as exc:
             raise ConfigError("", f"{p}: not UTF-8 text (byte {exc.start})") from exc
         except yaml.YAMLError as exc:
@@ -584,14 +530,14 @@ class RuntimeConfig:
         if ft.standby_resource_pool in ("trainer", "rollout"):
             raise ConfigError(
                 "fault_tolerance.standby_resource_pool",
-                f"must differ from the role pools 'trainer' and 'rollout', got {_r(ft.standby_resource_pool)}",
+                f"must differ from the role pools 'trainer' and 'rollout', got {short_repr(ft.standby_resource_pool)}",
             )
         if "file" in ft.maintenance_sources and ft.maintenance_file is None:
             raise ConfigError("fault_tolerance.maintenance_file", "required when maintenance_sources names 'file'")
         for source, url in ft.maintenance_endpoints.items():
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(
-                    f"fault_tolerance.maintenance_endpoints.{source}", f"must be an http:// or https:// URL, got {_r(url)}"
+                    f"fault_tolerance.maintenance_endpoints.{source}", f"must be an http:// or https:// URL, got {short_repr(url)}"
                 )
         if ft.optimizer_state == "checkpoint" and ft.checkpoint_dir is None:
             raise ConfigError("fault_tolerance.checkpoint_dir", "required when optimizer_state is 'checkpoint'")
@@ -603,204 +549,20 @@ class RuntimeConfig:
             )
 
 
-# -- the generic part: one walker over the declarations --------------------------------
-
-
-def _hint(cls: type, dotted: str) -> Any:
-    owner: type = cls
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        owner = typing.get_type_hints(owner)[part]
-    return typing.get_type_hints(owner)[parts[-1]]
-
-
-def _walk_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field[Any]]]:
-    """Every leaf field of a config dataclass with its dotted path."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        path = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from _walk_fields(hints[f.name], f"{path}.")
-        else:
-            yield path, f
-
-
 def describe(cls: type = RuntimeConfig) -> list[dict[str, Any]]:
-    """Every leaf field as ``{path, type, default, doc, env}``: the source of the config reference."""
-    rows = []
-    defaults = cls()
-    for path, f in _walk_fields(cls):
-        value: Any = defaults
-        for part in path.split("."):
-            value = getattr(value, part)
-        rows.append(
-            {
-                "path": path,
-                "type": _type_name(_hint(cls, path)),
-                "default": value,
-                "doc": f.metadata.get("doc", ""),
-                "env": f.metadata.get("env"),
-                "bounds": _bounds_text(f),
-            }
-        )
-    return rows
+    """Every leaf field as ``{path, type, default, doc, env, bounds}``: the source of the config reference."""
+    return describe_fields(cls)
 
 
 def sections(cls: type = RuntimeConfig) -> dict[str, str]:
     """Docs of the nested blocks (``fault_tolerance`` …), for the generated reference."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
-
-
-def _bounds_text(f: dataclasses.Field[Any]) -> str:
-    if "choices" in f.metadata:
-        return "each one of " + ", ".join(f.metadata["choices"])
-    if "keys" in f.metadata:
-        return "keys: " + ", ".join(f.metadata["keys"])
-    if "ge" in f.metadata:
-        return f">= {f.metadata['ge']}"
-    if "gt" in f.metadata:
-        return f"> {f.metadata['gt']}"
-    return ""
-
-
-def _type_name(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(hint))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return " | ".join(_type_name(a) for a in typing.get_args(hint))
-    if hint is type(None):
-        return "null"
-    if origin is list:
-        return str(hint)
-    return getattr(hint, "__name__", str(hint))
-
-
-def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
-    if not isinstance(data, Mapping):
-        raise ConfigError(prefix.rstrip("."), f"expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    bad_keys = [k for k in data if not isinstance(k, str)]
-    if bad_keys:
-        raise ConfigError(prefix.rstrip("."), f"keys must be strings, got {_r(bad_keys[0])}")
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"{prefix}{_r(unknown[0])[1:-1]}",
-            f"unknown key; expected one of: {', '.join(sorted(fields))}",
-        )
-    values = {}
-    for name, value in data.items():
-        hint = hints[name]
-        path = f"{prefix}{name}"
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, {} if value is None else value, f"{path}.")
-        else:
-            values[name] = _convert(fields[name], hint, value, path)
-    return cls(**values)
-
-
-def _convert(f: dataclasses.Field[Any], hint: Any, value: Any, path: str, *, from_env: bool = False) -> Any:
-    """Check one leaf value against its declared type and bounds; strings from the
-    environment are parsed first."""
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if optional else hint
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(path, f"must not be null; expected {_type_name(hint)}")
-    if typing.get_origin(base) is dict:
-        return _convert_mapping(f, base, value, path)
-    if typing.get_origin(base) is list:
-        return _convert_list(f, value, path)
-    if typing.get_origin(base) is Literal:
-        choices = typing.get_args(base)
-        if value not in choices:
-            raise ConfigError(path, f"must be one of {', '.join(repr(c) for c in choices)}, got {_r(value)}")
-        return value
-    if base is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"must be true or false, got {_r(value)}")
-        return value
-    if base in (int, float):
-        if from_env:
-            try:
-                value = base(value)
-            except ValueError as exc:
-                raise ConfigError(path, f"must be a number, got {_r(value)}") from exc
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"must be {'an integer' if base is int else 'a number'}, got {_r(value)}")
-        if isinstance(value, float) and not math.isfinite(value):  # a bound must bound something
-            raise ConfigError(path, f"must be a finite number, got {_r(value)}")
-        if isinstance(value, int) and abs(value) > _MAX_INT:
-            raise ConfigError(path, f"must be at most {_MAX_INT} in magnitude, got {_r(value)}")
-        if base is int and not float(value).is_integer():
-            raise ConfigError(path, f"must be an integer, got {_r(value)}")
-        value = base(value)
-        if "ge" in f.metadata and value < f.metadata["ge"]:
-            raise ConfigError(path, f"must be >= {f.metadata['ge']}, got {value:g}")
-        if "gt" in f.metadata and value <= f.metadata["gt"]:
-            raise ConfigError(path, f"must be > {f.metadata['gt']}, got {value:g}")
-        return value
-    if base is str:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(path, f"must be a non-empty string, got {_r(value)}")
-        return value
-    raise ConfigError(path, f"unsupported field type {hint!r}")  # pragma: no cover - declaration bug
-
-
-def _convert_list(f: dataclasses.Field[Any], value: Any, path: str) -> list[str]:
-    """A ``list[str]`` whose elements are among ``choices`` (the field's metadata), without
-    repeats. ``auto`` stands alone: the string ``auto``, ``[auto]`` and ``[]`` all mean it."""
-    choices: tuple[str, ...] = f.metadata.get("choices", ())
-    if value == "auto" and "auto" in choices:
-        return ["auto"]
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(path, f"must be a list, got {_r(value)}")
-    out: list[str] = []
-    for i, item in enumerate(value):
-        if not isinstance(item, str) or not item:
-            raise ConfigError(f"{path}[{i}]", f"must be a non-empty string, got {_r(item)}")
-        if choices and item not in choices:
-            raise ConfigError(f"{path}[{i}]", f"must be one of {', '.join(repr(c) for c in choices)}, got {_r(item)}")
-        if item in out:
-            raise ConfigError(f"{path}[{i}]", f"{_r(item)} is named twice")
-        out.append(item)
-    if "auto" in choices:
-        if not out:
-            return ["auto"]
-        if "auto" in out and len(out) > 1:
-            raise ConfigError(path, f"'auto' cannot be combined with named sources, got {_r(out)}")
-    return out
-
-
-def _convert_mapping(f: dataclasses.Field[Any], hint: Any, value: Any, path: str) -> dict[str, Any]:
-    """A ``dict[str, float]`` (resources: numbers >= 0) or ``dict[str, str]`` (labels,
-    endpoints), with only the ``keys`` of the field's metadata when it names them."""
-    _, value_type = typing.get_args(hint)
-    if not isinstance(value, Mapping):
-        raise ConfigError(path, f"must be a mapping of names to {value_type.__name__} values, got {_r(value)}")
-    allowed: tuple[str, ...] = f.metadata.get("keys", ())
-    out: dict[str, Any] = {}
-    for key, item in value.items():
-        if not isinstance(key, str) or not key:
-            raise ConfigError(path, f"keys must be non-empty strings, got {_r(key)}")
-        if allowed and key not in allowed:
-            raise ConfigError(f"{path}.{_r(key)[1:-1]}", f"unknown key; expected one of: {', '.join(allowed)}")
-        if value_type is float:
-            if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item) or item < 0:
-                raise ConfigError(f"{path}.{key}", f"must be a number >= 0, got {_r(item)}")
-            out[key] = float(item)
-        elif not isinstance(item, str) or not item:
-            raise ConfigError(f"{path}.{key}", f"must be a non-empty string, got {_r(item)}")
-        else:
-            out[key] = item
-    return out
+    return section_docs(cls)
 
 
 def leaf_paths() -> set[str]:
     """Every dotted field path of :class:`RuntimeConfig` (specs name deadlines by these)."""
-    return {path for path, _ in _walk_fields(RuntimeConfig)}
+    return {path for path, _ in walk_fields(RuntimeConfig)}
+
+
+__all__ = ["MAINTENANCE_SOURCES", "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "METADATA_SOURCES", "FaultToleranceConfig",
+           "PlacementConfig", "RolePlacement", "RuntimeConfig", "SecurityConfig", "describe", "leaf_paths", "sections"]

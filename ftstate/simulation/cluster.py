@@ -19,16 +19,15 @@ from ftstate.controller.feasibility import check_feasible, label_matches
 from ftstate.core.config import RolePlacement
 from ftstate.core.errors import ConfigError, NoFreeSlot, PlacementUnsatisfiable, UsageError
 from ftstate.core.protocol import Beat, Request
+from ftstate.simulation.agentcalls import AgentBatch
 from ftstate.simulation.clock import TimerQueue
+from ftstate.simulation.collectives import Collective, SimulatedStore
 from ftstate.simulation.costs import Costs
 from ftstate.simulation.members import (
-    AgentBatch,
-    Collective,
     NodeChanges,
     SimulatedLivenessAgent,
     SimulatedMember,
     SimulatedNodeWatcher,
-    SimulatedStore,
 )
 
 #: The controller's node (it holds no worker).

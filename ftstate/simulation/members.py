@@ -6,12 +6,13 @@ weights version and checksum it holds committed, a staged version, the group ver
 it joined, a progress counter that moves while it transfers, whether it is busy. Each call
 returns a future that the member settles at a time of the virtual clock (one entry per call on
 the cluster's :class:`~ftstate.simulation.clock.TimerQueue`, no task each; a call made through
-its node's agent answers into the agent's batch, an :class:`AgentReply`, not a future):
+its node's agent answers into the agent's batch, an
+:class:`~ftstate.simulation.agentcalls.AgentReply`, not a future):
 
 - ``info`` / ``prewarm`` answer once the process is up (``Costs.start_s`` after its start);
 - ``join`` waits in the rendezvous store until every rank of the version registered (or the
   version is fenced: ``StaleGroupVersion``, as the real store says), then ``Costs.group_form_s``;
-- ``send_weights`` / ``receive_weights`` are one :class:`Collective` of every rank of the group
+- ``send_weights`` / ``receive_weights`` are one :class:`~ftstate.simulation.collectives.Collective` of every rank of the group
   version (a rank that never calls, because it hangs, blocks the others, as a real broadcast
   does); ``send_weights_to`` / ``receive_weights_from`` one of two;
 - a member that dies fails its pending calls with ``ActorDied`` after ``Costs.death_detect_s``,
@@ -24,14 +25,20 @@ its node's agent answers into the agent's batch, an :class:`AgentReply`, not a f
 
 Checksums are names of versions (``sim-v7``): what the controller compares is only whether two
 members hold the same version, and that is what they say.
+
+Also here, as the controller sees them: a node's maintenance watcher
+(:class:`SimulatedNodeWatcher`) and its liveness agent (:class:`SimulatedLivenessAgent`). What
+members wait in together (collectives, the rendezvous store) is
+:mod:`ftstate.simulation.collectives`; an agent's batch of member calls,
+:mod:`ftstate.simulation.agentcalls`. Everything runs in the simulation's one process, on its
+virtual clock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ftstate.controller.backend import (
@@ -45,10 +52,7 @@ from ftstate.controller.backend import (
 )
 from ftstate.core.errors import (
     CommunicatorAborted,
-    PeerLost,
     ProtocolError,
-    RendezvousTimeout,
-    StaleGroupVersion,
 )
 from ftstate.core.liveness import Heartbeat
 from ftstate.core.protocol import (
@@ -78,7 +82,6 @@ from ftstate.core.protocol import (
     ReceivePart,
     ReceiveShards,
     ReceiveWeights,
-    Request,
     ReserveStaging,
     SendPart,
     SendShards,
@@ -91,6 +94,8 @@ from ftstate.core.protocol import (
     UserCall,
     Vigil,
 )
+from ftstate.simulation.agentcalls import AgentReply
+from ftstate.simulation.collectives import Collective, Outcome, answered, fail, settle, time_out
 
 
 def checksum_of(weights_version: int) -> str:
@@ -101,118 +106,6 @@ def checksum_of(weights_version: int) -> str:
 #: A member's calls kept for its death to fail are pruned of those that ended at this many.
 _PRUNE_AT = 16
 
-
-#: A call's outcome, made when it is answered: a function of no arguments, or ``(function,
-#: *arguments)`` (one tuple where a bound method and a partial were two objects for each call
-#: in flight: 10,000 of them through a sync, which the collector promotes and walks).
-Outcome = Callable[[], Any] | tuple[Any, ...]
-
-
-def _settle(fut: asyncio.Future[Any], outcome: Outcome) -> None:
-    if fut.done():
-        return
-    try:
-        fut.set_result(outcome[0](*outcome[1:]) if type(outcome) is tuple else outcome())  # type: ignore[operator]
-    except Exception as exc:  # noqa: BLE001 - the outcome is the call's answer: an error is one too
-        fut.set_exception(exc)
-
-
-def _answered(member: SimulatedMember, fut: asyncio.Future[Any], outcome: Outcome) -> None:
-    """``fut`` of ``member`` settled with its ``outcome`` (a module function, not a bound method
-    made for each call in flight)."""
-    member._pending.pop(fut, None)  # answered: no death can fail it any more
-    _settle(fut, outcome)
-
-
-def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-
-
-def _time_out(fut: asyncio.Future[Any], timeout: float) -> None:
-    if not fut.done():
-        fut.set_exception(CallTimedOut(f"no answer within {timeout:g}s"))
-
-
-def _forget(collectives: list[Collective], c: Collective) -> None:
-    if c in collectives:
-        collectives.remove(c)
-
-
-class Collective:
-    """One collective of ``expected`` participants (a broadcast, a point-to-point transfer, a
-    rendezvous): it starts when all arrived and ends ``cost_s`` later; one that leaves first
-    (died, abandoned, cancelled) breaks it and the others fail with ``PeerLost``."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, what: str, expected: int, cost_s: float,
-                 detect_s: float, on_finish: Callable[[], None] | None = None) -> None:
-        self.loop = loop
-        self.on_finish = on_finish
-        self.what = what
-        self.expected = expected
-        self.cost_s = cost_s
-        self.detect_s = detect_s
-        self.arrivals: dict[int, tuple[SimulatedMember, asyncio.Future[Any], Outcome]] = {}
-        self.started_at: float | None = None
-        self.broken: str | None = None
-        self._by_future: dict[asyncio.Future[Any], SimulatedMember] = {}
-        self._on_done: Callable[[asyncio.Future[Any]], None] | None = None
-
-    def arrive(self, rank: int, member: SimulatedMember, fut: asyncio.Future[Any], outcome: Outcome) -> None:
-        if self.broken is not None:
-            member.cluster.timers.call_at(self.loop.time() + self.detect_s, _fail, fut, self._peer_lost(member, self.broken))
-            return
-        self.arrivals[rank] = (member, fut, outcome)
-        self._by_future[fut] = member
-        member.collectives.append(self)
-        member.changes.count += 1  # busy now (and an answer that was busy is not kept as steady)
-        # one bound method for every arrival, in the shared context, not a closure each in a
-        # copied one: thousands of arrivals live as long as the transfer, promoted and walked by
-        # the collector
-        if self._on_done is None:
-            self._on_done = self._ended
-        fut.add_done_callback(self._on_done, context=member.cluster.context)
-        if len(self.arrivals) == self.expected:
-            self.started_at = self.loop.time()
-            member.cluster.timers.call_at(self.started_at + self.cost_s, self._finish)
-
-    def _finish(self) -> None:
-        if self.broken is not None:
-            return
-        if self.on_finish is not None:
-            self.on_finish()
-        for member, fut, outcome in list(self.arrivals.values()):
-            _forget(member.collectives, self)
-            member.answer_later(fut, outcome)
-        # Answered: what the arrivals held is the answers' now (a finished rendezvous stays in
-        # its store until the next version fences it; 10,000 arrivals kept alive that long were
-        # walked by every collection of the collector meanwhile). Their ranks stay.
-        self.arrivals = dict.fromkeys(self.arrivals)  # type: ignore[arg-type]
-        self._by_future.clear()
-
-    def _ended(self, fut: asyncio.Future[Any]) -> None:
-        member = self._by_future.get(fut)
-        if member is not None:  # None: finished, each member's part done by _finish
-            self._left(member, fut)
-
-    def _left(self, member: SimulatedMember, fut: asyncio.Future[Any] | None) -> None:
-        # A participant's call ended: normal at the finish; before it, the collective breaks.
-        _forget(member.collectives, self)
-        if self.broken is not None or (self.started_at is not None and self.loop.time() >= self.started_at + self.cost_s):
-            return
-        self.broken = f"{member.name} left {self.what}"
-        when = self.loop.time() + self.detect_s
-        for other, other_fut, _ in self.arrivals.values():
-            if other is not member and not other_fut.done():
-                other.cluster.timers.call_at(when, _fail, other_fut, self._peer_lost(other, self.broken))
-
-    def _peer_lost(self, member: SimulatedMember, why: str) -> RemoteError:
-        exc = PeerLost(f"rank {member.rank}: a peer was lost during {self.what} ({why})", group="weights",
-                       group_version=member.group_version, rank=member.rank, op=self.what)
-        return RemoteError(exc, str(exc))
-
-    def progressing(self, now: float) -> bool:
-        return self.started_at is not None and now >= self.started_at
 
 
 class NodeChanges:
@@ -272,7 +165,7 @@ class SimulatedMember:
         self.death: str | None = None
         # Dicts, not sets: a set of futures iterates in the order of their addresses, and the
         # order deaths are reported in must be the same in every run of a seed.
-        self._pending: dict[asyncio.Future[Any], None] = {}
+        self.pending: dict[asyncio.Future[Any], None] = {}
         #: The collectives it takes part in, in the order it joined them (a list, not a dict: a
         #: dict that empties is untracked by the collector and tracked again, a new object to
         #: promote, each time its member joins one: 10,000 a sync at 10,000 members).
@@ -305,21 +198,21 @@ class SimulatedMember:
         fut: asyncio.Future[Any] = loop.create_future() if reply is None else reply
         now = loop.time()
         if not self._alive:
-            self.cluster.timers.call_at(now + self.cluster.costs.death_detect_s, _fail, fut,
+            self.cluster.timers.call_at(now + self.cluster.costs.death_detect_s, fail, fut,
                                         ActorDied(self.death or "dead"))
             return fut
-        # The calls a death fails: one answered leaves when it is (_settle); those that ended
+        # The calls a death fails: one answered leaves when it is (settle); those that ended
         # otherwise (failed, timed out) are dropped in bulk now and then, not each by a callback
         # of its own (two more objects per call in flight, which the collector scans).
-        if len(self._pending) >= _PRUNE_AT:  # in place: a new dict each time is one more to promote
-            for f in [f for f in self._pending if f.done()]:
-                del self._pending[f]
-        self._pending[fut] = None
+        if len(self.pending) >= _PRUNE_AT:  # in place: a new dict each time is one more to promote
+            for f in [f for f in self.pending if f.done()]:
+                del self.pending[f]
+        self.pending[fut] = None
         if self._hung or self._cut_off:
             if timeout is not None:
-                self.cluster.timers.call_at(now + timeout, _time_out, fut, timeout)
+                self.cluster.timers.call_at(now + timeout, time_out, fut, timeout)
             if self._cut_off:  # its node is gone and Ray does not know it yet: no answer, then unreachable
-                self.cluster.timers.call_at(now + self.cluster.costs.unreachable_s, _fail, fut, ActorUnreachable(
+                self.cluster.timers.call_at(now + self.cluster.costs.unreachable_s, fail, fut, ActorUnreachable(
                     "the actor is temporarily unavailable (its node does not answer)"))
             return fut
         self._answering, self._answer_at = fut, float("inf")
@@ -337,7 +230,7 @@ class SimulatedMember:
             # settled: a heartbeat's answer, 1,250 an interval at 10,000 members). Otherwise it is
             # left to fire on a call answered meanwhile (cancelling it on the answer would keep a
             # callback per call besides), and its error is made only when it fires.
-            self.cluster.timers.call_at(now + timeout, _time_out, fut, timeout)
+            self.cluster.timers.call_at(now + timeout, time_out, fut, timeout)
         return fut
 
     def _after(self, fut: asyncio.Future[Any], seconds: float, outcome: Outcome, less: float = 0.0) -> None:
@@ -353,7 +246,7 @@ class SimulatedMember:
         if type(fut) is AgentReply and fut.answer_at(self, outcome):
             self.cluster.timers.call_at(when, fut)  # its own timer's callback: no arguments tuple
         else:
-            self.cluster.timers.call_at(when, _answered, self, fut, outcome)
+            self.cluster.timers.call_at(when, answered, self, fut, outcome)
 
     def answer_later(self, fut: asyncio.Future[Any], outcome: Outcome) -> None:
         """Settle ``fut`` one call's time from now (a collective finished: its answer travels back)."""
@@ -372,9 +265,9 @@ class SimulatedMember:
         self.death = reason
         loop = self.cluster.loop
         when = loop.time() + self.cluster.costs.death_detect_s
-        for fut in list(self._pending):
-            self.cluster.timers.call_at(when, _fail, fut, ActorDied(reason))
-        self._pending.clear()
+        for fut in list(self.pending):
+            self.cluster.timers.call_at(when, fail, fut, ActorDied(reason))
+        self.pending.clear()
         if self.rank >= 0:
             # Its sockets closed with it: a collective of its group version waiting for it (a
             # broadcast it never entered, because it hung first) breaks for those already in
@@ -702,7 +595,7 @@ class SimulatedLivenessAgent(SimulatedMember):
         loop = self.cluster.loop
         answers = (SimulatedLivenessAgent._answers, self, handles, args, timeout, mark, since)
         if not self._unchanged(handles, since) and any(h._alive and (h._hung or h._cut_off) for h in handles):
-            self.cluster.timers.call_at(loop.time() + timeout, _settle, fut, answers)
+            self.cluster.timers.call_at(loop.time() + timeout, settle, fut, answers)
         else:
             self._after(fut, self.cluster.costs.call_s, answers)
 
@@ -726,140 +619,6 @@ class SimulatedLivenessAgent(SimulatedMember):
         return QUIET if reply is QUIET_WIRE else reply  # what the Ray backend hands on for the wire's word
 
 
-class AgentBatch:
-    """The members' calls of one :meth:`~ftstate.simulation.cluster.SimulatedCluster.calls`, and
-    its iteration: each member's outcome as it ends, handed over in lists of those that ended
-    since the last. The members are called when the iteration starts, unless the agent is dead
-    or its node gone: then the first step fails as a call of the agent's would. The agent is
-    lost with its node: from then on it hands nothing over (its members' outcomes stay with
-    it), and its death, once its node is declared dead, fails the batch with ``ActorDied``, as
-    a real agent's reply does."""
-
-    __slots__ = ("agent", "calls", "ended", "left", "loop", "wake")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, agent: SimulatedMember, handles: Sequence[SimulatedMember],
-                 requests: Sequence[Request]) -> None:
-        self.loop = loop
-        self.agent = agent
-        self.left = len(handles)
-        self.ended: list[tuple[int, Any]] = []
-        self.wake: asyncio.Future[None] | None = None
-        #: The members' calls, made at the first step (None once made).
-        self.calls: tuple[Any, ...] | None = (handles, requests)
-
-    def reply(self, j: int) -> AgentReply:
-        """Where the ``j``-th member's call answers."""
-        return AgentReply(self, j)
-
-    def _call_members(self, handles: Sequence[SimulatedMember], requests: Sequence[Request]) -> None:
-        """The agent calls its members, on its node (the agent's work, as :meth:`_ended`, its
-        collecting of their outcomes: the rest of the batch is the stream the controller reads)."""
-        for j, (h, req) in enumerate(zip(handles, requests, strict=True)):
-            h.answer(req.method, (req,), None, self.reply(j))
-
-    def _ended(self, j: int, outcome: Any) -> None:
-        self.ended.append((j, outcome))
-        if self.wake is not None and not self.wake.done() and not self.agent.cut_off:
-            self.wake.set_result(None)
-
-    def __aiter__(self) -> AgentBatch:
-        return self
-
-    async def __anext__(self) -> list[tuple[int, Any]]:
-        """The outcomes that ended since the last step, waiting for one if none did."""
-        if self.calls is not None:
-            calls, self.calls = self.calls, None
-            if not self.agent.alive or self.agent.cut_off:
-                await self.agent.answer("ready", (), None)  # dead, or its node gone: fails as such a call does
-            self._call_members(*calls)
-        if not self.left:
-            raise StopAsyncIteration
-        while not self.ended or self.agent.cut_off:
-            self.wake = self.loop.create_future()
-            self.agent._pending[self.wake] = None  # failed with ActorDied when the agent dies
-            try:
-                await self.wake
-            finally:
-                self.agent._pending.pop(self.wake, None)
-                self.wake = None
-        ended, self.ended = self.ended, []
-        self.left -= len(ended)
-        return ended
-
-    async def aclose(self) -> None:
-        """The caller stopped iterating: outcomes still to come stay with the agent."""
-        self.calls = None
-
-
-class AgentReply:
-    """A member's call made through its node's agent, settled as a future is (by the member's
-    answer, its death, a broken collective) and its outcome handed to the batch as it is.
-    Not an ``asyncio.Future``: nobody awaits it, and a future each, with the batch's callback
-    on it, was three objects for each call in flight (10,000 through a sync) and a loop pass
-    for each answer. Done-callbacks (a collective's) still run as a future's do, soon after."""
-
-    __slots__ = ("_callback", "_context", "_done", "_member", "_more", "_outcome", "batch", "j")
-
-    def __init__(self, batch: AgentBatch, j: int) -> None:
-        self.batch = batch
-        self.j = j
-        self._done = False
-        self._member: SimulatedMember | None = None
-        self._outcome: Outcome | None = None
-        # the first done-callback in two slots (a collective's: the only one there usually is),
-        # any further ones in a list
-        self._callback: Callable[[Any], Any] | None = None
-        self._context: Any = None
-        self._more: list[tuple[Callable[[Any], Any], Any]] | None = None
-
-    def answer_at(self, member: SimulatedMember, outcome: Outcome) -> bool:
-        """``member`` answers with ``outcome`` when this reply is called (its answer's timer);
-        False (nothing taken) if an answer is already on its way."""
-        if self._member is not None:
-            return False
-        self._member, self._outcome = member, outcome
-        return True
-
-    def __call__(self) -> None:
-        member, outcome = self._member, self._outcome
-        self._member = self._outcome = None
-        if member is not None and outcome is not None:
-            _answered(member, self, outcome)  # type: ignore[arg-type]
-
-    def done(self) -> bool:
-        return self._done
-
-    def cancelled(self) -> bool:
-        return False
-
-    def set_result(self, value: Any) -> None:
-        self._end(value)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._end(exc)
-
-    def _end(self, outcome: Any) -> None:
-        if self._done:
-            raise asyncio.InvalidStateError(f"the call of member {self.j} of the batch already ended")
-        self._done = True
-        self.batch._ended(self.j, outcome)
-        if self._callback is not None:
-            self.batch.loop.call_soon(self._callback, self, context=self._context)
-            self._callback = self._context = None
-        for callback, context in self._more or ():
-            self.batch.loop.call_soon(callback, self, context=context)
-        self._more = None
-
-    def add_done_callback(self, callback: Callable[[Any], Any], *, context: Any = None) -> None:
-        if self._done:
-            self.batch.loop.call_soon(callback, self, context=context)
-        elif self._callback is None:
-            self._callback, self._context = callback, context
-        elif self._more is None:
-            self._more = [(callback, context)]
-        else:
-            self._more.append((callback, context))
-
 
 def _raiser(exc: BaseException) -> Callable[[], Any]:
     def outcome() -> Any:
@@ -868,95 +627,4 @@ def _raiser(exc: BaseException) -> Callable[[], Any]:
     return outcome
 
 
-class SimulatedStore:
-    """The rendezvous store of a simulated cluster: who registered for which group version,
-    and which versions are fenced (superseded: their waiters get ``StaleGroupVersion``)."""
-
-    def __init__(self, cluster: Any, host: str, port: int) -> None:
-        from ftstate.transport.store import StoreAddress
-
-        self.cluster = cluster
-        self.address = StoreAddress(host, port)
-        self._current: dict[str, int] = {}
-        self._versions: dict[tuple[str, int], Collective] = {}
-        #: The members waiting in each rendezvous, each with its own bound (its arrival plus its
-        #: ``timeout_s``): (when, timeout_s, name, future).
-        self._waiting: dict[tuple[str, int], list[tuple[float, float, str, asyncio.Future[Any]]]] = {}
-
-    def register(self, group: str, version: int, rank: int, world_size: int, member: SimulatedMember,
-                 fut: asyncio.Future[Any], timeout_s: float) -> None:
-        loop = self.cluster.loop
-        current = self._current.get(group, 0)
-        if current > version:
-            exc = StaleGroupVersion(group, got=version, current=current, peer=member.name)
-            loop.call_at(loop.time() + self.cluster.costs.call_s, _fail, fut, RemoteError(exc, str(exc)))
-            return
-        key = (group, version)
-        rendezvous = self._versions.get(key)
-        if rendezvous is None:
-            rendezvous = self._versions[key] = Collective(
-                loop, f"the rendezvous of {group} v{version}", world_size, self.cluster.costs.group_form_s, 0.0,
-                on_finish=functools.partial(self._waiting.pop, key, None))
-        rendezvous.arrive(rank, member, fut, (SimulatedMember.joined, member, version, rank, world_size))
-        _forget(member.collectives, rendezvous)  # waiting in a rendezvous is not being busy in a transfer
-        # Each member's bound, kept with the rendezvous until it forms (then dropped whole) and
-        # watched by one timer at the earliest: every member of a reform joins (10,000 at once),
-        # and a timer each held its call for the whole bound, formed or not.
-        when = loop.time() + timeout_s
-        waiting = self._waiting.get(key)
-        if waiting is None:
-            waiting = self._waiting[key] = []
-            self.cluster.timers.call_at(when, self._expire, key)
-        waiting.append((when, timeout_s, member.name, fut))
-
-    def _expire(self, key: tuple[str, int]) -> None:
-        """The earliest bound of ``key``'s waiting members came: those whose bound passed fail
-        with :class:`RendezvousTimeout`; the timer is set again for the next."""
-        waiting = self._waiting.get(key)
-        if not waiting:
-            return
-        now, group, version = self.cluster.loop.time(), key[0], key[1]
-        left = []
-        for entry in waiting:
-            when, timeout_s, name, fut = entry
-            if fut.done():
-                continue
-            if when > now:
-                left.append(entry)
-                continue
-            exc = RendezvousTimeout(f"rendezvous of group {group!r} version {version}", key="init_timeout_s",
-                                    seconds=timeout_s, member=name, group_version=version)
-            fut.set_exception(RemoteError(exc, str(exc)))
-        if left:
-            self._waiting[key] = left
-            self.cluster.timers.call_at(min(entry[0] for entry in left), self._expire, key)
-        else:
-            self._waiting.pop(key, None)
-
-    def arrived(self, group: str, version: int) -> list[int]:
-        rendezvous = self._versions.get((group, version))
-        return sorted(rendezvous.arrivals) if rendezvous is not None else []
-
-    def fence(self, group: str, version: int) -> int:
-        current = max(self._current.get(group, 0), version)
-        self._current[group] = current
-        loop = self.cluster.loop
-        for (g, v), rendezvous in list(self._versions.items()):
-            if g != group or v >= current:
-                continue
-            del self._versions[(g, v)]
-            self._waiting.pop((g, v), None)  # their calls fail now, or were answered
-            if rendezvous.started_at is not None:
-                continue
-            rendezvous.broken = f"version {v} fenced"
-            for member, fut, _ in rendezvous.arrivals.values():
-                exc = StaleGroupVersion(group, got=v, current=current, peer=member.name)
-                loop.call_at(loop.time(), _fail, fut, RemoteError(exc, str(exc)))
-        return current
-
-    def close(self) -> None:
-        self._versions.clear()
-        self._waiting.clear()
-
-
-__all__ = ["AgentBatch", "Collective", "NodeChanges", "SimulatedMember", "SimulatedNodeWatcher", "SimulatedStore", "checksum_of"]
+__all__ = ["NodeChanges", "SimulatedLivenessAgent", "SimulatedMember", "SimulatedNodeWatcher", "checksum_of"]

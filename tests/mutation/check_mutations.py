@@ -158,7 +158,7 @@ MUTATIONS = (
     Mutation(
         "no replay",
         "a new trainer re-runs the calls since the last sync, so no step is lost",
-        (Edit("ftstate/controller/failover.py",
+        (Edit("ftstate/controller/resync.py",
               "        for c in calls:\n            await self.calls.call(trainer.name, trainer.handle, UserCall(",
               "        for c in calls[:0]:\n            await self.calls.call(trainer.name, trainer.handle, UserCall("),),
         ("tests/integration/test_replay.py::test_calls_since_the_last_sync_are_replayed_on_the_new_trainer",),
@@ -243,7 +243,7 @@ MUTATIONS = (
     Mutation(
         "spares on the nodes they cover",
         "a spare keeps off the nodes of the members it covers, where another node can hold it",
-        (Edit("ftstate/controller/failover.py",
+        (Edit("ftstate/controller/spares.py",
               "        covered = ({self.launcher.node_of(m) for m in self.membership.live(role)} | self.avoided_nodes()) - {None}\n",
               "        covered = self.avoided_nodes() - {None}\n"),),
         ("tests/multinode/test_node_loss.py::"
@@ -252,7 +252,7 @@ MUTATIONS = (
     Mutation(
         "drain retires before the weights moved",
         "a drained member retires only once its replacement holds the current weights; rollouts serve throughout",
-        (Edit("ftstate/controller/drain.py", "            await self.failover.resync(moved[m.name])\n",
+        (Edit("ftstate/controller/drain.py", "            await self.failover.resyncer.resync(moved[m.name])\n",
               "            pass  # resynced by the next sync\n"),),
         ("tests/multinode/test_drain.py::test_a_node_with_two_rollouts_is_drained_while_serving",),
     ),
@@ -330,7 +330,7 @@ MUTATIONS = (
     Mutation(
         "a spare sharing a node sent to a quarantined one",
         "a quarantined node gets no spare, even where a spare must share a node with the members it covers",
-        (Edit("ftstate/controller/failover.py", "        if never and not self.launcher.placeable(pool, covered):\n",
+        (Edit("ftstate/controller/spares.py", "        if never and not self.launcher.placeable(pool, covered):\n",
               "        if False:\n"),),
         ("tests/simulation/test_quarantine_sim.py::"
          "test_a_spare_that_must_share_a_node_goes_to_a_healthy_one_never_to_the_quarantined_one",),
@@ -513,7 +513,7 @@ MUTATIONS = (
         "a checkpoint that rolls the run back admitted",
         "a trainer rebuilt from a checkpoint older than the current version is refused (StaleCheckpointRefused), "
         "never admitted to roll the run back",
-        (Edit("ftstate/controller/failover.py", "        if expected is None or held == expected:\n",
+        (Edit("ftstate/controller/resync.py", "        if expected is None or held == expected:\n",
               "        if True:\n"),),
         ("tests/integration/test_replay.py::TestCheckpointRecovery::"
          "test_an_older_checkpoint_is_refused_naming_the_version_it_holds",),

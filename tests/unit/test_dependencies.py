@@ -316,14 +316,15 @@ def test_without_matplotlib_the_demo_writes_its_report_and_says_the_picture_was_
 ) -> None:
     from rich.console import Console
 
-    from ftstate.cli.demo.run import DemoOptions, _report
+    from ftstate.cli.demo.options import DemoOptions
+    from ftstate.cli.demo.report import write_report
     from ftstate.core.config import RuntimeConfig
 
     write_small_trail(tmp_path / "audit.jsonl")
     console = Console(record=True, width=80)
-    code = _report(DemoOptions(out=str(tmp_path), steps=1), console, tmp_path, rewards=[0.5], syncs=[],
-                   failovers=[], injected=[], members=[], final_checksum="c", serving=["c"],
-                   reference={"checksum": "c", "rewards": [0.5]}, error=None, seconds=1.0, cfg=RuntimeConfig())
+    code = write_report(DemoOptions(out=str(tmp_path), steps=1), console, tmp_path, rewards=[0.5], syncs=[],
+                        failovers=[], injected=[], members=[], final_checksum="c", serving=["c"],
+                        reference={"checksum": "c", "rewards": [0.5]}, error=None, seconds=1.0, cfg=RuntimeConfig())
     assert code == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["timeline_picture"] is None

@@ -181,3 +181,35 @@ def test_the_controller_reaches_ray_only_through_its_backend() -> None:
     assert "ftstate.controller.ray.backend" in found  # the check sees a lazy import
     stray = sorted(set(found) - RAY_MODULES)
     assert not stray, f"controller modules importing Ray outside the backend: {stray}"
+
+
+#: The most lines a module may have: one concept, read in one sitting.
+MAX_LINES = 800
+
+
+def test_no_module_is_over_the_line_bound() -> None:
+    long = {name: n for name, path in modules().items()
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines: split them by concept"
+
+
+def private_imports(path: Path) -> list[str]:
+    """``from ftstate.x import _y`` in ``path``: a module leaning on another's internals."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
+                node.module == "ftstate" or node.module.startswith("ftstate.")):
+            out.extend(f"from {node.module} import {a.name}" for a in node.names
+                       if a.name.startswith("_") and not a.name.startswith("__"))
+    return out
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    found = {name: bad for name, path in modules().items() if (bad := private_imports(path))}
+    assert found == {}, "make the name public where another module needs it"
+
+
+def test_the_private_import_check_sees_one(tmp_path) -> None:
+    leaning = tmp_path / "m.py"
+    leaning.write_text("from ftstate.transport.sync import _secret, Public\nfrom ftstate import __version__\n")
+    assert private_imports(leaning) == ["from ftstate.transport.sync import _secret"]

@@ -489,7 +489,7 @@ class TestHeartbeatsPerNode:
         """The agent answers QUIET without reading its members while nothing on the node moved
         (NodeChanges); each thing a heartbeat shows, changed on one member, ends that."""
         from ftstate.controller.backend import QUIET as QUIET_REPLY
-        from ftstate.simulation.members import Collective
+        from ftstate.simulation.collectives import Collective
 
         async def main():
             cluster = SimulatedCluster(1, cpus_per_node=4, costs=QUIET)
@@ -874,7 +874,7 @@ class TestAgentReply:
     once, as a future is; a collective's done-callback still runs soon after, not inside."""
 
     def test_settled_once_into_the_batch_with_callbacks_soon_after(self):
-        from ftstate.simulation.members import AgentBatch
+        from ftstate.simulation.agentcalls import AgentBatch
 
         async def main():
             cluster = SimulatedCluster(1, cpus_per_node=4, costs=QUIET)

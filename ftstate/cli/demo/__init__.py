@@ -1,5 +1,6 @@
-"""``ftstate demo``: the main job, run from the driver (see :mod:`ftstate.cli.demo.run`; the vLLM engine demo
-in ``engine_run``, the maintenance scenario's cluster in ``nodes``)."""
+"""``ftstate demo``: the main job, run from the driver (:mod:`ftstate.cli.demo.run`; its options in
+``options``, its report and verdict in ``report``; the vLLM engine demo in ``engine_run``; the
+maintenance scenario's cluster in ``nodes``)."""
 
 from __future__ import annotations
 

@@ -66,11 +66,12 @@ def reference_run(model: str, seed: int, steps: int, batch_size: int, rollouts: 
 
 
 async def main(opts: Any, console: Any) -> int:
-    """Run the engine demo (``opts``: :class:`~ftstate.cli.demo.run.DemoOptions`); the exit code."""
+    """Run the engine demo (``opts``: :class:`~ftstate.cli.demo.options.DemoOptions`); the exit code."""
     from ftstate.cli.demo import llm
     from ftstate.cli.demo.engine_rollout import EngineRollout
     from ftstate.cli.demo.live import LiveView
-    from ftstate.cli.demo.run import _report, demo_config, fault_plan
+    from ftstate.cli.demo.report import write_report
+    from ftstate.cli.demo.run import demo_config, fault_plan
     from ftstate.controller.ray import cluster
     from ftstate.controller.runtime import Runtime
 
@@ -157,13 +158,13 @@ async def main(opts: Any, console: Any) -> int:
         "killed_mid_update": killed,
         "fault_free_held_checksum": reference["held_checksum"] if reference else None,
     }
-    return _report(opts, console, Path(opts.out), rewards, syncs, failovers, injected, members, final_checksum,
+    return write_report(opts, console, Path(opts.out), rewards, syncs, failovers, injected, members, final_checksum,
                    serving, reference, error, seconds, cfg, engine=engine,
                    trainer_ranks=_trainer_ranks(first_members, members))
 
 
 def _trainer_ranks(first: list[Any], last: list[Any]) -> list[dict[str, Any]]:
-    from ftstate.cli.demo.run import trainer_ranks
+    from ftstate.cli.demo.report import trainer_ranks
 
     return trainer_ranks(first, last)
 
