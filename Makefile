@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ftstate-installed
 
-.PHONY: demo test test-verl test-vllm lint install-check mutation-check setup clean docs soak chaos
+.PHONY: demo test test-verl test-vllm lint typecheck install-check mutation-check setup clean docs soak chaos
 
 # The verl suite's own venv: verl 0.9.1 brings ~110 packages (~2 GB) the core must not get.
 # torch is pinned in the same install so verl's requirements never replace the CPU build.
@@ -62,6 +62,14 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check ftstate tests benchmarks
 
+# The seam between the controller and a worker, type-checked: the protocol, the worker host that
+# implements it (tests/typecheck/conformance.py), the call layer that sends it and the simulated
+# member that answers it (~40 s).
+TYPED := ftstate/core/protocol.py ftstate/worker/host.py ftstate/controller/calls.py \
+	ftstate/simulation/members.py tests/typecheck/conformance.py
+typecheck: $(STAMP)
+	$(BIN)/mypy --ignore-missing-imports --follow-imports=silent $(TYPED)
+
 # What a user's `pip install torch==2.13.0 ftstate` gets: the wheel with only its declared
 # dependencies, in a fresh venv outside the checkout (names, a real sync, demo, CLI; ~2 min).
 install-check: $(STAMP)
@@ -74,7 +82,7 @@ mutation-check: $(STAMP)
 # Two pytest sessions (each names its slowest tests, where time in CI is won): a driver joins one Ray cluster only, and tests/multinode runs its own
 # (3 raylets on 127.0.0.1, ~10 s to start). ARGS goes to the first, MULTINODE_ARGS to the second;
 # the verl and vLLM suites run first, each in its own venv (test-verl, VERL_ARGS; test-vllm, VLLM_ARGS).
-test: $(STAMP) lint install-check test-verl test-vllm
+test: $(STAMP) lint typecheck install-check test-verl test-vllm
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --durations=30 --ignore=tests/multinode --ignore=tests/verl --ignore=tests/verl_multinode --ignore=tests/vllm $(ARGS)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(BIN)/pytest -q --durations=10 tests/multinode $(MULTINODE_ARGS)
 	$(MAKE) mutation-check

@@ -147,6 +147,13 @@ class SimulatedMember:
     alive = _watched("alive")
     hung = _watched("hung")
     cut_off = _watched("cut_off")
+    # what each watched attribute keeps (read directly where a round reads thousands)
+    _progress: int
+    _weights_version: int
+    _checksum: str | None
+    _alive: bool
+    _hung: bool
+    _cut_off: bool
 
     def __init__(self, cluster: Any, name: str, role: str, node_id: str, address: str, pid: int,
                  up_at: float) -> None:
@@ -172,7 +179,7 @@ class SimulatedMember:
         self.collectives: list[Collective] = []
         self.progress = 0
         self.weights_version = 0
-        self.checksum: str | None = None
+        self.checksum = None
         self.staged: int | None = None
         self.group_version = 0
         self.rank = -1
