@@ -1,4 +1,7 @@
-"""Moving weights between a trainer and its rollout workers, surviving the death of any of them."""
+"""Moving weights between a trainer and its rollout workers, surviving the death of any of them.
+
+Each module's design: docs/concepts.md, "The transport's modules in detail".
+"""
 
 from __future__ import annotations
 

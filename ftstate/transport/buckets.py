@@ -57,8 +57,7 @@ class TensorEntry:
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """Bytes ``[start, start + length)`` of tensor ``tensor`` (an index into the entries),
-    found at ``bucket_offset`` inside the bucket."""
+    """Bytes ``[start, start + length)`` of entry ``tensor``, at ``bucket_offset`` in the bucket."""
 
     tensor: int
     start: int

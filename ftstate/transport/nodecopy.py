@@ -74,8 +74,7 @@ def _named(name: str, *, group: str, owner: int, group_version: int | None = Non
 
 def _read_header(buf: mmap.mmap, name: str, size: int, *, version: int, owner: int,
                  writer: int | None) -> tuple[int, int, int, int, int, int]:
-    """A node copy's header (mapped, or received whole from another node), checked against its
-    name: (group version, owner, writer, weights version, manifest bytes, data bytes)."""
+    """A node copy's header fields (as in ``_FIXED``), checked against its name."""
     magic, gv, own, wpid, wv, mlen, dlen = _FIXED.unpack_from(buf, 0)
     problem = None
     if magic != _MAGIC:

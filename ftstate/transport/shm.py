@@ -94,9 +94,8 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, *, group_version: int, slot: int, capacity: int) -> Segment:
-        """Create, reserve and map a new segment of ``capacity`` data bytes (the name must be new).
-
-        Raises :class:`SharedMemoryUnavailable` when ``/dev/shm`` is missing, full or too small."""
+        """Create, reserve and map a new segment of ``capacity`` data bytes; raises
+        SharedMemoryUnavailable when ``/dev/shm`` is missing, full or too small."""
         mm = create_mapped(name, HEADER_BYTES + capacity)
         _FIXED.pack_into(mm, 0, _MAGIC, group_version, os.getpid(), slot, capacity)
         return cls(name, mm, capacity)
