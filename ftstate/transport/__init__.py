@@ -1,38 +1,6 @@
 """Moving weights between a trainer and its rollout workers, surviving the death of any of them.
 
-The public surface, re-exported here and loaded lazily (importing this package imports
-neither torch nor any backend; the first use of a name below does):
-
-* :class:`StoreServer` — the controller's store (TCPStore on one address), which outlives
-  every member; :class:`StoreAddress` — where members reach it.
-* :func:`create_communicator` — join version N of a named group with the ``gloo`` or
-  ``nccl`` backend; :class:`Communicator` — the formed group version (abandon it with
-  :meth:`~Communicator.abort` and form N+1 to change membership).
-* :class:`Sender` / :class:`Receiver` — bucketed, pipelined, checksummed transfers of a
-  whole state: broadcast to every member or point-to-point to one; the receiver commits
-  atomically and keeps its previous :class:`CommittedWeights` on any failure.
-  :class:`SyncReport` — what the sender learns.
-* :func:`state_checksum` — the whole-state checksum (names, dtypes, shapes, bytes).
-* :func:`bucket_bytes` — the config's ``bucket_size_mb`` in bytes.
-* :func:`check_state_dict` — the check of a user's state before it is sent: a typed
-  :class:`~ftstate.core.errors.StateDictError` naming the tensor for one that cannot travel.
-
-Modules: ``store`` (store, versioned rendezvous, fencing), ``base`` (the communicator
-interface), ``factory`` (a backend by name), ``gloo`` and ``nccl`` (backends), ``buckets`` (layout and bucket
-planning), ``manifest`` (wire messages), ``checksum`` (hashing), ``validate`` (what a user's
-state must be to travel), ``sync`` (Sender and Receiver: the one transfer loop, broadcast and
-point-to-point), ``stream`` (a transfer's ordered messages and votes), ``hashing`` (one side's
-hashing and the seal's check), ``weights`` (committed weights, the sender's report),
-``routes`` (how the buckets' bytes travel: one interface, one module per route), ``offer``
-(what a same-host sender offers its receivers), ``samehost`` (the same protocol with the
-buckets through shared memory for receivers on the sender's host: ``samehost.broadcast`` /
-``send_to`` / ``receive``), ``shm`` (its segments),
-``cudaipc`` (its slots in device memory, CUDA IPC), ``nodecopy`` (``staging: node``: one
-full-size copy per node, verified in place, the source of newcomers there and, served by its
-agent, of newcomers on other nodes), ``devicebuckets`` (a device engine's load from the host
-copy through two buckets of device memory) and ``signals`` (its pyzmq bucket-ready / released
-signals).
-Nothing here imports Ray.
+Each module's design: docs/concepts.md, "The transport's modules in detail".
 """
 
 from __future__ import annotations

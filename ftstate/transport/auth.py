@@ -1,26 +1,4 @@
-"""The run's secret and the message authentication codes of ftstate's control plane.
-
-Nothing on the paths a weight sync opens authenticates by itself: torch's TCPStore and gloo
-take any connection, and a zmq socket takes any peer. With ``security.authenticate`` (the
-default) the controller makes one secret per run when it starts (:func:`new_secret`, 32
-random bytes) and hands it to every member through Ray, as an actor constructor argument --
-Ray's own channel, never ftstate's sockets -- and each process installs it (:func:`install`).
-
-Every value ftstate writes to the rendezvous store, every zmq signal, and every manifest,
-seal, offer and vote then carries a tag: keyed BLAKE2b (:data:`TAG_BYTES` bytes, stdlib
-``hashlib``; chosen over HMAC-SHA256 for being one pass and faster on small messages, with the
-same standing as a MAC) over the message, bound to the run, the channel, the group, the group
-version and the sender's rank (:func:`tag`). A receiver recomputes it for the sender the
-message claims; a message whose tag does not verify is dropped, logged and kept in a bounded
-list (:func:`drain_forged`) that the controller writes to the audit trail as
-``forged_message`` events naming the channel and the claimed sender. It is never acted on.
-Replays of another group version fail the tag (the version is bound into it) and the fencing.
-
-The key is process-wide because every transport entry point would otherwise need it as an
-argument, and a member process belongs to one run; without one installed (``authenticate:
-false``, or the transport used on its own) messages carry no tag and nothing is checked, as
-before. Pure stdlib: no torch, no Ray.
-"""
+"""The run's secret and the message authentication codes of ftstate's control plane."""
 
 from __future__ import annotations
 

@@ -1,30 +1,4 @@
-"""The communicator interface: one group version, its members, and the byte-moving primitives.
-
-A :class:`Communicator` is one *version* of one named group: ``world_size`` members that
-rendezvoused through the controller's store under ``PrefixStore(f"{group}/v{version}")``.
-It is never repaired: when a member dies or the membership changes, the runtime abandons
-version N (:meth:`Communicator.abort`) and every member of the new membership forms
-version N+1 with :func:`~ftstate.transport.factory.create_communicator` (a replacement is simply a new process
-taking the dead member's rank). Fencing makes the abandoned version harmless: forming
-N+1 publishes N+1 as the group's current version in the store, and a member that still
-holds version N gets :class:`~ftstate.core.errors.StaleGroupVersion` on its next transfer
-instead of talking to anyone.
-
-Two backends implement the interface: ``gloo`` (:mod:`ftstate.transport.gloo`, CPU,
-torch) and ``nccl`` (:mod:`ftstate.transport.nccl`, GPU, cupy; the optional extra
-``ftstate[gpu]``). The primitives are asynchronous where the backend is: they return a
-:class:`Pending` whose :meth:`Pending.wait` raises the translated ftstate error. Any
-failed primitive leaves the communicator aborted, because a collective stream that
-failed half-way cannot be trusted to be aligned any more; its peers then fail at once
-instead of waiting for their timeouts.
-
-Errors: a peer that died → :class:`~ftstate.core.errors.PeerLost`; an operation that did not
-complete within its timeout → :class:`~ftstate.core.errors.SyncTimeout`; a member that never
-joined → :class:`~ftstate.core.errors.RendezvousTimeout`; a version the group has moved past
-→ :class:`~ftstate.core.errors.StaleGroupVersion`; a backend that cannot load →
-:class:`~ftstate.core.errors.BackendUnavailable`. Lower-layer exceptions stay attached as
-``__cause__``.
-"""
+"""The communicator interface: one group version, its members, and the byte-moving primitives."""
 
 from __future__ import annotations
 
@@ -66,12 +40,7 @@ class Pending(abc.ABC):
 
 
 class Communicator(abc.ABC):
-    """One version of a named group; see the module docstring.
-
-    Attributes: ``backend``, ``group``, ``version``, ``rank``, ``world_size``,
-    ``device`` (where transfer buffers must live: cpu for gloo, the GPU for nccl) and
-    ``timeout_s`` (the default bound of every primitive called without one).
-    """
+    """One version of a named group; see docs/concepts.md."""
 
     backend: Backend
     group: str
@@ -114,10 +83,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def broadcast(self, tensor: torch.Tensor, root: int, *, timeout_s: float | None = None) -> Pending:
-        """Broadcast ``tensor`` (contiguous, on :attr:`device`) from ``root`` to every member.
-
-        ``timeout_s``: bound on this one broadcast; default :attr:`timeout_s`.
-        """
+        """Broadcast ``tensor`` (contiguous, on :attr:`device`) from ``root``; ``timeout_s`` bounds it."""
 
     @abc.abstractmethod
     def send(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
@@ -129,10 +95,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def allgather(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> list[torch.Tensor]:
-        """Every member's copy of a small ``tensor``, by rank (blocking).
-
-        ``timeout_s``: bound on the whole exchange; default :attr:`timeout_s`.
-        """
+        """Every member's copy of a small ``tensor``, by rank; ``timeout_s`` bounds the exchange."""
 
     @abc.abstractmethod
     def barrier(self, *, timeout_s: float | None = None) -> None:
@@ -149,11 +112,7 @@ class Communicator(abc.ABC):
     # -- lifecycle --------------------------------------------------------------------
 
     def check_usable(self) -> None:
-        """Raise unless this communicator can start a transfer: not aborted and not fenced.
-
-        Raises :class:`StaleGroupVersion` when the group has moved to a newer version (the
-        caller must form that version), :class:`CommunicatorAborted` when it was aborted.
-        """
+        """Raise StaleGroupVersion (the group moved on) or CommunicatorAborted unless a transfer can start."""
         from ftstate.core.errors import StaleGroupVersion
 
         if self._abort_reason is not None:
@@ -178,14 +137,8 @@ class Communicator(abc.ABC):
             log.debug("backend teardown failed", exc_info=True)
 
     def abandon(self, reason: str) -> None:
-        """Give up this version from another thread while a transfer may be blocked in it:
-        waits on collectives end within the backend's poll slice with CommunicatorAborted
-        (gloo also closes the version's connections, which ends its point-to-point waits and
-        its peers': :meth:`GlooCommunicator.abandon <ftstate.transport.gloo.GlooCommunicator.abandon>`).
-        Unlike :meth:`abort`, no teardown: tearing a gloo group down under an operation that
-        will never complete blocks the caller (measured: the actor's event loop stopped
-        answering heartbeats). What is left behind ends at its own timeout; the version is
-        never used again."""
+        """Give up this version from another thread: blocked waits end with CommunicatorAborted.
+        No teardown, unlike :meth:`abort`: tearing gloo down under a stuck operation blocks the caller."""
         if self._abort_reason is not None:
             return
         self._abort_reason = reason

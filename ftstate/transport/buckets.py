@@ -1,37 +1,4 @@
-"""Bucket planning: where every tensor's bytes sit in the byte stream of one transfer.
-
-A transfer moves one state (an ordered mapping name → tensor) as a single virtual byte
-stream. :func:`plan_layout` gives every tensor an ``offset`` in that stream (aligned to
-:data:`ALIGNMENT` bytes, so the receiver can view its staging buffer as the tensor's
-dtype without copying) and :func:`plan_buckets` cuts the stream into buckets of at most
-``bucket_size`` bytes. Bucket rules, in stream order:
-
-* a *large* tensor — at least ``direct_min`` bytes (:data:`DIRECT_MIN`, 8 MiB, or the
-  bucket size if smaller) — travels in buckets of its own: one if it fits in a bucket,
-  else chunks of ``bucket_size`` bytes (the last shorter). Large tensors come first in
-  the stream, in the caller's order;
-* all small tensors come after them, packed together: each goes into the open bucket,
-  or, if it does not fit in what is left of it, opens the next. Grouping them costs a few
-  operations instead of one per layer (a model interleaves small norms and biases with
-  its large matrices), and leaves a small bucket last, whose hashing on the receiver is
-  the only part of the transfer not overlapped with the wire.
-
-The manifest lists every tensor in the caller's order with its offset, so the receiver
-hands the tensors back in that order whatever their place in the stream.
-
-A bucket that is exactly one tensor or one chunk is sent straight from the tensor's
-memory; only buckets of small tensors are copied into a packing buffer. The threshold
-weighs the two costs measured on the 2-core machine: copying a tensor into a bucket
-costs about 1/15 of its transfer time, while every extra bucket costs a fixed
-per-operation overhead of a fraction of a millisecond, so copying wins below a few MiB
-and sending in place wins above.
-:func:`bucket_segments` says, for each bucket, which byte ranges of which tensors it
-carries; the sender packs and hashes by segments and the receiver hashes by the same
-segments, so both sides derive identical per-bucket checksums.
-
-Everything here is pure arithmetic over names, dtype names and shapes (no torch), so
-the sender and receiver compute the same plan and the unit tests need no processes.
-"""
+"""Bucket planning: where every tensor's bytes sit in the byte stream of one transfer."""
 
 from __future__ import annotations
 
@@ -90,8 +57,7 @@ class TensorEntry:
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """Bytes ``[start, start + length)`` of tensor ``tensor`` (an index into the entries),
-    found at ``bucket_offset`` inside the bucket."""
+    """Bytes ``[start, start + length)`` of entry ``tensor``, at ``bucket_offset`` in the bucket."""
 
     tensor: int
     start: int
@@ -134,11 +100,9 @@ def plan_layout(
 ) -> tuple[tuple[TensorEntry, ...], tuple[tuple[int, int], ...], int]:
     """Offsets of ``(name, dtype, shape)`` tensors in the stream and the bucket windows.
 
-    Returns ``(entries, buckets, total_bytes)``: the entries in the order given, and the
-    ``(start, stop)`` windows in stream order following the rules in the module docstring
-    (each at most ``bucket_size`` bytes); ``direct_min`` defaults to
-    ``min(DIRECT_MIN, bucket_size)``. Raises ``ValueError`` for a bucket size below
-    :data:`MIN_BUCKET_SIZE`, an unknown dtype, an empty or repeated name.
+    Returns ``(entries, buckets, total_bytes)``, windows at most ``bucket_size`` bytes (rules:
+    docs/concepts.md). Raises ValueError for a bucket size below :data:`MIN_BUCKET_SIZE`, an
+    unknown dtype, an empty or repeated name.
     """
     if bucket_size < MIN_BUCKET_SIZE:
         raise ValueError(f"bucket_size must be >= {MIN_BUCKET_SIZE} bytes, got {bucket_size}")

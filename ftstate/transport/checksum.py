@@ -1,35 +1,4 @@
-"""Checksums of weights: per tensor, per bucket, and for a whole state.
-
-Everything is xxh3_64 over raw bytes (a tensor of any dtype, bfloat16 included, is hashed
-as its bytes viewed as uint8), so two states are equal exactly when their checksums are.
-
-* :func:`tensor_checksum` — xxh3_64 of one tensor's bytes.
-* :func:`state_checksum` — the whole-state checksum the runtime and the tests use to
-  prove "this rollout holds exactly the trainer's weights": xxh3_64 of the msgpack of
-  ``[name, dtype, shape, tensor_checksum]`` for every tensor, sorted by name. It depends
-  on names, dtypes, shapes and bytes, and on nothing else (not the order of the mapping,
-  not the bucket size, not the device). Returned as 16 lowercase hex digits.
-* :class:`StreamHasher` — what a transfer uses: one streaming xxh3 per tensor, fed
-  segment by segment as buckets are packed (sender) or arrive (receiver). A bucket's
-  checksum is the hash of its segments' positions and of the intermediate digests of
-  their tensors' hashers after the bucket, so each byte is hashed once per side and
-  the final per-tensor digests give the whole-state checksum without a second pass.
-  With ``security.integrity: keyed`` (:func:`use_integrity`) a bucket's checksum is instead
-  BLAKE3, keyed with the run's secret, over the bucket's bytes and positions, and a receiver
-  then hashes each byte once (keyed only; the per-tensor checksums come from the verified seal).
-
-**Where the bytes are decides the function.** A transfer whose buffers are on a GPU
-(:func:`function_for`) hashes with ``nh64`` (:mod:`ftstate.transport.digest`), computed by
-the device that holds the bytes: no weight byte is copied to the host to be proved. Its
-manifest names the function and every member of the transfer computes that one over the
-bytes it holds, on whatever device (the function's bits are the same on CPU and GPU), so the
-seal, the per-tensor checksums and the whole-state checksum of that version are one value
-everywhere. Host buffers keep xxh3, which is ~30x faster than nh64 on a CPU
-(``docs/benchmarks.md``). A whole-state checksum says which function made it: xxh3's are 16
-hex digits as before, nh64's are ``nh64:`` and 16 hex digits; :func:`state_checksum_like`
-recomputes a state with the function of a value it is to be compared with. Every byte that
-a checksum still copies from a device to the host is counted (:func:`host_copied_bytes`).
-"""
+"""Checksums of weights: per tensor, per bucket, and for a whole state."""
 
 from __future__ import annotations
 
@@ -85,9 +54,7 @@ def host_bytes(t: torch.Tensor, *, weights: bool = True) -> memoryview:
 
 
 def host_copied_bytes() -> int:
-    """Bytes this process copied from a device to host memory to hash or read them, since it
-    started (a counter: a transfer's share is the difference across it). On a GPU sync whose
-    every side hashes with nh64 it does not move."""
+    """Bytes this process copied from a device to the host to hash or read them (a counter)."""
     return _copied
 
 
@@ -150,9 +117,7 @@ def state_checksum(tensors: Mapping[str, torch.Tensor], function: str = "xxh3") 
 
 
 def state_checksum_like(tensors: Mapping[str, torch.Tensor], expected: str) -> str:
-    """:func:`state_checksum` with the function ``expected`` was computed with: the value to
-    compare with it (a GPU engine's held weights against the version's nh64 checksum are hashed
-    on the GPU; against an xxh3 one, on the host)."""
+    """:func:`state_checksum` with the function ``expected`` was computed with."""
     return state_checksum(tensors, function_of(expected))
 
 
@@ -163,12 +128,8 @@ _bucket_key: bytes | None = None
 
 
 def use_integrity(mode: str) -> None:
-    """Set this process's ``security.integrity``. ``keyed``: every bucket's digest is BLAKE3 in
-    keyed mode over the bucket's bytes, with a key derived from the run's secret
-    (:mod:`ftstate.transport.auth`, which must be installed), so bytes injected into gloo or a
-    shared-memory slot by anyone without the secret cannot match their digest. The per-tensor
-    and whole-state checksums stay xxh3 either way: they are what members compare with each
-    other (held weights, the audit trail), and the keyed bucket digests already cover every byte."""
+    """Set ``security.integrity``. ``keyed``: bucket digests are keyed BLAKE3 from the run's
+    secret (auth must be installed), so injected bytes cannot match; other checksums stay xxh3."""
     global INTEGRITY, _bucket_key
     if mode not in ("xxh3", "keyed"):
         raise ValueError(f"security.integrity must be 'xxh3' or 'keyed', got {mode!r}")
@@ -187,21 +148,7 @@ def use_integrity(mode: str) -> None:
 class StreamHasher:
     """Per-tensor streaming hashers for one transfer of ``count`` tensors (and, with
     ``integrity: keyed``, one keyed hasher for the bucket being fed).
-
-    ``receiving``: the hasher of a member that verifies what arrives. With ``integrity: keyed``
-    it keeps no per-tensor xxh3 hashes, so a receiver makes one pass over the bytes, not two.
-    That is sound because its every bucket's keyed digest, over the bucket's bytes and
-    positions, is compared with the sealed one before anything commits, and a match proves
-    that the bytes are the ones the sender hashed its per-tensor checksums from; so the seal's
-    per-tensor checksums are this member's too (:meth:`tensor_digests`). A sender, and every
-    hasher with xxh3 digests, keeps them (they are what the seal carries).
-
-    ``function="nh64"`` (a transfer whose buffers are on a device, :func:`function_for`): each
-    tensor's running nh64 is computed where its bytes are (:meth:`feed_at`, with the segment's
-    offset in its tensor); a bucket's checksum is keyed BLAKE2b over the bucket's positions and
-    the running values of its segments' tensors after it (16 bytes each read back, never the
-    weights). nh64 is keyed with the run's secret under ``integrity: keyed``, so one pass serves
-    both the per-tensor checksums and the keyed bucket digests."""
+    """
 
     __slots__ = ("_bucket", "_fed", "_hashers", "_key", "_nh", "_nh_key", "_sealed_sums", "_sizes", "function")
 
@@ -242,10 +189,8 @@ class StreamHasher:
             self._bucket.update(data)
 
     def feed_at(self, tensor: int, start: int, data: torch.Tensor, *, last: bool | None = None) -> None:
-        """Feed ``data`` (flat uint8 on any device), the bytes of ``tensor`` from ``start``;
-        ``last``: they end the tensor (only then may their length be off 8 bytes; default: from
-        the sizes given). xxh3: fed in order through the host (counted by
-        :func:`host_copied_bytes` when ``data`` is on a device)."""
+        """Feed ``data`` (flat uint8), the bytes of ``tensor`` from ``start``; ``last``: they end
+        the tensor (only then may their length be off 8 bytes)."""
         if self._nh is None:
             self.feed(tensor, host_bytes(data))
             return
@@ -282,9 +227,8 @@ class StreamHasher:
         return int.from_bytes(h.digest(8), "little")
 
     def tensor_digests(self, sealed: Sequence[int] | None = None) -> list[int]:
-        """Every tensor's digest. A keyed xxh3 receiver (see the class) hashed none: it returns
-        ``sealed``, the seal's, which it may only use once every bucket's keyed digest matched
-        the seal's (``hashing.verify`` checks the buckets first, and a mismatch commits nothing)."""
+        """Every tensor's digest; a keyed receiver hashed none and returns ``sealed``, valid only
+        once every bucket's keyed digest matched."""
         if self._nh is not None:
             from ftstate.transport import digest
 

@@ -1,35 +1,4 @@
-"""Device memory that other processes on the host can map: the same-host route's slots on a GPU.
-
-The same-host route (:mod:`ftstate.transport.samehost`) writes each bucket once into a slot
-and every receiver on the host copies it out. For weights in host memory a slot is a
-``/dev/shm`` file (:mod:`ftstate.transport.shm`); for weights on a GPU it is device memory
-exported by the writer and mapped by each reader, so the bytes never leave the device. This
-module is that memory, behind one small interface, :class:`DeviceMemory`::
-
-    writer                                       reader (another process, same host)
-    t = alloc(nbytes, device)
-    handle = export(t)  ── bytes, in the offer ─▶ m = open(handle, its own device)
-    (every reader opened it) unlink(t)
-    copy a bucket into t; synchronize(device)
-                        ── ready (zmq) ────────▶ copy out of m; synchronize(device); hash
-                        ◀─ released ────────────
-    release(t)                                   release(m)
-
-A handle is opaque msgpack-able ``bytes`` (never a pickle: it crosses a socket, and
-unpickling what a socket delivers runs code). :class:`CudaIpc` is the implementation for
-CUDA: a caching-allocator block exported with ``torch.multiprocessing.reductions.reduce_tensor``
-and opened with ``rebuild_cuda_tensor`` on the reader's own device.
-:func:`device_memory_for` says which memory serves a device (:func:`install` replaces it in
-this process, for a device CUDA IPC cannot serve or for a test stand-in); None means the
-slots are host memory.
-
-A CUDA IPC handle names nothing on the host: the allocation belongs to the exporting
-process (torch keeps a block its readers still hold open, through a reference count it
-shares with them) and goes with it, so a SIGKILLed writer leaves nothing behind, and its
-readers drop their mappings on their way out. A reader sees only what the writer's queue has
-finished: the route announces a bucket after :meth:`DeviceMemory.synchronize`, never before,
-and a reader synchronizes its own copy before it releases the slot.
-"""
+"""Device memory that other processes on the host can map: the same-host route's slots on a GPU."""
 
 from __future__ import annotations
 
@@ -74,10 +43,8 @@ class DeviceMemory(Protocol):
         ...
 
 
-#: The fields of ``rebuild_cuda_tensor``'s arguments a handle carries, in its order after
-#: ``tensor_cls``, ``size``, ``stride``, ``offset``, ``storage_cls``, ``dtype``: the storage's
-#: device index (replaced by the reader's own) and the CUDA IPC handles of the allocation,
-#: of its reference counter and of the event recorded when it was shared.
+#: The fields of ``rebuild_cuda_tensor``'s arguments a handle carries: the device index and the
+#: IPC handles of the allocation, its reference counter and its sharing event.
 _STORAGE = ("device", "handle", "storage_size", "storage_offset", "requires_grad", "ref_handle", "ref_offset",
             "event_handle", "event_sync")
 
@@ -92,13 +59,9 @@ def pack_rebuild_args(args: tuple) -> bytes:
 
 
 def unpack_rebuild_args(handle: bytes, device_index: int) -> tuple:
-    """The arguments of ``rebuild_cuda_tensor`` (after its ``tensor_cls``, ``storage_cls`` and
-    ``dtype``, which the caller supplies) from :func:`pack_rebuild_args`'s handle, with the
-    storage's device index replaced by ``device_index``: the writer's index means nothing in a
-    process with another ``CUDA_VISIBLE_DEVICES`` (what vLLM's ``rebuild_ipc`` in
-    examples/offline_inference/rlhf_utils.py, verl's
-    ``verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py`` and OpenRLHF do to
-    ``list_args[6]``). :class:`ManifestError` (field ``handles``) when it is not such a handle."""
+    """``rebuild_cuda_tensor``'s arguments from a handle, the device index replaced by
+    ``device_index`` (the writer's means nothing under another ``CUDA_VISIBLE_DEVICES``, as in
+    vLLM, verl and OpenRLHF). Raises ManifestError (field ``handles``) for a bad handle."""
     try:
         d = msgpack.unpackb(handle, raw=False, strict_map_key=True) if isinstance(handle, bytes) else None
     except Exception as exc:

@@ -1,31 +1,4 @@
-"""Host to device, bucket by bucket: a GPU engine loads the committed version through two buckets.
-
-With ``staging: node`` the incoming version is verified and voted on in the node's host copy
-(:mod:`ftstate.transport.nodecopy`); only then does each engine load it. An engine whose
-weights live on a device must not be handed the whole version on that device first: that is
-a second full copy beside its weights, next to a KV cache that already took most of the GPU
-(a 70B model in bf16 is 140 GB). :func:`load_by_buckets` moves it instead in parts of
-at most ``bucket_bytes`` (``bucket_size_mb``) through two device buffers, used in turn. So the
-device holds at most ``2 x bucket_bytes`` beyond the engine's weights, for as long as the load
-lasts, and nothing afterwards (a warm spare reserves nothing on the device either: its staging
-is the host copy). A tensor larger than a bucket is a part of its own, so the bound is two of
-the larger of the bucket and the largest tensor.
-
-The trade-off (docs/configuration.md ``bucket_size_mb``): a smaller bucket bounds the device
-memory tighter but costs more copies and more calls into the engine; both buffers are
-allocated once per load, not per part.
-
-Order and reuse: every copy and the engine's load of each part go on the device's current
-stream, in order, so the copy that overwrites a buffer runs after the engine's kernels that
-read the part before it from that buffer (no event is needed); the host waits for the device
-once, at the end, before the buffers go. The host-to-device copies do not overlap the
-engine's copies (one stream): measured on an H200, the whole load costs 1.00-1.06x a plain
-per-tensor ``copy_`` of the same weights, pageable or pinned, 1 and 4 GiB
-(``benchmarks/device_buckets.py``), since the engine's device-to-device copy of a part is a
-small fraction of the host-to-device copy. After the load torch's caching allocator keeps the
-buffers' blocks reserved for the engine's process (not returned to the driver). The memory comes from a :class:`BucketMemory`
-(:func:`plain_memory`: ``torch.empty`` on the device), so a test counts what a load allocates.
-"""
+"""Host to device, bucket by bucket: a GPU engine loads the committed version through two buckets."""
 
 from __future__ import annotations
 
@@ -94,16 +67,8 @@ def parts_of(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[lis
 
 def load_by_buckets(tensors: Mapping[str, torch.Tensor], *, device: torch.device, bucket_bytes: int,
                     load: LoadPart, memory: BucketMemory | None = None, prove: bool = False) -> dict[str, Any]:
-    """Load ``tensors`` (on the host: views into the node copy, or a private buffer) into an
-    engine on ``device`` through two buckets of device memory (see the module docstring).
-    Returns ``buckets`` (parts loaded), ``bucket_bytes`` (one buffer's size) and
-    ``device_bytes`` (what the buffers took on the device, at most two buckets).
-
-    ``prove``: also ``state_checksum``, the nh64 whole-state checksum
-    (:mod:`ftstate.transport.digest`) of the bytes the device received, each part hashed on the
-    device right after its copy and before the engine reads it (no byte goes back to the host).
-    It equals the version's checksum when the version was proved with nh64 (its sender's weights
-    were on a GPU); compare it with :func:`~ftstate.transport.checksum.state_checksum_like`."""
+    """Load host ``tensors`` into an engine on ``device`` through two device buckets; returns
+    ``buckets`` (parts), ``bucket_bytes`` and ``device_bytes`` (at most two buckets)."""
     import torch
 
     from ftstate.transport import checksum, digest

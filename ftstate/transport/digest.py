@@ -1,50 +1,4 @@
-"""A digest computed where the weights are: ``nh64``, the same bits on CPU, on a GPU and in a fused kernel.
-
-xxh3 (:mod:`ftstate.transport.checksum`) runs on the host: a bucket on a GPU would have to be
-copied to host memory to be hashed (6.7 GB/s pageable, ~50 GB/s pinned on an H200), then
-hashed at ~19 GB/s on one core, 10-100x the device-to-device copy it proves. ``nh64`` is
-computed by the device that holds the bytes, in torch integer ops (int64 wraps modulo 2**64
-identically on CPU and CUDA, and integer sums do not depend on the reduction order).
-
-**Construction** (UMAC's, Black et al. CRYPTO '99; RFC 4418). The bytes are read as 32-bit
-little-endian words ``m``, in chunks of :data:`CHUNK_WORDS` (4 KiB) at fixed places *within
-their tensor*:
-
-* L1, per chunk: NH with Toeplitz extension, two passes ``t = 0, 1``:
-  ``y_t = sum_i ((m[2i] + k1[2i + 4t]) mod 2**32) * ((m[2i+1] + k1[2i+1 + 4t]) mod 2**32) mod 2**64``
-  (``k1``: :data:`CHUNK_WORDS` + 4 secret words). 2**-32-almost-delta-universal per pass on
-  equal-length chunks, 2**-64 for the pair.
-* L2, over the chunks: NH again over each chunk's four 32-bit halves of ``(y_0, y_1)``, with
-  eight key words per chunk *index* (``k2[j]``, two passes), summed over the chunks modulo
-  2**64. The key is chosen by the chunk's index in its tensor, so chunks (and tensors) swapped
-  or moved change the value; the sum is order-free, so how a tensor is cut into buckets, the
-  order pieces arrive in and the kernel's grid change nothing.
-* Finish, on the host over 24 bytes: ``BLAKE2b(key=k3)(z_0 || z_1 || nbytes)``, 64 bits. The
-  byte length is bound here, so a tail padded with zeros (a tensor whose size is not a
-  multiple of 8 bytes) differs from one that holds zeros.
-
-L1 is additive over word pairs, so a chunk split across two segments (an unaligned bucket
-boundary) is hashed as two partial L1 sums that are added before L2: the digest of a tensor
-is one value however it was cut, as long as every cut is at a multiple of 8 bytes
-(:class:`TensorState`).
-
-**Strength.** For two different inputs of the same length, with keys independent of the data
-(random corruption, or a secret key), ``Pr[z equal] <= 2**-64 + 2**-64 = 2**-63`` (NH's bound
-per layer, two passes each), and the 64-bit finish adds ``2**-64``: a corruption goes unseen
-with probability below ``2**-62`` per tensor. Different lengths are told apart by the finish.
-The keys: 1028 + 8 per chunk words from SHAKE256 of a seed; the public seed
-(:func:`public_key`) for checksums compared across runs, a seed derived from the run's
-secret (:func:`keyed`) for ``security.integrity: keyed``, where bytes forged without the key
-match with probability ~2**-62 per try (hash-then-PRF: BLAKE2b keyed is the PRF). The key
-tables are key material, not weights: they go to the device once per run and device.
-
-**Speed.** The torch form reads each word once and makes int64 temporaries (~8x the input),
-so it is processed in :data:`STEP_CHUNKS` steps; host memory takes the same arithmetic in
-numpy (:func:`_full_numpy`, 5-10x faster there); a fused kernel on the GPU is not shipped yet.
-On the host xxh3 stays (see ``docs/benchmarks.md``: nh64 on a CPU is
-~30x slower than xxh3), so the function of a transfer is chosen by where its buffers are
-(:func:`ftstate.transport.checksum.function_for`).
-"""
+"""A digest computed where the weights are: ``nh64``, the same bits on CPU, on a GPU and in a fused kernel."""
 
 from __future__ import annotations
 
@@ -177,9 +131,7 @@ HOST_STEP_CHUNKS = 1024
 
 
 def _full_numpy(words_u8: torch.Tensor, first: int, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
-    """:func:`_full_torch` in numpy's uint64, for host memory: the same bits (uint64 wraps modulo
-    2**64 as torch's int64 does), measured 5-10x faster on the host than torch's form, whose int64
-    casts and broadcasts dominate there (docs/benchmarks.md)."""
+    """:func:`_full_torch` in numpy's uint64 for host memory: the same bits, faster there."""
     import numpy as np
 
     m32 = np.uint64(_M32)

@@ -1,11 +1,4 @@
-"""The backend factory: join a group version with the backend a config names.
-
-Kept apart from :mod:`ftstate.transport.base` so that the interface never imports its own
-implementations: each backend module imports the base, and only this module knows them
-all. Backends are imported when chosen, so asking for ``gloo`` never loads cupy and asking
-for ``nccl`` where cupy or a GPU is missing is a :class:`~ftstate.core.errors.BackendUnavailable`,
-never a silent fallback.
-"""
+"""The backend factory: join a group version with the backend a config names."""
 
 from __future__ import annotations
 
@@ -30,17 +23,9 @@ def create_communicator(
 ) -> Communicator:
     """Join version ``version`` of group ``group`` as ``rank`` of ``world_size`` and return its communicator.
 
-    ``store_addr``: the controller's :class:`~ftstate.transport.store.StoreServer`
-    (``StoreAddress``, ``"host:port"`` or ``(host, port)``).
-    ``timeout_s``: the group's ``init_timeout_s``: bounds the whole rendezvous (every
-    rank registered, the backend connected, the first barrier passed) and is the default
-    bound of each later primitive. A rank that does not arrive in time makes every
-    member that did raise :class:`~ftstate.core.errors.RendezvousTimeout` naming it.
-    ``device_host``: the address this member's gloo device binds and announces
-    (loopback here; the node's address on a real cluster). Unused by nccl.
-
-    Raises :class:`~ftstate.core.errors.BackendUnavailable` for an unknown backend or one that
-    cannot load here (nccl without cupy or without a GPU), never silently falling back.
+    ``timeout_s`` (``init_timeout_s``) bounds the whole rendezvous, else RendezvousTimeout naming
+    the missing rank, and is the default bound of later primitives. ``device_host``: the address
+    gloo binds. Raises BackendUnavailable for a backend that cannot load here, never falling back.
     """
     if backend == "gloo":
         from ftstate.transport.gloo import GlooCommunicator

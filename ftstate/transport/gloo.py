@@ -1,23 +1,4 @@
-"""The gloo backend: a torch ``ProcessGroupGloo`` per group version, with no default process group.
-
-``ProcessGroupGloo(PrefixStore(f"{group}/v{version}/gloo", store), rank, world, opts)``
-(``store`` wrapped in :class:`~ftstate.transport.signedstore.SignedStore` when the run
-authenticates, so gloo's own rendezvous values are tagged too) with ``opts._timeout``
-(bounds the backend's own rendezvous) and ``opts._devices`` bound to one address (127.0.0.1 here). No ``init_process_group``: the process-wide default
-group is what makes ``ray.util.collective`` unfit for re-rendezvous (DESIGN.md), and
-without it any number of versions can be formed and abandoned in one process.
-
-Each primitive passes its own timeout to gloo, so a peer that stops progressing is
-bounded per operation; a peer that dies raises at once (gloo sees the socket close).
-Abort tears the process group down — ``abort()`` and dropping the last reference,
-which closes its sockets — so members blocked on this one fail immediately. Abandoning a
-version (another thread learned that a participant failed) closes its connections without
-a teardown (:meth:`GlooCommunicator.abandon`): whatever this member and its peers wait on
-there ends at once.
-Broadcasts and point-to-point transfers are asynchronous gloo works executed by gloo's
-own threads, which do not hold the GIL: the caller packs or hashes the next bucket while
-one is on the wire.
-"""
+"""The gloo backend: a torch ``ProcessGroupGloo`` per group version, with no default process group."""
 
 from __future__ import annotations
 
@@ -57,13 +38,9 @@ def _delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
 
 
-#: A thread waiting on a collective looks this often at whether the communicator was
-#: abandoned from another thread (:meth:`Communicator.abandon`, e.g. the controller saying
-#: a peer died). A pending gloo operation cannot be cancelled, and a peer's death does not
-#: always reach it (measured: a broadcast root and a receiver left blocked after a third
-#: member was SIGKILLed); the thread waiting on it can stop waiting, and the abandoned
-#: version is never used again. Collectives only: a timed-out wait on a point-to-point
-#: operation makes gloo close the pair, so those keep one wait bounded by their deadline.
+#: How often a thread waiting on a collective checks whether the version was abandoned: a
+#: gloo operation cannot be cancelled and a peer's death does not always reach it.
+#: Collectives only: a timed-out point-to-point wait makes gloo close the pair.
 ABANDON_POLL_S = 0.05
 
 #: What c10d says when a wait's own timeout (not the operation's) expires.
@@ -160,11 +137,7 @@ class GlooCommunicator(Communicator):
         timeout_s: float,
         device_host: str = "127.0.0.1",
     ) -> GlooCommunicator:
-        """Rendezvous and connect; see :func:`ftstate.transport.create_communicator`.
-
-        ``timeout_s`` (``init_timeout_s``) bounds everything up to and including the
-        first barrier, and is the default bound of later primitives.
-        """
+        """Rendezvous and connect; see :func:`ftstate.transport.create_communicator`."""
         deadline = time.monotonic() + timeout_s
         store = connect_store(store_addr, timeout_s)
         join_version(store, group, version, rank, world_size, timeout_s)
@@ -300,23 +273,15 @@ class GlooCommunicator(Communicator):
         return self.version if current is None else current
 
     def abandon(self, reason: str) -> None:
-        """:meth:`Communicator.abandon`, and this version's connections closed, so that
-        what waits on them ends at once: a point-to-point wait cannot look at the flag in
-        slices (a timed-out wait closes the connections), and a peer that gave the version
-        up between two buckets leaves the other end waiting on a bucket that never comes, or
-        on a receive never posted, until the operation's own timeout (measured: the full
-        sync_timeout_s, the member busy with no progress meanwhile, which the watchdog takes
-        for hung). Closing them is gloo's own reaction to a timed-out wait, provoked: a
-        receive that nobody sends to, waited on for a millisecond. This member's waits then
-        end with CommunicatorAborted, its peers' with PeerLost naming it."""
+        """:meth:`Communicator.abandon`, and this version's connections closed (by provoking a
+        timed-out receive), so point-to-point waits here and at the peers end at once instead of
+        at sync_timeout_s: CommunicatorAborted here, PeerLost naming this member there."""
         first = self._abort_reason is None
         super().abandon(reason)
         pg = self._pg
         if pg is not None and first:
-            # Never let this group be destroyed: its destructor joins worker threads that
-            # sit in the stuck operation until its timeout (sync_timeout_s), and it would run
-            # in whatever thread drops the last reference (measured: a user call stalled
-            # 120 s). One small object per abandoned version, for the life of the process.
+            # Never destroyed: its destructor joins threads stuck until sync_timeout_s, in
+            # whatever thread drops the last reference. One small object per abandoned version.
             _ABANDONED_GROUPS.append(pg)
             self._close_connections(pg)
 

@@ -35,15 +35,7 @@ def feed_bucket(hasher: StreamHasher, bucket: Bucket, data: torch.Tensor, lo: in
 
 
 class Hashing:
-    """Hashes the buckets of one transfer in a helper thread, in bucket order.
-
-    The thread that drives the transfer then only packs, posts and waits, so posting the
-    next bucket never waits for a hash, and on the sender packing (torch copies release
-    the GIL) and hashing run on different cores. xxhash holds the GIL while it hashes, so
-    the driving thread may wait a few milliseconds for it between two posts; the window
-    of buckets on the wire covers that. On the 2-core development machine hashing here or
-    inline measured alike within noise; on larger machines the overlap is real.
-    """
+    """Hashes the buckets of one transfer in a helper thread, in bucket order."""
 
     def __init__(self, manifest: Manifest, *, receiving: bool = False) -> None:
         self.hasher = hasher_for(manifest, receiving=receiving)

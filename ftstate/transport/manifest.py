@@ -1,31 +1,4 @@
-"""The manifest of one weight transfer: what is coming, in which group version, and its checksums.
-
-A transfer carries two msgpack messages (never pickle: a receiver must not execute what a
-peer sends), both stamped with the group and the group version:
-
-* the **manifest**, sent before the first bucket: weights version, bucket size, the
-  tensors (name, dtype, shape, offset, nbytes) and the bucket windows of the stream;
-* the **seal**, sent after the last bucket: the checksum of every bucket, of every
-  tensor and of the whole state.
-
-Each transfer has a random 64-bit id (``transfer``, :func:`new_transfer_id`), chosen by the
-sender and carried by its manifest and its seal, and bound into the tags of the votes
-(:mod:`ftstate.transport.sync`): within one group version a seal or a vote of another transfer
-(a recorded one, played back) is refused, even where it is of the same weights version.
-
-The checksums travel in the seal rather than in the manifest because the sender
-computes them *while* the buckets are on the wire (hashing bucket k+1 while bucket k is
-being sent). Putting them in the first message would mean one full pass of xxh3 over the
-weights before the first byte leaves: ~8.5 ms per 256 MB on the 2-core test machine,
-about 14% of the raw broadcast time. Nothing is committed before the seal has been
-checked, so the receiver loses nothing by learning the checksums last.
-
-:func:`decode_manifest` and :func:`decode_seal` validate everything a receiver will
-rely on (types, ranges, overlaps, alignment, sizes) and raise
-:class:`~ftstate.core.errors.ManifestError` naming the offending field, or
-:class:`~ftstate.core.errors.StaleGroupVersion` for a message from an older group version.
-This module is pure (msgpack only) and is unit-tested without processes.
-"""
+"""The manifest of one weight transfer: what is coming, in which group version, and its checksums."""
 
 from __future__ import annotations
 
@@ -243,12 +216,8 @@ def _fence(obj: Mapping[str, Any], group: str | None, group_version: int | None)
 def decode_manifest(
     data: bytes | bytearray | memoryview, *, group: str | None = None, group_version: int | None = None
 ) -> Manifest:
-    """Parse and validate a manifest.
-
-    ``group``/``group_version``: the receiver's own; a manifest from an older version
-    raises :class:`StaleGroupVersion` (fencing), any other inconsistency
-    :class:`ManifestError` naming the field.
-    """
+    """Parse and validate a manifest: StaleGroupVersion when older than ``group_version``,
+    ManifestError naming the field for any other inconsistency."""
     obj = _load(data, "manifest")
     g, gv = _fence(obj, group, group_version)
     weights_version = _int(obj, "weights_version")

@@ -1,28 +1,4 @@
-"""The nccl backend: NCCL through cupy's ``cupy.cuda.nccl``, one communicator per group version.
-
-Optional: needs the ``ftstate[gpu]`` extra (``pip install 'ftstate[gpu]'``, which names
-``cupy-cuda12x``; any CUDA build of cupy serves, because it is imported lazily as plain
-``cupy``) and a visible GPU. Choosing ``nccl`` where either is missing raises
-:class:`~ftstate.core.errors.BackendUnavailable` saying what to install, with the import or
-CUDA error attached as ``__cause__``; there is no silent fallback to gloo.
-
-Rendezvous follows the gloo backend: members register under the version's prefix in the
-controller's store (so a rank that never arrives is named in the
-:class:`~ftstate.core.errors.RendezvousTimeout`), then rank 0 publishes an NCCL unique id at
-``{group}/v{version}/nccl/unique_id`` and every member initialises its communicator
-with it. ``ncclCommInitRank`` blocks until every rank called it; it runs in a helper
-thread so that the caller is still bounded by ``timeout_s`` (a rank that registered and
-then died leaves that thread behind until the process exits).
-
-Operations are enqueued on a dedicated CUDA stream and awaited by polling a CUDA event,
-``check_async_error()`` and the deadline, so a dead peer or a hang surfaces as
-:class:`~ftstate.core.errors.PeerLost` / :class:`~ftstate.core.errors.SyncTimeout` instead of a
-hang. When that happens the communicator is *aborted* (``ncclCommAbort``), never
-destroyed: destroying waits for outstanding work, which with a dead peer never ends.
-
-This backend cannot run on the CPU-only development machine; its tests there only check
-the BackendUnavailable path.
-"""
+"""The nccl backend: NCCL through cupy's ``cupy.cuda.nccl``, one communicator per group version."""
 
 from __future__ import annotations
 
@@ -163,11 +139,7 @@ class NcclCommunicator(Communicator):
         world_size: int,
         timeout_s: float,
     ) -> NcclCommunicator:
-        """Rendezvous and initialise NCCL on the current CUDA device.
-
-        ``timeout_s`` (``init_timeout_s``) bounds registration, the unique-id exchange and
-        communicator initialisation, and is the default bound of later primitives.
-        """
+        """Rendezvous and initialise NCCL on the current CUDA device."""
         nccl = load_nccl()
         deadline = time.monotonic() + timeout_s
         device = torch.device("cuda", torch.cuda.current_device())

@@ -1,57 +1,4 @@
-"""The node copy: one full-size shared-memory copy of a weights version per node, verified in place.
-
-With ``staging: node`` (:mod:`ftstate.core.config`) the same-host route
-(:mod:`ftstate.transport.samehost`) does not recycle two bucket slots: the sender writes the
-incoming version once into a new segment holding the whole flat layout of the transfer (the
-*node copy*), and every rollout on its node verifies it **in place**: it hashes the mapped
-bytes as they are announced and keeps no private staging copy. Only after the vote does a
-rollout hand views into the node copy to its ``load_weights`` (the engine copies from there
-into its own weights), and its committed state (:class:`~ftstate.transport.sync.CommittedWeights`)
-stays those views. So the node holds one extra copy of the weights at rest and two during a
-sync (the committed one and the incoming one), whatever the number of rollouts on it::
-
-    ftstate-<group>-v<group version>-p<owner pid>-g<generation>-n0
-    [header page: magic, group version, owner pid, writer pid, weights version,
-                  manifest bytes, data bytes | manifest (msgpack)] [data: the flat layout]
-
-**Self-describing.** The segment carries the transfer's manifest, so a newcomer on the node
-(:func:`adopt`) maps the committed node copy, rebuilds the tensors from it, hashes them, and
-commits only when the whole-state checksum is the one the controller knows committed: no
-collective, no sender, memory speed. The manifest's layout needs no trust of its own: every
-byte taken at its offsets goes into the checksum that must match.
-
-**Ownership.** The name's pid is the *owner's*, not the writer's: a small per-node agent
-(:mod:`ftstate.controller.nodecopies`) that outlives every worker on the node. The name is
-kept (a newcomer must find it) while the version is committed; the writer unlinks it on every
-failure and when a later version of its own is committed, and the agent unlinks every other
-one at the controller's word (after a sync or a failed one, at the run's end). A SIGKILLed
-rollout or trainer therefore leaves the node copy in place; a SIGKILLed agent leaves an
-orphan (:func:`~ftstate.transport.shm.sweep_orphans` removes it, as for slots).
-
-**Fresh or recycled.** By default every sync makes a new copy and the previous one is
-unlinked once the new one is committed: 1x the weights per node at rest, 2x during a sync,
-but the allocation and the first touch of fresh pages are on the sync's path (on the 2-core
-development VM the kernel's page work costs more than the transfer itself). With
-``node_copy_spare`` the writer keeps the previous copy (named, mapped) as a *spare* and
-rewrites it as the next one (:meth:`NodeCopy.reuse`: renamed for the new group version,
-header and manifest rewritten), and every reader keeps its mapping of each file
-(:data:`_READ_MAPS`, by inode), so a sync allocates nothing and faults nothing in: 2x at rest.
-A rollout holding the spare's version (one whose commit failed, STALE) sees it rewritten
-under it; it does not serve, and is resynced.
-
-**Mappings.** The writer maps it shared and populated; a reader maps it *private*
-(copy-on-write) and only reads it: nothing it or its user code writes into its tensors
-reaches the other rollouts, and pages it only reads stay the node's one copy (they count
-in every reader's Pss, shared, not in its private memory). The mapping lives as long as
-anything references its tensors (the ``mmap`` behind :attr:`NodeCopy.data`); dropping the
-committed state unmaps it, and the memory returns to the system once the name is unlinked
-and the last process unmapped it.
-
-**What in place costs.** The bytes a rollout verified are still writable by any process of
-the same user that maps the segment shared (as are the slots'); a write after the vote is
-caught by the checksum the host computes at commit (:meth:`WorkerHost.commit_weights`
-hashes what it handed to ``load_weights``, or ``held_weights()``), not by the vote.
-"""
+"""The node copy: one full-size shared-memory copy of a weights version per node, verified in place."""
 
 from __future__ import annotations
 
@@ -127,8 +74,7 @@ def _named(name: str, *, group: str, owner: int, group_version: int | None = Non
 
 def _read_header(buf: mmap.mmap, name: str, size: int, *, version: int, owner: int,
                  writer: int | None) -> tuple[int, int, int, int, int, int]:
-    """A node copy's header (mapped, or received whole from another node), checked against its
-    name: (group version, owner, writer, weights version, manifest bytes, data bytes)."""
+    """A node copy's header fields (as in ``_FIXED``), checked against its name."""
     magic, gv, own, wpid, wv, mlen, dlen = _FIXED.unpack_from(buf, 0)
     problem = None
     if magic != _MAGIC:
@@ -145,11 +91,7 @@ def _read_header(buf: mmap.mmap, name: str, size: int, *, version: int, owner: i
 
 
 class NodeCopy:
-    """One mapping of a node copy: :attr:`data` is a uint8 tensor over its flat layout.
-
-    :meth:`create` (the writer, mapped shared) or :meth:`attach` (a reader, mapped
-    private). :meth:`close` drops this object's hold on the mapping; tensors made from
-    :attr:`data` keep it mapped until they go."""
+    """One mapping of a node copy: :attr:`data` is a uint8 tensor over its flat layout."""
 
     def __init__(self, name: str, mm: mmap.mmap, *, group_version: int, owner: int, writer: int,
                  weights_version: int, manifest: bytes, data_bytes: int) -> None:
@@ -172,9 +114,8 @@ class NodeCopy:
     @classmethod
     def create(cls, group: str, *, group_version: int, owner: int, weights_version: int, manifest: bytes,
                data_bytes: int) -> NodeCopy:
-        """A new node copy (a fresh name), reserved at once (``posix_fallocate``: a full
-        ``/dev/shm`` fails here with :class:`SharedMemoryUnavailable`, not with a SIGBUS
-        mid-bucket), mapped shared and populated, its header and manifest written."""
+        """A new node copy, reserved at once so a full ``/dev/shm`` raises
+        SharedMemoryUnavailable here instead of a SIGBUS mid-bucket."""
         name = copy_name(group, group_version, owner, next(_generations))
         mm = create_mapped(name, _data_offset(len(manifest)) + data_bytes, populate=True)
         _FIXED.pack_into(mm, 0, _MAGIC, group_version, owner, os.getpid(), weights_version, len(manifest), data_bytes)
@@ -184,11 +125,8 @@ class NodeCopy:
 
     def reuse(self, group: str, *, group_version: int, weights_version: int, manifest: bytes,
               data_bytes: int) -> bool:
-        """The writer's spare (``node_copy_spare``: the copy of the version before the committed
-        one, kept named and mapped) made the next copy: renamed for this group version, its
-        header and manifest rewritten, its pages already allocated and mapped (no allocation,
-        no page fault on the transfer's path). False when the layout does not fit it (another
-        size): the caller makes a new one."""
+        """Rewrite the writer's spare as the next copy (renamed, header and manifest rewritten),
+        so the transfer allocates and faults nothing; False when the layout does not fit."""
         if self._mm is None or data_bytes != self.data_bytes or _data_offset(len(manifest)) != _data_offset(
                 len(self.manifest)):
             return False
@@ -207,12 +145,9 @@ class NodeCopy:
     @classmethod
     def attach(cls, name: str, *, group: str, owner: int, group_version: int | None = None,
                writer: int | None = None, cache: bool = False) -> NodeCopy:
-        """Map an existing node copy privately, after checking its name and header against
-        what the caller was told (``group``, ``owner``, and when given the ``group_version``
-        and the ``writer``'s pid): :class:`ManifestError` (field ``node_copy``) naming the
-        segment and what disagrees; one that is gone (unlinked: its sync failed or a later
-        version replaced it) says so. ``cache`` (its writer recycles its copies): the mapping
-        is kept for the file's next use (see :data:`_READ_MAPS`)."""
+        """Map an existing node copy privately once its name and header match what the caller
+        was told; raises ManifestError (field ``node_copy``) naming what disagrees or that it is gone.
+        ``cache``: keep the mapping for the file's next use (:data:`_READ_MAPS`)."""
         fields = _named(name, group=group, owner=owner, group_version=group_version)
         try:
             fd = os.open(SHM_DIR / name, os.O_RDONLY)
@@ -263,17 +198,14 @@ class NodeCopy:
         self.data = torch.empty(0, dtype=torch.uint8)
 
 
-#: A reader's mappings of node copies, by (device, inode): a copy recycled by its writer
-#: (``node_copy_spare``) is the same file under a new name, read again through the same
-#: mapping, so its pages are not faulted in again at every sync. :func:`forget_mappings`
-#: keeps only those of files still named.
+#: A reader's mappings of node copies, by (device, inode): a recycled copy is the same file
+#: under a new name, so its pages are not faulted in again at every sync.
 _READ_MAPS: dict[tuple[int, int], mmap.mmap] = {}
 
 
 def forget_mappings() -> None:
-    """Drop this process's cached mappings of node copies that are no longer named in
-    ``/dev/shm`` (unlinked: failed, replaced, the run ended). A mapping a committed state
-    still views stays mapped through its tensors until they go."""
+    """Drop cached mappings of node copies no longer named in ``/dev/shm``; tensors still
+    viewing one keep it mapped until they go."""
     named = set()
     for n in list_segments():
         if is_copy(n):
@@ -294,12 +226,9 @@ def tensors_of(flat: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tensor
 
 def adopt(receiver: Receiver, name: str, *, group: str, owner: int, weights_version: int,
           checksum: str) -> CommittedWeights:
-    """A newcomer on the node: map the committed node copy ``name``, hash it in place, and
-    commit it into ``receiver`` only if it is ``weights_version`` with whole-state checksum
-    ``checksum`` (what the controller knows committed). No collective, no sender: a CPU-bound
-    read of the node's memory, bounded by its size. Raises :class:`ManifestError` (the copy is
-    gone or not that version) or :class:`ChecksumMismatch` (its bytes are not that version);
-    either way ``receiver`` keeps what it held."""
+    """A newcomer: map the committed node copy ``name``, hash it in place, and commit it only if
+    it is ``weights_version`` with ``checksum``. Raises ManifestError (gone or another version)
+    or ChecksumMismatch; either way ``receiver`` keeps what it held."""
     node = NodeCopy.attach(name, group=group, owner=owner)
     try:
         return _commit_proven(receiver, name, node.manifest, node.data, group=group, group_version=node.group_version,
@@ -310,9 +239,8 @@ def adopt(receiver: Receiver, name: str, *, group: str, owner: int, weights_vers
 
 def _commit_proven(receiver: Receiver, name: str, manifest_bytes: bytes, flat: torch.Tensor, *, group: str,
                    group_version: int, weights_version: int, checksum: str, mapped: bool) -> CommittedWeights:
-    """Commit node copy ``name``'s layout (``flat``: mapped in place, or ``mapped`` false: a
-    private buffer it was received into) into ``receiver`` only if its tensors hash to
-    ``checksum`` as ``weights_version``; else raise and keep what ``receiver`` held."""
+    """Commit ``flat`` (mapped in place, or a private buffer) into ``receiver`` only if it
+    hashes to ``checksum``; else raise and keep what ``receiver`` held."""
     from ftstate.transport.checksum import state_checksum_like
     from ftstate.transport.manifest import decode_manifest
     from ftstate.transport.sync import CommittedWeights
@@ -346,14 +274,10 @@ _SLICE = 64 << 20  # bytes sent per socket.sendfile call (the deadline is checke
 
 
 def serve(name: str, *, host: str, timeout_s: float) -> dict[str, object]:
-    """The node's agent serves its committed node copy ``name`` point to point, once: a
-    listening socket on ``host`` (the node's address; 127.0.0.1 on a local cluster) whose one
-    connection, within ``timeout_s``, must open with the one-time token returned here, and
-    then gets the whole segment (header, manifest, data) by ``sendfile`` straight from
-    ``/dev/shm``: no torch, no copy in the agent. The file is opened now, so a later unlink (a
-    newer version committed meanwhile) does not cut the transfer short; the receiver proves
-    the version by checksum whatever it gets (:func:`fetch`). Raises :class:`ManifestError`
-    when the copy is gone."""
+    """Serve node copy ``name`` once, point to point: one connection on ``host`` within
+    ``timeout_s`` that opens with the returned one-time token gets the whole segment by
+    ``sendfile`` (no torch in the agent). Opened now, so a later unlink does not cut it short.
+    Raises ManifestError when the copy is gone."""
     import secrets
     import socket
     import threading
@@ -397,16 +321,10 @@ def serve(name: str, *, host: str, timeout_s: float) -> dict[str, object]:
 
 def fetch(receiver: Receiver, served: dict, *, name: str, group: str, owner: int, weights_version: int,
           checksum: str, timeout_s: float) -> CommittedWeights:
-    """A newcomer on a node without the committed node copy: receive node copy ``name`` from
-    the agent that :func:`serve` d it (``served``: its address and token), then commit it
-    into ``receiver`` only if it is ``weights_version`` with checksum ``checksum``, as
-    :func:`adopt` does. The header and manifest come first; the data lands straight in the
-    receiver's staging (:meth:`Receiver._staging`: the spare a prewarmed spare reserved,
-    its pages already touched, else fresh memory), so a newcomer pays no page fault it paid
-    before. The whole transfer is bounded by ``timeout_s`` (``sync_timeout_s``):
-    :class:`SyncTimeout` past it, :class:`TransportError` when the connection fails or ends
-    early, :class:`ManifestError` / :class:`ChecksumMismatch` for bytes that are not that
-    version; on any of them ``receiver`` keeps what it held."""
+    """Receive node copy ``name`` from the agent that served it into the receiver's staging
+    (a prewarmed spare's pages are already touched), then commit as :func:`adopt` does.
+    Raises SyncTimeout past ``timeout_s``, TransportError, ManifestError or ChecksumMismatch;
+    ``receiver`` then keeps what it held."""
     import socket
     import time
 

@@ -1,10 +1,4 @@
-"""The offer: what a writer tells its readers after the manifest, and how each receiver gets the buckets.
-
-The sender's offer names its slots (or node copy), its signal endpoint, and which ranks read
-shared memory, take the collective or relay; a relay answers with an offer of its own. Both
-are decoded with every field checked, since a pid goes to ``os.kill``, an endpoint to zmq and
-segment names to ``/dev/shm``.
-"""
+"""The offer: what a writer tells its readers after the manifest, and how each receiver gets the buckets."""
 
 from __future__ import annotations
 
@@ -77,11 +71,7 @@ _ENDPOINT = re.compile(r"tcp://127\.0\.0\.1:([0-9]{1,5})")
 
 
 def decode_offer(payload: bytes, *, group: str, group_version: int) -> Offer:
-    """Validate an offer; :class:`ManifestError` naming the field, :class:`StaleGroupVersion`.
-
-    Every field is checked for type and range before anything uses it (a pid goes to
-    ``os.kill``, an endpoint to zmq, segment names to ``/dev/shm``): pids in [1, MAX_PID],
-    ranks in [0, MAX_RANK), the endpoint on loopback with a valid port, at most two slots."""
+    """Validate an offer; :class:`ManifestError` naming the field, :class:`StaleGroupVersion`."""
     try:
         d = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:

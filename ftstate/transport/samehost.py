@@ -1,16 +1,4 @@
-"""The same-host transfer: buckets through shared memory for the receivers on the sender's host.
-
-:func:`broadcast`, :func:`send_to` and :func:`receive` run the one transfer loop of
-:mod:`ftstate.transport.sync` (manifest, seal, vote and commit on the communicator) with the
-buckets' bytes on the route each receiver is offered (:mod:`ftstate.transport.routes`):
-shared-memory or device slots (:mod:`~ftstate.transport.routes.slots`), one node copy verified
-in place (:mod:`~ftstate.transport.routes.nodecopy`), a node's relay
-(:mod:`~ftstate.transport.routes.relay`), or chunks over the collective
-(:mod:`~ftstate.transport.routes.collective`). This module picks the routes: the sender from
-the plan it is given and what it can allocate, each receiver from the sender's offer. The
-design, with its diagrams, is in docs/concepts.md ("The transport's routes"); the
-measurements in docs/benchmarks.md.
-"""
+"""The same-host transfer: buckets through shared memory for the receivers on the sender's host."""
 
 from __future__ import annotations
 
@@ -76,23 +64,11 @@ def broadcast(
     node_copy_owner: int | None = None,
     node_copy_spare: bool = False,
 ) -> SyncReport:
-    """:meth:`Sender.broadcast` on this route: the ranks in ``same_host`` (on this member's
-    host) read every bucket from shared memory; each rank of ``relays`` (relay rank → its
-    node peers' ranks) gets it over the communicator and writes it into its node's shared
-    memory for its peers; the others get it over the communicator. Receivers call
-    :func:`receive`. Same manifest, checksums, vote and errors; in addition
-    :class:`~ftstate.core.errors.SharedMemoryUnavailable` with ``require_shm`` when a
-    segment (here or at a relay) cannot be made (else those ranks take the collective, said
-    in :attr:`SyncReport.shm_fallback`). ``timeout_s`` bounds the whole transfer.
-
-    ``node_copy_owner`` (``staging: node``): the same-host ranks verify the version in place
-    in one node copy owned by that process (:mod:`ftstate.transport.nodecopy`) instead of
-    copying it out of two slots; one that cannot be made falls back to the slots (said in
-    :attr:`SyncReport.shm_fallback`; with ``require_shm`` it raises). After a vote every rank
-    passed, the node copy this sender wrote before is unlinked and this one kept
-    (:attr:`SyncReport.node_copy` names it); after any other outcome this one is unlinked.
-    ``node_copy_spare``: the one written before is kept instead (named, mapped; the
-    report's ``node_spare``) and rewritten as the next one, so a sync allocates nothing."""
+    """:meth:`Sender.broadcast` on this route: ``same_host`` ranks read shared memory, each
+    rank of ``relays`` writes its node's copy for its peers, the others use the communicator.
+    With ``require_shm`` a segment that cannot be made raises SharedMemoryUnavailable (else
+    the collective, in :attr:`SyncReport.shm_fallback`). ``node_copy_owner``: same-host ranks
+    verify one node copy in place; ``node_copy_spare`` keeps the previous one to rewrite."""
     stream = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
     return _send(sender, stream, weights, weights_version, progress, same_host=frozenset(same_host),
                  require_shm=require_shm, relays={r: tuple(sorted(p)) for r, p in (relays or {}).items() if p},
@@ -121,13 +97,9 @@ def receive(
     receiver: Receiver, comm: Communicator, src: int, *, point_to_point: bool = False, timeout_s: float,
     progress: Progress | None = None, node_copy_owner: int | None = None,
 ) -> CommittedWeights:
-    """Receive what ``src`` sends with :func:`broadcast` (or, with ``point_to_point``,
-    :func:`send_to`): from shared memory when the sender's offer says so, else over the
-    communicator. Same errors and guarantee as :meth:`Receiver.receive_broadcast`: on any
-    error the receiver's committed weights are what they were. ``node_copy_owner``: when
-    this member is its node's relay, it receives into a node copy owned by that process
-    (:mod:`ftstate.transport.nodecopy`) which its peers verify in place, instead of slots;
-    the committed state's ``_node`` names it."""
+    """Receive what ``src`` sends with :func:`broadcast` or :func:`send_to`, the way its offer
+    says; errors and guarantee as :meth:`Receiver.receive_broadcast`. ``node_copy_owner``: as
+    its node's relay, receive into a node copy owned by that process."""
     if point_to_point:
         stream: Stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=src, sending=False)
     else:
@@ -197,9 +169,8 @@ def _route(sender: Sender, stream: Stream, plan: Plan, *, same_host: frozenset[i
 
 
 class SameHostReceive(ReceiveRoute):
-    """A receiver of a same-host transfer: reads the sender's offer (and, as a relay's peer,
-    the relay's), starts its own relay duty when it is one, and reads the buckets the way it
-    was offered, through one of the routes; cleans up all of it on failure."""
+    """A same-host receiver: reads the offers, relays when it is one, reads the buckets as
+    offered; cleans up on failure."""
 
     def __init__(self, stream: Stream, receiver: Receiver, node_copy_owner: int | None) -> None:
         self.stream = stream

@@ -1,25 +1,4 @@
-"""Multi-sender transfer: every owning trainer rank sends its part straight to every rollout.
-
-With ``trainer_workers: N`` (see :mod:`ftstate.core.ownership`) a weights version is the union
-of what the ranks own. Each owning rank sends its *part* (its tensors and slices, keyed by
-:func:`~ftstate.core.ownership.piece_key`) to every rollout over point-to-point routes of the
-weights group (:meth:`Sender.send_to` / :meth:`Receiver.receive_from`), one thread per peer,
-all at once: with N senders the bytes leave through N links instead of one rank's. Each part
-keeps the whole protocol of :mod:`ftstate.transport.sync`: manifest, buckets, seal with
-every bucket's and tensor's checksum, the vote. A failure on any route aborts the
-communicator, so every other route of the transfer fails at once (not at its timeout).
-
-A rollout receives the parts of every sender concurrently (one :class:`Receiver` per sender
-rank, each staging into its own buffer) and then assembles the full state: a tensor owned
-whole is the received buffer itself (no copy); a sliced tensor is joined with one copy of
-that tensor (``torch.cat`` along its dim: dim-0 and dim-k slices alike), so the only extra
-memory is one copy of the sliced tensors, never of the whole state. The whole-state
-checksum is then hashed over the *full* assembled state in ownership (name) order, so what
-a rollout reports, the controller's ``rt.checksum``, audits and the held-bytes proofs stay
-comparable whatever the sharding.
-
-The same-host shared-memory route is not used here (collective point-to-point only).
-"""
+"""Multi-sender transfer: every owning trainer rank sends its part straight to every rollout."""
 
 from __future__ import annotations
 
@@ -120,9 +99,8 @@ def send_part(senders: dict[int, Sender], comm: Communicator, peers: Sequence[in
 
 def receive_parts(receivers: dict[int, Receiver], comm: Communicator, ownership: Ownership, *,
                   timeout_s: float, progress: Progress | None = None) -> CommittedWeights:
-    """Receive every owning rank's part at once and assemble the full state (see the module
-    docstring). Raises what a :class:`Receiver` raises; nothing is committed to the caller
-    (the result is staged: the caller hands it to ``load_weights`` at the commit)."""
+    """Receive every owning rank's part at once and assemble the full state, staged for the
+    caller's commit. Raises what a :class:`Receiver` raises."""
     senders = ownership.senders()
     for r in senders:
         if r not in receivers:

@@ -1,32 +1,4 @@
-"""Shared-memory segments for the same-host route: named, versioned, fenced, never left behind.
-
-A :class:`Segment` is one file in ``/dev/shm`` mapped into the processes of one host: the
-sender writes a bucket into it once and every same-host receiver copies it out (see
-:mod:`ftstate.transport.samehost` for the protocol). Each segment is one *slot* of the
-sender's double buffer; its name says whose it is and for which group version::
-
-    ftstate-<group>-v<group version>-p<creator pid>-g<generation>-s<slot>
-
-and its first page is a header written by the sender (magic, group version, creator pid,
-slot, capacity, then the bucket it currently holds: index, weights version, bytes), so a
-reader checks *both* the name and the header against its own group version before it reads
-a byte: a segment of an older group version is refused with
-:class:`~ftstate.core.errors.StaleGroupVersion`, never read.
-
-**Lifetime.** A name exists only while the readers attach: the sender creates the
-segments, announces their names, waits until every reader mapped them, and unlinks the
-names (the memory lives on in the mappings, and is returned to the system when the last
-process unmaps it or dies). Every other path out unlinks too: the sender on any failure;
-the readers, by the names they were given, when the sender died; and anything a SIGKILL
-left in the window between create and attach is an *orphan* (its creator pid is no longer
-alive) that :func:`sweep_orphans` removes: every member sweeps when it joins a group
-version, and the controller sweeps when the runtime shuts down.
-
-**Capacity.** Space is reserved with ``posix_fallocate`` at creation, so a ``/dev/shm``
-that is too small fails then with :class:`~ftstate.core.errors.SharedMemoryUnavailable`
-(naming the path, the size and the space left), not later with a SIGBUS in the middle of
-a bucket. Linux only; elsewhere the same error says so.
-"""
+"""Shared-memory segments for the same-host route: named, versioned, fenced, never left behind."""
 
 from __future__ import annotations
 
@@ -104,11 +76,7 @@ def pid_alive(pid: int) -> bool:
 
 
 class Segment:
-    """One mapped segment: :attr:`data` is a uint8 tensor over its data area.
-
-    Build with :meth:`create` (the sender) or :meth:`attach` (a reader). :meth:`close`
-    unmaps (idempotent); :meth:`unlink` removes the name (idempotent).
-    """
+    """One mapped segment: :attr:`data` is a uint8 tensor over its data area."""
 
     def __init__(self, name: str, mm: mmap.mmap, capacity: int) -> None:
         import torch  # here, so listing and sweeping segments needs no torch
@@ -126,9 +94,8 @@ class Segment:
 
     @classmethod
     def create(cls, name: str, *, group_version: int, slot: int, capacity: int) -> Segment:
-        """Create, reserve and map a new segment of ``capacity`` data bytes (the name must be new).
-
-        Raises :class:`SharedMemoryUnavailable` when ``/dev/shm`` is missing, full or too small."""
+        """Create, reserve and map a new segment of ``capacity`` data bytes; raises
+        SharedMemoryUnavailable when ``/dev/shm`` is missing, full or too small."""
         mm = create_mapped(name, HEADER_BYTES + capacity)
         _FIXED.pack_into(mm, 0, _MAGIC, group_version, os.getpid(), slot, capacity)
         return cls(name, mm, capacity)
@@ -207,11 +174,8 @@ class Segment:
 
 
 def create_mapped(name: str, size: int, *, populate: bool = False) -> mmap.mmap:
-    """Create ``/dev/shm/<name>`` (the name must be new), reserve its ``size`` bytes at once
-    (``posix_fallocate``: a full tmpfs fails here with :class:`SharedMemoryUnavailable`,
-    naming the path, the size and the space left, not later with a SIGBUS in the middle of a
-    bucket) and map it shared (``populate``: its pages mapped now, not at first touch). The
-    file is removed again on any failure."""
+    """Create, reserve and map ``/dev/shm/<name>``: reserving at once makes a full tmpfs raise
+    SharedMemoryUnavailable here, not a SIGBUS mid-bucket. Removed again on any failure."""
     path = SHM_DIR / name
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -269,10 +233,7 @@ def list_segments() -> list[str]:
 
 
 def sweep_orphans() -> list[str]:
-    """Unlink the segments whose creator is no longer alive on this host; returns their names.
-
-    Safe to call from any process at any time: a live creator's segments are left alone, and
-    a reader that still maps an orphan keeps its memory until it unmaps it."""
+    """Unlink the segments whose creator is dead (safe at any time); returns their names."""
     swept = []
     for name in list_segments():
         fields = parse_name(name)

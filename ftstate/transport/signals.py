@@ -1,25 +1,4 @@
-"""Bucket-ready and bucket-released signals between a writer and its same-host readers, over pyzmq.
-
-The writer is the sender, or a remote node's relay writing for its node peers
-(:mod:`ftstate.transport.samehost`); "sender" below means either.
-
-The sender binds one ``ROUTER`` socket on ``tcp://127.0.0.1`` (a random port, named in the
-transfer's offer; loopback only: the readers are on the same host by construction) and every
-same-host reader connects one ``DEALER`` and introduces itself by rank with ``hello`` (see
-:class:`Channel` for how connections are told apart and what is refused). ROUTER/DEALER, not
-PUB/SUB: PUB/SUB drops what is sent right after ``connect()`` (DESIGN.md), and the sender
-must know each reader is there, so a reader's first message is ``hello`` and the sender
-sends nothing to a reader before it has heard it (``ROUTER_MANDATORY`` turns a message to
-an unknown reader into an error instead of a silent drop).
-
-Messages are msgpack maps (never pickle) with a ``kind``: ``hello`` (reader → sender: rank,
-pid), ``ready`` (sender → reader: bucket index, slot), ``released`` (reader → sender:
-bucket index), ``failed`` (either way: the transfer is over, with a reason). A socket is
-made for one transfer and closed after it (``LINGER`` 0: nothing outlives the transfer).
-
-:meth:`Channel.recv` waits at most the time it is given; the caller slices its waits so it
-can look at abandonment, at its peer's pid and at the transfer's deadline between slices.
-"""
+"""Bucket-ready and bucket-released signals between a writer and its same-host readers, over pyzmq."""
 
 from __future__ import annotations
 
@@ -56,22 +35,7 @@ def _decode(frame: bytes) -> dict[str, Any]:
 
 
 class Channel:
-    """One end of the signal channel of one transfer.
-
-    :meth:`bind` (the writer's ROUTER, as ``rank``) or :meth:`connect` (a reader's DEALER, as
-    ``rank``, reading the slots of ``writer``). ``group``/``version``: the transfer's, bound
-    into every tag.
-
-    **Who is who.** A reader's DEALER takes the identity zmq gives it, not one naming its rank:
-    the ROUTER learns which connection is which rank from that rank's ``hello`` only, and only
-    from a hello whose tag verifies when the run authenticates (:mod:`ftstate.transport.auth`).
-    A process that connects first claiming a rank's identity (an identity squat) therefore gets
-    nothing, and the genuine reader's hello is not dropped. Every message carries the sender's
-    rank and a sequence number; a tag that does not verify, a sequence number not above the
-    last one from that sender (a replay), a message from a connection that said no valid hello
-    -- each is dropped and recorded as forged when the run authenticates (an outsider must not
-    be able to end a transfer either), or raised as a :class:`ManifestError` when it does not.
-    """
+    """One end of the signal channel of one transfer."""
 
     def __init__(self, sock: zmq.Socket, endpoint: str, *, router: bool, group: str, version: int, rank: int,
                  writer: int | None = None) -> None:
@@ -113,10 +77,8 @@ class Channel:
         return cls(sock, endpoint, router=False, group=group, version=version, rank=rank, writer=writer)
 
     def send(self, msg: dict[str, Any], to: int | None = None) -> None:
-        """Send ``msg`` (to reader ``to`` from the sender's side). Never blocks: a full queue
-        or a reader not yet heard from raises :class:`~ftstate.core.errors.TransportError`, a
-        reader whose connection is gone since it said hello
-        :class:`~ftstate.core.errors.PeerLost` naming it."""
+        """Send ``msg`` without blocking: TransportError for a full queue or a reader not yet
+        heard from, PeerLost for one whose connection is gone."""
         self._seq += 1
         body = {**msg, "rank": self.rank, "seq": self._seq, **({"to": to} if to is not None else {})}
         frame = auth.sign(self._channel, self.group, self.version, self.rank, msgpack.packb(body, use_bin_type=True))

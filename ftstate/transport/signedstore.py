@@ -1,31 +1,4 @@
-"""The store as torch's own collective backends see it: every value they write there is tagged.
-
-gloo rendezvouses through the store it is given: each rank writes its listening address under
-``{group}/v{N}/gloo/0/{rank}`` and every other rank connects to the address it reads there.
-Those values are written by torch, not by ftstate, so before this wrapper they carried no tag,
-and a process that reached the store without the run's secret could plant an address of its
-own under a rank's key: a rank that read it would open its gloo connection to the planter,
-which then sat in the middle of the weights stream (the manifest, seal and votes on it are
-tagged, but with ``integrity: xxh3`` the bucket bytes are checked only by unkeyed digests).
-
-:class:`SignedStore` is a ``torch.distributed.Store`` written in Python that torch's backend
-is handed instead of the store itself (``ProcessGroupGloo(PrefixStore(prefix,
-SignedStore(store, ...)))``, :mod:`ftstate.transport.gloo`). What the backend sets is tagged
-for its key, as ftstate's own values are (:func:`ftstate.transport.store.signed`); what it
-gets must verify. A value that does not verify was planted: it is recorded as forged (channel
-``store``, the key) and treated as absent, as every ftstate value is: the read waits on for the
-genuine member's value, which overwrites a value planted before it. A value planted *after*
-the genuine one replaced it for good; the wait then ends at the rendezvous deadline
-(``init_timeout_s``) with an error naming the key, and the runtime forms a new group version.
-So a planter can still deny service (as by deleting keys), but no rank ever connects to an
-address that a member of the run did not write. What this does not stop: gloo's listeners take
-the first connection that names the right pair, and a listener's address is readable here, so an
-outsider can still connect to a member first and take a peer's place (docs/security.md, threat
-model: the genuine peer's rendezvous then fails and no transfer runs on that version).
-
-Without a key installed (``authenticate: false``) the wrapper is not used: the backend gets
-the store itself, as before.
-"""
+"""The store as torch's own collective backends see it: every value they write there is tagged."""
 
 from __future__ import annotations
 
@@ -44,7 +17,7 @@ PLANTED_POLL_S = 0.01
 
 
 class SignedStore(dist.Store):
-    """``inner`` with every value tagged for its key (see the module docstring). ``deadline``:
+    """``inner`` with every value tagged for its key (see docs/concepts.md). ``deadline``:
     the ``time.monotonic()`` by which the rendezvous must be done (``init_timeout_s`` from the
     join); a read of a planted value waits for the genuine one until then. ``what``: the
     rendezvous, for the error (``group 'weights' version 3, rank 1``). ``init_timeout_s``: the

@@ -1,43 +1,4 @@
-"""The controller's key-value store and the versioned rendezvous built on it.
-
-The controller process hosts one :class:`StoreServer` (a ``torch.distributed.TCPStore``)
-for the whole run, so the store outlives the death of any member. It listens only on
-the address it is given (127.0.0.1 by default): TCPStore itself would listen on every
-interface whatever its ``host`` says, so the listening socket is created here and
-handed over with ``master_listen_fd`` (``use_libuv=True``).
-
-Keys (every group's keys under its own prefix, every version under its own sub-prefix,
-``PrefixStore(f"{group}/v{version}", store)``)::
-
-    {group}/current_version              highest version formed or fenced; older ones are stale
-    {group}/v{N}/world_size              the version's size, set by its first member (the others must agree)
-    {group}/v{N}/joined/{rank}           set by each member when it arrives (msgpack: pid, host),
-                                         or FENCED once the version is superseded without it
-    {group}/v{N}/roster                  appended "rank," by each arrival, for the controller
-    {group}/v{N}/gloo/...                the gloo backend's own rendezvous
-    {group}/v{N}/nccl/unique_id          the NCCL unique id published by rank 0
-
-Rendezvous of version N (:func:`join_version`): raise ``current_version`` to N (or fail
-with :class:`~ftstate.core.errors.StaleGroupVersion` if the group already moved past N),
-register, then wait for every rank's ``joined`` key. When the wait times out the error,
-a :class:`~ftstate.core.errors.RendezvousTimeout` (``init_timeout_s``), names the group, the
-version, the timeout, and reads from the store which ranks arrived and which did not.
-Raising ``current_version`` past N (the controller abandoning N because a member died
-before arriving) marks N's missing ranks FENCED, which ends its members' waits at once
-with StaleGroupVersion: no polling, and no one waiting out ``init_timeout_s`` in a version
-that cannot complete. Because every version has its own prefix, a failed version leaves
-nothing behind that could disturb version N+1.
-
-**Authentication.** When the run authenticates (:mod:`ftstate.transport.auth`) every value
-ftstate writes here carries a tag bound to its key (roster entries one each). A value that
-does not verify was planted by someone who reached the store without the run's secret: it is
-recorded as forged and treated as absent -- a planted ``current_version`` fences nobody and is
-replaced, a planted ``world_size`` or ``joined`` registration (an identity squat) is replaced
-by the genuine member's, a planted roster entry is left out. The gloo backend's own keys
-(``gloo/...``: each rank's listening address) are written and read by torch through
-:class:`~ftstate.transport.signedstore.SignedStore`, which tags them the same way, so no rank
-connects to an address planted there.
-"""
+"""The controller's key-value store and the versioned rendezvous built on it."""
 
 from __future__ import annotations
 
@@ -145,11 +106,7 @@ def _current_key(group: str) -> str:
 
 
 class StoreServer:
-    """The run's TCPStore, hosted by the controller; members connect as clients.
-
-    ``host``/``port``: the address to listen on (``port=0`` picks a free port; read
-    :attr:`address`). ``timeout_s``: bound on the controller's own store operations.
-    """
+    """The run's TCPStore, hosted by the controller; members connect as clients."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 30.0) -> None:
         from torch.distributed import TCPStore
@@ -188,9 +145,7 @@ class StoreServer:
         return self._store
 
     def fence(self, group: str, version: int) -> int:
-        """Publish ``version`` as the group's current one, so that every older version is
-        stale (its members get :class:`StaleGroupVersion`). Never lowers it; returns the
-        current version afterwards."""
+        """Publish ``version`` as current (never lowering it), fencing every older one; returns the current one."""
         return raise_current_version(self.store, group, version)
 
     def current_version(self, group: str) -> int | None:
@@ -202,9 +157,8 @@ class StoreServer:
         return roster(self.store, group, version)
 
     def wait_joined(self, group: str, version: int, world_size: int, timeout_s: float) -> None:
-        """Controller-side bound on a rendezvous: return when all ``world_size`` ranks
-        registered, or raise :class:`RendezvousTimeout` naming the missing ranks after
-        ``timeout_s`` (the group's ``init_timeout_s``)."""
+        """Return once all ``world_size`` ranks registered, else RendezvousTimeout naming the
+        missing ones after ``timeout_s`` (``init_timeout_s``)."""
         wait_for_ranks(self.store, group, version, world_size, timeout_s, member="controller")
 
     def close(self) -> None:
@@ -255,9 +209,8 @@ def _version_of(key: str, raw: bytes) -> int | None:
     return None if payload is None else parse_int(key, payload)
 
 
-# The highest current version this process read or wrote, per (run, store, group): the value
-# only ever rises, so a lower one read later is an older genuine value written back (a replay,
-# which its tag alone cannot tell: it was signed by a member), recorded and not believed.
+# The highest current version seen per (run, store, group): it only rises, so a lower one is a
+# replay its tag cannot reveal.
 _HIGHEST: dict[tuple[int, str, str, int, str], int] = {}
 _HIGHEST_LOCK = threading.Lock()
 
@@ -286,10 +239,8 @@ def _not_rolled_back(store: Store, group: str, key: str, value: int | None) -> i
 
 
 def read_current_version(store: Store, group: str) -> int | None:
-    """The group's current version; None when none was set, or when what is there was not
-    written by a member of the run (recorded as forged: it fences nobody). When the run
-    authenticates, a value below one this process already saw there is a replay of an older
-    genuine value: recorded as forged, and the higher one is returned (the fence holds)."""
+    """The group's current version; None when unset or forged. A value below one already seen
+    is a replay: recorded, and the higher one returned so the fence holds."""
     key = _current_key(group)
     if not store.check([key]):
         return None
@@ -326,10 +277,8 @@ def raise_current_version(store: Store, group: str, version: int) -> int:
 
 
 def _release_waiters(store: Store, group: str, version: int) -> None:
-    """Wake the members waiting in a superseded version for ranks that will never come (a
-    member died before arriving): mark every rank that did not arrive as FENCED, so their
-    wait returns now and they find the version stale, instead of waiting out init_timeout_s.
-    Ranks that arrived keep their registration (compare-and-set only fills missing keys)."""
+    """Mark every rank that never arrived in a superseded version FENCED, so its waiters find
+    it stale now instead of waiting out init_timeout_s."""
     prefix = version_prefix(group, version)
     size_key = f"{prefix}/world_size"
     if not store.check([size_key]):
@@ -382,13 +331,8 @@ def _forged_joined(store: Store, keys: list[str]) -> list[str]:
 def wait_for_ranks(
     store: Store, group: str, version: int, world_size: int, timeout_s: float, *, member: str
 ) -> None:
-    """Wait until every rank of ``world_size`` registered for the version, else raise
-    :class:`RendezvousTimeout` listing who arrived and who did not.
-
-    ``timeout_s``: how long to wait for the last rank (``init_timeout_s``); ``member``:
-    who is waiting, named in the error. Raises :class:`StaleGroupVersion` at once when the
-    version is superseded meanwhile (:func:`raise_current_version` wakes its waiters).
-    """
+    """Wait up to ``timeout_s`` for every rank to register, else raise RendezvousTimeout naming
+    who arrived; StaleGroupVersion at once when the version is superseded meanwhile."""
     from torch.distributed import DistError
 
     prefix = version_prefix(group, version)
@@ -433,13 +377,8 @@ def wait_for_ranks(
 def join_version(
     store: Store, group: str, version: int, rank: int, world_size: int, timeout_s: float
 ) -> None:
-    """Register ``rank`` for version ``version`` and wait for the other ranks.
-
-    ``timeout_s`` bounds the wait for the others (``init_timeout_s``). Raises
-    :class:`StaleGroupVersion` if the group already moved past ``version``,
-    :class:`TransportError` if another process already holds ``rank`` in this version,
-    :class:`RendezvousTimeout` if some rank did not arrive in time.
-    """
+    """Register ``rank`` for ``version`` and wait up to ``timeout_s`` for the others. Raises
+    StaleGroupVersion, TransportError (rank already held) or RendezvousTimeout."""
     check_group_name(group)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")

@@ -1,12 +1,4 @@
-"""The ordered message stream of one transfer: headers, manifest, offer, seal and votes.
-
-Every message of a transfer except the buckets' bytes travels here, on the collective itself
-(an int64 header ``[magic, wire format, group version, length]`` then the msgpack bytes as a
-uint8 tensor): ordered with the buckets by construction, belonging to exactly the members of
-the group version, bounded by the same deadline. A :class:`BroadcastStream` goes from the
-root to every member, a :class:`PeerStream` between two ranks. Which way the buckets' bytes
-go is a route's business (:mod:`ftstate.transport.routes`).
-"""
+"""The ordered message stream of one transfer: headers, manifest, offer, seal and votes."""
 
 from __future__ import annotations
 
@@ -38,12 +30,7 @@ VOTE_NAMES = {VOTE_COMMIT: "committed", VOTE_CHECKSUM_MISMATCH: "ChecksumMismatc
 
 
 class Stream:
-    """The ordered message stream of one transfer, on one communicator, under one deadline.
-
-    ``deadline``: ``time.monotonic()`` value by which the whole transfer must be done;
-    every operation is posted with what is left of it. ``timeout_s``: the budget the
-    deadline was made from, named in :class:`SyncTimeout`.
-    """
+    """The ordered message stream of one transfer, on one communicator, under one deadline."""
 
     def __init__(self, comm: Communicator, deadline: float, timeout_s: float) -> None:
         self.comm = comm

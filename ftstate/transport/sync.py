@@ -1,15 +1,4 @@
-"""Moving a whole state of weights over a communicator: bucketed, pipelined, checksummed, atomic.
-
-:class:`Sender` and :class:`Receiver` run the one transfer loop of every route
-(:meth:`Sender.transfer`, :meth:`Receiver.transfer`): the manifest on the transfer's stream
-(:mod:`ftstate.transport.stream`), every bucket on a route (:mod:`ftstate.transport.routes`),
-then the seal, the vote (the commit point) and the commit, one reference assignment, on the
-receiver only once every bucket, every tensor and the whole state matched. Any failure
-raises a typed error and leaves :attr:`Receiver.committed` exactly as it was. Their own
-methods (:meth:`Sender.broadcast`, :meth:`Sender.send_to`, :meth:`Receiver.receive_broadcast`,
-:meth:`Receiver.receive_from`) take the broadcast route; :mod:`ftstate.transport.samehost`
-the same-host ones. The design: docs/concepts.md ("The transport's routes").
-"""
+"""Moving a whole state of weights over a communicator: bucketed, pipelined, checksummed, atomic."""
 
 from __future__ import annotations
 
@@ -65,11 +54,7 @@ log = logging.getLogger("ftstate.transport")
 
 
 class Sender:
-    """Sends whole states; keeps its two packing buffers between transfers.
-
-    ``bucket_size``: bytes per bucket (``bucket_bytes(cfg.bucket_size_mb)``); tensors larger
-    than a bucket are chunked across buckets. Not thread-safe: one transfer at a time.
-    """
+    """Sends whole states; keeps its two packing buffers between transfers."""
 
     def __init__(self, *, bucket_size: int = DEFAULT_BUCKET_SIZE) -> None:
         plan_layout([], bucket_size)  # validates the size
@@ -89,17 +74,10 @@ class Sender:
         timeout_s: float,
         progress: Progress | None = None,
     ) -> SyncReport:
-        """Send ``weights`` from this member to every other member of ``comm``.
+        """Send ``weights`` to every other member of ``comm``; ``timeout_s`` bounds manifest to vote.
 
-        ``weights_version``: the version stamped on the transfer (defaults to the
-        version of a :class:`CommittedWeights`). ``timeout_s``: ``sync_timeout_s``, the
-        bound on the whole transfer, manifest to vote. Raises :class:`PeerLost`,
-        :class:`SyncTimeout`, :class:`StaleGroupVersion` (this communicator was fenced);
-        receivers that rejected the data are listed in the report, not raised. A plain
-        mapping is checked first (:func:`~ftstate.transport.validate.check_state_dict`, on
-        this communicator's device type): one that cannot travel raises
-        :class:`~ftstate.core.errors.StateDictError` before anything is sent.
-        """
+        Raises PeerLost, SyncTimeout, StaleGroupVersion (fenced), or StateDictError before
+        sending for a mapping that cannot travel; receivers that rejected the data are in the report."""
         stream = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
         return self.transfer(stream, weights, weights_version, progress, self._broadcast_route)
 
@@ -113,14 +91,7 @@ class Sender:
         timeout_s: float,
         progress: Progress | None = None,
     ) -> SyncReport:
-        """Send ``weights`` to ``peer`` only (same manifest, checksums and atomic commit).
-
-        For recovery: the trainer or a rollout holding the current version sends it to a
-        newcomer, or a rollout sends it to a new trainer. Other members are not involved.
-        ``timeout_s``: bound on the whole transfer (``sync_timeout_s`` or
-        ``failover_timeout_s``, whichever the caller is spending). A plain mapping is
-        checked as in :meth:`broadcast`.
-        """
+        """Send ``weights`` to ``peer`` only (same manifest, checksums and atomic commit)."""
         stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
         return self.transfer(stream, weights, weights_version, progress, self._broadcast_route)
 
@@ -268,25 +239,15 @@ def use_count(t: torch.Tensor) -> int | None:
 
 
 class Receiver:
-    """Owns one member's committed weights and replaces them only with a complete, verified state.
-
-    ``initial``/``weights_version``: weights this member already holds (e.g. loaded from a
-    checkpoint), committed as they are (checked like a sender's, on any device but ``meta``:
-    :class:`~ftstate.core.errors.StateDictError` otherwise); without them :attr:`committed`
-    starts as ``None``.
-    The receiver outlives communicators: pass the current group version's one to each call.
-    Not thread-safe: one transfer at a time (:meth:`corrupt_next_bucket` may be called
-    from any thread).
-    """
+    """Owns one member's committed weights and replaces them only with a complete, verified state."""
 
     def __init__(
         self, initial: Mapping[str, torch.Tensor] | None = None, *, weights_version: int | None = None
     ) -> None:
         self._committed: CommittedWeights | None = None
         self._spare: tuple[torch.Tensor, int] | None = None
-        # Held while :meth:`reserve` makes the spare: a transfer arriving meanwhile waits for
-        # that buffer instead of allocating a second one beside it (both page-faulted at once
-        # on the same cores stage several times slower: docs/benchmarks.md).
+        # Held while reserve() makes the spare, so a transfer waits for it instead of
+        # page-faulting a second buffer beside it on the same cores.
         self._reserving = threading.Lock()
         self._corrupt_next = False
         self._peak = 0
@@ -309,11 +270,8 @@ class Receiver:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of buffers this receiver keeps between transfers: the committed version's
-        staging buffer (until :meth:`release`) and the spare kept for the next transfer.
-        What ftstate's fault tolerance costs a rollout in memory beyond its own weights. A
-        committed version in a node copy (``staging: node``) is the node's, counted once per
-        node (the ``node_copy_committed`` record), not here."""
+        """Bytes of buffers kept between transfers (committed staging and spare): what fault
+        tolerance costs a rollout in memory. A node copy is the node's, counted elsewhere."""
         seen: set[int] = set()
         total = 0
         c = self._committed
@@ -331,14 +289,9 @@ class Receiver:
         return self._peak
 
     def release(self, keep_spare: bool = False) -> None:
-        """Let go of the committed version's bytes and of the spare buffer, keeping what the
-        version is (weights version, checksum): the caller's engine holds the weights now and
-        is their only full copy (a rollout with ``held_weights()``). The next transfer then
-        stages into a fresh buffer, paying its page faults (``benchmarks/memory.py``), and a
-        failed transfer still leaves the engine untouched: nothing is loaded before the vote.
-        ``keep_spare`` (``staging_spare``): the committed version's buffer becomes the spare
-        instead, reused by the next transfer only if nothing else holds a view of it then
-        (an engine that kept the tensors it was handed gets a fresh buffer, as without)."""
+        """Drop the committed bytes and the spare, keeping the version and checksum: the engine
+        is now the only full copy. ``keep_spare``: the committed buffer becomes the spare, reused
+        only if nothing else still holds a view of it."""
         c = self._committed
         spare = (c._flat, c._baseline) if keep_spare and c is not None and c._flat is not None \
             and c._node is None else None
@@ -348,10 +301,8 @@ class Receiver:
         self._spare = spare
 
     def reserve(self, nbytes: int, device: torch.device) -> None:
-        """Allocate the next transfer's staging buffer (at least ``nbytes``) now and touch
-        every page of it, off the transfer's critical path: the first write into fresh memory
-        costs a page fault per page (about 200 ms per 512 MiB on the 2-core dev machine), which
-        a prewarmed spare can pay while it waits instead of while the run waits for it."""
+        """Allocate and touch the next staging buffer (``nbytes``) now, so its page faults are
+        paid off the transfer's critical path."""
         with self._reserving:
             if self._spare is not None and self._spare[0].device == device and self._spare[0].numel() >= nbytes:
                 return
@@ -367,24 +318,17 @@ class Receiver:
     def receive_broadcast(
         self, comm: Communicator, *, root: int = 0, timeout_s: float, progress: Progress | None = None
     ) -> CommittedWeights:
-        """Receive the state ``root`` broadcasts and commit it; returns the new :attr:`committed`.
+        """Receive and commit the state ``root`` broadcasts within ``timeout_s``; returns :attr:`committed`.
 
-        ``timeout_s``: ``sync_timeout_s``, bound on the whole transfer. Raises
-        :class:`ChecksumMismatch`, :class:`PeerLost`, :class:`SyncTimeout`,
-        :class:`StaleGroupVersion` or :class:`ManifestError`; on any of them
-        :attr:`committed` is exactly what it was before the call.
-        """
+        Raises ChecksumMismatch, PeerLost, SyncTimeout, StaleGroupVersion or ManifestError,
+        leaving :attr:`committed` unchanged."""
         stream = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=root, sending=False)
         return self.transfer(stream, progress, BroadcastReceive(stream, self.take_damage))
 
     def receive_from(
         self, comm: Communicator, peer: int, *, timeout_s: float, progress: Progress | None = None
     ) -> CommittedWeights:
-        """Receive a state sent to this member only by ``peer`` (:meth:`Sender.send_to`).
-
-        ``timeout_s``: bound on the whole transfer. Same errors and guarantee as
-        :meth:`receive_broadcast`.
-        """
+        """Receive a state sent to this member only by ``peer`` (:meth:`Sender.send_to`)."""
         stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=False)
         return self.transfer(stream, progress, BroadcastReceive(stream, self.take_damage))
 
@@ -482,14 +426,10 @@ class Receiver:
         self, comm: Communicator, manifest: Manifest, seal: Seal, staging: tuple[torch.Tensor, int],
         kept: CommittedWeights | None, problem: str | None, own: int, node: str | None = None,
     ) -> CommittedWeights:
-        """After the vote: raise :class:`ChecksumMismatch` for ``problem`` (keeping what was
-        committed), else commit the staged state (one reference assignment). ``own``: this
-        member's whole-state checksum of the bytes it received (:func:`own_state_checksum`),
-        what it reports as holding: never the seal's, except that with ``integrity: keyed`` its
-        per-tensor digests are the seal's, taken only because every bucket's keyed digest of
-        its own bytes matched (``problem`` is None; see ``StreamHasher``). ``node``: ``staging`` is a mapping of
-        that node copy (:mod:`ftstate.transport.nodecopy`), never a buffer to recycle, and
-        once it is committed no private copy is kept beside it."""
+        """After the vote: raise ChecksumMismatch for ``problem``, else commit the staged state.
+        ``own``: this member's checksum of the bytes it received, never the seal's (keyed
+        integrity reuses the seal's digests only once every bucket's matched). ``node``:
+        ``staging`` maps that node copy, never a buffer to recycle."""
         kept_version = kept.weights_version if kept is not None else None
         if problem is not None:
             if node is None:

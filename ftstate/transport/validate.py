@@ -1,31 +1,4 @@
-"""The check at the door: what user code hands the transport, refused with a typed error.
-
-A trainer's ``state_dict()`` is the one place where user data enters a transfer. What the
-transport assumes of it is checked here, once, before anything is sent, so that a state it
-cannot send fails as a :class:`~ftstate.core.errors.StateDictError` naming the member, the
-tensor, what it is and what was expected, instead of as an ``AttributeError`` or a
-``NotImplementedError`` from deep inside torch (wrapped by Ray, with a peer's
-"connection reset" besides). A state passes when it is
-
-* a :class:`~collections.abc.Mapping` (a list of ``(name, tensor)`` pairs, a module or a
-  generator is refused), and not empty unless the caller allows it;
-* keyed by non-empty ``str`` names that encode as UTF-8 (the manifest is msgpack);
-* of plain ``torch.Tensor`` or ``nn.Parameter`` values: a subclass (``DTensor``,
-  ``FakeTensor``, an uninitialised lazy parameter, a quantised wrapper…) does not promise
-  that its bytes are its values, and the transport moves bytes;
-* dense (``torch.strided``, not nested), not ``meta`` (no data to send), on the device the
-  backend sends from (gloo: ``cpu``; nccl: ``cuda``), of a dtype the manifest knows
-  (:data:`~ftstate.transport.buckets.DTYPE_ITEMSIZE`), with no lazy conjugate or negative
-  bit (viewing such a tensor's bytes fails).
-
-What the transport handles itself is accepted: non-contiguous and expanded tensors (sent
-from a contiguous copy), tensors with no elements (they travel as a name, a dtype and a
-shape), ``requires_grad`` (detached), tied weights (one tensor under two names is sent
-twice).
-
-The check reads metadata only, never data: O(number of tensors), about a microsecond per
-tensor on the 2-core development machine.
-"""
+"""The check at the door: what user code hands the transport, refused with a typed error."""
 
 from __future__ import annotations
 
@@ -55,12 +28,6 @@ def check_state_dict(
 ) -> dict[str, torch.Tensor]:
     """``state`` as a new ``dict`` of name → tensor (the tensors themselves are not copied),
     once it is something the transport can send; :class:`StateDictError` otherwise.
-
-    ``device_type``: the device type the tensors must be on (``"cpu"`` for gloo, ``"cuda"``
-    for nccl; see :data:`BACKEND_DEVICE_TYPE`), or None to accept any but ``meta``.
-    ``member``, ``what``: named in the error (``trainer-0``, ``state_dict()``). ``backend``:
-    named in a device mismatch when given. ``allow_empty``: accept a state of no tensors
-    (the transport can send one; a trainer's ``state_dict()`` should not be one).
     """
 
     def fail(tensor: str | None, got: str, expected: str) -> StateDictError:

@@ -26,12 +26,7 @@ show progress in heartbeats. An exception raised by it aborts the transfer."""
 
 @dataclass(frozen=True)
 class CommittedWeights:
-    """A complete, verified state held by a :class:`Receiver` (or given to it initially).
-
-    ``tensors`` is read-only as a mapping; the tensors are views into one staging buffer.
-    ``state_checksum`` is :func:`~ftstate.transport.checksum.state_checksum` of
-    ``tensors``, computed from the bytes this member holds, not copied from the sender.
-    """
+    """A complete, verified state held by a :class:`Receiver` (or given to it initially)."""
 
     tensors: Mapping[str, torch.Tensor]
     weights_version: int
@@ -68,11 +63,7 @@ class CommittedWeights:
 
 @dataclass(frozen=True)
 class SyncReport:
-    """What the sender knows after a transfer.
-
-    ``committed``: ranks that verified and committed the new weights; ``rejected``: rank →
-    reason (``"ChecksumMismatch"``) for those that kept their previous version.
-    """
+    """What the sender knows after a transfer."""
 
     group: str
     group_version: int

@@ -1,12 +1,4 @@
-"""The interface every route implements: how the bytes of one transfer's buckets travel.
-
-A transfer is one loop on each side (:meth:`~ftstate.transport.sync.Sender.transfer`,
-:meth:`~ftstate.transport.sync.Receiver.transfer`): manifest, every bucket, seal, vote and
-commit, on the transfer's :class:`~ftstate.transport.stream.Stream`. What differs between the
-ways the buckets' bytes move (a collective broadcast, chunks point to point, shared-memory or
-device slots, a node copy, a node's relay) is a :class:`SendRoute` on the sender and a
-:class:`ReceiveRoute` on each receiver; the loop drives either without knowing which.
-"""
+"""The interface every route implements: how the bytes of one transfer's buckets travel."""
 
 from __future__ import annotations
 
@@ -86,10 +78,8 @@ class Plan:
 
 
 class SendRoute:
-    """The sender's side of a route. The loop calls :meth:`open` after the manifest,
-    :meth:`write` for every bucket in order, :meth:`drain` after the last, :meth:`checksums`
-    for the seal, then :meth:`settle` with the report; :meth:`failed` on any error, and
-    :meth:`close` in every case."""
+    """The sender's side of a route: open, write per bucket, drain, checksums, settle;
+    failed on error, close always."""
 
     #: rank -> how its buckets travelled (``SyncReport.routes``); empty for a plain broadcast.
     routes: dict[int, str]
@@ -123,11 +113,8 @@ class SendRoute:
 
 
 class ReceiveRoute:
-    """A receiver's side of a route. The loop calls :meth:`begin` with the manifest,
-    :meth:`staging` for where the state lands,
-    :meth:`open`, :meth:`read` for every bucket in order, :meth:`drain` after the last, :meth:`digests`
-    after the seal; :meth:`failed` on any error, :meth:`close` in every case and :meth:`settle`
-    after the vote."""
+    """A receiver's side of a route: begin, staging, open, read per bucket, drain, digests;
+    failed on error, close always, settle after the vote."""
 
     #: the abort message's verb for an error that is not the transport's (``interrupted``).
     interrupted = "failed"

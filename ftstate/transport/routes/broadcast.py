@@ -1,13 +1,4 @@
-"""The broadcast route: every bucket is one collective operation on the transfer's stream.
-
-The plain route of :meth:`~ftstate.transport.sync.Sender.broadcast` and ``send_to``: each
-bucket goes with the stream's own operation (a broadcast from the root, or a send to the
-peer), up to :data:`~ftstate.transport.weights.WINDOW` on the wire at once, hashed in a
-helper thread (:class:`~ftstate.transport.hashing.Hashing`) while it travels. A bucket that is
-one tensor (or one chunk of it) goes from the tensor's own memory; buckets of small tensors
-are packed into one of two buffers, each refilled only once its last send completed and it
-was hashed.
-"""
+"""The broadcast route: every bucket is one collective operation on the transfer's stream."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""The collective route of a same-host transfer: buckets point to point, chunk by chunk.
-
-The receivers that are not on the sender's host (and are no node's relay's peers) get every
-bucket over the communicator in :data:`~ftstate.transport.offer.Offer.chunk`-byte messages,
-each sent as soon as the sender has it (copied and hashed) and hashed by the receiver as soon
-as it lands, so sending, the network and the receiver's hash overlap even for a transfer of
-one bucket. :class:`CollectiveSend` is also what the slot and node-copy routes build on: the
-offer, the relays' answers and the chunks to collective ranks are the same for all of them;
-they differ in where a bucket is written and who is told.
-"""
+"""The collective route of a same-host transfer: buckets point to point, chunk by chunk."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Copying a bucket into or out of a shared slot, hashing each piece while it is in cache.
-
-Used by every route whose bytes pass through memory other processes map (shared-memory
-slots, device slots, a node's relay): a writer copies a bucket in from its tensors and
-tells its readers how far it got every :data:`STREAM` bytes; a reader copies each piece out
-as soon as it is there. Hashing a :data:`PIECE` right after copying it reads it back from
-cache, so verification costs no extra trip through memory.
-"""
+"""Copying a bucket into or out of a shared slot, hashing each piece while it is in cache."""
 
 from __future__ import annotations
 
@@ -41,21 +34,8 @@ def copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torch
                *, filled: Callable[[int], None] | None = None,
                awaiting: Callable[[int], None] | None = None, damage: bool = False,
                hash_source: bool = False) -> None:
-    """Copy bucket ``b``'s segments into ``dst`` (a view of the bucket's bytes) from ``src(s)``
-    (segment ``s``'s bytes), in :data:`PIECE`-sized pieces, hashing each piece while it is in
-    cache: a reader right after copying it, a writer right after telling its readers of it
-    (below). No hasher: copy only.
-
-    What is hashed: a reader hashes ``dst``, its own private copy (what it will commit). A
-    writer into a shared slot passes ``hash_source``: it hashes the piece of *its source* it
-    just read, never the slot, because the slot is writable by every process that mapped it
-    (same uid) and anything written there after the copy would otherwise be hashed into the
-    seal and so blessed; hashing the source makes every reader of such bytes see a mismatch.
-
-    A writer streams: ``filled(n)`` is called once the first ``n`` bytes are in place, every
-    :data:`STREAM` bytes and at the end (``n == b.nbytes``). A reader follows it:
-    ``awaiting(n)`` returns once the writer has filled the first ``n`` bytes. ``damage``
-    (chaos) flips the first byte copied before it is hashed, as a damaged segment would."""
+    """Copy bucket ``b``'s segments into ``dst`` from ``src(s)`` in :data:`PIECE`-sized pieces,
+    hashing each while it is in cache (no hasher: copy only)."""
     told = 0
     unhashed: list[tuple[int, memoryview]] = []  # a writer's pieces copied since it last told
 
@@ -83,11 +63,8 @@ def copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment], torch
             if filled is not None and s.bucket_offset + hi - told >= STREAM:
                 told = s.bucket_offset + hi
                 filled(told)
-            # A writer tells first and hashes after, so the readers copy (or gloo sends) these
-            # bytes while it hashes them: its hashing (a keyed pass above all) is then off their
-            # path. It hashes what it hashed before (its source, or its private buffer, which
-            # nobody else writes), so the order changes no digest. A reader (no ``filled``)
-            # hashes each piece right after copying it, while it is in cache.
+            # A writer tells first and hashes after (its own unshared bytes, so no digest
+            # changes), keeping its hashing off the readers' path; a reader hashes in cache.
             if filled is None or told == s.bucket_offset + hi:
                 hash_pieces()
     if filled is not None and told < b.nbytes:
@@ -101,20 +78,7 @@ def device_copy_hash(b: Bucket, dst: torch.Tensor, src: Callable[[BucketSegment]
                       damage: bool = False) -> None:
     """:func:`copy_hash` where the slot is in device memory (the writer's ``dst``, or the
     reader's ``src``), kept apart from it because nothing here can be hashed in cache.
-
-    The copies are queued on the device and only :meth:`~DeviceMemory.synchronize` says they
-    are done, so the whole bucket is copied, synchronized, and only then announced: a writer
-    calls ``filled(b.nbytes)`` once per bucket, not every :data:`STREAM` bytes (a streamed
-    announcement would need a synchronize per piece, which stalls the device's queue between
-    pieces, and a device copies a bucket in less time than a reader takes to wake up to a
-    signal). A reader waits for that one ``ready`` (``awaiting(b.nbytes)``), copies,
-    synchronizes, and hashes; its caller releases the slot only after that.
-
-    Hashing happens after the announcement (while the readers copy), on the device with nh64
-    (the transfer's function when the sender's weights are on a GPU: no byte goes to the host),
-    through the host with xxh3: a writer hashes its source (``hash_source``), so a slot damaged
-    after the copy is caught by every reader; a reader hashes what it holds. ``damage`` as in
-    :func:`copy_hash`."""
+    """
     if awaiting is not None:
         awaiting(b.nbytes)
     for s in b.segments:

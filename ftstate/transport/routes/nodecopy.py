@@ -1,14 +1,4 @@
-"""The node-copy route (``staging: node``): one full-size copy per node, verified in place by its readers.
-
-Instead of two recycled slots, the writer (the sender, or a node's relay) writes every bucket
-once at its place in one segment holding the whole flat layout
-(:class:`~ftstate.transport.nodecopy.NodeCopy`), and the same-host readers hash it in place as
-the writer announces it (the slots' ``ready``/``upto`` signals, one "slot"), copying nothing:
-their staging is that segment, and what they commit are views into it. A reader says
-``released`` once, after the last bucket. After a vote every rank passed the copy stays named
-(the source of newcomers on the node); after any other outcome it is unlinked, by the writer,
-or by a reader that finds the writer dead.
-"""
+"""The node-copy route (``staging: node``): one full-size copy per node, verified in place by its readers."""
 
 from __future__ import annotations
 

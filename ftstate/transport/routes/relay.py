@@ -1,12 +1,4 @@
-"""The relay route: one copy per remote node.
-
-When several receivers share a node other than the sender's, one of them is that node's
-relay (:mod:`ftstate.core.plan`): only it gets the buckets over the collective, and it writes
-every chunk as it lands into its own slots (or node copy), which its peers read exactly as
-they would read the sender's. Its peers trust it with nothing: the seal they compare against
-comes from the sender over the collective, so a relay that hands on damaged bytes is rejected
-by every peer it damaged. Design: docs/concepts.md ("The transport's routes").
-"""
+"""The relay route: one copy per remote node."""
 
 from __future__ import annotations
 
@@ -38,12 +30,7 @@ class Relay:
     is written once into its own slots, chunk by chunk as it lands (:meth:`hand_on`: each
     piece hashed as received, then copied while in cache), and read from there by its node
     peers, exactly as same-host readers read the sender's, following it as it fills.
-
-    The relay writes what it received and is trusted with nothing else: its peers verify
-    against the sender's seal, which reaches them over the collective, and vote on their own.
-    Its slots are double-buffered like the sender's (bucket k goes into slot k % 2 once every
-    peer released bucket k - 2), while the next buckets keep arriving into its own staging
-    (:data:`WINDOW` receives posted), so the network leg does not wait for the peers."""
+    """
 
     def __init__(self, stream: Stream, peers: tuple[int, ...], slots: Slots | None, chan: Channel, fresh: bool,
                  weights_version: int, node: NodeCopy | None = None, last: int = -1) -> None:

@@ -1,10 +1,4 @@
-"""The per-bucket signals of a slot route: a writer waiting for its readers, a reader following its writer.
-
-A writer (the sender, or a node's relay) hears ``hello`` from each reader, then ``released``
-as each is through with a slot; a reader hears ``ready`` with how far the writer has filled
-the slot. Every wait is sliced (:data:`~ftstate.transport.routes.base.POLL_S`) to look at the
-deadline, at abandonment and at the other end's pid between slices.
-"""
+"""The per-bucket signals of a slot route: a writer waiting for its readers, a reader following its writer."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The slot route: buckets written once into shared-memory (or device) slots and read by every receiver on the host.
-
-The sender copies each bucket once into one of two slots (one when the transfer is a single
-bucket; :mod:`ftstate.transport.shm` segments, or device memory other processes map,
-:mod:`ftstate.transport.cudaipc`) and every same-host reader copies it once out of it, hashing
-on the way. Bucket k goes into slot k % 2 once every reader released bucket k - 2. The design
-and its measurements: docs/concepts.md ("The transport's routes") and docs/benchmarks.md.
-"""
+"""The slot route: buckets written once into shared-memory (or device) slots and read by every receiver on the host."""
 
 from __future__ import annotations
 
