@@ -1,5 +1,6 @@
 """The layout is the architecture: rooms that depend inward only, a core without Ray or
-torch, and no import circles.
+torch, no import circles, no module over 800 lines or leaning on another's private names, and
+prose (docstrings, comments) at most 18% of the lines.
 
 Rooms, innermost first: ``core`` (pure), ``transport`` (moves bytes; imports the core),
 ``worker`` (runs inside a worker process; imports core and transport, never the controller),
@@ -213,3 +214,40 @@ def test_the_private_import_check_sees_one(tmp_path) -> None:
     leaning = tmp_path / "m.py"
     leaning.write_text("from ftstate.transport.sync import _secret, Public\nfrom ftstate import __version__\n")
     assert private_imports(leaning) == ["from ftstate.transport.sync import _secret"]
+
+
+#: The most of the package's non-blank lines that may be docstrings and comments: the code says
+#: why in a line; essays, figures and history live in docs/ and the commit bodies.
+MAX_PROSE_SHARE = 0.18
+
+
+def prose_lines(source: str) -> set[int]:
+    """The lines of ``source`` that are a docstring (module, class, function) or a comment."""
+    import io
+    import tokenize
+
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                lines.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    lines.update(tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                 if tok.type == tokenize.COMMENT)
+    return lines
+
+
+def test_docstrings_and_comments_are_at_most_their_share() -> None:
+    prose = total = 0
+    for path in modules().values():
+        source = path.read_text(encoding="utf-8")
+        filled = {i for i, line in enumerate(source.splitlines(), 1) if line.strip()}
+        total += len(filled)
+        prose += len(prose_lines(source) & filled)
+    assert prose / total <= MAX_PROSE_SHARE, f"{prose}/{total} lines of prose"
+
+
+def test_the_prose_count_sees_docstrings_and_comments() -> None:
+    source = '"""Module."""\n\nx = 1  # why\n\n\ndef f():\n    """Two\n    lines."""\n    return "not prose"\n'
+    assert prose_lines(source) == {1, 3, 7, 8}
