@@ -11,7 +11,7 @@ from typing import Any
 #: States in which a missed heartbeat makes a worker SUSPECT.
 WATCHED = frozenset({"STALE", "RESYNCING", "RESYNCED", "READY", "SYNCING", "DRAINING"})
 #: States with nothing to prove (no weights held): silence past the timeout is ``unresponsive``.
-QUIET = frozenset({"STANDBY", "PROMOTING", "RENDEZVOUS"})
+HOLDS_NOTHING = frozenset({"STANDBY", "PROMOTING", "RENDEZVOUS"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,7 +73,7 @@ class Liveness:
             self.missed += 1
             if self.last_answer_at is None:
                 self.last_answer_at = now
-            if state in QUIET and now - self.last_answer_at >= self.timeout_s:
+            if state in HOLDS_NOTHING and now - self.last_answer_at >= self.timeout_s:
                 return "unresponsive"
             return "heartbeat_missed" if state in WATCHED else None
         self.missed = 0

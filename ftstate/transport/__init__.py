@@ -16,7 +16,7 @@ _EXPORTS = {
     "Sender": "ftstate.transport.sync",
     "Receiver": "ftstate.transport.sync",
     "CommittedWeights": "ftstate.transport.sync",
-    "SyncReport": "ftstate.transport.sync",
+    "TransferReport": "ftstate.transport.sync",
     "DEFAULT_BUCKET_SIZE": "ftstate.transport.sync",
     "state_checksum": "ftstate.transport.checksum",
     "bucket_bytes": "ftstate.transport.buckets",
@@ -31,7 +31,7 @@ __all__ = [
     "Sender",
     "StoreAddress",
     "StoreServer",
-    "SyncReport",
+    "TransferReport",
     "bucket_bytes",
     "check_state_dict",
     "create_communicator",
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ftstate.transport.checksum import state_checksum
     from ftstate.transport.factory import create_communicator
     from ftstate.transport.store import StoreAddress, StoreServer
-    from ftstate.transport.sync import DEFAULT_BUCKET_SIZE, CommittedWeights, Receiver, Sender, SyncReport
+    from ftstate.transport.sync import DEFAULT_BUCKET_SIZE, CommittedWeights, Receiver, Sender, TransferReport
     from ftstate.transport.validate import check_state_dict
 
 

@@ -39,7 +39,7 @@ from ftstate.transport.routes.slots import (
 from ftstate.transport.shm import pid_alive
 from ftstate.transport.stream import SIDE_TAG, BroadcastStream, PeerStream, Stream, peer_of, side_stream
 from ftstate.transport.sync import Receiver, Sender
-from ftstate.transport.weights import CommittedWeights, Progress, SyncReport
+from ftstate.transport.weights import CommittedWeights, OnProgress, TransferReport
 
 #: A bucket goes to a collective rank in messages of this many bytes, each sent as soon as the
 #: sender has it (copied and hashed) and hashed by the receiver as soon as it lands, so
@@ -60,14 +60,14 @@ def broadcast(
     require_shm: bool = False,
     weights_version: int | None = None,
     timeout_s: float,
-    progress: Progress | None = None,
+    progress: OnProgress | None = None,
     node_copy_owner: int | None = None,
     node_copy_spare: bool = False,
-) -> SyncReport:
+) -> TransferReport:
     """:meth:`Sender.broadcast` on this route: ``same_host`` ranks read shared memory, each
     rank of ``relays`` writes its node's copy for its peers, the others use the communicator.
     With ``require_shm`` a segment that cannot be made raises SharedMemoryUnavailable (else
-    the collective, in :attr:`SyncReport.shm_fallback`). ``node_copy_owner``: same-host ranks
+    the collective, in :attr:`TransferReport.shm_fallback`). ``node_copy_owner``: same-host ranks
     verify one node copy in place; ``node_copy_spare`` keeps the previous one to rewrite."""
     stream = BroadcastStream(comm, time.monotonic() + timeout_s, timeout_s, root=comm.rank, sending=True)
     return _send(sender, stream, weights, weights_version, progress, same_host=frozenset(same_host),
@@ -84,8 +84,8 @@ def send_to(
     require_shm: bool = False,
     weights_version: int | None = None,
     timeout_s: float,
-    progress: Progress | None = None,
-) -> SyncReport:
+    progress: OnProgress | None = None,
+) -> TransferReport:
     """:meth:`Sender.send_to` a ``peer`` on this member's host, through shared memory (the
     peer calls :func:`receive` with ``point_to_point=True``)."""
     stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
@@ -95,7 +95,7 @@ def send_to(
 
 def receive(
     receiver: Receiver, comm: Communicator, src: int, *, point_to_point: bool = False, timeout_s: float,
-    progress: Progress | None = None, node_copy_owner: int | None = None,
+    progress: OnProgress | None = None, node_copy_owner: int | None = None,
 ) -> CommittedWeights:
     """Receive what ``src`` sends with :func:`broadcast` or :func:`send_to`, the way its offer
     says; errors and guarantee as :meth:`Receiver.receive_broadcast`. ``node_copy_owner``: as
@@ -112,14 +112,14 @@ def _send(
     stream: Stream,
     weights: Mapping[str, torch.Tensor] | CommittedWeights,
     weights_version: int | None,
-    progress: Progress | None,
+    progress: OnProgress | None,
     *,
     same_host: frozenset[int],
     require_shm: bool,
     relays: Mapping[int, tuple[int, ...]] | None = None,
     node_copy_owner: int | None = None,
     node_copy_spare: bool = False,
-) -> SyncReport:
+) -> TransferReport:
     """One transfer whose route the sender picks once it knows the plan (:func:`_route`)."""
     return sender.transfer(stream, weights, weights_version, progress, functools.partial(
         _route, sender, same_host=same_host, require_shm=require_shm, relays=relays or {},

@@ -13,7 +13,7 @@ from ftstate.core.errors import CommunicatorAborted, StateDictError
 from ftstate.core.ownership import Ownership, Piece, Shard, piece_key
 from ftstate.transport.base import Communicator
 from ftstate.transport.checksum import dtype_name, state_checksum
-from ftstate.transport.sync import CommittedWeights, Progress, Receiver, Sender
+from ftstate.transport.sync import CommittedWeights, OnProgress, Receiver, Sender
 from ftstate.transport.validate import check_state_dict
 
 
@@ -83,7 +83,7 @@ def _run_all(fns: Sequence[Callable[[Any], Any]], comm: Communicator) -> list[An
 
 def send_part(senders: dict[int, Sender], comm: Communicator, peers: Sequence[int], part: Mapping[str, torch.Tensor],
               *, weights_version: int, timeout_s: float, bucket_size: int,
-              progress: Progress | None = None) -> dict[str, Any]:
+              progress: OnProgress | None = None) -> dict[str, Any]:
     """Send ``part`` to every rank in ``peers`` at once (one Sender per peer, kept in
     ``senders`` between syncs). Returns the part's checksum, bytes per peer and who rejected it."""
     for p in peers:
@@ -98,7 +98,7 @@ def send_part(senders: dict[int, Sender], comm: Communicator, peers: Sequence[in
 
 
 def receive_parts(receivers: dict[int, Receiver], comm: Communicator, ownership: Ownership, *,
-                  timeout_s: float, progress: Progress | None = None) -> CommittedWeights:
+                  timeout_s: float, progress: OnProgress | None = None) -> CommittedWeights:
     """Receive every owning rank's part at once and assemble the full state, staged for the
     caller's commit. Raises what a :class:`Receiver` raises."""
     senders = ownership.senders()

@@ -45,7 +45,7 @@ from ftstate.transport.stream import (
     with_stage,
 )
 from ftstate.transport.validate import check_state_dict
-from ftstate.transport.weights import DEFAULT_BUCKET_SIZE, CommittedWeights, Progress, SyncReport
+from ftstate.transport.weights import DEFAULT_BUCKET_SIZE, CommittedWeights, OnProgress, TransferReport
 
 log = logging.getLogger("ftstate.transport")
 
@@ -72,8 +72,8 @@ class Sender:
         *,
         weights_version: int | None = None,
         timeout_s: float,
-        progress: Progress | None = None,
-    ) -> SyncReport:
+        progress: OnProgress | None = None,
+    ) -> TransferReport:
         """Send ``weights`` to every other member of ``comm``; ``timeout_s`` bounds manifest to vote.
 
         Raises PeerLost, SyncTimeout, StaleGroupVersion (fenced), or StateDictError before
@@ -89,8 +89,8 @@ class Sender:
         *,
         weights_version: int | None = None,
         timeout_s: float,
-        progress: Progress | None = None,
-    ) -> SyncReport:
+        progress: OnProgress | None = None,
+    ) -> TransferReport:
         """Send ``weights`` to ``peer`` only (same manifest, checksums and atomic commit)."""
         stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=True)
         return self.transfer(stream, weights, weights_version, progress, self._broadcast_route)
@@ -118,10 +118,10 @@ class Sender:
         self, comm: Communicator, manifest: Manifest, state: int, num_buckets: int, started: float,
         votes: Mapping[int, int], routes: Mapping[int, str] | None = None, shm_fallback: str | None = None,
         host_from: int = 0,
-    ) -> SyncReport:
+    ) -> TransferReport:
         """The sender's report of a completed transfer, logged. ``host_from``: the process's
         :func:`host_copied_bytes` when the transfer began."""
-        report = SyncReport(
+        report = TransferReport(
             group=comm.group,
             group_version=comm.version,
             weights_version=manifest.weights_version,
@@ -167,9 +167,9 @@ class Sender:
         stream: Stream,
         weights: Mapping[str, torch.Tensor] | CommittedWeights,
         weights_version: int | None,
-        progress: Progress | None,
+        progress: OnProgress | None,
         route: Callable[[Stream, Plan], SendRoute],
-    ) -> SyncReport:
+    ) -> TransferReport:
         """One transfer on ``stream``, the buckets' bytes moved by the route ``route`` makes
         for the plan: manifest, every bucket, seal, vote, report. Every route's sender."""
         comm = stream.comm
@@ -316,7 +316,7 @@ class Receiver:
         self._corrupt_next = True
 
     def receive_broadcast(
-        self, comm: Communicator, *, root: int = 0, timeout_s: float, progress: Progress | None = None
+        self, comm: Communicator, *, root: int = 0, timeout_s: float, progress: OnProgress | None = None
     ) -> CommittedWeights:
         """Receive and commit the state ``root`` broadcasts within ``timeout_s``; returns :attr:`committed`.
 
@@ -326,7 +326,7 @@ class Receiver:
         return self.transfer(stream, progress, BroadcastReceive(stream, self.take_damage))
 
     def receive_from(
-        self, comm: Communicator, peer: int, *, timeout_s: float, progress: Progress | None = None
+        self, comm: Communicator, peer: int, *, timeout_s: float, progress: OnProgress | None = None
     ) -> CommittedWeights:
         """Receive a state sent to this member only by ``peer`` (:meth:`Sender.send_to`)."""
         stream = PeerStream(comm, time.monotonic() + timeout_s, timeout_s, peer=peer, sending=False)
@@ -364,7 +364,7 @@ class Receiver:
             return True
         return False
 
-    def transfer(self, stream: Stream, progress: Progress | None, route: ReceiveRoute) -> CommittedWeights:
+    def transfer(self, stream: Stream, progress: OnProgress | None, route: ReceiveRoute) -> CommittedWeights:
         """One transfer on ``stream``, the buckets' bytes moved by ``route``: every bucket into
         staging, the seal compared, the vote, the commit. Every route's receiver; on any error
         :attr:`committed` is exactly what it was."""
@@ -492,10 +492,10 @@ def zero_padding(flat: torch.Tensor, manifest: Manifest) -> None:
 __all__ = [
     "DEFAULT_BUCKET_SIZE",
     "CommittedWeights",
-    "Progress",
+    "OnProgress",
     "Receiver",
     "Sender",
-    "SyncReport",
+    "TransferReport",
     "use_count",
     "zero_padding",
 ]

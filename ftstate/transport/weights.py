@@ -19,7 +19,7 @@ DEFAULT_BUCKET_SIZE = 256 * 1024 * 1024
 #: sender's two packing buffers, which are reused only once their last send completed.
 WINDOW = 3
 
-Progress = Callable[[int, int], None]
+OnProgress = Callable[[int, int], None]
 """Called after each bucket with ``(buckets done, buckets in total)``; may be used to
 show progress in heartbeats. An exception raised by it aborts the transfer."""
 
@@ -62,7 +62,7 @@ class CommittedWeights:
 
 
 @dataclass(frozen=True)
-class SyncReport:
+class TransferReport:
     """What the sender knows after a transfer."""
 
     group: str
@@ -96,4 +96,4 @@ class SyncReport:
         return not self.rejected
 
 
-__all__ = ["DEFAULT_BUCKET_SIZE", "WINDOW", "CommittedWeights", "Progress", "SyncReport"]
+__all__ = ["DEFAULT_BUCKET_SIZE", "WINDOW", "CommittedWeights", "OnProgress", "TransferReport"]

@@ -13,7 +13,7 @@ from ftstate.transport.checksum import StreamHasher, byte_view, dtype_name, func
 from ftstate.transport.manifest import Manifest, Seal, new_transfer_id
 from ftstate.transport.shm import pid_alive
 from ftstate.transport.stream import Stream
-from ftstate.transport.weights import CommittedWeights, Progress, SyncReport
+from ftstate.transport.weights import CommittedWeights, OnProgress, TransferReport
 
 #: How often a wait on a signal looks at the deadline, at abandonment and at the peer's pid.
 POLL_S = 0.02
@@ -27,7 +27,7 @@ class Transfer:
     """Where one side's transfer is (named in its errors), and its progress callback."""
 
     stage: str = "manifest"
-    progress: Progress | None = None
+    progress: OnProgress | None = None
     buckets: int = 0
     done: int = 0
 
@@ -81,9 +81,9 @@ class SendRoute:
     """The sender's side of a route: open, write per bucket, drain, checksums, settle;
     failed on error, close always."""
 
-    #: rank -> how its buckets travelled (``SyncReport.routes``); empty for a plain broadcast.
+    #: rank -> how its buckets travelled (``TransferReport.routes``); empty for a plain broadcast.
     routes: dict[int, str]
-    #: why same-host ranks did not read shared memory (``SyncReport.shm_fallback``).
+    #: why same-host ranks did not read shared memory (``TransferReport.shm_fallback``).
     fallback: str | None = None
     #: the abort message's verb for an error that is not the transport's (``interrupted``).
     interrupted = "failed"
@@ -107,7 +107,7 @@ class SendRoute:
     def close(self) -> None:
         """Let go of what this transfer alone used (after success or failure)."""
 
-    def settle(self, report: SyncReport) -> SyncReport:
+    def settle(self, report: TransferReport) -> TransferReport:
         """After the vote: keep or drop what outlives the transfer; the report, completed."""
         return report
 

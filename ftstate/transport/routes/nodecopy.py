@@ -25,7 +25,7 @@ from ftstate.transport.routes.slots import tell_writer
 from ftstate.transport.shm import unlink_names
 from ftstate.transport.signals import Channel
 from ftstate.transport.stream import Stream
-from ftstate.transport.weights import SyncReport
+from ftstate.transport.weights import TransferReport
 
 
 @dataclass
@@ -147,7 +147,7 @@ class NodeCopySend(CollectiveSend):
         self.node.unlink()  # a failed version's node copy never stays
         self.node.close()
 
-    def settle(self, report: SyncReport) -> SyncReport:
+    def settle(self, report: TransferReport) -> TransferReport:
         written = settle_node_copy(self.holder, self.node, committed=report.ok, keep_spare=self.keep_spare)
         if not report.ok:
             return report
