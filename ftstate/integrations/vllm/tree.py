@@ -4,7 +4,9 @@ vLLM's multiprocess executor starts its tensor-parallel workers (``VLLM::Worker_
 multiprocessing's resource tracker as children of the process that builds the engine (the
 rollout actor). Nothing of vLLM's ends them when that process is SIGKILLed: measured here (vLLM
 0.32, CPU), both workers went on spinning on their message queues (state R) for as long as they
-were watched, holding their ``/dev/shm`` segments. Two watchers close that gap:
+were watched, holding their ``/dev/shm`` segments. With the engine core in a process of its own
+(``VLLM::EngineCore``, the actor's child) the workers are the core's children: everything here
+takes the whole tree below the actor, so the core and its workers alike. Two watchers close that gap:
 
 * :class:`Reaper`, in the actor, starts the **reaper process** (this file run as a script,
   ``python tree.py <actor pid>``: the standard library only, no vLLM import) before the engine: a process of its own session,
