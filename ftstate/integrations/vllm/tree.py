@@ -15,7 +15,10 @@ takes the whole tree below the actor, so the core and its workers alike. Two wat
   engine is up, then the actor hands it the final list and it stops scanning). When the actor's
   pidfd turns readable (it died, however: SIGKILL included) or the actor's pipe closes, it
   SIGKILLs every recorded process through its own pidfd (a reused pid is never hit) and unlinks
-  the ``/dev/shm`` files they had mapped, once they are gone. Bound: ``REAP_S`` from the
+  the ``/dev/shm`` files they had mapped (recorded at each scan as well as at the settle: a
+  separate engine core exits on its own when the actor dies, taking its maps with it; once, a
+  run here closed while a spare's engine was starting left that engine's four ``psm_*`` files,
+  which this is meant to catch), once they are gone. Bound: ``REAP_S`` from the
   actor's death to no engine process left (the signal is sent within milliseconds; the bound
   covers the kernel tearing down a process's memory on a loaded host). A process started in the
   last ``SCAN_S`` of an engine start that the actor did not live to finish is the one gap.
@@ -221,6 +224,9 @@ def _reaper_main(actor: int) -> None:
             for p in descendants(actor):
                 if p.pid != os.getpid():
                     known.setdefault(p.pid, p)
+                    # their files too, as they map them: a process that exits on its own when the
+                    # actor dies (vLLM's engine core does) shows no maps by the time it is reaped
+                    files |= shm_files(p.pid)
         ready, _, _ = select.select([actor_fd, stdin], [], [], None if settled else SCAN_S)
         # what the actor wrote before it died counts: read the pipe before acting on the death
         try:
