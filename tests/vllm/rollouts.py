@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ftstate.integrations.vllm import VLLMRollout, held
+from ftstate.integrations.vllm.rollout import Pairs
 
 
 class ProbedRollout(VLLMRollout):
@@ -118,8 +119,9 @@ class ProbedRollout(VLLMRollout):
             for _ in range(reps):
                 t0 = time.perf_counter()
                 # every rank's process gets its own copy of the pairs (as load_weights sends them)
-                self.llm.collective_rpc("reload_weights", kwargs={
-                    "weights_iterator": iter(pairs) if self.tp == 1 else pairs, "is_checkpoint_format": True})
+                weights = Pairs(pairs) if self.separate_core else iter(pairs) if self.tp == 1 else pairs
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                                  "is_checkpoint_format": True})
                 self.llm.reset_prefix_cache()
                 times.append(time.perf_counter() - t0)
         return times

@@ -34,9 +34,16 @@ pytestmark = [pytest.mark.ray, pytest.mark.asyncio(loop_scope="module")]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def run(ray_cluster, tiny_model, tmp_path_factory):
+    async with module_run(tiny_model, tmp_path_factory.mktemp("vllm-tp"), rollout_kwargs(tp=2)) as state:
+        yield state
+
+
+@contextlib.asynccontextmanager
+async def module_run(tiny_model: str, tmp, kwargs: dict):
+    """A started run of a trainer, one serving rollout and a warm spare (``ProbedRollout`` with
+    ``kwargs``), for a module's tests in order: its runtime, config and the /dev/shm names before."""
     from tests.vllm.rollouts import ProbedRollout
 
-    tmp = tmp_path_factory.mktemp("vllm-tp")
     shm_before = set(os.listdir("/dev/shm"))
     # heartbeat_timeout_s: a TP=2 step here (two ranks pinned to two shared cores) stood still
     # for over 5 s on a host loaded 5x over, which the activity rule takes for a wedge at half
@@ -45,11 +52,10 @@ async def run(ray_cluster, tiny_model, tmp_path_factory):
                  # one slot is replaced four times here, on purpose: no crash loop
                  fault_tolerance={"enable": True, "mode": "standby", "standby_workers": 1, "max_slot_failovers": 8})
     rt = ftstate.Runtime(cfg, trainer=QwenTrainer, rollout=ProbedRollout, trainer_args=(tiny_model,),
-                         rollout_args=(tiny_model,), rollout_kwargs=rollout_kwargs(tp=2))
+                         rollout_args=(tiny_model,), rollout_kwargs=kwargs)
     await rt.start()
-    state = {"rt": rt, "cfg": cfg, "shm_before": shm_before, "pids": set()}
     try:
-        yield state
+        yield {"rt": rt, "cfg": cfg, "shm_before": shm_before, "pids": set()}
     finally:
         await rt.close()  # once closed by the last test, a second close does nothing
 
@@ -107,11 +113,7 @@ async def spare_ready(rt) -> None:
 
 async def test_a_sync_reaches_both_ranks_and_the_assembled_read_back_is_the_trainers(run):
     rt = run["rt"]
-    await spare_ready(rt)
-    for step in range(2):
-        report = await sync_proven(rt, engines=1, step=bool(step))
-    (member,) = rt.serving_rollouts()
-    actor, procs, _ = await engine_of(rt, member)
+    report, actor, procs, _ = await synced_twice(rt)
     assert {"VLLM::Worker_TP0", "VLLM::Worker_TP1"} <= set(procs), procs
     from ftstate.integrations.vllm.tree import read_proc
 
@@ -119,6 +121,16 @@ async def test_a_sync_reaches_both_ranks_and_the_assembled_read_back_is_the_trai
     (out,) = await rt.rollout("generate", PROMPTS, max_tokens=8)
     assert [o["weights_version"] for o in out] == [report.weights_version] * len(PROMPTS)
     assert all(len(o["token_ids"]) == 8 for o in out)
+
+
+async def synced_twice(rt) -> tuple[ftstate.SyncReport, int, dict[str, int], set[str]]:
+    """Once the spare is warm, two syncs (the second after a train step), each proven; the last
+    report and the serving engine (:func:`engine_of`)."""
+    await spare_ready(rt)
+    for step in range(2):
+        report = await sync_proven(rt, engines=1, step=bool(step))
+    (member,) = rt.serving_rollouts()
+    return (report, *await engine_of(rt, member))
 
 
 async def test_one_ranks_corrupt_slice_takes_the_whole_engine_out_of_serving(run):
@@ -140,18 +152,25 @@ async def test_one_ranks_corrupt_slice_takes_the_whole_engine_out_of_serving(run
 
 
 async def test_a_tp_worker_sigkilled_fails_the_generate_naming_it_and_the_spare_takes_over(run):
+    await killed_under_generate(run["rt"], run["cfg"], "VLLM::Worker_TP1")
+
+
+async def killed_under_generate(rt, cfg, process: str) -> None:
+    """The serving engine's ``process`` SIGKILLed at the generate's first engine step, from
+    inside the actor: the generate raises ``EngineProcessDied`` naming it, the member is lost
+    within ``heartbeat_timeout_s`` (by the death, not by stalled progress), the spare takes over
+    and serves proven, and none of the dead engine's processes or /dev/shm files is left."""
     from ftstate.integrations.vllm.tree import REAP_S
 
-    rt, cfg = run["rt"], run["cfg"]
     member, actor, procs, files, before = await serving_engine(rt)
-    # rank 1's process SIGKILLed at the generate's first engine step, from inside the actor
-    await user_call(rt, member, "kill_at_next_step", "VLLM::Worker_TP1")
+    await user_call(rt, member, "kill_at_next_step", process)
     t0 = time.monotonic()
     # how it ended is read when the watch wins the race with vLLM's own monitor, which reaps it
-    died = r"VLLM::Worker_TP1 \(pid \d+\) (was killed by SIGKILL|died)"
+    died = rf"{process} \(pid \d+\) (was killed by SIGKILL|died)"
     with pytest.raises(ftstate.EngineProcessDied, match=died) as info:
         await asyncio.wait_for(rt.rollout("generate", PROMPTS, max_tokens=8), 60)
-    assert info.value.pid == procs["VLLM::Worker_TP1"]
+    raised_s = time.monotonic() - t0
+    assert info.value.pid == procs[process]
     await wait_until(lambda: state_of(rt, member) in ("LOST", "RETIRED"), 30, f"{member} lost")
     lost_s = time.monotonic() - t0
     assert lost_s < cfg.heartbeat_timeout_s, lost_s  # by the process's death, not by stalled progress
@@ -160,13 +179,20 @@ async def test_a_tp_worker_sigkilled_fails_the_generate_naming_it_and_the_spare_
     assert record.lost == member and record.replacement.startswith("spare-rollout")
     await gone([actor, *procs.values()], files, REAP_S)
     await serving_again(rt)
-    print(f"TP worker SIGKILL: lost after {lost_s:.2f}s, spare serving after {record.total_s:.2f}s")
+    print(f"{process} SIGKILL: generate raised after {raised_s:.2f}s, lost after {lost_s:.2f}s, spare serving "
+          f"after {record.total_s:.2f}s (failover), {time.monotonic() - t0:.2f}s (proven, from the kill)")
 
 
 async def test_the_actor_sigkilled_takes_every_engine_process_and_shm_file_with_it(run):
+    await actor_sigkilled_leaves_nothing(run["rt"])
+
+
+async def actor_sigkilled_leaves_nothing(rt) -> dict[str, int]:
+    """SIGKILL the serving member's actor: none of its engine's processes and /dev/shm files
+    is left within ``REAP_S``, and the spare takes its place and serves, proven. Returns the
+    engine's processes (name: pid) as they were."""
     from ftstate.integrations.vllm.tree import REAP_S
 
-    rt = run["rt"]
     member, actor, procs, files, before = await serving_engine(rt)
     assert files, "a multiprocess engine maps its message queues from /dev/shm"
     t0 = time.monotonic()
@@ -177,6 +203,7 @@ async def test_the_actor_sigkilled_takes_every_engine_process_and_shm_file_with_
     assert rt.failovers[-1].lost == member
     await serving_again(rt)
     print(f"actor SIGKILL: its {len(procs)} engine processes and {len(files)} /dev/shm files gone after {reaped_s:.2f}s")
+    return procs
 
 
 async def test_a_rank_killed_inside_vllms_reload_is_replaced_and_the_next_sync_serves_whole(run):
@@ -222,20 +249,27 @@ async def test_a_tp_worker_stopped_stalls_the_generate_and_the_member_is_lost_an
 
 
 async def test_closing_the_run_leaves_no_engine_process_and_no_segment(run):
+    await close_leaving_nothing(run["rt"], run["shm_before"])
+    from ftstate.integrations.vllm.tree import REAP_S
+
+    await wait_until(lambda: vllm_processes() == [], REAP_S, "no vLLM process left")
+
+
+async def close_leaving_nothing(rt, shm_before: set[str]) -> None:
+    """Close the run: no actor of it left, none of its engines' processes (those serving and
+    the spares) and none of their /dev/shm files, nor any of ftstate's own segments of the run."""
     import ray
 
-    rt = run["rt"]
+    from ftstate.integrations.vllm.tree import REAP_S
+
     engines = [await engine_of(rt, m.member) for m in rt.members() if m.role == "rollout"
                and m.state in ("READY", "STANDBY")]
     pids = [m.pid for m in rt.members()]
     run_id = rt.run_id
     await rt.close()  # a spare may still be starting its engine: its processes are reaped too
     assert_gone(ray, run_id, pids)
-    from ftstate.integrations.vllm.tree import REAP_S
-
     await gone([p for _, procs, _ in engines for p in procs.values()],
                set().union(*(files for _, _, files in engines)), REAP_S)
-    await wait_until(lambda: vllm_processes() == [], REAP_S, "no vLLM process left")
     # ftstate's own segments of the run; vLLM's (psm_*) are the engines' files checked above (a
     # psm_* name alone does not say whose: the host is shared)
-    assert [n for n in shm_left(run["shm_before"], pids) if not n.startswith("psm_")] == []
+    assert [n for n in shm_left(shm_before, pids) if not n.startswith("psm_")] == []

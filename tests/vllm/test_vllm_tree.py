@@ -2,7 +2,9 @@
 a stand-in actor (a Python process) starts the reaper, then two children and a grandchild that
 map a /dev/shm file, as vLLM's workers map their message queues; SIGKILLed, whether it had
 handed the reaper its engine's processes (``settle``) or was still starting (the reaper's
-scan), it takes them and the file with it within ``REAP_S``.
+scan), it takes them and the file with it within ``REAP_S``; also when its processes exit on
+their own as it dies (``exits``: vLLM's separate engine core does), unmapping the file before
+the reaper could read their maps.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ reaper = tree.Reaper()
 path, settle = sys.argv[2], sys.argv[3] == "settle"
 HOLD = "import mmap, sys, time; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 4096); time.sleep(600)"
 NEST = HOLD.replace("time.sleep(600)", "import subprocess; subprocess.Popen([sys.executable, '-c', sys.argv[2], sys.argv[1]]); time.sleep(600)")
+if sys.argv[3] == "exits":  # each exits as soon as its parent dies, as vLLM's engine core does
+    EXIT = "import os; p = os.getppid()\nwhile os.getppid() == p: time.sleep(0.001)"
+    HOLD, NEST = (code.replace("time.sleep(600)", EXIT) for code in (HOLD, NEST))
 with open(path, "wb") as f:
     f.write(b"\0" * 4096)
 kids = [subprocess.Popen([sys.executable, "-c", HOLD, path]), subprocess.Popen([sys.executable, "-c", NEST, path, HOLD])]
@@ -57,7 +62,7 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("mode", ["settle", "starting"])
+@pytest.mark.parametrize("mode", ["settle", "starting", "exits"])
 def test_an_actor_sigkilled_takes_its_engine_processes_and_their_shm_files_with_it(mode):
     import importlib.util
 

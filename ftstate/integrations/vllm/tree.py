@@ -1,8 +1,9 @@
-"""The processes of a multiprocess vLLM engine, from the rollout actor: found, watched, and never left behind.
-:class:`Reaper` starts a reaper process in its own session (this file run as a script, standard library only)
-that SIGKILLs every recorded engine process and unlinks their ``/dev/shm`` files when the actor dies;
-:class:`Watch` reports the first engine process to die. Linux only (pidfds). docs/integration.md ("Tensor
-parallelism") says why."""
+"""The processes of a multiprocess vLLM engine (a separate engine core, its tensor-parallel workers), from the
+rollout actor: found, watched, and never left behind. :class:`Reaper` starts a reaper process in its own session
+(this file run as a script, standard library only) that SIGKILLs every recorded process below the actor and
+unlinks their ``/dev/shm`` files (recorded at each scan: a separate core exits on its own with the actor, taking
+its maps) when the actor dies, within ``REAP_S``; :class:`Watch` reports the first engine process to die.
+Linux only (pidfds). docs/integration.md ("Tensor parallelism") says why."""
 
 from __future__ import annotations
 
@@ -195,6 +196,9 @@ def _reaper_main(actor: int) -> None:
             for p in descendants(actor):
                 if p.pid != os.getpid():
                     known.setdefault(p.pid, p)
+                    # their files too, as they map them: a process that exits on its own when the
+                    # actor dies (vLLM's engine core does) shows no maps by the time it is reaped
+                    files |= shm_files(p.pid)
         ready, _, _ = select.select([actor_fd, stdin], [], [], None if settled else SCAN_S)
         # what the actor wrote before it died counts: read the pipe before acting on the death
         try:
