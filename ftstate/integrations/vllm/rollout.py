@@ -15,8 +15,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import vllm
+from ray import cloudpickle  # Ray's own copy: the closures travel as Ray ships them
 from vllm import LLM, SamplingParams
 from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from ftstate.core.errors import EngineProcessDied, EngineRefused, EngineTorn, StateDictError
 from ftstate.core.worker import RolloutWorker
@@ -335,8 +338,6 @@ def check_unblockable(llm: Any) -> None:
     client = _engine_client(llm)
     missing = [name for name in UNBLOCK_POINTS if not hasattr(client, name)]
     if missing:
-        import vllm
-
         raise EngineRefused(
             setting=MULTIPROCESSING_ENV, value="1",
             why=f"vLLM {vllm.__version__}'s engine client ({type(client).__name__}) has no {', '.join(missing)}: "
@@ -350,8 +351,6 @@ def _unblock_client(llm: Any) -> None:
     on its future forever; each gets vLLM's ``EngineDeadError``, which
     :meth:`VLLMRollout._engine_call` turns into the typed death (:func:`check_unblockable` made
     sure at the start that the client has what this reaches)."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-
     client = _engine_client(llm)
     client.resources.engine_dead = True
     client.outputs_queue.put_nowait(EngineDeadError())
@@ -410,16 +409,10 @@ class _OnModel:
     survives the way back). ``ship`` False (the engine wholly in this process): nothing is pickled."""
 
     def __init__(self, fn: Any, args: tuple, ship: bool) -> None:
-        import cloudpickle
-
         self.call: Any = cloudpickle.dumps((fn, args)) if ship else (fn, args)
         self.ship = ship
 
     def __call__(self, worker: Any) -> Any:
-        import pickle
-
-        import cloudpickle
-
         fn, args = cloudpickle.loads(self.call) if self.ship else self.call
         out = fn(worker.model_runner.model, *args)
         return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL) if self.ship else out
