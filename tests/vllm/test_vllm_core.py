@@ -86,9 +86,15 @@ def test_one_rank_with_a_separate_core_loads_proves_and_fails_typed_when_the_cor
 
     for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
         monkeypatch.setenv(key, os.environ.get(key, "0"))  # the worker sets them here: restored after
+    from ftstate.integrations.vllm.tree import descendants
+
     state = QwenTrainer(tiny_model).state
+    # this process runs the module's Ray cluster: its processes are not the engine's, and a dead
+    # core must not take them with it (the next module's Ray would find its raylet gone)
+    before = {p.pid for p in descendants(os.getpid())}
     rollout = ProbedRollout(tiny_model, **core_kwargs(tp=1))
     procs = dict(rollout.engine_processes())
+    assert not set(procs.values()) & before, procs
     core = procs["VLLM::EngineCore"]
     assert read_proc(core)[0] == os.getpid() and read_proc(procs["VLLM::Worker"])[0] == core, procs
     from ftstate.integrations.vllm.tree import shm_files
