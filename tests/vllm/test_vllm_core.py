@@ -45,6 +45,52 @@ async def run(ray_cluster, tiny_model, tmp_path_factory):
         yield state
 
 
+def test_one_rank_with_a_separate_core_loads_proves_and_fails_typed_when_the_core_dies(monkeypatch, tiny_model):
+    """TP=1 with the core in a process of its own, the worker built here (outside a run, where
+    ``declare_lost`` does nothing): the weights cross the core to its one worker and read back
+    bit for bit; the core SIGKILLed under ``generate`` raises the typed error, and none of the
+    engine's processes or files is left."""
+    import torch
+
+    from ftstate.integrations.vllm.tree import REAP_S, read_proc
+    from tests.vllm.rollouts import ProbedRollout
+    from tests.vllm.test_vllm_tree import running
+
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        monkeypatch.setenv(key, os.environ.get(key, "0"))  # the worker sets them here: restored after
+    import ray
+
+    # first in the session, before Ray starts here: an engine built in this process takes every
+    # process below it for its own, and a dead core takes them with it (Ray's raylet would go too)
+    assert not ray.is_initialized(), "run before the session's Ray cluster starts in this process"
+    state = QwenTrainer(tiny_model).state
+    rollout = ProbedRollout(tiny_model, **core_kwargs(tp=1))
+    procs = dict(rollout.engine_processes())
+    core = procs["VLLM::EngineCore"]
+    assert read_proc(core)[0] == os.getpid() and read_proc(procs["VLLM::Worker"])[0] == core, procs
+    from ftstate.integrations.vllm.tree import shm_files
+
+    files = set().union(*(shm_files(p) for p in procs.values()))
+    rollout.load_weights(state, 1)
+    held = rollout.held_weights()
+    assert held is not None and sorted(held) == sorted(state)
+    assert all(torch.equal(held[k], state[k]) for k in state), "the read-back through the core is the trainer's"
+    assert all(len(o["token_ids"]) == 4 for o in rollout.generate(PROMPTS, max_tokens=4))
+    rollout.kill_at_next_step("VLLM::EngineCore")
+    t0 = time.monotonic()
+    with pytest.raises(ftstate.EngineProcessDied, match=r"VLLM::EngineCore \(pid \d+\)"):
+        rollout.generate(PROMPTS, max_tokens=8)
+    raised_s = time.monotonic() - t0
+    with pytest.raises(ftstate.EngineProcessDied):  # every later call too
+        rollout.held_weights()
+    deadline = time.monotonic() + REAP_S
+    while time.monotonic() < deadline and ([p for p in procs.values() if running(p)]
+                                           or [f for f in files if os.path.exists(f)]):
+        time.sleep(0.1)
+    assert [p for p in procs.values() if running(p)] == [] and [f for f in files if os.path.exists(f)] == []
+    print(f"TP=1 engine core SIGKILL: generate raised after {raised_s:.2f}s")
+
+
 async def test_a_sync_crosses_the_core_to_both_ranks_and_the_assembled_read_back_is_the_trainers(run):
     from ftstate.integrations.vllm.tree import read_proc
 
@@ -71,53 +117,6 @@ async def test_the_actor_sigkilled_takes_the_core_its_workers_and_their_shm_file
 
 async def test_closing_the_run_leaves_no_engine_process_and_no_segment(run):
     await close_leaving_nothing(run["rt"], run["shm_before"])
-
-
-def test_one_rank_with_a_separate_core_loads_proves_and_fails_typed_when_the_core_dies(monkeypatch, tiny_model):
-    """TP=1 with the core in a process of its own, the worker built here (outside a run, where
-    ``declare_lost`` does nothing): the weights cross the core to its one worker and read back
-    bit for bit; the core SIGKILLed under ``generate`` raises the typed error, and none of the
-    engine's processes or files is left."""
-    import torch
-
-    from ftstate.integrations.vllm.tree import REAP_S, read_proc
-    from tests.vllm.rollouts import ProbedRollout
-    from tests.vllm.test_vllm_tree import running
-
-    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
-        monkeypatch.setenv(key, os.environ.get(key, "0"))  # the worker sets them here: restored after
-    from ftstate.integrations.vllm.tree import descendants
-
-    state = QwenTrainer(tiny_model).state
-    # this process runs the module's Ray cluster: its processes are not the engine's, and a dead
-    # core must not take them with it (the next module's Ray would find its raylet gone)
-    before = {p.pid for p in descendants(os.getpid())}
-    rollout = ProbedRollout(tiny_model, **core_kwargs(tp=1))
-    procs = dict(rollout.engine_processes())
-    assert not set(procs.values()) & before, procs
-    core = procs["VLLM::EngineCore"]
-    assert read_proc(core)[0] == os.getpid() and read_proc(procs["VLLM::Worker"])[0] == core, procs
-    from ftstate.integrations.vllm.tree import shm_files
-
-    files = set().union(*(shm_files(p) for p in procs.values()))
-    rollout.load_weights(state, 1)
-    held = rollout.held_weights()
-    assert held is not None and sorted(held) == sorted(state)
-    assert all(torch.equal(held[k], state[k]) for k in state), "the read-back through the core is the trainer's"
-    assert all(len(o["token_ids"]) == 4 for o in rollout.generate(PROMPTS, max_tokens=4))
-    rollout.kill_at_next_step("VLLM::EngineCore")
-    t0 = time.monotonic()
-    with pytest.raises(ftstate.EngineProcessDied, match=r"VLLM::EngineCore \(pid \d+\)"):
-        rollout.generate(PROMPTS, max_tokens=8)
-    raised_s = time.monotonic() - t0
-    with pytest.raises(ftstate.EngineProcessDied):  # every later call too
-        rollout.held_weights()
-    deadline = time.monotonic() + REAP_S
-    while time.monotonic() < deadline and ([p for p in procs.values() if running(p)]
-                                           or [f for f in files if os.path.exists(f)]):
-        time.sleep(0.1)
-    assert [p for p in procs.values() if running(p)] == [] and [f for f in files if os.path.exists(f)] == []
-    print(f"TP=1 engine core SIGKILL: generate raised after {raised_s:.2f}s")
 
 
 def test_a_vllm_whose_client_cannot_be_unblocked_refuses_the_separate_core():

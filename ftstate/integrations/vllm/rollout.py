@@ -80,15 +80,13 @@ class VLLMRollout(RolloutWorker):
         self._watch: tree.Watch | None = None
         if self.tp > 1:
             kwargs["distributed_executor_backend"] = "mp"
-        # the process's children from before the engine (a Ray driver's raylet) are never the engine's
-        before = {p.pid for p in tree.descendants(os.getpid())}
         if self.tp > 1 or self.separate_core:
-            self._reaper = tree.Reaper(skip=before)  # before the engine: its start is covered too
+            self._reaper = tree.Reaper()  # before the engine: its start is covered too
         self.llm = LLM(model=model, dtype=dtype, load_format=load_format, seed=seed, **kwargs)
         if self.separate_core:
             check_unblockable(self.llm)  # the reaper ends the engine's processes with the actor
         if self._reaper is not None:
-            self._procs = [p for p in tree.descendants(os.getpid(), skip=before) if p.pid != self._reaper.pid]
+            self._procs = [p for p in tree.descendants(os.getpid()) if p.pid != self._reaper.pid]
             self._reaper.settle(self._procs)
             # the engine's message queues: unlinked when it dies (a dead process shows no maps)
             self._shm: set[str] = set().union(*(tree.shm_files(p.pid) for p in self._procs))

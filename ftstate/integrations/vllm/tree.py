@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 #: Seconds between two scans of the actor's descendants while its engine starts.
@@ -48,9 +48,8 @@ def read_proc(pid: int) -> tuple[int, int, str] | None:
     return int(fields[1]), int(fields[19]), name
 
 
-def descendants(root: int, skip: Collection[int] = ()) -> list[Proc]:
-    """Every live process below ``root`` (one pass over /proc), leaving out ``skip`` and what runs
-    below them: the processes the actor had before its engine (a Ray driver's raylet, say)."""
+def descendants(root: int) -> list[Proc]:
+    """Every live process below ``root`` (one pass over /proc)."""
     parents: dict[int, list[tuple[int, int, str]]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -61,9 +60,8 @@ def descendants(root: int, skip: Collection[int] = ()) -> list[Proc]:
     todo = [root]
     while todo:
         for pid, start, name in parents.get(todo.pop(), []):
-            if pid not in skip:
-                out.append(Proc(pid, start, name))
-                todo.append(pid)
+            out.append(Proc(pid, start, name))
+            todo.append(pid)
     return out
 
 
@@ -126,11 +124,9 @@ def kill_tree(procs: Iterable[Proc], fds: dict[int, int] | None = None, *, files
 class Reaper:
     """The actor's end of the reaper process (see the module docstring)."""
 
-    def __init__(self, skip: Collection[int] = ()) -> None:
-        """``skip``: the actor's processes from before the engine, never the engine's (nor what they start)."""
+    def __init__(self) -> None:
         # its own session: not reached by a kill of the actor's process group
-        self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid()),
-                                       *map(str, sorted(skip))],
+        self._proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(os.getpid())],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
                                       close_fds=True)
         # it watches the actor once it says so: nothing of the engine starts before that
@@ -181,7 +177,7 @@ class Watch:
         self._on_death(self._dead)
 
 
-def _reaper_main(actor: int, skip: Collection[int] = ()) -> None:
+def _reaper_main(actor: int) -> None:
     """The reaper process: record the actor's descendants, and kill them when it dies."""
     try:
         actor_fd = os.pidfd_open(actor)
@@ -197,7 +193,7 @@ def _reaper_main(actor: int, skip: Collection[int] = ()) -> None:
     buf = b""
     while True:
         if not settled:
-            for p in descendants(actor, skip):
+            for p in descendants(actor):
                 if p.pid != os.getpid():
                     known.setdefault(p.pid, p)
                     # their files too, as they map them: a process that exits on its own when the
@@ -230,4 +226,4 @@ if __name__ == "__main__":
     # the actor's death must not take this process with it (it is what cleans up after)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _reaper_main(int(sys.argv[1]), {int(a) for a in sys.argv[2:]})
+    _reaper_main(int(sys.argv[1]))
