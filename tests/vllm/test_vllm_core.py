@@ -23,8 +23,10 @@ from tests.vllm.harness import PROMPTS, QwenTrainer, rollout_kwargs
 from tests.vllm.test_vllm_tp import (
     actor_sigkilled_leaves_nothing,
     close_leaving_nothing,
+    killed_inside_reload,
     killed_under_generate,
     module_run,
+    stopped_under_generate,
     synced_twice,
 )
 
@@ -108,6 +110,15 @@ async def test_a_sync_crosses_the_core_to_both_ranks_and_the_assembled_read_back
 
 async def test_the_engine_core_sigkilled_fails_the_generate_naming_it_and_the_spare_takes_over(run):
     await killed_under_generate(run["rt"], run["cfg"], "VLLM::EngineCore")
+
+
+async def test_the_engine_core_stopped_is_a_wedge_the_member_lost_and_replaced(run):
+    # every process alive and the core answering nothing: only the activity rule can tell
+    await stopped_under_generate(run["rt"], run["cfg"], "VLLM::EngineCore")
+
+
+async def test_a_rank_killed_inside_vllms_reload_through_the_core_is_replaced_and_the_next_sync_serves_whole(run):
+    await killed_inside_reload(run["rt"])
 
 
 async def test_the_actor_sigkilled_takes_the_core_its_workers_and_their_shm_files_with_it(run):

@@ -106,6 +106,12 @@ async def serving_again(rt) -> None:
     await assert_engines_hold_the_trainers_weights(rt)
 
 
+async def failed_over(rt, before: int) -> None:
+    """Wait for the failover after ``before`` ones, within its own deadline (``failover_timeout_s``)."""
+    await wait_until(lambda: len(rt.failovers) > before and rt.state == "READY", rt.config.failover_timeout_s,
+                     "the failover")
+
+
 async def spare_ready(rt) -> None:
     await wait_until(lambda: any(m.state == "STANDBY" and m.role == "rollout" for m in rt.members()), 300,
                      "a warm TP=2 spare")
@@ -174,7 +180,7 @@ async def killed_under_generate(rt, cfg, process: str) -> None:
     await wait_until(lambda: state_of(rt, member) in ("LOST", "RETIRED"), 30, f"{member} lost")
     lost_s = time.monotonic() - t0
     assert lost_s < cfg.heartbeat_timeout_s, lost_s  # by the process's death, not by stalled progress
-    await wait_until(lambda: len(rt.failovers) > before and rt.state == "READY", 120, "the failover")
+    await failed_over(rt, before)
     record = rt.failovers[-1]
     assert record.lost == member and record.replacement.startswith("spare-rollout")
     await gone([actor, *procs.values()], files, REAP_S)
@@ -199,7 +205,7 @@ async def actor_sigkilled_leaves_nothing(rt) -> dict[str, int]:
     os.kill(actor, signal.SIGKILL)
     await gone([actor, *procs.values()], files, REAP_S)
     reaped_s = time.monotonic() - t0
-    await wait_until(lambda: len(rt.failovers) > before and rt.state == "READY", 120, "the failover")
+    await failed_over(rt, before)
     assert rt.failovers[-1].lost == member
     await serving_again(rt)
     print(f"actor SIGKILL: its {len(procs)} engine processes and {len(files)} /dev/shm files gone after {reaped_s:.2f}s")
@@ -207,18 +213,23 @@ async def actor_sigkilled_leaves_nothing(rt) -> dict[str, int]:
 
 
 async def test_a_rank_killed_inside_vllms_reload_is_replaced_and_the_next_sync_serves_whole(run):
+    await killed_inside_reload(run["rt"])
+
+
+async def killed_inside_reload(rt) -> None:
+    """Rank 1's process SIGKILLs itself 5 tensors into vLLM's reload at the next sync (rank 0's
+    load goes on): the member is lost by the rank's own death, named, replaced, and nothing of
+    its engine is left; the next sync serves whole."""
     from ftstate.integrations.vllm.tree import REAP_S
 
-    rt = run["rt"]
     member, actor, procs, files, before = await serving_engine(rt)
-    # rank 1's process SIGKILLs itself 5 tensors into the reload; rank 0's load goes on
     await user_call(rt, member, "kill_during_next_load", 5, 1)
     await rt.trainer("train_step")
     try:
         await rt.sync()
     except ftstate.FTError as exc:  # its only rollout died mid-commit: the sync may fail, typed
         print(f"the sync with its only rollout dying: {type(exc).__name__}: {exc}")
-    await wait_until(lambda: len(rt.failovers) > before and rt.state == "READY", 120, "the failover")
+    await failed_over(rt, before)
     assert rt.failovers[-1].lost == member
     lost = [r for r in rt.audit.records if r.get("member") == member and r.get("to") == "LOST"]
     assert "VLLM::Worker_TP1" in str(lost[-1]), lost[-1]  # lost by the rank's own death, named
@@ -227,21 +238,28 @@ async def test_a_rank_killed_inside_vllms_reload_is_replaced_and_the_next_sync_s
 
 
 async def test_a_tp_worker_stopped_stalls_the_generate_and_the_member_is_lost_and_replaced(run):
+    await stopped_under_generate(run["rt"], run["cfg"], "VLLM::Worker_TP1")
+
+
+async def stopped_under_generate(rt, cfg, name: str) -> None:
+    """SIGSTOP the serving engine's process ``name`` under a ``generate``: the engine takes no
+    step (a wedge, every process alive), the activity rule declares the member lost, the call
+    fails typed, the spare takes over, and every process of the engine is gone, the stopped one
+    too (SIGKILL needs no SIGCONT)."""
     from ftstate.integrations.vllm.tree import REAP_S
 
-    rt, cfg = run["rt"], run["cfg"]
     member, actor, procs, files, before = await serving_engine(rt)
-    stopped = procs["VLLM::Worker_TP1"]
+    stopped = procs[name]
     os.kill(stopped, signal.SIGSTOP)
     try:
-        # rank 0 waits for rank 1 in a collective: the generate makes no step
         stuck = asyncio.ensure_future(rt.rollout("generate", PROMPTS, max_tokens=8))
         await wait_until(lambda: state_of(rt, member) in ("LOST", "RETIRED"), 3 * cfg.heartbeat_timeout_s,
                          f"{member} lost")
+        # the call waits for the failover before it retries or raises: bounded by its deadline
         with pytest.raises(ftstate.FTError):
-            await asyncio.wait_for(stuck, 60)
-        await wait_until(lambda: len(rt.failovers) > before and rt.state == "READY", 120, "the failover")
-        await gone([actor, *procs.values()], files, REAP_S)  # the stopped one too: SIGKILL needs no SIGCONT
+            await asyncio.wait_for(stuck, cfg.failover_timeout_s + cfg.heartbeat_timeout_s)
+        await failed_over(rt, before)
+        await gone([actor, *procs.values()], files, REAP_S)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stopped, signal.SIGCONT)

@@ -4,7 +4,8 @@ map a /dev/shm file, as vLLM's workers map their message queues; SIGKILLed, whet
 handed the reaper its engine's processes (``settle``) or was still starting (the reaper's
 scan), it takes them and the file with it within ``REAP_S``; also when its processes exit on
 their own as it dies (``exits``: vLLM's separate engine core does), unmapping the file before
-the reaper could read their maps.
+the reaper could read their maps. Last, the same with a real engine (a separate core and two
+ranks) killed as it maps its message queues.
 """
 
 from __future__ import annotations
@@ -88,3 +89,62 @@ def test_an_actor_sigkilled_takes_its_engine_processes_and_their_shm_files_with_
         if os.path.exists(path):
             os.unlink(path)
     print(f"{mode}: engine processes and shm file gone {time.monotonic() - t0:.3f}s after the actor's SIGKILL")
+
+
+# A real engine this time: a process (standing in for the actor) builds a separate-core TP=2
+# VLLMRollout and is SIGKILLed as its engine maps its message queues (vLLM's psm_* segments).
+ENGINE_ACTOR = r"""
+import sys
+from tests.vllm.harness import rollout_kwargs
+from ftstate.integrations.vllm import VLLMRollout
+kw = rollout_kwargs(tp=2)
+kw["engine_env"] = {**kw["engine_env"], "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+VLLMRollout(sys.argv[1], **kw)
+"""
+
+
+def segments_mapped() -> set[str]:
+    """Every /dev/shm path some live process maps (on a shared host: theirs are not leaks)."""
+    out: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/maps") as f:
+                    out.update(line.split()[-1] for line in f if "/dev/shm/" in line)
+            except OSError:
+                pass
+    return out
+
+
+def test_an_engine_killed_while_its_processes_map_their_queues_leaves_no_process_and_no_segment(tiny_model):
+    """The window the reaper's scans could miss: its actor SIGKILLed as the first of the engine's
+    segments appears, before the engine settles. Within ``REAP_S`` no engine process
+    of it is left, and no segment made since it started is left unmapped by every process."""
+    from ftstate.integrations.vllm.tree import REAP_S, descendants
+
+    before = set(os.listdir("/dev/shm"))
+    env = {**os.environ, "PYTHONPATH": str(TREE.parents[3]), "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+    actor = subprocess.Popen([sys.executable, "-c", ENGINE_ACTOR, tiny_model], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        while not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("psm_")]:
+            assert actor.poll() is None, f"the engine's process ended (rc {actor.returncode}) before it mapped a queue"
+            assert time.monotonic() - t0 < 600, "no engine segment within 600 s"
+            time.sleep(0.01)
+        engine = [p.pid for p in descendants(actor.pid)]
+        os.kill(actor.pid, signal.SIGKILL)
+        actor.wait()
+        t1 = time.monotonic()
+
+        def left() -> tuple[list[int], list[str]]:
+            mapped = segments_mapped()
+            return ([p for p in engine if running(p)],
+                    [n for n in set(os.listdir("/dev/shm")) - before
+                     if n.startswith("psm_") and f"/dev/shm/{n}" not in mapped])
+
+        while left() != ([], []):
+            assert time.monotonic() - t1 < REAP_S, f"left after {REAP_S:g}s: {left()}"
+            time.sleep(0.1)
+    finally:
+        actor.kill()
