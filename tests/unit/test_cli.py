@@ -295,7 +295,6 @@ class TestDemo:
                                                     ({"engine": "vllm", "trainers": 2}, "trainers"),
                                                     ({"engine": "vllm", "maintenance": True}, "maintenance"),
                                                     ({"engine": "vllm", "address": "auto"}, "address"),
-                                                    ({"engine": "vllm", "in_flight": True}, "in_flight"),
                                                     ({"grow_to": 2}, "grow_to"), ({"grow_to": 1}, "grow_to"),
                                                     ({"engine": "vllm", "grow_to": 4}, "grow_to"),
                                                     ({"grow_to": 4, "in_flight": True}, "grow_to")])
@@ -306,6 +305,11 @@ class TestDemo:
         with pytest.raises(ConfigError, match=field) as info:
             check_options(DemoOptions(**options))
         assert info.value.path == field
+
+    def test_the_async_loop_runs_with_vllm_engines(self) -> None:
+        from ftstate.cli.demo.run import DemoOptions, check_options
+
+        check_options(DemoOptions(engine="vllm", in_flight=True))  # tests/vllm/test_vllm_demo.py runs it
 
     def test_max_failovers_zero_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []

@@ -17,8 +17,9 @@ from ftstate.core.worker import TrainerWorker
 VOCAB = 64
 #: Tokens of a prompt, drawn from the first half of the vocabulary.
 PROMPT_TOKENS = 4
-#: Tokens of an answer (generated to that length: the end-of-sequence token is ignored).
-ANSWER_TOKENS = 4
+#: Tokens of an answer (generated to that length: the end-of-sequence token is ignored); long enough that a
+#: generation outlasts a train step and a sync, so --async swaps mid-answer.
+ANSWER_TOKENS = 48
 #: The answer tokens that score.
 TARGET = frozenset(range(8))
 #: The model's size: about 0.9 MB of bf16.

@@ -55,7 +55,7 @@ def check_options(opts: DemoOptions) -> None:
         raise ConfigError("engine", f"must be one of {', '.join(ENGINES)}, got {opts.engine!r}")
     if opts.engine == "vllm":
         for name, value, default in (("trainers", opts.trainers, 1), ("maintenance", opts.maintenance, False),
-                                     ("address", opts.address, None), ("in_flight", opts.in_flight, False)):
+                                     ("address", opts.address, None)):
             if value != default:
                 raise ConfigError(name, f"--engine vllm runs one trainer and its engines on a local cluster "
                                   f"(the model is written to --out on this machine): {name} must be {default!r}, "
