@@ -257,7 +257,7 @@ class TestDemo:
         assert calls == [{"out": "somewhere", "steps": 4, "faults": False, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
                           "address": None, "maintenance": False, "trainers": 1, "engine": "policy",
-                          "in_flight": True, "grow_to": 0}]
+                          "in_flight": True, "grow_to": 0, "answer_tokens": 0}]
 
     def test_grow_to_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -277,7 +277,7 @@ class TestDemo:
         assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": None, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
                           "address": None, "maintenance": False, "trainers": 1, "engine": "policy",
-                          "in_flight": False, "grow_to": 0}]
+                          "in_flight": False, "grow_to": 0, "answer_tokens": 0}]
 
     def test_engine_vllm_without_vllm_is_one_line_naming_the_extra_not_a_traceback(self, tmp_path: Path) -> None:
         # vllm hidden from the import system (None in sys.modules), whichever venv runs this
@@ -297,6 +297,8 @@ class TestDemo:
                                                     ({"engine": "vllm", "address": "auto"}, "address"),
                                                     ({"grow_to": 2}, "grow_to"), ({"grow_to": 1}, "grow_to"),
                                                     ({"engine": "vllm", "grow_to": 4}, "grow_to"),
+                                                    ({"answer_tokens": 8}, "answer_tokens"),
+                                                    ({"engine": "vllm", "answer_tokens": 125}, "answer_tokens"),
                                                     ({"grow_to": 4, "in_flight": True}, "grow_to")])
     def test_engine_options_that_cannot_run_are_refused_naming_the_field(self, options: dict[str, Any],
                                                                            field: str) -> None:

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from ftstate.cli.demo.llm import ANSWER_TOKENS
+from ftstate.cli.demo.llm import ASYNC_ANSWER_TOKENS
 from ftstate.cli.demo.run import fault_plan
 from ftstate.core.audit import as_records
 from ftstate.core.audit_check import check_trail
@@ -103,7 +103,7 @@ def test_the_async_vllm_demo_swaps_mid_answer_and_equals_the_replay_of_its_own_s
     assert flight["swapped_mid_answer"] >= 1, flight["stamps"]
     for row in flight["stamps"]:
         for spans in row:
-            assert spans[0][1] == 0 and spans[-1][2] == ANSWER_TOKENS, spans
+            assert spans[0][1] == 0 and spans[-1][2] == ASYNC_ANSWER_TOKENS, spans
             assert all(a[2] == b[1] and a[0] < b[0] for a, b in itertools.pairwise(spans)), spans
 
     # held weights equal to the trainer's after every sync, read once the engines were idle

@@ -14,20 +14,22 @@ from ftstate.cli.demo import llm
 from ftstate.integrations.vllm import VLLMRollout
 
 #: Engine arguments for the demo's tiny model: a small KV cache, no graph capture.
-ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": 64, "kv_cache_memory_bytes": 16 << 20}
+ENGINE_KWARGS = {"enforce_eager": True, "max_model_len": llm.MAX_MODEL_LEN, "kv_cache_memory_bytes": 16 << 20}
 #: One sample: (prompt_id, answer, reward, spans).
 Sample = tuple[int, list[int], float, list[list[int]]]
 
 
 class EngineRollout(VLLMRollout):
-    """model: the policy's folder; seed: the run's seed (sampling seeds derive from it)."""
+    """model: the policy's folder; seed: the run's seed (sampling seeds derive from it); answer_tokens: the
+    answers' length."""
 
-    def __init__(self, model: str, seed: int) -> None:
+    def __init__(self, model: str, seed: int, answer_tokens: int = llm.ANSWER_TOKENS) -> None:
         # the reference's replay: (state, version) to load once every answer has that many tokens
         self._replay: dict[int, tuple[Mapping[str, Any], int]] = {}
         self._tokens = 0
         super().__init__(model, dtype="bfloat16", seed=seed, engine_kwargs=ENGINE_KWARGS)
         self.run_seed = seed
+        self.answer_tokens = answer_tokens
         self._kill_after: int | None = None
         self.loaded_at = 0.0
 
@@ -36,7 +38,7 @@ class EngineRollout(VLLMRollout):
         engine steps whose safe points load an in-flight version; ``spans``: ``[version, first, end]`` per run
         of the answer's tokens, as the engine labelled them."""
         self._tokens = 0
-        out = self.generate([tokens for _, tokens in shard], max_tokens=llm.ANSWER_TOKENS, temperature=1.0,
+        out = self.generate([tokens for _, tokens in shard], max_tokens=self.answer_tokens, temperature=1.0,
                             ignore_eos=True, seeds=[llm.sample_seed(self.run_seed, step, pid) for pid, _ in shard])
         return [(pid, a["token_ids"], llm.reward(a["token_ids"]), [list(s) for s in a["weights_spans"]])
                 for (pid, _), a in zip(shard, out, strict=True)]

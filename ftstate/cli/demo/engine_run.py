@@ -46,7 +46,7 @@ def shards(batch: list[Any], n: int) -> list[list[Any]]:
     return [batch[i::n] for i in range(n) if batch[i::n]]
 
 
-def reference_run(model: str, seed: int, steps: int, batch_size: int, rollouts: int,
+def reference_run(model: str, seed: int, steps: int, batch_size: int, rollouts: int, answer_tokens: int,
                   replay: list[list[tuple[int, list[list[int]]]]] | None = None,
                   versions: list[int] | None = None) -> dict[str, Any]:
     """The same run without faults or Ray, in this process; the final checksum and the reward curve.
@@ -58,7 +58,7 @@ def reference_run(model: str, seed: int, steps: int, batch_size: int, rollouts: 
     from ftstate.cli.demo.engine_rollout import EngineRollout
 
     trainer = llm.LLMTrainer(model, LR)
-    engine = EngineRollout(model, seed)
+    engine = EngineRollout(model, seed, answer_tokens)
     versions = versions or list(range(1, steps + 2))
     states = {versions[0]: {k: v.clone() for k, v in trainer.state_dict().items()}}
     engine.load_weights(states[versions[0]], versions[0])
@@ -125,8 +125,9 @@ async def main(opts: Any, console: Any) -> int:
     t_start = time.monotonic()
     started_ray = cluster.connect(None, log_to_driver=False)
     cluster.mute_worker_death_notices()
+    answer_tokens = llm.answer_tokens(opts.answer_tokens, opts.in_flight)
     rt = Runtime(cfg, trainer=llm.LLMTrainer, rollout=EngineRollout, trainer_args=(model, LR),
-                 rollout_args=(model, opts.seed))
+                 rollout_args=(model, opts.seed, answer_tokens))
     rewards: list[float] = []
     syncs: list[Any] = []
     held: list[dict[str, Any]] = []
@@ -237,13 +238,14 @@ async def main(opts: Any, console: Any) -> int:
     if error is None and not problems:
         console.print("[dim]the reference run (the trainer and one engine in this process)"
                       + (", replaying the run's stamps[/]" if opts.in_flight else "[/]"))
-        reference = reference_run(model, opts.seed, opts.steps, opts.batch_size, opts.rollouts,
+        reference = reference_run(model, opts.seed, opts.steps, opts.batch_size, opts.rollouts, answer_tokens,
                                   replay=stamps if opts.in_flight else None, versions=versions)
         if in_flight is not None:
             in_flight["replay_problems"] = reference["replay_problems"]
     engine = {
         "engine": "vllm",
         "model": model,
+        "answer_tokens": answer_tokens,
         "held_after_sync": held,
         "held_all_equal": bool(held) and all(h["equal"] for h in held),
         "killed_mid_update": killed,
@@ -275,7 +277,7 @@ def _idle_summary(idle: list[dict[str, Any]], mode: str) -> dict[str, Any]:
 
     per = [round(i["generation_wait_s"] + i["sync_s"], 4) for i in idle]
     faulted = {i["step"] for i in idle if i["fault"]}
-    calm = [p for p, i in zip(per, idle, strict=True) if i["step"] and not faulted & {i["step"], i["step"] - 1}] or per
+    calm = [p for p, i in zip(per, idle, strict=True) if i["step"] and not faulted & {i["step"], i["step"] - 1}]
     return {"mode": mode, "per_step_s": per, "steps": idle,
             "median_s": statistics.median(per) if per else None,
             "median_without_faults_s": statistics.median(calm) if calm else None}

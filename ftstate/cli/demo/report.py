@@ -291,9 +291,12 @@ def write_report(opts: DemoOptions, console: Any, folder: Path, rewards: list[fl
                       + (f"; [red]{len(in_flight['replay_problems'])} replayed otherwise[/]"
                          if in_flight.get("replay_problems") else ""))
     idle = (engine or {}).get("trainer_idle")
-    if idle and idle["per_step_s"]:
+    if idle and idle["median_without_faults_s"] is not None:
         table.add_row("trainer idle", f"{idle['median_without_faults_s']:.3f}s a step (median of the steps after the "
                       f"first without a fault; {idle['mode']}: waiting for samples + inside rt.sync())")
+    elif idle:
+        table.add_row("trainer idle", "every step after the first had a fault in it or the step before: see "
+                      "engine.trainer_idle in report.json")
     if error is not None:
         table.add_row("error", f"[red]{escape(summary['error'])}[/]")
     elif reference is None:
