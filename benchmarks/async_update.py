@@ -28,6 +28,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -48,40 +49,51 @@ def cfg(mode: str, rollouts: int, kill: bool) -> ftstate.RuntimeConfig:
     }, environ={})
 
 
+def lognormal_lengths(seed: int, median: float, sigma: float, cap: int = 10**9) -> list[int]:
+    """The run's generation lengths: the same draws for every mode of one invocation."""
+    rng = random.Random(seed)
+    return [min(cap, max(1, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(10_000)]
+
+
+async def sample_forever(rt: ftstate.Runtime, i: int, done: asyncio.Event, draws: Iterator[int],
+                         call: Callable[[int], UserCall], samples: list, tally: dict[str, int]) -> None:
+    """Rollout ``i``'s loop until ``done``: one generation after another, each ``call(next draw)``; a
+    generation whose rollout was lost is made again on a serving one (``tally["retried"]``), given up
+    after 5 tries (``tally["lost"]``)."""
+    while not done.is_set():
+        length, tries = next(draws), 0
+        while True:
+            names = rt.serving_rollouts()
+            if not names:
+                await asyncio.sleep(0.05)
+                continue
+            name = names[i % len(names)]
+            try:
+                samples.extend(await rt._calls.call(name, rt.handle(name), call(length)))
+                break
+            except (MemberLost, NoServingWorkers):
+                tries += 1
+                tally["retried"] += 1
+                if tries > 5:
+                    tally["lost"] += 1
+                    break
+                await asyncio.sleep(0.1)
+
+
 async def run(mode: str, args: argparse.Namespace, kill: bool = False) -> dict[str, float]:
-    rng = random.Random(args.seed)
-    lengths = [max(1, round(rng.lognormvariate(math.log(args.median_steps), args.sigma))) for _ in range(10_000)]
+    lengths = lognormal_lengths(args.seed, args.median_steps, args.sigma)
     done = asyncio.Event()
     samples: list[dict] = []
-    lost = retried = 0
+    tally = {"lost": 0, "retried": 0}
     async with ftstate.Runtime(cfg(mode, args.rollouts, kill), trainer=TinyTrainer, rollout=InFlightRollout) as rt:
         await rt.sync()
         draws = iter(lengths)
 
-        async def sampler(i: int) -> None:
-            nonlocal lost, retried
-            while not done.is_set():
-                steps, tries = next(draws), 0
-                while True:
-                    names = rt.serving_rollouts()
-                    if not names:
-                        await asyncio.sleep(0.05)
-                        continue
-                    name = names[i % len(names)]
-                    try:
-                        out = await rt._calls.call(name, rt.handle(name), UserCall(
-                            "generate_steps", ([f"s{i}"],), {"steps": steps, "step_s": args.step_s}))
-                        samples.append(out[0])
-                        break
-                    except (MemberLost, NoServingWorkers):
-                        tries += 1
-                        retried += 1
-                        if tries > 5:
-                            lost += 1
-                            break
-                        await asyncio.sleep(0.1)
+        def call(steps: int) -> UserCall:
+            return UserCall("generate_steps", (["s"],), {"steps": steps, "step_s": args.step_s})
 
-        tasks = [asyncio.ensure_future(sampler(i)) for i in range(args.rollouts)]
+        tasks = [asyncio.ensure_future(sample_forever(rt, i, done, draws, call, samples, tally))
+                 for i in range(args.rollouts)]
         await asyncio.sleep(args.warmup_s)
         idle, reach = [], []
         for step in range(args.steps):
@@ -102,21 +114,27 @@ async def run(mode: str, args: argparse.Namespace, kill: bool = False) -> dict[s
             swaps = [t for s in samples for v, t in s.get("swaps", []) if v >= version and t >= t0_wall]
             if swaps:
                 gaps.append(min(swaps) - t0_wall)
-    return {"idle_s": statistics.mean(idle), "idle_max_s": max(idle), "samples": len(samples), "lost": lost,
-            "retried": retried, "reach_p50_s": statistics.median(gaps) if gaps else float("nan")}
+    return {"idle_s": statistics.mean(idle), "idle_max_s": max(idle), "samples": len(samples), "lost": tally["lost"],
+            "retried": tally["retried"], "reach_p50_s": statistics.median(gaps) if gaps else float("nan")}
+
+
+def loop_options(description: str, rollouts: int, steps: int, warmup_s: float) -> argparse.ArgumentParser:
+    """The options every in-flight benchmark's loop takes (these defaults differ per benchmark)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--rollouts", type=int, default=rollouts)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--train-s", type=float, default=0.2)
+    p.add_argument("--warmup-s", type=float, default=warmup_s)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kill", action="store_true", help="also an in_flight run with a rollout SIGKILLed mid-run")
+    return p
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rollouts", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8)
+    p = loop_options(__doc__.splitlines()[0], rollouts=4, steps=8, warmup_s=1.0)
     p.add_argument("--median-steps", type=int, default=20)
-    p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--step-s", type=float, default=0.025)
-    p.add_argument("--train-s", type=float, default=0.2)
-    p.add_argument("--warmup-s", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--kill", action="store_true", help="also an in_flight run with a rollout SIGKILLed mid-run")
     args = p.parse_args()
     cluster.connect(None, num_cpus=max(4, args.rollouts + 2), log_to_driver=False)
     try:

@@ -382,6 +382,11 @@ def demo(
                      "the trainer trains and syncs (rollout_updates: in_flight); each sample is stamped with the "
                      "weights version it ran on, and the reference replays the stamps."),
     ] = False,
+    answer_tokens: Annotated[
+        int,
+        typer.Option("--answer-tokens", min=0, help="--engine vllm: tokens per answer; 0: 4, or 96 with --async "
+                     "(long enough that engines swap mid-answer; pass the same to compare with the barrier loop)."),
+    ] = 0,
 ) -> None:
     """Real RL (a tiny transformer learning to sort digits) on a local Ray cluster, or on a running one with
     --address, with faults injected and recovered from.
@@ -398,7 +403,7 @@ def demo(
     raise typer.Exit(run_demo(out=out, steps=steps, faults=faults, seed=seed, batch_size=batch_size,
                               pad_mb=pad_mb, rollouts=rollouts, max_failovers=max_failovers, live=live,
                               address=address, maintenance=maintenance, trainers=trainers, engine=engine,
-                              in_flight=in_flight, grow_to=grow_to))
+                              in_flight=in_flight, grow_to=grow_to, answer_tokens=answer_tokens))
 
 
 # -- simulate ----------------------------------------------------------------------------

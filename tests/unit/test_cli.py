@@ -257,7 +257,7 @@ class TestDemo:
         assert calls == [{"out": "somewhere", "steps": 4, "faults": False, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
                           "address": None, "maintenance": False, "trainers": 1, "engine": "policy",
-                          "in_flight": True, "grow_to": 0}]
+                          "in_flight": True, "grow_to": 0, "answer_tokens": 0}]
 
     def test_grow_to_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []
@@ -277,7 +277,7 @@ class TestDemo:
         assert calls == [{"out": "ftstate-demo", "steps": 0, "faults": None, "seed": 1, "batch_size": 64,
                           "pad_mb": 32.0, "rollouts": 2, "max_failovers": 5, "live": True,
                           "address": None, "maintenance": False, "trainers": 1, "engine": "policy",
-                          "in_flight": False, "grow_to": 0}]
+                          "in_flight": False, "grow_to": 0, "answer_tokens": 0}]
 
     def test_engine_vllm_without_vllm_is_one_line_naming_the_extra_not_a_traceback(self, tmp_path: Path) -> None:
         # vllm hidden from the import system (None in sys.modules), whichever venv runs this
@@ -295,9 +295,10 @@ class TestDemo:
                                                     ({"engine": "vllm", "trainers": 2}, "trainers"),
                                                     ({"engine": "vllm", "maintenance": True}, "maintenance"),
                                                     ({"engine": "vllm", "address": "auto"}, "address"),
-                                                    ({"engine": "vllm", "in_flight": True}, "in_flight"),
                                                     ({"grow_to": 2}, "grow_to"), ({"grow_to": 1}, "grow_to"),
                                                     ({"engine": "vllm", "grow_to": 4}, "grow_to"),
+                                                    ({"answer_tokens": 8}, "answer_tokens"),
+                                                    ({"engine": "vllm", "answer_tokens": 125}, "answer_tokens"),
                                                     ({"grow_to": 4, "in_flight": True}, "grow_to")])
     def test_engine_options_that_cannot_run_are_refused_naming_the_field(self, options: dict[str, Any],
                                                                            field: str) -> None:
@@ -306,6 +307,11 @@ class TestDemo:
         with pytest.raises(ConfigError, match=field) as info:
             check_options(DemoOptions(**options))
         assert info.value.path == field
+
+    def test_the_async_loop_runs_with_vllm_engines(self) -> None:
+        from ftstate.cli.demo.run import DemoOptions, check_options
+
+        check_options(DemoOptions(engine="vllm", in_flight=True))  # tests/vllm/test_vllm_demo.py runs it
 
     def test_max_failovers_zero_reaches_the_demo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         calls: list[dict[str, Any]] = []

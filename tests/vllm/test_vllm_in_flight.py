@@ -47,6 +47,10 @@ async def test_a_version_committed_mid_generation_is_loaded_between_engine_steps
         assert all(a["weights_versions"] == [old, rt.weights_version] for a in answers), \
             {tuple(a["weights_versions"]) for a in answers}
         assert all(len(a["token_ids"]) == 200 for a in answers)
+        # the engine's own labels agree: the first tokens on the old version, the rest on the new
+        for a in answers:
+            (v0, first, cut), (v1, resumed, end) = a["weights_spans"]
+            assert (v0, first, v1, end) == (old, 0, rt.weights_version, 200) and 0 < cut == resumed < 200, a
         # the engine serves the new version, proven from what its kernels hold
         await wait_until(lambda: any(r["event"] == "swapped" and r.get("member") == name for r in rt.audit.records),
                          10, "the swap, proven by the engine's own checksum")

@@ -19,6 +19,13 @@ VOCAB = 64
 PROMPT_TOKENS = 4
 #: Tokens of an answer (generated to that length: the end-of-sequence token is ignored).
 ANSWER_TOKENS = 4
+#: ``--async``'s answers: long enough that a generation outlasts a train step and a sync, so engines swap
+#: mid-answer.
+ASYNC_ANSWER_TOKENS = 96
+#: The engines' context: a prompt and its answer (``--answer-tokens`` at most this less the prompt).
+MAX_MODEL_LEN = 128
+#: ``--answer-tokens`` at most.
+ANSWER_TOKENS_MAX = MAX_MODEL_LEN - PROMPT_TOKENS
 #: The answer tokens that score.
 TARGET = frozenset(range(8))
 #: The model's size: about 0.9 MB of bf16.
@@ -78,6 +85,11 @@ def make_prompts(step: int, batch_size: int, seed: int) -> list[tuple[int, list[
 def sample_seed(seed: int, step: int, prompt_id: int) -> int:
     """The engine's sampling seed for one prompt: of the run, step and prompt, never of the engine."""
     return derive_seed("llm-sample", seed, step, prompt_id) % (2**31)
+
+
+def answer_tokens(asked: int, in_flight: bool) -> int:
+    """The run's answer length: ``--answer-tokens``, or (0) the loop's default."""
+    return asked or (ASYNC_ANSWER_TOKENS if in_flight else ANSWER_TOKENS)
 
 
 def reward(answer: Sequence[int]) -> float:

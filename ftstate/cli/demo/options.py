@@ -21,7 +21,8 @@ class DemoOptions:
     its rollouts, ``policy`` (a dict of tensors) or ``vllm`` (a tiny Qwen2 served by vLLM
     engines: :mod:`ftstate.cli.demo.engine_run`); in_flight: ``--async``, the asynchronous loop
     (:func:`~ftstate.cli.demo.run.stamp_steps`); grow_to: grow the fleet to this many rollouts a third of the way in
-    and shrink it back two thirds in (0: a fixed fleet)."""
+    and shrink it back two thirds in (0: a fixed fleet); answer_tokens: ``--engine vllm``'s answer length (0: 4,
+    or 96 with ``--async``)."""
 
     out: str = "ftstate-demo"
     steps: int = 24
@@ -38,6 +39,7 @@ class DemoOptions:
     engine: str = "policy"
     in_flight: bool = False
     grow_to: int = 0
+    answer_tokens: int = 0
 
 
 #: The demo's engines (``--engine``): the dict-of-tensors policy, or a causal LM served by vLLM.

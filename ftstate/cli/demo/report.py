@@ -175,7 +175,8 @@ def write_report(opts: DemoOptions, console: Any, folder: Path, rewards: list[fl
             "node_names": names,
         }
     identical = (reference is not None and final_checksum == reference["checksum"]
-                 and rewards == reference["rewards"] and all(c == final_checksum for c in serving))
+                 and rewards == reference["rewards"] and all(c == final_checksum for c in serving)
+                 and not (in_flight or {}).get("replay_problems"))
     summary = {
         "steps_done": len(rewards),
         "steps": opts.steps,
@@ -281,10 +282,21 @@ def write_report(opts: DemoOptions, console: Any, folder: Path, rewards: list[fl
                       "DIFFERENT[/]") + f" after every one of {len(proofs)} syncs (read back from each vLLM engine)")
     if in_flight is not None:
         by = in_flight["samples_by_staleness"]
-        table.add_row("in-flight samples", f"{by.get('0', 0)} on the version pushed, {by.get('1', 0)} one behind "
+        mid = (f", {in_flight['swapped_mid_answer']} swapped mid-answer" if "swapped_mid_answer" in in_flight
+               else "")
+        table.add_row("in-flight samples", f"{by.get('0', 0)} on the version pushed, {by.get('1', 0)} one behind{mid} "
                       f"(max_staleness {in_flight['max_staleness']}); the reference replays their stamps"
                       + (f"; [red]{len(in_flight['stamp_problems'])} stamps out of bounds[/]"
-                         if in_flight["stamp_problems"] else ""))
+                         if in_flight["stamp_problems"] else "")
+                      + (f"; [red]{len(in_flight['replay_problems'])} replayed otherwise[/]"
+                         if in_flight.get("replay_problems") else ""))
+    idle = (engine or {}).get("trainer_idle")
+    if idle and idle["median_without_faults_s"] is not None:
+        table.add_row("trainer idle", f"{idle['median_without_faults_s']:.3f}s a step (median of the steps after the "
+                      f"first without a fault; {idle['mode']}: waiting for samples + inside rt.sync())")
+    elif idle:
+        table.add_row("trainer idle", "every step after the first had a fault in it or the step before: see "
+                      "engine.trainer_idle in report.json")
     if error is not None:
         table.add_row("error", f"[red]{escape(summary['error'])}[/]")
     elif reference is None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ftstate.cli.demo.llm import ANSWER_TOKENS_MAX
 from ftstate.cli.demo.options import ENGINES, NODES, NOTICE_DEADLINE_S, DemoOptions
 from ftstate.cli.demo.report import run_nodes, trainer_ranks, write_report
 from ftstate.core.config import RuntimeConfig
@@ -55,11 +56,17 @@ def check_options(opts: DemoOptions) -> None:
         raise ConfigError("engine", f"must be one of {', '.join(ENGINES)}, got {opts.engine!r}")
     if opts.engine == "vllm":
         for name, value, default in (("trainers", opts.trainers, 1), ("maintenance", opts.maintenance, False),
-                                     ("address", opts.address, None), ("in_flight", opts.in_flight, False)):
+                                     ("address", opts.address, None)):
             if value != default:
                 raise ConfigError(name, f"--engine vllm runs one trainer and its engines on a local cluster "
                                   f"(the model is written to --out on this machine): {name} must be {default!r}, "
                                   f"got {value!r}")
+    if opts.answer_tokens and opts.engine != "vllm":
+        raise ConfigError("answer_tokens", f"the answer length is --engine vllm's, got engine {opts.engine!r}")
+    if isinstance(opts.answer_tokens, bool) or not isinstance(opts.answer_tokens, int) \
+            or not 0 <= opts.answer_tokens <= ANSWER_TOKENS_MAX:
+        raise ConfigError("answer_tokens", f"must be an int from 1 to {ANSWER_TOKENS_MAX} (the engines' context less "
+                          f"the prompt), or 0 for the default, got {opts.answer_tokens!r}")
     if isinstance(opts.trainers, bool) or not isinstance(opts.trainers, int) or opts.trainers < 1:
         raise ConfigError("trainers", f"must be an int >= 1 (trainer ranks), got {opts.trainers!r}")
     if opts.trainers > opts.batch_size:

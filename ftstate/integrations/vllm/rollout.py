@@ -140,6 +140,8 @@ class VLLMRollout(RolloutWorker):
             self._torn = None
             self._names = list(state)
             self.weights_version = version
+            # the engine labels each output token with it: the answers' ``weights_spans``
+            self.llm.llm_engine.set_weight_version(str(version))
             if self._generating:
                 self._versions.append(version)
 
@@ -159,13 +161,21 @@ class VLLMRollout(RolloutWorker):
         prompts: Sequence[str | Sequence[int]],
         max_tokens: int = 16,
         temperature: float = 0.0,
+        *,
+        seeds: Sequence[int] | None = None,
         **sampling: Any,
     ) -> list[dict[str, Any]]:
-        """Generate for each prompt (text or token ids); temperature 0 is greedy. One dict per prompt with
-        ``token_ids``, ``text``, ``weights_version`` (its last) and ``weights_versions`` (all it ran on).
-        Raises :class:`~ftstate.core.errors.EngineTorn` after a load that stopped part-way."""
+        """Generate for each prompt (text or token ids); temperature 0 is greedy; ``seeds``: one sampling seed
+        per prompt. One dict per prompt with ``token_ids``, ``text``, ``weights_version`` (its last),
+        ``weights_versions`` (all it ran on) and ``weights_spans``: ``(version, first, end)`` per run of output
+        tokens, as the engine labelled them. Raises :class:`~ftstate.core.errors.EngineTorn` after a load that
+        stopped part-way."""
         inputs: list[Any] = [p if isinstance(p, str) else {"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling)
+        if seeds is not None and len(seeds) != len(inputs):
+            raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {len(inputs)} prompts")
+        params: Any = (SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling) if seeds is None
+                       else [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=int(s), **sampling)
+                             for s in seeds])
         with self._lock:
             if self._torn is not None:
                 raise self._torn
@@ -179,7 +189,7 @@ class VLLMRollout(RolloutWorker):
                 self._generating = False
             versions, version = list(self._versions), self.weights_version
         return [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text, "weights_version": version,
-                 "weights_versions": versions} for o in outputs]
+                 "weights_versions": versions, "weights_spans": _spans(o.outputs[0])} for o in outputs]
 
     def activity(self) -> tuple[bool, int]:
         """(a ``generate`` under way, the engine steps taken so far): see the module docstring."""
@@ -357,6 +367,13 @@ def _unblock_client(llm: Any) -> None:
     for future in list(client.utility_results.values()):
         if not future.done():
             future.set_exception(EngineDeadError())
+
+
+def _spans(completion: Any) -> list[tuple[int, int, int]]:
+    """The engine's ``(version, first, end)`` runs of a completion's tokens (vLLM's ``weight_versions``); version
+    0: before the first load (vLLM's label ``default``)."""
+    return [(int(s.version) if s.version.isdigit() else 0, int(s.start), int(s.end))
+            for s in completion.weight_versions or ()]
 
 
 def _read_own(model: Any, rank_slots: list[dict[str, held.Slot]], names: list[str]) -> dict[str, torch.Tensor]:
