@@ -158,10 +158,8 @@ class ShardedSync(WeightSync):
     async def attempt(self) -> SyncReport:
         ms = self.membership
         group = ms.group
-        t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
-        previous, previous_checksum = group.weights_version, ms.checksum
+        t0, previous, previous_checksum = self._opening()
         target = previous + 1
-        self.failures = {}
         trainers = ms.trainer_ranks(self.config.trainer_workers, "every rank sends its part")
         rollouts = await self._begin(trainers, target, lambda _: {"senders": [t.name for t in trainers],
                                                                    "route": "collective"})

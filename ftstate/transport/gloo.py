@@ -217,21 +217,17 @@ class GlooCommunicator(Communicator):
         return _GlooPending(self, work, op, t, wait_timeout=False)
 
     def send(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
-        t = self._timeout(timeout_s)
-        op = f"send to rank {peer}"
-        pg = self._live_pg(op)
-        try:
-            work = pg.send([tensor], peer, tag)
-        except RuntimeError as exc:
-            raise self._translate(exc, op, t, peer) from exc
-        return _GlooPending(self, work, op, t, wait_timeout=True, peer=peer)
+        return self._point_to_point("send", f"send to rank {peer}", tensor, peer, tag, timeout_s)
 
     def recv(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
+        return self._point_to_point("recv", f"receive from rank {peer}", tensor, peer, tag, timeout_s)
+
+    def _point_to_point(self, method: str, op: str, tensor: torch.Tensor, peer: int, tag: int,
+                        timeout_s: float | None) -> Pending:
         t = self._timeout(timeout_s)
-        op = f"receive from rank {peer}"
         pg = self._live_pg(op)
         try:
-            work = pg.recv([tensor], peer, tag)
+            work = getattr(pg, method)([tensor], peer, tag)
         except RuntimeError as exc:
             raise self._translate(exc, op, t, peer) from exc
         return _GlooPending(self, work, op, t, wait_timeout=True, peer=peer)
