@@ -94,23 +94,20 @@ class FailoverRecord:
 
 class Failover(Part):
     """The failover procedure of one runtime: it owns the standby pool (:attr:`spares`,
-    :mod:`ftstate.controller.spares`), the resync of newcomers (:attr:`resyncer`,
-    :mod:`ftstate.controller.resync`), and the failover budget's accounting (slots, node
-    strikes, quarantine, the nodes to avoid).
+    :mod:`ftstate.controller.spares`) and the failover budget's accounting (slots, node
+    strikes, quarantine, the nodes to avoid), and feeds newcomers through ``resyncer``, the
+    run's :class:`~ftstate.controller.resync.Resync` (built once by the runtime).
 
     It works on the shared membership; the launcher starts and kills actors, the formation
-    forms group versions, the watchdog settles suspects. trainer_lossy, trainer_class_name,
-    rank_local_calls: the resync's (:class:`~ftstate.controller.resync.Resync`).
+    forms group versions, the watchdog settles suspects.
     """
 
-    def __init__(self, parts: ControllerParts, *, trainer_lossy: bool, trainer_class_name: str,
-                 rank_local_calls: bool = False) -> None:
+    def __init__(self, parts: ControllerParts, *, resyncer: Resync) -> None:
         super().__init__(parts)
         self.records: list[FailoverRecord] = []
         self._pending: list[tuple[Member, float]] = []
         #: Moves the current weights to newcomers (the runtime sets its ``weights_bytes`` at each commit).
-        self.resyncer = Resync(parts, trainer_lossy=trainer_lossy, trainer_class_name=trainer_class_name,
-                               rank_local_calls=rank_local_calls)
+        self.resyncer = resyncer
         #: The standby pool.
         self.spares = Spares(parts, avoided_nodes=self.avoided_nodes,
                              quarantined_nodes=lambda: self.quarantined_nodes, strike=self.strike)

@@ -63,6 +63,7 @@ from ftstate.controller.notices import NoticeMonitor
 from ftstate.controller.parts import ControllerParts
 from ftstate.controller.progress import Progress
 from ftstate.controller.ranks import ShardedSync, form_trainer_group
+from ftstate.controller.resync import Resync
 from ftstate.controller.routing import Router
 from ftstate.controller.scaling import Scaler, ScaleRecord
 from ftstate.controller.startup import check_arguments, first_rendezvous, run_facts
@@ -224,9 +225,10 @@ class Runtime:
         parts = ControllerParts(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
                                 launcher=self._launcher, formation=self._formation, watchdog=self._watchdog,
                                 node_copies=self._node_copies)
-        self._failover = Failover(parts, trainer_lossy=bool(getattr(trainer_cls, "lossy_state_dict", False)),
-                                  trainer_class_name=trainer_cls.__name__,
-                                  rank_local_calls=bool(getattr(trainer_cls, "rank_local_calls", False)))
+        resyncer = Resync(parts, trainer_lossy=bool(getattr(trainer_cls, "lossy_state_dict", False)),
+                          trainer_class_name=trainer_cls.__name__,
+                          rank_local_calls=bool(getattr(trainer_cls, "rank_local_calls", False)))
+        self._failover = Failover(parts, resyncer=resyncer)
         self._sync = (ShardedSync if cfg.trainer_workers > 1 else WeightSync)(
             parts, routing_open=self._routing_open, raise_if_failed=self._raise_if_failed)
         self._router = Router(parts, routing_open=self._routing_open, recover=self._recover, settle=self._settle,
