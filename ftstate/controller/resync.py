@@ -126,7 +126,7 @@ class Resync(Part):
             # engine copy, or a trainer whose state_dict() differs from what it loaded).
             raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got.checksum,
                                       expected=checksum, what=f"after loading it from {src.name}")
-        newcomer.machine.weights_version = version
+        newcomer.machine.now_holds(version)
         self._stages[newcomer.name] = {"source": src.name, "route": "shm" if shm else "gloo",
                                        "sender": dict(sent.stages), "newcomer": dict(got.stages)}
         await walk_proven(newcomer.machine, "RESYNCED", checksum=got.checksum, source=src.name,
@@ -200,7 +200,7 @@ class Resync(Part):
         if got.checksum != checksum:
             raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got.checksum,
                                       expected=checksum, what=f"after loading it from the {source}")
-        newcomer.machine.weights_version = version
+        newcomer.machine.now_holds(version)
         await walk_proven(newcomer.machine, "RESYNCED", checksum=got.checksum, source=source,
                           **self._loaded_by_parts(newcomer, got))
         await walk_proven(newcomer.machine, "READY")

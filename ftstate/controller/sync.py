@@ -274,9 +274,7 @@ class WeightSync(Part):
         if not rollouts:
             raise NoServingWorkers(f"no rollout can receive weights version {target}: {ms.states_text()}")
         # Until committed, the group's (and routing's) current version stays the previous one.
-        previous, group.weights_version = group.weights_version, target
-        await group.fire("sync_start", rollouts=[m.name for m in rollouts], plan=plan(rollouts))
-        group.weights_version = previous
+        await group.fire("sync_start", for_version=target, rollouts=[m.name for m in rollouts], plan=plan(rollouts))
         for s in senders:
             await s.machine.fire("sync")
         for m in rollouts:
@@ -357,7 +355,7 @@ class WeightSync(Part):
                 await m.machine.fire("sync_aborted", reason=str(err) if err else "sync aborted")
             elif m.machine.state == "RESYNCING":
                 await m.machine.fire("resync_failed", reason=str(err) if err else "sync aborted")
-        group.weights_version = previous
+        group.now_holds(previous)
         first = next(iter(failures.items()))
         if group.state == "SYNCING":
             await group.fire("sync_failed", reason=f"{first[0]}: {type(first[1]).__name__}: {first[1]}")
@@ -412,7 +410,7 @@ class WeightSync(Part):
             if m.name in self.pending:
                 await self._defer(m, version)
                 continue
-            m.machine.weights_version = version
+            m.machine.now_holds(version)
             m.pending_version = None
             # Each member's own checksum, and a load by parts' device bytes, go on its record.
             device = device_field(self.device_bytes.get(m.name))
@@ -426,7 +424,7 @@ class WeightSync(Part):
                 # Brought up to date, or moved by the watchdog meanwhile: its load is proven, walk it to
                 # READY.
                 await walk_proven(m.machine, "READY", checksum=held[m.name], **device)
-        trainer.machine.weights_version = version
+        trainer.machine.now_holds(version)
         if trainer.machine.state == "SYNCING":
             await trainer.machine.fire("committed", checksum=checksum)
         elif not trainer.gone:
