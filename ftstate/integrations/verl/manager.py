@@ -336,6 +336,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
             # The rollouts that verified the whole update hold it; the others are STALE and named in the
             # error.
             self._committed = self._pushing
+            group.now_holds(self._pushing)
             await group.fire("sync_done", reason=f"committed by {', '.join(m.name for m in committed)} only: "
                                                   f"{type(exc).__name__}")
             await group.fire("stop", reason="update partly failed; verl rebuilds the group on the next update")
