@@ -436,6 +436,11 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
 
     lane_y = {lane.member: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
     expiries = group_expiries = 0
+
+    def expiry_label(text: str, t: float, y: float, offset: int) -> None:
+        dx, ha = place(t, offset)
+        ax.annotate(text, (t, y), xytext=(dx, 4), textcoords="offset points", ha=ha, fontsize=7,
+                    color=_DEADLINE, bbox=_LABEL_BOX, zorder=6)
     for rec in recs:
         if rec.get("event") != DEADLINE_EXPIRED:
             continue
@@ -455,36 +460,13 @@ def plot_timeline(records: Any, out_path: str | os.PathLike[str], title: str | N
                 markeredgecolor="white",
                 zorder=5,
             )
-            dx, ha = place(t, 7)
-            ax.annotate(
-                what,
-                (t, lane_y[member]),
-                xytext=(dx, 4),
-                textcoords="offset points",
-                ha=ha,
-                fontsize=7,
-                color=_DEADLINE,
-                bbox=_LABEL_BOX,
-                zorder=6,
-            )
+            expiry_label(what, t, lane_y[member], 7)
         else:
             for a in (ax, reward_ax):
                 if a is not None:
                     a.axvline(t, color=_DEADLINE, linestyle="--", linewidth=1)
             group_expiries += 1
-            y = lane_y.get(str(member), len(lanes) - 1)
-            dx, ha = place(t, 4)
-            ax.annotate(
-                f"{member or 'group'}: {what}",
-                (t, y),
-                xytext=(dx, 4),
-                textcoords="offset points",
-                ha=ha,
-                fontsize=7,
-                color=_DEADLINE,
-                bbox=_LABEL_BOX,
-                zorder=6,
-            )
+            expiry_label(f"{member or 'group'}: {what}", t, lane_y.get(str(member), len(lanes) - 1), 4)
 
     # Legend in the fixed colour order (the way a worker lives), then states only a spec knows.
     known = [s for s in STATE_COLORS if s in seen_states]

@@ -11,13 +11,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ftstate.controller.calls import ActorCalls
 from ftstate.controller.failover import Failover
-from ftstate.controller.formation import GroupFormation
-from ftstate.controller.launcher import ActorLauncher
-from ftstate.controller.membership import Member, Membership
-from ftstate.core.audit import AuditTrail
-from ftstate.core.config import RuntimeConfig
+from ftstate.controller.membership import Member
+from ftstate.controller.parts import ControllerParts, Part
 from ftstate.core.errors import FTError
 
 
@@ -40,28 +36,12 @@ class _Withdrawn(Exception):  # control flow inside this module, never raised ou
     """The notice was withdrawn while its drain ran."""
 
 
-class Drainer:
+class Drainer(Part):
     """Drains nodes for one runtime. ``pause_trainer``: holds new trainer calls and waits for those in flight
     (a trainer moved ahead of time must replay every call the old one took)."""
 
-    def __init__(
-        self,
-        *,
-        config: RuntimeConfig,
-        audit: AuditTrail,
-        membership: Membership,
-        calls: ActorCalls,
-        launcher: ActorLauncher,
-        formation: GroupFormation,
-        failover: Failover,
-        pause_trainer: Callable[[], Any],
-    ) -> None:
-        self.config = config
-        self.audit = audit
-        self.membership = membership
-        self.calls = calls
-        self.launcher = launcher
-        self.formation = formation
+    def __init__(self, parts: ControllerParts, *, failover: Failover, pause_trainer: Callable[[], Any]) -> None:
+        super().__init__(parts)
         self.failover = failover
         self.pause_trainer = pause_trainer
         self.records: list[DrainRecord] = []

@@ -39,19 +39,13 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from ftstate.controller.calls import ActorCalls
 from ftstate.controller.collector import CollectorPause
-from ftstate.controller.formation import GroupFormation
-from ftstate.controller.launcher import ActorLauncher
-from ftstate.controller.membership import Member, Membership
-from ftstate.controller.nodecopies import NodeCopies
+from ftstate.controller.membership import Member
+from ftstate.controller.parts import ControllerParts, Part
 from ftstate.controller.resync import Resync
 from ftstate.controller.spares import Spares, constructor_failed
 from ftstate.controller.sync import device_field
-from ftstate.controller.watchdog import Watchdog
-from ftstate.core.audit import AuditTrail
 from ftstate.core.budget import FAILOVER_KEY, Budget, Charge
-from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
     FTError,
     MemberLost,
@@ -98,48 +92,24 @@ class FailoverRecord:
     budget: dict[str, Any] | None = None
 
 
-class Failover:
+class Failover(Part):
     """The failover procedure of one runtime: it owns the standby pool (:attr:`spares`,
-    :mod:`ftstate.controller.spares`), the resync of newcomers (:attr:`resyncer`,
-    :mod:`ftstate.controller.resync`), and the failover budget's accounting (slots, node
-    strikes, quarantine, the nodes to avoid).
+    :mod:`ftstate.controller.spares`) and the failover budget's accounting (slots, node
+    strikes, quarantine, the nodes to avoid), and feeds newcomers through ``resyncer``, the
+    run's :class:`~ftstate.controller.resync.Resync` (built once by the runtime).
 
     It works on the shared membership; the launcher starts and kills actors, the formation
-    forms group versions, the watchdog settles suspects. trainer_lossy, trainer_class_name,
-    rank_local_calls, node_copies: the resync's (:class:`~ftstate.controller.resync.Resync`).
+    forms group versions, the watchdog settles suspects.
     """
 
-    def __init__(
-        self,
-        *,
-        config: RuntimeConfig,
-        audit: AuditTrail,
-        membership: Membership,
-        calls: ActorCalls,
-        launcher: ActorLauncher,
-        formation: GroupFormation,
-        watchdog: Watchdog,
-        trainer_lossy: bool,
-        trainer_class_name: str,
-        rank_local_calls: bool = False,
-        node_copies: NodeCopies | None = None,
-    ) -> None:
-        self.config = config
-        self.audit = audit
-        self.membership = membership
-        self.calls = calls
-        self.launcher = launcher
-        self.formation = formation
-        self.watchdog = watchdog
+    def __init__(self, parts: ControllerParts, *, resyncer: Resync) -> None:
+        super().__init__(parts)
         self.records: list[FailoverRecord] = []
         self._pending: list[tuple[Member, float]] = []
         #: Moves the current weights to newcomers (the runtime sets its ``weights_bytes`` at each commit).
-        self.resyncer = Resync(config=config, audit=audit, membership=membership, calls=calls, formation=formation,
-                               watchdog=watchdog, trainer_lossy=trainer_lossy, trainer_class_name=trainer_class_name,
-                               rank_local_calls=rank_local_calls, node_copies=node_copies)
+        self.resyncer = resyncer
         #: The standby pool.
-        self.spares = Spares(config=config, audit=audit, membership=membership, calls=calls, launcher=launcher,
-                             node_copies=node_copies, avoided_nodes=self.avoided_nodes,
+        self.spares = Spares(parts, avoided_nodes=self.avoided_nodes,
                              quarantined_nodes=lambda: self.quarantined_nodes, strike=self.strike)
         #: Ray ids of nodes whose members were lost together (a node loss): no spare goes there.
         self.lost_nodes: set[str | None] = set()
@@ -150,10 +120,6 @@ class Failover:
         #: Ray ids of nodes quarantined since the runtime last drained them (it takes them).
         self.to_drain: list[str] = []
         self._slots: dict[str, str] = {}  # replacement -> the slot it took (slot_of)
-
-    @property
-    def ft(self) -> Any:
-        return self.config.fault_tolerance
 
     @property
     def budget(self) -> Budget:

@@ -21,16 +21,15 @@ from typing import Any
 
 from ftstate.controller.drain import Drainer
 from ftstate.controller.failover import Failover
-from ftstate.controller.launcher import ActorLauncher
-from ftstate.controller.membership import Member, Membership
+from ftstate.controller.membership import Member
 from ftstate.controller.notices import NoticeMonitor
+from ftstate.controller.parts import ControllerParts, Part
 from ftstate.controller.progress import Progress
-from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import FTError, InvalidTransition, MemberLost
 from ftstate.core.machine import StateMachine
 
 
-class Losses:
+class Losses(Part):
     """The loss handling of one runtime. lock: the runtime's membership lock (a recovery holds
     it); spawn: runs a coroutine as one of the runtime's tasks; closed: whether the runtime is
     closing; changing: the members the scaler is adding or removing; notices: the maintenance
@@ -38,11 +37,9 @@ class Losses:
 
     def __init__(
         self,
+        parts: ControllerParts,
         *,
-        config: RuntimeConfig,
         progress: Progress,
-        membership: Membership,
-        launcher: ActorLauncher,
         failover: Failover,
         drainer: Drainer,
         lock: asyncio.Lock,
@@ -51,10 +48,8 @@ class Losses:
         changing: Callable[[], Collection[str]],
         notices: Callable[[], NoticeMonitor | None],
     ) -> None:
-        self.config = config
+        super().__init__(parts)
         self.progress = progress
-        self.membership = membership
-        self.launcher = launcher
         self.failover = failover
         self.drainer = drainer
         self.lock = lock

@@ -139,7 +139,7 @@ class Membership:
     def current(self, weights_version: int, checksum: str | None) -> None:
         """Make ``weights_version`` with ``checksum`` current; the two change together, since a suspect's
         heartbeat is judged against the pair."""
-        self.group.weights_version = weights_version
+        self.group.now_holds(weights_version)
         self.checksum = checksum
 
     def committed(self, weights_version: int, checksum: str) -> None:

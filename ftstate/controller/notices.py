@@ -13,8 +13,7 @@ from typing import Any
 
 from ftstate.controller.backend import ClusterBackend
 from ftstate.controller.maintenance import MaintenanceWatcher, Notice, PollProblem, watchers_for
-from ftstate.controller.membership import Membership
-from ftstate.core.audit import AuditTrail
+from ftstate.controller.parts import ControllerParts, Part
 from ftstate.core.config import RuntimeConfig
 
 
@@ -25,25 +24,15 @@ def watcher_call_s(config: RuntimeConfig) -> float:
     return config.fault_tolerance.maintenance_request_timeout_s + ACTOR_CALL_S
 
 
-class NoticeMonitor:
+class NoticeMonitor(Part):
     """Maintenance watching for one runtime. drain(node_id, notice): drains a node (returns
     True when the node was drained); withdraw(node_id): undoes a drain still running;
     backend: the cluster the watchers are started on and ask (the runtime's)."""
 
-    def __init__(
-        self,
-        *,
-        config: RuntimeConfig,
-        audit: AuditTrail,
-        membership: Membership,
-        drain: Callable[[str, Notice], Awaitable[bool]],
-        withdraw: Callable[[str], None],
-        backend: ClusterBackend,
-    ) -> None:
-        self.config = config
+    def __init__(self, parts: ControllerParts, *, drain: Callable[[str, Notice], Awaitable[bool]],
+                 withdraw: Callable[[str], None], backend: ClusterBackend) -> None:
+        super().__init__(parts)
         self.backend = backend
-        self.audit = audit
-        self.membership = membership
         self._drain = drain
         self._withdraw = withdraw
         self._runner: MaintenanceWatcher | None = None

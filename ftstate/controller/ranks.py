@@ -158,10 +158,8 @@ class ShardedSync(WeightSync):
     async def attempt(self) -> SyncReport:
         ms = self.membership
         group = ms.group
-        t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
-        previous, previous_checksum = group.weights_version, ms.checksum
+        t0, previous, previous_checksum = self._opening()
         target = previous + 1
-        self.failures = {}
         trainers = ms.trainer_ranks(self.config.trainer_workers, "every rank sends its part")
         rollouts = await self._begin(trainers, target, lambda _: {"senders": [t.name for t in trainers],
                                                                    "route": "collective"})
@@ -196,7 +194,7 @@ class ShardedSync(WeightSync):
                 ms.current(target, sent["checksum"])  # the vote (see Membership.current)
                 not_loaded = await self._commit(trainers[0], rollouts, target, sent["checksum"])
                 for t in trainers[1:]:
-                    t.machine.weights_version = target
+                    t.machine.now_holds(target)
                     if t.machine.state == "SYNCING":
                         await t.machine.fire("committed", checksum=sent["checksum"])
                 # Each rank's heartbeat then reports the committed version and full checksum.
@@ -266,7 +264,7 @@ class ShardedSync(WeightSync):
                     await m.machine.fire("sync_aborted", reason="sync refused before any transfer")
                 elif m.machine.state == "RESYNCING":
                     await m.machine.fire("resync_failed", reason="sync refused before any transfer")
-            group.weights_version = previous
+            group.now_holds(previous)
             first = next(iter(failures.items()))
             if group.state == "SYNCING":
                 await group.fire("sync_failed", reason=f"{first[0]}: {type(first[1]).__name__}: {first[1]}")

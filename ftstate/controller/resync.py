@@ -17,15 +17,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ftstate.controller.calls import ActorCalls
-from ftstate.controller.formation import GroupFormation
-from ftstate.controller.membership import Member, Membership, walk_proven
-from ftstate.controller.nodecopies import NodeCopies
+from ftstate.controller.membership import Member, walk_proven
+from ftstate.controller.parts import ControllerParts, Part
 from ftstate.controller.ranks import recover_ranks
 from ftstate.controller.sync import device_field, plan_for
-from ftstate.controller.watchdog import Watchdog
-from ftstate.core.audit import AuditTrail
-from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
     ChecksumMismatch,
     DeadlineExceeded,
@@ -47,47 +42,25 @@ from ftstate.core.protocol import (
 )
 
 
-class Resync:
+class Resync(Part):
     """Moves the current weights to newcomers. trainer_lossy: the user trainer class's
     ``lossy_state_dict`` (reverse recovery from a lossy copy is refused unless
     ``allow_lossy_recovery``); rank_local_calls: its ``rank_local_calls`` (several ranks:
-    who replays, :mod:`ftstate.controller.ranks`); node_copies: with ``staging: node``, each
-    node's committed copy, which a rollout newcomer there adopts."""
+    who replays, :mod:`ftstate.controller.ranks`); node_copies (the parts'): with ``staging: node``,
+    each node's committed copy, which a rollout newcomer there adopts."""
 
-    def __init__(
-        self,
-        *,
-        config: RuntimeConfig,
-        audit: AuditTrail,
-        membership: Membership,
-        calls: ActorCalls,
-        formation: GroupFormation,
-        watchdog: Watchdog,
-        trainer_lossy: bool,
-        trainer_class_name: str,
-        rank_local_calls: bool = False,
-        node_copies: NodeCopies | None = None,
-    ) -> None:
-        self.config = config
-        self.audit = audit
-        self.membership = membership
-        self.calls = calls
-        self.formation = formation
-        self.watchdog = watchdog
+    def __init__(self, parts: ControllerParts, *, trainer_lossy: bool, trainer_class_name: str,
+                 rank_local_calls: bool = False) -> None:
+        super().__init__(parts)
         self.trainer_lossy = trainer_lossy
         self.trainer_class_name = trainer_class_name
         self.rank_local_calls = rank_local_calls
-        self.node_copies = node_copies
         self._stages: dict[str, dict[str, Any]] = {}  # newcomer -> its resync's stage timings
         self._device: dict[str, int] = {}  # newcomer -> the device bytes of its resync's load by parts
         self._fed_by: dict[str, str] = {}  # newcomer -> who its last resync read from (a member, a node copy)
         #: Bytes of the last committed weights version (the runtime sets it at each commit): what
         #: a resync moves, for its route (``resync_shared_memory_min_mb``).
         self.weights_bytes = 0
-
-    @property
-    def ft(self) -> Any:
-        return self.config.fault_tolerance
 
     async def resync(self, newcomer: Member, source: Member | None = None) -> bool:
         """Move the current version to the newcomer only; False when it must wait for the next
@@ -153,7 +126,7 @@ class Resync:
             # engine copy, or a trainer whose state_dict() differs from what it loaded).
             raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got.checksum,
                                       expected=checksum, what=f"after loading it from {src.name}")
-        newcomer.machine.weights_version = version
+        newcomer.machine.now_holds(version)
         self._stages[newcomer.name] = {"source": src.name, "route": "shm" if shm else "gloo",
                                        "sender": dict(sent.stages), "newcomer": dict(got.stages)}
         await walk_proven(newcomer.machine, "RESYNCED", checksum=got.checksum, source=src.name,
@@ -227,7 +200,7 @@ class Resync:
         if got.checksum != checksum:
             raise HeldWeightsMismatch(newcomer.name, weights_version=version, held=got.checksum,
                                       expected=checksum, what=f"after loading it from the {source}")
-        newcomer.machine.weights_version = version
+        newcomer.machine.now_holds(version)
         await walk_proven(newcomer.machine, "RESYNCED", checksum=got.checksum, source=source,
                           **self._loaded_by_parts(newcomer, got))
         await walk_proven(newcomer.machine, "READY")

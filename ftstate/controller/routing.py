@@ -10,10 +10,9 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from ftstate.controller.calls import ActorCalls, name_all
-from ftstate.controller.membership import Member, Membership, TrainerCall
-from ftstate.core.audit import AuditTrail
-from ftstate.core.config import RuntimeConfig
+from ftstate.controller.calls import name_all
+from ftstate.controller.membership import Member, TrainerCall
+from ftstate.controller.parts import ControllerParts, Part
 from ftstate.core.errors import MemberLost, NoServingWorkers, UserCodeError
 from ftstate.core.protocol import UserCall, Versioned
 
@@ -25,27 +24,21 @@ def check_method(method: object) -> str:
     return method
 
 
-class Router:
+class Router(Part):
     """User calls for one runtime; ``recover`` runs pending failovers, ``settle`` waits (bounded) until
     suspects are cleared or declared lost."""
 
     def __init__(
         self,
+        parts: ControllerParts,
         *,
-        config: RuntimeConfig,
-        audit: AuditTrail,
-        membership: Membership,
-        calls: ActorCalls,
         routing_open: asyncio.Event,
         recover: Callable[[], Awaitable[None]],
         settle: Callable[[], Awaitable[None]],
         failover_pending: Callable[[], bool],
         raise_if_failed: Callable[[], None],
     ) -> None:
-        self.config = config
-        self.audit = audit
-        self.membership = membership
-        self.calls = calls
+        super().__init__(parts)
         self.routing_open = routing_open
         self.recover = recover
         self.settle = settle

@@ -60,8 +60,10 @@ from ftstate.controller.losses import Losses
 from ftstate.controller.membership import GONE, GROUP, Member, Membership
 from ftstate.controller.nodecopies import NodeCopies
 from ftstate.controller.notices import NoticeMonitor
+from ftstate.controller.parts import ControllerParts
 from ftstate.controller.progress import Progress
 from ftstate.controller.ranks import ShardedSync, form_trainer_group
+from ftstate.controller.resync import Resync
 from ftstate.controller.routing import Router
 from ftstate.controller.scaling import Scaler, ScaleRecord
 from ftstate.controller.startup import check_arguments, first_rendezvous, run_facts
@@ -220,31 +222,26 @@ class Runtime:
         self._node_copies = NodeCopies(run_id=self.run_id, config=cfg, audit=self.audit, calls=self._calls,
                                         backend=self.backend) \
             if cfg.staging == "node" and cfg.trainer_workers == 1 else None
-        self._failover = Failover(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
-                                  launcher=self._launcher, formation=self._formation, watchdog=self._watchdog,
-                                  trainer_lossy=bool(getattr(trainer_cls, "lossy_state_dict", False)),
-                                  trainer_class_name=trainer_cls.__name__,
-                                  rank_local_calls=bool(getattr(trainer_cls, "rank_local_calls", False)),
-                                  node_copies=self._node_copies)
-        self._sync = (ShardedSync if cfg.trainer_workers > 1 else WeightSync)(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
-                                formation=self._formation, routing_open=self._routing_open,
-                                raise_if_failed=self._raise_if_failed, node_copies=self._node_copies)
-        self._router = Router(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
-                              routing_open=self._routing_open, recover=self._recover, settle=self._settle,
-                              failover_pending=lambda: self._failover is not None and self._failover.pending,
+        parts = ControllerParts(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
+                                launcher=self._launcher, formation=self._formation, watchdog=self._watchdog,
+                                node_copies=self._node_copies)
+        resyncer = Resync(parts, trainer_lossy=bool(getattr(trainer_cls, "lossy_state_dict", False)),
+                          trainer_class_name=trainer_cls.__name__,
+                          rank_local_calls=bool(getattr(trainer_cls, "rank_local_calls", False)))
+        self._failover = Failover(parts, resyncer=resyncer)
+        self._sync = (ShardedSync if cfg.trainer_workers > 1 else WeightSync)(
+            parts, routing_open=self._routing_open, raise_if_failed=self._raise_if_failed)
+        self._router = Router(parts, routing_open=self._routing_open, recover=self._recover, settle=self._settle,
+                              failover_pending=lambda: self.failover_pending,
                               raise_if_failed=self._raise_if_failed)
         self._chaos = Chaos(ms, self.audit)
-        self._drainer = Drainer(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
-                                launcher=self._launcher, formation=self._formation, failover=self._failover,
-                                pause_trainer=self._router.pause_trainer)
-        self._losses = Losses(config=cfg, progress=self.progress, membership=ms, launcher=self._launcher,
-                              failover=self._failover, drainer=self._drainer, lock=self._sync_lock, spawn=self._spawn,
-                              closed=lambda: self._closed, notices=lambda: self._notices,
+        self._drainer = Drainer(parts, failover=self._failover, pause_trainer=self._router.pause_trainer)
+        self._losses = Losses(parts, progress=self.progress, failover=self._failover, drainer=self._drainer,
+                              lock=self._sync_lock, spawn=self._spawn, closed=lambda: self._closed, notices=lambda: self._notices,
                               changing=lambda: self._scaler.changing if self._scaler is not None else ())
         self.group.listen(self._losses.group_transition)
-        self._scaler = Scaler(config=cfg, audit=self.audit, membership=ms, calls=self._calls,
-                              launcher=self._launcher, formation=self._formation, failover=self._failover,
-                              watchdog=self._watchdog, router=self._router, recover_locked=self._losses.recover_locked)
+        self._scaler = Scaler(parts, failover=self._failover, router=self._router,
+                              recover_locked=self._losses.recover_locked)
         self._launcher.make_pools()
         for i in range(cfg.trainer_workers):
             self._launcher.start("trainer", i, f"trainer-{i}")
@@ -258,8 +255,7 @@ class Runtime:
                                      timeout_s=cfg.init_timeout_s)
         self._watch_task = asyncio.get_running_loop().create_task(self._watchdog.run())
         if cfg.fault_tolerance.detect_node_maintenance:
-            self._notices = NoticeMonitor(config=cfg, audit=self.audit, membership=ms,
-                                          drain=self._drain_for_notice, withdraw=self._drainer.withdraw,
+            self._notices = NoticeMonitor(parts, drain=self._drain_for_notice, withdraw=self._drainer.withdraw,
                                           backend=self.backend)
             await self._notices.start()
 
@@ -605,6 +601,11 @@ class Runtime:
     def failovers(self) -> list[Any]:
         """Every failover so far (:class:`~ftstate.controller.failover.FailoverRecord`)."""
         return list(self._failover.records) if self._failover is not None else []
+
+    @property
+    def failover_pending(self) -> bool:
+        """Whether a loss waits for its failover (the next sync or call that needs the member runs it)."""
+        return self._failover is not None and self._failover.pending
 
     def _parts(self) -> tuple[Membership, GroupFormation, ActorLauncher, Watchdog, Failover, WeightSync]:
         ms = self._require_membership()

@@ -46,15 +46,10 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ftstate.controller.calls import ActorCalls
 from ftstate.controller.failover import Failover
-from ftstate.controller.formation import GroupFormation
-from ftstate.controller.launcher import ActorLauncher
-from ftstate.controller.membership import Member, Membership
+from ftstate.controller.membership import Member
+from ftstate.controller.parts import ControllerParts, Part
 from ftstate.controller.routing import Router
-from ftstate.controller.watchdog import Watchdog
-from ftstate.core.audit import AuditTrail
-from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
     FTError,
     InvalidTransition,
@@ -98,32 +93,14 @@ class _NewcomerLost(Exception):  # control flow inside this module, never raised
         self.member = member
 
 
-class Scaler:
+class Scaler(Part):
     """Grows and shrinks the rollout fleet of one runtime; the caller holds the sync lock.
     recover_locked: runs pending failovers (a member other than a newcomer lost meanwhile)."""
 
-    def __init__(
-        self,
-        *,
-        config: RuntimeConfig,
-        audit: AuditTrail,
-        membership: Membership,
-        calls: ActorCalls,
-        launcher: ActorLauncher,
-        formation: GroupFormation,
-        failover: Failover,
-        watchdog: Watchdog,
-        router: Router,
-        recover_locked: Callable[[], Awaitable[None]],
-    ) -> None:
-        self.config = config
-        self.audit = audit
-        self.membership = membership
-        self.calls = calls
-        self.launcher = launcher
-        self.formation = formation
+    def __init__(self, parts: ControllerParts, *, failover: Failover, router: Router,
+                 recover_locked: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(parts)
         self.failover = failover
-        self.watchdog = watchdog
         self.router = router
         self.recover_locked = recover_locked
         self.records: list[ScaleRecord] = []

@@ -17,40 +17,20 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ftstate.controller.calls import ActorCalls
-from ftstate.controller.launcher import ActorLauncher
-from ftstate.controller.membership import Member, Membership
-from ftstate.controller.nodecopies import NodeCopies
-from ftstate.core.audit import AuditTrail
-from ftstate.core.config import RuntimeConfig
+from ftstate.controller.membership import Member
+from ftstate.controller.parts import ControllerParts, Part
 from ftstate.core.errors import FTError, WorkerInitError
 from ftstate.core.protocol import Prewarm, ReserveStaging
 
 
-class Spares:
+class Spares(Part):
     """The spares of one runtime. The failover's node accounting is passed in: avoided_nodes
     (nodes nothing new goes to), quarantined_nodes (nodes no spare ever goes to) and strike (a
     spare that died blames its node: :meth:`ftstate.controller.failover.Failover.strike`)."""
 
-    def __init__(
-        self,
-        *,
-        config: RuntimeConfig,
-        audit: AuditTrail,
-        membership: Membership,
-        calls: ActorCalls,
-        launcher: ActorLauncher,
-        node_copies: NodeCopies | None,
-        avoided_nodes: Callable[[], set[str]],
-        quarantined_nodes: Callable[[], set[str]],
-        strike: Callable[[Member, str], None],
-    ) -> None:
-        self.config = config
-        self.audit = audit
-        self.membership = membership
-        self.calls = calls
-        self.launcher = launcher
-        self.node_copies = node_copies
+    def __init__(self, parts: ControllerParts, *, avoided_nodes: Callable[[], set[str]],
+                 quarantined_nodes: Callable[[], set[str]], strike: Callable[[Member, str], None]) -> None:
+        super().__init__(parts)
         self.avoided_nodes = avoided_nodes
         self.quarantined_nodes = quarantined_nodes
         self.strike = strike
@@ -63,10 +43,6 @@ class Spares:
         self._warm_seconds: dict[str, float] = {}
         #: The committed weights' size: what a spare's staging buffer is reserved for (0: none yet).
         self.staging_bytes = 0
-
-    @property
-    def ft(self) -> Any:
-        return self.config.fault_tolerance
 
     def next_seq(self) -> int:
         """A number for the name of the next actor started as a spare or a fresh replacement."""

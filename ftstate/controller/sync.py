@@ -9,12 +9,10 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ftstate.controller.calls import ActorCalls, name_all
+from ftstate.controller.calls import name_all
 from ftstate.controller.causes import root_cause
-from ftstate.controller.formation import GroupFormation
-from ftstate.controller.membership import GROUP, Member, Membership, walk_proven
-from ftstate.controller.nodecopies import NodeCopies
-from ftstate.core.audit import AuditTrail
+from ftstate.controller.membership import GROUP, Member, walk_proven
+from ftstate.controller.parts import ControllerParts, Part
 from ftstate.core.config import RuntimeConfig
 from ftstate.core.errors import (
     ChecksumMismatch,
@@ -92,29 +90,13 @@ def plan_for(config: RuntimeConfig, sender: Member, receivers: Sequence[Member],
                          shared_memory or config.shared_memory)
 
 
-class WeightSync:
+class WeightSync(Part):
     """Runs sync attempts for one runtime. routing_open: cleared while rollouts commit (no
     call reaches half-loaded weights). raise_if_failed: raises the run's failure, if any."""
 
-    def __init__(
-        self,
-        *,
-        config: RuntimeConfig,
-        audit: AuditTrail,
-        membership: Membership,
-        calls: ActorCalls,
-        formation: GroupFormation,
-        routing_open: asyncio.Event,
-        raise_if_failed: Callable[[], None],
-        node_copies: NodeCopies | None = None,
-    ) -> None:
-        self.config = config
-        #: ``staging: node``: the node agents and each node's committed copy (None: private staging).
-        self.node_copies = node_copies
-        self.audit = audit
-        self.membership = membership
-        self.calls = calls
-        self.formation = formation
+    def __init__(self, parts: ControllerParts, *, routing_open: asyncio.Event,
+                 raise_if_failed: Callable[[], None]) -> None:
+        super().__init__(parts)
         self.routing_open = routing_open
         self.raise_if_failed = raise_if_failed
         # Members whose calls of the current transfer failed, in the order they failed.
@@ -132,10 +114,8 @@ class WeightSync:
         """One try at the next weights version; see the module docstring."""
         ms = self.membership
         group = ms.group
-        t0 = asyncio.get_running_loop().time()  # the loop's clock: virtual in a simulation
-        previous, previous_checksum = group.weights_version, ms.checksum
+        t0, previous, previous_checksum = self._opening()
         target = previous + 1
-        self.failures = {}
         trainer = ms.trainer()
         rollouts = await self._begin([trainer], target, lambda rs: plan_for(self.config, trainer, rs).record())
         plan = plan_for(self.config, trainer, rollouts)  # pure: the plan sync_start recorded
@@ -272,6 +252,12 @@ class WeightSync:
         else:
             await copies.forget(node)
 
+    def _opening(self) -> tuple[float, int, str | None]:
+        """An attempt's start (the loop's clock: virtual in a simulation), the version and checksum it
+        replaces; the last attempt's failures are forgotten."""
+        self.failures = {}
+        return asyncio.get_running_loop().time(), self.membership.group.weights_version, self.membership.checksum
+
     async def _begin(self, senders: Sequence[Member], target: int,
                      plan: Callable[[list[Member]], dict[str, object]]) -> list[Member]:
         """Open the attempt at ``target``: senders must be READY and some rollout able to receive; fires
@@ -288,9 +274,7 @@ class WeightSync:
         if not rollouts:
             raise NoServingWorkers(f"no rollout can receive weights version {target}: {ms.states_text()}")
         # Until committed, the group's (and routing's) current version stays the previous one.
-        previous, group.weights_version = group.weights_version, target
-        await group.fire("sync_start", rollouts=[m.name for m in rollouts], plan=plan(rollouts))
-        group.weights_version = previous
+        await group.fire("sync_start", for_version=target, rollouts=[m.name for m in rollouts], plan=plan(rollouts))
         for s in senders:
             await s.machine.fire("sync")
         for m in rollouts:
@@ -371,7 +355,7 @@ class WeightSync:
                 await m.machine.fire("sync_aborted", reason=str(err) if err else "sync aborted")
             elif m.machine.state == "RESYNCING":
                 await m.machine.fire("resync_failed", reason=str(err) if err else "sync aborted")
-        group.weights_version = previous
+        group.now_holds(previous)
         first = next(iter(failures.items()))
         if group.state == "SYNCING":
             await group.fire("sync_failed", reason=f"{first[0]}: {type(first[1]).__name__}: {first[1]}")
@@ -426,7 +410,7 @@ class WeightSync:
             if m.name in self.pending:
                 await self._defer(m, version)
                 continue
-            m.machine.weights_version = version
+            m.machine.now_holds(version)
             m.pending_version = None
             # Each member's own checksum, and a load by parts' device bytes, go on its record.
             device = device_field(self.device_bytes.get(m.name))
@@ -440,7 +424,7 @@ class WeightSync:
                 # Brought up to date, or moved by the watchdog meanwhile: its load is proven, walk it to
                 # READY.
                 await walk_proven(m.machine, "READY", checksum=held[m.name], **device)
-        trainer.machine.weights_version = version
+        trainer.machine.now_holds(version)
         if trainer.machine.state == "SYNCING":
             await trainer.machine.fire("committed", checksum=checksum)
         elif not trainer.gone:

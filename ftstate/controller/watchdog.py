@@ -229,7 +229,8 @@ class Watchdog:
         shown = {"checksum": beat.checksum} if beat is not None and trigger in ("verified", "alive_stale") else {}
         if trigger == "verified" and beat is not None and m.pending_version is not None \
                 and beat.weights_version >= m.pending_version:
-            m.machine.weights_version, m.pending_version = beat.weights_version, None  # swapped meanwhile
+            m.machine.now_holds(beat.weights_version)  # swapped meanwhile
+            m.pending_version = None
         await m.machine.fire(trigger, reason=reason, **shown)
         if trigger == "verified":
             await m.machine.fire("admit")
@@ -243,7 +244,7 @@ class Watchdog:
                     f"swapped to weights version {version} at a safe point holding checksum {beat.checksum}, "
                     "not that version's"))
             return
-        m.machine.weights_version = version
+        m.machine.now_holds(version)
         if m.machine.serving:
             m.machine.record("swapped", checksum=beat.checksum)
         else:  # suspected or made stale while it held the version back: proven now

@@ -39,12 +39,12 @@ from ftstate.core.configfields import (
     convert,
     hint_of,
     load_yaml,
-    short_repr,
     walk_fields,
 )
 from ftstate.core.configfields import describe as describe_fields
 from ftstate.core.configfields import sections as section_docs
 from ftstate.core.errors import ConfigError
+from ftstate.core.text import short_repr
 
 #: The maintenance-notice sources ``fault_tolerance.maintenance_sources`` may name.
 MAINTENANCE_SOURCES = ("gce", "aws", "azure", "ray", "file")

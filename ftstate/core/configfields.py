@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import reprlib
 import typing
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from ftstate.core.errors import ConfigError
+from ftstate.core.text import short_repr
 
 #: Largest config file read (a real one is a few KiB).
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -23,23 +23,6 @@ MAX_CONFIG_BYTES = 1024 * 1024
 MAX_CONFIG_DEPTH = 32
 #: Largest integer a config value may hold (int64).
 _MAX_INT = (1 << 63) - 1
-
-_short = reprlib.Repr()
-_short.maxstring = 80
-_short.maxother = 80
-_short.maxlist = 6
-_short.maxdict = 6
-_short.maxlong = 40
-_short.maxlevel = 3
-
-
-def short_repr(value: Any) -> str:
-    """A bounded repr of a value from a config file or the environment, for error messages."""
-    try:
-        return _short.repr(value)
-    except Exception:  # noqa: BLE001 - the repr of hostile data must never be the crash
-        return f"<{type(value).__name__}>"
-
 
 def load_yaml(text: str, source: str) -> Any:
     """``yaml.safe_load`` without aliases and with bounded nesting (ConfigError otherwise)."""

@@ -143,6 +143,7 @@ class StateMachine:
         "_scopes",
         "_wait",
         "_waiters",
+        "_weights_version",
         "audit",
         "budgets",
         "clock",
@@ -152,7 +153,6 @@ class StateMachine:
         "group_version",
         "identity",
         "spec",
-        "weights_version",
     )
 
     def __init__(
@@ -178,8 +178,7 @@ class StateMachine:
         self.budgets = budgets if budgets is not None else {}
         #: The membership version the machine's records are stamped with (set by the runtime).
         self.group_version = 0
-        #: The weights version this member holds (group: the current committed version).
-        self.weights_version = 0
+        self._weights_version = 0
         #: The last error recorded (deadline expiry, exhausted budget, or one passed to fire()).
         self.error: FTError | None = None
         self.deadline: Deadline | None = None
@@ -198,6 +197,16 @@ class StateMachine:
         self._arm(spec.initial)
 
     # -- reading -----------------------------------------------------------------------
+
+    @property
+    def weights_version(self) -> int:
+        """The weights version this member holds (group: the current committed version)."""
+        return self._weights_version
+
+    def now_holds(self, weights_version: int) -> None:
+        """This member holds ``weights_version`` from now on (the group: it is the current version); the only
+        place a machine's version is written."""
+        self._weights_version = weights_version
 
     @property
     def member(self) -> str:
@@ -257,13 +266,18 @@ class StateMachine:
         reason: str = "",
         error: FTError | None = None,
         spend_on: Sequence[str | Charge] = (),
+        for_version: int | None = None,
         **fields: Any,
     ) -> str:
         """Apply one event; returns the state entered. Raises :class:`~ftstate.core.errors.InvalidTransition`
         when the state does not accept ``trigger``. ``error`` is recorded as the machine's error; ``fields``
         go on the record; ``spend_on`` says what each budget unit is spent on (default one unit, on
-        ``reason``), and entering is refused for ``on_exhausted`` when a limit would break. Applied in one
-        step of the event loop, so events never interleave and no lock is needed."""
+        ``reason``), and entering is refused for ``on_exhausted`` when a limit would break. ``for_version``:
+        the weights version the record names when the event concerns one the machine does not hold yet
+        (``sync_start``: the version being pushed; it becomes the machine's only through :meth:`now_holds`).
+        Applied in one step of the event loop, so events never interleave and no lock is needed."""
+        if for_version is not None:
+            fields = {**fields, "weights_version": for_version}
         return self._fire(trigger, reason, error, fields, tuple(spend_on))
 
     def _fire(

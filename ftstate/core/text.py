@@ -4,7 +4,9 @@ from making a message of megabytes."""
 
 from __future__ import annotations
 
+import functools
 import re
+import reprlib
 from collections.abc import Iterable
 
 #: ANSI/VT100 escape sequences: CSI (``ESC [ ... final``), OSC (``ESC ] ... BEL|ST``) and
@@ -31,6 +33,25 @@ def bounded(text: str, limit: int = 2000) -> str:
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
+@functools.cache
+def _repr_of_width(width: int) -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = width
+    r.maxlist = r.maxdict = 6
+    r.maxlong = 40
+    r.maxlevel = 3
+    return r
+
+
+def short_repr(value: object, width: int = 80) -> str:
+    """A bounded repr of a value from outside (a config file, the environment, the wire), for error messages:
+    strings and other values cut near ``width``, at most 6 items of a container, 3 levels deep."""
+    try:
+        return _repr_of_width(width).repr(value)
+    except Exception:  # noqa: BLE001 - the repr of hostile data must never be the crash
+        return f"<{type(value).__name__}>"
+
+
 def listed(items: Iterable[object], first: int = 5, sep: str = "; ") -> str:
     """The first ``first`` of ``items`` joined by ``sep``, then "and N more", so a message stays one line (the
     full list belongs in attributes and the trail)."""
@@ -39,4 +60,4 @@ def listed(items: Iterable[object], first: int = 5, sep: str = "; ") -> str:
     return f"{shown}{sep}and {len(items) - first} more" if len(items) > first else shown
 
 
-__all__ = ["bounded", "clean", "listed", "strip_ansi"]
+__all__ = ["bounded", "clean", "listed", "short_repr", "strip_ansi"]

@@ -74,7 +74,8 @@ class SimulatedCluster(ClusterBackend):
         self._changes: dict[str, NodeChanges] = {}
         #: Each node's agent (:meth:`heartbeats`), started on first use.
         self._agents: dict[str, SimulatedLivenessAgent] = {}
-        self._collectives: dict[tuple[Any, ...], Collective] = {}
+        #: The collectives in progress, by (what, group version, ...): a member that goes breaks those it is in.
+        self.collectives: dict[tuple[Any, ...], Collective] = {}
         #: Ranks of each group version whose process went with its node (their collectives fail).
         self.gone_ranks: dict[int, set[int]] = {}
         self._stores: dict[int, SimulatedStore] = {}
@@ -232,10 +233,10 @@ class SimulatedCluster(ClusterBackend):
 
     def collective(self, key: tuple[Any, ...], what: str, expected: int, cost_s: float) -> Collective:
         """The collective ``key``, made on first arrival, kept while broken so a late arrival hears it."""
-        c = self._collectives.get(key)
+        c = self.collectives.get(key)
         if c is None:
-            c = self._collectives[key] = Collective(self.loop, what, expected, cost_s, self.costs.death_detect_s,
-                                                    on_finish=lambda: self._collectives.pop(key, None))
+            c = self.collectives[key] = Collective(self.loop, what, expected, cost_s, self.costs.death_detect_s,
+                                                    on_finish=lambda: self.collectives.pop(key, None))
         return c
 
     # -- faults ----------------------------------------------------------------------------

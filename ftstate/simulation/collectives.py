@@ -113,9 +113,9 @@ class Collective:
     def _ended(self, fut: asyncio.Future[Any]) -> None:
         member = self._by_future.get(fut)
         if member is not None:  # None: finished, each member's part done by _finish
-            self._left(member, fut)
+            self.leave(member, fut)
 
-    def _left(self, member: Any, fut: asyncio.Future[Any] | None) -> None:
+    def leave(self, member: Any, fut: asyncio.Future[Any] | None) -> None:
         # A participant's call ended: normal at the finish; before it, the collective breaks.
         forget(member.collectives, self)
         if self.broken is not None or (self.started_at is not None and self.loop.time() >= self.started_at + self.cost_s):

@@ -177,17 +177,15 @@ def _steady(rt: Any, cluster: Any) -> bool:
     """Whether nothing of a failure is left in flight, by the controller's view and the simulated cluster's
     truth: group ready, no failover pending, every counted member READY (spares STANDBY) and answering, none
     on a poisoned node."""
-    ms, *_, failover, _ = rt._parts()  # the simulator's own look, one walk of the members
-    if rt.state != "READY" or failover.pending:
+    if rt.state != "READY" or rt.failover_pending:
         return False
-    version, now = ms.weights_version, cluster.loop.time()
-    for m in ms:
-        state = m.machine.state
-        if state in _GONE:
+    version, now = rt.weights_version, cluster.loop.time()
+    for m in rt.members():
+        if m.state in _GONE:
             continue
-        if state != ("READY" if m.rank >= 0 else "STANDBY") or (m.rank >= 0 and m.machine.weights_version != version):
+        if m.state != ("READY" if m.rank >= 0 else "STANDBY") or (m.rank >= 0 and m.weights_version != version):
             return False
-        p = cluster.members.get(m.name)
+        p = cluster.members.get(m.member)
         if p is None or not p.alive or p.hung or p.cut_off or p.up_at > now or p.node_id in cluster.poisoned:
             return False
     return True

@@ -279,9 +279,9 @@ class SimulatedMember:
             # Its sockets closed with it: a collective of its group version waiting for it (a
             # broadcast it never entered, because it hung first) breaks for those already in
             # it, as gloo's peers hear a reset; one started later fails at once (gone_ranks).
-            for key, c in list(self.cluster._collectives.items()):
+            for key, c in list(self.cluster.collectives.items()):
                 if key[1] == self.group_version and c.started_at is None and self.rank not in c.arrivals:
-                    c._left(self, None)
+                    c.leave(self, None)
             self.cluster.gone_ranks.setdefault(self.group_version, set()).add(self.rank)
 
     def hang(self) -> None:
@@ -297,7 +297,7 @@ class SimulatedMember:
         # it at once (a real gloo peer raises as soon as the connection resets), while the
         # controller's own calls to it go unanswered.
         for c in list(self.collectives):
-            c._left(self, None)
+            c.leave(self, None)
         if self.rank >= 0:  # and a collective of its group version started later fails at once too
             self.cluster.gone_ranks.setdefault(self.group_version, set()).add(self.rank)
 

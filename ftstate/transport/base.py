@@ -124,13 +124,8 @@ class Communicator(abc.ABC):
     def abort(self, reason: str = "abandoned") -> None:
         """Abandon this version: tear down the backend (idempotent). Peers blocked on this
         member fail at once rather than at their timeouts."""
-        if self._abort_reason is not None:
+        if not self._give_up(reason, "communicator aborted"):
             return
-        self._abort_reason = reason
-        log.info(
-            "communicator aborted",
-            extra={"group": self.group, "group_version": self.version, "rank": self.rank, "reason": reason},
-        )
         try:
             self._abort_backend()
         except Exception:  # teardown of a broken backend must not mask the error being handled
@@ -139,13 +134,16 @@ class Communicator(abc.ABC):
     def abandon(self, reason: str) -> None:
         """Give up this version from another thread: blocked waits end with CommunicatorAborted.
         No teardown, unlike :meth:`abort`: tearing gloo down under a stuck operation blocks the caller."""
+        self._give_up(reason, "communicator abandoned")
+
+    def _give_up(self, reason: str, message: str) -> bool:
+        """Mark this version given up for ``reason`` and log it once; False when it already was."""
         if self._abort_reason is not None:
-            return
+            return False
         self._abort_reason = reason
-        log.info(
-            "communicator abandoned",
-            extra={"group": self.group, "group_version": self.version, "rank": self.rank, "reason": reason},
-        )
+        log.info(message, extra={"group": self.group, "group_version": self.version, "rank": self.rank,
+                                 "reason": reason})
+        return True
 
     def close(self) -> None:
         """Release the communicator after normal use (same teardown as :meth:`abort`)."""
@@ -159,7 +157,7 @@ class Communicator(abc.ABC):
 
     # -- error translation (used by the backends) --------------------------------------
 
-    def _translate(self, exc: BaseException, op: str, timeout_s: float, peer: int | None = None) -> Exception:
+    def translate(self, exc: BaseException, op: str, timeout_s: float, peer: int | None = None) -> Exception:
         """The ftstate error for a backend exception raised by ``op``; aborts the communicator.
         ``peer``: the rank on the other end of a point-to-point ``op``, named by a :class:`PeerLost`."""
         text = str(exc)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from ftstate.core.errors import BackendUnavailable
 from ftstate.transport.base import Backend, Communicator
 from ftstate.transport.store import StoreAddress
@@ -27,30 +30,19 @@ def create_communicator(
     the missing rank, and is the default bound of later primitives. ``device_host``: the address
     gloo binds. Raises BackendUnavailable for a backend that cannot load here, never falling back.
     """
+    join: Callable[..., Communicator]
     if backend == "gloo":
         from ftstate.transport.gloo import GlooCommunicator
 
-        return GlooCommunicator.join(
-            store_addr=store_addr,
-            group=group,
-            version=version,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=timeout_s,
-            device_host=device_host,
-        )
-    if backend == "nccl":
+        join = functools.partial(GlooCommunicator.join, device_host=device_host)
+    elif backend == "nccl":
         from ftstate.transport.nccl import NcclCommunicator
 
-        return NcclCommunicator.join(
-            store_addr=store_addr,
-            group=group,
-            version=version,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=timeout_s,
-        )
-    raise BackendUnavailable(f"unknown transport backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        join = NcclCommunicator.join
+    else:
+        raise BackendUnavailable(f"unknown transport backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    return join(store_addr=store_addr, group=group, version=version, rank=rank, world_size=world_size,
+                timeout_s=timeout_s)
 
 
 __all__ = ["BACKENDS", "create_communicator"]

@@ -89,14 +89,14 @@ class _GlooPending(Pending):
                     if _WAIT_EXPIRED not in str(exc):
                         raise
                 comm = self._comm
-                if comm._abort_reason is not None:
+                if comm.aborted:
                     raise comm.aborted_error()
         except RuntimeError as exc:  # DistError and gloo's errors are RuntimeErrors
             del work
             comm = self._comm
-            if comm._abort_reason is not None:  # the version was abandoned: this is its echo
+            if comm.aborted:  # the version was abandoned: this is its echo
                 raise comm.aborted_error() from exc
-            raise comm._translate(exc, self._op, self._timeout_s, self._peer) from exc
+            raise comm.translate(exc, self._op, self._timeout_s, self._peer) from exc
 
 
 class GlooCommunicator(Communicator):
@@ -213,27 +213,23 @@ class GlooCommunicator(Communicator):
         try:
             work = pg.broadcast(tensor, root, _delta(t))
         except RuntimeError as exc:
-            raise self._translate(exc, op, t) from exc
+            raise self.translate(exc, op, t) from exc
         return _GlooPending(self, work, op, t, wait_timeout=False)
 
     def send(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
-        t = self._timeout(timeout_s)
-        op = f"send to rank {peer}"
-        pg = self._live_pg(op)
-        try:
-            work = pg.send([tensor], peer, tag)
-        except RuntimeError as exc:
-            raise self._translate(exc, op, t, peer) from exc
-        return _GlooPending(self, work, op, t, wait_timeout=True, peer=peer)
+        return self._point_to_point("send", f"send to rank {peer}", tensor, peer, tag, timeout_s)
 
     def recv(self, tensor: torch.Tensor, peer: int, *, tag: int, timeout_s: float | None = None) -> Pending:
+        return self._point_to_point("recv", f"receive from rank {peer}", tensor, peer, tag, timeout_s)
+
+    def _point_to_point(self, method: str, op: str, tensor: torch.Tensor, peer: int, tag: int,
+                        timeout_s: float | None) -> Pending:
         t = self._timeout(timeout_s)
-        op = f"receive from rank {peer}"
         pg = self._live_pg(op)
         try:
-            work = pg.recv([tensor], peer, tag)
+            work = getattr(pg, method)([tensor], peer, tag)
         except RuntimeError as exc:
-            raise self._translate(exc, op, t, peer) from exc
+            raise self.translate(exc, op, t, peer) from exc
         return _GlooPending(self, work, op, t, wait_timeout=True, peer=peer)
 
     def allgather(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> list[torch.Tensor]:
@@ -246,7 +242,7 @@ class GlooCommunicator(Communicator):
         try:
             work = pg.allgather([out], [tensor], opts)
         except RuntimeError as exc:
-            raise self._translate(exc, op, t) from exc
+            raise self.translate(exc, op, t) from exc
         _GlooPending(self, work, op, t, wait_timeout=False).wait()
         return out
 
@@ -259,7 +255,7 @@ class GlooCommunicator(Communicator):
         try:
             work = pg.barrier(opts)
         except RuntimeError as exc:
-            raise self._translate(exc, op, t) from exc
+            raise self.translate(exc, op, t) from exc
         _GlooPending(self, work, op, t, wait_timeout=False).wait()
 
     def current_version(self) -> int:

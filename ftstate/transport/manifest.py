@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import reprlib
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 import msgpack
 
 from ftstate.core.errors import ManifestError, StaleGroupVersion
+from ftstate.core.text import short_repr
 from ftstate.transport.buckets import DTYPE_ITEMSIZE, MIN_BUCKET_SIZE, TensorEntry
 
 #: Version of the wire format; bumped on any incompatible change of either message
@@ -34,19 +34,9 @@ MAX_TOTAL_BYTES = 1 << 44
 #: Largest bucket accepted (64 GiB; ``bucket_size_mb`` is far below it in practice).
 MAX_BUCKET_SIZE = 1 << 36
 
-_short = reprlib.Repr()
-_short.maxstring = 60
-_short.maxother = 60
-_short.maxlist = 6
-_short.maxlong = 40
-
-
 def short(value: Any) -> str:
     """A bounded repr of a value taken from the wire, for error messages."""
-    try:
-        return _short.repr(value)
-    except Exception:  # noqa: BLE001 - a repr of hostile data must never be the crash
-        return f"<{type(value).__name__}>"
+    return short_repr(value, width=60)
 
 
 @dataclass(frozen=True)

@@ -97,9 +97,9 @@ class _NcclPending(Pending):
             try:
                 self._comm._check_async_error()
             except Exception as exc:
-                raise self._comm._translate(exc, self._op, self._timeout_s) from exc
+                raise self._comm.translate(exc, self._op, self._timeout_s) from exc
             if time.monotonic() > self._deadline:
-                raise self._comm._translate(TimeoutError("timed out"), self._op, self._timeout_s)
+                raise self._comm.translate(TimeoutError("timed out"), self._op, self._timeout_s)
             time.sleep(_POLL_S)
 
 
@@ -224,7 +224,7 @@ class NcclCommunicator(Communicator):
                 event = torch.cuda.Event()
                 event.record(self._stream)
         except Exception as exc:
-            raise self._translate(exc, op, t) from exc
+            raise self.translate(exc, op, t) from exc
         return _NcclPending(self, event, op, t)
 
     def broadcast(self, tensor: torch.Tensor, root: int, *, timeout_s: float | None = None) -> Pending:

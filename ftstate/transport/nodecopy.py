@@ -123,6 +123,11 @@ class NodeCopy:
         return cls(name, mm, group_version=group_version, owner=owner, writer=os.getpid(),
                    weights_version=weights_version, manifest=manifest, data_bytes=data_bytes)
 
+    @property
+    def mapped(self) -> bool:
+        """Whether this process still maps the copy (:meth:`close` unmaps it)."""
+        return self._mm is not None
+
     def reuse(self, group: str, *, group_version: int, weights_version: int, manifest: bytes,
               data_bytes: int) -> bool:
         """Rewrite the writer's spare as the next copy (renamed, header and manifest rewritten),
@@ -364,7 +369,7 @@ def fetch(receiver: Receiver, served: dict, *, name: str, group: str, owner: int
             manifest = bytes(rest[:mlen])
             flat = torch.empty(0, dtype=torch.uint8)
             if dlen:  # the staging's own bytes, written in place by the socket
-                staging = receiver._staging(dlen, torch.device("cpu"))
+                staging = receiver.staging(dlen, torch.device("cpu"))
                 flat = staging[0][:dlen]
                 recv_into(conn, host_bytes(flat))
             if trailing := size - _data_offset(mlen) - dlen:

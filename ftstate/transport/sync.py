@@ -275,7 +275,7 @@ class Receiver:
         seen: set[int] = set()
         total = 0
         c = self._committed
-        for buf in (c._flat if c is not None and c._node is None else None,
+        for buf in (c.flat if c is not None and c.node_copy is None else None,
                     self._spare[0] if self._spare is not None else None):
             if buf is not None and buf.data_ptr() not in seen:
                 seen.add(buf.data_ptr())
@@ -293,9 +293,9 @@ class Receiver:
         is now the only full copy. ``keep_spare``: the committed buffer becomes the spare, reused
         only if nothing else still holds a view of it."""
         c = self._committed
-        spare = (c._flat, c._baseline) if keep_spare and c is not None and c._flat is not None \
-            and c._node is None else None
-        if c is not None and c._flat is not None:
+        spare = (c.flat, c.baseline) if keep_spare and c is not None and c.flat is not None \
+            and c.node_copy is None else None
+        if c is not None and c.flat is not None:
             self._committed = dataclasses.replace(c, tensors=types.MappingProxyType({}), _flat=None, _entries=None,
                                                   _windows=None, _seal=None, _baseline=0)
         self._spare = spare
@@ -334,7 +334,7 @@ class Receiver:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _staging(self, nbytes: int, device: torch.device, wait_s: float = 0.0) -> tuple[torch.Tensor, int]:
+    def staging(self, nbytes: int, device: torch.device, wait_s: float = 0.0) -> tuple[torch.Tensor, int]:
         """The buffer a transfer of ``nbytes`` lands in: the spare when it fits and nobody else
         holds it, else a fresh one. A reserve in flight is waited for up to ``wait_s`` (what is
         left of the transfer's deadline); past that the transfer allocates its own."""
@@ -385,7 +385,7 @@ class Receiver:
             if staging is not None:  # no staging of its own: its peak is what it already keeps
                 self._peak = self.held_bytes
             else:
-                staging = self._staging(manifest.total_bytes, comm.device, stream.deadline - time.monotonic())
+                staging = self.staging(manifest.total_bytes, comm.device, stream.deadline - time.monotonic())
                 zero_padding(staging[0], manifest)
             flat = staging[0]
             way.open(flat, at)
@@ -468,8 +468,8 @@ class Receiver:
         self._committed = new  # the commit: one reference assignment
         if node is not None:
             self._spare = None
-        elif kept is not None and kept._flat is not None and kept._node is None:
-            self._spare = (kept._flat, kept._baseline)
+        elif kept is not None and kept.flat is not None and kept.node_copy is None:
+            self._spare = (kept.flat, kept.baseline)
         log.info(
             "weights committed",
             extra={"group": comm.group, "group_version": comm.version, "rank": comm.rank,

@@ -46,6 +46,27 @@ class CommittedWeights:
     #: weights (:func:`~ftstate.transport.checksum.host_copied_bytes`); 0 on a GPU sync hashed with nh64.
     host_bytes: int = 0
 
+    @property
+    def flat(self) -> torch.Tensor | None:
+        """The staging buffer ``tensors`` view (None: released, or given without one)."""
+        return self._flat
+
+    @property
+    def entries(self) -> tuple[TensorEntry, ...] | None:
+        """Where each tensor lies in :attr:`flat`."""
+        return self._entries
+
+    @property
+    def baseline(self) -> int:
+        """The use count of :attr:`flat` when only its receiver holds it (more: someone kept a view)."""
+        return self._baseline
+
+    @property
+    def node_copy(self) -> str | None:
+        """The node copy whose mapping ``tensors`` view (:mod:`ftstate.transport.nodecopy`); None: a
+        private buffer."""
+        return self._node
+
     def staged_as(self, entries: tuple[TensorEntry, ...]) -> torch.Tensor | None:
         """The staging buffer these weights view when it is laid out as ``entries`` (a resend
         then sends slices of it), else None."""

@@ -164,8 +164,8 @@ class Transfers(HostPart):
         # staging_bytes: this rollout's peak transport memory during the transfer; node_copy: the node
         # copy its staged state is in (staging: node), else None
         return Staged(checksum=staged.state_checksum, nbytes=staged.nbytes, weights_version=staged.weights_version,
-                      staging_bytes=self._receiver.peak_bytes, node_copy=staged._node, host_bytes=staged.host_bytes,
-                      node_copy_size=node_copy_size(staged._node, recycled=False))  # a relay never recycles
+                      staging_bytes=self._receiver.peak_bytes, node_copy=staged.node_copy, host_bytes=staged.host_bytes,
+                      node_copy_size=node_copy_size(staged.node_copy, recycled=False))  # a relay never recycles
 
     async def adopt_node_copy(self, req: AdoptNodeCopy) -> Loaded:
         """Rollout newcomer: take the committed version from its node's copy ``name`` (hashed in place, only

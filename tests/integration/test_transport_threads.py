@@ -196,7 +196,7 @@ def test_a_reserve_that_never_ends_is_waited_for_only_until_the_bound(server):
     try:
         wait_s = 0.2
         t0 = time.monotonic()
-        buf, _ = receiver._staging(4096, torch.device("cpu"), wait_s=wait_s)
+        buf, _ = receiver.staging(4096, torch.device("cpu"), wait_s=wait_s)
         # its own buffer, after the bound (less the timer's grain) plus scheduling; the stuck reserve is for ever
         assert 0.75 * wait_s < time.monotonic() - t0 < wait_s + SLACK_S and buf.numel() >= 4096
     finally:

@@ -216,6 +216,74 @@ def test_the_private_import_check_sees_one(tmp_path) -> None:
     assert private_imports(leaning) == ["from ftstate.transport.sync import _secret"]
 
 
+#: Other packages' private names read on purpose, by the module that reads them; each has no public way.
+FOREIGN_PRIVATES = {
+    # Ray: an actor handle's id is the key its actor has in the state API (report) and in verl's groups
+    ("ftstate.cli.demo.report", "_actor_id"),
+    ("ftstate.integrations.verl.manager", "_actor_id"),
+    # Ray: ray._private has the actor state (report), the GCS's draining nodes (backend) and the worker
+    # log switch (cluster), none of them public
+    ("ftstate.cli.demo.report", "_private"),
+    ("ftstate.controller.ray.backend", "_private"),
+    ("ftstate.controller.ray.cluster", "_private"),
+    # torch: ProcessGroupGloo's options and its default-timeout setter are how gloo gets its timeouts
+    ("ftstate.transport.gloo", "_Options"),
+    ("ftstate.transport.gloo", "_set_default_timeout"),
+    # torch: a storage's use count (torch._C of its _cdata) tells whether anyone else holds a buffer
+    ("ftstate.transport.sync", "_C"),
+    ("ftstate.transport.sync", "_cdata"),
+    # a namedtuple's public API is spelled with an underscore
+    ("ftstate.integrations.vllm.held", "_replace"),
+}
+
+
+def private_reads(path: Path) -> list[str]:
+    """Reads of ``x._name`` where ``x`` is not ``self``, ``cls`` or ``super()`` and this module defines no
+    attribute ``_name`` (assigned, or named in a class body or ``__slots__``): as far as the syntax tells,
+    a private of an object whose class lives elsewhere."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    defined: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            defined.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    defined.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    defined.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    names = [t.id for t in item.targets if isinstance(t, ast.Name)]
+                    defined.update(names)
+                    if "__slots__" in names:
+                        defined.update(c.value for c in ast.walk(item.value)
+                                       if isinstance(c, ast.Constant) and isinstance(c.value, str))
+
+    def own(value: ast.expr) -> bool:
+        return (isinstance(value, ast.Name) and value.id in ("self", "cls")) or (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super")
+
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr.startswith("_")
+            and not node.attr.startswith("__") and node.attr not in defined and not own(node.value)]
+
+
+def test_no_module_reads_another_modules_private_attributes() -> None:
+    found = {}
+    for name, path in modules().items():
+        bad = [r for r in private_reads(path) if (name, "_" + r.rsplit("._", 1)[1]) not in FOREIGN_PRIVATES]
+        if bad:
+            found[name] = bad
+    assert found == {}, "give the object a public property or method for what another module reads"
+
+
+def test_the_private_read_check_sees_one(tmp_path) -> None:
+    leaning = tmp_path / "m.py"
+    leaning.write_text("class A:\n    _own = 1\n\n    def f(self, other):\n"
+                       "        return self._mine, other._own, other._theirs, super()._base\n")
+    assert private_reads(leaning) == ["5: other._theirs"]
+
+
 #: The most of the package's non-blank lines that may be docstrings and comments: the code says
 #: why in a line; essays, figures and history live in docs/ and the commit bodies.
 MAX_PROSE_SHARE = 0.18

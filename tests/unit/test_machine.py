@@ -325,7 +325,8 @@ class TestAudit:
     async def test_every_transition_is_one_record_with_who_and_versions(self, clock, audit):
         w = worker(clock, audit)
         w.bind(pid=1234, node="127.0.0.1")
-        w.group_version, w.weights_version = 2, 7
+        w.group_version = 2
+        w.now_holds(7)
         clock.advance(1.5)
         await w.fire("join")
         rec = audit.records[-1]
@@ -336,13 +337,23 @@ class TestAudit:
         assert rec["group_version"] == 2 and rec["weights_version"] == 7
         assert rec["seconds_in_state"] == pytest.approx(1.5)
 
+    async def test_an_event_about_a_version_not_held_yet_names_it_and_leaves_the_held_one(self, clock, audit):
+        w = worker(clock, audit)
+        w.now_holds(4)
+        await w.fire("join", for_version=5)
+        assert audit.records[-1]["weights_version"] == 5
+        assert w.weights_version == 4
+        with pytest.raises(AttributeError):
+            w.weights_version = 5  # type: ignore[misc]
+
     async def test_a_transitions_record_is_written_in_order_and_what_a_worker_said_is_cleaned(self, clock, audit):
         """A transition's record is built from the identity cleaned once at bind (a node address
         comes from the worker's own answer): the same fields, in the same order, as a record
         written field by field, and no terminal escape gets through either way."""
         w = worker(clock, audit)
         w.bind(pid=1234, node="10.0.0.1\x1b[2J\x1b]0;owned\x07", node_id="n1")
-        w.group_version, w.weights_version = 3, 9
+        w.group_version = 3
+        w.now_holds(9)
         await w.fire("join", reason="first line\nsecond line", checksum="ab\x1b[31mcd")
         rec = audit.records[-1]
         assert list(rec) == ["ts", "t", "event", "machine", "member", "from", "to", "trigger", "role", "rank",

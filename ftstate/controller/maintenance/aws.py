@@ -3,7 +3,6 @@ IMDSv2, polled from each node (docs/operations.md, "What each maintenance source
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -16,7 +15,7 @@ from ftstate.controller.maintenance.base import (
     parse_http_date,
     parse_rfc3339,
 )
-from ftstate.controller.maintenance.fetch import Answer, join, request
+from ftstate.controller.maintenance.fetch import Answer, JsonBody, join, json_body, request
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
 ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
@@ -47,30 +46,12 @@ def endpoint(override: str | None = None, environ: Mapping[str, str] | None = No
 # -- the answers, parsed (pure) -------------------------------------------------------------
 
 
-#: What :func:`_answer` returns for "nothing announced" (a 404, or an empty list's empty body).
-_NONE = object()
-
-
-def _answer(status: int, body: str, where: str, *, empty_is_none: bool = False) -> object:
-    """The JSON an IMDS path answered; ``_NONE`` when it announces nothing (404, or an empty
-    body where that means none); a :class:`PollProblem` for any other status or non-JSON."""
-    if status == 404 or (empty_is_none and status == 200 and not body.strip()):
-        return _NONE
-    if status != 200:
-        return PollProblem("aws", where, "http_status", f"HTTP {status}: {body}")
-    try:
-        return json.loads(body)
-    except ValueError:
-        return PollProblem("aws", where, "malformed", f"not JSON: {body}")
-
-
 def parse_spot_action(status: int, body: str, *, where: str = SPOT_PATH) -> list[Notice] | PollProblem:
     """``spot/instance-action``: 404 is none; the JSON action is a ``preempt`` notice."""
-    data = _answer(status, body, where)
-    if data is _NONE:
-        return []
-    if isinstance(data, PollProblem):
-        return data
+    answer = json_body("aws", status, body, where)
+    if not isinstance(answer, JsonBody):
+        return answer
+    data = answer.data
     if not isinstance(data, dict) or data.get("action") not in ("terminate", "stop", "hibernate"):
         return PollProblem("aws", where, "malformed", f"expected {{action: terminate|stop|hibernate, time}}, got {body}")
     try:
@@ -82,11 +63,10 @@ def parse_spot_action(status: int, body: str, *, where: str = SPOT_PATH) -> list
 
 def parse_rebalance(status: int, body: str, *, where: str = REBALANCE_PATH) -> list[Notice] | PollProblem:
     """``events/recommendations/rebalance``: 404 is none; ``{noticeTime}`` a ``rebalance`` notice."""
-    data = _answer(status, body, where)
-    if data is _NONE:
-        return []
-    if isinstance(data, PollProblem):
-        return data
+    answer = json_body("aws", status, body, where)
+    if not isinstance(answer, JsonBody):
+        return answer
+    data = answer.data
     if not isinstance(data, dict) or not isinstance(data.get("noticeTime"), str):
         return PollProblem("aws", where, "malformed", f"expected {{noticeTime}}, got {body}")
     try:
@@ -99,11 +79,10 @@ def parse_rebalance(status: int, body: str, *, where: str = REBALANCE_PATH) -> l
 def parse_scheduled(status: int, body: str, *, where: str = SCHEDULED_PATH) -> list[Notice] | PollProblem:
     """``events/maintenance/scheduled``: a JSON list (404 or empty: none); each event not
     completed or canceled is a notice whose deadline is its NotBefore."""
-    data = _answer(status, body, where, empty_is_none=True)
-    if data is _NONE:
-        return []
-    if isinstance(data, PollProblem):
-        return data
+    answer = json_body("aws", status, body, where, empty_is_none=True)
+    if not isinstance(answer, JsonBody):
+        return answer
+    data = answer.data
     if not isinstance(data, list):
         return PollProblem("aws", where, "malformed", f"expected a JSON list of events, got {body}")
     notices = []

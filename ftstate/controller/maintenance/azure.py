@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping
 
 from ftstate.controller.maintenance.base import Notice, PollProblem, PollResult, parse_http_date
-from ftstate.controller.maintenance.fetch import join, request
+from ftstate.controller.maintenance.fetch import JsonBody, join, json_body, request
 
 DEFAULT_ENDPOINT = "http://169.254.169.254"
 API_VERSION = "2020-07-01"
@@ -33,12 +33,10 @@ def parse_events(
 ) -> list[Notice] | PollProblem:
     """The Scheduled Events document: one notice per event concerning ``vm_name`` (every
     event when it is None). NotBefore is the deadline; empty (a started event) is none."""
-    if status != 200:
-        return PollProblem("azure", where, "http_status", f"HTTP {status}: {body}")
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return PollProblem("azure", where, "malformed", f"not JSON: {body}")
+    answer = json_body("azure", status, body, where, absent_is_none=False)
+    if not isinstance(answer, JsonBody):
+        return answer
+    doc = answer.data
     events = doc.get("Events") if isinstance(doc, dict) else None
     if not isinstance(events, list):
         return PollProblem("azure", where, "malformed", f"expected {{Events: [...]}}, got {body}")

@@ -7,13 +7,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import http.client
+import json
 import socket
 import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
+from typing import Any
 
-from ftstate.controller.maintenance.base import PollProblem
+from ftstate.controller.maintenance.base import Notice, PollProblem
 
 #: The largest answer read from a metadata server; a longer one is a problem, not a notice.
 MAX_BODY = 256 * 1024
@@ -103,3 +105,24 @@ def request(
     if len(data) > max_bytes:
         return problem("too_large", f"answer longer than {max_bytes} bytes")
     return Answer(status, got_headers, data, round(time.monotonic() - t0, 3))
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonBody:
+    """The JSON a metadata endpoint answered, for its parser to read."""
+
+    data: Any
+
+
+def json_body(source: str, status: int, body: str, where: str, *, absent_is_none: bool = True,
+              empty_is_none: bool = False) -> JsonBody | list[Notice] | PollProblem:
+    """What ``where`` answered: its JSON; ``[]`` when it announces nothing (a 404 where ``absent_is_none``,
+    an empty body where ``empty_is_none``); a :class:`PollProblem` for any other status or non-JSON."""
+    if (absent_is_none and status == 404) or (empty_is_none and status == 200 and not body.strip()):
+        return []
+    if status != 200:
+        return PollProblem(source, where, "http_status", f"HTTP {status}: {body}")
+    try:
+        return JsonBody(json.loads(body))
+    except ValueError:
+        return PollProblem(source, where, "malformed", f"not JSON: {body}")

@@ -5,13 +5,12 @@ reads")."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Mapping
 
 from ftstate.controller.maintenance.base import Notice, PollProblem, PollResult, parse_rfc3339, short
-from ftstate.controller.maintenance.fetch import Answer, join, request
+from ftstate.controller.maintenance.fetch import Answer, JsonBody, join, json_body, request
 
 DEFAULT_HOST = "metadata.google.internal"
 ENV = "GCE_METADATA_HOST"
@@ -67,14 +66,10 @@ def parse_upcoming_maintenance(
 ) -> list[Notice] | PollProblem:
     """``upcoming-maintenance``: 404 (or an empty body) is nothing scheduled; a JSON window
     is a ``maintenance`` notice whose deadline is the window's start."""
-    if status == 404 or (status == 200 and not body.strip()):
-        return []
-    if status != 200:
-        return PollProblem("gce", where, "http_status", f"HTTP {status}: {body}")
-    try:
-        window = json.loads(body)
-    except ValueError:
-        return PollProblem("gce", where, "malformed", f"not JSON: {body}")
+    answer = json_body("gce", status, body, where, empty_is_none=True)
+    if not isinstance(answer, JsonBody):
+        return answer
+    window = answer.data
     if not isinstance(window, dict):
         return PollProblem("gce", where, "malformed", f"expected a JSON object, got {body}")
     start = _field(window, "window_start_time") or _field(window, "latest_window_start_time")

@@ -58,6 +58,7 @@ class MaintenanceWatcher:
         self.slack_s = slack_s
         self._slots: list[_Slot] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_threads = 0
         self.polls = 0
         self.add(watchers)
 
@@ -74,9 +75,10 @@ class MaintenanceWatcher:
         """Poll these watchers too from the next round (e.g. a new node's ``ActorWatcher``)."""
         self._slots += [_Slot(w, label_of(w)) for w in watchers]
         threads = max(1, sum(1 for s in self._slots if not hasattr(s.watcher, "apoll")))
-        if self._pool is None or self._pool._max_workers < threads:
+        if self._pool is None or self._pool_threads < threads:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)  # its running polls finish on their own timeouts
+            self._pool_threads = threads
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads,
                                                                thread_name_prefix="ftstate-maintenance")
 

@@ -165,7 +165,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         group = StateMachine(get_spec("group"), member=f"verl-weights update {self._attempts}", config=self.cfg,
                              audit=self.audit, budgets={BUDGET_KEY: self.budget})
         # The group machine is per update; the weights and membership versions are the run's.
-        group.weights_version = self._committed
+        group.now_holds(self._committed)
         group.group_version = self._group_version
         self.group = group
         everyone = trainers + rollouts
@@ -208,8 +208,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
         # 2. the transfer, bounded by the group's SYNCING deadline (sync_timeout_s)
         wv = global_steps if global_steps is not None else self.updates + 1
         self._pushing = wv
-        group.weights_version = wv  # sync_start carries the version being pushed
-        await group.fire("sync_start", reason=f"weights version {wv}")
+        await group.fire("sync_start", reason=f"weights version {wv}", for_version=wv)
         group.describe_wait("verl weight transfer", missing=lambda: sorted(pending))
         try:
             async with group.deadline_scope():
@@ -221,6 +220,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
             raise
         await self._finalize(everyone, rollout_wg)
         self._committed = wv
+        group.now_holds(wv)
         await group.fire("sync_done", reason="every rollout verified and applied the update")
         await group.fire("stop", reason="update finished (verl rebuilds the group on every update)")
         metrics: dict[str, Any] = {}
@@ -288,7 +288,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
                 await m.machine.fire("resync", reason="receives the update")
 
     async def _synced(self, m: _Member) -> None:
-        m.machine.weights_version = self._pushing
+        m.machine.now_holds(self._pushing)
         state = m.machine.state
         if state == "SYNCING":
             await m.machine.fire("committed", reason="update applied")
@@ -336,6 +336,7 @@ class FTStateCheckpointEngineManager(CheckpointEngineManager):
             # The rollouts that verified the whole update hold it; the others are STALE and named in the
             # error.
             self._committed = self._pushing
+            group.now_holds(self._pushing)
             await group.fire("sync_done", reason=f"committed by {', '.join(m.name for m in committed)} only: "
                                                   f"{type(exc).__name__}")
             await group.fire("stop", reason="update partly failed; verl rebuilds the group on the next update")

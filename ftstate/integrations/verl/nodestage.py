@@ -112,7 +112,7 @@ class StageWriter:
 
     def add(self, chunk: CommittedWeights) -> None:
         """One verified chunk: kept in its segment, or copied into a new one (device staging)."""
-        entries, flat = chunk._entries, chunk._flat
+        entries, flat = chunk.entries, chunk.flat
         if entries is None or flat is None:
             raise TransportError("staged node copy: a received chunk has no flat layout")
         node, self._fresh = self._fresh, None

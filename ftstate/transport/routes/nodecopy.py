@@ -65,7 +65,7 @@ def settle_node_copy(sender: Any, node: NodeCopy, *, committed: bool, keep_spare
     if committed:
         old, written.committed = written.committed, node
         if old is not None and old is not node:
-            if keep_spare and old._mm is not None:
+            if keep_spare and old.mapped:
                 written.spare = old
             else:
                 old.unlink()
