@@ -372,11 +372,24 @@ class NodeRounds:
                 by_node.setdefault(m.node_id, []).append(m)
                 polled.append(m)
         self.polled, self._nodes = polled, [m.node_id for m in polled]
-        self._rounds = [NodeRound(node, ms, self.on_reply) for node, ms in by_node.items()]
+        # A node whose polled members are the same keeps its round, and with it what the rounds remember
+        # (its last answers, its vouch, the reply the agent may call quiet): a member starting or lost
+        # elsewhere no longer makes every node's next two rounds read and judge all its members.
+        kept = {r.node_id: r for r in self._rounds}
+        self._rounds = [self._kept(kept.get(node), node, ms) for node, ms in by_node.items()]
         where = {node: r for node, r in zip(by_node, self._rounds, strict=True)}
         self._round_of = [where[m.node_id] for m in polled]
         self.generation += 1
         return self._rounds
+
+
+    def _kept(self, r: NodeRound | None, node_id: str | None, members: list[Member]) -> NodeRound:
+        """``node_id``'s round of the last build if it polled the same ``members`` (its suspect flag
+        read afresh), else a new one."""
+        if r is None or len(r.members) != len(members) or any(a is not b for a, b in zip(r.members, members, strict=True)):
+            return NodeRound(node_id, members, self.on_reply)
+        r.suspect = any(m.machine.state == "SUSPECT" for m in members)
+        return r
 
 
 def record_forged(m: Member, forged: Any) -> None:

@@ -79,6 +79,11 @@ class AuditTrail:
         #: Neither kept nor written (a long simulation's trail): a record is not even built.
         self._silent = self._file is None and not self._keep
 
+    @property
+    def silent(self) -> bool:
+        """Whether records are neither kept nor written (then a caller need not build one)."""
+        return self._silent
+
     def begin_run(self, run: str, **facts: Any) -> None:
         """Start a run: later records carry ``run``; writes ``run_start`` with ``facts``."""
         self.run = run

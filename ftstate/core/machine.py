@@ -372,6 +372,15 @@ class StateMachine:
         self._wait = None
         if error is not None:
             self.error = error
+        if not self.audit.silent:  # a record nobody keeps is not built (10,000 a sync at 10,000 members)
+            self._record_transition(src, dest, trigger, reason, error, fields, seconds)
+        self._arm(dest)
+        self._wake(dest)
+        for listener in self._listeners:
+            listener(self, src, dest, trigger)
+
+    def _record_transition(self, src: str, dest: str, trigger: str, reason: str, error: FTError | None,
+                           fields: Mapping[str, Any], seconds: float) -> None:
         known = {"machine": self._names[self.spec.name], "member": self._member_plain,
                  "from": self._names[src], "to": self._names[dest], "trigger": self._names[trigger]}
         known.update(self._identity_rest)
@@ -385,10 +394,6 @@ class StateMachine:
             self.audit.record_plain(TRANSITION, known, fields, reason=reason)
         else:
             self.audit.record_plain(TRANSITION, known, fields)
-        self._arm(dest)
-        self._wake(dest)
-        for listener in self._listeners:
-            listener(self, src, dest, trigger)
 
     def _arm(self, state: str) -> None:
         d = self.spec.states[state].deadline

@@ -194,6 +194,8 @@ class SimulatedMember:
         #: kept once the call is made).
         self._answering: Any = None
         self._answer_at = 0.0
+        #: Its last heartbeat's answer, handed out again while it is what the member would say.
+        self._last_beat: Heartbeat | None = None
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -201,7 +203,7 @@ class SimulatedMember:
                reply: Any = None) -> asyncio.Future[Any]:
         """The future of ``method(*args)``, settled at its modelled time (see the module docstring);
         ``reply``: settle that instead (an :class:`AgentReply`: the call came through the agent)."""
-        loop = self.cluster.loop
+        loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future() if reply is None else reply
         now = loop.time()
         if not self._alive:
@@ -245,7 +247,7 @@ class SimulatedMember:
         # draw): real answers trickle in, and code that is cheap only when they all arrive at
         # once (one wake-up for a whole batch) must not look cheap here. less: the part of it
         # already done (a step under way), taken off after the stretch.
-        loop = self.cluster.loop
+        loop = asyncio.get_running_loop()
         seconds *= 1.0 + self.cluster.costs.jitter * self.cluster.rng.random()
         when = max(loop.time(), self.up_at) + seconds - less
         if fut is self._answering:
@@ -270,7 +272,7 @@ class SimulatedMember:
             return
         self.alive = False
         self.death = reason
-        loop = self.cluster.loop
+        loop = asyncio.get_running_loop()
         when = loop.time() + self.cluster.costs.death_detect_s
         for fut in list(self.pending):
             self.cluster.timers.call_at(when, fail, fut, ActorDied(reason))
@@ -325,15 +327,20 @@ class SimulatedMember:
         return self._beat()
 
     def _beat(self) -> Heartbeat:
-        now = self.cluster.loop.time()
+        now = asyncio.get_running_loop().time()
         busy = bool(self.collectives)
         progress = self._progress
         for c in self.collectives:
             if c.progressing(now):
                 progress += int((now - c.started_at) / self.cluster.costs.bucket_s())  # type: ignore[operator]
         # it drops nothing as forged here, so whether the watchdog asked for it changes nothing
-        return Heartbeat(progress=progress, busy=busy, weights_version=self._weights_version,
-                         checksum=self._checksum, pid=self.pid)
+        last = self._last_beat
+        if (last is not None and last.progress == progress and last.busy is busy
+                and last.weights_version == self._weights_version and last.checksum == self._checksum):
+            return last  # equal, and frozen: the same answer again, not a new one built each round
+        self._last_beat = beat = Heartbeat(progress=progress, busy=busy, weights_version=self._weights_version,
+                                           checksum=self._checksum, pid=self.pid)
+        return beat
 
     def _on_vigil(self, fut: asyncio.Future[Any], req: Vigil) -> None:
         return None  # pending until the process dies
@@ -451,7 +458,7 @@ class SimulatedMember:
         if self.role == "trainer" and req.name == "train_step":
             seconds += costs.train_step_s
             under_way = self.cluster.step_under_way
-            if under_way is not None and under_way[0] == self.cluster.loop.time():
+            if under_way is not None and under_way[0] == asyncio.get_running_loop().time():
                 less = under_way[1]
         self.calls_started += logged
 
@@ -599,7 +606,7 @@ class SimulatedLivenessAgent(SimulatedMember):
         # One round trip of the controller's, the members' local calls inside it; a member
         # that does not answer (hung) holds the reply until its own call's timeout, as the
         # real agent's gather does. Each answer is what the member is at the reply's time.
-        loop = self.cluster.loop
+        loop = asyncio.get_running_loop()
         answers = (SimulatedLivenessAgent._answers, self, handles, args, timeout, mark, since)
         if not self._unchanged(handles, since) and any(h._alive and (h._hung or h._cut_off) for h in handles):
             self.cluster.timers.call_at(loop.time() + timeout, settle, fut, answers)
@@ -617,7 +624,7 @@ class SimulatedLivenessAgent(SimulatedMember):
             if mark is not None:
                 memory.mark = mark
             return QUIET
-        now = self.cluster.loop.time()
+        now = asyncio.get_running_loop().time()
         answers = [h.local_heartbeat(a, now, timeout) for h, a in zip(handles, args, strict=True)]
         reply = memory.reply(handles, answers, mark, since)
         if mark is not None:

@@ -88,6 +88,23 @@ def test_the_walk_that_checks_the_lists_notes_which_nodes_have_a_suspect_without
     assert rounds.generation == generation + 1 and ms[2] not in rounds.polled
 
 
+def test_a_rebuild_keeps_the_round_of_a_node_whose_members_are_the_same():
+    """A member lost or started on one node rebuilds the lists, but another node's round (its last
+    answers, its vouch, the reply the agent may call quiet) goes on; a node whose members moved gets a
+    fresh one."""
+    ms = [_Member(f"rollout-{i}", f"n{i % 2}") for i in range(6)]
+    rounds = NodeRounds()
+    n0, n1 = rounds.of(ms)
+    n0.quiet_since, n0.prev[0] = 7, "answer"
+    ms[3].machine.state = "LOST"  # on n1
+    kept, fresh = rounds.of(ms)
+    assert kept is n0 and kept.quiet_since == 7 and kept.prev[0] == "answer"
+    assert fresh is not n1 and fresh.names == ["rollout-1", "rollout-5"] and fresh.quiet_since is None
+    ms[0].machine.state = "SUSPECT"
+    ms.append(_Member("rollout-6", "n1"))  # a rebuild: the kept round's suspect is read afresh
+    assert [r.suspect for r in rounds.of(ms)] == [True, False] and rounds.of(ms)[0] is n0
+
+
 def test_the_lists_are_handed_back_without_a_walk_while_the_roster_holds():
     ms = _Roster(_Member(f"rollout-{i}", f"n{i % 2}") for i in range(4))
     rounds = NodeRounds()
