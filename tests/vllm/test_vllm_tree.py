@@ -148,3 +148,26 @@ def test_an_engine_killed_while_its_processes_map_their_queues_leaves_no_process
             time.sleep(0.1)
     finally:
         actor.kill()
+
+
+def test_an_engine_process_is_named_by_its_title_once_it_shows_within_the_bound():
+    """A process that titles itself late (``python3`` first) is recorded by its title, so its death
+    names it; one that never does keeps its name once ``within`` is spent."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ftstate_tree", TREE)
+    tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tree)
+    code = "import setproctitle, time; time.sleep(0.5); setproctitle.setproctitle('VLLM::Worker_TP1'); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        info = None
+        while info is None or not info[2]:
+            info = tree.read_proc(child.pid)
+        proc = tree.Proc(child.pid, info[1], info[2])
+        assert not proc.name.startswith("VLLM::"), proc
+        assert tree.titled([proc], within=0)[0].name == proc.name  # no time given: the name as read
+        assert tree.titled([proc], within=tree.TITLE_S)[0].name == "VLLM::Worker_TP1"
+    finally:
+        child.kill()
+        child.wait()

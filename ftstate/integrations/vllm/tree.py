@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 #: Seconds between two scans of the actor's descendants while its engine starts.
 SCAN_S = 0.2
+#: Seconds an engine's processes are given to show vLLM's titles (``VLLM::EngineCore``...) once it
+#: started: read at once, a spare's workers were twice still ``python3``, and a death then goes unnamed.
+TITLE_S = 10.0
 #: Seconds from the actor's death (or an engine process's) until every recorded engine process is
 #: gone and its /dev/shm files unlinked, at most.
 REAP_S = 10.0
@@ -63,6 +66,23 @@ def descendants(root: int) -> list[Proc]:
             out.append(Proc(pid, start, name))
             todo.append(pid)
     return out
+
+
+def titled(procs: Iterable[Proc], within: float = TITLE_S) -> list[Proc]:
+    """``procs`` with their names read again until each shows vLLM's title (or is the resource
+    tracker), for at most ``within`` seconds; a process that is gone keeps the name it had."""
+    prefix = os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM") + "::"
+    procs = list(procs)
+    deadline = time.monotonic() + within
+    while True:
+        fresh = []
+        for p in procs:
+            info = read_proc(p.pid)
+            fresh.append(Proc(p.pid, p.start, info[2]) if info is not None and info[1] == p.start else p)
+        if time.monotonic() >= deadline or all(
+                p.name.startswith(prefix) or p.name == "multiprocessing.resource_tracker" for p in fresh):
+            return fresh
+        time.sleep(SCAN_S)
 
 
 def shm_files(pid: int) -> set[str]:
