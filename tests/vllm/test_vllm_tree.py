@@ -150,24 +150,27 @@ def test_an_engine_killed_while_its_processes_map_their_queues_leaves_no_process
         actor.kill()
 
 
-def test_an_engine_process_is_named_by_its_title_once_it_shows_within_the_bound():
-    """A process that titles itself late (``python3`` first) is recorded by its title, so its death
-    names it; one that never does keeps its name once ``within`` is spent."""
+def test_engine_processes_without_titles_are_named_from_the_tree():
+    """Under ``python -B`` vLLM's workers keep the name ``python``: a core with two children is
+    named from the tree (the core, then the workers by start order)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ftstate_tree", TREE)
     tree = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tree)
-    code = "import setproctitle, time; time.sleep(0.5); setproctitle.setproctitle('VLLM::Worker_TP1'); time.sleep(60)"
-    child = subprocess.Popen([sys.executable, "-c", code])
+    kid = "import subprocess, sys, time; [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(2)]; time.sleep(60)"
+    core = subprocess.Popen([sys.executable, "-c", kid])
     try:
-        info = None
-        while info is None or not info[2]:
-            info = tree.read_proc(child.pid)
-        proc = tree.Proc(child.pid, info[1], info[2])
-        assert not proc.name.startswith("VLLM::"), proc
-        assert tree.titled([proc], within=0)[0].name == proc.name  # no time given: the name as read
-        assert tree.titled([proc], within=tree.TITLE_S)[0].name == "VLLM::Worker_TP1"
+        while len(tree.descendants(core.pid)) < 2:
+            time.sleep(0.05)
+        procs = [p for p in tree.descendants(os.getpid()) if p.pid == core.pid or p in tree.descendants(core.pid)]
+        assert all(not p.name.startswith("VLLM::") for p in procs), procs
+        named = {p.pid: p.name for p in tree.named(procs, os.getpid())}
+        workers = sorted(tree.descendants(core.pid), key=lambda p: (p.start, p.pid))
+        assert named == {core.pid: "VLLM::EngineCore", workers[0].pid: "VLLM::Worker_TP0",
+                         workers[1].pid: "VLLM::Worker_TP1"}
     finally:
-        child.kill()
-        child.wait()
+        for p in tree.descendants(core.pid):
+            os.kill(p.pid, signal.SIGKILL)
+        core.kill()
+        core.wait()

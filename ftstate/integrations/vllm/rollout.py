@@ -86,7 +86,8 @@ class VLLMRollout(RolloutWorker):
         if self.separate_core:
             check_unblockable(self.llm)  # the reaper ends the engine's processes with the actor
         if self._reaper is not None:
-            self._procs = tree.titled(p for p in tree.descendants(os.getpid()) if p.pid != self._reaper.pid)
+            self._procs = tree.named((p for p in tree.descendants(os.getpid()) if p.pid != self._reaper.pid),
+                                     os.getpid())
             self._reaper.settle(self._procs)
             # the engine's message queues: unlinked when it dies (a dead process shows no maps)
             self._shm: set[str] = set().union(*(tree.shm_files(p.pid) for p in self._procs))

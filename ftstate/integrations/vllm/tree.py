@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import select
 import signal
 import subprocess
@@ -20,9 +21,6 @@ from typing import NamedTuple
 
 #: Seconds between two scans of the actor's descendants while its engine starts.
 SCAN_S = 0.2
-#: Seconds an engine's processes are given to show vLLM's titles (``VLLM::EngineCore``...) once it
-#: started: read at once, a spare's workers were twice still ``python3``, and a death then goes unnamed.
-TITLE_S = 10.0
 #: Seconds from the actor's death (or an engine process's) until every recorded engine process is
 #: gone and its /dev/shm files unlinked, at most.
 REAP_S = 10.0
@@ -68,21 +66,29 @@ def descendants(root: int) -> list[Proc]:
     return out
 
 
-def titled(procs: Iterable[Proc], within: float = TITLE_S) -> list[Proc]:
-    """``procs`` with their names read again until each shows vLLM's title (or is the resource
-    tracker), for at most ``within`` seconds; a process that is gone keeps the name it had."""
+def named(procs: Iterable[Proc], root: int) -> list[Proc]:
+    """The engine's processes below ``root`` (the actor) named as vLLM titles them: its core
+    ``VLLM::EngineCore`` and its workers ``VLLM::Worker_TP<rank>`` (``VLLM::Worker`` alone).
+
+    vLLM's titles cannot be relied on: under ``python -B`` (``PYTHONDONTWRITEBYTECODE``, common in
+    container images) setproctitle leaves the workers' names as ``python``. When any process lacks
+    its title, all are named from the tree instead: the core is the actor's child with children of
+    its own, and the workers take their ranks in the order they started, the order vLLM starts them in."""
     prefix = os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM") + "::"
     procs = list(procs)
-    deadline = time.monotonic() + within
-    while True:
-        fresh = []
-        for p in procs:
-            info = read_proc(p.pid)
-            fresh.append(Proc(p.pid, p.start, info[2]) if info is not None and info[1] == p.start else p)
-        if time.monotonic() >= deadline or all(
-                p.name.startswith(prefix) or p.name == "multiprocessing.resource_tracker" for p in fresh):
-            return fresh
-        time.sleep(SCAN_S)
+    info = {p.pid: read_proc(p.pid) for p in procs}
+    names = {p.pid: (i[2] if (i := info[p.pid]) is not None else p.name) for p in procs}
+    engine = [p for p in procs if names[p.pid] != "multiprocessing.resource_tracker"]
+    titled = re.compile(re.escape(prefix) + r"(EngineCore|Worker(_TP\d+)?)$")
+    if not all(titled.match(names[p.pid]) for p in engine):
+        parent = {pid: i[0] for pid, i in info.items() if i is not None}
+        cores = [p for p in engine if parent.get(p.pid) == root and any(parent.get(q.pid) == p.pid for q in engine)]
+        for p in cores:
+            names[p.pid] = f"{prefix}EngineCore"
+        workers = sorted((p for p in engine if p not in cores), key=lambda p: (p.start, p.pid))
+        for rank, p in enumerate(workers):
+            names[p.pid] = f"{prefix}Worker_TP{rank}" if len(workers) > 1 else f"{prefix}Worker"
+    return [Proc(p.pid, p.start, names[p.pid]) for p in procs]
 
 
 def shm_files(pid: int) -> set[str]:
