@@ -143,3 +143,13 @@ def test_a_vllm_whose_client_cannot_be_unblocked_refuses_the_separate_core():
         check_unblockable(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=Client())))
     whole = SimpleNamespace(**dict.fromkeys(UNBLOCK_POINTS))
     check_unblockable(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=whole)))
+
+
+def test_seeds_that_do_not_match_the_prompts_are_a_usage_error_naming_both_counts():
+    from types import SimpleNamespace
+
+    from ftstate.core.errors import UsageError
+    from ftstate.integrations.vllm import VLLMRollout
+
+    with pytest.raises(UsageError, match=r"seeds: one per prompt, got 1 for 2 prompts"):
+        VLLMRollout.generate(SimpleNamespace(), [[1, 2], [3]], seeds=[7])

@@ -21,7 +21,7 @@ from vllm import LLM, SamplingParams
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from ftstate.core.errors import EngineProcessDied, EngineRefused, EngineTorn, StateDictError
+from ftstate.core.errors import EngineProcessDied, EngineRefused, EngineTorn, StateDictError, UsageError
 from ftstate.core.worker import RolloutWorker
 from ftstate.integrations.vllm import held, tree
 
@@ -173,7 +173,7 @@ class VLLMRollout(RolloutWorker):
         stopped part-way."""
         inputs: list[Any] = [p if isinstance(p, str) else {"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         if seeds is not None and len(seeds) != len(inputs):
-            raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {len(inputs)} prompts")
+            raise UsageError(f"seeds: one per prompt, got {len(seeds)} for {len(inputs)} prompts")
         params: Any = (SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling) if seeds is None
                        else [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=int(s), **sampling)
                              for s in seeds])

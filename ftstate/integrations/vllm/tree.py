@@ -76,12 +76,11 @@ def named(procs: Iterable[Proc], root: int) -> list[Proc]:
     its own, and the workers take their ranks in the order they started, the order vLLM starts them in."""
     prefix = os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM") + "::"
     procs = list(procs)
-    info = {p.pid: read_proc(p.pid) for p in procs}
-    names = {p.pid: (i[2] if (i := info[p.pid]) is not None else p.name) for p in procs}
-    engine = [p for p in procs if names[p.pid] != "multiprocessing.resource_tracker"]
+    names = {p.pid: p.name for p in procs}
+    engine = [p for p in procs if p.name != "multiprocessing.resource_tracker"]
     titled = re.compile(re.escape(prefix) + r"(EngineCore|Worker(_TP\d+)?)$")
-    if not all(titled.match(names[p.pid]) for p in engine):
-        parent = {pid: i[0] for pid, i in info.items() if i is not None}
+    if not all(titled.match(p.name) for p in engine):
+        parent = {p.pid: i[0] for p in procs if (i := read_proc(p.pid)) is not None}
         cores = [p for p in engine if parent.get(p.pid) == root and any(parent.get(q.pid) == p.pid for q in engine)]
         for p in cores:
             names[p.pid] = f"{prefix}EngineCore"
